@@ -1,0 +1,1 @@
+"""nanochat's data pipeline: parquet shards -> BPE tokens -> BOS-aligned packed batches."""

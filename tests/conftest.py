@@ -1,0 +1,64 @@
+"""Shared fixtures: tiny parquet shards written with pyarrow into tmp dirs, and a byte-level tokenizer."""
+
+import os
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+
+def write_shard(path, texts, row_group_size):
+    """Write one shard like the real ones: a single `text` column, zstd, fixed-size row groups."""
+    table = pa.table({"text": pa.array(texts, type=pa.string())})
+    tmp = str(path) + ".tmp"
+    pq.write_table(table, tmp, row_group_size=row_group_size, compression="zstd")
+    os.replace(tmp, path)
+
+
+def write_shards(data_dir, files, row_group_size):
+    """files: list of lists of texts, one per shard -> shard_00000.parquet, ... in data_dir."""
+    os.makedirs(data_dir, exist_ok=True)
+    paths = []
+    for i, texts in enumerate(files):
+        path = os.path.join(data_dir, f"shard_{i:05d}.parquet")
+        write_shard(path, texts, row_group_size)
+        paths.append(path)
+    return paths
+
+
+class ByteTokenizer:
+    """A stand-in for tests about packing, not BPE: one token per UTF-8 byte, BOS = 256."""
+
+    bos = 256
+
+    def get_bos_token_id(self):
+        return self.bos
+
+    def get_vocab_size(self):
+        return 257
+
+    def encode(self, texts, prepend=None, num_threads=1):
+        def one(text):
+            ids = list(text.encode("utf-8"))
+            return ([prepend] if prepend is not None else []) + ids
+        if isinstance(texts, str):
+            return one(texts)
+        return [one(t) for t in texts]
+
+    def decode(self, ids):
+        return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
+
+
+@pytest.fixture
+def byte_tokenizer():
+    return ByteTokenizer()
+
+
+@pytest.fixture(autouse=True)
+def _isolated_base_dir(tmp_path, monkeypatch):
+    """No test reads or writes the user's ~/.cache/nanochat."""
+    monkeypatch.setenv("NANOCHAT_BASE_DIR", str(tmp_path / "nanochat_base"))
+    monkeypatch.delenv("NANOCHAT_DATASET", raising=False)
+    monkeypatch.delenv("NANOCHAT_DATA_URL", raising=False)
+    for var in ("RANK", "LOCAL_RANK", "WORLD_SIZE"):
+        monkeypatch.delenv(var, raising=False)
