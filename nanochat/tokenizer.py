@@ -1,0 +1,351 @@
+"""
+GPT-4-style BPE tokenizer: trained with rustbpe, run with tiktoken, saved as plain JSON.
+
+Training on ~2B characters takes a few minutes on a node; encoding runs at tiktoken speed
+(several MB/s per thread). A saved tokenizer is a directory holding two files:
+
+tokenizer.json (UTF-8 JSON, nothing in it is ever executed):
+    {
+      "format": "nanochat-tokenizer",
+      "version": 1,
+      "name": "rustbpe",                       # the tiktoken Encoding name
+      "pattern": "<the split regex>",
+      "bos_token": "<|bos|>",
+      "special_tokens": {"<|bos|>": 65527, ...},   # name -> id
+      "mergeable_ranks": [["AA==", 0], ["AQ==", 1], ...]   # [base64 of the token's bytes, rank]
+    }
+  The rank of a mergeable token is its id. Our special tokens take the ids right after the last rank.
+
+token_bytes.npy (numpy, loaded with allow_pickle=False):
+    int32 array of shape (vocab_size,): the UTF-8 byte length of each token, 0 for special tokens.
+    It turns a summed loss into bits per byte, a metric that does not depend on the vocab size.
+
+Both files are written under a temporary name and renamed, so a crash never leaves a half-written
+file under the final name. Upstream nanochat pickles the tiktoken Encoding instead (tokenizer.pkl);
+loading a pickle can run arbitrary code, so reading one needs from_directory(..., allow_pickle=True).
+"""
+
+import base64
+import json
+import logging
+import os
+
+import numpy as np
+import tiktoken
+
+from nanochat.common import get_base_dir
+
+logger = logging.getLogger(__name__)
+
+SPECIAL_TOKENS = [
+    # every document begins with the Beginning of Sequence token, which also delimits documents
+    "<|bos|>",
+    # the chat format (used at finetuning time)
+    "<|user_start|>",
+    "<|user_end|>",
+    "<|assistant_start|>",
+    "<|assistant_end|>",
+    "<|python_start|>",  # the assistant invokes the python tool
+    "<|python_end|>",
+    "<|output_start|>",  # the tool's output comes back to the assistant
+    "<|output_end|>",
+]
+
+# GPT-4's split pattern, except that numbers split into runs of at most 2 digits (GPT-4 uses 3):
+# fewer number tokens to spend the vocab on, which matters for small vocabs
+SPLIT_PATTERN = r"""'(?i:[sdmt]|ll|ve|re)|[^\r\n\p{L}\p{N}]?+\p{L}+|\p{N}{1,2}| ?[^\s\p{L}\p{N}]++[\r\n]*|\s*[\r\n]|\s+(?!\S)|\s+"""
+
+TOKENIZER_FILENAME = "tokenizer.json"
+TOKEN_BYTES_FILENAME = "token_bytes.npy"
+PICKLE_FILENAME = "tokenizer.pkl"  # upstream nanochat's format, read only on request
+FORMAT_NAME = "nanochat-tokenizer"
+FORMAT_VERSION = 1
+MIN_VOCAB_SIZE = 256 + len(SPECIAL_TOKENS)  # the byte alphabet plus our specials: 265
+TRAIN_HINT = "python -m scripts.tok_train"
+
+# -----------------------------------------------------------------------------
+# The tokenizer
+
+
+class RustBPETokenizer:
+    """A tiktoken Encoding plus the tables it was built from, so that it can be saved as JSON."""
+
+    def __init__(self, name: str, pattern: str, mergeable_ranks: dict[bytes, int],
+                 special_tokens: dict[str, int], bos_token: str):
+        _check_tables(pattern, mergeable_ranks, special_tokens, bos_token)
+        self.name = name
+        self.pattern = pattern
+        self.mergeable_ranks = dict(mergeable_ranks)
+        self.special_tokens = dict(special_tokens)
+        self.bos_token = bos_token
+        self.enc = tiktoken.Encoding(name, pat_str=pattern, mergeable_ranks=self.mergeable_ranks,
+                                     special_tokens=self.special_tokens)
+        self.bos_token_id = self.special_tokens[bos_token]
+
+    # -------------------------------------------------------------------------
+    # Constructors
+
+    @classmethod
+    def train_from_iterator(cls, text_iterator, vocab_size: int, *, buffer_size: int = 8192):
+        """Train on the strings that text_iterator yields. vocab_size counts the special tokens.
+        If the text runs out of pairs to merge, the vocab comes out smaller (a warning says so)."""
+        if isinstance(vocab_size, bool) or not isinstance(vocab_size, int):
+            raise TypeError(f"vocab_size must be an int, got {type(vocab_size).__name__}")
+        if vocab_size < MIN_VOCAB_SIZE:
+            raise ValueError(f"vocab_size must be at least {MIN_VOCAB_SIZE} (256 byte tokens + "
+                             f"{len(SPECIAL_TOKENS)} special tokens), got {vocab_size}")
+        import rustbpe  # only training needs it
+        trainer = rustbpe.Tokenizer()
+        vocab_size_no_special = vocab_size - len(SPECIAL_TOKENS)
+        trainer.train_from_iterator(text_iterator, vocab_size_no_special, buffer_size=buffer_size,
+                                    pattern=SPLIT_PATTERN)
+        mergeable_ranks = {bytes(token): rank for token, rank in trainer.get_mergeable_ranks()}
+        if len(mergeable_ranks) < vocab_size_no_special:
+            logger.warning("the training text ran out of pairs to merge: got %d mergeable tokens, "
+                           "asked for %d", len(mergeable_ranks), vocab_size_no_special)
+        offset = len(mergeable_ranks)
+        special_tokens = {name: offset + i for i, name in enumerate(SPECIAL_TOKENS)}
+        return cls("rustbpe", trainer.get_pattern(), mergeable_ranks, special_tokens, SPECIAL_TOKENS[0])
+
+    @classmethod
+    def from_directory(cls, tokenizer_dir: str, *, allow_pickle: bool = False):
+        """Load tokenizer.json from tokenizer_dir. With allow_pickle=True, a directory holding only
+        upstream nanochat's tokenizer.pkl is read too (only do that for files you trust)."""
+        if not os.path.isdir(tokenizer_dir):
+            raise FileNotFoundError(f"tokenizer directory {tokenizer_dir} does not exist; "
+                                    f"train a tokenizer first: {TRAIN_HINT}")
+        json_path = os.path.join(tokenizer_dir, TOKENIZER_FILENAME)
+        if os.path.exists(json_path):
+            return cls._from_json(json_path)
+        pkl_path = os.path.join(tokenizer_dir, PICKLE_FILENAME)
+        if not os.path.exists(pkl_path):
+            raise FileNotFoundError(f"no {TOKENIZER_FILENAME} in {tokenizer_dir}; "
+                                    f"train a tokenizer first: {TRAIN_HINT}")
+        if not allow_pickle:
+            raise FileNotFoundError(
+                f"no {TOKENIZER_FILENAME} in {tokenizer_dir}, only the pickle {pkl_path}. Loading a pickle "
+                "can run arbitrary code, so it is refused by default; if you trust the file, pass "
+                "allow_pickle=True (and save() the result to get a tokenizer.json), or retrain: " + TRAIN_HINT)
+        import pickle
+        logger.warning("loading the pickled tokenizer %s (allow_pickle=True)", pkl_path)
+        with open(pkl_path, "rb") as f:
+            enc = pickle.load(f)
+        return cls._from_encoding(enc, SPECIAL_TOKENS[0])
+
+    @classmethod
+    def from_pretrained(cls, tiktoken_name: str):
+        """One of tiktoken's named encodings, e.g. "gpt2" or "cl100k_base" (tiktoken downloads it
+        on first use). Its BOS is <|bos|> if it has one, else <|endoftext|>."""
+        enc = tiktoken.get_encoding(tiktoken_name)
+        for bos_token in ("<|bos|>", "<|endoftext|>"):
+            if bos_token in enc.special_tokens_set:
+                return cls._from_encoding(enc, bos_token)
+        raise ValueError(f"tiktoken encoding {tiktoken_name!r} has neither <|bos|> nor <|endoftext|> "
+                         f"among its special tokens {sorted(enc.special_tokens_set)}")
+
+    @classmethod
+    def _from_encoding(cls, enc: tiktoken.Encoding, bos_token: str):
+        # tiktoken keeps its tables in private attributes; this is the one place we read them
+        return cls(enc.name, enc._pat_str, enc._mergeable_ranks, enc._special_tokens, bos_token)
+
+    @classmethod
+    def _from_json(cls, path: str):
+        try:
+            with open(path, "rb") as f:
+                data = json.loads(f.read().decode("utf-8"))
+            if data.get("format") != FORMAT_NAME:
+                raise ValueError(f"'format' is {data.get('format')!r}, expected {FORMAT_NAME!r}")
+            if data.get("version") != FORMAT_VERSION:
+                raise ValueError(f"unsupported version {data.get('version')!r} (this code reads {FORMAT_VERSION})")
+            mergeable_ranks = {}
+            for token_b64, rank in data["mergeable_ranks"]:
+                mergeable_ranks[base64.b64decode(token_b64, validate=True)] = rank
+            if len(mergeable_ranks) != len(data["mergeable_ranks"]):
+                raise ValueError("a mergeable token appears twice")
+            return cls(data["name"], data["pattern"], mergeable_ranks, data["special_tokens"], data["bos_token"])
+        except (KeyError, TypeError, ValueError, AttributeError) as e:
+            # ValueError covers bad JSON, bad UTF-8, bad base64 and failed table checks
+            raise ValueError(f"{path} is not a valid tokenizer file ({type(e).__name__}: {e}); "
+                             f"retrain it: {TRAIN_HINT}") from e
+
+    # -------------------------------------------------------------------------
+    # Saving
+
+    def save(self, tokenizer_dir: str) -> None:
+        """Write tokenizer.json and token_bytes.npy into tokenizer_dir (created if needed)."""
+        os.makedirs(tokenizer_dir, exist_ok=True)
+        data = {
+            "format": FORMAT_NAME,
+            "version": FORMAT_VERSION,
+            "name": self.name,
+            "pattern": self.pattern,
+            "bos_token": self.bos_token,
+            "special_tokens": dict(sorted(self.special_tokens.items(), key=lambda kv: kv[1])),
+            "mergeable_ranks": [[base64.b64encode(token).decode("ascii"), rank]
+                                for token, rank in sorted(self.mergeable_ranks.items(), key=lambda kv: kv[1])],
+        }
+        payload = json.dumps(data, ensure_ascii=False).encode("utf-8")
+        token_bytes = self.compute_token_bytes()
+        # token bytes first, tokenizer.json last: a directory whose tokenizer.json is new has new token bytes
+        bytes_path = os.path.join(tokenizer_dir, TOKEN_BYTES_FILENAME)
+        _write_atomic(bytes_path, lambda f: np.save(f, token_bytes, allow_pickle=False))
+        json_path = os.path.join(tokenizer_dir, TOKENIZER_FILENAME)
+        _write_atomic(json_path, lambda f: f.write(payload))
+        logger.info("saved tokenizer (vocab size %d) to %s", self.get_vocab_size(), tokenizer_dir)
+
+    def compute_token_bytes(self) -> np.ndarray:
+        """int32 (vocab_size,): UTF-8 byte length of each token; 0 for special tokens and unused ids."""
+        token_bytes = np.zeros(self.get_vocab_size(), dtype=np.int32)
+        for token, rank in self.mergeable_ranks.items():
+            token_bytes[rank] = len(token)
+        return token_bytes
+
+    # -------------------------------------------------------------------------
+    # Encoding and decoding
+
+    def get_vocab_size(self) -> int:
+        return self.enc.n_vocab
+
+    def get_special_tokens(self) -> list[str]:
+        """Names of the special tokens, in id order."""
+        return sorted(self.special_tokens, key=self.special_tokens.get)
+
+    def get_bos_token_id(self) -> int:
+        return self.bos_token_id
+
+    def encode_special(self, name: str) -> int:
+        """The id of a special token, e.g. encode_special("<|bos|>")."""
+        if name not in self.special_tokens:
+            raise ValueError(f"{name!r} is not a special token; the special tokens are {self.get_special_tokens()}")
+        return self.special_tokens[name]
+
+    def id_to_token(self, token_id: int) -> str:
+        """The text of one token (a token holding part of a UTF-8 character decodes to U+FFFD)."""
+        return self.enc.decode([token_id])
+
+    def _special_id(self, token: str | int, what: str) -> int:
+        if isinstance(token, str):
+            return self.encode_special(token)
+        if isinstance(token, bool) or not isinstance(token, int):
+            raise TypeError(f"{what} must be a special token name or an int id, got {type(token).__name__}")
+        if not 0 <= token < self.get_vocab_size():
+            raise ValueError(f"{what} id {token} is outside the vocab [0, {self.get_vocab_size()})")
+        return token
+
+    def encode(self, text: str | list[str], prepend: str | int | None = None,
+               append: str | int | None = None, num_threads: int = 8) -> list[int] | list[list[int]]:
+        """Token ids of a str, or one list of ids per str of a list (encoded on num_threads threads).
+        Special-token text inside `text` is encoded as ordinary text, never as a special token.
+        prepend/append: a special token (name or id) added to each encoded text."""
+        prepend_id = None if prepend is None else self._special_id(prepend, "prepend")
+        append_id = None if append is None else self._special_id(append, "append")
+        if isinstance(text, str):
+            ids = self.enc.encode_ordinary(text)
+            if prepend_id is not None:
+                ids.insert(0, prepend_id)
+            if append_id is not None:
+                ids.append(append_id)
+            return ids
+        if isinstance(text, list):
+            if not all(isinstance(t, str) for t in text):
+                raise TypeError("encode takes a str or a list of str; the list holds a non-str item")
+            batch = self.enc.encode_ordinary_batch(text, num_threads=num_threads)
+            for ids in batch:
+                if prepend_id is not None:
+                    ids.insert(0, prepend_id)
+                if append_id is not None:
+                    ids.append(append_id)
+            return batch
+        raise TypeError(f"encode takes a str or a list of str, got {type(text).__name__}")
+
+    def __call__(self, *args, **kwargs):
+        return self.encode(*args, **kwargs)
+
+    def decode(self, ids: list[int]) -> str:
+        """Text of a list of ids; invalid UTF-8 (a cut through a character) decodes to U+FFFD."""
+        return self.enc.decode(ids)
+
+
+Tokenizer = RustBPETokenizer
+
+# -----------------------------------------------------------------------------
+# Helpers
+
+
+def _check_tables(pattern, mergeable_ranks, special_tokens, bos_token) -> None:
+    """Raise ValueError unless the tables make a usable tokenizer (a loaded file may be damaged)."""
+    if not isinstance(pattern, str):
+        raise ValueError(f"pattern must be a str, got {type(pattern).__name__}")
+    for token, rank in mergeable_ranks.items():
+        if not isinstance(token, bytes) or isinstance(rank, bool) or not isinstance(rank, int) or rank < 0:
+            raise ValueError(f"bad mergeable token {token!r} with rank {rank!r}")
+    ranks = set(mergeable_ranks.values())
+    if len(ranks) != len(mergeable_ranks):
+        raise ValueError("two mergeable tokens share a rank")
+    missing = [b for b in range(256) if bytes([b]) not in mergeable_ranks]
+    if missing:
+        # without every single byte, some text could not be encoded at all
+        raise ValueError(f"{len(missing)} of the 256 single-byte tokens are missing (e.g. byte {missing[0]})")
+    if not isinstance(special_tokens, dict):
+        raise ValueError(f"special_tokens must be a mapping of name to id, got {type(special_tokens).__name__}")
+    for name, token_id in special_tokens.items():
+        if not isinstance(name, str) or isinstance(token_id, bool) or not isinstance(token_id, int) or token_id < 0:
+            raise ValueError(f"bad special token {name!r} with id {token_id!r}")
+        if token_id in ranks:
+            raise ValueError(f"special token {name} has id {token_id}, which a mergeable token already has")
+    if len(set(special_tokens.values())) != len(special_tokens):
+        raise ValueError("two special tokens share an id")
+    if bos_token not in special_tokens:
+        raise ValueError(f"bos_token {bos_token!r} is not among the special tokens {sorted(special_tokens)}")
+
+
+def _write_atomic(path: str, write) -> None:
+    """Call write(f) on a temporary file next to path, then rename it to path; on failure remove it."""
+    tmp_path = f"{path}.tmp{os.getpid()}"
+    try:
+        with open(tmp_path, "wb") as f:
+            write(f)
+        os.replace(tmp_path, path)
+    except BaseException:
+        if os.path.exists(tmp_path):
+            os.remove(tmp_path)
+        raise
+
+
+# -----------------------------------------------------------------------------
+# Convenience for the rest of nanochat
+
+
+def get_tokenizer_dir() -> str:
+    """<base_dir>/tokenizer, resolved at call time."""
+    return os.path.join(get_base_dir(), "tokenizer")
+
+
+def get_tokenizer() -> RustBPETokenizer:
+    """The tokenizer saved under <base_dir>/tokenizer (see get_base_dir: $NANOCHAT_BASE_DIR)."""
+    return RustBPETokenizer.from_directory(get_tokenizer_dir())
+
+
+def get_token_bytes(device="cpu", tokenizer_dir: str | None = None):
+    """torch int32 tensor (vocab_size,) of bytes per token (0 for specials), loaded from the
+    token_bytes.npy that save() wrote next to the tokenizer (default dir: <base_dir>/tokenizer).
+    Also reads upstream nanochat's token_bytes.pt (tensors only, weights_only=True)."""
+    import torch  # only bits-per-byte evaluation needs it
+    tokenizer_dir = get_tokenizer_dir() if tokenizer_dir is None else tokenizer_dir
+    path = os.path.join(tokenizer_dir, TOKEN_BYTES_FILENAME)
+    pt_path = os.path.join(tokenizer_dir, "token_bytes.pt")
+    if os.path.exists(path):
+        try:
+            token_bytes = np.load(path, allow_pickle=False)
+        except (ValueError, OSError, EOFError) as e:
+            raise ValueError(f"{path} is not a valid token bytes file ({e}); retrain: {TRAIN_HINT}") from e
+        if token_bytes.ndim != 1 or token_bytes.dtype.kind not in "iu":
+            raise ValueError(f"{path} should hold a 1-D int array, got {token_bytes.dtype} of shape "
+                             f"{token_bytes.shape}; retrain: {TRAIN_HINT}")
+        token_bytes = torch.from_numpy(token_bytes.astype(np.int32))
+    elif os.path.exists(pt_path):
+        token_bytes = torch.load(pt_path, map_location="cpu", weights_only=True).to(torch.int32)
+    else:
+        raise FileNotFoundError(f"no {TOKEN_BYTES_FILENAME} in {tokenizer_dir}; train a tokenizer "
+                                f"first: {TRAIN_HINT}")
+    return token_bytes.to(device)
