@@ -1,0 +1,101 @@
+"""
+Train the BPE tokenizer on the train shards and save it (tokenizer.json + token_bytes.npy).
+
+    python -m scripts.tok_train --max-chars 2000000000 --vocab-size 65536
+
+The default 2B characters is ~8 shards of FineWeb-Edu (~250M characters each) and trains in a few
+minutes on a multi-core node; rustbpe's time grows roughly linearly with characters.
+"""
+
+import argparse
+import os
+import time
+
+from tqdm import tqdm
+
+from nanochat.common import get_base_dir
+from nanochat.dataset import get_data_dir, parquets_iter_batched
+from nanochat.tokenizer import MIN_VOCAB_SIZE, RustBPETokenizer
+
+SAMPLES = [
+    "Hello world! The quick brown fox jumps over the lazy dog.",
+    "In 2024, 12345 people paid $67.89 each.",
+    "def add(a, b):\n    return a + b\n",
+    "Ünïcödé: 你好世界, привет мир, 🙂",
+]
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description="Train a BPE tokenizer on the train shards")
+    # the underscore spellings are upstream nanochat's, kept so its recipes still run
+    parser.add_argument("--max-chars", "--max_chars", type=int, default=2_000_000_000,
+                        help="stop after this many characters of text (default: 2B)")
+    parser.add_argument("--doc-cap", "--doc_cap", type=int, default=10_000,
+                        help="crop each document to this many characters (default: 10000)")
+    parser.add_argument("--vocab-size", "--vocab_size", type=int, default=65536,
+                        help="vocab size including the special tokens (default: 65536 = 2^16)")
+    parser.add_argument("--data-dir", default=None, help="parquet shards (default: the dataset's directory)")
+    parser.add_argument("--out-dir", default=None, help="where to save (default: <base_dir>/tokenizer)")
+    args = parser.parse_args(argv)
+    if args.max_chars < 1:
+        parser.error(f"--max-chars must be >= 1, got {args.max_chars}")
+    if args.doc_cap < 1:
+        parser.error(f"--doc-cap must be >= 1, got {args.doc_cap}")
+    if args.vocab_size < MIN_VOCAB_SIZE:
+        parser.error(f"--vocab-size must be >= {MIN_VOCAB_SIZE} (256 bytes + the special tokens), got {args.vocab_size}")
+    return args
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    data_dir = get_data_dir() if args.data_dir is None else args.data_dir
+    out_dir = os.path.join(get_base_dir(), "tokenizer") if args.out_dir is None else args.out_dir
+    print(f"max_chars: {args.max_chars:,}")
+    print(f"doc_cap: {args.doc_cap:,}")
+    print(f"vocab_size: {args.vocab_size:,}")
+    print(f"data_dir: {data_dir}")
+    print(f"out_dir: {out_dir}")
+
+    counts = {"chars": 0, "docs": 0}
+
+    def text_iterator():
+        """Train documents, each cropped to doc_cap, until max_chars characters in all."""
+        with tqdm(total=args.max_chars, unit="char", unit_scale=True, desc="chars") as progress:
+            for texts in parquets_iter_batched("train", data_dir=data_dir):
+                batch_chars = 0
+                for text in texts:
+                    text = text[:min(args.doc_cap, args.max_chars - counts["chars"])]
+                    counts["chars"] += len(text)
+                    counts["docs"] += 1
+                    batch_chars += len(text)
+                    yield text
+                    if counts["chars"] >= args.max_chars:
+                        progress.update(batch_chars)
+                        return
+                progress.update(batch_chars)
+
+    t0 = time.time()
+    try:
+        tokenizer = RustBPETokenizer.train_from_iterator(text_iterator(), args.vocab_size)
+    except FileNotFoundError as e:  # no shards: the message says how to get them
+        raise SystemExit(f"error: {e}") from None
+    train_time = time.time() - t0
+    if counts["chars"] == 0:
+        raise SystemExit(f"error: the train shards in {data_dir} hold no text; nothing to train on")
+    tokenizer.save(out_dir)
+
+    # sanity check: every sample survives a round trip
+    for text in SAMPLES:
+        assert tokenizer.decode(tokenizer.encode(text)) == text, f"round trip failed for {text!r}"
+
+    print(f"trained on {counts['chars']:,} characters from {counts['docs']:,} documents in {train_time:.2f}s")
+    print(f"vocab size: {tokenizer.get_vocab_size():,} (bos id {tokenizer.get_bos_token_id()})")
+    for text in SAMPLES:
+        ids = tokenizer.encode(text)
+        pieces = "|".join(tokenizer.id_to_token(i) for i in ids)
+        print(f"{len(text.encode('utf-8'))} bytes -> {len(ids)} tokens: {pieces!r}")
+    print(f"saved tokenizer to {out_dir}")
+
+
+if __name__ == "__main__":
+    main()
