@@ -1,0 +1,97 @@
+"""
+Slow, obviously-correct references for the loaders, written from the seeds' description
+(../shared/seeds/000, 001, 002) with plain Python lists and linear scans. The fast loaders must
+reproduce them token for token.
+"""
+
+import pyarrow.parquet as pq
+
+
+def document_batches(paths, tokenizer_batch_size, rank, world_size, resume=None):
+    """Seed 002's _document_batches: files in order, row groups rank, rank+world_size, ...,
+    slices of tokenizer_batch_size texts, forever; resume skips the saved row group."""
+    resume_pq_idx = resume["pq_idx"] if resume else 0
+    resume_rg_idx = resume["rg_idx"] if resume else None
+    epoch = resume.get("epoch", 1) if resume else 1
+    first_pass = True
+    while True:
+        pq_idx = resume_pq_idx if first_pass else 0
+        while pq_idx < len(paths):
+            pf = pq.ParquetFile(paths[pq_idx])
+            if first_pass and resume_rg_idx is not None and pq_idx == resume_pq_idx:
+                base_idx = resume_rg_idx // world_size + 1  # advance by 1: no repeats
+                rg_idx = base_idx * world_size + rank
+                if rg_idx >= pf.num_row_groups:
+                    pq_idx += 1
+                    continue
+                resume_rg_idx = None
+            else:
+                rg_idx = rank
+            while rg_idx < pf.num_row_groups:
+                texts = pf.read_row_group(rg_idx).column("text").to_pylist()
+                for i in range(0, len(texts), tokenizer_batch_size):
+                    yield texts[i:i + tokenizer_batch_size], (pq_idx, rg_idx, epoch)
+                rg_idx += world_size
+            pq_idx += 1
+        first_pass = False
+        epoch += 1
+
+
+def bestfit_rows(doc_buffer, refill, B, row_capacity, buffer_size):
+    """Seed 000's pseudocode for one batch: returns B rows (lists) and the tokens cropped away."""
+    rows, cropped = [], 0
+    for _ in range(B):
+        row = []
+        while len(row) < row_capacity:
+            while len(doc_buffer) < buffer_size:
+                refill()
+            remaining = row_capacity - len(row)
+            best = None  # the largest document that fits; strict > keeps the earliest on ties
+            for i, doc in enumerate(doc_buffer):
+                if len(doc) <= remaining and (best is None or len(doc) > len(doc_buffer[best])):
+                    best = i
+            if best is not None:
+                row.extend(doc_buffer.pop(best))
+            else:  # crop the shortest; min() keeps the earliest on ties
+                shortest = min(range(len(doc_buffer)), key=lambda i: len(doc_buffer[i]))
+                doc = doc_buffer.pop(shortest)
+                row.extend(doc[:remaining])
+                cropped += len(doc) - remaining
+        rows.append(row)
+    return rows, cropped
+
+
+def bestfit_loader(tokenizer, paths, B, T, tokenizer_batch_size=128, buffer_size=1000,
+                   rank=0, world_size=1, resume=None):
+    """Yield (inputs, targets, state) as lists of lists, forever."""
+    batches = document_batches(paths, tokenizer_batch_size, rank, world_size, resume)
+    bos = tokenizer.get_bos_token_id()
+    doc_buffer = []
+    position = [(0, 0, 1)]
+
+    def refill():
+        texts, position[0] = next(batches)
+        doc_buffer.extend(tokenizer.encode(texts, prepend=bos))
+
+    while True:
+        rows, _ = bestfit_rows(doc_buffer, refill, B, T + 1, buffer_size)
+        pq_idx, rg_idx, epoch = position[0]
+        yield ([r[:-1] for r in rows], [r[1:] for r in rows],
+               {"pq_idx": pq_idx, "rg_idx": rg_idx, "epoch": epoch})
+
+
+def concat_loader(tokenizer, paths, B, T, tokenizer_batch_size=128, rank=0, world_size=1, resume=None):
+    """Seed 001's concatenating loader: each batch pops the next B*T+1 tokens of the stream."""
+    batches = document_batches(paths, tokenizer_batch_size, rank, world_size, resume)
+    bos = tokenizer.get_bos_token_id()
+    token_buffer = []
+    needed = B * T + 1
+    while True:
+        while len(token_buffer) < needed:
+            texts, (pq_idx, rg_idx, epoch) = next(batches)
+            for tokens in tokenizer.encode(texts, prepend=bos):
+                token_buffer.extend(tokens)
+        tokens, token_buffer = token_buffer[:needed], token_buffer[needed:]
+        inputs = [tokens[r * T:(r + 1) * T] for r in range(B)]
+        targets = [tokens[r * T + 1:(r + 1) * T + 1] for r in range(B)]
+        yield inputs, targets, {"pq_idx": pq_idx, "rg_idx": rg_idx, "epoch": epoch}
