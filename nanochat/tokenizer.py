@@ -119,7 +119,7 @@ class RustBPETokenizer:
             return cls._from_json(json_path)
         pkl_path = os.path.join(tokenizer_dir, PICKLE_FILENAME)
         if not os.path.exists(pkl_path):
-            raise FileNotFoundError(f"no {TOKENIZER_FILENAME} in {tokenizer_dir}; "
+            raise FileNotFoundError(f"tokenizer file {json_path} does not exist; "
                                     f"train a tokenizer first: {TRAIN_HINT}")
         if not allow_pickle:
             raise FileNotFoundError(

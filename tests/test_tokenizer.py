@@ -1,0 +1,403 @@
+"""
+Tests for nanochat/tokenizer.py and the scripts tok_train / tok_eval.
+
+A throwaway tokenizer (vocab 512) is trained in-process on generated text; nothing here reads the
+user's cache or the network (tiktoken's named encodings are replaced by local stand-ins).
+Run: python -m pytest tests/test_tokenizer.py -q   (a few seconds)
+"""
+
+import json
+import os
+import pickle
+import random
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import tiktoken
+from hypothesis import given, settings, strategies as st
+
+from conftest import write_shards
+from nanochat import tokenizer as tokenizer_module
+from nanochat.tokenizer import (MIN_VOCAB_SIZE, SPECIAL_TOKENS, SPLIT_PATTERN, RustBPETokenizer,
+                                get_token_bytes, get_tokenizer)
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+VOCAB_SIZE = 512
+
+TEXTS = [
+    "",
+    "hello world",
+    "Hello, World! It's 3.14159 o'clock; we'll see.",
+    "  leading and trailing spaces  ",
+    "tabs\tand\r\nwindows\nnewlines\n\n\n",
+    "Ünïcödé façade naïve café",
+    "你好，世界。日本語のテキスト。한국어 문장.",
+    "Привет, мир! Γειά σου κόσμε.",
+    "مرحبا بالعالم שלום עולם",  # right-to-left scripts
+    "emoji 🙂👍🏽 family 👨‍👩‍👧 flags 🇫🇷",  # multi-codepoint emoji
+    "e\u0301 combining accent, zero\u200bwidth space",
+    "def f(x):\n    return x ** 2  # comment\n",
+    "<|bos|> special-token text is plain text <|assistant_end|>",
+    "1234567890 12345 007 3.000.000",
+]
+
+
+def make_docs(n: int, seed: int) -> list[str]:
+    """Deterministic pseudo-text with words, numbers, punctuation and some non-ASCII."""
+    rng = random.Random(seed)
+    syllables = ["ka", "to", "ri", "mo", "en", "the", "ing", "ed", "qu", "an", "é", "ü", "好", "мир", "σ"]
+    docs = []
+    for _ in range(n):
+        words = ["".join(rng.choice(syllables) for _ in range(rng.randint(1, 4))) for _ in range(rng.randint(3, 15))]
+        words.insert(rng.randint(0, len(words)), str(rng.randint(0, 10 ** 6)))
+        docs.append(" ".join(words) + rng.choice([".", "!", "?", ",\n"]))
+    return docs
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return RustBPETokenizer.train_from_iterator(iter(make_docs(3000, seed=0)), VOCAB_SIZE)
+
+
+@pytest.fixture(scope="module")
+def saved_dir(tok, tmp_path_factory):
+    tokenizer_dir = str(tmp_path_factory.mktemp("saved") / "tokenizer")
+    tok.save(tokenizer_dir)
+    return tokenizer_dir
+
+
+# -----------------------------------------------------------------------------
+# Encoding and decoding
+
+
+@pytest.mark.parametrize("text", TEXTS)
+def test_round_trip(tok, text):
+    ids = tok.encode(text)
+    assert all(isinstance(i, int) and 0 <= i < tok.get_bos_token_id() for i in ids)  # no specials
+    assert tok.decode(ids) == text
+
+
+@settings(max_examples=200, deadline=None)
+@given(text=st.text())
+def test_round_trip_any_text(tok, text):
+    assert tok.decode(tok.encode(text)) == text
+
+
+def test_vocab_and_special_ids(tok):
+    assert tok.get_vocab_size() == VOCAB_SIZE  # the training text is rich enough for every merge
+    assert tok.get_special_tokens() == SPECIAL_TOKENS
+    # the specials come right after the mergeable ranks, <|bos|> first
+    assert tok.get_bos_token_id() == len(tok.mergeable_ranks) == VOCAB_SIZE - len(SPECIAL_TOKENS)
+    for i, name in enumerate(SPECIAL_TOKENS):
+        assert tok.encode_special(name) == VOCAB_SIZE - len(SPECIAL_TOKENS) + i
+        assert tok.id_to_token(tok.encode_special(name)) == name
+    assert sorted(tok.mergeable_ranks.values()) == list(range(len(tok.mergeable_ranks)))
+    assert tok.pattern == SPLIT_PATTERN
+
+
+def test_prepend_and_append(tok):
+    ids = tok.encode("hello world")
+    bos = tok.get_bos_token_id()
+    end = tok.encode_special("<|assistant_end|>")
+    assert tok.encode("hello world", prepend="<|bos|>") == [bos] + ids
+    assert tok.encode("hello world", prepend=bos) == [bos] + ids
+    assert tok.encode("hello world", append="<|assistant_end|>") == ids + [end]
+    assert tok.encode("hello world", prepend=bos, append=end) == [bos] + ids + [end]
+    assert tok.encode("", prepend="<|bos|>") == [bos]
+    assert tok.encode(["a", "b"], prepend="<|bos|>", append=end) == [[bos] + tok.encode("a") + [end],
+                                                                   [bos] + tok.encode("b") + [end]]
+
+
+def test_batch_equals_single(tok):
+    docs = TEXTS + make_docs(50, seed=1)
+    expected = [tok.encode(d, prepend="<|bos|>") for d in docs]
+    assert tok.encode(docs, prepend="<|bos|>", num_threads=2) == expected
+    assert tok.encode(docs, prepend="<|bos|>", num_threads=1) == expected
+    assert tok.encode([]) == []
+
+
+def test_numbers_split_into_at_most_two_digits(tok):
+    digit_tokens = [t for t in tok.mergeable_ranks if t.isdigit()]
+    assert any(len(t) == 2 for t in digit_tokens)  # guard: some number merges were learned
+    assert all(len(t) <= 2 for t in digit_tokens)
+    for text in ["12345", "x 1234567890 y", "0000000", "3.14159265"]:
+        pieces = [tok.enc.decode_single_token_bytes(i) for i in tok.encode(text)]
+        assert b"".join(pieces) == text.encode()
+        assert all(sum(c in b"0123456789" for c in p) <= 2 for p in pieces), pieces
+    assert len(tok.encode("12345")) >= 3
+
+
+def test_bad_encode_arguments(tok):
+    with pytest.raises(ValueError, match="not a special token"):
+        tok.encode("hi", prepend="<|nope|>")
+    with pytest.raises(ValueError, match="outside the vocab"):
+        tok.encode("hi", append=VOCAB_SIZE)
+    with pytest.raises(TypeError, match="prepend"):
+        tok.encode("hi", prepend=1.5)
+    with pytest.raises(TypeError, match="str or a list of str"):
+        tok.encode(b"bytes")
+    with pytest.raises(TypeError, match="non-str"):
+        tok.encode(["ok", 3])
+    with pytest.raises(ValueError, match="special tokens are"):
+        tok.encode_special("hello")
+
+
+# -----------------------------------------------------------------------------
+# Saving and loading
+
+
+def test_save_load_round_trip(tok, saved_dir, monkeypatch):
+    def refuse(*args, **kwargs):
+        raise AssertionError("loading a tokenizer must never unpickle")
+    monkeypatch.setattr(pickle, "load", refuse)
+    monkeypatch.setattr(pickle, "loads", refuse)
+    loaded = RustBPETokenizer.from_directory(saved_dir)
+    docs = TEXTS + make_docs(100, seed=2)
+    assert loaded.encode(docs, prepend="<|bos|>") == tok.encode(docs, prepend="<|bos|>")
+    assert loaded.get_vocab_size() == tok.get_vocab_size()
+    assert loaded.get_special_tokens() == tok.get_special_tokens()
+    assert loaded.get_bos_token_id() == tok.get_bos_token_id()
+    assert loaded.mergeable_ranks == tok.mergeable_ranks
+
+
+def test_saved_file_is_json(saved_dir):
+    assert sorted(os.listdir(saved_dir)) == ["token_bytes.npy", "tokenizer.json"]  # no leftover temp files
+    with open(os.path.join(saved_dir, "tokenizer.json"), "rb") as f:
+        raw = f.read()
+    assert not raw.startswith(b"\x80")  # pickle protocol 2+ opens with 0x80
+    data = json.loads(raw.decode("utf-8"))
+    assert data["format"] == "nanochat-tokenizer" and data["version"] == 1
+    assert data["bos_token"] == "<|bos|>"
+    assert list(data["special_tokens"]) == SPECIAL_TOKENS
+    assert len(data["mergeable_ranks"]) == VOCAB_SIZE - len(SPECIAL_TOKENS)
+    assert data["mergeable_ranks"][:2] == [["AA==", 0], ["AQ==", 1]]  # base64 of bytes 0x00, 0x01
+
+
+def test_save_is_atomic(tok, tmp_path, monkeypatch):
+    def failing_replace(src, dst):
+        raise OSError("disk full (simulated)")
+
+    # a fresh directory: nothing lands under the final names, no temp files stay behind
+    fresh = tmp_path / "fresh"
+    monkeypatch.setattr(os, "replace", failing_replace)
+    with pytest.raises(OSError, match="disk full"):
+        tok.save(str(fresh))
+    assert os.listdir(fresh) == []
+
+    # an existing tokenizer stays exactly as it was
+    monkeypatch.undo()
+    old = tmp_path / "old"
+    small = RustBPETokenizer.train_from_iterator(iter(make_docs(200, seed=3)), 300)
+    small.save(str(old))
+    before = {name: (old / name).read_bytes() for name in os.listdir(old)}
+    monkeypatch.setattr(os, "replace", failing_replace)
+    with pytest.raises(OSError):
+        tok.save(str(old))
+    assert {name: (old / name).read_bytes() for name in os.listdir(old)} == before
+
+
+def test_token_bytes(tok, saved_dir):
+    token_bytes = tok.compute_token_bytes()
+    assert token_bytes.shape == (VOCAB_SIZE,) and token_bytes.dtype == np.int32
+    bos = tok.get_bos_token_id()
+    assert (token_bytes[bos:] == 0).all()  # specials
+    assert (token_bytes[:256] == 1).all() and (token_bytes[256:bos] >= 2).all()
+    for text in TEXTS + make_docs(20, seed=4):
+        assert token_bytes[tok.encode(text)].sum() == len(text.encode("utf-8"))
+
+    loaded = get_token_bytes(tokenizer_dir=saved_dir)
+    assert str(loaded.dtype) == "torch.int32" and loaded.device.type == "cpu"
+    assert (loaded.numpy() == token_bytes).all()
+    np.load(os.path.join(saved_dir, "token_bytes.npy"), allow_pickle=False)  # no object arrays inside
+
+
+def test_get_tokenizer_reads_base_dir(tok, tmp_path):
+    base_dir = os.environ["NANOCHAT_BASE_DIR"]  # set by conftest to a tmp dir
+    with pytest.raises(FileNotFoundError, match="scripts.tok_train"):
+        get_tokenizer()
+    tok.save(os.path.join(base_dir, "tokenizer"))
+    assert get_tokenizer().encode(TEXTS) == tok.encode(TEXTS)
+    assert (get_token_bytes("cpu").numpy() == tok.compute_token_bytes()).all()
+
+
+def test_upstream_pickle_only_with_allow_pickle(tok, tmp_path):
+    pkl_dir = tmp_path / "upstream"
+    pkl_dir.mkdir()
+    with open(pkl_dir / "tokenizer.pkl", "wb") as f:
+        pickle.dump(tok.enc, f)
+    with pytest.raises(FileNotFoundError, match="allow_pickle=True") as info:
+        RustBPETokenizer.from_directory(str(pkl_dir))
+    assert "arbitrary code" in str(info.value) and str(pkl_dir) in str(info.value)
+    loaded = RustBPETokenizer.from_directory(str(pkl_dir), allow_pickle=True)
+    assert loaded.encode(TEXTS) == tok.encode(TEXTS)
+    assert loaded.get_bos_token_id() == tok.get_bos_token_id()
+
+
+def test_from_pretrained_uses_endoftext_as_bos(monkeypatch):
+    # a local stand-in for tiktoken's "gpt2" (the real one is downloaded): bytes + <|endoftext|>
+    ranks = {bytes([b]): b for b in range(256)}
+    fake = tiktoken.Encoding("fake-gpt2", pat_str=SPLIT_PATTERN, mergeable_ranks=ranks,
+                             special_tokens={"<|endoftext|>": 256})
+    monkeypatch.setattr(tiktoken, "get_encoding", lambda name: fake)
+    pretrained = RustBPETokenizer.from_pretrained("gpt2")
+    assert pretrained.get_bos_token_id() == 256
+    assert pretrained.get_vocab_size() == 257
+    assert pretrained.encode("hi", prepend=pretrained.get_bos_token_id()) == [256, 104, 105]
+
+    bare = tiktoken.Encoding("bare", pat_str=SPLIT_PATTERN, mergeable_ranks=ranks, special_tokens={})
+    monkeypatch.setattr(tiktoken, "get_encoding", lambda name: bare)
+    with pytest.raises(ValueError, match="endoftext"):
+        RustBPETokenizer.from_pretrained("bare")
+
+
+# -----------------------------------------------------------------------------
+# Bad input
+
+
+@pytest.mark.parametrize("vocab_size", [0, 256, MIN_VOCAB_SIZE - 1])
+def test_vocab_size_too_small(vocab_size):
+    with pytest.raises(ValueError, match=rf"vocab_size must be at least {MIN_VOCAB_SIZE}.*got {vocab_size}"):
+        RustBPETokenizer.train_from_iterator(iter(["some text"]), vocab_size)
+    assert MIN_VOCAB_SIZE == 265
+
+
+def test_vocab_size_wrong_type():
+    with pytest.raises(TypeError, match="vocab_size"):
+        RustBPETokenizer.train_from_iterator(iter(["some text"]), 512.0)
+
+
+def test_smallest_vocab_trains():
+    small = RustBPETokenizer.train_from_iterator(iter(make_docs(50, seed=5)), MIN_VOCAB_SIZE)
+    assert small.get_vocab_size() == MIN_VOCAB_SIZE and small.get_bos_token_id() == 256
+
+
+def test_missing_tokenizer(tmp_path):
+    missing = tmp_path / "nope"
+    with pytest.raises(FileNotFoundError, match="python -m scripts.tok_train") as info:
+        RustBPETokenizer.from_directory(str(missing))
+    assert str(missing) in str(info.value)
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(FileNotFoundError, match="python -m scripts.tok_train") as info:
+        RustBPETokenizer.from_directory(str(empty))
+    assert str(empty / "tokenizer.json") in str(info.value)
+    with pytest.raises(FileNotFoundError, match="token_bytes.npy"):
+        get_token_bytes(tokenizer_dir=str(empty))
+
+
+def _corruptions(data: dict) -> dict:
+    """name -> bytes of a damaged tokenizer.json."""
+    raw = json.dumps(data).encode()
+    no_byte = dict(data, mergeable_ranks=data["mergeable_ranks"][1:])
+    bad_b64 = dict(data, mergeable_ranks=[["not base64!", 0]] + data["mergeable_ranks"][1:])
+    clash = dict(data, special_tokens=dict(data["special_tokens"], **{"<|bos|>": 0}))
+    return {
+        "truncated": raw[:len(raw) // 2],
+        "empty": b"",
+        "not utf-8": b"\xff\xfe" + raw,
+        "a list": b"[]",
+        "wrong format": json.dumps(dict(data, format="other")).encode(),
+        "future version": json.dumps(dict(data, version=99)).encode(),
+        "missing key": json.dumps({k: v for k, v in data.items() if k != "pattern"}).encode(),
+        "missing byte": json.dumps(no_byte).encode(),
+        "bad base64": json.dumps(bad_b64).encode(),
+        "special clashes": json.dumps(clash).encode(),
+        "bad pattern": json.dumps(dict(data, pattern="(")).encode(),
+        "unknown bos": json.dumps(dict(data, bos_token="<|nope|>")).encode(),
+    }
+
+
+def test_corrupt_tokenizer_json(saved_dir, tmp_path):
+    with open(os.path.join(saved_dir, "tokenizer.json")) as f:
+        data = json.load(f)
+    for name, raw in _corruptions(data).items():
+        bad_dir = tmp_path / name.replace(" ", "_")
+        bad_dir.mkdir()
+        path = bad_dir / "tokenizer.json"
+        path.write_bytes(raw)
+        with pytest.raises(ValueError, match="is not a valid tokenizer file") as info:
+            RustBPETokenizer.from_directory(str(bad_dir))
+        assert str(path) in str(info.value), name
+
+
+def test_corrupt_token_bytes(tmp_path):
+    (tmp_path / "token_bytes.npy").write_bytes(b"garbage")
+    with pytest.raises(ValueError, match="token_bytes.npy"):
+        get_token_bytes(tokenizer_dir=str(tmp_path))
+
+
+def test_import_has_no_side_effects(tmp_path):
+    base_dir = tmp_path / "never_created"
+    code = ("import logging, sys, nanochat.tokenizer; "
+            "assert not logging.getLogger().handlers; "
+            "assert 'torch' not in sys.modules and 'rustbpe' not in sys.modules")
+    env = dict(os.environ, NANOCHAT_BASE_DIR=str(base_dir))
+    subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, env=env, check=True)
+    assert not base_dir.exists()
+
+
+# -----------------------------------------------------------------------------
+# Scripts
+
+
+def _run(args: list[str]) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", *args], cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)
+
+
+def test_scripts_end_to_end(tmp_path):
+    data_dir = str(tmp_path / "shards")
+    write_shards(data_dir, [make_docs(400, seed=10), make_docs(400, seed=11), make_docs(200, seed=12)], 100)
+
+    train = _run(["scripts.tok_train", "--vocab-size", "300", "--max-chars", "30000", "--data-dir", data_dir])
+    assert train.returncode == 0, train.stderr
+    assert "vocab_size: 300" in train.stdout  # echoed args
+    assert "trained on 30,000 characters" in train.stdout
+    assert "vocab size: 300 (bos id 291)" in train.stdout
+    tokenizer_dir = os.path.join(os.environ["NANOCHAT_BASE_DIR"], "tokenizer")  # the default --out-dir
+    assert sorted(os.listdir(tokenizer_dir)) == ["token_bytes.npy", "tokenizer.json"]
+    assert get_tokenizer().get_vocab_size() == 300
+
+    evaluate = _run(["scripts.tok_eval", "--data-dir", data_dir, "--max-docs", "150", "--compare", "none"])
+    assert evaluate.returncode == 0, evaluate.stderr
+    rows = [line.split() for line in evaluate.stdout.splitlines() if line.startswith(("train ", "val "))]
+    assert [row[:2] for row in rows] == [["train", "ours"], ["val", "ours"]]
+    for row in rows:
+        assert row[3] == "150"  # docs
+        assert 1.5 < float(row[6]) < 10  # bytes per token: merges happened, yet tokens stay short
+
+
+def test_tok_train_crops_documents(tmp_path, capsys):
+    from scripts import tok_train
+    data_dir = str(tmp_path / "shards")
+    write_shards(data_dir, [make_docs(100, seed=13), make_docs(20, seed=14)], 30)
+    out_dir = str(tmp_path / "tok")
+    # every generated doc is over 10 chars, so 1000 chars at 10 per doc are exactly 100 docs
+    tok_train.main(["--vocab-size", "280", "--max-chars", "1000", "--doc-cap", "10",
+                    "--data-dir", data_dir, "--out-dir", out_dir])
+    assert "trained on 1,000 characters from 100 documents" in capsys.readouterr().out
+    assert RustBPETokenizer.from_directory(out_dir).get_vocab_size() <= 280
+
+
+def test_scripts_report_bad_input(tmp_path):
+    too_small = _run(["scripts.tok_train", "--vocab-size", "100", "--data-dir", str(tmp_path)])
+    assert too_small.returncode == 2 and "--vocab-size must be >= 265" in too_small.stderr
+    no_data = _run(["scripts.tok_train", "--vocab-size", "300", "--data-dir", str(tmp_path / "nope")])
+    assert no_data.returncode == 1 and "python -m nanochat.dataset" in no_data.stderr
+    no_tok = _run(["scripts.tok_eval", "--tokenizer-dir", str(tmp_path / "nope"), "--compare", "none"])
+    assert no_tok.returncode == 1 and "python -m scripts.tok_train" in no_tok.stderr
+
+
+def test_tok_eval_skips_unavailable_references(tok, saved_dir, tmp_path, monkeypatch, capsys):
+    from scripts import tok_eval
+    data_dir = str(tmp_path / "shards")
+    write_shards(data_dir, [make_docs(50, seed=15), make_docs(50, seed=16)], 25)
+
+    def offline(name):
+        raise ConnectionError(f"cannot download {name} (simulated offline)")
+    monkeypatch.setattr(tiktoken, "get_encoding", offline)
+    tok_eval.main(["--tokenizer-dir", saved_dir, "--data-dir", data_dir, "--max-docs", "40"])
+    out = capsys.readouterr().out
+    assert "skipping gpt2" in out and "skipping cl100k_base" in out
+    assert "train  ours" in out and "val    ours" in out
