@@ -1,0 +1,353 @@
+"""
+The loaders (nanochat/dataloader.py) against the seeds' oracle (tests/oracle.py), token for token:
+random shards (uneven row groups, empty texts, documents longer than a row), batch shapes, buffer
+and tokenizer batch sizes, ranks and world sizes, across epoch boundaries, with and without the
+background threads, and resumed from a yielded state. Then bad input, background failures, shutdown,
+and CUDA transfer (skipped without a GPU). Multi-process sharding lives in test_distributed.py.
+Run: python -m pytest tests/test_dataloader.py -q
+"""
+
+import gc
+import random
+import threading
+import time
+
+import numpy as np
+import pytest
+import torch
+
+import oracle
+from conftest import ByteTokenizer, write_shard, write_shards
+from nanochat.dataloader import (
+    tokenizing_distributed_data_loader,
+    tokenizing_distributed_data_loader_bos_bestfit,
+    tokenizing_distributed_data_loader_with_state,
+    tokenizing_distributed_data_loader_with_state_bos_bestfit,
+)
+from nanochat.dataset import split_parquet_files
+
+BESTFIT = tokenizing_distributed_data_loader_with_state_bos_bestfit
+CONCAT = tokenizing_distributed_data_loader_with_state
+
+
+def random_corpus(rng: random.Random, data_dir, max_len):
+    """2-4 shards of uneven sizes and row groups; texts from empty to longer than a row."""
+    files = []
+    for _ in range(rng.randint(2, 4)):
+        n = rng.randint(1, 60)
+        files.append(["".join(rng.choice("abcdefgh ") for _ in range(rng.choice([0, rng.randint(0, max_len)])))
+                      for _ in range(n)])
+    for i, texts in enumerate(files):
+        write_shard(data_dir / f"shard_{i:05d}.parquet", texts, row_group_size=rng.randint(1, 12))
+    return files
+
+
+def random_config(seed, tmp_path):
+    rng = random.Random(seed)
+    T = rng.randint(4, 48)
+    files = random_corpus(rng, tmp_path, max_len=3 * T)
+    world_size = rng.randint(1, 3)
+    cfg = dict(B=rng.randint(1, 4), T=T, tokenizer_batch_size=rng.randint(1, 10),
+               rank=rng.randrange(world_size), world_size=world_size)
+    return rng, files, cfg
+
+
+def as_lists(inputs, targets):
+    return inputs.tolist(), targets.tolist()
+
+
+def assert_same_stream(loader, reference, n_batches):
+    for k in range(n_batches):
+        inputs, targets, state = next(loader)
+        exp_inputs, exp_targets, exp_state = next(reference)
+        assert inputs.dtype == torch.int64 and targets.dtype == torch.int64
+        assert as_lists(inputs, targets) == (exp_inputs, exp_targets), f"batch {k} differs"
+        assert state == exp_state, f"state of batch {k} differs"
+
+
+def usable_rank(files, cfg, split="train"):
+    """The oracle loops forever on a rank with no row groups; those configs are tested separately."""
+    import pyarrow.parquet as pq
+    paths = split_parquet_files(split, cfg["data_dir"])
+    return any(pq.ParquetFile(p).metadata.num_rows and any(
+        pq.ParquetFile(p).metadata.row_group(rg).num_rows
+        for rg in range(cfg["rank"], pq.ParquetFile(p).num_row_groups, cfg["world_size"])) for p in paths)
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_bestfit_matches_oracle(seed, tmp_path):
+    rng, files, cfg = random_config(seed, tmp_path)
+    cfg["data_dir"] = str(tmp_path)
+    if not usable_rank(files, cfg):
+        pytest.skip("this rank has no documents (covered by test_rank_without_row_groups)")
+    buffer_size = rng.choice([1, 2, 5, 17, 40])
+    prefetch = rng.choice([0, 1, 3])
+    tok = ByteTokenizer()
+    paths = split_parquet_files("train", cfg["data_dir"])
+    loader = BESTFIT(tok, cfg["B"], cfg["T"], "train", tokenizer_batch_size=cfg["tokenizer_batch_size"],
+                     device="cpu", buffer_size=buffer_size, data_dir=cfg["data_dir"], rank=cfg["rank"],
+                     world_size=cfg["world_size"], prefetch=prefetch)
+    reference = oracle.bestfit_loader(tok, paths, cfg["B"], cfg["T"], cfg["tokenizer_batch_size"], buffer_size,
+                                      cfg["rank"], cfg["world_size"])
+    # enough batches to pass the end of the data at least twice
+    total = sum(len(t.encode()) + 1 for f in files for t in f)
+    n_batches = 2 * total // (cfg["B"] * (cfg["T"] + 1)) + 3
+    states = []
+    for k in range(n_batches):
+        inputs, targets, state = next(loader)
+        exp_inputs, exp_targets, exp_state = next(reference)
+        assert as_lists(inputs, targets) == (exp_inputs, exp_targets), f"batch {k} differs"
+        assert state == exp_state
+        assert (inputs[:, 0] == tok.bos).all()  # every row starts with BOS
+        states.append(state)
+    assert states[-1]["epoch"] >= 2, "the test should cross an epoch boundary"
+    loader.close()
+
+    # resume from a state taken mid-run: the loader continues exactly as the seeds' resume does
+    k = rng.randrange(n_batches)
+    resumed = BESTFIT(tok, cfg["B"], cfg["T"], "train", tokenizer_batch_size=cfg["tokenizer_batch_size"],
+                      device="cpu", buffer_size=buffer_size, data_dir=cfg["data_dir"], rank=cfg["rank"],
+                      world_size=cfg["world_size"], resume_state_dict=states[k], prefetch=prefetch)
+    reference = oracle.bestfit_loader(tok, paths, cfg["B"], cfg["T"], cfg["tokenizer_batch_size"], buffer_size,
+                                      cfg["rank"], cfg["world_size"], resume=states[k])
+    assert_same_stream(resumed, reference, 5)
+    resumed.close()
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_concat_matches_oracle(seed, tmp_path):
+    rng, files, cfg = random_config(seed, tmp_path)
+    cfg["data_dir"] = str(tmp_path)
+    if not usable_rank(files, cfg):
+        pytest.skip("this rank has no documents")
+    tok = ByteTokenizer()
+    paths = split_parquet_files("train", cfg["data_dir"])
+    prefetch = rng.choice([0, 2])
+    common = dict(tokenizer_batch_size=cfg["tokenizer_batch_size"], device="cpu", data_dir=cfg["data_dir"],
+                  rank=cfg["rank"], world_size=cfg["world_size"], prefetch=prefetch)
+    loader = CONCAT(tok, cfg["B"], cfg["T"], "train", **common)
+    reference = oracle.concat_loader(tok, paths, cfg["B"], cfg["T"], cfg["tokenizer_batch_size"],
+                                     cfg["rank"], cfg["world_size"])
+    assert_same_stream(loader, reference, 12)
+    _, _, state = next(loader)
+    next(reference)
+    resumed = CONCAT(tok, cfg["B"], cfg["T"], "train", resume_state_dict=state, **common)
+    reference = oracle.concat_loader(tok, paths, cfg["B"], cfg["T"], cfg["tokenizer_batch_size"],
+                                     cfg["rank"], cfg["world_size"], resume=state)
+    assert_same_stream(resumed, reference, 4)
+
+
+@pytest.mark.parametrize("buffer_size", [10_000, 100_000])
+def test_bestfit_matches_oracle_large_buffers(buffer_size, tmp_path):
+    rng = random.Random(buffer_size)
+    n_docs = buffer_size + 5_000
+    texts = ["x" * int(rng.lognormvariate(2.5, 1.0)) for _ in range(n_docs)]
+    write_shards(tmp_path, [texts[: n_docs // 2], texts[n_docs // 2:], ["val"]], row_group_size=1024)
+    tok = ByteTokenizer()
+    paths = split_parquet_files("train", str(tmp_path))
+    loader = BESTFIT(tok, 4, 128, "train", device="cpu", buffer_size=buffer_size, data_dir=str(tmp_path))
+    reference = oracle.bestfit_loader(tok, paths, 4, 128, buffer_size=buffer_size)
+    assert_same_stream(loader, reference, 3)
+
+
+def test_val_split_and_stateless_wrappers(tmp_path):
+    files = [["train doc %d" % i for i in range(20)], ["val doc %d" % i for i in range(20)]]
+    write_shards(tmp_path, files, row_group_size=4)
+    tok = ByteTokenizer()
+    kw = dict(device="cpu", data_dir=str(tmp_path))
+    inputs, targets = next(tokenizing_distributed_data_loader_bos_bestfit(tok, 2, 16, "val", buffer_size=3, **kw))
+    assert b"val doc" in bytes(t for t in inputs.flatten().tolist() if t < 256)
+    assert torch.equal(inputs[:, 1:], targets[:, :-1])
+    inputs, targets = next(tokenizing_distributed_data_loader(tok, 2, 16, "train", **kw))
+    assert b"train doc" in bytes(t for t in inputs.flatten().tolist() if t < 256)
+
+
+def test_yielded_tensors_are_reused_views(tmp_path):
+    write_shards(tmp_path, [["abc" * 10] * 50, ["v"]], row_group_size=5)
+    loader = BESTFIT(ByteTokenizer(), 2, 8, "train", device="cpu", buffer_size=2, data_dir=str(tmp_path))
+    x1, y1, _ = next(loader)
+    x2, y2, _ = next(loader)
+    # one [inputs | targets] buffer, overwritten by the next batch (documented)
+    assert x1.data_ptr() == x2.data_ptr() and y1.data_ptr() == y2.data_ptr()
+    assert y1.data_ptr() == x1.data_ptr() + 2 * 8 * 8
+
+
+# -----------------------------------------------------------------------------
+# bad input: clear errors at the call, never a hang
+
+
+@pytest.fixture
+def small_dir(tmp_path):
+    write_shards(tmp_path, [["hello world"] * 10, ["val"] * 3], row_group_size=2)
+    return str(tmp_path)
+
+
+@pytest.mark.parametrize("loader", [BESTFIT, CONCAT])
+@pytest.mark.parametrize("name,kwargs", [
+    ("B", dict(B=0)), ("T", dict(T=-1)), ("tokenizer_threads", dict(tokenizer_threads=0)),
+    ("tokenizer_batch_size", dict(tokenizer_batch_size=0)), ("split", dict(split="test")),
+    ("prefetch", dict(prefetch=-1)), ("rank", dict(rank=2, world_size=2)), ("B", dict(B=2.5)),
+])
+def test_bad_arguments(loader, name, kwargs, small_dir):
+    args = dict(B=2, T=8, split="train", device="cpu", data_dir=small_dir) | kwargs
+    with pytest.raises(ValueError, match=name):
+        loader(ByteTokenizer(), **args)
+
+
+def test_bad_buffer_size(small_dir):
+    with pytest.raises(ValueError, match="buffer_size"):
+        BESTFIT(ByteTokenizer(), 2, 8, "train", device="cpu", data_dir=small_dir, buffer_size=0)
+
+
+def test_missing_data(tmp_path):
+    with pytest.raises(FileNotFoundError, match="python -m nanochat.dataset"):
+        BESTFIT(ByteTokenizer(), 2, 8, "train", device="cpu", data_dir=str(tmp_path / "nowhere"))
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(FileNotFoundError, match="no parquet shards"):
+        BESTFIT(ByteTokenizer(), 2, 8, "train", device="cpu", data_dir=str(tmp_path / "empty"))
+    # the default dataset directory (NANOCHAT_BASE_DIR points into tmp) has nothing either
+    with pytest.raises(FileNotFoundError, match="python -m nanochat.dataset"):
+        BESTFIT(ByteTokenizer(), 2, 8, "train", device="cpu")
+
+
+def test_single_shard_means_empty_train_split(tmp_path):
+    write_shards(tmp_path, [["only one"] * 4], row_group_size=2)
+    with pytest.raises(FileNotFoundError, match="train split is empty"):
+        BESTFIT(ByteTokenizer(), 2, 8, "train", device="cpu", data_dir=str(tmp_path))
+
+
+@pytest.mark.parametrize("prefetch", [0, 2])
+def test_rank_without_row_groups(tmp_path, prefetch):
+    # 2 train files of 1 row group each, 3 ranks: rank 2 gets nothing (the reference spins forever)
+    write_shards(tmp_path, [["a b c"] * 3, ["d e f"] * 3, ["val"]], row_group_size=8)
+    loader = BESTFIT(ByteTokenizer(), 1, 8, "train", device="cpu", data_dir=str(tmp_path),
+                     rank=2, world_size=3, prefetch=prefetch)
+    with pytest.raises(ValueError, match="rank 2 of world size 3 receives no documents"):
+        next(loader)
+
+
+@pytest.mark.parametrize("state,key", [
+    ({"rg_idx": 0, "epoch": 1}, "pq_idx"),
+    ({"pq_idx": 0, "epoch": 1}, "rg_idx"),
+    ({"pq_idx": "0", "rg_idx": 0, "epoch": 1}, "pq_idx"),
+    ({"pq_idx": 0, "rg_idx": 1.0, "epoch": 1}, "rg_idx"),
+    ({"pq_idx": 0, "rg_idx": 0, "epoch": 0}, "epoch"),
+    ({"pq_idx": 5, "rg_idx": 0, "epoch": 1}, "pq_idx"),
+    ({"pq_idx": 0, "rg_idx": 99, "epoch": 1}, "rg_idx"),
+])
+def test_bad_resume_state(state, key, small_dir):
+    with pytest.raises(ValueError, match=key):
+        BESTFIT(ByteTokenizer(), 2, 8, "train", device="cpu", data_dir=small_dir, resume_state_dict=state)
+
+
+def test_resume_state_without_epoch_is_accepted(small_dir):
+    # the older concatenating loader's states carry only pq_idx and rg_idx
+    _, _, state = next(CONCAT(ByteTokenizer(), 1, 4, "train", device="cpu", data_dir=small_dir,
+                              resume_state_dict={"pq_idx": 0, "rg_idx": 1}))
+    assert state["epoch"] == 1
+
+
+class BadTokenizer(ByteTokenizer):
+    def __init__(self, result):
+        self.result = result
+
+    def encode(self, texts, prepend=None, num_threads=1):
+        return self.result(texts)
+
+
+@pytest.mark.parametrize("prefetch", [0, 2])
+@pytest.mark.parametrize("result,error,match", [
+    (lambda texts: "not a list", TypeError, "list of token-id lists"),
+    (lambda texts: [["a", "b"] for _ in texts], TypeError, "lists of ints"),
+    (lambda texts: [[256, 1.5] for _ in texts], TypeError, "lists of ints"),
+    (lambda texts: [[1, 2] for _ in texts], ValueError, "BOS"),
+    (lambda texts: [[256, 70000] for _ in texts], ValueError, "out of range"),
+])
+def test_bad_tokenizer_output(result, error, match, prefetch, small_dir):
+    loader = BESTFIT(BadTokenizer(result), 2, 8, "train", device="cpu", data_dir=small_dir, prefetch=prefetch)
+    with pytest.raises(error, match=match):
+        next(loader)
+
+
+def test_tokenizer_without_methods(small_dir):
+    with pytest.raises(TypeError, match="get_bos_token_id"):
+        BESTFIT(object(), 2, 8, "train", device="cpu", data_dir=small_dir)
+
+
+def test_cuda_requested_without_gpu(small_dir):
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is present")
+    with pytest.raises(ValueError, match="no CUDA GPU"):
+        BESTFIT(ByteTokenizer(), 2, 8, "train", device="cuda", data_dir=small_dir)
+
+
+# -----------------------------------------------------------------------------
+# background threads: failures reach the caller, early stops end the threads
+
+
+def loader_threads():
+    return [t for t in threading.enumerate() if t.name.startswith("nanochat-")]
+
+
+def wait_for_no_loader_threads(timeout=5.0):
+    deadline = time.monotonic() + timeout
+    while loader_threads() and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return loader_threads()
+
+
+def test_bad_shard_in_background_raises_on_next(tmp_path):
+    write_shards(tmp_path, [["good text"] * 40], row_group_size=4)
+    write_shard(tmp_path / "shard_00001.parquet", [None, "x"], row_group_size=2)  # a null text
+    write_shards(tmp_path / "unused", [["v"]], row_group_size=1)
+    (tmp_path / "shard_00002.parquet").write_bytes((tmp_path / "unused" / "shard_00000.parquet").read_bytes())
+    loader = BESTFIT(ByteTokenizer(), 1, 8, "train", device="cpu", data_dir=str(tmp_path),
+                     buffer_size=2, tokenizer_batch_size=2, prefetch=2)
+    with pytest.raises(ValueError, match=r"shard_00001.parquet row group 0"):
+        for _ in range(1000):
+            next(loader)
+    # the generator is finished after raising: the next call ends it, never a hang
+    with pytest.raises(StopIteration):
+        next(loader)
+    assert wait_for_no_loader_threads() == []
+
+
+@pytest.mark.parametrize("how", ["break", "close", "gc"])
+def test_early_stop_ends_threads(how, small_dir):
+    assert wait_for_no_loader_threads() == []
+    loader = tokenizing_distributed_data_loader_bos_bestfit(ByteTokenizer(), 2, 8, "train", device="cpu",
+                                                            data_dir=small_dir, prefetch=3)
+    for i, _ in enumerate(loader):
+        if i == 2:
+            break
+    assert loader_threads(), "prefetch should run background threads"
+    if how == "close":
+        loader.close()
+    elif how == "gc":
+        del loader
+        gc.collect()
+    else:
+        loader.close()  # a for-loop break leaves the generator alive until it is closed or collected
+    assert wait_for_no_loader_threads() == []
+
+
+# -----------------------------------------------------------------------------
+# CUDA transfer (skipped without a GPU)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_batches_match_cpu(tmp_path):
+    rng = random.Random(1)
+    write_shards(tmp_path, [["w" * rng.randint(0, 300) for _ in range(400)], ["v"]], row_group_size=16)
+    kw = dict(buffer_size=20, data_dir=str(tmp_path))
+    cpu = BESTFIT(ByteTokenizer(), 4, 64, "train", device="cpu", **kw)
+    gpu = BESTFIT(ByteTokenizer(), 4, 64, "train", device="cuda", **kw)
+    pointers = set()
+    for _ in range(20):
+        x, y, s = next(cpu)
+        gx, gy, gs = next(gpu)
+        assert gx.is_cuda and gy.is_cuda and gx.dtype == torch.int64
+        assert torch.equal(gx.cpu(), x) and torch.equal(gy.cpu(), y) and gs == s
+        pointers.add(gx.data_ptr())
+    assert len(pointers) == 1  # one device buffer, reused
