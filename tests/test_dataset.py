@@ -1,0 +1,656 @@
+"""
+Tests for nanochat/dataset.py: listing, splitting and reading shards; the downloader against a real
+local HTTP server that injects faults (5xx, dropped connections, short or garbage bodies, 404,
+429/503 with Retry-After, with and without Range support); concurrent downloads; the CLI; repackage.
+Hermetic: no internet, tiny shards in tmp_path, backoff of milliseconds. Run:
+    python -m pytest tests/test_dataset.py -q
+"""
+
+import errno
+import gzip
+import json
+import os
+import random
+import re
+import subprocess
+import sys
+import threading
+import time
+from collections import Counter, defaultdict, namedtuple
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from conftest import write_shard, write_shards
+from nanochat import dataset
+from nanochat.dataset import (
+    DATASETS, DatasetSpec, download_shards, download_single_file, get_data_dir, get_dataset,
+    index_to_filename, list_parquet_files, main, parquets_iter_batched, repackage, split_parquet_files,
+)
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+FAST = ["--backoff-base", "0.01"]  # 5 attempts then cost 0.01+0.02+0.04+0.08 s of sleep
+
+
+def _texts(seed: int, n: int = 300) -> list[str]:
+    rng = random.Random(seed)
+    words = ["alpha", "beta", "gamma", "delta", "shard", "token", "river", "stone", "cloud", "paper"]
+    return [f"doc {seed}-{i}: " + " ".join(rng.choice(words) for _ in range(rng.randint(5, 40)))
+            for i in range(n)]
+
+
+# -----------------------------------------------------------------------------
+# A local shard server that misbehaves on request
+
+
+class _ServerState:
+    """What the handler serves, how it misbehaves, and what it saw.
+    faults[name]: behaviours for the 1st, 2nd, ... GET of that file; always[name]: for every GET.
+    Behaviours: "500", "503:0", "429:1" (code[:Retry-After]), "drop" (half the body, then close),
+    "short" (all but 100 bytes of the body), "cut" (half the body and no Content-Length),
+    "garbage" (right length, not parquet), "bad_range" (206 with a Content-Range from 0),
+    "slow" (wait 0.3 s before the body)."""
+
+    def __init__(self):
+        self.files: dict[str, bytes] = {}
+        self.faults: dict[str, list[str]] = {}
+        self.always: dict[str, str] = {}
+        self.range_support = True
+        self.gets = Counter()
+        self.heads = Counter()
+        self.ranges = defaultdict(list)  # name -> the Range header of each GET (None when absent)
+        self.lock = threading.Lock()
+        self.url = ""
+
+    def behaviour(self, name: str, n: int) -> str | None:
+        if name in self.always:
+            return self.always[name]
+        faults = self.faults.get(name, [])
+        return faults[n - 1] if n <= len(faults) else None
+
+
+class _Handler(BaseHTTPRequestHandler):
+    # HTTP/1.0: every response ends with a close, so a short write is seen as a truncated body
+
+    def log_message(self, format, *args):
+        pass  # keep pytest output clean
+
+    def _empty(self, code: int, headers: dict | None = None) -> None:
+        self.send_response(code)
+        for key, value in (headers or {}).items():
+            self.send_header(key, value)
+        self.send_header("Content-Length", "0")
+        self.end_headers()
+
+    def do_HEAD(self):
+        state, name = self.server.state, self.path.rsplit("/", 1)[-1]
+        with state.lock:
+            state.heads[name] += 1
+        body = state.files.get(name)
+        if body is None:
+            return self._empty(404)
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+
+    def do_GET(self):
+        state, name = self.server.state, self.path.rsplit("/", 1)[-1]
+        with state.lock:
+            state.gets[name] += 1
+            state.ranges[name].append(self.headers.get("Range"))
+            fault = state.behaviour(name, state.gets[name])
+        body = state.files.get(name)
+        if body is None:
+            return self._empty(404)
+        if fault and fault[:3].isdigit():
+            code, _, retry_after = fault.partition(":")
+            return self._empty(int(code), {"Retry-After": retry_after} if retry_after else None)
+        start = 0
+        requested = self.headers.get("Range")
+        if requested and state.range_support:
+            start = int(re.fullmatch(r"bytes=(\d+)-", requested).group(1))
+            if start >= len(body):
+                return self._empty(416, {"Content-Range": f"bytes */{len(body)}"})
+            self.send_response(206)
+            first = 0 if fault == "bad_range" else start
+            self.send_header("Content-Range", f"bytes {first}-{len(body) - 1}/{len(body)}")
+        else:
+            self.send_response(200)
+        payload = body[start:]
+        if fault == "garbage":
+            payload = b"\x00not parquet" * (len(payload) // 12) + b"!" * (len(payload) % 12)
+        if fault != "cut":
+            self.send_header("Content-Length", str(len(payload)))
+        self.end_headers()
+        if fault == "slow":
+            time.sleep(0.3)
+        if fault in ("drop", "cut"):
+            payload = payload[:len(payload) // 2]
+        if fault == "short":
+            payload = payload[:max(len(payload) - 100, 0)]
+        self.wfile.write(payload)
+
+
+@pytest.fixture
+def server(tmp_path):
+    state = _ServerState()
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), _Handler)
+    httpd.daemon_threads = True
+    httpd.state = state
+    # a short poll so that shutdown() at teardown returns in ~50 ms, not the default 0.5 s
+    thread = threading.Thread(target=httpd.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
+    thread.start()
+    state.url = f"http://127.0.0.1:{httpd.server_address[1]}/resolve/main"
+    yield state
+    httpd.shutdown()
+    httpd.server_close()
+
+
+def _serve(server, tmp_path, indices) -> dict[int, bytes]:
+    """Write a real shard per index, register its bytes with the server, return them by index."""
+    folder = tmp_path / "served"
+    folder.mkdir(exist_ok=True)
+    served = {}
+    for i in indices:
+        path = folder / index_to_filename(i)
+        write_shard(path, _texts(i), row_group_size=64)
+        served[i] = path.read_bytes()
+        server.files[index_to_filename(i)] = served[i]
+    return served
+
+
+def _assert_only_complete_shards(data_dir, served: dict[int, bytes]) -> None:
+    """Every *.parquet in data_dir is byte-identical to what was served; no temp files remain."""
+    names = sorted(os.listdir(data_dir))
+    assert not [n for n in names if n.endswith(".tmp")], names
+    parquet = [n for n in names if n.endswith(".parquet")]
+    assert parquet == sorted(index_to_filename(i) for i in served)
+    for i, body in served.items():
+        with open(os.path.join(data_dir, index_to_filename(i)), "rb") as f:
+            assert f.read() == body
+
+
+# -----------------------------------------------------------------------------
+# Datasets, listing, splitting, reading
+
+
+def test_import_does_no_io(tmp_path):
+    base = tmp_path / "never_created"
+    code = ("import logging, nanochat.dataset; "
+            "assert not logging.getLogger().handlers, 'import configured logging'")
+    env = dict(os.environ, NANOCHAT_BASE_DIR=str(base))
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=REPO_ROOT, env=env)
+    assert not base.exists()
+
+
+def test_get_dataset_and_data_dir(monkeypatch):
+    assert get_dataset().name == "fineweb-edu-100b"
+    assert get_dataset().val_filename == "shard_01822.parquet"
+    monkeypatch.setenv("NANOCHAT_DATASET", "climbmix-400b")
+    assert get_dataset().max_shard == 6542
+    assert get_data_dir().endswith(os.path.join("nanochat_base", "base_data_climbmix"))
+    with pytest.raises(ValueError, match="nope"):
+        get_dataset("nope")
+    with pytest.raises(ValueError, match="nope"):
+        download_single_file(0, dataset="nope")
+
+
+def test_list_ignores_temp_and_lock_files(tmp_path):
+    write_shards(tmp_path, [["a"], ["b"]], row_group_size=1)
+    for name in ("shard_00002.parquet.tmp", ".shard_00002.parquet.lock", "notes.txt"):
+        (tmp_path / name).write_bytes(b"partial")
+    names = [os.path.basename(p) for p in list_parquet_files(str(tmp_path))]
+    assert names == ["shard_00000.parquet", "shard_00001.parquet"]
+
+
+def test_split_pins_val_shard_by_name(tmp_path):
+    for name in ("a.parquet", "shard_00000.parquet", "shard_01822.parquet", "z.parquet"):
+        write_shard(tmp_path / name, [name], row_group_size=1)
+    assert [os.path.basename(p) for p in split_parquet_files("val", str(tmp_path))] == ["shard_01822.parquet"]
+    train = [os.path.basename(p) for p in split_parquet_files("train", str(tmp_path))]
+    assert train == ["a.parquet", "shard_00000.parquet", "z.parquet"]
+
+
+def test_split_without_known_val_uses_last_sorted(tmp_path):
+    write_shards(tmp_path, [["a"], ["b"], ["c"]], row_group_size=1)
+    assert [os.path.basename(p) for p in split_parquet_files("val", str(tmp_path))] == ["shard_00002.parquet"]
+    assert len(split_parquet_files("train", str(tmp_path))) == 2
+    with pytest.raises(ValueError, match="'train' or 'val'"):
+        split_parquet_files("test", str(tmp_path))
+
+
+def test_split_single_shard_has_no_train(tmp_path):
+    write_shards(tmp_path, [["only"]], row_group_size=1)
+    assert len(split_parquet_files("val", str(tmp_path))) == 1
+    with pytest.raises(FileNotFoundError, match="train split is empty"):
+        split_parquet_files("train", str(tmp_path))
+
+
+def test_missing_or_empty_dir_names_the_download_command(tmp_path):
+    with pytest.raises(FileNotFoundError, match="python -m nanochat.dataset"):
+        split_parquet_files("train", str(tmp_path / "missing"))
+    with pytest.raises(FileNotFoundError, match="python -m nanochat.dataset"):
+        split_parquet_files("train", str(tmp_path))  # exists, but holds no shards
+
+
+def test_default_dir_needs_the_val_shard():
+    write_shards(get_data_dir(), [["a"], ["b"]], row_group_size=1)
+    with pytest.raises(FileNotFoundError, match="-n 0"):
+        split_parquet_files("val")
+
+
+def test_parquets_iter_batched_start_step(tmp_path):
+    # 2 train shards of 5 row groups (2 docs each) + a val shard
+    files = [[f"s{s}d{d}" for d in range(10)] for s in range(3)]
+    write_shards(tmp_path, files, row_group_size=2)
+    got = list(parquets_iter_batched("train", start=1, step=2, data_dir=str(tmp_path)))
+    assert got == [["s0d2", "s0d3"], ["s0d6", "s0d7"], ["s1d2", "s1d3"], ["s1d6", "s1d7"]]
+    # all ranks together cover the split exactly once
+    ranks = [doc for r in range(3) for rg in parquets_iter_batched("train", r, 3, str(tmp_path)) for doc in rg]
+    assert sorted(ranks) == sorted(files[0] + files[1])
+    assert [d for rg in parquets_iter_batched("val", data_dir=str(tmp_path)) for d in rg] == files[2]
+    with pytest.raises(ValueError, match="step"):
+        next(parquets_iter_batched("train", step=0, data_dir=str(tmp_path)))
+
+
+@pytest.mark.parametrize("table, message", [
+    (pa.table({"body": ["x", "y"]}), "no 'text' column"),
+    (pa.table({"text": pa.array([1, 2], type=pa.int64())}), "row group 0: column 'text' has type int64"),
+    (pa.table({"text": pa.array(["x", None], type=pa.string())}), "row group 0: column 'text' has 1 null"),
+])
+def test_read_errors_name_file_and_row_group(tmp_path, table, message):
+    path = tmp_path / "shard_00000.parquet"
+    pq.write_table(table, path)
+    write_shard(tmp_path / "shard_00001.parquet", ["val"], row_group_size=1)
+    with pytest.raises(ValueError, match=message) as info:
+        list(parquets_iter_batched("train", data_dir=str(tmp_path)))
+    assert str(path) in str(info.value)
+
+
+# -----------------------------------------------------------------------------
+# Downloading: the happy path, skipping, the CLI
+
+
+def test_main_downloads_train_and_val_shards(server, tmp_path, capsys):
+    served = _serve(server, tmp_path, [0, 1, 1822])
+    data_dir = tmp_path / "data"
+    rc = main(["-n", "2", "-w", "2", "--base-url", server.url, "--data-dir", str(data_dir)] + FAST)
+    assert rc == 0
+    out = capsys.readouterr().out
+    assert "workers=2" in out and f"base_url={server.url}" in out  # echoes what it parsed
+    assert f"downloaded 3/3 shards to {data_dir}" in out
+    _assert_only_complete_shards(data_dir, served)
+    assert server.gets == {name: 1 for name in server.files}
+    assert list_parquet_files(str(data_dir))[-1].endswith("shard_01822.parquet")
+
+
+def test_existing_files_are_skipped(server, tmp_path):
+    served = _serve(server, tmp_path, [0, 1, 1822])
+    data_dir = tmp_path / "data"
+    data_dir.mkdir()
+    for i in (0, 1822):
+        (data_dir / index_to_filename(i)).write_bytes(served[i])
+    assert main(["-n", "2", "--base-url", server.url, "--data-dir", str(data_dir)] + FAST) == 0
+    assert server.gets == {"shard_00001.parquet": 1}
+    # all there: no request at all, not even the HEAD for the disk check
+    server.heads.clear()
+    assert main(["-n", "2", "--base-url", server.url, "--data-dir", str(data_dir)] + FAST) == 0
+    assert server.gets == {"shard_00001.parquet": 1} and not server.heads
+    _assert_only_complete_shards(data_dir, served)
+
+
+@pytest.fixture
+def tiny_dataset(monkeypatch):
+    """A registered dataset with 3 train shards (0..2) and val shard 3."""
+    monkeypatch.setitem(DATASETS, "tiny", DatasetSpec("tiny", "example/tiny", 3, "tiny_data"))
+    return DATASETS["tiny"]
+
+
+def test_n_past_the_end_is_clamped(server, tmp_path, tiny_dataset, capsys):
+    served = _serve(server, tmp_path, range(4))
+    data_dir = tmp_path / "data"
+    assert main(["-n", "10", "--dataset", "tiny", "--base-url", server.url, "--data-dir", str(data_dir)] + FAST) == 0
+    assert "clamping to 3" in capsys.readouterr().out
+    _assert_only_complete_shards(data_dir, served)
+
+
+def test_n_minus_one_fetches_all_and_defaults_come_from_env(server, tmp_path, tiny_dataset, monkeypatch):
+    served = _serve(server, tmp_path, range(4))
+    monkeypatch.setenv("NANOCHAT_DATASET", "tiny")
+    monkeypatch.setenv("NANOCHAT_DATA_URL", server.url)
+    assert main(["-n", "-1"] + FAST) == 0
+    _assert_only_complete_shards(get_data_dir(), served)  # <NANOCHAT_BASE_DIR>/tiny_data
+    assert get_data_dir().endswith("tiny_data")
+
+
+def test_n_zero_fetches_only_the_val_shard(server, tmp_path, capsys):
+    served = _serve(server, tmp_path, [0, 1822])
+    data_dir = tmp_path / "data"
+    assert main(["-n", "0", "--base-url", server.url, "--data-dir", str(data_dir)] + FAST) == 0
+    assert "downloaded 1/1 shards" in capsys.readouterr().out
+    _assert_only_complete_shards(data_dir, {1822: served[1822]})
+    assert split_parquet_files("val", str(data_dir))[0].endswith("shard_01822.parquet")
+
+
+@pytest.mark.parametrize("args, name", [
+    (["-n", "-2"], "--num-files"),
+    (["-w", "-1"], "--num-workers"),
+    (["--backoff-base", "-1"], "--backoff-base"),
+    (["--max-attempts", "0"], "--max-attempts"),
+])
+def test_bad_cli_arguments_are_named(args, name, capsys):
+    with pytest.raises(SystemExit) as info:
+        main(args)
+    assert info.value.code == 2
+    assert name in capsys.readouterr().err
+
+
+def test_unknown_dataset_on_the_cli():
+    with pytest.raises(ValueError, match="'nope'"):
+        main(["--dataset", "nope", "-n", "0"])
+
+
+def test_bad_api_arguments(tmp_path):
+    with pytest.raises(ValueError, match="num_workers"):
+        download_shards([0], str(tmp_path), "http://127.0.0.1:9", num_workers=-1)
+    with pytest.raises(ValueError, match="max_attempts"):
+        download_single_file(0, str(tmp_path), "http://127.0.0.1:9", max_attempts=0)
+    with pytest.raises(ValueError, match="index"):
+        download_single_file(-1, str(tmp_path), "http://127.0.0.1:9")
+
+
+def test_api_resolves_defaults_at_call_time(server, tmp_path, monkeypatch):
+    served = _serve(server, tmp_path, [5])
+    monkeypatch.setenv("NANOCHAT_BASE_DIR", str(tmp_path / "later"))
+    monkeypatch.setenv("NANOCHAT_DATA_URL", server.url)
+    assert download_single_file(5, backoff_base=0.01) is True
+    _assert_only_complete_shards(tmp_path / "later" / "base_data", served)
+
+
+# -----------------------------------------------------------------------------
+# Downloading: faults
+
+
+@pytest.fixture
+def small_chunks(monkeypatch):
+    """1 KiB writes, so a drop in the middle of a ~14KB test shard leaves a partial file to resume."""
+    monkeypatch.setattr(dataset, "CHUNK_SIZE", 1024)
+
+
+def _kept(n_received: int) -> int:
+    """Bytes on disk after a drop: the chunk being filled when the connection closed is lost."""
+    return n_received - n_received % 1024
+
+
+def _download(server, tmp_path, index, **kwargs) -> bool:
+    return download_single_file(index, str(tmp_path / "data"), server.url, backoff_base=0.01, **kwargs)
+
+
+def test_5xx_is_retried(server, tmp_path):
+    served = _serve(server, tmp_path, [0])
+    server.faults["shard_00000.parquet"] = ["500", "502"]
+    assert _download(server, tmp_path, 0)
+    assert server.gets["shard_00000.parquet"] == 3
+    _assert_only_complete_shards(tmp_path / "data", served)
+
+
+def test_dropped_connection_resumes_with_range(server, tmp_path, small_chunks):
+    served = _serve(server, tmp_path, [0])
+    name = "shard_00000.parquet"
+    server.faults[name] = ["drop"]
+    assert _download(server, tmp_path, 0)
+    assert server.ranges[name] == [None, f"bytes={_kept(len(served[0]) // 2)}-"]
+    _assert_only_complete_shards(tmp_path / "data", served)
+
+
+def test_server_without_range_support_restarts_from_zero(server, tmp_path, small_chunks):
+    served = _serve(server, tmp_path, [0])
+    name = "shard_00000.parquet"
+    server.range_support = False
+    server.faults[name] = ["drop", "drop"]
+    assert _download(server, tmp_path, 0)
+    # each retry asked for the rest, got the whole file (200) and rewrote the temp file
+    assert server.ranges[name] == [None] + [f"bytes={_kept(len(served[0]) // 2)}-"] * 2
+    _assert_only_complete_shards(tmp_path / "data", served)
+
+
+def test_short_body_once_is_resumed(server, tmp_path, small_chunks):
+    served = _serve(server, tmp_path, [0])
+    name = "shard_00000.parquet"
+    server.faults[name] = ["short"]
+    assert _download(server, tmp_path, 0)
+    assert server.ranges[name] == [None, f"bytes={_kept(len(served[0]) - 100)}-"]
+    _assert_only_complete_shards(tmp_path / "data", served)
+
+
+def test_partial_file_from_an_earlier_run_is_resumed(server, tmp_path):
+    served = _serve(server, tmp_path, [0])
+    data_dir = tmp_path / "data"
+    data_dir.mkdir()
+    (data_dir / "shard_00000.parquet.tmp").write_bytes(served[0][:1000])
+    assert list_parquet_files(str(data_dir)) == []
+    assert _download(server, tmp_path, 0)
+    assert server.ranges["shard_00000.parquet"] == ["bytes=1000-"]
+    _assert_only_complete_shards(data_dir, served)
+
+
+def test_wrong_content_range_restarts_from_zero(server, tmp_path, small_chunks):
+    served = _serve(server, tmp_path, [0])
+    name = "shard_00000.parquet"
+    server.faults[name] = ["drop", "bad_range"]
+    assert _download(server, tmp_path, 0)
+    assert server.ranges[name] == [None, f"bytes={_kept(len(served[0]) // 2)}-", None]
+    _assert_only_complete_shards(tmp_path / "data", served)
+
+
+@pytest.mark.parametrize("fault", ["garbage", "cut"])
+def test_non_parquet_or_truncated_body_is_discarded_and_retried(server, tmp_path, fault):
+    served = _serve(server, tmp_path, [0])
+    name = "shard_00000.parquet"
+    server.faults[name] = [fault]
+    assert _download(server, tmp_path, 0)
+    # the bad body was deleted, so the retry asked for the whole file again
+    assert server.ranges[name] == [None, None]
+    _assert_only_complete_shards(tmp_path / "data", served)
+
+
+@pytest.mark.parametrize("fault", ["garbage", "short", "cut", "500"])
+def test_shard_that_never_succeeds_fails_the_run(server, tmp_path, fault, capsys):
+    served = _serve(server, tmp_path, [0, 1, 1822])
+    server.always["shard_00001.parquet"] = fault
+    data_dir = tmp_path / "data"
+    rc = main(["-n", "2", "--base-url", server.url, "--data-dir", str(data_dir)] + FAST)
+    assert rc == 1
+    out = capsys.readouterr().out
+    assert "downloaded 2/3 shards" in out and "failed (1): shard_00001.parquet" in out
+    assert server.gets["shard_00001.parquet"] == dataset.MAX_ATTEMPTS
+    del served[1]
+    _assert_only_complete_shards(data_dir, served)  # nothing partial under any name
+
+
+def test_404_fails_fast(server, tmp_path, capsys):
+    served = _serve(server, tmp_path, [0, 1822])  # shard 1 does not exist on the server
+    data_dir = tmp_path / "data"
+    assert main(["-n", "2", "--base-url", server.url, "--data-dir", str(data_dir)] + FAST) == 1
+    assert "failed (1): shard_00001.parquet" in capsys.readouterr().out
+    assert server.gets["shard_00001.parquet"] == 1
+    _assert_only_complete_shards(data_dir, served)
+
+
+def test_retry_after_is_honoured(server, tmp_path):
+    served = _serve(server, tmp_path, [0, 1])
+    server.faults["shard_00000.parquet"] = ["429:1"]
+    server.faults["shard_00001.parquet"] = ["503:0", "503:0"]
+    t0 = time.monotonic()
+    assert _download(server, tmp_path, 0)
+    # the backoff would have been 0.01 s; the server asked for 1 s
+    assert time.monotonic() - t0 >= 0.9
+    assert _download(server, tmp_path, 1)
+    assert server.gets == {"shard_00000.parquet": 2, "shard_00001.parquet": 3}
+    _assert_only_complete_shards(tmp_path / "data", served)
+
+
+def test_retry_after_parsing():
+    assert dataset._retry_after_seconds("0") == 0
+    assert dataset._retry_after_seconds(" 7 ") == 7
+    assert dataset._retry_after_seconds("86400") == dataset.RETRY_AFTER_CAP
+    assert dataset._retry_after_seconds("Wed, 21 Oct 2015 07:28:00 GMT") is None
+    assert dataset._retry_after_seconds("-3") is None
+    assert dataset._retry_after_seconds(None) is None
+
+
+def test_backoff_doubles(server, tmp_path, monkeypatch):
+    _serve(server, tmp_path, [0])
+    server.always["shard_00000.parquet"] = "500"
+    waits = []
+    monkeypatch.setattr(dataset.time, "sleep", waits.append)
+    assert not download_single_file(0, str(tmp_path / "data"), server.url)
+    assert waits == [2.0, 4.0, 8.0, 16.0]  # the defaults: 5 attempts, base 2 s
+
+
+# -----------------------------------------------------------------------------
+# Downloading: concurrency and disk space
+
+
+def test_two_threads_download_one_shard_once(server, tmp_path):
+    served = _serve(server, tmp_path, [0])
+    server.always["shard_00000.parquet"] = "slow"  # the second caller arrives mid-download
+    results = []
+    threads = [threading.Thread(target=lambda: results.append(_download(server, tmp_path, 0))) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert results == [True, True]
+    assert server.gets["shard_00000.parquet"] == 1  # the one waiting on the lock found the file and skipped
+    _assert_only_complete_shards(tmp_path / "data", served)
+
+
+def test_two_processes_download_into_one_dir(server, tmp_path):
+    served = _serve(server, tmp_path, [0, 1, 2, 1822])
+    for name in server.files:
+        server.always[name] = "slow"
+    data_dir = tmp_path / "data"
+    cmd = [sys.executable, "-m", "nanochat.dataset", "-n", "3", "-w", "2", "--base-url", server.url,
+           "--data-dir", str(data_dir)] + FAST
+    procs = [subprocess.Popen(cmd, cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for _ in range(2)]
+    outputs = [p.communicate(timeout=60)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], outputs
+    assert all("downloaded 4/4 shards" in out for out in outputs)
+    assert sum(server.gets.values()) == 4  # every shard was fetched by exactly one process
+    _assert_only_complete_shards(data_dir, served)
+
+
+_DiskUsage = namedtuple("_DiskUsage", "total used free")  # what shutil.disk_usage returns
+
+
+def test_not_enough_disk_space_stops_before_downloading(server, tmp_path, monkeypatch):
+    _serve(server, tmp_path, [0, 1822])
+    data_dir = tmp_path / "data"
+    monkeypatch.setattr(dataset.shutil, "disk_usage", lambda path: _DiskUsage(10**6, 10**6 - 100, 100))
+    with pytest.raises(OSError, match="--data-dir") as info:
+        main(["-n", "1", "--base-url", server.url, "--data-dir", str(data_dir)] + FAST)
+    assert info.value.errno == errno.ENOSPC
+    assert server.heads["shard_00000.parquet"] == 1 and not server.gets
+
+
+def test_disk_check_falls_back_to_the_estimate(tmp_path, monkeypatch):
+    free = 3 * dataset.SHARD_BYTES_ESTIMATE
+    monkeypatch.setattr(dataset.shutil, "disk_usage", lambda path: _DiskUsage(free, 0, free))
+    dataset.check_disk_space(str(tmp_path), 2)  # 2 * 100MB * 1.1 fits in 300MB
+    with pytest.raises(OSError, match="estimated"):
+        dataset.check_disk_space(str(tmp_path), 3)
+
+
+# -----------------------------------------------------------------------------
+# Repackaging your own data
+
+
+def _write_inputs(folder) -> tuple[list[str], list[str]]:
+    """One input of each kind, 2600 distinct documents in all; returns (paths, documents)."""
+    docs = _texts(7, n=2600)
+    txt, jsonl, jsonl_gz, parquet = docs[:600], docs[600:1200], docs[1200:1900], docs[1900:]
+    paths = [str(folder / n) for n in ("a.txt", "b.jsonl", "c.jsonl.gz", "d.parquet")]
+    with open(paths[0], "w", encoding="utf-8") as f:
+        f.write("\n\n".join(txt) + "\n   \n")  # blank and whitespace-only lines are not documents
+    with open(paths[1], "w", encoding="utf-8") as f:
+        f.writelines(json.dumps({"id": i, "text": t}) + "\n" for i, t in enumerate(jsonl))
+    with gzip.open(paths[2], "wt", encoding="utf-8") as f:
+        f.writelines(json.dumps({"text": t}) + "\n" for t in jsonl_gz)
+    pq.write_table(pa.table({"url": ["u"] * len(parquet), "text": parquet}), paths[3], row_group_size=100)
+    return paths, docs
+
+
+def test_repackage_all_input_kinds(tmp_path):
+    paths, docs = _write_inputs(tmp_path)
+    out = tmp_path / "out"
+    shards = repackage(paths, str(out), docs_per_shard=1500)  # 2 shards of 1300: row groups 1024 + 276
+    assert [os.path.basename(p) for p in shards] == [index_to_filename(i) for i in range(2)]
+    assert list_parquet_files(str(out)) == shards  # no temp files left behind
+    train = [d for rg in parquets_iter_batched("train", data_dir=str(out)) for d in rg]
+    val = [d for rg in parquets_iter_batched("val", data_dir=str(out)) for d in rg]
+    assert Counter(train + val) == Counter(docs)  # every document exactly once
+    assert len(val) == pq.ParquetFile(shards[-1]).metadata.num_rows  # the last shard is val
+    assert train[:len(docs) // 10] != docs[:len(docs) // 10]  # shuffled
+    for path in shards:
+        pf = pq.ParquetFile(path)
+        assert pf.schema_arrow.names == ["text"] and pf.schema_arrow.field("text").type == pa.string()
+        rows = [pf.metadata.row_group(i).num_rows for i in range(pf.num_row_groups)]
+        assert rows[:-1] == [1024] * (len(rows) - 1) and 0 < rows[-1] <= 1024
+        assert pf.metadata.row_group(0).column(0).compression == "ZSTD"
+    assert [pq.ParquetFile(p).num_row_groups for p in shards] == [2, 2]
+
+
+def test_repackage_cli_by_size_and_seed(tmp_path, capsys):
+    paths, docs = _write_inputs(tmp_path)
+    args = ["repackage"] + paths + ["--shard-size-mb", "0.02", "--seed", "1"]
+    assert main(args + ["--out", str(tmp_path / "a")]) == 0
+    assert "is val" in capsys.readouterr().out
+    shards = list_parquet_files(str(tmp_path / "a"))
+    assert len(shards) >= 3
+    # the size target is an estimate from a compressed sample; allow parquet overhead on tiny shards
+    assert all(os.path.getsize(p) < 2 * 0.02e6 for p in shards)
+    assert main(args + ["--out", str(tmp_path / "b")]) == 0
+    same = [pq.read_table(p).column("text").to_pylist() for p in list_parquet_files(str(tmp_path / "b"))]
+    assert same == [pq.read_table(p).column("text").to_pylist() for p in shards]  # same seed, same shards
+
+
+def test_repackage_few_documents_still_makes_train_and_val(tmp_path):
+    (tmp_path / "few.txt").write_text("one\ntwo\nthree\n", encoding="utf-8")
+    shards = repackage([str(tmp_path / "few.txt")], str(tmp_path / "out"))
+    assert [pq.ParquetFile(p).metadata.num_rows for p in shards] == [2, 1]
+    (tmp_path / "one.txt").write_text("lonely\n", encoding="utf-8")
+    with pytest.raises(ValueError, match="at least 2 documents"):
+        repackage([str(tmp_path / "one.txt")], str(tmp_path / "out2"))
+
+
+def test_repackage_bad_inputs(tmp_path):
+    out = str(tmp_path / "out")
+    good = tmp_path / "good.txt"
+    good.write_text("a\nb\n", encoding="utf-8")
+    with pytest.raises(FileNotFoundError, match="missing.jsonl"):
+        repackage([str(good), str(tmp_path / "missing.jsonl")], out)
+    (tmp_path / "no_field.jsonl").write_text('{"body": "x"}\n', encoding="utf-8")
+    with pytest.raises(ValueError, match=r"no_field.jsonl line 1: no 'text' field"):
+        repackage([str(tmp_path / "no_field.jsonl")], out)
+    (tmp_path / "bad.jsonl").write_text('{"text": "x"}\n{oops\n', encoding="utf-8")
+    with pytest.raises(ValueError, match="bad.jsonl line 2: invalid JSON"):
+        repackage([str(tmp_path / "bad.jsonl")], out)
+    pq.write_table(pa.table({"body": ["x", "y"]}), tmp_path / "no_col.parquet")
+    with pytest.raises(ValueError, match="no_col.parquet has no 'text' column"):
+        repackage([str(tmp_path / "no_col.parquet")], out)
+    (tmp_path / "data.csv").write_text("text\nx\n", encoding="utf-8")
+    with pytest.raises(ValueError, match="data.csv: unsupported"):
+        repackage([str(tmp_path / "data.csv")], out)
+    (tmp_path / "latin1.txt").write_bytes(b"caf\xe9\n")
+    with pytest.raises(ValueError, match="latin1.txt is not valid UTF-8"):
+        repackage([str(tmp_path / "latin1.txt")], out)
+    assert not os.path.exists(out)  # nothing was written for any bad input
+    # --text-field picks another field; an out dir that already has shards is refused
+    (tmp_path / "body.jsonl").write_text('{"body": "x"}\n{"body": "y"}\n', encoding="utf-8")
+    repackage([str(tmp_path / "body.jsonl")], out, text_field="body")
+    with pytest.raises(FileExistsError, match="empty --out"):
+        repackage([str(good)], out)
