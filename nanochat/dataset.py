@@ -245,6 +245,12 @@ def _parse_content_range(value: str | None) -> tuple[int, int | None]:
     return first, total
 
 
+def _unsatisfied_range_total(response: requests.Response) -> int | None:
+    """The file size a 416 answer reports in its `bytes */total` Content-Range, if any."""
+    match = re.fullmatch(r"bytes \*/(\d+)", response.headers.get("Content-Range", "").strip())
+    return int(match.group(1)) if match else None
+
+
 def _check_status(response: requests.Response, url: str) -> None:
     """Return for 200/206; otherwise raise the exception that says whether and when to retry."""
     code = response.status_code
@@ -270,6 +276,8 @@ def _fetch_to_tmp(url: str, tmp: str, *, timeout: float, progress: bool | None) 
     if have:
         headers["Range"] = f"bytes={have}-"
     with requests.get(url, headers=headers, stream=True, timeout=timeout) as response:
+        if response.status_code == 416 and have and _unsatisfied_range_total(response) == have:
+            return have  # a run stopped between the last byte and the rename; the check below decides
         _check_status(response, url)
         if response.status_code == 206:
             first, total = _parse_content_range(response.headers.get("Content-Range"))

@@ -436,6 +436,18 @@ def test_partial_file_from_an_earlier_run_is_resumed(server, tmp_path):
     _assert_only_complete_shards(data_dir, served)
 
 
+@pytest.mark.parametrize("extra, gets", [(b"", 1), (b"junk", 2)])
+def test_complete_or_overlong_temp_file_on_416(server, tmp_path, extra, gets):
+    served = _serve(server, tmp_path, [0])
+    data_dir = tmp_path / "data"
+    data_dir.mkdir()
+    (data_dir / "shard_00000.parquet.tmp").write_bytes(served[0] + extra)
+    assert _download(server, tmp_path, 0)
+    # complete: the 416's size matches and the file is renamed; overlong: discarded and fetched again
+    assert server.gets["shard_00000.parquet"] == gets
+    _assert_only_complete_shards(data_dir, served)
+
+
 def test_wrong_content_range_restarts_from_zero(server, tmp_path, small_chunks):
     served = _serve(server, tmp_path, [0])
     name = "shard_00000.parquet"
