@@ -1,0 +1,64 @@
+"""
+One rank of the multi-process sharding test (run by test_distributed.py under torchrun, gloo, CPU).
+Reads RANK/WORLD_SIZE like a training script would, runs both loaders on its shard of the data,
+and sends what it emitted to rank 0, which writes it as JSON.
+Usage: torchrun --nproc_per_node=N tests/dist_worker.py DATA_DIR OUT_JSON NUM_BATCHES
+"""
+
+import json
+import os
+import sys
+
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from conftest import ByteTokenizer  # noqa: E402
+from nanochat.common import get_dist_info  # noqa: E402
+from nanochat.dataloader import (  # noqa: E402
+    tokenizing_distributed_data_loader_with_state,
+    tokenizing_distributed_data_loader_with_state_bos_bestfit,
+)
+
+
+def main():
+    data_dir, out_path, num_batches = sys.argv[1], sys.argv[2], int(sys.argv[3])
+    dist.init_process_group("gloo")
+    ddp, rank, _, world_size = get_dist_info()
+    assert ddp and rank == dist.get_rank() and world_size == dist.get_world_size()
+    tok = ByteTokenizer()
+    B, T = 2, 32
+    # the concatenating loader: the stream of one batch is inputs + the last target
+    concat_stream = []
+    loader = tokenizing_distributed_data_loader_with_state(tok, B, T, "train", device="cpu", data_dir=data_dir,
+                                                           tokenizer_batch_size=3)
+    for _ in range(num_batches):
+        inputs, targets, state = next(loader)
+        concat_stream += inputs.flatten().tolist() + [targets[-1, -1].item()]
+    loader.close()
+    # the best-fit loader: rows (every document starts with BOS), and the states
+    rows, states = [], []
+    loader = tokenizing_distributed_data_loader_with_state_bos_bestfit(tok, B, T, "train", device="cpu",
+                                                                       data_dir=data_dir, buffer_size=8,
+                                                                       tokenizer_batch_size=3)
+    for _ in range(num_batches):
+        inputs, targets, state = next(loader)
+        full = torch_cat_rows(inputs, targets)
+        rows += full
+        states.append(state)
+    loader.close()
+    mine = {"rank": rank, "concat_stream": concat_stream, "bestfit_rows": rows, "states": states}
+    gathered = [None] * world_size
+    dist.all_gather_object(gathered, mine)
+    if rank == 0:
+        with open(out_path, "w") as f:
+            json.dump(gathered, f)
+    dist.destroy_process_group()
+
+
+def torch_cat_rows(inputs, targets):
+    # a row of T+1 tokens is the inputs plus the last target
+    return [x + [y[-1]] for x, y in zip(inputs.tolist(), targets.tolist())]
+
+
+if __name__ == "__main__":
+    main()
