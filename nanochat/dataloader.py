@@ -181,23 +181,23 @@ class _Source:
 
 
 def _bestfit_batches(token_batches, B: int, T: int, buffer_size: int):
-    """Yield (rows (B, T+1), state) packed best-fit; rows are a fresh array each batch."""
+    """Yield (rows (B, T+1), state, stats) packed best-fit; rows are a fresh array each batch."""
     packer = BestFitPacker(T + 1)  # +1 so that inputs and targets can both be sliced from one row
     source = _Source(token_batches)
     while True:
         rows = np.empty((B, T + 1), dtype=np.int64)
         packer.fill(rows, source, buffer_size)
-        yield rows, _state(source.position)
+        yield rows, _state(source.position), packer.stats()
 
 
 def _concat_batches(token_batches, B: int, T: int):
-    """Yield (tokens (B*T+1,), state): the next B*T+1 tokens of the concatenated stream."""
+    """Yield (tokens (B*T+1,), state, stats): the next B*T+1 tokens of the concatenated stream."""
     packer = ConcatPacker()
     source = _Source(token_batches)
     while True:
         tokens = np.empty(B * T + 1, dtype=np.int64)  # +1: the last target
         packer.take(tokens, source)
-        yield tokens, _state(source.position)
+        yield tokens, _state(source.position), packer.stats()
 
 
 # -----------------------------------------------------------------------------
@@ -262,6 +262,16 @@ class _Prefetcher:
 
 def _maybe_prefetch(source, depth: int, name: str):
     return _Prefetcher(source, depth, name) if depth > 0 else source
+
+
+def _prefetched(token_batches, prefetch: int, pack):
+    """The packing stage over a tokenization stage that runs `prefetch` batches ahead on its own thread."""
+    tokens = None
+    try:
+        tokens = _maybe_prefetch(token_batches, prefetch, "nanochat-tokenize")
+        yield from pack(tokens)
+    finally:
+        (tokens if tokens is not None else token_batches).close()
 
 
 # -----------------------------------------------------------------------------
@@ -336,23 +346,63 @@ def _setup(tokenizer, B, T, split, tokenizer_threads, tokenizer_batch_size, resu
     return _token_batches(doc_batches, tokenizer, tokenizer_threads)
 
 
-def _run(batches, prefetch: int, transfer: "_DeviceBatches", split_rows):
-    """Drive a packed-batch generator (on background threads when prefetch > 0) to the device."""
-    source = batches
-    try:
-        source = _maybe_prefetch(batches, prefetch, "nanochat-packing")
-        for packed, state_dict in source:
-            inputs, targets = transfer(*split_rows(packed))
-            yield inputs, targets, state_dict
-    finally:
-        source.close()
+class DataLoader:
+    """What the loader functions return: an iterator of (inputs, targets, state_dict) (or of
+    (inputs, targets) without state), with `stats` and `close()`.
+
+    Background threads start at the first `next()` and stop on `close()`, on garbage collection,
+    or when the loader fails; a failure is raised again by every later `next()`.
+    `stats` describes the batches yielded so far (not the read-ahead): tokens tokenized, emitted
+    and cropped, crop_share (cropped / (emitted + cropped)), documents per row, buffer occupancy,
+    and wait_seconds, the time `next()` spent waiting for a batch (the stall a GPU would feel).
+    """
+
+    def __init__(self, batches, transfer: _DeviceBatches, split_rows, prefetch: int, with_state: bool):
+        self._batches = batches  # generator of (packed, state_dict, stats)
+        self._transfer = transfer
+        self._split_rows = split_rows
+        self._prefetch = prefetch
+        self._with_state = with_state
+        self._source = None
+        self._error: BaseException | None = None
+        self._wait_seconds = 0.0
+        self.stats: dict = {}
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        if self._error is not None:
+            raise self._error
+        if self._source is None:
+            self._source = _maybe_prefetch(self._batches, self._prefetch, "nanochat-packing")
+        t0 = time.perf_counter()
+        try:
+            packed, state_dict, stats = next(self._source)
+        except BaseException as e:
+            self._error = e
+            self.close()
+            raise
+        self._wait_seconds += time.perf_counter() - t0
+        inputs, targets = self._transfer(*self._split_rows(packed))
+        self.stats = stats | {"wait_seconds": self._wait_seconds}
+        return (inputs, targets, state_dict) if self._with_state else (inputs, targets)
+
+    def close(self) -> None:
+        """Stop the background threads (idempotent)."""
+        source = self._source if self._source is not None else getattr(self, "_batches", None)
+        if source is not None:
+            source.close()
+
+    def __del__(self):
+        self.close()
 
 
 def tokenizing_distributed_data_loader_with_state_bos_bestfit(
         tokenizer, B: int, T: int, split: str, tokenizer_threads: int = 4, tokenizer_batch_size: int = 128,
         device="cuda", resume_state_dict: dict | None = None, buffer_size: int = 1000, *,
         data_dir: str | None = None, rank: int | None = None, world_size: int | None = None,
-        prefetch: int = 4):
+        prefetch: int = 4, with_state: bool = True) -> DataLoader:
     """Yield (inputs, targets, state_dict) forever: (B, T) int64 batches of BOS-aligned best-fit rows.
 
     tokenizer: anything with get_bos_token_id() and encode(list_of_str, prepend=bos, num_threads=n)
@@ -364,52 +414,31 @@ def tokenizing_distributed_data_loader_with_state_bos_bestfit(
     """
     token_batches = _setup(tokenizer, B, T, split, tokenizer_threads, tokenizer_batch_size,
                            resume_state_dict, data_dir, rank, world_size, prefetch, buffer_size=buffer_size)
-    transfer = _DeviceBatches(B, T, device)
-
-    def batches():
-        tokens = _maybe_prefetch(token_batches, prefetch, "nanochat-tokenize")
-        try:
-            yield from _bestfit_batches(tokens, B, T, buffer_size)
-        finally:
-            tokens.close()
-
-    return _run(batches(), prefetch, transfer, lambda rows: (rows[:, :-1], rows[:, 1:]))
-
-
-def _drop_state(loader):
-    try:
-        for inputs, targets, _ in loader:
-            yield inputs, targets
-    finally:
-        loader.close()
+    batches = _prefetched(token_batches, prefetch, lambda tokens: _bestfit_batches(tokens, B, T, buffer_size))
+    return DataLoader(batches, _DeviceBatches(B, T, device), lambda rows: (rows[:, :-1], rows[:, 1:]),
+                      prefetch, with_state)
 
 
 def tokenizing_distributed_data_loader_bos_bestfit(*args, **kwargs):
     """Like tokenizing_distributed_data_loader_with_state_bos_bestfit, yielding (inputs, targets)."""
-    return _drop_state(tokenizing_distributed_data_loader_with_state_bos_bestfit(*args, **kwargs))
+    return tokenizing_distributed_data_loader_with_state_bos_bestfit(*args, with_state=False, **kwargs)
 
 
 def tokenizing_distributed_data_loader_with_state(
         tokenizer, B: int, T: int, split: str, tokenizer_threads: int = 4, tokenizer_batch_size: int = 128,
         device="cuda", resume_state_dict: dict | None = None, *, data_dir: str | None = None,
-        rank: int | None = None, world_size: int | None = None, prefetch: int = 4):
+        rank: int | None = None, world_size: int | None = None, prefetch: int = 4,
+        with_state: bool = True) -> DataLoader:
     """The older concatenating loader: documents back to back (each after its BOS), each batch the
     next B*T+1 tokens of the stream. Wastes nothing, but rows start mid-document and attend across
     unrelated documents; for small data or very long documents. Yields (inputs, targets, state_dict)."""
     token_batches = _setup(tokenizer, B, T, split, tokenizer_threads, tokenizer_batch_size,
                            resume_state_dict, data_dir, rank, world_size, prefetch)
-    transfer = _DeviceBatches(B, T, device)
-
-    def batches():
-        tokens = _maybe_prefetch(token_batches, prefetch, "nanochat-tokenize")
-        try:
-            yield from _concat_batches(tokens, B, T)
-        finally:
-            tokens.close()
-
-    return _run(batches(), prefetch, transfer, lambda flat: (flat[:-1].reshape(B, T), flat[1:].reshape(B, T)))
+    batches = _prefetched(token_batches, prefetch, lambda tokens: _concat_batches(tokens, B, T))
+    return DataLoader(batches, _DeviceBatches(B, T, device),
+                      lambda flat: (flat[:-1].reshape(B, T), flat[1:].reshape(B, T)), prefetch, with_state)
 
 
 def tokenizing_distributed_data_loader(*args, **kwargs):
     """Like tokenizing_distributed_data_loader_with_state, yielding (inputs, targets)."""
-    return _drop_state(tokenizing_distributed_data_loader_with_state(*args, **kwargs))
+    return tokenizing_distributed_data_loader_with_state(*args, with_state=False, **kwargs)

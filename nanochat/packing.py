@@ -66,9 +66,25 @@ class BestFitPacker:
         self.tokens_in = 0
         self.tokens_out = 0
         self.tokens_cropped = 0
+        self.rows = 0
+        self.docs_placed = 0  # documents (whole or cropped) that went into rows
+        self.max_docs_per_row = 0
 
     def __len__(self) -> int:
         return self._num_docs
+
+    def stats(self) -> dict:
+        """Running totals: what entered the buffer, what went out in rows, what was cropped away."""
+        return {
+            "tokens_tokenized": self.tokens_in,
+            "tokens_emitted": self.tokens_out,
+            "tokens_cropped": self.tokens_cropped,
+            "crop_share": self.tokens_cropped / max(1, self.tokens_out + self.tokens_cropped),
+            "docs_per_row_mean": self.docs_placed / max(1, self.rows),
+            "docs_per_row_max": self.max_docs_per_row,
+            "buffer_docs": self._num_docs,
+            "buffer_tokens": self.tokens_in - self.tokens_out - self.tokens_cropped,
+        }
 
     def add(self, doc: np.ndarray) -> None:
         n = len(doc)
@@ -123,12 +139,16 @@ class BestFitPacker:
         `buffer_size` documents before each placement, as the seeds' loader does."""
         assert rows.shape[1] == self.row_capacity
         for row in rows:
-            pos = 0
+            pos, placed = 0, 0
             while pos < self.row_capacity:
                 while self._num_docs < buffer_size:
                     for doc in refill():
                         self.add(doc)
                 pos = self.place(row, pos)
+                placed += 1
+            self.rows += 1
+            self.docs_placed += placed
+            self.max_docs_per_row = max(self.max_docs_per_row, placed)
 
 
 # -----------------------------------------------------------------------------
@@ -147,6 +167,10 @@ class ConcatPacker:
 
     def __len__(self) -> int:
         return self._num_tokens
+
+    def stats(self) -> dict:
+        return {"tokens_tokenized": self.tokens_in, "tokens_emitted": self.tokens_out,
+                "tokens_cropped": 0, "crop_share": 0.0, "buffer_tokens": self._num_tokens}
 
     def add(self, doc: np.ndarray) -> None:
         if len(doc):

@@ -306,8 +306,8 @@ def test_bad_shard_in_background_raises_on_next(tmp_path):
     with pytest.raises(ValueError, match=r"shard_00001.parquet row group 0"):
         for _ in range(1000):
             next(loader)
-    # the generator is finished after raising: the next call ends it, never a hang
-    with pytest.raises(StopIteration):
+    # the same error again on the next call, never a hang
+    with pytest.raises(ValueError, match=r"shard_00001.parquet row group 0"):
         next(loader)
     assert wait_for_no_loader_threads() == []
 
@@ -327,7 +327,7 @@ def test_early_stop_ends_threads(how, small_dir):
         del loader
         gc.collect()
     else:
-        loader.close()  # a for-loop break leaves the generator alive until it is closed or collected
+        loader = None  # a for-loop break, then the loader goes out of scope
     assert wait_for_no_loader_threads() == []
 
 
@@ -351,3 +351,29 @@ def test_cuda_batches_match_cpu(tmp_path):
         assert torch.equal(gx.cpu(), x) and torch.equal(gy.cpu(), y) and gs == s
         pointers.add(gx.data_ptr())
     assert len(pointers) == 1  # one device buffer, reused
+
+
+# -----------------------------------------------------------------------------
+# statistics
+
+
+@pytest.mark.parametrize("prefetch", [0, 3])
+def test_stats_describe_the_yielded_batches(prefetch, tmp_path):
+    rng = random.Random(7)
+    write_shards(tmp_path, [["y" * rng.randint(0, 120) for _ in range(300)], ["v"]], row_group_size=10)
+    B, T = 3, 40
+    loader = BESTFIT(ByteTokenizer(), B, T, "train", device="cpu", buffer_size=12, tokenizer_batch_size=7,
+                     data_dir=str(tmp_path), prefetch=prefetch)
+    bos_per_row = []
+    for k in range(1, 30):
+        inputs, targets, _ = next(loader)
+        rows = torch.cat([inputs, targets[:, -1:]], dim=1)
+        bos_per_row += (rows == ByteTokenizer.bos).sum(dim=1).tolist()
+        s = loader.stats
+        # every placement starts with BOS, so documents per row are countable from the rows themselves
+        assert s["docs_per_row_max"] == max(bos_per_row)
+        assert s["docs_per_row_mean"] == pytest.approx(sum(bos_per_row) / len(bos_per_row))
+        assert s["tokens_emitted"] == k * B * (T + 1)  # what was yielded, not what was read ahead
+        assert s["tokens_tokenized"] == s["tokens_emitted"] + s["tokens_cropped"] + s["buffer_tokens"]
+        assert s["buffer_docs"] >= 12 and s["wait_seconds"] >= 0
+    assert s["tokens_cropped"] > 0 and max(bos_per_row) >= 2
