@@ -375,5 +375,6 @@ def test_stats_describe_the_yielded_batches(prefetch, tmp_path):
         assert s["docs_per_row_mean"] == pytest.approx(sum(bos_per_row) / len(bos_per_row))
         assert s["tokens_emitted"] == k * B * (T + 1)  # what was yielded, not what was read ahead
         assert s["tokens_tokenized"] == s["tokens_emitted"] + s["tokens_cropped"] + s["buffer_tokens"]
-        assert s["buffer_docs"] >= 12 and s["wait_seconds"] >= 0
+        # refilled to 12 before each placement, and the last placement of a batch took one out
+        assert s["buffer_docs"] >= 11 and s["wait_seconds"] >= 0
     assert s["tokens_cropped"] > 0 and max(bos_per_row) >= 2
