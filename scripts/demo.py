@@ -1,0 +1,323 @@
+"""
+The whole data pipeline end to end on a built-in sample, offline, in well under a minute on 2 cores:
+
+    python -m scripts.demo                      # into a fresh temp dir (printed)
+    python -m scripts.demo --out /tmp/nc-demo   # or a directory of your choice (must be empty)
+
+Stages, each the real code that speedrun.sh runs on FineWeb-Edu:
+  1. write a seeded English-like corpus (Zipf word frequencies, log-normal document lengths) as
+     shards with `nanochat.dataset.repackage`, named like the hosted dataset: shard_00000.parquet, ...
+     and the val shard under the default dataset's last index (shard_01822.parquet);
+  2. serve them from an HTTP server on 127.0.0.1;
+  3. download them with the real CLI: `python -m nanochat.dataset -n N --base-url ... --data-dir ...`;
+  4. train a tokenizer with `python -m scripts.tok_train`, measure it with `python -m scripts.tok_eval`;
+  5. stream best-fit packed batches with the loader on the CPU and print what they look like.
+
+--out is laid out like $NANOCHAT_BASE_DIR (base_data/, tokenizer/) plus hosted/ (what the server
+served), so afterwards `NANOCHAT_BASE_DIR=<out> python -m scripts.tok_eval` works too. Nothing
+under ~/.cache/nanochat is read or written.
+"""
+
+import argparse
+import functools
+import json
+import math
+import os
+import random
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from http.server import SimpleHTTPRequestHandler, ThreadingHTTPServer
+
+import pyarrow.parquet as pq
+
+from nanochat.dataloader import tokenizing_distributed_data_loader_with_state_bos_bestfit
+from nanochat.dataset import get_dataset, index_to_filename, repackage
+from nanochat.tokenizer import RustBPETokenizer
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+# -----------------------------------------------------------------------------
+# 1. A sample corpus
+
+# ~250 common English words, roughly most frequent first: a Zipf draw over them gives text whose
+# word frequencies look like real prose, so BPE learns real-looking merges ("the", "ing", " of")
+WORDS = """
+the of and to a in is it that was for on are as with he they at be this from have or by one had
+not but what all were when we there can an your which their said if do will each about how up out
+them then she many some so these would other into has more her two like him see time could no make
+than first been its who now people my made over did down only way find use may water long little
+very after words called just where most know get through back much before go good new write our
+used me man too any day same right look think also around another came come work three word must
+because does part even place well such here take why things help put years different away again
+off went old number great tell men say small every found still between name should home big give
+air line set own under read last never us left end along while might next sound below saw something
+thought both few those always looked show large often together asked house world going want school
+important until form food keep children feet land side without boy once animals life enough took
+four head above kind began almost live page got earth need far hand high year mother light country
+father let night picture being study second soon story since white ever paper hard near sentence
+better best across during today however sure knew try told young sun thing whole hear example heard
+several change answer room sea against top turned learn point city play toward five himself usually
+money seen car morning body upon family later turn move face door cut done group true leave color
+""".split()
+ZIPF_EXPONENT = 1.1  # word frequency ~ 1 / rank^1.1, close to what English corpora show
+# the rare tail: made-up words from English-like syllables (names, jargon). Without it BPE runs out
+# of pairs to merge after ~1600 tokens; with it a 2048 vocab fills up.
+TAIL_WORDS = 4000
+ONSETS = "b c d f g h j k l m n p r s t v w br ch cl cr dr fl gr pl pr sh st th tr".split()
+NUCLEI = "a e i o u ai ea ee oo ou".split()
+CODAS = ["", "", "", "n", "r", "s", "t", "l", "nd", "st", "ng", "ck"]
+SUFFIXES = ["", "", "", "s", "ed", "ing", "er", "ly", "tion", "ness"]
+WORDS_MEDIAN, WORDS_SIGMA = 150, 0.9  # words per document ~ log-normal, median 150 (~900 characters)
+
+
+def _vocabulary() -> list[str]:
+    """The common words, then TAIL_WORDS made-up ones; the same list every run."""
+    rng = random.Random(1234)  # fixed: the language stays the same whatever --seed picks
+    tail = set()
+    while len(tail) < TAIL_WORDS:
+        syllables = rng.choices([1, 2, 3], weights=[2, 5, 3])[0]
+        word = "".join(rng.choice(ONSETS) + rng.choice(NUCLEI) + rng.choice(CODAS) for _ in range(syllables))
+        tail.add(word + rng.choice(SUFFIXES))
+    return WORDS + sorted(tail - set(WORDS))
+
+
+def _sentence(rng: random.Random, vocabulary: list[str], weights: list[float]) -> str:
+    words = rng.choices(vocabulary, cum_weights=weights, k=rng.randint(4, 18))
+    if rng.random() < 0.15:  # a number now and then, so digits get tokens too
+        words.insert(rng.randrange(len(words)), str(rng.randint(2, 2024)))
+    if len(words) > 8 and rng.random() < 0.3:
+        words[len(words) // 2] += ","
+    return " ".join(words).capitalize() + rng.choice(".....?!")
+
+
+def generate_documents(num_docs: int, seed: int = 0) -> list[str]:
+    """num_docs English-like documents (paragraphs of sentences), the same for the same seed."""
+    rng = random.Random(seed)
+    vocabulary = _vocabulary()
+    weights, total = [], 0.0
+    for rank in range(1, len(vocabulary) + 1):
+        total += rank ** -ZIPF_EXPONENT
+        weights.append(total)
+    docs = []
+    for _ in range(num_docs):
+        target = min(int(rng.lognormvariate(math.log(WORDS_MEDIAN), WORDS_SIGMA)) + 5, 5000)
+        paragraphs, sentences, words = [], [], 0
+        while words < target:
+            sentence = _sentence(rng, vocabulary, weights)
+            sentences.append(sentence)
+            words += sentence.count(" ") + 1
+            if len(sentences) >= rng.randint(3, 7):
+                paragraphs.append(" ".join(sentences))
+                sentences = []
+        if sentences:
+            paragraphs.append(" ".join(sentences))
+        docs.append("\n\n".join(paragraphs))
+    return docs
+
+
+def write_hosted_shards(docs: list[str], hosted_dir: str, num_train: int, row_group_size: int) -> list[str]:
+    """Shuffle docs into num_train train shards plus a val shard, named like the hosted dataset."""
+    jsonl = os.path.join(os.path.dirname(hosted_dir), "sample.jsonl")
+    with open(jsonl, "w", encoding="utf-8") as f:
+        for text in docs:
+            f.write(json.dumps({"text": text}) + "\n")
+    # repackage splits as evenly as it can into ceil(num_docs / docs_per_shard) shards, the last is val
+    paths = repackage([jsonl], hosted_dir, docs_per_shard=math.ceil(len(docs) / (num_train + 1)),
+                      row_group_size=row_group_size, progress=False)
+    os.remove(jsonl)
+    if len(paths) != num_train + 1:
+        raise ValueError(f"--num-docs {len(docs)} does not split into {num_train} train shards + 1 val "
+                         f"shard (got {len(paths)} shards); pass more documents or fewer --shards")
+    # the real CLI always fetches the dataset's last index as val, so the sample's val goes there
+    val_path = os.path.join(hosted_dir, index_to_filename(get_dataset().max_shard))
+    os.replace(paths[-1], val_path)
+    return paths[:-1] + [val_path]
+
+
+# -----------------------------------------------------------------------------
+# 2. A local "Hugging Face"
+
+
+class _QuietHandler(SimpleHTTPRequestHandler):
+    def log_message(self, format, *args):
+        pass  # one line per request would drown the downloader's own report
+
+
+def serve(directory: str) -> tuple[ThreadingHTTPServer, str]:
+    """Serve directory over HTTP on 127.0.0.1 (a free port) from a daemon thread; returns (server, url)."""
+    handler = functools.partial(_QuietHandler, directory=directory)
+    server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=server.serve_forever, name="demo-http", daemon=True).start()
+    return server, f"http://127.0.0.1:{server.server_address[1]}"
+
+
+# -----------------------------------------------------------------------------
+# 3-4. The real command-line tools
+
+
+def run_cli(args: list[str], env: dict) -> None:
+    """Run `python -m ...` from the repo root like a user would; raise if it fails."""
+    print(f"\n$ python -m {' '.join(args)}", flush=True)
+    result = subprocess.run([sys.executable, "-m", *args], cwd=REPO_ROOT, env=env)
+    if result.returncode != 0:
+        raise RuntimeError(f"`python -m {' '.join(args)}` exited with status {result.returncode}")
+
+
+# -----------------------------------------------------------------------------
+# 5. Packed batches
+
+
+def stream_batches(tokenizer, B: int, T: int, split: str, num_batches: int, data_dir: str) -> dict:
+    """Pull num_batches batches from the best-fit loader on the CPU and measure them."""
+    bos = tokenizer.get_bos_token_id()
+    loader = tokenizing_distributed_data_loader_with_state_bos_bestfit(
+        tokenizer, B, T, split, tokenizer_threads=2, device="cpu", data_dir=data_dir)
+    docs_per_row, bos_rows, first_row, state_dict = [], 0, None, None
+    t0 = time.perf_counter()
+    try:
+        for step, (inputs, targets, state_dict) in enumerate(loader):
+            # the tensors are views that the next batch overwrites: measure now, copy what we keep
+            if not (inputs[:, 1:] == targets[:, :-1]).all():
+                raise AssertionError(f"{split} batch {step}: targets are not inputs shifted by one")
+            bos_rows += int((inputs[:, 0] == bos).sum())
+            docs_per_row += (inputs == bos).sum(dim=1).tolist()  # each document in a row starts with BOS
+            if first_row is None:
+                first_row = inputs[0].tolist()
+            if step + 1 == num_batches:
+                break
+        seconds = time.perf_counter() - t0
+    finally:
+        loader.close()
+    rows = num_batches * B
+    return {
+        "batches": num_batches, "rows": rows, "tokens": rows * T, "seconds": seconds,
+        "bos_row_pct": 100.0 * bos_rows / rows,
+        "docs_per_row_mean": sum(docs_per_row) / rows, "docs_per_row_max": max(docs_per_row),
+        "state_dict": state_dict, "first_row": first_row,
+        "loader_stats": getattr(loader, "stats", None),  # newer loaders count tokens, crops, waits
+    }
+
+
+def print_batch_stats(name: str, s: dict) -> None:
+    print(f"{name}: {s['batches']} batches, {s['rows']} rows, {s['tokens']:,} tokens in {s['seconds']:.2f}s "
+          f"({s['tokens'] / max(s['seconds'], 1e-9):,.0f} tokens/s, including start-up)")
+    print(f"{name}: rows starting with BOS: {s['bos_row_pct']:.1f}%")
+    print(f"{name}: documents per row: mean {s['docs_per_row_mean']:.2f}, max {s['docs_per_row_max']}")
+    stats = s["loader_stats"]
+    if stats:
+        # cropped / (emitted + cropped): the share of the documents the packer took that was thrown
+        # away. tokens_tokenized is not the denominator: it also counts the ~1000 documents still
+        # waiting in the buffer. The loader packs `prefetch` batches ahead, so its counts run ahead too.
+        cropped, emitted = stats.get("tokens_cropped", 0), stats.get("tokens_emitted", 0)
+        crop = stats.get("crop_share", cropped / max(cropped + emitted, 1))
+        print(f"{name}: crop share: {100 * crop:.1f}% ({cropped:,} cropped, {emitted:,} packed; "
+              f"{stats.get('tokens_tokenized', 0):,} tokenized so far)")
+        print(f"{name}: loader stats: {stats}")
+    else:
+        print(f"{name}: crop share: n/a (this loader has no .stats)")
+    print(f"{name}: state_dict of the last batch: {s['state_dict']}")
+
+
+# -----------------------------------------------------------------------------
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description="Run the data pipeline end to end on a built-in sample, offline")
+    parser.add_argument("--out", default=None,
+                        help="empty or new directory for hosted/, base_data/, tokenizer/ (default: a fresh temp dir)")
+    parser.add_argument("--num-docs", type=int, default=4000, help="documents in the sample (default: 4000)")
+    parser.add_argument("--shards", type=int, default=4, help="train shards; one val shard is added (default: 4)")
+    parser.add_argument("--row-group-size", type=int, default=256,
+                        help="documents per row group (default: 256; the hosted shards use 1024)")
+    parser.add_argument("--vocab-size", type=int, default=2048, help="tokenizer vocab size (default: 2048)")
+    parser.add_argument("--batches", type=int, default=40, help="train batches to stream (default: 40)")
+    parser.add_argument("--B", type=int, default=8, help="rows per batch (default: 8)")
+    parser.add_argument("--T", type=int, default=512, help="tokens per row (default: 512)")
+    parser.add_argument("--seed", type=int, default=0, help="corpus seed (default: 0)")
+    args = parser.parse_args(argv)
+    for name in ("num_docs", "shards", "row_group_size", "batches", "B", "T"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if args.num_docs < 2 * (args.shards + 1):
+        parser.error(f"--num-docs {args.num_docs} is too few for {args.shards} train shards + 1 val shard; "
+                     f"pass at least {2 * (args.shards + 1)}")
+    if args.out and os.path.isdir(args.out) and os.listdir(args.out):
+        parser.error(f"--out {args.out} is not empty; pass a new or empty directory")
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    out = os.path.abspath(args.out) if args.out else tempfile.mkdtemp(prefix="nanochat-demo-")
+    hosted_dir, data_dir, tokenizer_dir = (os.path.join(out, d) for d in ("hosted", "base_data", "tokenizer"))
+    os.makedirs(out, exist_ok=True)
+    print(f"out: {out}")
+    print(f"num_docs: {args.num_docs}  shards: {args.shards} (+1 val)  row_group_size: {args.row_group_size}  "
+          f"vocab_size: {args.vocab_size}  batches: {args.batches}  B: {args.B}  T: {args.T}  seed: {args.seed}")
+    t_start = time.perf_counter()
+    # the tools find base_data/ and tokenizer/ under here by default; --data-dir etc. are still passed
+    env = dict(os.environ, NANOCHAT_BASE_DIR=out)
+
+    print("\n== 1. sample corpus -> shards")
+    docs = generate_documents(args.num_docs, args.seed)
+    hosted = write_hosted_shards(docs, hosted_dir, args.shards, args.row_group_size)
+    chars = sum(len(d) for d in docs)
+    print(f"{len(docs):,} documents, {chars:,} characters ({chars / len(docs):,.0f} per document); "
+          f"{len(hosted)} shards in {hosted_dir}:")
+    for path in hosted:
+        pf = pq.ParquetFile(path)
+        print(f"  {os.path.basename(path)}: {pf.metadata.num_rows} documents, {pf.num_row_groups} row groups, "
+              f"{os.path.getsize(path) / 1e3:.0f} KB")
+
+    print("\n== 2-3. serve them on 127.0.0.1 and download with the real CLI")
+    server, url = serve(hosted_dir)
+    try:
+        print(f"serving {hosted_dir} at {url}")
+        run_cli(["nanochat.dataset", "-n", str(args.shards), "-w", "2", "--base-url", url,
+                 "--data-dir", data_dir, "--backoff-base", "0.1"], env)
+    finally:
+        server.shutdown()
+        server.server_close()
+    for path in hosted:
+        with open(path, "rb") as a, open(os.path.join(data_dir, os.path.basename(path)), "rb") as b:
+            if a.read() != b.read():
+                raise RuntimeError(f"{b.name} differs from the served {a.name}")
+    print(f"all {len(hosted)} downloaded shards are byte-identical to the served ones")
+
+    print("\n== 4. tokenizer")
+    run_cli(["scripts.tok_train", "--vocab-size", str(args.vocab_size), "--max-chars", str(chars),
+             "--data-dir", data_dir, "--out-dir", tokenizer_dir], env)
+    run_cli(["scripts.tok_eval", "--tokenizer-dir", tokenizer_dir, "--data-dir", data_dir,
+             "--max-docs", "500", "--compare", "none"], env)
+    tokenizer = RustBPETokenizer.from_directory(tokenizer_dir)
+
+    print("\n== 5. best-fit packed batches (device=cpu)")
+    train = stream_batches(tokenizer, args.B, args.T, "train", args.batches, data_dir)
+    val = stream_batches(tokenizer, args.B, args.T, "val", 1, data_dir)
+    print_batch_stats("train", train)
+    print_batch_stats("val", val)
+    snippet = tokenizer.decode(train["first_row"][:60])
+    print(f"first train row, first 60 tokens decoded: {snippet!r}")
+    if train["bos_row_pct"] != 100.0 or val["bos_row_pct"] != 100.0:
+        raise AssertionError("a row does not start with BOS; best-fit rows must always start with one")
+
+    print("\n== summary")
+    print(f"sample: {len(docs):,} documents, {chars:,} characters -> {len(hosted)} shards served at {url}")
+    print(f"downloaded: {len(hosted)}/{len(hosted)} shards to {data_dir}, byte-identical")
+    print(f"tokenizer: vocab {tokenizer.get_vocab_size():,} saved to {tokenizer_dir}")
+    print(f"loader: {train['batches']} train batches of {args.B}x{args.T}, "
+          f"{train['tokens'] / max(train['seconds'], 1e-9):,.0f} tokens/s, 100% BOS rows, "
+          f"{train['docs_per_row_mean']:.2f} documents per row")
+    print(f"done in {time.perf_counter() - t_start:.1f}s; everything is under {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    try:
+        sys.exit(main())
+    except (ValueError, OSError, RuntimeError, AssertionError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(1)
