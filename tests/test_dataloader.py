@@ -378,3 +378,19 @@ def test_stats_describe_the_yielded_batches(prefetch, tmp_path):
         # refilled to 12 before each placement, and the last placement of a batch took one out
         assert s["buffer_docs"] >= 11 and s["wait_seconds"] >= 0
     assert s["tokens_cropped"] > 0 and max(bos_per_row) >= 2
+
+
+def test_real_tokenizer_fast_path_matches_oracle(tmp_path):
+    # nanochat's tokenizer has encode_to_arrays (numpy, no Python ints); the oracle uses encode (lists)
+    from nanochat.tokenizer import RustBPETokenizer
+    rng = random.Random(3)
+    words = ["the", "data", "loader", "packs", "rows", "of", "tokens", "123", "4567", "é", "ünï", "\n"]
+    docs = [" ".join(rng.choice(words) for _ in range(rng.randint(0, 80))) for _ in range(300)]
+    write_shards(tmp_path, [docs[:150], docs[150:280], docs[280:]], row_group_size=16)
+    tok = RustBPETokenizer.train_from_iterator(iter(docs), 300)
+    assert hasattr(tok, "encode_to_arrays")
+    paths = split_parquet_files("train", str(tmp_path))
+    loader = BESTFIT(tok, 3, 32, "train", device="cpu", buffer_size=20, tokenizer_batch_size=10,
+                     data_dir=str(tmp_path))
+    reference = oracle.bestfit_loader(tok, paths, 3, 32, tokenizer_batch_size=10, buffer_size=20)
+    assert_same_stream(loader, reference, 40)

@@ -401,3 +401,14 @@ def test_tok_eval_skips_unavailable_references(tok, saved_dir, tmp_path, monkeyp
     out = capsys.readouterr().out
     assert "skipping gpt2" in out and "skipping cl100k_base" in out
     assert "train  ours" in out and "val    ours" in out
+
+
+def test_encode_to_arrays_matches_encode(tok):
+    texts = ["hello world 12345", "", "ünïcode <|bos|> text", "a\nb\n\nc"]
+    bos = tok.get_bos_token_id()
+    arrays = tok.encode_to_arrays(texts, prepend=bos, num_threads=2)
+    assert all(a.dtype == np.uint32 for a in arrays)
+    assert [a.tolist() for a in arrays] == tok.encode(texts, prepend=bos)
+    assert [a.tolist() for a in tok.encode_to_arrays(texts)] == tok.encode(texts)
+    with pytest.raises(TypeError):
+        tok.encode_to_arrays("not a list")

@@ -1,0 +1,294 @@
+"""
+Loader benchmark: where the time goes, ours vs the seeds' algorithm, on one corpus in one run.
+
+    python -m scripts.bench_dataloader                 # generated FineWeb-like corpus, B=32, T=2048
+    python -m scripts.bench_dataloader --data-dir DIR  # your shards (train = all but the last)
+
+It prints tokens/s for reading alone, tokenization alone, packing alone (pre-tokenized input),
+and the whole loader, for ours and for the slow oracle (tests/oracle.py, the seeds' list-and-scan
+best-fit), then the ratios the throughput issue asks for, the crop share over a long run, and
+memory. Speed is a measurement here, never a test assertion.
+
+The default corpus: documents whose token lengths are log-normal (median ~600, mean ~1,000, a tail
+past 20,000), made of a Zipf-distributed pseudo-English vocabulary, written as real shards; the
+tokenizer is a BPE trained on it with rustbpe (vocab 16,384), so storage is uint16 as with
+nanochat's 65,536.
+"""
+
+import argparse
+import os
+import resource
+import sys
+import tempfile
+import time
+
+import numpy as np
+import pyarrow.parquet as pq
+
+from nanochat.dataloader import _to_documents, tokenizing_distributed_data_loader_with_state_bos_bestfit
+from nanochat.dataset import read_row_group_texts, split_parquet_files
+from nanochat.packing import BestFitPacker, token_dtype
+from nanochat.tokenizer import RustBPETokenizer
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
+import oracle  # noqa: E402  the same slow reference the tests compare against
+
+# -----------------------------------------------------------------------------
+# A FineWeb-like corpus
+
+
+def make_vocabulary(rng: np.random.Generator, n_words: int = 20_000) -> np.ndarray:
+    """Pseudo-English words from syllables; index 0 is the most frequent."""
+    onsets = ["", "b", "c", "d", "f", "g", "h", "l", "m", "n", "p", "r", "s", "t", "w", "th", "st", "pr", "ch"]
+    vowels = ["a", "e", "i", "o", "u", "ea", "ou", "io"]
+    codas = ["", "", "n", "r", "s", "t", "l", "nd", "ng", "ck", "st"]
+    words = set()
+    while len(words) < n_words:
+        k = rng.integers(1, 4)
+        words.add("".join(onsets[rng.integers(len(onsets))] + vowels[rng.integers(len(vowels))]
+                          + codas[rng.integers(len(codas))] for _ in range(k)))
+    return np.array(sorted(words, key=len))  # short words are the frequent ones, as in English
+
+
+def make_corpus(num_docs: int, seed: int = 0) -> list[str]:
+    """Documents of log-normal length (in words): median ~480 words ~ 600 tokens, mean ~1,000 tokens."""
+    rng = np.random.default_rng(seed)
+    vocab = make_vocabulary(rng)
+    # ln-normal with median 600 and mean 1000 tokens: sigma^2 = 2 ln(1000/600); ~1.25 tokens per word
+    sigma = np.sqrt(2 * np.log(1000 / 600))
+    n_tokens = np.exp(rng.normal(np.log(600), sigma, size=num_docs))
+    n_words = np.maximum(1, (n_tokens / 1.25).astype(np.int64))
+    ranks = np.minimum(rng.zipf(1.15, size=int(n_words.sum())) - 1, len(vocab) - 1)
+    words = vocab[ranks]
+    # punctuation and digits, so the split pattern and merges have realistic work to do
+    ends = rng.random(len(words))
+    words = np.where(ends < 0.06, np.char.add(words, "."), np.where(ends < 0.09, np.char.add(words, ","), words))
+    numbers = rng.random(len(words)) < 0.01
+    words[numbers] = rng.integers(0, 100_000, size=int(numbers.sum())).astype(str)
+    docs, start = [], 0
+    for n in n_words:
+        docs.append(" ".join(words[start:start + n]).capitalize())
+        start += n
+    return docs
+
+
+def write_corpus(docs: list[str], data_dir: str, docs_per_shard: int = 4096) -> None:
+    """Real-format shards: one text column, zstd, row groups of 1024; the last shard is val."""
+    import pyarrow as pa
+    os.makedirs(data_dir, exist_ok=True)
+    shards = [docs[i:i + docs_per_shard] for i in range(0, len(docs), docs_per_shard)] + [docs[:1024]]
+    for i, texts in enumerate(shards):
+        pq.write_table(pa.table({"text": texts}), os.path.join(data_dir, f"shard_{i:05d}.parquet"),
+                       row_group_size=1024, compression="zstd")
+
+
+# -----------------------------------------------------------------------------
+# Measurements
+
+
+def timed(fn):
+    t0 = time.perf_counter()
+    result = fn()
+    return result, time.perf_counter() - t0
+
+
+def read_all(paths) -> list[list[str]]:
+    batches = []
+    for path in paths:
+        pf = pq.ParquetFile(path)
+        for rg_idx in range(pf.num_row_groups):
+            batches.append(read_row_group_texts(pf, rg_idx, path))
+    return batches
+
+
+def tokenize_all(encode, bos, text_batches, batch_size, threads) -> list:
+    out = []
+    for texts in text_batches:
+        for i in range(0, len(texts), batch_size):
+            out.extend(encode(texts[i:i + batch_size], prepend=bos, num_threads=threads))
+    return out
+
+
+def cycled(items, batch):
+    """A refill callable that cycles over a list forever, `batch` items at a time."""
+    state = {"i": 0}
+
+    def refill():
+        i = state["i"]
+        chunk = [items[(i + j) % len(items)] for j in range(batch)]
+        state["i"] = (i + batch) % len(items)
+        return chunk
+
+    return refill
+
+
+def pack_ours(docs, B, T, buffer_size, n_batches, batch):
+    packer = BestFitPacker(T + 1)
+    refill = cycled(docs, batch)
+    rows = np.empty((B, T + 1), dtype=np.int64)
+    packer.fill(rows, refill, buffer_size)  # warm the buffer: its first fill is start-up, not steady state
+    t0 = time.perf_counter()
+    for _ in range(n_batches):
+        packer.fill(rows, refill, buffer_size)
+    return time.perf_counter() - t0, packer
+
+
+def pack_oracle(docs, B, T, buffer_size, n_batches, batch):
+    refill_items = cycled(docs, batch)
+    doc_buffer = []
+
+    def refill():
+        doc_buffer.extend(refill_items())
+
+    oracle.bestfit_rows(doc_buffer, refill, B, T + 1, buffer_size)  # warm-up fill
+    t0 = time.perf_counter()
+    for _ in range(n_batches):
+        oracle.bestfit_rows(doc_buffer, refill, B, T + 1, buffer_size)
+    return time.perf_counter() - t0
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--data-dir", default=None, help="shards to read (default: generate a corpus)")
+    parser.add_argument("--tokenizer-dir", default=None, help="a saved tokenizer (default: train one)")
+    parser.add_argument("--num-docs", type=int, default=12_000, help="documents in the generated corpus")
+    parser.add_argument("--vocab-size", type=int, default=16_384)
+    parser.add_argument("-B", type=int, default=32)
+    parser.add_argument("-T", type=int, default=2048)
+    parser.add_argument("--threads", type=int, default=4, help="tokenizer threads (the loader's default)")
+    parser.add_argument("--tokenizer-batch-size", type=int, default=128)
+    parser.add_argument("--loader-batches", type=int, default=150, help="batches for the whole-loader run")
+    parser.add_argument("--oracle-batches", type=int, default=20, help="batches for the slow oracle runs")
+    parser.add_argument("--crop-batches", type=int, default=3000, help="batches for the long crop-share run")
+    parser.add_argument("--device", default="cuda" if _cuda() else "cpu")
+    args = parser.parse_args(argv)
+    print(f"bench_dataloader: {vars(args)}")
+    B, T, threads, tbs = args.B, args.T, args.threads, args.tokenizer_batch_size
+
+    with tempfile.TemporaryDirectory() as tmp:
+        data_dir = args.data_dir
+        if data_dir is None:
+            data_dir = os.path.join(tmp, "data")
+            (docs, dt) = timed(lambda: make_corpus(args.num_docs))
+            write_corpus(docs, data_dir)
+            print(f"generated {len(docs):,} documents ({sum(map(len, docs)) / 1e6:.0f} MB of text) "
+                  f"in {dt:.1f}s -> {data_dir}")
+        if args.tokenizer_dir:
+            tokenizer = RustBPETokenizer.from_directory(args.tokenizer_dir)
+        else:
+            sample = (t for batch in read_all(split_parquet_files("train", data_dir)[:1]) for t in batch)
+            tokenizer, dt = timed(lambda: RustBPETokenizer.train_from_iterator(sample, args.vocab_size))
+            print(f"trained a {tokenizer.get_vocab_size():,}-token BPE on the first shard in {dt:.1f}s")
+        train_paths = split_parquet_files("train", data_dir)
+
+        # 1. reading alone, 2. tokenization alone (the same texts, the loader's batch size and threads)
+        text_batches, t_read = timed(lambda: read_all(train_paths))
+        # the loader's path (numpy arrays, no Python int per token), and plain encode() -> lists
+        bos = tokenizer.get_bos_token_id()
+        token_arrays, t_tok = timed(lambda: tokenize_all(tokenizer.encode_to_arrays, bos, text_batches, tbs, threads))
+        token_lists, t_tok_lists = timed(lambda: tokenize_all(tokenizer.encode, bos, text_batches, tbs, threads))
+        del token_arrays
+        n_tokens = sum(map(len, token_lists))
+        lengths = np.array([len(t) for t in token_lists])
+        print(f"corpus: {len(lengths):,} train documents, {n_tokens:,} tokens; tokens per document: "
+              f"mean {lengths.mean():.0f}, median {np.median(lengths):.0f}, p99 {np.percentile(lengths, 99):.0f}, "
+              f"max {lengths.max():,}")
+        dtype = token_dtype(tokenizer.get_vocab_size())
+        docs_np = _to_documents(token_lists, tokenizer.get_bos_token_id(), dtype)
+
+        # 3. packing alone, ours and the oracle's, on pre-tokenized documents (cycled)
+        n_pack = max(args.oracle_batches * 10, 200)
+        t_pack, _ = pack_ours(docs_np, B, T, 1000, n_pack, tbs)
+        t_pack10k, _ = pack_ours(docs_np, B, T, 10_000, n_pack, tbs)
+        t_oracle_pack = pack_oracle(token_lists, B, T, 1000, args.oracle_batches, tbs)
+        row_tokens = B * (T + 1)
+        pack_tps = n_pack * row_tokens / t_pack
+        pack10k_tps = n_pack * row_tokens / t_pack10k
+        oracle_pack_tps = args.oracle_batches * row_tokens / t_oracle_pack
+
+        # 4. the whole loader (reading + tokenizing + packing + transfer), ours and the oracle's
+        loader = tokenizing_distributed_data_loader_with_state_bos_bestfit(
+            tokenizer, B, T, "train", tokenizer_threads=threads, tokenizer_batch_size=tbs,
+            device=args.device, data_dir=data_dir, rank=0, world_size=1)
+        next(loader)  # start-up: the first buffer fill
+        start, wait_start = loader.stats["tokens_tokenized"], loader.stats["wait_seconds"]
+        t0 = time.perf_counter()
+        for _ in range(args.loader_batches):
+            inputs, targets, state = next(loader)
+        if args.device.startswith("cuda"):
+            import torch
+            torch.cuda.synchronize()
+        t_loader = time.perf_counter() - t0
+        stats = loader.stats
+        loader.close()
+        loader_tok_tps = (stats["tokens_tokenized"] - start) / t_loader
+        loader_emit_tps = args.loader_batches * row_tokens / t_loader
+
+        reference = oracle.bestfit_loader(tokenizer, train_paths, B, T, tbs, 1000)
+        next(reference)  # start-up, as for ours
+        t0 = time.perf_counter()
+        for _ in range(args.oracle_batches):
+            next(reference)
+        t_oracle_loader = time.perf_counter() - t0
+        oracle_emit_tps = args.oracle_batches * row_tokens / t_oracle_loader
+
+        # 5. the crop share over a long run (documents longer than a row pile up in the buffer)
+        crop = []
+        packer = BestFitPacker(T + 1)
+        refill = cycled(docs_np, tbs)
+        rows = np.empty((B, T + 1), dtype=np.int64)
+        checkpoints = {c for c in (10, 100, 1000, args.crop_batches) if c <= args.crop_batches}
+        for k in range(1, args.crop_batches + 1):
+            packer.fill(rows, refill, 1000)
+            if k in checkpoints:
+                s = packer.stats()
+                crop.append((k, s["crop_share"], s["tokens_cropped"] / s["tokens_tokenized"], s["buffer_docs"],
+                             s["buffer_tokens"]))
+        buffered = [d for q in packer._by_length.values() for _, d in q] + [d for _, _, d in packer._long]
+        buffer_bytes = sum(d.nbytes for d in buffered)
+        per_doc_overhead = sys.getsizeof(buffered[0]) if buffered else 0
+
+    tok_tps = n_tokens / t_tok
+    read_tps = n_tokens / t_read
+    print()
+    print(f"B={B} T={T} threads={threads} tokenizer_batch_size={tbs} device={args.device}")
+    print(f"{'stage':42s} {'tokens/s':>14s}")
+    for name, tps in [
+        ("reading alone (parquet -> str)", read_tps),
+        ("tokenization alone (arrays, the loader's)", tok_tps),
+        ("tokenization alone (encode -> lists)", n_tokens / t_tok_lists),
+        ("packing alone, ours, buffer 1,000", pack_tps),
+        ("packing alone, ours, buffer 10,000", pack10k_tps),
+        ("packing alone, oracle, buffer 1,000", oracle_pack_tps),
+        ("whole loader, ours (tokens tokenized)", loader_tok_tps),
+        ("whole loader, ours (tokens emitted)", loader_emit_tps),
+        ("whole loader, oracle (tokens emitted)", oracle_emit_tps),
+    ]:
+        print(f"{name:42s} {tps:14,.0f}")
+    print()
+    print("ratios")
+    print(f"  whole loader / tokenization alone (tokens tokenized per s): {loader_tok_tps / tok_tps:.2f}  (target >= 0.9)")
+    print(f"  packing / oracle packing (buffer 1,000):                    {pack_tps / oracle_pack_tps:.1f}x  (target >= 20)")
+    print(f"  packing cost at buffer 10,000 / at 1,000:                   {t_pack10k / t_pack:.2f}  (target < 1.5)")
+    print(f"  whole loader, ours / oracle (tokens emitted per s):         {loader_emit_tps / oracle_emit_tps:.2f}x")
+    print(f"  consumer wait in next() over the loader run: {stats['wait_seconds'] - wait_start:.2f}s of {t_loader:.2f}s")
+    print()
+    print("crop share over a long run (buffer 1,000; cropped / tokens consumed, cropped / tokens tokenized)")
+    for k, share, share_tok, bdocs, btoks in crop:
+        print(f"  after {k:5d} batches: {share:6.1%}  {share_tok:6.1%}   buffer {bdocs:,} docs, {btoks:,} tokens")
+    print()
+    print(f"memory: peak RSS {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024:,.0f} MiB (whole process, "
+          f"corpus and token lists included); document buffer: {buffer_bytes / max(1, crop[-1][4]):.2f} bytes "
+          f"per buffered token ({dtype}) + ~{per_doc_overhead} bytes per document")
+
+
+def _cuda() -> bool:
+    try:
+        import torch
+        return torch.cuda.is_available()
+    except ImportError:
+        return False
+
+
+if __name__ == "__main__":
+    main()
