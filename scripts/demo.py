@@ -183,7 +183,8 @@ def stream_batches(tokenizer, B: int, T: int, split: str, num_batches: int, data
             if not (inputs[:, 1:] == targets[:, :-1]).all():
                 raise AssertionError(f"{split} batch {step}: targets are not inputs shifted by one")
             bos_rows += int((inputs[:, 0] == bos).sum())
-            docs_per_row += (inputs == bos).sum(dim=1).tolist()  # each document in a row starts with BOS
+            # each document in a row starts with BOS; the row is inputs plus the last target (T + 1)
+            docs_per_row += ((inputs == bos).sum(dim=1) + (targets[:, -1] == bos)).tolist()
             if first_row is None:
                 first_row = inputs[0].tolist()
             if step + 1 == num_batches:
@@ -210,7 +211,7 @@ def print_batch_stats(name: str, s: dict) -> None:
     if stats:
         # cropped / (emitted + cropped): the share of the documents the packer took that was thrown
         # away. tokens_tokenized is not the denominator: it also counts the ~1000 documents still
-        # waiting in the buffer. The loader packs `prefetch` batches ahead, so its counts run ahead too.
+        # waiting in the buffer and those read ahead.
         cropped, emitted = stats.get("tokens_cropped", 0), stats.get("tokens_emitted", 0)
         crop = stats.get("crop_share", cropped / max(cropped + emitted, 1))
         print(f"{name}: crop share: {100 * crop:.1f}% ({cropped:,} cropped, {emitted:,} packed; "
@@ -244,6 +245,8 @@ def parse_args(argv=None):
     if args.num_docs < 2 * (args.shards + 1):
         parser.error(f"--num-docs {args.num_docs} is too few for {args.shards} train shards + 1 val shard; "
                      f"pass at least {2 * (args.shards + 1)}")
+    if args.shards >= get_dataset().max_shard:  # train shards are 0 .. max_shard-1, val is max_shard
+        parser.error(f"--shards must be < {get_dataset().max_shard}, got {args.shards}")
     if args.out and os.path.isdir(args.out) and os.listdir(args.out):
         parser.error(f"--out {args.out} is not empty; pass a new or empty directory")
     return args
