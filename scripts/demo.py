@@ -1,5 +1,6 @@
 """
-The whole data pipeline end to end on a built-in sample, offline, in well under a minute on 2 cores:
+The whole data pipeline end to end on a built-in sample, offline: ~6s on 2 CPU cores with the defaults
+(4000 documents, ~5.4M characters, 4+1 shards of ~330KB, a 2048-token vocab, 40 batches of 8x512).
 
     python -m scripts.demo                      # into a fresh temp dir (printed)
     python -m scripts.demo --out /tmp/nc-demo   # or a directory of your choice (must be empty)
@@ -42,7 +43,7 @@ REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # -----------------------------------------------------------------------------
 # 1. A sample corpus
 
-# ~250 common English words, roughly most frequent first: a Zipf draw over them gives text whose
+# ~300 common English words, roughly most frequent first: a Zipf draw over them gives text whose
 # word frequencies look like real prose, so BPE learns real-looking merges ("the", "ing", " of")
 WORDS = """
 the of and to a in is it that was for on are as with he they at be this from have or by one had
@@ -125,9 +126,11 @@ def write_hosted_shards(docs: list[str], hosted_dir: str, num_train: int, row_gr
         for text in docs:
             f.write(json.dumps({"text": text}) + "\n")
     # repackage splits as evenly as it can into ceil(num_docs / docs_per_shard) shards, the last is val
-    paths = repackage([jsonl], hosted_dir, docs_per_shard=math.ceil(len(docs) / (num_train + 1)),
-                      row_group_size=row_group_size, progress=False)
-    os.remove(jsonl)
+    try:
+        paths = repackage([jsonl], hosted_dir, docs_per_shard=math.ceil(len(docs) / (num_train + 1)),
+                          row_group_size=row_group_size, progress=False)
+    finally:
+        os.remove(jsonl)
     if len(paths) != num_train + 1:
         raise ValueError(f"--num-docs {len(docs)} does not split into {num_train} train shards + 1 val "
                          f"shard (got {len(paths)} shards); pass more documents or fewer --shards")
