@@ -1,6 +1,6 @@
 """
 The whole data pipeline end to end on a built-in sample, offline: ~6s on 2 CPU cores with the defaults
-(4000 documents, ~5.4M characters, 4+1 shards of ~330KB, a 2048-token vocab, 40 batches of 8x512).
+(4000 documents, ~5.4M characters, 4+1 shards of ~470KB, a 2048-token vocab, 40 batches of 8x512).
 
     python -m scripts.demo                      # into a fresh temp dir (printed)
     python -m scripts.demo --out /tmp/nc-demo   # or a directory of your choice (must be empty)
