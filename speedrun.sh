@@ -78,6 +78,6 @@ print(f"state_dict: {state_dict}")
 loader.close()
 EOF
 # For throughput in detail (tokenize vs pack vs copy), the loader benchmark:
-# python -m scripts.bench_dataloader --data-dir "$NANOCHAT_BASE_DIR/base_data"
+# python -m scripts.bench_dataloader --data-dir "$NANOCHAT_BASE_DIR/base_data" --tokenizer-dir "$NANOCHAT_BASE_DIR/tokenizer"
 
 echo "data ready: $(ls "$NANOCHAT_BASE_DIR/base_data"/*.parquet | wc -l) shards in $NANOCHAT_BASE_DIR/base_data, tokenizer in $NANOCHAT_BASE_DIR/tokenizer"
