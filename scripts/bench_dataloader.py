@@ -246,7 +246,8 @@ def main(argv=None):
                              s["buffer_tokens"]))
         buffered = [d for q in packer._by_length.values() for _, d in q] + [d for _, _, d in packer._long]
         buffer_bytes = sum(d.nbytes for d in buffered)
-        per_doc_overhead = sys.getsizeof(buffered[0]) if buffered else 0
+        # an array object's header, plus the (seq, doc) tuple and deque slot that index it
+        per_doc_overhead = sys.getsizeof(buffered[0]) - buffered[0].nbytes + sys.getsizeof((0, 0)) + 8
 
     tok_tps = n_tokens / t_tok
     read_tps = n_tokens / t_read
