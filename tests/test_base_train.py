@@ -1,0 +1,132 @@
+"""
+scripts/base_train.py end to end, in subprocesses as a user runs it: a tiny GPT on tiny shards
+(~30 s on 2 cores). Trained straight for 12 steps, then stopped after step 6 and resumed from its
+checkpoint: steps 7..12 must give the same losses, float for float, and the same val losses.
+
+    python -m pytest tests/test_base_train.py -q
+"""
+
+import json
+import math
+import os
+import random
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from nanochat.tokenizer import RustBPETokenizer
+from scripts.demo import generate_documents
+from tests.conftest import write_shards
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+STEPS = 12
+RESUME_STEP = 6
+# tiny on purpose: B*T = 64 tokens per step, so a row group of 16 documents lasts several steps and
+# the buffer of 8 still holds documents at the checkpoint: the resume must carry them over exactly
+TINY = ["--depth", "2", "--width", "32", "--heads", "2", "--B", "2", "--T", "32", "--buffer-size", "8",
+        "--steps", str(STEPS), "--eval-every", "4", "--eval-batches", "2", "--lr", "1e-2", "--device", "cpu"]
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    """3 train shards and a val shard of short English-like documents (20-300 characters, so
+    rows hold one to several documents), row groups of 16, and a 300-token BPE trained on them."""
+    root = tmp_path_factory.mktemp("base_train")
+    rng = random.Random(0)
+    texts = [doc[:rng.randint(20, 300)] for doc in generate_documents(320, seed=1)]
+    write_shards(root / "data", [texts[i:i + 80] for i in range(0, len(texts), 80)], row_group_size=16)
+    tokenizer = RustBPETokenizer.train_from_iterator(iter(texts), 300)
+    tokenizer.save(str(root / "tokenizer"))
+    return root
+
+
+def train(corpus, tmp_path, name, *args):
+    """Run base_train in a subprocess; returns its JSON log."""
+    log_json = tmp_path / f"{name}.json"
+    result = subprocess.run(
+        [sys.executable, "-m", "scripts.base_train", *TINY, "--data-dir", str(corpus / "data"),
+         "--tokenizer-dir", str(corpus / "tokenizer"), "--log-json", str(log_json), *args],
+        cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    with open(log_json) as f:
+        log = json.load(f)
+    log["stdout"] = result.stdout
+    return log
+
+
+@pytest.fixture(scope="module")
+def straight(corpus, tmp_path_factory):
+    """The uninterrupted run: 12 steps."""
+    return train(corpus, tmp_path_factory.mktemp("straight"), "straight")
+
+
+@pytest.fixture(scope="module")
+def checkpoint_dir(corpus, tmp_path_factory):
+    """A run that saves every 3 steps and stops after step 6, as if killed."""
+    tmp_path = tmp_path_factory.mktemp("stopped")
+    checkpoint_dir = tmp_path / "checkpoints"
+    log = train(corpus, tmp_path, "stopped", "--save-every", "3", "--checkpoint-dir", str(checkpoint_dir),
+                "--stop-after-step", str(RESUME_STEP))
+    assert log["stopped"] is True
+    assert sorted(log["losses"]) == [str(s) for s in range(1, RESUME_STEP + 1)]
+    return checkpoint_dir
+
+
+def test_straight_run_is_deterministic_and_learns(corpus, straight, tmp_path):
+    again = train(corpus, tmp_path, "again")
+    assert again["losses"] == straight["losses"]
+    assert again["val"] == straight["val"]
+    losses = [straight["losses"][str(s)] for s in range(1, STEPS + 1)]
+    assert all(math.isfinite(x) for x in losses)
+    assert losses[0] > losses[-1]  # it learns something
+    # the first loss is about ln(vocab): the init predicts roughly uniformly
+    assert abs(losses[0] - math.log(300)) < 1.0
+    assert sorted(straight["val"], key=int) == ["4", "8", "12"]
+    for result in straight["val"].values():
+        assert math.isfinite(result["loss"]) and 0 < result["bpb"] < 10
+    # every step prints its loss in full, for people who compare by eye
+    assert f"loss {losses[-1]!r}" in straight["stdout"]
+
+
+def test_checkpoints_are_complete_and_plain(checkpoint_dir):
+    assert sorted(os.listdir(checkpoint_dir)) == ["step_000003.pt", "step_000006.pt"]  # no .tmp left
+    checkpoint = torch.load(checkpoint_dir / "step_000006.pt", weights_only=True)
+    assert checkpoint["step"] == RESUME_STEP
+    assert len(checkpoint["dataloader_state_dicts"]) == 1  # one process, one loader state
+    assert {"model", "optimizer", "rng_state", "model_config"} <= checkpoint.keys()
+
+
+@pytest.fixture(scope="module")
+def resumed(corpus, checkpoint_dir, tmp_path_factory):
+    """Steps 7..12, resumed from the step-6 checkpoint."""
+    return train(corpus, tmp_path_factory.mktemp("resumed"), "resumed", "--checkpoint-dir",
+                 str(checkpoint_dir), "--resume-from-step", str(RESUME_STEP))
+
+
+def test_resume_runs_to_the_end(resumed):
+    assert f"continuing with step {RESUME_STEP + 1}" in resumed["stdout"]
+    assert resumed["stopped"] is False
+    assert sorted(resumed["losses"], key=int) == [str(s) for s in range(RESUME_STEP + 1, STEPS + 1)]
+    assert all(math.isfinite(x) for x in resumed["losses"].values())
+    assert sorted(resumed["val"], key=int) == ["8", "12"]
+
+
+def test_resume_is_exact(straight, resumed):
+    # the resume point is worth testing: documents are still waiting in the loader's buffer
+    assert straight["buffer_docs"][str(RESUME_STEP)] > 0
+    expected = {step: loss for step, loss in straight["losses"].items() if int(step) > RESUME_STEP}
+    assert resumed["losses"] == expected  # bitwise: json round-trips floats exactly
+    assert resumed["val"] == {step: v for step, v in straight["val"].items() if int(step) > RESUME_STEP}
+
+
+def test_missing_checkpoint_names_the_path(corpus, tmp_path):
+    result = subprocess.run(
+        [sys.executable, "-m", "scripts.base_train", *TINY, "--data-dir", str(corpus / "data"),
+         "--tokenizer-dir", str(corpus / "tokenizer"), "--checkpoint-dir", str(tmp_path),
+         "--resume-from-step", "5"],
+        cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)
+    assert result.returncode != 0
+    assert "FileNotFoundError" in result.stderr
+    assert str(tmp_path / "step_000005.pt") in result.stderr
