@@ -211,7 +211,7 @@ def main(argv=None) -> int:
                       else args.checkpoint_dir)
     for name, value in vars(args).items():
         print0(f"{name}: {value}")
-    print0(f"device: {device}, world size: {world_size}")
+    print0(f"using device {device}, world size {world_size}")
 
     tokenizer = RustBPETokenizer.from_directory(tokenizer_dir)
     token_bytes = get_token_bytes(device=device, tokenizer_dir=tokenizer_dir)

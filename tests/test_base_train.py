@@ -2,6 +2,8 @@
 scripts/base_train.py end to end, in subprocesses as a user runs it: a tiny GPT on tiny shards
 (~30 s on 2 cores). Trained straight for 12 steps, then stopped after step 6 and resumed from its
 checkpoint: steps 7..12 must give the same losses, float for float, and the same val losses.
+That needs the loader's exact resume; a loader that replays its stream from the start checks the
+training side alone (model, optimizer, RNG, step count, evaluation).
 
     python -m pytest tests/test_base_train.py -q
 """
@@ -16,6 +18,8 @@ import sys
 import pytest
 import torch
 
+import scripts.base_train as base_train
+from nanochat.dataloader import tokenizing_distributed_data_loader_with_state_bos_bestfit
 from nanochat.tokenizer import RustBPETokenizer
 from scripts.demo import generate_documents
 from tests.conftest import write_shards
@@ -119,6 +123,45 @@ def test_resume_is_exact(straight, resumed):
     expected = {step: loss for step, loss in straight["losses"].items() if int(step) > RESUME_STEP}
     assert resumed["losses"] == expected  # bitwise: json round-trips floats exactly
     assert resumed["val"] == {step: v for step, v in straight["val"].items() if int(step) > RESUME_STEP}
+
+
+class ReplayingLoader:
+    """The real loader with an exact resume by brute force: the state is the number of batches
+    yielded, and resuming replays the stream from the start and drops that many. Slow, obviously
+    right, and independent of the loader's own state, so it tests the training side alone."""
+
+    def __init__(self, *args, resume_state_dict=None, **kwargs):
+        self.loader = tokenizing_distributed_data_loader_with_state_bos_bestfit(*args, **kwargs)
+        self.stats = {}
+        self.batches = 0
+        for _ in range(0 if resume_state_dict is None else resume_state_dict["batches"]):
+            next(self)
+
+    def __next__(self):
+        inputs, targets, _ = next(self.loader)
+        self.stats = self.loader.stats
+        self.batches += 1
+        return inputs, targets, {"batches": self.batches}
+
+    def close(self):
+        self.loader.close()
+
+
+def test_training_side_of_resume_is_exact(corpus, tmp_path, monkeypatch):
+    """Model, optimizer, RNG, step count and evaluation resume exactly, whatever the loader does."""
+    monkeypatch.setattr(base_train, "tokenizing_distributed_data_loader_with_state_bos_bestfit", ReplayingLoader)
+    common = [*TINY, "--data-dir", str(corpus / "data"), "--tokenizer-dir", str(corpus / "tokenizer"),
+              "--checkpoint-dir", str(tmp_path / "checkpoints")]
+    logs = {}
+    for name, args in [("straight", []), ("stopped", ["--save-every", "3", "--stop-after-step", "6"]),
+                       ("resumed", ["--resume-from-step", "3"])]:
+        assert base_train.main([*common, "--log-json", str(tmp_path / f"{name}.json"), *args]) == 0
+        with open(tmp_path / f"{name}.json") as f:
+            logs[name] = json.load(f)
+    straight, stopped, resumed = logs["straight"], logs["stopped"], logs["resumed"]
+    assert stopped["losses"] == {step: x for step, x in straight["losses"].items() if int(step) <= 6}
+    assert resumed["losses"] == {step: x for step, x in straight["losses"].items() if int(step) > 3}
+    assert resumed["val"] == straight["val"]
 
 
 def test_missing_checkpoint_names_the_path(corpus, tmp_path):
