@@ -25,20 +25,25 @@ group; this resume is approximate, as nanochat's: no document repeats, but docum
 buffer, and the rest of that row group, are skipped.
 """
 
+import logging
 import queue
 import threading
 import time
-from typing import Iterator
 
 import numpy as np
 import pyarrow.parquet as pq
 import torch
 
+from nanochat import resume
 from nanochat.common import get_dist_info
 from nanochat.dataset import SPLITS, read_row_group_texts, split_parquet_files
 from nanochat.packing import BestFitPacker, ConcatPacker, token_dtype
+from nanochat.resume import Key, RowGroupIndex, Unit
 
-Position = tuple[int, int, int]  # (pq_idx, rg_idx, epoch)
+logger = logging.getLogger(__name__)
+
+Position = tuple[int, int, int]  # (pq_idx, rg_idx, epoch): the seeds' state keys
+Cursor = tuple[int, int, int, int]  # (epoch, pq_idx, rg_idx, row): where a document batch starts
 
 # -----------------------------------------------------------------------------
 # Checking arguments
@@ -60,10 +65,9 @@ def _resolve_rank(rank: int | None, world_size: int | None) -> tuple[int, int]:
     return rank, world_size
 
 
-def _check_resume_state(state, paths: list[str]) -> Position:
-    """Validate a seeds-form state against the split's files; returns (pq_idx, rg_idx, epoch)."""
-    if not isinstance(state, dict):
-        raise TypeError(f"resume_state_dict must be a dict, got {type(state).__name__}")
+def _check_legacy_state(state: dict, paths: list[str]) -> Cursor:
+    """Validate a seeds-form state {pq_idx, rg_idx[, epoch]}; returns where the stream continues:
+    the row group after the saved one (approximate, as the seeds' resume)."""
     missing = {"pq_idx", "rg_idx"} - state.keys()
     if missing:
         raise ValueError(f"resume_state_dict is missing {sorted(missing)}")
@@ -89,38 +93,101 @@ def _check_resume_state(state, paths: list[str]) -> Position:
 # Stage 1: documents
 
 
-def _document_batches(paths: list[str], tokenizer_batch_size: int, rank: int, world_size: int,
-                      resume: Position | None = None) -> Iterator[tuple[list[str], Position]]:
-    """Yield (texts, (pq_idx, rg_idx, epoch)) forever: for each file in order, row groups
-    rank, rank + world_size, ..., each cut into slices of tokenizer_batch_size texts."""
-    pq_idx, resume_rg_idx, epoch = resume if resume is not None else (0, None, 1)
-    while True:  # one epoch per pass
-        docs_this_pass = 0
-        full_pass = pq_idx == 0 and resume_rg_idx is None
-        while pq_idx < len(paths):
-            path = paths[pq_idx]
-            pf = pq.ParquetFile(path)
-            if resume_rg_idx is not None:
-                # skip the row group we saved: it was consumed before the checkpoint
-                rg_idx = (resume_rg_idx // world_size + 1) * world_size + rank
-                resume_rg_idx = None
-            else:
+class _Stream:
+    """One rank's documents, in order: first its plan (work an elastic resume dealt to it), then the
+    regular stream from `start`: per epoch, row groups rank, rank + world_size, ... of every file,
+    each cut into batches of tokenizer_batch_size texts."""
+
+    def __init__(self, paths: list[str], rank: int, world_size: int, tokenizer_batch_size: int,
+                 plan: list[Unit] = (), start: Cursor | None = None, index: RowGroupIndex | None = None):
+        self.paths, self.rank, self.world_size = paths, rank, world_size
+        self.tokenizer_batch_size = tokenizer_batch_size
+        self.plan = list(plan)
+        self.start = start if start is not None else (1, 0, rank, 0)  # (epoch, pq_idx, rg_idx, row)
+        self.index = index if index is not None else RowGroupIndex(paths)
+        self.first_position = ("plan", 0, 0, None) if self.plan else ("regular", *self.start)
+
+    def _texts(self, pq_idx: int, rg_idx: int, where: str) -> list[str]:
+        if not (0 <= pq_idx < len(self.paths) and 0 <= rg_idx < self.index.count(pq_idx)):
+            raise ValueError(f"{where} refers to file {pq_idx}, row group {rg_idx}, which this split does "
+                             f"not have ({len(self.paths)} files): the state does not match the data")
+        path = self.paths[pq_idx]
+        return read_row_group_texts(pq.ParquetFile(path), rg_idx, path)
+
+    def read_documents(self, keys: list[Key], where: str) -> list[str]:
+        """The texts of the given documents (for rebuilding a buffer), reading each row group once."""
+        cache: dict = {}
+        texts = []
+        for _, pq_idx, rg_idx, row in keys:
+            if (pq_idx, rg_idx) not in cache:
+                cache = {(pq_idx, rg_idx): self._texts(pq_idx, rg_idx, where)}  # keys come grouped
+            rows = cache[(pq_idx, rg_idx)]
+            if not 0 <= row < len(rows):
+                raise ValueError(f"{where} refers to row {row} of {self.paths[pq_idx]} row group {rg_idx}, "
+                                 f"which has {len(rows)} rows: the state does not match the data")
+            texts.append(rows[row])
+        return texts
+
+    def batches(self):
+        """Yield (texts, keys, after): the keys (epoch, pq_idx, rg_idx, row) of the texts, and where
+        the stream continues after them, ("plan", unit, offset, n) or ("regular", *cursor)."""
+        tbs = self.tokenizer_batch_size
+        for u, (epoch, pq_idx, rg_idx, rows) in enumerate(self.plan):
+            texts = self._texts(pq_idx, rg_idx, "resume_state_dict['plan']")
+            rows = range(len(texts)) if rows is None else rows
+            if rows and not 0 <= max(rows) < len(texts):
+                raise ValueError(f"resume_state_dict['plan'] refers to row {max(rows)} of {self.paths[pq_idx]} "
+                                 f"row group {rg_idx}, which has {len(texts)} rows")
+            for i in range(0, len(rows), tbs):
+                chunk = rows[i:i + tbs]
+                yield ([texts[r] for r in chunk], [(epoch, pq_idx, rg_idx, r) for r in chunk],
+                       ("plan", u, i + len(chunk), len(rows)))
+        yield from self._regular()
+
+    def _regular(self):
+        tbs, rank, world_size = self.tokenizer_batch_size, self.rank, self.world_size
+        epoch, pq_idx, rg_idx, row = self.start
+        while True:  # one epoch per pass
+            docs_this_pass = 0
+            full_pass = (pq_idx, rg_idx, row) == (0, rank, 0)
+            while pq_idx < len(self.paths):
+                path = self.paths[pq_idx]
+                pf = pq.ParquetFile(path)
+                while rg_idx < pf.num_row_groups:
+                    texts = read_row_group_texts(pf, rg_idx, path)
+                    if row > len(texts):
+                        raise ValueError(f"resume_state_dict['next'] points at row {row} of {path} row group "
+                                         f"{rg_idx}, which has {len(texts)} rows: the state does not match the data")
+                    docs_this_pass += len(texts)
+                    for i in range(row, len(texts), tbs):
+                        j = min(i + tbs, len(texts))
+                        # where the stream continues: the next batch of this row group, else the next row group
+                        after = (epoch, pq_idx, rg_idx, j) if j < len(texts) else (epoch, pq_idx, rg_idx + world_size, 0)
+                        yield texts[i:j], [(epoch, pq_idx, rg_idx, r) for r in range(i, j)], ("regular", *after)
+                    rg_idx += world_size
+                    row = 0
+                pq_idx += 1
                 rg_idx = rank
-            while rg_idx < pf.num_row_groups:
-                texts = read_row_group_texts(pf, rg_idx, path)
-                docs_this_pass += len(texts)
-                for i in range(0, len(texts), tokenizer_batch_size):
-                    yield texts[i:i + tokenizer_batch_size], (pq_idx, rg_idx, epoch)
-                rg_idx += world_size
-            pq_idx += 1
-        if full_pass and docs_this_pass == 0:
-            # the reference loops here forever; a rank with nothing to read is a configuration error
-            raise ValueError(
-                f"rank {rank} of world size {world_size} receives no documents: the split's "
-                f"{len(paths)} file(s) have too few (non-empty) row groups for this many ranks "
-                f"(row groups are dealt out rank, rank+{world_size}, ...); use fewer ranks or "
-                "shards with more, smaller row groups")
-        pq_idx, epoch = 0, epoch + 1
+            if full_pass and docs_this_pass == 0:
+                # the reference loops here forever; a rank with nothing to read is a configuration error
+                raise ValueError(
+                    f"rank {rank} of world size {world_size} receives no documents: the split's "
+                    f"{len(self.paths)} file(s) have too few (non-empty) row groups for this many ranks "
+                    f"(row groups are dealt out rank, rank+{world_size}, ...); use fewer ranks or "
+                    "shards with more, smaller row groups")
+            epoch, pq_idx, rg_idx, row = epoch + 1, 0, rank, 0
+
+    def remaining_plan(self, position) -> tuple[list[Unit], Cursor]:
+        """(plan units not yet read, regular cursor) at a position yielded by batches()."""
+        if position[0] == "regular":
+            return [], tuple(position[1:])
+        _, u, offset, n = position
+        units = self.plan[u:]
+        if offset:
+            epoch, pq_idx, rg_idx, rows = units[0]
+            rest = tuple(range(offset, n)) if rows is None else tuple(rows[offset:])
+            units = ([(epoch, pq_idx, rg_idx, rest)] if rest else []) + units[1:]
+        return units, self.start
 
 
 # -----------------------------------------------------------------------------
@@ -149,57 +216,117 @@ def _to_documents(token_lists, bos: int, dtype: np.dtype) -> list[np.ndarray]:
     return docs
 
 
-def _token_batches(doc_batches, tokenizer, tokenizer_threads: int):
-    """Yield (documents, position) for each document batch: the texts tokenized with BOS prepended."""
-    bos = tokenizer.get_bos_token_id()
-    vocab_size = tokenizer.get_vocab_size() if hasattr(tokenizer, "get_vocab_size") else None
-    dtype = token_dtype(vocab_size)
-    # a tokenizer that can return numpy arrays (ours can) skips building a Python int per token
-    encode = getattr(tokenizer, "encode_to_arrays", None) or tokenizer.encode
-    for texts, position in doc_batches:
-        token_lists = encode(texts, prepend=bos, num_threads=tokenizer_threads)
-        yield _to_documents(token_lists, bos, dtype), position
+class _Encoder:
+    """texts -> checked numpy documents with BOS first, in the narrowest dtype the vocabulary allows."""
+
+    def __init__(self, tokenizer, tokenizer_threads: int):
+        self.bos = tokenizer.get_bos_token_id()
+        vocab_size = tokenizer.get_vocab_size() if hasattr(tokenizer, "get_vocab_size") else None
+        self.dtype = token_dtype(vocab_size)
+        # a tokenizer that can return numpy arrays (ours can) skips building a Python int per token
+        self.encode = getattr(tokenizer, "encode_to_arrays", None) or tokenizer.encode
+        self.threads = tokenizer_threads
+
+    def __call__(self, texts: list[str]) -> list[np.ndarray]:
+        return _to_documents(self.encode(texts, prepend=self.bos, num_threads=self.threads), self.bos, self.dtype)
+
+
+def _token_batches(doc_batches, encoder: _Encoder):
+    """Yield (documents, keys, after) for each document batch: the texts tokenized with BOS prepended."""
+    for texts, keys, after in doc_batches:
+        yield encoder(texts), keys, after
 
 
 # -----------------------------------------------------------------------------
 # Stage 3: packing (the pure core is in nanochat/packing.py)
 
 
-def _state(position: Position) -> dict:
-    pq_idx, rg_idx, epoch = position
-    return {"pq_idx": pq_idx, "rg_idx": rg_idx, "epoch": epoch}
-
-
 class _Source:
-    """Pulls document batches for a packer and remembers the position of the last one pulled."""
+    """Pulls document batches for a packer as (document, key) pairs, and remembers where the stream
+    stands after the last batch pulled (what a state must describe: consumed, not read ahead)."""
 
-    def __init__(self, token_batches):
+    def __init__(self, token_batches, stream: _Stream, position: Position):
         self.token_batches = token_batches
-        self.position: Position = (0, 0, 1)
+        self.after = stream.first_position
+        self.position = position  # the seeds' keys of the last batch pulled
 
-    def __call__(self) -> list[np.ndarray]:
-        docs, self.position = next(self.token_batches)
-        return docs
+    def __call__(self):
+        docs, keys, self.after = next(self.token_batches)
+        self.position = (keys[-1][1], keys[-1][2], keys[-1][0])
+        return zip(docs, keys)
 
 
-def _bestfit_batches(token_batches, B: int, T: int, buffer_size: int):
-    """Yield (rows (B, T+1), state, stats) packed best-fit; rows are a fresh array each batch."""
+class _Tracker:
+    """Builds the state yielded with each batch, and restores a packer from one."""
+
+    def __init__(self, kind: str, stream: _Stream, encoder: _Encoder, config: dict, start: dict | None):
+        self.kind, self.stream, self.encoder, self.config = kind, stream, encoder, config
+        self.start = start  # a version-2 state that continues this stream, or None
+        emitted = start["emitted"] if start else {"batches": 0, "tokens": 0, "hash": resume.EMPTY_HASH}
+        self.batches, self.tokens, self.hash = emitted["batches"], emitted["tokens"], emitted["hash"]
+        self._plan_cache: tuple = (None, None)
+
+    def restore(self, packer) -> None:
+        """Re-read and re-tokenize the buffered documents, in arrival order, and the counters."""
+        if not self.start:
+            return
+        keys = resume.decode_keys(self.start["buffer"])
+        texts = self.stream.read_documents(keys, "resume_state_dict['buffer']")
+        for i in range(0, len(texts), 1024):
+            for doc, key in zip(self.encoder(texts[i:i + 1024]), keys[i:i + 1024]):
+                packer.add(doc, key)
+        if self.kind == "concat" and keys:
+            packer.skip_consumed(self.start["offset"])
+        for name, value in self.start["counters"].items():
+            setattr(packer, name, value)
+
+    def _plan_items(self, units: list[Unit]) -> list[dict]:
+        # the encoded tail of a long plan changes only when a unit is finished: cache it
+        if self._plan_cache[0] != len(units):
+            self._plan_cache = (len(units), resume.encode_plan(units[1:], self.stream.index))
+        return resume.encode_plan(units[:1], self.stream.index) + self._plan_cache[1]
+
+    def state(self, packer, source: _Source, tokens: np.ndarray) -> dict:
+        self.batches += 1
+        self.tokens += tokens.size
+        self.hash = resume.hash_tokens(self.hash, tokens)
+        units, cursor = self.stream.remaining_plan(source.after)
+        pq_idx, rg_idx, epoch = source.position
+        counters = {name: getattr(packer, name) for name in packer.COUNTERS}
+        return resume.seal({
+            "version": resume.VERSION, "loader": self.kind,
+            "pq_idx": pq_idx, "rg_idx": rg_idx, "epoch": epoch,
+            "plan": self._plan_items(units) if units else [], "next": list(cursor),
+            "buffer": resume.encode_keys(packer.buffered_keys()),
+            "offset": packer.offset if self.kind == "concat" else 0,
+            "config": self.config,
+            "emitted": {"batches": self.batches, "tokens": self.tokens, "hash": self.hash},
+            "counters": counters,
+        })
+
+
+def _bestfit_batches(token_batches, tracker: _Tracker, position: Position, B: int, T: int, buffer_size: int,
+                     trace: bool):
+    """Yield (rows (B, T+1), state, stats, trace) packed best-fit; rows are a fresh array each batch."""
     packer = BestFitPacker(T + 1)  # +1 so that inputs and targets can both be sliced from one row
-    source = _Source(token_batches)
+    tracker.restore(packer)
+    source = _Source(token_batches, tracker.stream, position)
     while True:
         rows = np.empty((B, T + 1), dtype=np.int64)
+        packer.trace = [] if trace else None
         packer.fill(rows, source, buffer_size)
-        yield rows, _state(source.position), packer.stats()
+        yield rows, tracker.state(packer, source, rows), packer.stats(), packer.trace
 
 
-def _concat_batches(token_batches, B: int, T: int):
-    """Yield (tokens (B*T+1,), state, stats): the next B*T+1 tokens of the concatenated stream."""
+def _concat_batches(token_batches, tracker: _Tracker, position: Position, B: int, T: int, trace: bool):
+    """Yield (tokens (B*T+1,), state, stats, None): the next B*T+1 tokens of the concatenated stream."""
     packer = ConcatPacker()
-    source = _Source(token_batches)
+    tracker.restore(packer)
+    source = _Source(token_batches, tracker.stream, position)
     while True:
         tokens = np.empty(B * T + 1, dtype=np.int64)  # +1: the last target
         packer.take(tokens, source)
-        yield tokens, _state(source.position), packer.stats()
+        yield tokens, tracker.state(packer, source, tokens), packer.stats(), None
 
 
 # -----------------------------------------------------------------------------
@@ -328,12 +455,14 @@ class _DeviceBatches:
 # The loaders
 
 
-def _setup(tokenizer, B, T, split, tokenizer_threads, tokenizer_batch_size, resume_state_dict,
-           data_dir, rank, world_size, prefetch, **checks):
-    """Validate everything up front (so bad input fails at the call, not deep in a thread) and
-    build the tokenized document stream."""
+def _setup(kind, tokenizer, B, T, split, tokenizer_threads, tokenizer_batch_size, resume_state_dict,
+           data_dir, rank, world_size, prefetch, allow_state_mismatch, buffer_size=None):
+    """Validate everything up front (so bad input fails at the call, not deep in a thread), then
+    build the document stream, the tokenized stream and the state tracker, resuming if asked.
+    Returns (token_batches, tracker, seeds position)."""
     if split not in SPLITS:
         raise ValueError(f"split must be 'train' or 'val', got {split!r}")
+    checks = {} if buffer_size is None else {"buffer_size": buffer_size}
     _check_positive(B=B, T=T, tokenizer_threads=tokenizer_threads,
                     tokenizer_batch_size=tokenizer_batch_size, **checks)
     if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 0:
@@ -343,9 +472,41 @@ def _setup(tokenizer, B, T, split, tokenizer_threads, tokenizer_batch_size, resu
             raise TypeError(f"tokenizer must have a {method}() method, got {type(tokenizer).__name__}")
     rank, world_size = _resolve_rank(rank, world_size)
     paths = split_parquet_files(split, data_dir)
-    resume = _check_resume_state(resume_state_dict, paths) if resume_state_dict is not None else None
-    doc_batches = _document_batches(paths, tokenizer_batch_size, rank, world_size, resume)
-    return _token_batches(doc_batches, tokenizer, tokenizer_threads)
+    encoder = _Encoder(tokenizer, tokenizer_threads)
+    config = {"loader": kind, "split": split, "files": resume.files_fingerprint(paths), "num_files": len(paths),
+              "B": B, "T": T, "buffer_size": buffer_size, "tokenizer_batch_size": tokenizer_batch_size,
+              "tokenizer": resume.tokenizer_fingerprint(tokenizer), "rank": rank, "world_size": world_size}
+
+    stream, start, position = _Stream(paths, rank, world_size, tokenizer_batch_size), None, (0, 0, 1)
+    state = resume_state_dict
+    if state is not None:
+        if not isinstance(state, dict):
+            raise TypeError(f"resume_state_dict must be a dict, got {type(state).__name__}")
+        if "merged" in state:  # elastic resume: every rank gets the merge, and takes its own part
+            merged = state.get("states")
+            if not isinstance(merged, list) or len(merged) != world_size:
+                raise ValueError(f"resume_state_dict['merged'] is for {state['merged'].get('world_size')} ranks, "
+                                 f"but this run has world size {world_size}; merge for this world size")
+            state = merged[rank]
+        if "version" not in state:  # the seeds' form: approximate, after the saved row group
+            pq_idx, rg_idx, epoch = _check_legacy_state(state, paths)
+            cursor = (epoch, pq_idx, (rg_idx // world_size + 1) * world_size + rank, 0)
+            stream, position = _Stream(paths, rank, world_size, tokenizer_batch_size, start=cursor), (pq_idx, rg_idx, epoch)
+        elif resume.check_state(state, config, allow_mismatch=allow_state_mismatch):
+            epoch, pq_idx, rg_idx, row = state["next"]
+            if pq_idx >= len(paths):
+                raise ValueError(f"resume_state_dict['next'] points at file {pq_idx}; the split has {len(paths)}")
+            plan = resume.decode_plan(state["plan"], RowGroupIndex(paths))
+            stream = _Stream(paths, rank, world_size, tokenizer_batch_size, plan, tuple(state["next"]))
+            start, position = state, (state["pq_idx"], state["rg_idx"], state["epoch"])
+        else:  # another stream, accepted explicitly: continue after the row group, as the seeds do
+            pq_idx, rg_idx, epoch = _check_legacy_state(state, paths)
+            cursor = (epoch, pq_idx, (rg_idx // world_size + 1) * world_size + rank, 0)
+            stream, position = _Stream(paths, rank, world_size, tokenizer_batch_size, start=cursor), (pq_idx, rg_idx, epoch)
+            logger.warning("resume_state_dict is from another document stream; resuming approximately "
+                           "after file %d row group %d", pq_idx, rg_idx)
+    tracker = _Tracker(kind, stream, encoder, config, start)
+    return _token_batches(stream.batches(), encoder), tracker, position
 
 
 class DataLoader:
@@ -360,7 +521,7 @@ class DataLoader:
     """
 
     def __init__(self, batches, transfer: _DeviceBatches, split_rows, prefetch: int, with_state: bool):
-        self._batches = batches  # generator of (packed, state_dict, stats)
+        self._batches = batches  # generator of (packed, state_dict, stats, trace)
         self._transfer = transfer
         self._split_rows = split_rows
         self._prefetch = prefetch
@@ -369,6 +530,9 @@ class DataLoader:
         self._error: BaseException | None = None
         self._wait_seconds = 0.0
         self.stats: dict = {}
+        # with trace_documents=True: per row of the last batch, the (epoch, pq_idx, rg_idx, row) of
+        # every document placed in it, in order (a debugging aid: which documents did a step see?)
+        self.documents: list | None = None
 
     def __iter__(self):
         return self
@@ -380,7 +544,7 @@ class DataLoader:
             self._source = _maybe_prefetch(self._batches, self._prefetch, "nanochat-packing")
         t0 = time.perf_counter()
         try:
-            packed, state_dict, stats = next(self._source)
+            packed, state_dict, stats, self.documents = next(self._source)
         except BaseException as e:
             self._error = e
             self.close()
@@ -404,7 +568,8 @@ def tokenizing_distributed_data_loader_with_state_bos_bestfit(
         tokenizer, B: int, T: int, split: str, tokenizer_threads: int = 4, tokenizer_batch_size: int = 128,
         device="cuda", resume_state_dict: dict | None = None, buffer_size: int = 1000, *,
         data_dir: str | None = None, rank: int | None = None, world_size: int | None = None,
-        prefetch: int = 4, with_state: bool = True) -> DataLoader:
+        prefetch: int = 4, with_state: bool = True, allow_state_mismatch: bool = False,
+        trace_documents: bool = False) -> DataLoader:
     """Yield (inputs, targets, state_dict) forever: (B, T) int64 batches of BOS-aligned best-fit rows.
 
     tokenizer: anything with get_bos_token_id() and encode(list_of_str, prepend=bos, num_threads=n)
@@ -415,9 +580,11 @@ def tokenizing_distributed_data_loader_with_state_bos_bestfit(
     rank/world_size: default to torchrun's RANK/WORLD_SIZE.
     prefetch: batches prepared ahead on background threads (0 runs everything in the caller).
     """
-    token_batches = _setup(tokenizer, B, T, split, tokenizer_threads, tokenizer_batch_size,
-                           resume_state_dict, data_dir, rank, world_size, prefetch, buffer_size=buffer_size)
-    batches = _prefetched(token_batches, prefetch, lambda tokens: _bestfit_batches(tokens, B, T, buffer_size))
+    token_batches, tracker, position = _setup(
+        "bestfit", tokenizer, B, T, split, tokenizer_threads, tokenizer_batch_size, resume_state_dict, data_dir,
+        rank, world_size, prefetch, allow_state_mismatch, buffer_size=buffer_size)
+    batches = _prefetched(token_batches, prefetch, lambda tokens: _bestfit_batches(
+        tokens, tracker, position, B, T, buffer_size, trace_documents))
     return DataLoader(batches, _DeviceBatches(B, T, device), lambda rows: (rows[:, :-1], rows[:, 1:]),
                       prefetch, with_state)
 
@@ -431,13 +598,14 @@ def tokenizing_distributed_data_loader_with_state(
         tokenizer, B: int, T: int, split: str, tokenizer_threads: int = 4, tokenizer_batch_size: int = 128,
         device="cuda", resume_state_dict: dict | None = None, *, data_dir: str | None = None,
         rank: int | None = None, world_size: int | None = None, prefetch: int = 4,
-        with_state: bool = True) -> DataLoader:
+        with_state: bool = True, allow_state_mismatch: bool = False) -> DataLoader:
     """The older concatenating loader: documents back to back (each after its BOS), each batch the
     next B*T+1 tokens of the stream. Wastes nothing, but rows start mid-document and attend across
     unrelated documents; for small data or very long documents. Yields (inputs, targets, state_dict)."""
-    token_batches = _setup(tokenizer, B, T, split, tokenizer_threads, tokenizer_batch_size,
-                           resume_state_dict, data_dir, rank, world_size, prefetch)
-    batches = _prefetched(token_batches, prefetch, lambda tokens: _concat_batches(tokens, B, T))
+    token_batches, tracker, position = _setup(
+        "concat", tokenizer, B, T, split, tokenizer_threads, tokenizer_batch_size, resume_state_dict, data_dir,
+        rank, world_size, prefetch, allow_state_mismatch)
+    batches = _prefetched(token_batches, prefetch, lambda tokens: _concat_batches(tokens, tracker, position, B, T, False))
     return DataLoader(batches, _DeviceBatches(B, T, device),
                       lambda flat: (flat[:-1].reshape(B, T), flat[1:].reshape(B, T)), prefetch, with_state)
 

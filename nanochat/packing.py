@@ -21,8 +21,9 @@ from typing import Callable, Iterable
 
 import numpy as np
 
-# refill() returns the next documents of the stream (possibly an empty list)
-Refill = Callable[[], Iterable[np.ndarray]]
+# refill() returns the next (document, key) pairs of the stream (possibly none); keys name documents
+# for resume states and traces, and may be None
+Refill = Callable[[], Iterable[tuple[np.ndarray, object]]]
 
 
 def token_dtype(vocab_size: int | None) -> np.dtype:
@@ -53,6 +54,9 @@ class BestFitPacker:
     cropped, so they wait in a heap keyed by (length, arrival).
     """
 
+    # the running totals a resume state carries, so statistics continue across a restart
+    COUNTERS = ("tokens_in", "tokens_out", "tokens_cropped", "rows", "docs_placed", "max_docs_per_row")
+
     def __init__(self, row_capacity: int):
         if row_capacity < 2:
             raise ValueError(f"row_capacity must be >= 2 (T >= 1), got {row_capacity}")
@@ -62,6 +66,9 @@ class BestFitPacker:
         self._long: list = []  # heap of (length, seq, doc) for documents longer than a row
         self._seq = 0  # arrival counter: the tie-break
         self._num_docs = 0
+        # seq -> key of each buffered document, in arrival order (what a resume state refers to)
+        self._keys: dict[int, object] = {}
+        self.trace: list | None = None  # set to a list to record, per row, the keys placed in it
         # running totals, cheap to read at any step
         self.tokens_in = 0
         self.tokens_out = 0
@@ -86,7 +93,12 @@ class BestFitPacker:
             "buffer_tokens": self.tokens_in - self.tokens_out - self.tokens_cropped,
         }
 
-    def add(self, doc: np.ndarray) -> None:
+    def buffered_keys(self) -> list:
+        """Keys of the buffered documents in arrival order (insertion order of the dict)."""
+        return list(self._keys.values())
+
+    def add(self, doc: np.ndarray, key=None) -> None:
+        """Buffer a document; `key` names it (e.g. where it was read) in buffered_keys() and traces."""
         n = len(doc)
         if n == 0:
             raise ValueError("cannot pack an empty document (every document starts with BOS)")
@@ -98,17 +110,24 @@ class BestFitPacker:
             bucket.append((self._seq, doc))
         else:
             heapq.heappush(self._long, (n, self._seq, doc))
+        self._keys[self._seq] = key
         self._seq += 1
         self._num_docs += 1
         self.tokens_in += n
 
-    def _pop_length(self, n: int) -> np.ndarray:
+    def _pop_length(self, n: int) -> tuple[int, np.ndarray]:
         bucket = self._by_length[n]
-        _, doc = bucket.popleft()
+        seq, doc = bucket.popleft()
         if not bucket:
             del self._by_length[n]
             self._fit_mask &= ~(1 << n)
-        return doc
+        return seq, doc
+
+    def _taken(self, seq: int) -> None:
+        key = self._keys.pop(seq)
+        self._num_docs -= 1
+        if self.trace is not None:
+            self.trace[-1].append(key)
 
     def place(self, row: np.ndarray, pos: int) -> int:
         """Place one document into row[pos:] by the best-fit rule; returns the new position."""
@@ -116,20 +135,21 @@ class BestFitPacker:
         fits = self._fit_mask & ((2 << remaining) - 1)  # lengths 1..remaining
         if fits:
             n = fits.bit_length() - 1  # the largest that fits
-            row[pos:pos + n] = self._pop_length(n)
-            self._num_docs -= 1
+            seq, doc = self._pop_length(n)
+            row[pos:pos + n] = doc
+            self._taken(seq)
             self.tokens_out += n
             return pos + n
         # nothing fits: crop the shortest; every short document is shorter than every long one
         if self._fit_mask:
             n = (self._fit_mask & -self._fit_mask).bit_length() - 1
-            doc = self._pop_length(n)
+            seq, doc = self._pop_length(n)
         elif self._long:
-            n, _, doc = heapq.heappop(self._long)
+            n, seq, doc = heapq.heappop(self._long)
         else:
             raise RuntimeError("BestFitPacker.place called with an empty buffer")
         row[pos:] = doc[:remaining]
-        self._num_docs -= 1
+        self._taken(seq)
         self.tokens_out += remaining
         self.tokens_cropped += n - remaining
         return self.row_capacity
@@ -140,10 +160,12 @@ class BestFitPacker:
         assert rows.shape[1] == self.row_capacity
         for row in rows:
             pos, placed = 0, 0
+            if self.trace is not None:
+                self.trace.append([])
             while pos < self.row_capacity:
                 while self._num_docs < buffer_size:
-                    for doc in refill():
-                        self.add(doc)
+                    for doc, key in refill():
+                        self.add(doc, key)
                 pos = self.place(row, pos)
                 placed += 1
             self.rows += 1
@@ -156,11 +178,13 @@ class BestFitPacker:
 
 
 class ConcatPacker:
+    COUNTERS = ("tokens_in", "tokens_out")
+
     """Documents back to back as one token stream; `take` cuts the next n tokens off its front."""
 
     def __init__(self):
-        self._docs: deque = deque()  # documents not yet fully consumed
-        self._offset = 0  # tokens of self._docs[0] already consumed
+        self._docs: deque = deque()  # (document, key) not yet fully consumed
+        self._offset = 0  # tokens of the first document already consumed
         self._num_tokens = 0  # tokens buffered and not yet consumed
         self.tokens_in = 0
         self.tokens_out = 0
@@ -172,21 +196,36 @@ class ConcatPacker:
         return {"tokens_tokenized": self.tokens_in, "tokens_emitted": self.tokens_out,
                 "tokens_cropped": 0, "crop_share": 0.0, "buffer_tokens": self._num_tokens}
 
-    def add(self, doc: np.ndarray) -> None:
+    def buffered_keys(self) -> list:
+        """Keys of the documents not yet fully consumed, in order; `offset` tokens of the first are."""
+        return [key for _, key in self._docs]
+
+    @property
+    def offset(self) -> int:
+        return self._offset
+
+    def add(self, doc: np.ndarray, key=None) -> None:
         if len(doc):
-            self._docs.append(doc)
+            self._docs.append((doc, key))
             self._num_tokens += len(doc)
             self.tokens_in += len(doc)
+
+    def skip_consumed(self, offset: int) -> None:
+        """Mark the first `offset` tokens of the first buffered document as already consumed (a
+        resume rebuilds the buffer from whole documents)."""
+        assert self._offset == 0 and (not self._docs or offset < len(self._docs[0][0]))
+        self._offset = offset
+        self._num_tokens -= offset
 
     def take(self, out: np.ndarray, refill: Refill) -> None:
         """Fill the 1-D array `out` with the next len(out) tokens of the stream."""
         needed = len(out)
         while self._num_tokens < needed:
-            for doc in refill():
-                self.add(doc)
+            for doc, key in refill():
+                self.add(doc, key)
         pos = 0
         while pos < needed:
-            doc = self._docs[0]
+            doc = self._docs[0][0]
             n = min(len(doc) - self._offset, needed - pos)
             out[pos:pos + n] = doc[self._offset:self._offset + n]
             pos += n

@@ -124,7 +124,7 @@ def cycled(items, batch):
 
 def pack_ours(docs, B, T, buffer_size, n_batches, batch):
     packer = BestFitPacker(T + 1)
-    refill = cycled(docs, batch)
+    refill = cycled([(doc, None) for doc in docs], batch)
     rows = np.empty((B, T + 1), dtype=np.int64)
     packer.fill(rows, refill, buffer_size)  # warm the buffer: its first fill is start-up, not steady state
     t0 = time.perf_counter()
@@ -235,7 +235,7 @@ def main(argv=None):
         # 5. the crop share over a long run (documents longer than a row pile up in the buffer)
         crop = []
         packer = BestFitPacker(T + 1)
-        refill = cycled(docs_np, tbs)
+        refill = cycled([(doc, None) for doc in docs_np], tbs)
         rows = np.empty((B, T + 1), dtype=np.int64)
         checkpoints = {c for c in (10, 100, 1000, args.crop_batches) if c <= args.crop_batches}
         for k in range(1, args.crop_batches + 1):

@@ -1,0 +1,378 @@
+"""
+Loader states for exact and elastic resume: their format, their checks, and merging the states of
+N ranks into the start of M ranks.
+
+A state (version 2) is plain data: it survives json.dumps/json.loads and torch.save/torch.load(
+weights_only=True). It refers to documents by where they were read, never by their tokens, so it
+stays a few KB at buffer_size=1000 (the buffered documents are re-read and re-tokenized on resume):
+
+    {
+      "version": 2,
+      "loader": "bestfit" | "concat",
+      "pq_idx": 3, "rg_idx": 40, "epoch": 1,   # the seeds' keys: the last document batch consumed
+      "plan": [item, ...],       # work left before the regular stream (only after an elastic merge)
+      "next": [epoch, pq_idx, rg_idx, row],    # where the regular stream continues
+      "buffer": [[epoch, pq_idx, rg_idx, [[row, count], ...]], ...],  # buffered documents, arrival order
+      "offset": 0,               # concat: tokens of the first buffered document already emitted
+      "config": {...},           # what it was taken on: files, split, B, T, buffer_size, rank, ...
+      "emitted": {"batches": k, "tokens": n, "hash": "..."},   # running blake2b of every token emitted
+      "counters": {...},         # the loader's running statistics, so they continue after a resume
+      "checksum": "...",         # sha256 of the rest: a truncated or hand-edited state is refused
+    }
+    item = {"epoch": e, "pq_idx": p, "rg_idx": g, "rows": [[row, count], ...]}   # some rows of a row group
+         | {"epoch": e, "row_groups": "<base64 bitmap over the split's row groups>", "total": n}
+
+The regular stream of rank r of W reads, per epoch, row groups r, r+W, ... of every file (the seeds'
+sharding), each cut into batches of tokenizer_batch_size documents. `next` is always the start of a
+document batch, so a resumed loader cuts the same batches.
+
+Elastic resume: `merge_states(states, world_size)` takes the states of all N ranks at one step and
+returns {"version": 2, "merged": ..., "states": [one per new rank]}. Every document not yet trained on
+(still buffered, the unread rest of a row group, or a row group not yet read in the current epoch) is
+dealt round-robin to exactly one new rank as its plan; after its plan, new rank q continues with the
+next epoch as rank q of M. The discarded tail of a cropped document counts as consumed, and so does
+the unemitted rest of a document the concatenating loader had started.
+"""
+
+import base64
+import hashlib
+import json
+import os
+
+import numpy as np
+import pyarrow.parquet as pq
+
+VERSION = 2
+EMPTY_HASH = "0" * 32
+Key = tuple  # (epoch, pq_idx, rg_idx, row): one document
+Unit = tuple  # (epoch, pq_idx, rg_idx, rows tuple or None for the whole row group): a piece of work
+
+# -----------------------------------------------------------------------------
+# Compact encodings
+
+
+def encode_rows(rows) -> list[list[int]]:
+    """[3, 4, 5, 9] -> [[3, 3], [9, 1]]: runs of consecutive rows, order kept."""
+    runs: list[list[int]] = []
+    for row in rows:
+        if runs and runs[-1][0] + runs[-1][1] == row:
+            runs[-1][1] += 1
+        else:
+            runs.append([row, 1])
+    return runs
+
+
+def decode_rows(runs) -> list[int]:
+    return [row for start, count in runs for row in range(start, start + count)]
+
+
+def encode_keys(keys) -> list[list]:
+    """Document keys in order -> [[epoch, pq_idx, rg_idx, runs], ...], consecutive keys grouped."""
+    groups: list[list] = []
+    for epoch, pq_idx, rg_idx, row in keys:
+        if not groups or groups[-1][:3] != [epoch, pq_idx, rg_idx]:
+            groups.append([epoch, pq_idx, rg_idx, []])
+        groups[-1][3].append(row)
+    for group in groups:
+        group[3] = encode_rows(group[3])
+    return groups
+
+
+def decode_keys(groups) -> list[Key]:
+    return [(epoch, pq_idx, rg_idx, row) for epoch, pq_idx, rg_idx, runs in groups for row in decode_rows(runs)]
+
+
+def encode_bitmap(indices, total: int) -> str:
+    bits = np.zeros(total, dtype=np.uint8)
+    bits[list(indices)] = 1
+    return base64.b64encode(np.packbits(bits).tobytes()).decode("ascii")
+
+
+def decode_bitmap(text: str, total: int) -> list[int]:
+    bits = np.unpackbits(np.frombuffer(base64.b64decode(text, validate=True), dtype=np.uint8))
+    if len(bits) < total or bits[total:].any():
+        raise ValueError("bitmap does not match the number of row groups")
+    return np.flatnonzero(bits[:total]).tolist()
+
+
+# -----------------------------------------------------------------------------
+# Where row groups are: a global index over the split's files, read lazily (footers only)
+
+
+class RowGroupIndex:
+    def __init__(self, paths: list[str]):
+        self.paths = paths
+        self._counts: list[int] | None = None
+
+    def count(self, pq_idx: int) -> int:
+        return self.counts[pq_idx]
+
+    @property
+    def counts(self) -> list[int]:
+        if self._counts is None:
+            self._counts = [pq.ParquetFile(p).num_row_groups for p in self.paths]
+        return self._counts
+
+    @property
+    def total(self) -> int:
+        return sum(self.counts)
+
+    def base(self, pq_idx: int) -> int:
+        return sum(self.counts[:pq_idx])
+
+    def locate(self, index: int) -> tuple[int, int]:
+        for pq_idx, n in enumerate(self.counts):
+            if index < n:
+                return pq_idx, index
+            index -= n
+        raise ValueError("row group index past the end of the split")
+
+
+def encode_plan(units, index: RowGroupIndex) -> list[dict]:
+    """Units -> state items: explicit rows stay rows; runs of whole row groups of one epoch become a bitmap."""
+    items: list[dict] = []
+    pending: list[int] = []  # global indices of whole row groups of pending_epoch
+    pending_epoch = None
+
+    def flush():
+        if pending:
+            items.append({"epoch": pending_epoch, "row_groups": encode_bitmap(pending, index.total),
+                          "total": index.total})
+            pending.clear()
+
+    for epoch, pq_idx, rg_idx, rows in units:
+        if rows is None:
+            g = index.base(pq_idx) + rg_idx
+            if pending and (epoch != pending_epoch or g <= pending[-1]):
+                flush()  # a bitmap holds one epoch's row groups in file order
+            pending_epoch = epoch
+            pending.append(g)
+        else:
+            flush()
+            items.append({"epoch": epoch, "pq_idx": pq_idx, "rg_idx": rg_idx, "rows": encode_rows(rows)})
+    flush()
+    return items
+
+
+def decode_plan(items, index: RowGroupIndex) -> list[Unit]:
+    units: list[Unit] = []
+    for i, item in enumerate(items):
+        where = f"resume_state_dict['plan'][{i}]"
+        if not isinstance(item, dict) or not _is_int(item.get("epoch")):
+            raise ValueError(f"{where} must be a dict with an int 'epoch'")
+        if "row_groups" in item:
+            if item.get("total") != index.total:
+                raise ValueError(f"{where}['total']={item.get('total')} but the split has {index.total} row groups")
+            for g in decode_bitmap(item["row_groups"], index.total):
+                units.append((item["epoch"], *index.locate(g), None))
+        else:
+            if not (_is_int(item.get("pq_idx")) and _is_int(item.get("rg_idx"))):
+                raise ValueError(f"{where} needs int 'pq_idx' and 'rg_idx'")
+            units.append((item["epoch"], item["pq_idx"], item["rg_idx"], tuple(_check_runs(item.get("rows"), where))))
+    return units
+
+
+# -----------------------------------------------------------------------------
+# Fingerprints and checksums
+
+
+def files_fingerprint(paths: list[str]) -> str:
+    """Names and sizes of the split's files: a resume on other data is caught without reading them."""
+    h = hashlib.sha256()
+    for path in paths:
+        h.update(f"{os.path.basename(path)}:{os.path.getsize(path)}\n".encode())
+    return h.hexdigest()[:32]
+
+
+def tokenizer_fingerprint(tokenizer) -> str:
+    """BOS, vocabulary size and the encoding of a probe text: re-tokenizing the buffered documents with
+    another tokenizer would not give the same batches."""
+    probe = "Resume check: the quick brown fox, 1234567890, ünïcödé."
+    bos = tokenizer.get_bos_token_id()
+    vocab = tokenizer.get_vocab_size() if hasattr(tokenizer, "get_vocab_size") else None
+    try:
+        ids = [int(i) for i in tokenizer.encode([probe], prepend=bos, num_threads=1)[0]]
+    except (TypeError, ValueError, IndexError):
+        ids = None  # a broken tokenizer fails with a clear error at the first batch, not here
+    return hashlib.sha256(json.dumps([bos, vocab, ids]).encode()).hexdigest()[:16]
+
+
+def checksum(state: dict) -> str:
+    body = {k: v for k, v in state.items() if k != "checksum"}
+    return hashlib.sha256(json.dumps(body, sort_keys=True, separators=(",", ":")).encode()).hexdigest()[:32]
+
+
+def seal(state: dict) -> dict:
+    state["checksum"] = checksum(state)
+    return state
+
+
+def hash_tokens(previous: str, tokens: np.ndarray) -> str:
+    """The running fingerprint of emitted tokens: blake2b(previous digest, the int64 tokens)."""
+    h = hashlib.blake2b(bytes.fromhex(previous), digest_size=16)
+    h.update(np.ascontiguousarray(tokens, dtype=np.int64).tobytes())
+    return h.hexdigest()
+
+
+# -----------------------------------------------------------------------------
+# Checking a state
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _check_runs(runs, where: str) -> list[int]:
+    if not isinstance(runs, list) or not all(
+            isinstance(r, list) and len(r) == 2 and _is_int(r[0]) and _is_int(r[1]) and r[0] >= 0 and r[1] >= 1
+            for r in runs):
+        raise ValueError(f"{where}: rows must be a list of [row, count] pairs of ints")
+    return decode_rows(runs)
+
+
+FIELDS = {"loader": str, "pq_idx": int, "rg_idx": int, "epoch": int, "plan": list, "next": list,
+          "buffer": list, "offset": int, "config": dict, "emitted": dict, "counters": dict, "checksum": str}
+# config fields that change which documents a rank reads, in which order: a state taken with other
+# values cannot continue the same stream
+STREAM_FIELDS = ("loader", "split", "files", "num_files", "rank", "world_size")
+
+
+def check_state(state: dict, config: dict, *, allow_mismatch: bool) -> bool:
+    """Validate a version-2 state against this loader's config. Returns True when the state continues
+    this loader's stream exactly (or, with allow_mismatch, at least the same document stream), False
+    when only the seeds' approximate keys can be used (allow_mismatch and another stream)."""
+    if state.get("version") != VERSION:
+        raise ValueError(f"resume_state_dict['version'] is {state.get('version')!r}; this loader reads "
+                         f"version {VERSION} (and the seeds' {{pq_idx, rg_idx, epoch}} form)")
+    for key, kind in FIELDS.items():
+        if key not in state:
+            raise ValueError(f"resume_state_dict is missing {key!r} (a truncated state?)")
+        value = state[key]
+        if not (isinstance(value, kind) and not isinstance(value, bool)):
+            raise ValueError(f"resume_state_dict[{key!r}] must be a {kind.__name__}, got {type(value).__name__}")
+    if state["checksum"] != checksum(state) and not allow_mismatch:
+        raise ValueError("resume_state_dict['checksum'] does not match its contents: the state was edited "
+                         "or corrupted; pass allow_state_mismatch=True to resume from it anyway")
+    if len(state["next"]) != 4 or not all(_is_int(v) and v >= 0 for v in state["next"]):
+        raise ValueError("resume_state_dict['next'] must be [epoch, pq_idx, rg_idx, row] of ints >= 0")
+    emitted = state["emitted"]
+    if not (_is_int(emitted.get("batches")) and _is_int(emitted.get("tokens")) and isinstance(emitted.get("hash"), str)):
+        raise ValueError("resume_state_dict['emitted'] must hold int 'batches', int 'tokens' and str 'hash'")
+    for i, group in enumerate(state["buffer"]):
+        if not (isinstance(group, list) and len(group) == 4 and all(_is_int(v) for v in group[:3])):
+            raise ValueError(f"resume_state_dict['buffer'][{i}] must be [epoch, pq_idx, rg_idx, rows]")
+        _check_runs(group[3], f"resume_state_dict['buffer'][{i}]")
+    saved = dict(state["config"], loader=state["loader"])
+    differ = [f"{k}: state {saved.get(k)!r}, loader {v!r}" for k, v in config.items() if saved.get(k) != v]
+    if differ and not allow_mismatch:
+        raise ValueError("resume_state_dict was taken on another configuration (" + "; ".join(differ) +
+                         "); pass allow_state_mismatch=True to resume as well as possible")
+    return all(saved.get(k) == config[k] for k in STREAM_FIELDS)
+
+
+# -----------------------------------------------------------------------------
+# Elastic resume: N states -> M ranks
+
+
+def merge_states(states: list[dict], world_size: int, *, data_dir: str | None = None) -> dict:
+    """Merge the states of all N ranks, taken at the same step, into the resume state of M ranks.
+
+    Each rank saves its own state with its checkpoint; to restart on M ranks, load all N, call
+    merge_states(states, M), and give the result to every new rank as resume_state_dict (rank r of M
+    picks its part). data_dir: where the shards are (default: the dataset directory)."""
+    from nanochat.dataset import split_parquet_files  # here: resume.py stays importable without the store
+
+    if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
+        raise ValueError(f"world_size must be an integer >= 1, got {world_size!r}")
+    if not isinstance(states, (list, tuple)) or not states:
+        raise ValueError("merge_states needs the list of every rank's state")
+    states = [s["states"][0] if isinstance(s, dict) and "merged" in s and len(s["states"]) == 1 else s
+              for s in states]
+    for i, s in enumerate(states):
+        if not isinstance(s, dict) or s.get("version") != VERSION:
+            raise ValueError(f"states[{i}] is not a version-{VERSION} loader state (field 'version')")
+        if "merged" in s:
+            raise ValueError(f"states[{i}] is a merged state: give each rank's own state, not the merge")
+        if s.get("checksum") != checksum(s):
+            raise ValueError(f"states[{i}]['checksum'] does not match its contents (edited or corrupted)")
+    first = states[0]
+    n_old = first["config"]["world_size"]
+    if len(states) != n_old:
+        raise ValueError(f"config.world_size: the states were taken on {n_old} ranks, but {len(states)} were given")
+    for i, s in enumerate(states):
+        for key in ("loader", "split", "files", "num_files", "B", "T", "buffer_size", "tokenizer_batch_size",
+                    "tokenizer", "world_size"):
+            if s["config"].get(key) != first["config"].get(key):
+                raise ValueError(f"config.{key}: states[{i}] has {s['config'].get(key)!r}, "
+                                 f"states[0] has {first['config'].get(key)!r}")
+        if s["emitted"]["batches"] != first["emitted"]["batches"]:
+            raise ValueError(f"emitted.batches: states[{i}] was taken after {s['emitted']['batches']} batches, "
+                             f"states[0] after {first['emitted']['batches']}; merge states of one step")
+    ranks = sorted(s["config"]["rank"] for s in states)
+    if ranks != list(range(n_old)):
+        raise ValueError(f"config.rank: need each of ranks 0..{n_old - 1} once, got {ranks}")
+    states = sorted(states, key=lambda s: s["config"]["rank"])
+    paths = split_parquet_files(first["config"]["split"], data_dir)
+    if files_fingerprint(paths) != first["config"]["files"]:
+        raise ValueError("config.files: the shards on disk are not the ones the states were taken on")
+    index = RowGroupIndex(paths)
+
+    # everything not yet trained on: explicit documents, then whole row groups per epoch
+    docs: list[Key] = []
+    whole: dict[int, set[int]] = {}
+    for s in states:
+        buffered = decode_keys(s["buffer"])
+        if s["loader"] == "concat" and s["offset"] > 0:
+            buffered = buffered[1:]  # partly emitted: counts as consumed
+        docs += buffered
+        for epoch, pq_idx, rg_idx, rows in decode_plan(s["plan"], index):
+            if rows is None:
+                whole.setdefault(epoch, set()).add(index.base(pq_idx) + rg_idx)
+            else:
+                docs += [(epoch, pq_idx, rg_idx, r) for r in rows]
+    last_epoch = max(s["next"][0] for s in states)
+    for rank, s in enumerate(states):
+        epoch, pq_idx, rg_idx, row = s["next"]
+        # the rest of this rank's share of its current epoch, then all of its share of later ones
+        for e in range(epoch, last_epoch + 1):
+            for p in range(len(paths)):
+                for g in range(rank, index.count(p), n_old):
+                    if e == epoch and (p, g) < (pq_idx, rg_idx):
+                        continue
+                    if e == epoch and (p, g) == (pq_idx, rg_idx) and row > 0:
+                        num_rows = pq.ParquetFile(paths[p]).metadata.row_group(g).num_rows
+                        docs += [(e, p, g, r) for r in range(row, num_rows)]
+                        continue
+                    whole.setdefault(e, set()).add(index.base(p) + g)
+
+    # deal: documents one by one, then row groups one by one, round-robin over the new ranks
+    units: list[list[Unit]] = [[] for _ in range(world_size)]
+    for i, key in enumerate(docs):
+        units[i % world_size].append((*key[:3], (key[3],)))
+    dealt = 0
+    for epoch in sorted(whole):
+        for g in sorted(whole[epoch]):
+            units[dealt % world_size].append((epoch, *index.locate(g), None))
+            dealt += 1
+    merged = []
+    for q in range(world_size):
+        plan = encode_plan(_coalesce(units[q]), index)
+        config = dict(first["config"], rank=q, world_size=world_size)
+        state = {"version": VERSION, "loader": first["loader"], "pq_idx": first["pq_idx"],
+                 "rg_idx": first["rg_idx"], "epoch": first["epoch"], "plan": plan,
+                 "next": [last_epoch + 1, 0, q, 0], "buffer": [], "offset": 0, "config": config,
+                 "emitted": {"batches": first["emitted"]["batches"], "tokens": 0, "hash": EMPTY_HASH},
+                 "counters": {}}
+        merged.append(seal(state))
+    return {"version": VERSION, "merged": {"from_world_size": n_old, "world_size": world_size}, "states": merged}
+
+
+def _coalesce(units: list[Unit]) -> list[Unit]:
+    """Join consecutive single-document units of one row group (keeps a new rank's plan short)."""
+    out: list[Unit] = []
+    for unit in units:
+        if out and unit[3] is not None and out[-1][3] is not None and out[-1][:3] == unit[:3]:
+            out[-1] = (*unit[:3], out[-1][3] + unit[3])
+        else:
+            out.append(unit)
+    return out
