@@ -222,7 +222,11 @@ def print_batch_stats(name: str, s: dict) -> None:
         print(f"{name}: loader stats: {stats}")
     else:
         print(f"{name}: crop share: n/a (this loader has no .stats)")
-    print(f"{name}: state_dict of the last batch: {s['state_dict']}")
+    state = s["state_dict"]
+    seeds = {k: state[k] for k in ("pq_idx", "rg_idx", "epoch")}
+    print(f"{name}: state_dict of the last batch: {seeds} + the exact-resume part: "
+          f"{sum(n for group in state['buffer'] for _, n in group[3])} buffered documents by position, "
+          f"emitted hash {state['emitted']['hash'][:12]}..., {len(json.dumps(state)):,} bytes as JSON")
 
 
 # -----------------------------------------------------------------------------
