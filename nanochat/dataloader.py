@@ -201,6 +201,9 @@ def _to_documents(token_lists, bos: int, dtype: np.dtype) -> list[np.ndarray]:
     limit = np.iinfo(dtype).max
     docs = []
     for ids in token_lists:
+        if isinstance(ids, np.ndarray) and ids.dtype == dtype and ids.ndim == 1 and ids.size and ids[0] == bos:
+            docs.append(ids)  # already compact (encode_to_arrays): every value fits by its dtype
+            continue
         if not isinstance(ids, (list, tuple, np.ndarray)):
             raise TypeError(f"tokenizer.encode must return lists of ints, got an element of type {type(ids).__name__}")
         arr = np.asarray(ids)  # free for arrays
@@ -312,7 +315,7 @@ def _bestfit_batches(token_batches, tracker: _Tracker, position: Position, B: in
     tracker.restore(packer)
     source = _Source(token_batches, tracker.stream, position)
     while True:
-        rows = np.empty((B, T + 1), dtype=np.int64)
+        rows = np.empty((B, T + 1), dtype=tracker.encoder.dtype)  # token dtype: the transfer widens it
         packer.trace = [] if trace else None
         packer.fill(rows, source, buffer_size)
         yield rows, tracker.state(packer, source, rows), packer.stats(), packer.trace
@@ -324,7 +327,7 @@ def _concat_batches(token_batches, tracker: _Tracker, position: Position, B: int
     tracker.restore(packer)
     source = _Source(token_batches, tracker.stream, position)
     while True:
-        tokens = np.empty(B * T + 1, dtype=np.int64)  # +1: the last target
+        tokens = np.empty(B * T + 1, dtype=tracker.encoder.dtype)  # +1: the last target
         packer.take(tokens, source)
         yield tokens, tracker.state(packer, source, tokens), packer.stats(), None
 
@@ -393,14 +396,18 @@ def _maybe_prefetch(source, depth: int, name: str):
     return _Prefetcher(source, depth, name) if depth > 0 else source
 
 
-def _prefetched(token_batches, prefetch: int, pack):
-    """The packing stage over a tokenization stage that runs `prefetch` batches ahead on its own thread."""
-    tokens = None
+def _pipeline(doc_batches, encoder, prefetch: int, pack):
+    """Reading, tokenizing and packing, each on its own thread when prefetch > 0: reading runs a few
+    row groups ahead of the tokenizer (so its pool never waits on parquet), tokenizing `prefetch`
+    document batches ahead of packing. Yields what `pack(token_batches)` yields."""
+    stages = [doc_batches]
     try:
-        tokens = _maybe_prefetch(token_batches, prefetch, "nanochat-tokenize")
-        yield from pack(tokens)
+        stages.append(_maybe_prefetch(doc_batches, 4 * prefetch, "nanochat-read"))
+        stages.append(_maybe_prefetch(_token_batches(stages[-1], encoder), prefetch, "nanochat-tokenize"))
+        yield from pack(stages[-1])
     finally:
-        (tokens if tokens is not None else token_batches).close()
+        for stage in reversed(stages):  # downstream first: it may be blocked on the one before
+            stage.close()
 
 
 # -----------------------------------------------------------------------------
@@ -459,7 +466,7 @@ def _setup(kind, tokenizer, B, T, split, tokenizer_threads, tokenizer_batch_size
            data_dir, rank, world_size, prefetch, allow_state_mismatch, buffer_size=None):
     """Validate everything up front (so bad input fails at the call, not deep in a thread), then
     build the document stream, the tokenized stream and the state tracker, resuming if asked.
-    Returns (token_batches, tracker, seeds position)."""
+    Returns (document batches, tracker, seeds position)."""
     if split not in SPLITS:
         raise ValueError(f"split must be 'train' or 'val', got {split!r}")
     checks = {} if buffer_size is None else {"buffer_size": buffer_size}
@@ -506,7 +513,7 @@ def _setup(kind, tokenizer, B, T, split, tokenizer_threads, tokenizer_batch_size
             logger.warning("resume_state_dict is from another document stream; resuming approximately "
                            "after file %d row group %d", pq_idx, rg_idx)
     tracker = _Tracker(kind, stream, encoder, config, start)
-    return _token_batches(stream.batches(), encoder), tracker, position
+    return stream.batches(), tracker, position
 
 
 class DataLoader:
@@ -580,10 +587,10 @@ def tokenizing_distributed_data_loader_with_state_bos_bestfit(
     rank/world_size: default to torchrun's RANK/WORLD_SIZE.
     prefetch: batches prepared ahead on background threads (0 runs everything in the caller).
     """
-    token_batches, tracker, position = _setup(
+    doc_batches, tracker, position = _setup(
         "bestfit", tokenizer, B, T, split, tokenizer_threads, tokenizer_batch_size, resume_state_dict, data_dir,
         rank, world_size, prefetch, allow_state_mismatch, buffer_size=buffer_size)
-    batches = _prefetched(token_batches, prefetch, lambda tokens: _bestfit_batches(
+    batches = _pipeline(doc_batches, tracker.encoder, prefetch, lambda tokens: _bestfit_batches(
         tokens, tracker, position, B, T, buffer_size, trace_documents))
     return DataLoader(batches, _DeviceBatches(B, T, device), lambda rows: (rows[:, :-1], rows[:, 1:]),
                       prefetch, with_state)
@@ -602,10 +609,11 @@ def tokenizing_distributed_data_loader_with_state(
     """The older concatenating loader: documents back to back (each after its BOS), each batch the
     next B*T+1 tokens of the stream. Wastes nothing, but rows start mid-document and attend across
     unrelated documents; for small data or very long documents. Yields (inputs, targets, state_dict)."""
-    token_batches, tracker, position = _setup(
+    doc_batches, tracker, position = _setup(
         "concat", tokenizer, B, T, split, tokenizer_threads, tokenizer_batch_size, resume_state_dict, data_dir,
         rank, world_size, prefetch, allow_state_mismatch)
-    batches = _prefetched(token_batches, prefetch, lambda tokens: _concat_batches(tokens, tracker, position, B, T, False))
+    batches = _pipeline(doc_batches, tracker.encoder, prefetch,
+                        lambda tokens: _concat_batches(tokens, tracker, position, B, T, False))
     return DataLoader(batches, _DeviceBatches(B, T, device),
                       lambda flat: (flat[:-1].reshape(B, T), flat[1:].reshape(B, T)), prefetch, with_state)
 

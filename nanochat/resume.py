@@ -67,14 +67,20 @@ def decode_rows(runs) -> list[int]:
 
 
 def encode_keys(keys) -> list[list]:
-    """Document keys in order -> [[epoch, pq_idx, rg_idx, runs], ...], consecutive keys grouped."""
+    """Document keys in order -> [[epoch, pq_idx, rg_idx, runs], ...], consecutive keys grouped.
+    (Runs once per batch over ~buffer_size keys: written as one tight loop.)"""
     groups: list[list] = []
-    for epoch, pq_idx, rg_idx, row in keys:
-        if not groups or groups[-1][:3] != [epoch, pq_idx, rg_idx]:
-            groups.append([epoch, pq_idx, rg_idx, []])
-        groups[-1][3].append(row)
-    for group in groups:
-        group[3] = encode_rows(group[3])
+    head, runs, previous = None, None, -2
+    for key in keys:
+        if key[:3] != head:
+            head, runs, previous = key[:3], [], -2
+            groups.append([*head, runs])
+        row = key[3]
+        if row == previous + 1:
+            runs[-1][1] += 1
+        else:
+            runs.append([row, 1])
+        previous = row
     return groups
 
 
@@ -208,10 +214,11 @@ def seal(state: dict) -> dict:
 
 
 def hash_tokens(previous: str, tokens: np.ndarray) -> str:
-    """The running fingerprint of emitted tokens: blake2b(previous digest, the int64 tokens)."""
-    h = hashlib.blake2b(bytes.fromhex(previous), digest_size=16)
-    h.update(np.ascontiguousarray(tokens, dtype=np.int64).tobytes())
-    return h.hexdigest()
+    """The running fingerprint of emitted tokens: sha256(previous digest, the tokens as uint32 LE),
+    truncated to 128 bits. ~0.15 ms per 32x2049 batch (hashlib releases the GIL while it hashes)."""
+    h = hashlib.sha256(bytes.fromhex(previous))
+    h.update(memoryview(np.ascontiguousarray(tokens, dtype="<u4")).cast("B"))
+    return h.hexdigest()[:32]
 
 
 # -----------------------------------------------------------------------------
