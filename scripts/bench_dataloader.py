@@ -164,10 +164,10 @@ def main(argv=None):
     parser.add_argument("-T", type=int, default=2048)
     parser.add_argument("--threads", type=int, default=4, help="tokenizer threads (the loader's default)")
     parser.add_argument("--tokenizer-batch-size", type=int, default=128)
-    parser.add_argument("--loader-batches", type=int, default=250, help="batches for the whole-loader runs, in all")
+    parser.add_argument("--loader-batches", type=int, default=400, help="batches for the whole-loader runs, in all")
     parser.add_argument("--oracle-batches", type=int, default=20, help="batches for the slow oracle runs")
     parser.add_argument("--crop-batches", type=int, default=3000, help="batches for the long crop-share run")
-    parser.add_argument("--repeats", type=int, default=5, help="alternating rounds of tokenization alone and the loader")
+    parser.add_argument("--repeats", type=int, default=8, help="alternating rounds of tokenization alone and the loader")
     parser.add_argument("--device", default="cuda" if _cuda() else "cpu")
     args = parser.parse_args(argv)
     print(f"bench_dataloader: {vars(args)}")
@@ -293,8 +293,9 @@ def main(argv=None):
     print()
     print("ratios")
     print(f"  whole loader / tokenization alone (tokens tokenized per s): {loader_tok_tps / tok_tps:.2f}  (target >= 0.9)")
-    print("      per round (loader / tokenization alone): "
-          + " ".join(f"{(r[3] / r[4]) / (r[0] / r[1]):.2f}" for r in rounds))
+    per_round = sorted((r[3] / r[4]) / (r[0] / r[1]) for r in rounds)
+    print(f"      per round (loader / tokenization alone, sorted): {' '.join(f'{x:.2f}' for x in per_round)}; "
+          f"median {per_round[len(per_round) // 2]:.2f}")
     print(f"  the same per CPU-second (immune to a noisy neighbour's steal): {loader_cpu_tps / tok_cpu_tps:.2f}  "
           f"(tokenization alone {tok_cpu_tps / 1e6:.2f} M, loader {loader_cpu_tps / 1e6:.2f} M tokens per CPU-s)")
     print(f"  packing / oracle packing (buffer 1,000):                    {pack_tps / oracle_pack_tps:.1f}x  (target >= 20)")
