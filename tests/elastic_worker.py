@@ -1,0 +1,56 @@
+"""
+One rank of the elastic-resume test (run by test_elastic.py under torchrun, gloo, CPU).
+  old: run NUM_BATCHES batches from the start, then save this rank's state (as a training script
+       does at a checkpoint) and the documents placed in every row (trace_documents=True).
+  new: resume from the merged state in RESUME_JSON and run until this rank has read its whole share
+       of the old epochs (its plan is empty), then 5 batches more; its final state says which of
+       those documents still wait in its buffer.
+Rank 0 writes what every rank saw to OUT_JSON.
+Usage: torchrun --nproc_per_node=N tests/elastic_worker.py MODE DATA_DIR OUT_JSON NUM_BATCHES [RESUME_JSON]
+"""
+
+import json
+import os
+import sys
+
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from conftest import ByteTokenizer  # noqa: E402
+from nanochat.dataloader import tokenizing_distributed_data_loader_with_state_bos_bestfit  # noqa: E402
+
+B, T, BUFFER, TBS = 2, 24, 8, 3
+
+
+def main():
+    mode, data_dir, out_path, num_batches = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
+    resume = None
+    if mode == "new":
+        with open(sys.argv[5]) as f:
+            resume = json.load(f)
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    loader = tokenizing_distributed_data_loader_with_state_bos_bestfit(
+        ByteTokenizer(), B, T, "train", device="cpu", data_dir=data_dir, buffer_size=BUFFER,
+        tokenizer_batch_size=TBS, resume_state_dict=resume, trace_documents=True)
+    rows, placed, state, extra = [], [], None, 5
+    for step in range(num_batches):
+        inputs, targets, state = next(loader)
+        rows += [x + [y[-1]] for x, y in zip(inputs.tolist(), targets.tolist())]
+        placed += [[list(key) for key in row] for row in loader.documents]
+        if mode == "new" and not state["plan"]:
+            extra -= 1
+            if extra == 0:
+                break
+    loader.close()
+    mine = {"rank": rank, "rows": rows, "placed": placed, "state": state, "batches": step + 1}
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, mine)
+    if rank == 0:
+        with open(out_path, "w") as f:
+            json.dump(gathered, f)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
