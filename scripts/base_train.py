@@ -17,7 +17,8 @@ may pick non-deterministic algorithms, so expect agreement to a few decimals the
 Checkpoints: <checkpoint-dir>/step_{step:06d}.pt, written by rank 0 to a temporary name and renamed,
 so a kill never leaves a half-written file under a final name. Each holds the step, the model and
 optimizer state dicts, the RNG state, the model config, and `dataloader_state_dicts`: a list with one
-loader state per rank (gathered to rank 0), so one file resumes the whole job at the same world size.
+loader state per rank (gathered to rank 0), so one file resumes the whole job: at the same world size
+exactly, or at another one through nanochat.resume.merge_states (elastic resume).
 Everything in it is a tensor, dict, list, int, float or str, so it loads with weights_only=True.
 """
 
@@ -36,6 +37,7 @@ import torch.nn.functional as F
 from nanochat.common import get_base_dir, get_dist_info, print0
 from nanochat.dataloader import (tokenizing_distributed_data_loader_bos_bestfit,
                                  tokenizing_distributed_data_loader_with_state_bos_bestfit)
+from nanochat.resume import merge_states
 from nanochat.tokenizer import RustBPETokenizer, get_token_bytes, get_tokenizer_dir
 
 IGNORE_INDEX = -100  # targets with this value (e.g. masked-out positions) carry no loss
@@ -145,7 +147,7 @@ def save_checkpoint(path: str, checkpoint: dict) -> None:
         raise
 
 
-def load_checkpoint(path: str, model_config: dict, world_size: int) -> dict:
+def load_checkpoint(path: str, model_config: dict) -> dict:
     if not os.path.exists(path):
         raise FileNotFoundError(f"no checkpoint {path}; pick a step that was saved (--save-every) "
                                 "or check --checkpoint-dir")
@@ -153,11 +155,17 @@ def load_checkpoint(path: str, model_config: dict, world_size: int) -> dict:
     if checkpoint["model_config"] != model_config:
         raise ValueError(f"{path} was saved with model config {checkpoint['model_config']}, "
                          f"this run has {model_config}; pass the same --depth/--width/--heads/--T")
-    num_states = len(checkpoint["dataloader_state_dicts"])
-    if num_states != world_size:
-        raise ValueError(f"{path} holds loader states for {num_states} rank(s), this run has "
-                         f"{world_size}; resume with the same number of processes")
     return checkpoint
+
+
+def loader_resume_state(states: list[dict], rank: int, world_size: int, data_dir: str | None) -> dict:
+    """This rank's loader state: its own when the world size is unchanged, else the merge of every
+    saved rank's state for the new world size (elastic resume: each rank merges the same states,
+    gets the same result, and the loader picks this rank's part)."""
+    if len(states) == world_size:
+        return states[rank]
+    print0(f"world size changed from {len(states)} to {world_size}: merging the loader states")
+    return merge_states(states, world_size, data_dir=data_dir)
 
 
 # -----------------------------------------------------------------------------
@@ -229,11 +237,12 @@ def main(argv=None) -> int:
     start_step, loader_state = 0, None
     if args.resume_from_step is not None:
         path = checkpoint_path(checkpoint_dir, args.resume_from_step)
-        checkpoint = load_checkpoint(path, model_config, world_size)
+        checkpoint = load_checkpoint(path, model_config)
         model.load_state_dict(checkpoint["model"])
         optimizer.load_state_dict(checkpoint["optimizer"])
         torch.set_rng_state(checkpoint["rng_state"])
-        start_step, loader_state = checkpoint["step"], checkpoint["dataloader_state_dicts"][rank]
+        start_step = checkpoint["step"]
+        loader_state = loader_resume_state(checkpoint["dataloader_state_dicts"], rank, world_size, args.data_dir)
         print0(f"resumed from {path}: continuing with step {start_step + 1}")
 
     loader_kwargs = dict(device=device, buffer_size=args.buffer_size, data_dir=args.data_dir)

@@ -173,3 +173,25 @@ def test_missing_checkpoint_names_the_path(corpus, tmp_path):
     assert result.returncode != 0
     assert "FileNotFoundError" in result.stderr
     assert str(tmp_path / "step_000005.pt") in result.stderr
+
+
+def test_resume_on_another_world_size(corpus, tmp_path):
+    """Elastic: 2 processes under torchrun save a checkpoint, 1 process resumes it; the loader states
+    of both ranks are merged, so the resumed rank first trains on what both had left."""
+    checkpoint_dir = tmp_path / "checkpoints"
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    for var in ("RANK", "LOCAL_RANK", "WORLD_SIZE"):
+        env.pop(var, None)
+    result = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+         "-m", "scripts.base_train", *TINY, "--data-dir", str(corpus / "data"),
+         "--tokenizer-dir", str(corpus / "tokenizer"), "--save-every", "3",
+         "--checkpoint-dir", str(checkpoint_dir), "--stop-after-step", "3"],
+        cwd=REPO_ROOT, capture_output=True, text=True, timeout=180, env=env)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    saved = torch.load(checkpoint_dir / "step_000003.pt", weights_only=True)
+    assert [s["config"]["rank"] for s in saved["dataloader_state_dicts"]] == [0, 1]
+    log = train(corpus, tmp_path, "elastic", "--checkpoint-dir", str(checkpoint_dir), "--resume-from-step", "3")
+    assert "world size changed from 2 to 1" in log["stdout"]
+    assert sorted(log["losses"], key=int) == [str(s) for s in range(4, STEPS + 1)]
+    assert all(math.isfinite(loss) for loss in log["losses"].values())
