@@ -12,17 +12,17 @@ The pipeline, each stage a generator that can be read and tested alone:
      vocabulary allows);
   3. packing (nanochat/packing.py, pure): best-fit BOS-aligned rows, or the concatenated stream;
   4. transfer: one pinned `[inputs | targets]` staging buffer -> one non-blocking copy to the device.
-Stages 1-2 and 3 each run `prefetch` items ahead on a background thread, so reading, tokenizing,
-packing and the training step overlap; the state yielded with a batch describes what that batch
+Reading, tokenizing and packing each run ahead on a background thread (`prefetch`), so they overlap
+with each other and with the training step; the state yielded with a batch describes what that batch
 consumed, never what was read ahead.
 
 The yielded tensors are views into one device buffer that the next batch overwrites (in stream
 order on CUDA, so a training step that has already been queued is safe); clone them to keep them.
 
-`state_dict` = {"pq_idx", "rg_idx", "epoch"}: the parquet file, row group and epoch of the last
-document batch the packer consumed. Passing it back as `resume_state_dict` restarts after that row
-group; this resume is approximate, as nanochat's: no document repeats, but documents still in the
-buffer, and the rest of that row group, are skipped.
+`state_dict` is the exact position of the stream (format and checks in nanochat/resume.py): passed
+back as `resume_state_dict`, it makes a new loader yield the very batches the uninterrupted run would
+have. It keeps nanochat's keys {"pq_idx", "rg_idx", "epoch"} (the last document batch consumed), and
+a dict with only those keys still resumes approximately, after that row group, as nanochat does.
 """
 
 import logging
@@ -36,7 +36,7 @@ import torch
 
 from nanochat import resume
 from nanochat.common import get_dist_info
-from nanochat.dataset import SPLITS, read_row_group_texts, split_parquet_files
+from nanochat.dataset import SPLITS, read_row_group_column, read_row_group_texts, split_parquet_files
 from nanochat.packing import BestFitPacker, ConcatPacker, token_dtype
 from nanochat.resume import Key, RowGroupIndex, Unit
 
@@ -154,16 +154,18 @@ class _Stream:
                 path = self.paths[pq_idx]
                 pf = pq.ParquetFile(path)
                 while rg_idx < pf.num_row_groups:
-                    texts = read_row_group_texts(pf, rg_idx, path)
-                    if row > len(texts):
+                    column = read_row_group_column(pf, rg_idx, path)
+                    n = len(column)
+                    if row > n:
                         raise ValueError(f"resume_state_dict['next'] points at row {row} of {path} row group "
-                                         f"{rg_idx}, which has {len(texts)} rows: the state does not match the data")
-                    docs_this_pass += len(texts)
-                    for i in range(row, len(texts), tbs):
-                        j = min(i + tbs, len(texts))
+                                         f"{rg_idx}, which has {n} rows: the state does not match the data")
+                    docs_this_pass += n
+                    for i in range(row, n, tbs):
+                        j = min(i + tbs, n)
                         # where the stream continues: the next batch of this row group, else the next row group
-                        after = (epoch, pq_idx, rg_idx, j) if j < len(texts) else (epoch, pq_idx, rg_idx + world_size, 0)
-                        yield texts[i:j], [(epoch, pq_idx, rg_idx, r) for r in range(i, j)], ("regular", *after)
+                        after = (epoch, pq_idx, rg_idx, j) if j < n else (epoch, pq_idx, rg_idx + world_size, 0)
+                        texts = column.slice(i, j - i).to_pylist()  # a slice at a time: see read_row_group_column
+                        yield texts, [(epoch, pq_idx, rg_idx, r) for r in range(i, j)], ("regular", *after)
                     rg_idx += world_size
                     row = 0
                 pq_idx += 1

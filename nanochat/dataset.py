@@ -140,6 +140,13 @@ def split_parquet_files(split: str, data_dir: str | None = None) -> list[str]:
 
 def read_row_group_texts(pf: pq.ParquetFile, rg_idx: int, path: str) -> list[str]:
     """The `text` column of one row group as a list of str, or a clear error naming file and row group."""
+    return read_row_group_column(pf, rg_idx, path).to_pylist()
+
+
+def read_row_group_column(pf: pq.ParquetFile, rg_idx: int, path: str) -> pa.ChunkedArray:
+    """The checked `text` column of one row group, still in Arrow memory. Turning it into Python
+    strings holds the GIL throughout (~5 ms for 1024 FineWeb documents), so a loader converts it a
+    slice at a time and lets its tokenizer threads in between."""
     if "text" not in pf.schema_arrow.names:
         raise ValueError(f"{path} has no 'text' column (columns: {pf.schema_arrow.names}); "
                          "shards need one string column named 'text'")
@@ -148,7 +155,7 @@ def read_row_group_texts(pf: pq.ParquetFile, rg_idx: int, path: str) -> list[str
         raise ValueError(f"{path} row group {rg_idx}: column 'text' has type {column.type}, expected string")
     if column.null_count:
         raise ValueError(f"{path} row group {rg_idx}: column 'text' has {column.null_count} null values")
-    return column.to_pylist()
+    return column
 
 
 def parquets_iter_batched(split: str, start: int = 0, step: int = 1, data_dir: str | None = None):
