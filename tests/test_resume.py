@@ -602,6 +602,61 @@ def test_elastic_restart_places_every_document_once(n_old, n_new, k, tmp_path):
         assert last_epoch >= 2, "the long case should merge after epoch 1"
 
 
+@pytest.mark.parametrize("chain", [((2, 2), (3, 2), (2, None)), ((3, 4), (2, 2), (3, None)), ((1, 12), (3, 1), (1, None))])
+def test_chained_merges_place_every_document_once(chain, tmp_path):
+    # 2 ranks, merged for 3 that stop mid-plan, merged again for 2: the plans of a merged state are
+    # dealt again, and nothing is lost or repeated
+    elastic_corpus(tmp_path, seed=len(chain) + chain[0][1])
+    cfg = dict(B=2, T=20, tokenizer_batch_size=3, buffer_size=6, prefetch=0, data_dir=str(tmp_path),
+               trace_documents=True)
+    texts = texts_by_key(tmp_path)
+    placed, waiting, resume_from = [], [], None
+    for world_size, k in chain:
+        states = []
+        for r in range(world_size):
+            loader = open_loader("bestfit", cfg, rank=r, world_size=world_size, resume_state_dict=resume_from)
+            for j in range(k or 500):
+                batch = take(loader, 1)[0]
+                placed += [key for row in loader.documents for key in row]
+                state = batch[2]
+                old = [key for key in decode_keys(state["buffer"]) if key[0] <= last_epoch] if k is None else []
+                if k is None and not state["plan"] and all(len(texts[key[1:]]) + 1 > 21 for key in old):
+                    waiting += old
+                    break
+            else:
+                assert k is not None, f"rank {r} of {world_size} did not finish its plan in 500 batches"
+            states.append(state)
+            loader.close()
+        if k is not None:
+            if resume_from is not None:
+                assert any(s["plan"] for s in states), "the middle ranks should stop mid-plan"
+            last_epoch = max(s["next"][0] for s in states)
+            resume_from = merge_states(states, chain[chain.index((world_size, k)) + 1][0], data_dir=str(tmp_path))
+    counts = Counter([key for key in placed if key[0] <= last_epoch] + waiting)
+    assert set(counts) == {(e, *key) for e in range(1, last_epoch + 1) for key in texts}
+    assert [key for key, c in counts.items() if c != 1] == []
+
+
+@pytest.mark.parametrize("prefetch", [0, 3])
+def test_exact_resume_mid_plan(prefetch, tmp_path):
+    # a new rank's states while it works through its plan (rows of row groups, then whole row groups)
+    # resume exactly, like any other
+    elastic_corpus(tmp_path, seed=9)
+    cfg = dict(B=1, T=20, tokenizer_batch_size=2, buffer_size=3, prefetch=prefetch, data_dir=str(tmp_path))
+    merged = merge_states(rank_states("bestfit", cfg, 2, 5), 3, data_dir=str(tmp_path))
+    for q in range(3):
+        run = take(open_loader("bestfit", cfg, rank=q, world_size=3, resume_state_dict=merged), 40)
+        states = [b[2] for b in run]
+        with_plan = [k for k, s in enumerate(states) if s["plan"]]
+        assert len(with_plan) >= 3 and with_plan[-1] < 35, "the run should work through its plan"
+        assert any("row_groups" in item for s in states for item in s["plan"])
+        assert any("rows" in item for s in states for item in s["plan"])
+        for k in with_plan + [with_plan[-1] + 1]:
+            resumed = open_loader("bestfit", cfg, rank=q, world_size=3, resume_state_dict=states[k])
+            assert take(resumed, 40 - k - 1) == run[k + 1:], f"rank {q}: resumed after batch {k}"
+            resumed.close()
+
+
 def test_elastic_restart_of_the_concatenating_loader(tmp_path):
     # no traces for concatenation: the documents visible in the new ranks' streams are the ones the
     # old ranks had not started, each once, and their first document is read from the plan
