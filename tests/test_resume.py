@@ -33,7 +33,7 @@ from nanochat.dataloader import (
     tokenizing_distributed_data_loader_with_state_bos_bestfit,
 )
 from nanochat.dataset import split_parquet_files
-from nanochat.resume import decode_keys, merge_states
+from nanochat.resume import RowGroupIndex, decode_keys, decode_plan, merge_states
 
 BESTFIT = tokenizing_distributed_data_loader_with_state_bos_bestfit
 CONCAT = tokenizing_distributed_data_loader_with_state
@@ -546,10 +546,11 @@ def elastic_corpus(data_dir, seed: int):
         write_shard(data_dir / f"shard_{i:05d}.parquet", texts, row_group_size=rg)
 
 
-@pytest.mark.parametrize("n_old,n_new,k", [(2, 3, 4), (2, 3, 30), (3, 2, 5), (3, 2, 22), (1, 2, 9), (2, 2, 7)])
-def test_elastic_restart_places_every_document_once(n_old, n_new, k, tmp_path):
+@pytest.mark.parametrize("n_old,n_new,k,tbs", [(2, 3, 4, 3), (2, 3, 30, 3), (3, 2, 5, 3), (3, 2, 22, 3),
+                                                (1, 2, 8, 1), (2, 2, 7, 2), (2, 3, 9, 1), (3, 3, 7, 1)])
+def test_elastic_restart_places_every_document_once(n_old, n_new, k, tbs, tmp_path):
     elastic_corpus(tmp_path, seed=n_old * 100 + k)
-    cfg = dict(B=2, T=20, tokenizer_batch_size=3, buffer_size=6, prefetch=0, data_dir=str(tmp_path),
+    cfg = dict(B=2, T=20, tokenizer_batch_size=tbs, buffer_size=6, prefetch=0, data_dir=str(tmp_path),
                trace_documents=True)
     texts = texts_by_key(tmp_path)
     placed = []
@@ -563,6 +564,8 @@ def test_elastic_restart_places_every_document_once(n_old, n_new, k, tmp_path):
         states.append(batch[2])
         loader.close()
     last_epoch = max(s["next"][0] for s in states)
+    if tbs == 1:
+        assert any(s["next"][3] == 1 for s in states), "some old rank should stop after row 0"
 
     merged = merge_states(states, n_new, data_dir=str(tmp_path))
     assert [s["next"] for s in merged["states"]] == [[last_epoch + 1, 0, q, 0] for q in range(n_new)]
@@ -657,15 +660,46 @@ def test_exact_resume_mid_plan(prefetch, tmp_path):
             resumed.close()
 
 
-def test_elastic_restart_of_the_concatenating_loader(tmp_path):
-    # no traces for concatenation: the documents visible in the new ranks' streams are the ones the
-    # old ranks had not started, each once, and their first document is read from the plan
-    elastic_corpus(tmp_path, seed=5)
+@pytest.mark.parametrize("n_old,n_new,k", [(2, 3, 6), (3, 2, 25), (1, 3, 14)])
+def test_elastic_restart_of_the_concatenating_loader(n_old, n_new, k, tmp_path):
+    # no traces for concatenation: the new ranks' plans must be every document the old ranks had not
+    # started, each once (one they had started counts as consumed), and each new rank's token stream
+    # must begin with exactly its plan's documents, whole
+    elastic_corpus(tmp_path, seed=k)
     cfg = dict(B=2, T=20, tokenizer_batch_size=3, prefetch=0, data_dir=str(tmp_path))
-    states = rank_states("concat", cfg, 2, 6)
-    merged = merge_states(states, 3, data_dir=str(tmp_path))
-    for q, state in enumerate(merged["states"]):
-        assert state["loader"] == "concat" and state["plan"] and state["offset"] == 0
-        batch = take(open_loader("concat", cfg, rank=q, world_size=3, resume_state_dict=merged), 1)[0]
-        assert batch[2]["emitted"]["batches"] == 7
-        assert flat_of(batch)[0] == BOS  # a new rank starts on a whole document
+    texts = texts_by_key(tmp_path)
+    paths = split_parquet_files("train", str(tmp_path))
+    num_rows = Counter(key[:2] for key in texts)  # (pq_idx, rg_idx) -> rows
+    states = rank_states("concat", cfg, n_old, k)
+    last_epoch = max(s["next"][0] for s in states)
+    assert any(s["offset"] > 0 for s in states), "some old rank should have started a document"
+
+    expected = []
+    for r, s in enumerate(states):
+        buffered = decode_keys(s["buffer"])
+        expected += buffered[1:] if s["offset"] else buffered
+        # rank r's stream order, written out: per epoch, its row groups r, r+N, ... of every file
+        order = [(e, p, g, row) for e in range(1, last_epoch + 1) for p in range(len(paths))
+                 for g in range(r, pq.ParquetFile(paths[p]).num_row_groups, n_old) for row in range(num_rows[p, g])]
+        expected += [key for key in order if key >= tuple(s["next"])]
+
+    merged = merge_states(states, n_new, data_dir=str(tmp_path))
+    index = RowGroupIndex(paths)
+    plans = [[(e, p, g, row) for e, p, g, rows in decode_plan(s["plan"], index)
+              for row in (range(num_rows[p, g]) if rows is None else rows)] for s in merged["states"]]
+    counts = Counter(key for plan in plans for key in plan)
+    assert counts == Counter(expected) and max(counts.values()) == 1
+
+    B, T = cfg["B"], cfg["T"]
+    for q, plan in enumerate(plans):
+        assert plan, f"new rank {q} should have work"
+        tokens = [t for key in plan for t in [BOS] + list(texts[key[1:]].encode())]
+        loader = open_loader("concat", cfg, rank=q, world_size=n_new, resume_state_dict=merged)
+        stream = []
+        while len(stream) <= len(tokens):
+            batch = take(loader, 1)[0]
+            stream += flat_of(batch)
+        assert stream[:len(tokens)] == tokens
+        assert stream[len(tokens)] == BOS  # then the regular stream, from a whole document
+        assert batch[2]["emitted"]["batches"] == k + len(stream) // (B * T + 1)
+        loader.close()
