@@ -151,7 +151,7 @@ def small(tmp_path):
 # 1. exact resume after every batch
 
 
-@pytest.mark.parametrize("seed", range(2))
+@pytest.mark.parametrize("seed", range(3))
 @pytest.mark.parametrize("prefetch", [0, 3])
 @pytest.mark.parametrize("split", ["train", "val"])
 @pytest.mark.parametrize("kind", ["bestfit", "concat"])
@@ -163,7 +163,6 @@ def test_exact_resume_after_every_batch(kind, split, prefetch, seed, tmp_path):
     cfg = dict(B=rng.randint(1, 4), T=T, split=split, tokenizer_batch_size=tbs, buffer_size=rng.choice([2, 3, 7, 20]),
                rank=rng.randrange(world_size), world_size=world_size, prefetch=prefetch, data_dir=str(tmp_path))
     loader = open_loader(kind, cfg)
-    run = []
     run = take(loader, 1)
     while len(run) < 400 and run[-1][2]["epoch"] == run[0][2]["epoch"]:
         run += take(loader, 1)
@@ -234,7 +233,7 @@ def test_state_is_a_few_kb_with_a_full_buffer(tmp_path):
         _, _, state = next(loader)
     assert 999 <= len(decode_keys(state["buffer"])) < 1000 + 128
     size = len(json.dumps(state))
-    # measured: 3,337 bytes with 1,113 buffered documents (20 batches of 8x64)
+    # measured: 3,322 bytes with 1,039 buffered documents (after 20 batches of 8x64)
     print(f"state size: {size} bytes, {len(decode_keys(state['buffer']))} buffered documents")
     assert size < 16 * 1024
 
@@ -290,8 +289,7 @@ def state_after(kind: str, cfg: dict, k: int, **over) -> dict:
 ])
 def test_refused_on_another_configuration(kind, field, taken, resumed, small):
     state = state_after(kind, small, 3, **taken)
-    old, new = (dict(small, **taken) | {"split": taken.get("split", "train")},
-                dict(small, **resumed) | {"split": resumed.get("split", "train")})
+    old, new = {"split": "train", **small, **taken}, {"split": "train", **small, **resumed}
     with pytest.raises(ValueError, match=f"{field}: state {old[field]!r}, loader {new[field]!r}"):
         open_loader(kind, small, resume_state_dict=state, **resumed)
 
