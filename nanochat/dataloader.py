@@ -44,6 +44,7 @@ logger = logging.getLogger(__name__)
 
 Position = tuple[int, int, int]  # (pq_idx, rg_idx, epoch): the seeds' state keys
 Cursor = tuple[int, int, int, int]  # (epoch, pq_idx, rg_idx, row): where a document batch starts
+SEEDS_KEYS = ("pq_idx", "rg_idx", "epoch")
 
 # -----------------------------------------------------------------------------
 # Checking arguments
@@ -497,6 +498,9 @@ def _setup(kind, tokenizer, B, T, split, tokenizer_threads, tokenizer_batch_size
                 raise ValueError(f"resume_state_dict['merged'] is for {state['merged'].get('world_size')} ranks, "
                                  f"but this run has world size {world_size}; merge for this world size")
             state = merged[rank]
+        if "version" not in state and state.keys() & set(resume.FIELDS) - set(SEEDS_KEYS):
+            raise ValueError("resume_state_dict is missing 'version' but has this loader's other keys "
+                             f"({sorted(state.keys() & set(resume.FIELDS))}): a truncated state?")
         if "version" not in state:  # the seeds' form: approximate, after the saved row group
             pq_idx, rg_idx, epoch = _check_legacy_state(state, paths)
             cursor = (epoch, pq_idx, (rg_idx // world_size + 1) * world_size + rank, 0)

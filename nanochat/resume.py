@@ -15,7 +15,7 @@ stays a few KB at buffer_size=1000 (the buffered documents are re-read and re-to
       "buffer": [[epoch, pq_idx, rg_idx, [[row, count], ...]], ...],  # buffered documents, arrival order
       "offset": 0,               # concat: tokens of the first buffered document already emitted
       "config": {...},           # what it was taken on: files, split, B, T, buffer_size, rank, ...
-      "emitted": {"batches": k, "tokens": n, "hash": "..."},   # running blake2b of every token emitted
+      "emitted": {"batches": k, "tokens": n, "hash": "..."},   # running sha256 of every token emitted
       "counters": {...},         # the loader's running statistics, so they continue after a resume
       "checksum": "...",         # sha256 of the rest: a truncated or hand-edited state is refused
     }
