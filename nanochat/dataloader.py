@@ -25,6 +25,7 @@ have. It keeps nanochat's keys {"pq_idx", "rg_idx", "epoch"} (the last document 
 a dict with only those keys still resumes approximately, after that row group, as nanochat does.
 """
 
+import itertools
 import logging
 import queue
 import threading
@@ -240,7 +241,7 @@ class _Encoder:
 def _token_batches(doc_batches, encoder: _Encoder):
     """Yield (documents, keys, after) for each document batch: the texts tokenized with BOS prepended."""
     for texts, keys, after in doc_batches:
-        yield encoder(texts), keys, after
+        yield encoder(texts), keys, after, itertools.repeat(0)
 
 
 # -----------------------------------------------------------------------------
@@ -257,9 +258,9 @@ class _Source:
         self.position = position  # the seeds' keys of the last batch pulled
 
     def __call__(self):
-        docs, keys, self.after = next(self.token_batches)
+        docs, keys, self.after, overlaps = next(self.token_batches)
         self.position = (keys[-1][1], keys[-1][2], keys[-1][0])
-        return zip(docs, keys)
+        return zip(docs, keys, overlaps)
 
 
 class _Tracker:
@@ -280,7 +281,7 @@ class _Tracker:
         texts = self.stream.read_documents(keys, "resume_state_dict['buffer']")
         for i in range(0, len(texts), 1024):
             for doc, key in zip(self.encoder(texts[i:i + 1024]), keys[i:i + 1024]):
-                packer.add(doc, key)
+                packer.add(doc, key)  # TODO(pretokenized): overlaps of re-read windows
         if self.kind == "concat" and keys:
             packer.skip_consumed(self.start["offset"])
         for name, value in self.start["counters"].items():

@@ -21,9 +21,10 @@ from typing import Callable, Iterable
 
 import numpy as np
 
-# refill() returns the next (document, key) pairs of the stream (possibly none); keys name documents
-# for resume states and traces, and may be None
-Refill = Callable[[], Iterable[tuple[np.ndarray, object]]]
+# refill() returns the next (document, key, overlap) of the stream (possibly none): keys name documents
+# for resume states and traces (or are None); overlap counts the tokens after BOS that repeat the
+# previous window of a windowed document (0 for whole documents)
+Refill = Callable[[], Iterable[tuple[np.ndarray, object, int]]]
 
 
 def token_dtype(vocab_size: int | None) -> np.dtype:
@@ -55,7 +56,8 @@ class BestFitPacker:
     """
 
     # the running totals a resume state carries, so statistics continue across a restart
-    COUNTERS = ("tokens_in", "tokens_out", "tokens_cropped", "rows", "docs_placed", "max_docs_per_row")
+    COUNTERS = ("tokens_in", "tokens_out", "tokens_cropped", "rows", "docs_placed", "max_docs_per_row",
+                "tokens_masked")
 
     def __init__(self, row_capacity: int):
         if row_capacity < 2:
@@ -68,7 +70,11 @@ class BestFitPacker:
         self._num_docs = 0
         # seq -> key of each buffered document, in arrival order (what a resume state refers to)
         self._keys: dict[int, object] = {}
+        self._overlaps: dict[int, int] = {}  # seq -> leading tokens (after BOS) that repeat a window
+        # what the last fill() placed, per row: document start positions, and target ranges to mask
         self.trace: list | None = None  # set to a list to record, per row, the keys placed in it
+        self.starts: list[list[int]] = []
+        self.masked: list[tuple[int, int, int]] = []  # (row, start, end): targets[row, start:end] = -100
         # running totals, cheap to read at any step
         self.tokens_in = 0
         self.tokens_out = 0
@@ -76,6 +82,7 @@ class BestFitPacker:
         self.rows = 0
         self.docs_placed = 0  # documents (whole or cropped) that went into rows
         self.max_docs_per_row = 0
+        self.tokens_masked = 0
 
     def __len__(self) -> int:
         return self._num_docs
@@ -91,14 +98,17 @@ class BestFitPacker:
             "docs_per_row_max": self.max_docs_per_row,
             "buffer_docs": self._num_docs,
             "buffer_tokens": self.tokens_in - self.tokens_out - self.tokens_cropped,
+            "tokens_masked": self.tokens_masked,
         }
 
     def buffered_keys(self) -> list:
         """Keys of the buffered documents in arrival order (insertion order of the dict)."""
         return list(self._keys.values())
 
-    def add(self, doc: np.ndarray, key=None) -> None:
-        """Buffer a document; `key` names it (e.g. where it was read) in buffered_keys() and traces."""
+    def add(self, doc: np.ndarray, key=None, overlap: int = 0) -> None:
+        """Buffer a document; `key` names it (e.g. where it was read) in buffered_keys() and traces;
+        `overlap`: how many tokens after its BOS repeat the previous window of the same document
+        (their targets are masked when it is placed)."""
         n = len(doc)
         if n == 0:
             raise ValueError("cannot pack an empty document (every document starts with BOS)")
@@ -111,6 +121,8 @@ class BestFitPacker:
         else:
             heapq.heappush(self._long, (n, self._seq, doc))
         self._keys[self._seq] = key
+        if overlap:
+            self._overlaps[self._seq] = overlap
         self._seq += 1
         self._num_docs += 1
         self.tokens_in += n
@@ -123,23 +135,24 @@ class BestFitPacker:
             self._fit_mask &= ~(1 << n)
         return seq, doc
 
-    def _taken(self, seq: int) -> None:
-        key = self._keys.pop(seq)
+    def _taken(self, seq: int) -> tuple[object, int]:
         self._num_docs -= 1
-        if self.trace is not None:
-            self.trace[-1].append(key)
+        return self._keys.pop(seq), self._overlaps.pop(seq, 0)
 
     def place(self, row: np.ndarray, pos: int) -> int:
         """Place one document into row[pos:] by the best-fit rule; returns the new position."""
+        return self._place(row, pos)[0]
+
+    def _place(self, row: np.ndarray, pos: int) -> tuple[int, object, int]:
+        """place(), also returning the placed document's key and overlap."""
         remaining = self.row_capacity - pos
         fits = self._fit_mask & ((2 << remaining) - 1)  # lengths 1..remaining
         if fits:
             n = fits.bit_length() - 1  # the largest that fits
             seq, doc = self._pop_length(n)
             row[pos:pos + n] = doc
-            self._taken(seq)
             self.tokens_out += n
-            return pos + n
+            return pos + n, *self._taken(seq)
         # nothing fits: crop the shortest; every short document is shorter than every long one
         if self._fit_mask:
             n = (self._fit_mask & -self._fit_mask).bit_length() - 1
@@ -149,28 +162,39 @@ class BestFitPacker:
         else:
             raise RuntimeError("BestFitPacker.place called with an empty buffer")
         row[pos:] = doc[:remaining]
-        self._taken(seq)
         self.tokens_out += remaining
         self.tokens_cropped += n - remaining
-        return self.row_capacity
+        return self.row_capacity, *self._taken(seq)
 
     def fill(self, rows: np.ndarray, refill: Refill, buffer_size: int) -> None:
         """Fill every row of `rows` (shape (n, row_capacity)), refilling the buffer to at least
         `buffer_size` documents before each placement, as the seeds' loader does."""
         assert rows.shape[1] == self.row_capacity
-        for row in rows:
-            pos, placed = 0, 0
+        self.starts, self.masked = [], []
+        for r, row in enumerate(rows):
+            pos, starts = 0, []
             if self.trace is not None:
                 self.trace.append([])
             while pos < self.row_capacity:
                 while self._num_docs < buffer_size:
-                    for doc, key in refill():
-                        self.add(doc, key)
-                pos = self.place(row, pos)
-                placed += 1
+                    for doc, key, overlap in refill():
+                        self.add(doc, key, overlap)
+                start = pos
+                pos, key, overlap = self._place(row, pos)
+                starts.append(start)
+                if self.trace is not None:
+                    self.trace[-1].append(key)
+                if overlap:
+                    # the targets that predict the repeated tokens (row positions start+1..start+overlap,
+                    # so targets start..start+overlap-1), as far as the document made it into the row
+                    end = min(start + overlap, pos - 1)
+                    if end > start:
+                        self.masked.append((r, start, end))
+                        self.tokens_masked += end - start
+            self.starts.append(starts)
             self.rows += 1
-            self.docs_placed += placed
-            self.max_docs_per_row = max(self.max_docs_per_row, placed)
+            self.docs_placed += len(starts)
+            self.max_docs_per_row = max(self.max_docs_per_row, len(starts))
 
 
 # -----------------------------------------------------------------------------
@@ -221,7 +245,7 @@ class ConcatPacker:
         """Fill the 1-D array `out` with the next len(out) tokens of the stream."""
         needed = len(out)
         while self._num_tokens < needed:
-            for doc, key in refill():
+            for doc, key, _ in refill():
                 self.add(doc, key)
         pos = 0
         while pos < needed:

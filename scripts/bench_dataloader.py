@@ -135,7 +135,7 @@ def pack_ours(docs, B, T, buffer_sizes, n_batches, batch, rounds=5):
     rows = np.empty((B, T + 1), dtype=np.uint16 if docs[0].dtype == np.uint16 else np.uint32)
     packers = {}
     for size in buffer_sizes:
-        packers[size] = (BestFitPacker(T + 1), cycled([(doc, None) for doc in docs], batch))
+        packers[size] = (BestFitPacker(T + 1), cycled([(doc, None, 0) for doc in docs], batch))
         packers[size][0].fill(rows, packers[size][1], size)
     seconds = dict.fromkeys(buffer_sizes, 0.0)
     for _ in range(rounds):
@@ -268,7 +268,7 @@ def main(argv=None):
         # 5. the crop share over a long run (documents longer than a row pile up in the buffer)
         crop = []
         packer = BestFitPacker(T + 1)
-        refill = cycled([(doc, None) for doc in docs_np], tbs)
+        refill = cycled([(doc, None, 0) for doc in docs_np], tbs)
         rows = np.empty((B, T + 1), dtype=np.int64)
         checkpoints = {c for c in (10, 100, 1000, args.crop_batches) if c <= args.crop_batches}
         for k in range(1, args.crop_batches + 1):

@@ -29,7 +29,7 @@ def run_fast(docs, B, row_capacity, buffer_size, batch):
     packer = BestFitPacker(row_capacity)
 
     def refill():
-        chunk = [(np.array(d, dtype=np.uint32), d[1] if len(d) > 1 else None) for _, d in zip(range(batch), it)]
+        chunk = [(np.array(d, dtype=np.uint32), d[1] if len(d) > 1 else None, 0) for _, d in zip(range(batch), it)]
         if not chunk:
             raise StopIteration
         return chunk
@@ -138,7 +138,7 @@ def test_concat_is_the_stream(lengths, n):
     packer = ConcatPacker()
     out, got = np.empty(n, dtype=np.int64), []
     for _ in range(len(stream) // n):
-        packer.take(out, lambda: [(np.array(d), None) for _, d in zip(range(3), it)])
+        packer.take(out, lambda: [(np.array(d), None, 0) for _, d in zip(range(3), it)])
         got.extend(out.tolist())
     assert got == stream[:len(got)]
     assert packer.tokens_out == len(got) and len(packer) == packer.tokens_in - len(got)
