@@ -1,0 +1,652 @@
+"""
+Pretokenized token shards: text is tokenized once, up front, into `.bin`/`.idx` pairs that training
+memory-maps, so a training step does no parquet decoding and no tokenizing. Writing costs one
+tokenizer pass over the data (tiktoken speed, several MB of text per second per worker); opening a
+shard reads and validates its index (10 bytes per entry) and maps the tokens without reading them.
+
+The section below is written to be pasted into the README as is.
+
+## Pretokenized shards (`.bin` / `.idx`)
+
+    python -m nanochat.pretokenize --input ~/.cache/nanochat/base_data \\
+        --output ~/.cache/nanochat/base_tokens --max-length 2049 --overlap-size 256 --num-workers 8
+
+turns each input shard into one pair of files named after it, train and val kept apart:
+
+    <output>/train/shard_00000.bin  shard_00000.idx  ...
+    <output>/val/shard_01822.bin    shard_01822.idx
+    <output>/pretokenize.json       the settings (tokenizer hash, dtype, BOS, --max-length, --overlap-size)
+
+`--input` is a parquet dataset directory (its last shard is val, as for the parquet loader), or
+`.jsonl` / `.jsonl.gz` files (or directories of them) with one `{"text": ...}` object per line
+(`--text-field` picks another field); jsonl inputs all go to `train/`, and `--val-input` names the
+ones for `val/`. Every document is kept, empty ones included, in input order. `--rank R
+--world-size N` (or torchrun's RANK / WORLD_SIZE) makes this process handle input shards R, R+N,
+... of the list train-then-val, so N machines can share the work with no overlap.
+
+**The format** is GPT-Simple's, version 1. All integers little-endian.
+
+`.idx`:
+
+| offset | size | field | value |
+| --- | --- | --- | --- |
+| 0 | 4 | magic | the bytes `GPTS` |
+| 4 | 4 | version | uint32, `1` |
+| 8 | 4 | dtype code | uint32: `2` = tokens are uint16, `4` = tokens are uint32 |
+| 12 | 4 | entry count N | uint32 |
+| 16 | 8 x (N+1) | offsets | int64: where entry i starts in the `.bin`, in tokens; `offsets[N]` is the total token count |
+| 16 + 8(N+1) | 2 x N | overlap prefix | uint16 per entry: how many tokens of the entry repeat the end of the previous window |
+
+`.bin`: the tokens of all entries back to back, nothing else; its size is exactly
+`offsets[N] * itemsize`. Tokens are uint16 when the tokenizer has at most 65,536 ids, else uint32,
+so a shard takes 2 bytes per token (about the size of the zstd parquet it came from).
+
+**Entries, as our writer makes them.** An entry is `[BOS] + the document's tokens` (nanochat's
+convention: `<|bos|>` starts every document and doubles as the delimiter; there is no end-of-document
+token). Without `--max-length` every document is one entry with overlap prefix 0.
+
+**Windows.** With `--max-length L --overlap-size O` (L counts every token of an entry, its BOS
+included; L >= 2 and 0 <= O <= L // 2, and each window must bring a new token, so L = 2 needs O = 0),
+a document whose entry would be longer than L is cut into windows:
+- window 0 is `[BOS]` + the first L-1 document tokens, overlap prefix 0;
+- each later window is `[BOS]` + the last O document tokens of the previous window + the next
+  L-1-O document tokens (the last window may be shorter), overlap prefix O.
+
+The overlap prefix is thus the number of document tokens right after the BOS that the previous
+window already had; the loader masks the targets that predict them, so no token is trained twice,
+while the window still sees O tokens of context across the cut. With O = 0 the windows just tile the
+document. Documents whose entry fits in L tokens are one entry with overlap prefix 0. Example, L = 6,
+O = 2, a document of 10 tokens d0..d9 (its entry would be 11 tokens > 6), 3 new tokens per window:
+
+    window 0: BOS d0 d1 d2 d3 d4     overlap prefix 0
+    window 1: BOS d3 d4 d5 d6 d7     overlap prefix 2  (d3 d4 repeat the end of window 0)
+    window 2: BOS d6 d7 d8 d9        overlap prefix 2  (the last window is shorter)
+
+Dropping each window's BOS and its overlap prefix and concatenating gives back d0..d9 exactly.
+A sensible L is the loader's row length T + 1, so that a window fills one row and is never cropped.
+
+**GPT-Simple shards** use the same format with the opposite convention: no BOS, each document (or
+the last window of one) ends with an end-of-document token, and the overlap prefix counts the
+entry's leading tokens. `TokenShard` opens them unchanged (nothing in the format depends on the
+convention); the loader prepends BOS to an entry that does not start with it, which puts the
+overlapping tokens right after the BOS, as in ours, and leaves the EOD as an ordinary last token.
+Train with the tokenizer the shard was made with: the ids mean nothing otherwise.
+
+**Crash safety and resuming.** A pair is written as `name.bin.tmp` and `name.idx.tmp`, fsynced, and
+renamed `.bin` first and `.idx` last, so an `.idx` always means a complete pair. A rerun with the
+same arguments skips every input whose `.idx` exists (it prints how many) and rewrites the rest;
+temporary files and a `.bin` without its `.idx`, left by a killed run, are overwritten and never
+listed. A rerun with a different tokenizer, dtype or windowing into the same `--output` is refused
+(`pretokenize.json` disagrees) instead of mixing two kinds of shards.
+
+**Checks on open.** `TokenShard(path)` raises, naming the file: FileNotFoundError for a missing
+`.idx` or `.bin`; ValueError for a bad magic, an unknown version or dtype code, an index shorter (or
+longer) than its header says, offsets that do not start at 0 or that decrease, a last offset past
+the end of the `.bin`, a `.bin` whose size is not `offsets[N] * itemsize`, or an overlap prefix
+longer than its entry.
+"""
+
+import argparse
+import gzip
+import hashlib
+import json
+import logging
+import multiprocessing
+import os
+import struct
+import sys
+import time
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+from tqdm import tqdm
+
+from nanochat.common import get_dist_info
+from nanochat.dataset import read_row_group_texts, split_parquet_files
+from nanochat.tokenizer import TOKENIZER_FILENAME, RustBPETokenizer, get_tokenizer_dir
+
+logger = logging.getLogger(__name__)
+
+MAGIC = b"GPTS"
+VERSION = 1
+DTYPE_CODES = {2: np.uint16, 4: np.uint32}  # the code is the item size in bytes
+HEADER = struct.Struct("<4sIII")  # magic, version, dtype code, entry count: 16 bytes
+MAX_OVERLAP = np.iinfo(np.uint16).max  # the overlap prefix is stored as uint16
+TMP_SUFFIX = ".tmp"  # prefix.bin.tmp / prefix.idx.tmp: never end in .idx, so never listed
+META_FILENAME = "pretokenize.json"
+JSONL_SUFFIXES = (".jsonl.gz", ".jsonl")
+TEXTS_PER_BATCH = 1024  # texts per encode call: a parquet row group, and as many jsonl lines
+
+# -----------------------------------------------------------------------------
+# Reading a shard
+
+
+def _le(dtype) -> np.dtype:
+    # the format is little-endian; on the usual (little-endian) hosts this is the native dtype
+    return np.dtype(dtype).newbyteorder("<")
+
+
+def _split_prefix(path: str) -> str:
+    """The common prefix of a pair, from the .idx path, the .bin path or the prefix itself."""
+    root, ext = os.path.splitext(path)
+    return root if ext in (".idx", ".bin") else path
+
+
+class TokenShard:
+    """A memory-mapped .bin/.idx pair, validated on open. The index is read into memory (10 bytes
+    per entry); the tokens stay on disk until an entry is touched."""
+
+    def __init__(self, path: str):
+        self.prefix = _split_prefix(os.fspath(path))
+        self.idx_path = self.prefix + ".idx"
+        self.bin_path = self.prefix + ".bin"
+        for p in (self.idx_path, self.bin_path):
+            if not os.path.isfile(p):
+                raise FileNotFoundError(f"token shard file {p} does not exist; a .bin/.idx pair is "
+                                        "written by python -m nanochat.pretokenize")
+        with open(self.idx_path, "rb") as f:
+            data = f.read()
+        self.dtype, self.offsets, self.overlaps = _parse_index(data, self.idx_path)
+        self._check_bin()
+        num_tokens = int(self.offsets[-1])
+        if num_tokens:
+            self.tokens = np.memmap(self.bin_path, dtype=_le(self.dtype), mode="r", shape=(num_tokens,))
+        else:
+            # numpy cannot map an empty file; an empty read-only array behaves the same
+            self.tokens = np.empty(0, dtype=self.dtype)
+            self.tokens.flags.writeable = False
+
+    def _check_bin(self) -> None:
+        bin_bytes = os.path.getsize(self.bin_path)
+        need = int(self.offsets[-1]) * self.dtype.itemsize
+        if need > bin_bytes:
+            raise ValueError(f"{self.idx_path}: the last offset {int(self.offsets[-1])} ({need} bytes of "
+                             f"{self.dtype.name}) is past the end of {self.bin_path} ({bin_bytes} bytes); "
+                             "the .bin is truncated, rewrite the pair")
+        if need != bin_bytes:
+            raise ValueError(f"{self.bin_path} has {bin_bytes} bytes, but its index {self.idx_path} "
+                             f"says {int(self.offsets[-1])} tokens x {self.dtype.itemsize} bytes = {need}; "
+                             "the pair does not belong together, rewrite it")
+        lengths = np.diff(self.offsets)
+        bad = np.flatnonzero(self.overlaps > lengths)
+        if bad.size:
+            i = int(bad[0])
+            raise ValueError(f"{self.idx_path}: entry {i} has an overlap prefix of {int(self.overlaps[i])} "
+                             f"tokens but only {int(lengths[i])} tokens ({bad.size} such entries)")
+
+    def __len__(self) -> int:
+        return len(self.overlaps)
+
+    def entry(self, i: int) -> np.ndarray:
+        """The tokens of entry i (negative counts from the end), a read-only view into the map."""
+        n = len(self)
+        if not -n <= i < n:
+            raise IndexError(f"entry {i} is out of range for {self.idx_path} ({n} entries)")
+        i = i % n
+        return self.tokens[self.offsets[i]:self.offsets[i + 1]]
+
+    def lengths(self) -> np.ndarray:
+        """int64 (N,): tokens per entry."""
+        return np.diff(self.offsets)
+
+    def __repr__(self) -> str:
+        return f"TokenShard({self.prefix!r}, entries={len(self)}, tokens={int(self.offsets[-1])}, {self.dtype.name})"
+
+
+def _parse_index(data: bytes, idx_path: str) -> tuple[np.dtype, np.ndarray, np.ndarray]:
+    """(dtype, offsets int64 (N+1,), overlaps uint16 (N,)) of an .idx file's bytes, checked."""
+    if len(data) < HEADER.size:
+        raise ValueError(f"{idx_path} is {len(data)} bytes, shorter than the {HEADER.size}-byte header; "
+                         "the index is truncated, rewrite the pair")
+    magic, version, code, n = HEADER.unpack_from(data, 0)
+    if magic != MAGIC:
+        raise ValueError(f"{idx_path} starts with {magic!r}, not the magic {MAGIC!r}; "
+                         "it is not a .bin/.idx token index")
+    if version != VERSION:
+        raise ValueError(f"{idx_path} has format version {version}; this code reads version {VERSION}")
+    if code not in DTYPE_CODES:
+        raise ValueError(f"{idx_path} has dtype code {code}; known codes are "
+                         f"{ {c: np.dtype(t).name for c, t in DTYPE_CODES.items()} }")
+    offsets_at = HEADER.size
+    overlaps_at = offsets_at + 8 * (n + 1)
+    size = overlaps_at + 2 * n
+    if len(data) < size:
+        raise ValueError(f"{idx_path} is {len(data)} bytes, shorter than its header says: {n} entries "
+                         f"need {size} bytes; the index is truncated, rewrite the pair")
+    if len(data) > size:
+        raise ValueError(f"{idx_path} is {len(data)} bytes, {len(data) - size} more than its header's "
+                         f"{n} entries need ({size}); the index is damaged, rewrite the pair")
+    offsets = np.frombuffer(data, dtype="<i8", count=n + 1, offset=offsets_at).astype(np.int64, copy=False)
+    overlaps = np.frombuffer(data, dtype="<u2", count=n, offset=overlaps_at).astype(np.uint16, copy=False)
+    if offsets[0] != 0:
+        raise ValueError(f"{idx_path}: the first offset is {int(offsets[0])}, it must be 0")
+    bad = np.flatnonzero(np.diff(offsets) < 0)
+    if bad.size:
+        i = int(bad[0])
+        raise ValueError(f"{idx_path}: offsets decrease at entry {i} ({int(offsets[i])} -> "
+                         f"{int(offsets[i + 1])}); the index is damaged, rewrite the pair")
+    return np.dtype(DTYPE_CODES[code]), offsets, overlaps
+
+
+def list_token_shards(data_dir: str) -> list[str]:
+    """Sorted prefixes of the complete pairs (an .idx with its .bin) directly in data_dir.
+    Temporary files of a killed run (*.tmp) and a .bin without its .idx are never listed."""
+    if not os.path.isdir(data_dir):
+        raise FileNotFoundError(f"token shard directory {data_dir} does not exist; write shards first: "
+                                "python -m nanochat.pretokenize --input ... --output ...")
+    prefixes = []
+    for name in sorted(os.listdir(data_dir)):
+        prefix = os.path.join(data_dir, name[:-len(".idx")])
+        if name.endswith(".idx") and os.path.isfile(prefix + ".idx") and os.path.isfile(prefix + ".bin"):
+            prefixes.append(prefix)
+    return prefixes
+
+
+# -----------------------------------------------------------------------------
+# Writing a shard
+
+
+def _remove(path: str) -> None:
+    try:
+        os.remove(path)
+    except FileNotFoundError:
+        pass
+
+
+def _fsync_dir(path: str) -> None:
+    # makes the renames themselves durable; directories cannot be opened on some platforms
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _dtype_code(dtype) -> int:
+    dtype = np.dtype(dtype)
+    for code, known in DTYPE_CODES.items():
+        if dtype == np.dtype(known):
+            return code
+    raise ValueError(f"token dtype must be uint16 or uint32, got {dtype.name}")
+
+
+def _as_tokens(entry, dtype: np.dtype, i: int, prefix: str) -> np.ndarray:
+    """entry as a 1-D little-endian array of dtype, or a ValueError if an id does not fit."""
+    arr = np.asarray(entry)
+    if arr.ndim != 1:
+        raise ValueError(f"{prefix}: entry {i} has shape {arr.shape}, expected a 1-D array of token ids")
+    if arr.dtype == dtype:
+        return arr.astype(_le(dtype), copy=False)
+    if arr.size and arr.dtype.kind not in "iu":
+        raise ValueError(f"{prefix}: entry {i} has dtype {arr.dtype}, expected integer token ids")
+    if arr.size and (arr.min() < 0 or arr.max() > np.iinfo(dtype).max):
+        raise ValueError(f"{prefix}: entry {i} has ids in [{arr.min()}, {arr.max()}], which do not fit "
+                         f"{dtype.name}; use uint32 for vocabularies over 65,536 ids")
+    return arr.astype(_le(dtype))
+
+
+def write_token_shard(prefix: str, entries, overlaps, dtype) -> None:
+    """Write prefix.bin and prefix.idx from entries (1-D int arrays) and their overlap prefixes
+    (ints, one per entry). Entries are streamed to disk, so a shard larger than memory is fine.
+    Both files go to temporary names, are fsynced, then renamed .bin first and .idx last: a complete
+    .idx always means a complete pair, and a failure leaves nothing under the final names."""
+    _write_pairs(prefix, zip(entries, overlaps, strict=True), dtype)
+
+
+def _write_pairs(prefix: str, pairs, dtype) -> None:
+    """write_token_shard over (entry, overlap) pairs, which lets a caller stream both from one generator."""
+    prefix = os.fspath(prefix)
+    code = _dtype_code(dtype)
+    dtype = np.dtype(DTYPE_CODES[code])
+    bin_path, idx_path = prefix + ".bin", prefix + ".idx"
+    bin_tmp, idx_tmp = bin_path + TMP_SUFFIX, idx_path + TMP_SUFFIX
+    lengths, overlap_list = [], []
+    try:
+        with open(bin_tmp, "wb") as f:
+            for i, (entry, overlap) in enumerate(pairs):
+                tokens = _as_tokens(entry, dtype, i, prefix)
+                overlap = int(overlap)
+                if not 0 <= overlap <= min(len(tokens), MAX_OVERLAP):
+                    raise ValueError(f"{prefix}: entry {i} has {len(tokens)} tokens and an overlap prefix of "
+                                     f"{overlap}; it must be between 0 and the entry length (and <= {MAX_OVERLAP})")
+                f.write(np.ascontiguousarray(tokens).data)
+                lengths.append(len(tokens))
+                overlap_list.append(overlap)
+            f.flush()
+            os.fsync(f.fileno())
+        n = len(lengths)
+        if n > np.iinfo(np.uint32).max:
+            raise ValueError(f"{prefix}: {n} entries do not fit the uint32 entry count; write smaller shards")
+        offsets = np.zeros(n + 1, dtype="<i8")
+        np.cumsum(lengths, out=offsets[1:])
+        with open(idx_tmp, "wb") as f:
+            f.write(HEADER.pack(MAGIC, VERSION, code, n))
+            f.write(offsets.tobytes())
+            f.write(np.asarray(overlap_list, dtype="<u2").tobytes())
+            f.flush()
+            os.fsync(f.fileno())
+        # an old .idx must go before its .bin is replaced: for a moment there is then no pair at all,
+        # never an old index over new tokens
+        _remove(idx_path)
+        os.replace(bin_tmp, bin_path)
+        os.replace(idx_tmp, idx_path)
+    except BaseException:
+        _remove(bin_tmp)
+        _remove(idx_tmp)
+        raise
+    _fsync_dir(os.path.dirname(os.path.abspath(prefix)))
+
+
+# -----------------------------------------------------------------------------
+# Windowing long documents
+
+
+def check_window_args(max_length: int, overlap: int) -> None:
+    """Raise ValueError unless max_length and overlap make valid windows (see the module docstring)."""
+    if max_length < 2:
+        raise ValueError(f"max_length must be >= 2 (a BOS and one token), got {max_length}")
+    if not 0 <= overlap <= max_length // 2:
+        raise ValueError(f"overlap_size {overlap} must be between 0 and max_length // 2 = "
+                         f"{max_length // 2} (max_length {max_length})")
+    if overlap > max_length - 2:
+        # only max_length=2, overlap=1: a window of BOS + 1 old token would bring nothing new
+        raise ValueError(f"overlap_size {overlap} leaves no new token per window at max_length "
+                         f"{max_length}; use overlap_size <= max_length - 2 = {max_length - 2}")
+    if overlap > MAX_OVERLAP:
+        raise ValueError(f"overlap_size {overlap} does not fit the format's uint16 overlap prefix "
+                         f"(at most {MAX_OVERLAP}; max_length {max_length})")
+
+
+def window_document(tokens: np.ndarray, max_length: int, overlap: int) -> list[tuple[np.ndarray, int]]:
+    """Cut one document into entries of at most max_length tokens: [(entry_tokens, overlap_prefix), ...].
+    tokens is the document as the tokenizer encodes it with prepend=BOS: tokens[0] is the BOS that
+    starts every window. An entry that fits comes back whole, [(tokens, 0)]; window 0 is a view
+    into tokens, later windows are new arrays of the same dtype."""
+    check_window_args(max_length, overlap)
+    if tokens.ndim != 1 or len(tokens) == 0:
+        raise ValueError(f"a document is a 1-D array that starts with BOS, got shape {tokens.shape}")
+    if len(tokens) <= max_length:
+        return [(tokens, 0)]
+    bos, doc = tokens[:1], tokens[1:]
+    windows = [(tokens[:max_length], 0)]
+    new_per_window = max_length - 1 - overlap
+    pos = max_length - 1  # document tokens already in some window
+    while pos < len(doc):
+        end = min(pos + new_per_window, len(doc))
+        windows.append((np.concatenate((bos, doc[pos - overlap:end])), overlap))
+        pos = end
+    return windows
+
+
+# -----------------------------------------------------------------------------
+# Pretokenizing input shards
+
+
+def _strip_suffix(name: str) -> str:
+    for suffix in (".parquet",) + JSONL_SUFFIXES:
+        if name.endswith(suffix):
+            return name[:-len(suffix)]
+    return name
+
+
+def _expand_jsonl(paths: list[str], flag: str) -> list[str]:
+    """The .jsonl/.jsonl.gz files named by paths: files as given, directories' files sorted."""
+    files = []
+    for path in paths:
+        if os.path.isdir(path):
+            found = sorted(os.path.join(path, f) for f in os.listdir(path) if f.endswith(JSONL_SUFFIXES))
+            if not found:
+                raise FileNotFoundError(f"{flag} directory {path} holds no .parquet, .jsonl or .jsonl.gz files")
+            files.extend(found)
+        elif os.path.isfile(path):
+            if not path.endswith(JSONL_SUFFIXES):
+                raise ValueError(f"{flag} file {path} is not .jsonl or .jsonl.gz; for parquet shards pass "
+                                 "their directory (one --input DIR), which also picks the val shard")
+            files.append(path)
+        else:
+            raise FileNotFoundError(f"{flag} path {path} does not exist")
+    return files
+
+
+def plan_jobs(inputs: list[str], output: str, val_inputs: list[str] | None = None) -> list[tuple[str, str]]:
+    """[(input_path, output_prefix), ...]: train inputs, then val inputs. One --input directory of
+    parquet shards is split by split_parquet_files (its last shard is val); otherwise the inputs are
+    jsonl files or directories of them, all train, with val_inputs going to val."""
+    if len(inputs) == 1 and os.path.isdir(inputs[0]) and any(
+            f.endswith(".parquet") for f in os.listdir(inputs[0])):
+        if val_inputs:
+            raise ValueError(f"{inputs[0]} is a parquet dataset, whose last shard is val already; "
+                             "drop --val-input")
+        splits = {s: split_parquet_files(s, inputs[0]) for s in ("train", "val")}
+    else:
+        splits = {"train": _expand_jsonl(inputs, "--input"),
+                  "val": _expand_jsonl(val_inputs, "--val-input") if val_inputs else []}
+    jobs = []
+    for split, paths in splits.items():
+        names = [_strip_suffix(os.path.basename(p)) for p in paths]
+        dupes = sorted({n for n in names if names.count(n) > 1})
+        if dupes:
+            raise ValueError(f"{split} inputs {dupes} would write the same output pair; rename or drop one")
+        jobs += [(p, os.path.join(output, split, n)) for p, n in zip(paths, names)]
+    return jobs
+
+
+def _read_text_batches(path: str, text_field: str):
+    """Lists of up to TEXTS_PER_BATCH texts from a parquet shard (one row group each) or a jsonl file."""
+    if path.endswith(".parquet"):
+        pf = pq.ParquetFile(path)
+        for rg_idx in range(pf.num_row_groups):
+            yield read_row_group_texts(pf, rg_idx, path)
+        return
+    opener = gzip.open if path.endswith(".gz") else open
+    batch = []
+    with opener(path, "rt", encoding="utf-8") as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path} line {lineno}: invalid JSON ({e.msg})") from None
+            text = record.get(text_field) if isinstance(record, dict) else None
+            if not isinstance(text, str):
+                raise ValueError(f"{path} line {lineno}: no string field {text_field!r}; "
+                                 "pass the right one with --text-field")
+            batch.append(text)
+            if len(batch) == TEXTS_PER_BATCH:
+                yield batch
+                batch = []
+    if batch:
+        yield batch
+
+
+def pretokenize_file(tokenizer, path: str, prefix: str, *, max_length: int | None = None,
+                     overlap: int = 0, text_field: str = "text", num_threads: int = 4) -> dict:
+    """Tokenize one input shard into the pair at prefix; returns counts {documents, entries, tokens,
+    windowed} (windowed: documents longer than max_length, cut into windows)."""
+    dtype = np.uint16 if tokenizer.get_vocab_size() <= 2**16 else np.uint32
+    bos = tokenizer.get_bos_token_id()
+    stats = {"documents": 0, "entries": 0, "tokens": 0, "windowed": 0}
+
+    def pairs():
+        for texts in _read_text_batches(path, text_field):
+            for doc in tokenizer.encode_to_arrays(texts, prepend=bos, num_threads=num_threads):
+                windows = [(doc, 0)] if max_length is None else window_document(doc, max_length, overlap)
+                stats["documents"] += 1
+                stats["windowed"] += int(len(windows) > 1)
+                for entry, overlap_prefix in windows:
+                    stats["entries"] += 1
+                    stats["tokens"] += len(entry)
+                    yield entry.astype(dtype, copy=False), overlap_prefix
+
+    os.makedirs(os.path.dirname(prefix) or ".", exist_ok=True)
+    _write_pairs(prefix, pairs(), dtype)
+    return stats
+
+
+# one tokenizer per worker process, loaded by _init_worker
+_worker_tokenizer = None
+_worker_options: dict = {}
+
+
+def _init_worker(tokenizer_dir: str, options: dict) -> None:
+    global _worker_tokenizer, _worker_options
+    _worker_tokenizer = RustBPETokenizer.from_directory(tokenizer_dir)
+    _worker_options = options
+
+
+def _run_job(job: tuple[str, str]) -> tuple[str, dict | None, str | None]:
+    return _try_job(_worker_tokenizer, _worker_options, job)
+
+
+def _try_job(tokenizer, options: dict, job: tuple[str, str]) -> tuple[str, dict | None, str | None]:
+    """(input path, counts, None) or (input path, None, error message): a bad input fails alone."""
+    path, prefix = job
+    try:
+        return path, pretokenize_file(tokenizer, path, prefix, **options), None
+    except (ValueError, OSError, EOFError, pa.ArrowException) as e:  # BadGzipFile is an OSError
+        return path, None, f"{type(e).__name__}: {e}"
+
+
+def _settings(tokenizer, tokenizer_dir: str, max_length: int | None, overlap: int) -> dict:
+    with open(os.path.join(tokenizer_dir, TOKENIZER_FILENAME), "rb") as f:
+        tokenizer_sha256 = hashlib.sha256(f.read()).hexdigest()
+    return {
+        "format": MAGIC.decode(), "version": VERSION,
+        "dtype": "uint16" if tokenizer.get_vocab_size() <= 2**16 else "uint32",
+        "vocab_size": tokenizer.get_vocab_size(), "bos_token_id": tokenizer.get_bos_token_id(),
+        "tokenizer_sha256": tokenizer_sha256,
+        "max_length": max_length, "overlap_size": overlap if max_length is not None else 0,
+    }
+
+
+def _check_or_write_settings(output: str, settings: dict) -> None:
+    """Write output/pretokenize.json, or refuse to add shards made with other settings to output."""
+    path = os.path.join(output, META_FILENAME)
+    if os.path.exists(path):
+        with open(path, encoding="utf-8") as f:
+            old = json.load(f)
+        changed = {k: (old.get(k), v) for k, v in settings.items() if old.get(k) != v}
+        if changed:
+            what = ", ".join(f"{k} {a!r} -> {b!r}" for k, (a, b) in changed.items())
+            raise ValueError(f"{path} records other settings than this run's ({what}); the shards there "
+                             "would mix, so use a new --output directory or the same settings")
+        return
+    os.makedirs(output, exist_ok=True)
+    tmp = f"{path}.tmp{os.getpid()}"  # several ranks may write it at once, all with the same content
+    with open(tmp, "w", encoding="utf-8") as f:
+        json.dump(settings, f, indent=2)
+        f.write("\n")
+    os.replace(tmp, path)
+
+
+def _results(tokenizer, tokenizer_dir: str, options: dict, jobs: list, num_workers: int):
+    """The results of _try_job for jobs, in completion order, from num_workers processes (1: this one)."""
+    if num_workers <= 1:
+        for job in jobs:
+            yield _try_job(tokenizer, options, job)
+        return
+    # spawn: a forked child would inherit the parent's tokenizer thread pools, and maybe a held lock
+    ctx = multiprocessing.get_context("spawn")
+    with ctx.Pool(num_workers, _init_worker, (tokenizer_dir, options)) as pool:  # exit terminates it
+        yield from pool.imap_unordered(_run_job, jobs)
+
+
+# -----------------------------------------------------------------------------
+# Command line
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m nanochat.pretokenize --input DIR --output DIR [...]`. Returns 0, or 1 when an
+    input failed (the others are still written). Bad arguments exit through argparse; missing or
+    unusable inputs, tokenizer or output settings raise FileNotFoundError / ValueError up front."""
+    parser = argparse.ArgumentParser(
+        prog="python -m nanochat.pretokenize",
+        description="Tokenize parquet shards or jsonl files into .bin/.idx token shards, one pair per "
+                    "input, under OUTPUT/train and OUTPUT/val. Rerun to resume: complete pairs are skipped.")
+    parser.add_argument("--input", nargs="+", required=True,
+                        help="a parquet dataset directory (last shard = val), or .jsonl/.jsonl.gz files "
+                             "or directories of them (all train)")
+    parser.add_argument("--val-input", nargs="+", default=None, help="jsonl files or directories for val/")
+    parser.add_argument("--output", required=True, help="output directory (train/ and val/ go under it)")
+    parser.add_argument("--tokenizer-dir", default=None, help="default: <base dir>/tokenizer")
+    parser.add_argument("--text-field", default="text", help="the jsonl field holding the text")
+    parser.add_argument("--max-length", type=int, default=None,
+                        help="cut documents into windows of at most this many tokens, BOS included "
+                             "(default: no windowing)")
+    parser.add_argument("--overlap-size", type=int, default=0,
+                        help="document tokens each window repeats from the previous one (<= max_length // 2)")
+    parser.add_argument("--num-workers", type=int, default=min(8, os.cpu_count() or 1),
+                        help="processes tokenizing input shards in parallel (1: this process)")
+    parser.add_argument("--rank", type=int, default=None, help="this process's share: inputs rank, "
+                                                               "rank + world_size, ... (default: $RANK or 0)")
+    parser.add_argument("--world-size", type=int, default=None, help="default: $WORLD_SIZE or 1")
+    args = parser.parse_args(argv)
+    if args.max_length is not None:
+        try:
+            check_window_args(args.max_length, args.overlap_size)
+        except ValueError as e:
+            parser.error(f"--max-length {args.max_length} / --overlap-size {args.overlap_size}: {e}")
+    elif args.overlap_size:
+        parser.error(f"--overlap-size {args.overlap_size} needs --max-length (windowing is off without it)")
+    if args.num_workers < 1:
+        parser.error(f"--num-workers must be >= 1, got {args.num_workers}")
+    _, env_rank, _, env_world_size = get_dist_info()
+    rank = env_rank if args.rank is None else args.rank
+    world_size = env_world_size if args.world_size is None else args.world_size
+    if world_size < 1 or not 0 <= rank < world_size:
+        parser.error(f"need 0 <= --rank < --world-size, got rank {rank}, world size {world_size}")
+    tokenizer_dir = args.tokenizer_dir or get_tokenizer_dir()
+    print(f"input={args.input} val_input={args.val_input} output={args.output} tokenizer_dir={tokenizer_dir} "
+          f"text_field={args.text_field} max_length={args.max_length} overlap_size={args.overlap_size} "
+          f"num_workers={args.num_workers} rank={rank} world_size={world_size}")
+
+    tokenizer = RustBPETokenizer.from_directory(tokenizer_dir)
+    settings = _settings(tokenizer, tokenizer_dir, args.max_length, args.overlap_size)
+    all_jobs = plan_jobs(args.input, args.output, args.val_input)
+    mine = all_jobs[rank::world_size]
+    todo = [job for job in mine if not os.path.exists(job[1] + ".idx")]
+    skipped = len(mine) - len(todo)
+    _check_or_write_settings(args.output, settings)
+    print(f"{len(all_jobs)} inputs, {len(mine)} for rank {rank}/{world_size}; {skipped} already done "
+          f"(their .idx exists), skipped; {len(todo)} to write; dtype {settings['dtype']}")
+
+    num_workers = min(args.num_workers, len(todo))
+    # spread the CPU between processes; each process's tokenizer encodes a batch on this many threads
+    options = {"max_length": args.max_length, "overlap": args.overlap_size, "text_field": args.text_field,
+               "num_threads": max(1, (os.cpu_count() or 1) // max(1, num_workers))}
+    totals = {"documents": 0, "entries": 0, "tokens": 0, "windowed": 0}
+    failed = []
+    t0 = time.time()
+    with tqdm(total=len(mine), initial=skipped, unit="shard", desc="pretokenize", disable=None) as bar:
+        for path, stats, error in _results(tokenizer, tokenizer_dir, options, todo, num_workers):
+            if error is None:
+                for k in totals:
+                    totals[k] += stats[k]
+            else:
+                failed.append((path, error))
+                tqdm.write(f"failed: {path}: {error}")
+            bar.update(1)
+            bar.set_postfix(tokens=f"{totals['tokens']:,}")
+
+    seconds = time.time() - t0
+    print(f"wrote {len(todo) - len(failed)}/{len(todo)} shards to {args.output} in {seconds:.1f}s: "
+          f"{totals['documents']:,} documents -> {totals['entries']:,} entries, {totals['tokens']:,} tokens; "
+          f"{totals['windowed']:,} documents cut into windows; {skipped} skipped (already done)")
+    if failed:
+        print(f"failed ({len(failed)}): " + ", ".join(os.path.basename(p) for p, _ in failed))
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        sys.exit(main())
+    except (ValueError, OSError) as e:  # FileNotFoundError is an OSError; one line, not a traceback
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
