@@ -37,7 +37,7 @@ import torch
 
 from nanochat import resume
 from nanochat.common import get_dist_info
-from nanochat.dataset import SPLITS, read_row_group_column, read_row_group_texts, split_parquet_files
+from nanochat.dataset import SPLITS, read_row_group_column, split_parquet_files
 from nanochat.packing import BestFitPacker, ConcatPacker, token_dtype
 from nanochat.resume import Key, RowGroupIndex, Unit
 
@@ -67,7 +67,7 @@ def _resolve_rank(rank: int | None, world_size: int | None) -> tuple[int, int]:
     return rank, world_size
 
 
-def _check_legacy_state(state: dict, paths: list[str]) -> Cursor:
+def _check_legacy_state(state: dict, paths: list[str], reader) -> Position:
     """Validate a seeds-form state {pq_idx, rg_idx[, epoch]}; returns where the stream continues:
     the row group after the saved one (approximate, as the seeds' resume)."""
     missing = {"pq_idx", "rg_idx"} - state.keys()
@@ -84,10 +84,10 @@ def _check_legacy_state(state: dict, paths: list[str]) -> Cursor:
     if not 0 <= pq_idx < len(paths):
         raise ValueError(f"resume_state_dict['pq_idx']={pq_idx} points past the data: "
                          f"the split has {len(paths)} file(s)")
-    num_row_groups = pq.ParquetFile(paths[pq_idx]).num_row_groups
-    if not 0 <= rg_idx < num_row_groups:
+    num_units = reader.index.count(pq_idx)
+    if not 0 <= rg_idx < num_units:
         raise ValueError(f"resume_state_dict['rg_idx']={rg_idx} points past the data: "
-                         f"{paths[pq_idx]} has {num_row_groups} row group(s)")
+                         f"{paths[pq_idx]} has {num_units} {reader.unit_name}(s)")
     return pq_idx, rg_idx, epoch
 
 
@@ -95,54 +95,79 @@ def _check_legacy_state(state: dict, paths: list[str]) -> Cursor:
 # Stage 1: documents
 
 
+class _ParquetReader:
+    """The stream's view of parquet shards: units are row groups, items are texts to tokenize."""
+
+    unit_name = "row group"
+
+    def __init__(self, paths: list[str]):
+        self.paths = paths
+        self.index = RowGroupIndex(paths)
+
+    def read(self, pq_idx: int, rg_idx: int):
+        path = self.paths[pq_idx]
+        return read_row_group_column(pq.ParquetFile(path), rg_idx, path)
+
+    @staticmethod
+    def size(unit) -> int:
+        return len(unit)
+
+    @staticmethod
+    def take(unit, start: int, stop: int) -> list[str]:
+        return unit.slice(start, stop - start).to_pylist()  # a slice at a time: see read_row_group_column
+
+    @staticmethod
+    def pick(unit, rows) -> list[str]:
+        return unit.take(list(rows)).to_pylist()
+
+
 class _Stream:
     """One rank's documents, in order: first its plan (work an elastic resume dealt to it), then the
-    regular stream from `start`: per epoch, row groups rank, rank + world_size, ... of every file,
-    each cut into batches of tokenizer_batch_size texts."""
+    regular stream from `start`: per epoch, units (row groups, or chunks of a pretokenized shard)
+    rank, rank + world_size, ... of every file, each cut into batches of `batch_size` documents."""
 
-    def __init__(self, paths: list[str], rank: int, world_size: int, tokenizer_batch_size: int,
-                 plan: list[Unit] = (), start: Cursor | None = None, index: RowGroupIndex | None = None):
-        self.paths, self.rank, self.world_size = paths, rank, world_size
-        self.tokenizer_batch_size = tokenizer_batch_size
+    def __init__(self, reader, rank: int, world_size: int, batch_size: int,
+                 plan: list[Unit] = (), start: Cursor | None = None):
+        self.reader, self.rank, self.world_size = reader, rank, world_size
+        self.paths, self.index = reader.paths, reader.index
+        self.tokenizer_batch_size = batch_size
         self.plan = list(plan)
         self.start = start if start is not None else (1, 0, rank, 0)  # (epoch, pq_idx, rg_idx, row)
-        self.index = index if index is not None else RowGroupIndex(paths)
         self.first_position = ("plan", 0, 0, None) if self.plan else ("regular", *self.start)
 
-    def _texts(self, pq_idx: int, rg_idx: int, where: str) -> list[str]:
+    def _unit(self, pq_idx: int, rg_idx: int, where: str):
         if not (0 <= pq_idx < len(self.paths) and 0 <= rg_idx < self.index.count(pq_idx)):
-            raise ValueError(f"{where} refers to file {pq_idx}, row group {rg_idx}, which this split does "
-                             f"not have ({len(self.paths)} files): the state does not match the data")
-        path = self.paths[pq_idx]
-        return read_row_group_texts(pq.ParquetFile(path), rg_idx, path)
+            raise ValueError(f"{where} refers to file {pq_idx}, {self.reader.unit_name} {rg_idx}, which this "
+                             f"split does not have ({len(self.paths)} files): the state does not match the data")
+        return self.reader.read(pq_idx, rg_idx)
 
-    def read_documents(self, keys: list[Key], where: str) -> list[str]:
-        """The texts of the given documents (for rebuilding a buffer), reading each row group once."""
-        cache: dict = {}
-        texts = []
-        for _, pq_idx, rg_idx, row in keys:
-            if (pq_idx, rg_idx) not in cache:
-                cache = {(pq_idx, rg_idx): self._texts(pq_idx, rg_idx, where)}  # keys come grouped
-            rows = cache[(pq_idx, rg_idx)]
-            if not 0 <= row < len(rows):
-                raise ValueError(f"{where} refers to row {row} of {self.paths[pq_idx]} row group {rg_idx}, "
-                                 f"which has {len(rows)} rows: the state does not match the data")
-            texts.append(rows[row])
-        return texts
+    def _check_rows(self, rows, unit, pq_idx: int, rg_idx: int, where: str) -> None:
+        n = self.reader.size(unit)
+        if rows and not 0 <= min(rows) <= max(rows) < n:
+            raise ValueError(f"{where} refers to row {max(rows)} of {self.paths[pq_idx]} {self.reader.unit_name} "
+                             f"{rg_idx}, which has {n} rows: the state does not match the data")
+
+    def read_documents(self, keys: list[Key], where: str) -> list:
+        """The items of the given documents (for rebuilding a buffer), reading each unit once."""
+        items = []
+        for (pq_idx, rg_idx), group in itertools.groupby(keys, key=lambda k: (k[1], k[2])):
+            rows = [key[3] for key in group]
+            unit = self._unit(pq_idx, rg_idx, where)
+            self._check_rows(rows, unit, pq_idx, rg_idx, where)
+            items += self.reader.pick(unit, rows)
+        return items
 
     def batches(self):
         """Yield (texts, keys, after): the keys (epoch, pq_idx, rg_idx, row) of the texts, and where
         the stream continues after them, ("plan", unit, offset, n) or ("regular", *cursor)."""
         tbs = self.tokenizer_batch_size
         for u, (epoch, pq_idx, rg_idx, rows) in enumerate(self.plan):
-            texts = self._texts(pq_idx, rg_idx, "resume_state_dict['plan']")
-            rows = range(len(texts)) if rows is None else rows
-            if rows and not 0 <= max(rows) < len(texts):
-                raise ValueError(f"resume_state_dict['plan'] refers to row {max(rows)} of {self.paths[pq_idx]} "
-                                 f"row group {rg_idx}, which has {len(texts)} rows")
+            unit = self._unit(pq_idx, rg_idx, "resume_state_dict['plan']")
+            rows = range(self.reader.size(unit)) if rows is None else rows
+            self._check_rows(rows, unit, pq_idx, rg_idx, "resume_state_dict['plan']")
             for i in range(0, len(rows), tbs):
                 chunk = rows[i:i + tbs]
-                yield ([texts[r] for r in chunk], [(epoch, pq_idx, rg_idx, r) for r in chunk],
+                yield (self.reader.pick(unit, chunk), [(epoch, pq_idx, rg_idx, r) for r in chunk],
                        ("plan", u, i + len(chunk), len(rows)))
         yield from self._regular()
 
@@ -153,21 +178,20 @@ class _Stream:
             docs_this_pass = 0
             full_pass = (pq_idx, rg_idx, row) == (0, rank, 0)
             while pq_idx < len(self.paths):
-                path = self.paths[pq_idx]
-                pf = pq.ParquetFile(path)
-                while rg_idx < pf.num_row_groups:
-                    column = read_row_group_column(pf, rg_idx, path)
-                    n = len(column)
+                while rg_idx < self.index.count(pq_idx):
+                    unit = self.reader.read(pq_idx, rg_idx)
+                    n = self.reader.size(unit)
                     if row > n:
-                        raise ValueError(f"resume_state_dict['next'] points at row {row} of {path} row group "
-                                         f"{rg_idx}, which has {n} rows: the state does not match the data")
+                        raise ValueError(f"resume_state_dict['next'] points at row {row} of {self.paths[pq_idx]} "
+                                         f"{self.reader.unit_name} {rg_idx}, which has {n} rows: the state does "
+                                         "not match the data")
                     docs_this_pass += n
                     for i in range(row, n, tbs):
                         j = min(i + tbs, n)
-                        # where the stream continues: the next batch of this row group, else the next row group
+                        # where the stream continues: the next batch of this unit, else the next unit
                         after = (epoch, pq_idx, rg_idx, j) if j < n else (epoch, pq_idx, rg_idx + world_size, 0)
-                        texts = column.slice(i, j - i).to_pylist()  # a slice at a time: see read_row_group_column
-                        yield texts, [(epoch, pq_idx, rg_idx, r) for r in range(i, j)], ("regular", *after)
+                        yield (self.reader.take(unit, i, j), [(epoch, pq_idx, rg_idx, r) for r in range(i, j)],
+                               ("regular", *after))
                     rg_idx += world_size
                     row = 0
                 pq_idx += 1
@@ -176,9 +200,9 @@ class _Stream:
                 # the reference loops here forever; a rank with nothing to read is a configuration error
                 raise ValueError(
                     f"rank {rank} of world size {world_size} receives no documents: the split's "
-                    f"{len(self.paths)} file(s) have too few (non-empty) row groups for this many ranks "
-                    f"(row groups are dealt out rank, rank+{world_size}, ...); use fewer ranks or "
-                    "shards with more, smaller row groups")
+                    f"{len(self.paths)} file(s) have too few (non-empty) {self.reader.unit_name}s for this many "
+                    f"ranks (they are dealt out rank, rank+{world_size}, ...); use fewer ranks or "
+                    f"shards with more, smaller {self.reader.unit_name}s")
             epoch, pq_idx, rg_idx, row = epoch + 1, 0, rank, 0
 
     def remaining_plan(self, position) -> tuple[list[Unit], Cursor]:
@@ -234,14 +258,18 @@ class _Encoder:
         self.encode = getattr(tokenizer, "encode_to_arrays", None) or tokenizer.encode
         self.threads = tokenizer_threads
 
-    def __call__(self, texts: list[str]) -> list[np.ndarray]:
-        return _to_documents(self.encode(texts, prepend=self.bos, num_threads=self.threads), self.bos, self.dtype)
+    def __call__(self, texts: list[str]) -> tuple[list[np.ndarray], list[int]]:
+        """(documents, overlaps): whole documents repeat nothing."""
+        docs = _to_documents(self.encode(texts, prepend=self.bos, num_threads=self.threads), self.bos, self.dtype)
+        return docs, [0] * len(docs)
 
 
-def _token_batches(doc_batches, encoder: _Encoder):
-    """Yield (documents, keys, after) for each document batch: the texts tokenized with BOS prepended."""
-    for texts, keys, after in doc_batches:
-        yield encoder(texts), keys, after, itertools.repeat(0)
+def _token_batches(doc_batches, encoder):
+    """Yield (documents, keys, after, overlaps) for each document batch: the texts tokenized with BOS
+    prepended (or, for pretokenized shards, the entries as they are)."""
+    for items, keys, after in doc_batches:
+        docs, overlaps = encoder(items)
+        yield docs, keys, after, overlaps
 
 
 # -----------------------------------------------------------------------------
@@ -266,7 +294,7 @@ class _Source:
 class _Tracker:
     """Builds the state yielded with each batch, and restores a packer from one."""
 
-    def __init__(self, kind: str, stream: _Stream, encoder: _Encoder, config: dict, start: dict | None):
+    def __init__(self, kind: str, stream: _Stream, encoder, config: dict, start: dict | None):
         self.kind, self.stream, self.encoder, self.config = kind, stream, encoder, config
         self.start = start  # a version-2 state that continues this stream, or None
         emitted = start["emitted"] if start else {"batches": 0, "tokens": 0, "hash": resume.EMPTY_HASH}
@@ -278,10 +306,11 @@ class _Tracker:
         if not self.start:
             return
         keys = resume.decode_keys(self.start["buffer"])
-        texts = self.stream.read_documents(keys, "resume_state_dict['buffer']")
-        for i in range(0, len(texts), 1024):
-            for doc, key in zip(self.encoder(texts[i:i + 1024]), keys[i:i + 1024]):
-                packer.add(doc, key)  # TODO(pretokenized): overlaps of re-read windows
+        items = self.stream.read_documents(keys, "resume_state_dict['buffer']")
+        for i in range(0, len(items), 1024):
+            docs, overlaps = self.encoder(items[i:i + 1024])
+            for doc, key, overlap in zip(docs, keys[i:i + 1024], overlaps):
+                packer.add(doc, key, overlap)
         if self.kind == "concat" and keys:
             packer.skip_consumed(self.start["offset"])
         for name, value in self.start["counters"].items():
@@ -466,61 +495,69 @@ class _DeviceBatches:
 # The loaders
 
 
+def _check_options(B, T, split, prefetch, **more) -> None:
+    if split not in SPLITS:
+        raise ValueError(f"split must be 'train' or 'val', got {split!r}")
+    _check_positive(B=B, T=T, **{k: v for k, v in more.items() if v is not None})
+    if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 0:
+        raise ValueError(f"prefetch must be an integer >= 0 (0 = no background threads), got {prefetch!r}")
+
+
+def _start_stream(reader, rank, world_size, batch_size, state, config, allow_state_mismatch):
+    """The stream a loader starts from: fresh, or resumed from a state (version 2: exactly; the seeds'
+    form, or another stream accepted with allow_state_mismatch: after the saved unit, as nanochat).
+    Returns (stream, version-2 start state or None, seeds position)."""
+    paths = reader.paths
+    if state is None:
+        return _Stream(reader, rank, world_size, batch_size), None, (0, 0, 1)
+    if not isinstance(state, dict):
+        raise TypeError(f"resume_state_dict must be a dict, got {type(state).__name__}")
+    if "merged" in state:  # elastic resume: every rank gets the merge, and takes its own part
+        merged = state.get("states")
+        if not isinstance(merged, list) or len(merged) != world_size:
+            raise ValueError(f"resume_state_dict['merged'] is for {state['merged'].get('world_size')} ranks, "
+                             f"but this run has world size {world_size}; merge for this world size")
+        state = merged[rank]
+    if "version" not in state and state.keys() & set(resume.FIELDS) - set(SEEDS_KEYS):
+        raise ValueError("resume_state_dict is missing 'version' but has this loader's other keys "
+                         f"({sorted(state.keys() & set(resume.FIELDS))}): a truncated state?")
+    if "version" in state and resume.check_state(state, config, allow_mismatch=allow_state_mismatch):
+        if state["next"][1] >= len(paths):
+            raise ValueError(f"resume_state_dict['next'] points at file {state['next'][1]}; the split has {len(paths)}")
+        plan = resume.decode_plan(state["plan"], reader.index)
+        stream = _Stream(reader, rank, world_size, batch_size, plan, tuple(state["next"]))
+        return stream, state, (state["pq_idx"], state["rg_idx"], state["epoch"])
+    if "version" in state:
+        logger.warning("resume_state_dict is from another document stream; resuming approximately "
+                       "after its file %s, %s %s", state.get("pq_idx"), reader.unit_name, state.get("rg_idx"))
+    # the seeds' form: approximate, after the saved unit
+    pq_idx, rg_idx, epoch = _check_legacy_state(state, paths, reader)
+    cursor = (epoch, pq_idx, (rg_idx // world_size + 1) * world_size + rank, 0)
+    return _Stream(reader, rank, world_size, batch_size, start=cursor), None, (pq_idx, rg_idx, epoch)
+
+
 def _setup(kind, tokenizer, B, T, split, tokenizer_threads, tokenizer_batch_size, resume_state_dict,
            data_dir, rank, world_size, prefetch, allow_state_mismatch, buffer_size=None):
     """Validate everything up front (so bad input fails at the call, not deep in a thread), then
-    build the document stream, the tokenized stream and the state tracker, resuming if asked.
+    build the document stream and the state tracker, resuming if asked.
     Returns (document batches, tracker, seeds position)."""
-    if split not in SPLITS:
-        raise ValueError(f"split must be 'train' or 'val', got {split!r}")
-    checks = {} if buffer_size is None else {"buffer_size": buffer_size}
-    _check_positive(B=B, T=T, tokenizer_threads=tokenizer_threads,
-                    tokenizer_batch_size=tokenizer_batch_size, **checks)
-    if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 0:
-        raise ValueError(f"prefetch must be an integer >= 0 (0 = no background threads), got {prefetch!r}")
+    _check_options(B, T, split, prefetch, tokenizer_threads=tokenizer_threads,
+                   tokenizer_batch_size=tokenizer_batch_size, buffer_size=buffer_size)
+    if buffer_size is None and kind == "bestfit":
+        raise ValueError("buffer_size must be an integer >= 1")
     for method in ("get_bos_token_id", "encode"):
         if not callable(getattr(tokenizer, method, None)):
             raise TypeError(f"tokenizer must have a {method}() method, got {type(tokenizer).__name__}")
     rank, world_size = _resolve_rank(rank, world_size)
-    paths = split_parquet_files(split, data_dir)
+    reader = _ParquetReader(split_parquet_files(split, data_dir))
     encoder = _Encoder(tokenizer, tokenizer_threads)
-    config = {"loader": kind, "split": split, "files": resume.files_fingerprint(paths), "num_files": len(paths),
-              "B": B, "T": T, "buffer_size": buffer_size, "tokenizer_batch_size": tokenizer_batch_size,
-              "tokenizer": resume.tokenizer_fingerprint(tokenizer), "rank": rank, "world_size": world_size}
-
-    stream, start, position = _Stream(paths, rank, world_size, tokenizer_batch_size), None, (0, 0, 1)
-    state = resume_state_dict
-    if state is not None:
-        if not isinstance(state, dict):
-            raise TypeError(f"resume_state_dict must be a dict, got {type(state).__name__}")
-        if "merged" in state:  # elastic resume: every rank gets the merge, and takes its own part
-            merged = state.get("states")
-            if not isinstance(merged, list) or len(merged) != world_size:
-                raise ValueError(f"resume_state_dict['merged'] is for {state['merged'].get('world_size')} ranks, "
-                                 f"but this run has world size {world_size}; merge for this world size")
-            state = merged[rank]
-        if "version" not in state and state.keys() & set(resume.FIELDS) - set(SEEDS_KEYS):
-            raise ValueError("resume_state_dict is missing 'version' but has this loader's other keys "
-                             f"({sorted(state.keys() & set(resume.FIELDS))}): a truncated state?")
-        if "version" not in state:  # the seeds' form: approximate, after the saved row group
-            pq_idx, rg_idx, epoch = _check_legacy_state(state, paths)
-            cursor = (epoch, pq_idx, (rg_idx // world_size + 1) * world_size + rank, 0)
-            stream, position = _Stream(paths, rank, world_size, tokenizer_batch_size, start=cursor), (pq_idx, rg_idx, epoch)
-        elif resume.check_state(state, config, allow_mismatch=allow_state_mismatch):
-            epoch, pq_idx, rg_idx, row = state["next"]
-            if pq_idx >= len(paths):
-                raise ValueError(f"resume_state_dict['next'] points at file {pq_idx}; the split has {len(paths)}")
-            plan = resume.decode_plan(state["plan"], RowGroupIndex(paths))
-            stream = _Stream(paths, rank, world_size, tokenizer_batch_size, plan, tuple(state["next"]))
-            start, position = state, (state["pq_idx"], state["rg_idx"], state["epoch"])
-        else:  # another stream, accepted explicitly: continue after the row group, as the seeds do
-            pq_idx, rg_idx, epoch = _check_legacy_state(state, paths)
-            cursor = (epoch, pq_idx, (rg_idx // world_size + 1) * world_size + rank, 0)
-            stream, position = _Stream(paths, rank, world_size, tokenizer_batch_size, start=cursor), (pq_idx, rg_idx, epoch)
-            logger.warning("resume_state_dict is from another document stream; resuming approximately "
-                           "after file %d row group %d", pq_idx, rg_idx)
-    tracker = _Tracker(kind, stream, encoder, config, start)
-    return stream.batches(), tracker, position
+    config = {"loader": kind, "split": split, "files": resume.files_fingerprint(reader.paths),
+              "num_files": len(reader.paths), "B": B, "T": T, "buffer_size": buffer_size,
+              "tokenizer_batch_size": tokenizer_batch_size, "tokenizer": resume.tokenizer_fingerprint(tokenizer),
+              "rank": rank, "world_size": world_size}
+    stream, start, position = _start_stream(reader, rank, world_size, tokenizer_batch_size, resume_state_dict,
+                                            config, allow_state_mismatch)
+    return stream.batches(), _Tracker(kind, stream, encoder, config, start), position
 
 
 class DataLoader:

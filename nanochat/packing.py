@@ -228,7 +228,9 @@ class ConcatPacker:
     def offset(self) -> int:
         return self._offset
 
-    def add(self, doc: np.ndarray, key=None) -> None:
+    def add(self, doc: np.ndarray, key=None, overlap: int = 0) -> None:
+        """Append a document to the stream (a window's overlap is streamed as it is: the
+        concatenating loader does not mask)."""
         if len(doc):
             self._docs.append((doc, key))
             self._num_tokens += len(doc)
@@ -245,8 +247,8 @@ class ConcatPacker:
         """Fill the 1-D array `out` with the next len(out) tokens of the stream."""
         needed = len(out)
         while self._num_tokens < needed:
-            for doc, key, _ in refill():
-                self.add(doc, key)
+            for doc, key, overlap in refill():
+                self.add(doc, key, overlap)
         pos = 0
         while pos < needed:
             doc = self._docs[0][0]

@@ -106,18 +106,35 @@ def decode_bitmap(text: str, total: int) -> list[int]:
 
 
 class RowGroupIndex:
-    def __init__(self, paths: list[str]):
+    """The units a stream deals out, per file: parquet row groups, or chunks of `chunk_size` entries
+    of a pretokenized shard (chunk_size set). Counted lazily, from footers and indexes only."""
+
+    def __init__(self, paths: list[str], chunk_size: int | None = None):
         self.paths = paths
+        self.chunk_size = chunk_size
         self._counts: list[int] | None = None
 
     def count(self, pq_idx: int) -> int:
         return self.counts[pq_idx]
 
+    def _entries(self, pq_idx: int) -> int:
+        from nanochat.pretokenize import TokenShard
+        return len(TokenShard(self.paths[pq_idx]))
+
     @property
     def counts(self) -> list[int]:
         if self._counts is None:
-            self._counts = [pq.ParquetFile(p).num_row_groups for p in self.paths]
+            if self.chunk_size is None:
+                self._counts = [pq.ParquetFile(p).num_row_groups for p in self.paths]
+            else:
+                self._counts = [-(-self._entries(i) // self.chunk_size) for i in range(len(self.paths))]
         return self._counts
+
+    def rows(self, pq_idx: int, rg_idx: int) -> int:
+        """Documents in one unit."""
+        if self.chunk_size is None:
+            return pq.ParquetFile(self.paths[pq_idx]).metadata.row_group(rg_idx).num_rows
+        return min(self.chunk_size, self._entries(pq_idx) - rg_idx * self.chunk_size)
 
     @property
     def total(self) -> int:
@@ -286,7 +303,8 @@ def merge_states(states: list[dict], world_size: int, *, data_dir: str | None = 
 
     Each rank saves its own state with its checkpoint; to restart on M ranks, load all N, call
     merge_states(states, M), and give the result to every new rank as resume_state_dict (rank r of M
-    picks its part). data_dir: where the shards are (default: the dataset directory)."""
+    picks its part). data_dir: where the shards are, as given to the loader (default: the dataset
+    directory; for the pretokenized loader, its directory holding train/ and val/)."""
     from nanochat.dataset import split_parquet_files  # here: resume.py stays importable without the store
 
     if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
@@ -319,10 +337,17 @@ def merge_states(states: list[dict], world_size: int, *, data_dir: str | None = 
     if ranks != list(range(n_old)):
         raise ValueError(f"config.rank: need each of ranks 0..{n_old - 1} once, got {ranks}")
     states = sorted(states, key=lambda s: s["config"]["rank"])
-    paths = split_parquet_files(first["config"]["split"], data_dir)
+    chunk_size = first["config"].get("chunk_size")
+    if chunk_size is None:
+        paths = split_parquet_files(first["config"]["split"], data_dir)
+    else:
+        from nanochat.pretokenize import list_token_shards
+        if data_dir is None:
+            raise ValueError("data_dir: give the pretokenized directory the states were taken on")
+        paths = [prefix + ".bin" for prefix in list_token_shards(os.path.join(data_dir, first["config"]["split"]))]
     if files_fingerprint(paths) != first["config"]["files"]:
         raise ValueError("config.files: the shards on disk are not the ones the states were taken on")
-    index = RowGroupIndex(paths)
+    index = RowGroupIndex(paths, chunk_size)
 
     # everything not yet trained on: explicit documents, then whole row groups per epoch
     docs: list[Key] = []
@@ -347,8 +372,7 @@ def merge_states(states: list[dict], world_size: int, *, data_dir: str | None = 
                     if e == epoch and (p, g) < (pq_idx, rg_idx):
                         continue
                     if e == epoch and (p, g) == (pq_idx, rg_idx) and row > 0:
-                        num_rows = pq.ParquetFile(paths[p]).metadata.row_group(g).num_rows
-                        docs += [(e, p, g, r) for r in range(row, num_rows)]
+                        docs += [(e, p, g, r) for r in range(row, index.rows(p, g))]
                         continue
                     whole.setdefault(e, set()).add(index.base(p) + g)
 
