@@ -96,6 +96,7 @@ import os
 import struct
 import sys
 import time
+from concurrent.futures import ProcessPoolExecutor, as_completed
 
 import numpy as np
 import pyarrow as pa
@@ -550,10 +551,18 @@ def _results(tokenizer, tokenizer_dir: str, options: dict, jobs: list, num_worke
         for job in jobs:
             yield _try_job(tokenizer, options, job)
         return
-    # spawn: a forked child would inherit the parent's tokenizer thread pools, and maybe a held lock
+    # spawn: a forked child would inherit the parent's tokenizer thread pools, and maybe a held lock.
+    # A worker that dies (killed, out of memory) raises BrokenProcessPool here instead of hanging.
     ctx = multiprocessing.get_context("spawn")
-    with ctx.Pool(num_workers, _init_worker, (tokenizer_dir, options)) as pool:  # exit terminates it
-        yield from pool.imap_unordered(_run_job, jobs)
+    with ProcessPoolExecutor(num_workers, mp_context=ctx, initializer=_init_worker,
+                             initargs=(tokenizer_dir, options)) as pool:
+        futures = [pool.submit(_run_job, job) for job in jobs]
+        try:
+            for future in as_completed(futures):
+                yield future.result()
+        finally:
+            for future in futures:  # on an error, do not start the inputs still queued
+                future.cancel()
 
 
 # -----------------------------------------------------------------------------

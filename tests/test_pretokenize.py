@@ -14,6 +14,7 @@ import os
 import random
 import shutil
 import struct
+from concurrent.futures.process import BrokenProcessPool
 
 import numpy as np
 import pytest
@@ -21,6 +22,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from conftest import write_shards
+from nanochat import pretokenize
 from nanochat.pretokenize import (
     MAGIC, VERSION, TokenShard, list_token_shards, main, window_document, write_token_shard,
 )
@@ -165,6 +167,21 @@ def test_write_replaces_an_existing_pair(tmp_path):
     write_token_shard(str(tmp_path / "tiny"), [np.array([BOS, 7], np.uint16)], [0], np.uint16)
     shard = TokenShard(str(tmp_path / "tiny"))
     assert len(shard) == 1 and shard.entry(0).tolist() == [BOS, 7]
+
+
+def test_reads_a_gpt_simple_shard(tmp_path):
+    # GPT-Simple's convention: no BOS, EOD after a short document and after a document's last window,
+    # the overlap prefix counting the entry's leading tokens. Same format, so TokenShard reads it.
+    EOD = 50256
+    entries = [np.array([1, 2, EOD], np.uint16),  # a short document
+               np.array([10, 11, 12, 13], np.uint16), np.array([12, 13, 14, EOD], np.uint16)]  # 2 windows
+    write_token_shard(str(tmp_path / "gpts"), entries, [0, 0, 2], np.uint16)
+    shard = TokenShard(str(tmp_path / "gpts"))
+    assert [shard.entry(i).tolist() for i in range(3)] == [e.tolist() for e in entries]
+    # the loader prepends BOS where an entry lacks it: the overlap then sits right after the BOS, as in ours
+    with_bos = [[BOS] + shard.entry(i).tolist() for i in range(3)]
+    o = int(shard.overlaps[2])
+    assert with_bos[2][1:1 + o] == with_bos[1][-o:] == [12, 13]
 
 
 def test_list_token_shards_lists_complete_pairs_only(tmp_path):
@@ -466,6 +483,19 @@ def test_cli_bad_input_fails_alone(tokenizer_dir, tmp_path, capsys):
     printed = capsys.readouterr().out
     assert "bad.jsonl line 2: invalid JSON" in printed and "failed (1): bad.jsonl" in printed
     assert sorted(os.listdir(os.path.join(out, "train"))) == ["good.bin", "good.idx"]
+
+
+def _die(job):
+    os._exit(3)  # a worker killed mid-shard (the OOM killer, kill -9)
+
+
+def test_cli_dead_worker_fails_the_run(parquet_dir, tokenizer_dir, tmp_path, monkeypatch):
+    # the pool pickles the task function by name, so spawned workers run this module's _die
+    monkeypatch.setattr(pretokenize, "_run_job", _die)
+    out = str(tmp_path / "tokens")
+    with pytest.raises(BrokenProcessPool):
+        main(["--input", parquet_dir, "--output", out, "--tokenizer-dir", tokenizer_dir, "--num-workers", "2"])
+    assert not os.path.exists(os.path.join(out, "train"))  # nothing half-written
 
 
 def test_cli_rejects_bad_arguments(parquet_dir, tokenizer_dir, tmp_path, capsys):
