@@ -1,4 +1,4 @@
-"""
+r"""
 Pretokenized token shards: text is tokenized once, up front, into `.bin`/`.idx` pairs that training
 memory-maps, so a training step does no parquet decoding and no tokenizing. Writing costs one
 tokenizer pass over the data (tiktoken speed, several MB of text per second per worker); opening a
@@ -8,7 +8,7 @@ The section below is written to be pasted into the README as is.
 
 ## Pretokenized shards (`.bin` / `.idx`)
 
-    python -m nanochat.pretokenize --input ~/.cache/nanochat/base_data \\
+    python -m nanochat.pretokenize --input ~/.cache/nanochat/base_data \
         --output ~/.cache/nanochat/base_tokens --max-length 2049 --overlap-size 256 --num-workers 8
 
 turns each input shard into one pair of files named after it, train and val kept apart:
@@ -20,9 +20,15 @@ turns each input shard into one pair of files named after it, train and val kept
 `--input` is a parquet dataset directory (its last shard is val, as for the parquet loader), or
 `.jsonl` / `.jsonl.gz` files (or directories of them) with one `{"text": ...}` object per line
 (`--text-field` picks another field); jsonl inputs all go to `train/`, and `--val-input` names the
-ones for `val/`. Every document is kept, empty ones included, in input order. `--rank R
---world-size N` (or torchrun's RANK / WORLD_SIZE) makes this process handle input shards R, R+N,
-... of the list train-then-val, so N machines can share the work with no overlap.
+ones for `val/`. Every document is kept, empty ones included, in input order.
+`--rank R --world-size N` (or torchrun's RANK / WORLD_SIZE) makes this process handle inputs
+R, R+N, ... of the list train-then-val, so N machines share the work with no overlap.
+Reading shards back:
+
+    from nanochat.pretokenize import TokenShard, list_token_shards
+    for prefix in list_token_shards(os.path.join(output, "train")):  # complete pairs, sorted
+        shard = TokenShard(prefix)  # index read and checked, tokens memory-mapped
+        tokens, overlap = shard.entry(0), int(shard.overlaps[0])
 
 **The format** is GPT-Simple's, version 1. All integers little-endian.
 
@@ -38,8 +44,8 @@ ones for `val/`. Every document is kept, empty ones included, in input order. `-
 | 16 + 8(N+1) | 2 x N | overlap prefix | uint16 per entry: how many tokens of the entry repeat the end of the previous window |
 
 `.bin`: the tokens of all entries back to back, nothing else; its size is exactly
-`offsets[N] * itemsize`. Tokens are uint16 when the tokenizer has at most 65,536 ids, else uint32,
-so a shard takes 2 bytes per token (about the size of the zstd parquet it came from).
+`offsets[N] * itemsize`. Tokens are uint16 when the tokenizer has at most 65,536 ids (2 bytes per
+token), else uint32.
 
 **Entries, as our writer makes them.** An entry is `[BOS] + the document's tokens` (nanochat's
 convention: `<|bos|>` starts every document and doubles as the delimiter; there is no end-of-document
@@ -69,7 +75,7 @@ A sensible L is the loader's row length T + 1, so that a window fills one row an
 the last window of one) ends with an end-of-document token, and the overlap prefix counts the
 entry's leading tokens. `TokenShard` opens them unchanged (nothing in the format depends on the
 convention); the loader prepends BOS to an entry that does not start with it, which puts the
-overlapping tokens right after the BOS, as in ours, and leaves the EOD as an ordinary last token.
+overlapping tokens right after the BOS, as in ours; the EOD stays in the entry as an ordinary token.
 Train with the tokenizer the shard was made with: the ids mean nothing otherwise.
 
 **Crash safety and resuming.** A pair is written as `name.bin.tmp` and `name.idx.tmp`, fsynced, and
