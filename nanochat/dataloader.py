@@ -27,6 +27,7 @@ a dict with only those keys still resumes approximately, after that row group, a
 
 import itertools
 import logging
+import os
 import queue
 import threading
 import time
@@ -46,6 +47,7 @@ logger = logging.getLogger(__name__)
 Position = tuple[int, int, int]  # (pq_idx, rg_idx, epoch): the seeds' state keys
 Cursor = tuple[int, int, int, int]  # (epoch, pq_idx, rg_idx, row): where a document batch starts
 SEEDS_KEYS = ("pq_idx", "rg_idx", "epoch")
+IGNORE_INDEX = -100  # cross_entropy's default ignore_index
 
 # -----------------------------------------------------------------------------
 # Checking arguments
@@ -341,9 +343,35 @@ class _Tracker:
         })
 
 
+def _attention_info(starts: list[list[int]], T: int, max_docs_per_row: int) -> dict[str, np.ndarray]:
+    """Per-batch outputs for document-aware attention, from where each row's documents start:
+    doc_ids (B, T) (0, 1, ... within each row), position_ids (B, T) restarting at every document, and
+    cu_seqlens (B * max_docs_per_row + 1,) int32: the document boundaries of the flattened B*T inputs
+    for variable-length attention kernels, padded with B*T to a fixed size (a fixed shape never makes
+    torch.compile recompile)."""
+    B = len(starts)
+    marker = np.zeros((B, T), dtype=np.int64)
+    bounds = []
+    for r, row_starts in enumerate(starts):
+        inside = [s for s in row_starts if s < T]  # a document starting at T is only a target
+        if len(inside) > max_docs_per_row:
+            raise ValueError(f"a row holds {len(inside)} documents, more than max_docs_per_row={max_docs_per_row}; "
+                             "raise max_docs_per_row (the padded size of cu_seqlens)")
+        marker[r, inside[1:]] = inside[1:]
+        bounds += [r * T + s for s in inside]
+    segment_start = np.maximum.accumulate(marker, axis=1)
+    doc_ids = np.cumsum(marker > 0, axis=1).astype(np.int32)
+    position_ids = np.arange(T)[None, :] - segment_start
+    cu_seqlens = np.full(B * max_docs_per_row + 1, B * T, dtype=np.int32)
+    cu_seqlens[:len(bounds)] = bounds
+    return {"doc_ids": doc_ids, "position_ids": position_ids, "cu_seqlens": cu_seqlens}
+
+
 def _bestfit_batches(token_batches, tracker: _Tracker, position: Position, B: int, T: int, buffer_size: int,
-                     trace: bool):
-    """Yield (rows (B, T+1), state, stats, trace) packed best-fit; rows are a fresh array each batch."""
+                     trace: bool, max_docs_per_row: int | None = None):
+    """Yield (rows (B, T+1), state, stats, extras) packed best-fit; rows are a fresh array each batch.
+    extras: the trace, the target ranges to mask (window overlaps) and, when max_docs_per_row is set,
+    the attention outputs."""
     packer = BestFitPacker(T + 1)  # +1 so that inputs and targets can both be sliced from one row
     tracker.restore(packer)
     source = _Source(token_batches, tracker.stream, position)
@@ -351,7 +379,10 @@ def _bestfit_batches(token_batches, tracker: _Tracker, position: Position, B: in
         rows = np.empty((B, T + 1), dtype=tracker.encoder.dtype)  # token dtype: the transfer widens it
         packer.trace = [] if trace else None
         packer.fill(rows, source, buffer_size)
-        yield rows, tracker.state(packer, source, rows), packer.stats(), packer.trace
+        extras = {"trace": packer.trace, "masked": packer.masked}
+        if max_docs_per_row is not None:
+            extras["info"] = _attention_info(packer.starts, T, max_docs_per_row)
+        yield rows, tracker.state(packer, source, rows), packer.stats(), extras
 
 
 def _concat_batches(token_batches, tracker: _Tracker, position: Position, B: int, T: int, trace: bool):
@@ -362,7 +393,7 @@ def _concat_batches(token_batches, tracker: _Tracker, position: Position, B: int
     while True:
         tokens = np.empty(B * T + 1, dtype=tracker.encoder.dtype)  # +1: the last target
         packer.take(tokens, source)
-        yield tokens, tracker.state(packer, source, tokens), packer.stats(), None
+        yield tokens, tracker.state(packer, source, tokens), packer.stats(), {"trace": None, "masked": ()}
 
 
 # -----------------------------------------------------------------------------
@@ -473,7 +504,7 @@ class _DeviceBatches:
             self.buffer = torch.empty(n, dtype=torch.long, device=self.device)
         self.count = 0
 
-    def __call__(self, inputs: np.ndarray, targets: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+    def __call__(self, inputs: np.ndarray, targets: np.ndarray, masked=()) -> tuple[torch.Tensor, torch.Tensor]:
         BT = self.B * self.T
         i = self.count % len(self.staging)
         self.count += 1
@@ -481,7 +512,10 @@ class _DeviceBatches:
             self.copied[i].synchronize()
         host = self.staging[i].numpy()
         np.copyto(host[:BT].reshape(self.B, self.T), inputs)
-        np.copyto(host[BT:].reshape(self.B, self.T), targets)
+        host_targets = host[BT:].reshape(self.B, self.T)
+        np.copyto(host_targets, targets)
+        for r, start, end in masked:  # targets that predict a window's repeated tokens: trained once
+            host_targets[r, start:end] = IGNORE_INDEX
         if self.buffer is not self.staging[i]:
             self.buffer.copy_(self.staging[i], non_blocking=self.cuda)
             if self.cuda:
@@ -551,7 +585,7 @@ def _setup(kind, tokenizer, B, T, split, tokenizer_threads, tokenizer_batch_size
     rank, world_size = _resolve_rank(rank, world_size)
     reader = _ParquetReader(split_parquet_files(split, data_dir))
     encoder = _Encoder(tokenizer, tokenizer_threads)
-    config = {"loader": kind, "split": split, "files": resume.files_fingerprint(reader.paths),
+    config = {"loader": kind, "source": "parquet", "split": split, "files": resume.files_fingerprint(reader.paths),
               "num_files": len(reader.paths), "B": B, "T": T, "buffer_size": buffer_size,
               "tokenizer_batch_size": tokenizer_batch_size, "tokenizer": resume.tokenizer_fingerprint(tokenizer),
               "rank": rank, "world_size": world_size}
@@ -568,11 +602,15 @@ class DataLoader:
     or when the loader fails; a failure is raised again by every later `next()`.
     `stats` describes the batches yielded so far (not the read-ahead): tokens tokenized, emitted
     and cropped, crop_share (cropped / (emitted + cropped)), documents per row, buffer occupancy,
-    and wait_seconds, the time `next()` spent waiting for a batch (the stall a GPU would feel).
+    masked targets, and wait_seconds, the time `next()` spent waiting for a batch (the stall a GPU
+    would feel). With attention_info, each batch has a fourth element: a dict of doc_ids,
+    position_ids and cu_seqlens on the device (see _attention_info).
     """
 
-    def __init__(self, batches, transfer: _DeviceBatches, split_rows, prefetch: int, with_state: bool):
-        self._batches = batches  # generator of (packed, state_dict, stats, trace)
+    def __init__(self, batches, transfer: _DeviceBatches, split_rows, prefetch: int, with_state: bool,
+                 attention_info: bool = False):
+        self._batches = batches  # generator of (packed, state_dict, stats, extras)
+        self._attention_info = attention_info
         self._transfer = transfer
         self._split_rows = split_rows
         self._prefetch = prefetch
@@ -595,15 +633,20 @@ class DataLoader:
             self._source = _maybe_prefetch(self._batches, self._prefetch, "nanochat-packing")
         t0 = time.perf_counter()
         try:
-            packed, state_dict, stats, self.documents = next(self._source)
+            packed, state_dict, stats, extras = next(self._source)
         except BaseException as e:
             self._error = e
             self.close()
             raise
         self._wait_seconds += time.perf_counter() - t0
-        inputs, targets = self._transfer(*self._split_rows(packed))
+        self.documents = extras["trace"]
+        inputs, targets = self._transfer(*self._split_rows(packed), extras["masked"])
         self.stats = stats | {"wait_seconds": self._wait_seconds}
-        return (inputs, targets, state_dict) if self._with_state else (inputs, targets)
+        out = (inputs, targets, state_dict) if self._with_state else (inputs, targets)
+        if self._attention_info:
+            device = self._transfer.device
+            out += ({k: torch.from_numpy(v).to(device) for k, v in extras["info"].items()},)
+        return out
 
     def close(self) -> None:
         """Stop the background threads (idempotent)."""
@@ -620,7 +663,8 @@ def tokenizing_distributed_data_loader_with_state_bos_bestfit(
         device="cuda", resume_state_dict: dict | None = None, buffer_size: int = 1000, *,
         data_dir: str | None = None, rank: int | None = None, world_size: int | None = None,
         prefetch: int = 4, with_state: bool = True, allow_state_mismatch: bool = False,
-        trace_documents: bool = False) -> DataLoader:
+        trace_documents: bool = False, attention_info: bool = False,
+        max_docs_per_row: int | None = None) -> DataLoader:
     """Yield (inputs, targets, state_dict) forever: (B, T) int64 batches of BOS-aligned best-fit rows.
 
     tokenizer: anything with get_bos_token_id() and encode(list_of_str, prepend=bos, num_threads=n)
@@ -630,14 +674,29 @@ def tokenizing_distributed_data_loader_with_state_bos_bestfit(
     data_dir: read shards from here instead of the dataset directory.
     rank/world_size: default to torchrun's RANK/WORLD_SIZE.
     prefetch: batches prepared ahead on background threads (0 runs everything in the caller).
+    attention_info: also yield, per batch, a dict of doc_ids, position_ids and cu_seqlens (padded to
+    B * max_docs_per_row + 1; default bound T, a row with more documents is an error).
     """
     doc_batches, tracker, position = _setup(
         "bestfit", tokenizer, B, T, split, tokenizer_threads, tokenizer_batch_size, resume_state_dict, data_dir,
         rank, world_size, prefetch, allow_state_mismatch, buffer_size=buffer_size)
+    max_docs = _max_docs(attention_info, max_docs_per_row, T)
     batches = _pipeline(doc_batches, tracker.encoder, prefetch, lambda tokens: _bestfit_batches(
-        tokens, tracker, position, B, T, buffer_size, trace_documents))
-    return DataLoader(batches, _DeviceBatches(B, T, device), lambda rows: (rows[:, :-1], rows[:, 1:]),
-                      prefetch, with_state)
+        tokens, tracker, position, B, T, buffer_size, trace_documents, max_docs))
+    return DataLoader(batches, _DeviceBatches(B, T, device), _row_split, prefetch, with_state, attention_info)
+
+
+def _row_split(rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    return rows[:, :-1], rows[:, 1:]
+
+
+def _max_docs(attention_info: bool, max_docs_per_row: int | None, T: int) -> int | None:
+    if not attention_info:
+        return None
+    if max_docs_per_row is None:
+        return T  # every document has at least its BOS in the inputs: never more than T per row
+    _check_positive(max_docs_per_row=max_docs_per_row)
+    return max_docs_per_row
 
 
 def tokenizing_distributed_data_loader_bos_bestfit(*args, **kwargs):
@@ -665,3 +724,112 @@ def tokenizing_distributed_data_loader_with_state(
 def tokenizing_distributed_data_loader(*args, **kwargs):
     """Like tokenizing_distributed_data_loader_with_state, yielding (inputs, targets)."""
     return tokenizing_distributed_data_loader_with_state(*args, with_state=False, **kwargs)
+
+
+# -----------------------------------------------------------------------------
+# The pretokenized loader: .bin/.idx token shards (nanochat/pretokenize.py), no tokenizer in the loop
+
+
+class _ShardReader:
+    """The stream's view of pretokenized shards: units are chunks of `chunk_size` entries (the DDP
+    sharding deals chunks out as the parquet loader deals row groups), items are (tokens, overlap),
+    the tokens a view into the memory-mapped .bin: shards larger than RAM stream in constant memory."""
+
+    unit_name = "chunk"
+
+    def __init__(self, paths: list[str], chunk_size: int):
+        self.paths, self.chunk_size = paths, chunk_size
+        self.index = RowGroupIndex(paths, chunk_size)
+        self._open: tuple = (None, None)  # one shard mapped at a time: thousands would exhaust file handles
+
+    def shard(self, pq_idx: int):
+        from nanochat.pretokenize import TokenShard
+        if self._open[0] != pq_idx:
+            self._open = (pq_idx, TokenShard(self.paths[pq_idx]))
+        return self._open[1]
+
+    def read(self, pq_idx: int, rg_idx: int):
+        shard = self.shard(pq_idx)
+        start = rg_idx * self.chunk_size
+        return shard, start, min(start + self.chunk_size, len(shard))
+
+    @staticmethod
+    def size(unit) -> int:
+        return unit[2] - unit[1]
+
+    @classmethod
+    def take(cls, unit, start: int, stop: int) -> list:
+        return cls.pick(unit, range(start, stop))
+
+    @staticmethod
+    def pick(unit, rows) -> list:
+        shard, first, _ = unit
+        return [(shard.entry(first + r), int(shard.overlaps[first + r])) for r in rows]
+
+
+class _ShardDocs:
+    """(tokens, overlap) items -> documents that start with BOS (GPT-Simple's EOD-terminated entries
+    get one prepended) and their overlaps. Rows are uint32: shards may mix uint16 and uint32."""
+
+    dtype = np.dtype(np.uint32)
+
+    def __init__(self, bos: int):
+        self.bos = bos
+
+    def __call__(self, items: list) -> tuple[list[np.ndarray], list[int]]:
+        docs = [tokens if len(tokens) and tokens[0] == self.bos else np.concatenate(([self.bos], tokens))
+                for tokens, _ in items]
+        return docs, [overlap for _, overlap in items]
+
+
+def pretokenized_distributed_data_loader_with_state_bos_bestfit(
+        B: int, T: int, split: str, device="cuda", resume_state_dict: dict | None = None,
+        buffer_size: int = 1000, *, data_dir: str, bos_token: int | None = None, chunk_size: int = 1024,
+        batch_size: int = 128, rank: int | None = None, world_size: int | None = None, prefetch: int = 4,
+        with_state: bool = True, allow_state_mismatch: bool = False, trace_documents: bool = False,
+        attention_info: bool = False, max_docs_per_row: int | None = None) -> DataLoader:
+    """The best-fit loader over pretokenized shards (`python -m nanochat.pretokenize`): the same
+    rows, rules, state and resume (exact and elastic) as the parquet loader, with no tokenizer.
+
+    data_dir: the pretokenize output, holding train/ and val/ with .bin/.idx pairs.
+    bos_token: the id every document starts with (default: the first token of the first entry, which
+    is BOS in shards our writer made; for GPT-Simple's EOD-terminated shards, pass the EOD id and it is
+    prepended to each entry). chunk_size: entries per unit dealt to ranks (1024 = the parquet shards'
+    row group size, so that with windowing off this yields the parquet loader's batches).
+    batch_size: entries added to the buffer per refill (the parquet loader's tokenizer_batch_size).
+    Targets that predict a window's overlap with the previous window are -100.
+    """
+    from nanochat.pretokenize import TokenShard, list_token_shards
+    _check_options(B, T, split, prefetch, buffer_size=buffer_size, chunk_size=chunk_size, batch_size=batch_size)
+    rank, world_size = _resolve_rank(rank, world_size)
+    split_dir = os.path.join(data_dir, split)
+    if not os.path.isdir(split_dir):
+        raise FileNotFoundError(f"{split_dir} does not exist; pretokenize shards first: "
+                                f"python -m nanochat.pretokenize --input <parquet dir> --output {data_dir}")
+    paths = [prefix + ".bin" for prefix in list_token_shards(split_dir)]
+    if not paths:
+        raise FileNotFoundError(f"no .bin/.idx pairs in {split_dir}; pretokenize shards first: "
+                                f"python -m nanochat.pretokenize --input <parquet dir> --output {data_dir}")
+    if bos_token is None:
+        first = TokenShard(paths[0])
+        if not len(first) or not len(first.entry(0)):
+            raise ValueError(f"{paths[0]} starts with an empty entry; pass bos_token explicitly")
+        bos_token = int(first.entry(0)[0])
+    reader = _ShardReader(paths, chunk_size)
+    encoder = _ShardDocs(bos_token)
+    config = {"loader": "bestfit", "source": "pretokenized", "split": split, "files": resume.files_fingerprint(paths),
+              "num_files": len(paths), "chunk_size": chunk_size, "B": B, "T": T, "buffer_size": buffer_size,
+              "tokenizer_batch_size": batch_size, "tokenizer": f"bos:{bos_token}", "rank": rank,
+              "world_size": world_size}
+    stream, start, position = _start_stream(reader, rank, world_size, batch_size, resume_state_dict, config,
+                                            allow_state_mismatch)
+    tracker = _Tracker("bestfit", stream, encoder, config, start)
+    max_docs = _max_docs(attention_info, max_docs_per_row, T)
+    batches = _pipeline(stream.batches(), encoder, prefetch, lambda tokens: _bestfit_batches(
+        tokens, tracker, position, B, T, buffer_size, trace_documents, max_docs))
+    return DataLoader(batches, _DeviceBatches(B, T, device), _row_split, prefetch, with_state, attention_info)
+
+
+def pretokenized_distributed_data_loader_bos_bestfit(*args, **kwargs):
+    """Like pretokenized_distributed_data_loader_with_state_bos_bestfit, yielding (inputs, targets)."""
+    return pretokenized_distributed_data_loader_with_state_bos_bestfit(*args, with_state=False, **kwargs)

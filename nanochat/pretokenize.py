@@ -492,6 +492,8 @@ def pretokenize_file(tokenizer, path: str, prefix: str, *, max_length: int | Non
 
     os.makedirs(os.path.dirname(prefix) or ".", exist_ok=True)
     _write_pairs(prefix, pairs(), dtype)
+    logger.info("%s -> %s: %d documents, %d entries, %d tokens", path, prefix, stats["documents"],
+                stats["entries"], stats["tokens"])
     return stats
 
 

@@ -258,7 +258,7 @@ FIELDS = {"loader": str, "pq_idx": int, "rg_idx": int, "epoch": int, "plan": lis
           "buffer": list, "offset": int, "config": dict, "emitted": dict, "counters": dict, "checksum": str}
 # config fields that change which documents a rank reads, in which order: a state taken with other
 # values cannot continue the same stream
-STREAM_FIELDS = ("loader", "split", "files", "num_files", "rank", "world_size")
+STREAM_FIELDS = ("loader", "source", "split", "files", "num_files", "chunk_size", "rank", "world_size")
 
 
 def check_state(state: dict, config: dict, *, allow_mismatch: bool) -> bool:
@@ -291,7 +291,7 @@ def check_state(state: dict, config: dict, *, allow_mismatch: bool) -> bool:
     if differ and not allow_mismatch:
         raise ValueError("resume_state_dict was taken on another configuration (" + "; ".join(differ) +
                          "); pass allow_state_mismatch=True to resume as well as possible")
-    return all(saved.get(k) == config[k] for k in STREAM_FIELDS)
+    return all(saved.get(k) == config.get(k) for k in STREAM_FIELDS)
 
 
 # -----------------------------------------------------------------------------
@@ -325,8 +325,8 @@ def merge_states(states: list[dict], world_size: int, *, data_dir: str | None = 
     if len(states) != n_old:
         raise ValueError(f"config.world_size: the states were taken on {n_old} ranks, but {len(states)} were given")
     for i, s in enumerate(states):
-        for key in ("loader", "split", "files", "num_files", "B", "T", "buffer_size", "tokenizer_batch_size",
-                    "tokenizer", "world_size"):
+        for key in ("loader", "source", "split", "files", "num_files", "chunk_size", "B", "T", "buffer_size",
+                    "tokenizer_batch_size", "tokenizer", "world_size"):
             if s["config"].get(key) != first["config"].get(key):
                 raise ValueError(f"config.{key}: states[{i}] has {s['config'].get(key)!r}, "
                                  f"states[0] has {first['config'].get(key)!r}")
