@@ -1,0 +1,197 @@
+"""
+The best-fit loader over pretokenized .bin/.idx shards: with windowing off it yields the parquet
+loader's batches token for token (same documents, same tokenizer, several ranks); exact and elastic
+resume; targets masked exactly at window overlaps; the attention outputs (doc_ids, position_ids,
+cu_seqlens) agree with the rows; GPT-Simple's EOD-terminated shards; bad input.
+Run: python -m pytest tests/test_pretokenized_loader.py -q
+"""
+
+import random
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import write_shards
+from nanochat.dataloader import (
+    pretokenized_distributed_data_loader_with_state_bos_bestfit as PRETOKENIZED,
+    tokenizing_distributed_data_loader_with_state_bos_bestfit as PARQUET,
+)
+from nanochat.pretokenize import main as pretokenize_main
+from nanochat.pretokenize import write_token_shard
+from nanochat.resume import decode_keys, merge_states
+from nanochat.tokenizer import RustBPETokenizer
+
+WORDS = "the data loader packs rows of tokens into batches while windows overlap 12 345 é".split()
+ROW_GROUP = 8
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    """Parquet shards (row groups of 8, uneven lengths, some documents longer than a row), a BPE
+    tokenizer trained on them, and their pretokenized twins, whole and windowed."""
+    root = tmp_path_factory.mktemp("pretok")
+    rng = random.Random(0)
+    texts = [" ".join(rng.choice(WORDS) for _ in range(rng.choice([0, 3, 10, 30, 80]))) for _ in range(150)]
+    write_shards(root / "parquet", [texts[:60], texts[60:130], texts[130:]], row_group_size=ROW_GROUP)
+    tokenizer = RustBPETokenizer.train_from_iterator(iter(texts), 300)
+    tokenizer.save(str(root / "tokenizer"))
+    common = ["--input", str(root / "parquet"), "--tokenizer-dir", str(root / "tokenizer"), "--num-workers", "1"]
+    assert pretokenize_main(common + ["--output", str(root / "whole")]) == 0
+    assert pretokenize_main(common + ["--output", str(root / "windowed"), "--max-length", "17",
+                                      "--overlap-size", "5"]) == 0
+    return root, tokenizer
+
+
+def rows_of(inputs, targets):
+    return torch.cat([inputs, targets[:, -1:]], dim=1)
+
+
+@pytest.mark.parametrize("world_size,rank", [(1, 0), (2, 1), (3, 0)])
+@pytest.mark.parametrize("split", ["train", "val"])
+def test_same_batches_as_the_parquet_loader(corpus, world_size, rank, split):
+    root, tokenizer = corpus
+    kw = dict(device="cpu", buffer_size=7, rank=rank, world_size=world_size)
+    parquet = PARQUET(tokenizer, 3, 24, split, tokenizer_batch_size=5, data_dir=str(root / "parquet"), **kw)
+    pretok = PRETOKENIZED(3, 24, split, data_dir=str(root / "whole"), chunk_size=ROW_GROUP, batch_size=5, **kw)
+    for k in range(25):  # past the end of the data: epochs wrap the same way
+        x, y, s = next(parquet)
+        px, py, ps = next(pretok)
+        assert torch.equal(x, px) and torch.equal(y, py), f"batch {k}"
+        assert {key: s[key] for key in ("pq_idx", "rg_idx", "epoch", "next")} == \
+            {key: ps[key] for key in ("pq_idx", "rg_idx", "epoch", "next")}
+        assert s["emitted"]["hash"] == ps["emitted"]["hash"]  # the same tokens, so the same fingerprint
+    assert ps["epoch"] >= 2
+
+
+@pytest.mark.parametrize("data", ["whole", "windowed"])
+def test_exact_resume(corpus, data):
+    root, _ = corpus
+    kw = dict(device="cpu", buffer_size=6, data_dir=str(root / data), chunk_size=5, batch_size=3,
+              rank=1, world_size=2)
+    loader = PRETOKENIZED(2, 16, "train", **kw)
+    run = [(rows_of(x, y).clone(), y.clone(), s) for x, y, s in (next(loader) for _ in range(30))]
+    assert any(s["buffer"] for _, _, s in run)
+    for k in (0, 7, 18):
+        resumed = PRETOKENIZED(2, 16, "train", resume_state_dict=run[k][2], **kw)
+        for rows, targets, state in run[k + 1:]:
+            x, y, s = next(resumed)
+            assert torch.equal(rows_of(x, y), rows) and torch.equal(y, targets) and s == state
+
+
+def test_window_overlaps_are_masked_exactly(corpus):
+    """Every -100 target predicts a token that repeats the previous window, and every such target
+    that made it into a row is -100; nothing else is masked."""
+    root, _ = corpus
+    from nanochat.pretokenize import TokenShard, list_token_shards
+    shards = [TokenShard(p) for p in list_token_shards(str(root / "windowed" / "train"))]
+    assert any(s.overlaps.any() for s in shards)
+    loader = PRETOKENIZED(4, 20, "train", device="cpu", buffer_size=5, data_dir=str(root / "windowed"),
+                          chunk_size=ROW_GROUP, batch_size=4, trace_documents=True)
+    masked_total = 0
+    for _ in range(20):
+        x, y, _ = next(loader)
+        for r, keys in enumerate(loader.documents):
+            expected = torch.zeros(20, dtype=torch.bool)
+            starts = [0]
+            for key in keys:
+                _, pq_idx, chunk, row_in_chunk = key
+                entry = pq_idx, chunk * ROW_GROUP + row_in_chunk
+                n = len(shards[entry[0]].entry(entry[1]))
+                overlap = int(shards[entry[0]].overlaps[entry[1]])
+                start = starts[-1]
+                placed = min(n, 21 - start)
+                expected[start:start + min(overlap, placed - 1)] = True
+                starts.append(start + placed)
+            assert starts[-1] == 21  # the trace accounts for every token of the row
+            assert torch.equal(y[r] == -100, expected)
+            masked_total += int(expected.sum())
+    assert masked_total > 0
+    assert loader.stats["tokens_masked"] == masked_total
+
+
+def test_attention_outputs_agree_with_the_rows(corpus):
+    root, _ = corpus
+    B, T = 3, 24
+    loader = PRETOKENIZED(B, T, "train", device="cpu", buffer_size=6, data_dir=str(root / "whole"),
+                          attention_info=True, max_docs_per_row=12)
+    for _ in range(10):
+        x, y, _, info = next(loader)
+        assert info["cu_seqlens"].shape == (B * 12 + 1,) and info["cu_seqlens"].dtype == torch.int32
+        bounds = []
+        for r in range(B):
+            starts = (x[r] == x[0, 0]).nonzero().flatten().tolist()  # BOS positions in the inputs
+            assert starts[0] == 0
+            ids = torch.zeros(T, dtype=torch.int32)
+            pos = torch.zeros(T, dtype=torch.int64)
+            for i, (s, e) in enumerate(zip(starts, starts[1:] + [T])):
+                ids[s:e] = i
+                pos[s:e] = torch.arange(e - s)
+            assert torch.equal(info["doc_ids"][r], ids)
+            assert torch.equal(info["position_ids"][r], pos)
+            bounds += [r * T + s for s in starts]
+        expected = bounds + [B * T] * (B * 12 + 1 - len(bounds))
+        assert info["cu_seqlens"].tolist() == expected
+
+
+def test_max_docs_per_row_is_enforced(corpus):
+    root, _ = corpus
+    loader = PRETOKENIZED(2, 64, "train", device="cpu", buffer_size=20, data_dir=str(root / "whole"),
+                          attention_info=True, max_docs_per_row=1)
+    with pytest.raises(ValueError, match="max_docs_per_row"):
+        for _ in range(20):
+            next(loader)
+
+
+def test_elastic_resume_in_process(corpus):
+    root, _ = corpus
+    kw = dict(device="cpu", buffer_size=5, data_dir=str(root / "whole"), chunk_size=4, batch_size=3,
+              trace_documents=True)
+    placed, states = [], []
+    for rank in range(2):
+        loader = PRETOKENIZED(2, 16, "train", rank=rank, world_size=2, **kw)
+        for _ in range(6):
+            _, _, state = next(loader)
+            placed += [tuple(k) for row in loader.documents for k in row]
+        states.append(state)
+    merged = merge_states(states, 3, data_dir=str(root / "whole"))
+    last_epoch = max(s["next"][0] for s in states)
+    waiting = []
+    for rank in range(3):
+        loader = PRETOKENIZED(2, 16, "train", rank=rank, world_size=3, resume_state_dict=merged, **kw)
+        state = merged["states"][rank]
+        while state["plan"]:
+            _, _, state = next(loader)
+            placed += [tuple(k) for row in loader.documents for k in row]
+        waiting += decode_keys(state["buffer"])
+    done = [k for k in placed if k[0] <= last_epoch] + [k for k in waiting if k[0] <= last_epoch]
+    from nanochat.pretokenize import TokenShard, list_token_shards
+    lengths = [len(TokenShard(p)) for p in list_token_shards(str(root / "whole" / "train"))]
+    expected = {(e, f, i // 4, i % 4) for e in range(1, last_epoch + 1) for f, n in enumerate(lengths)
+                for i in range(n)}
+    assert len(done) == len(set(done)) and set(done) == expected
+
+
+def test_gpt_simple_eod_shards(tmp_path):
+    """Entries without BOS that end with EOD (GPT-Simple's writer): EOD is passed as bos_token and
+    prepended to every entry, so rows still start with a delimiter."""
+    eod = 9
+    entries = [np.array([1, 2, 3, eod]), np.array([4, 5, eod]), np.array([6, eod])] * 4
+    for split in ("train", "val"):
+        (tmp_path / split).mkdir()
+        write_token_shard(str(tmp_path / split / "shard_00000"), entries, [0] * len(entries), np.uint16)
+    loader = PRETOKENIZED(1, 7, "train", device="cpu", buffer_size=2, data_dir=str(tmp_path), bos_token=eod)
+    x, y, _ = next(loader)
+    row = torch.cat([x[0], y[0, -1:]]).tolist()
+    # best fit: [EOD 1 2 3 EOD] (5 tokens), then the largest that fits the 3 left, [EOD 6 EOD]
+    assert row == [eod, 1, 2, 3, eod, eod, 6, eod]
+
+
+def test_missing_data_names_the_command(tmp_path):
+    with pytest.raises(FileNotFoundError, match="python -m nanochat.pretokenize"):
+        PRETOKENIZED(2, 8, "train", device="cpu", data_dir=str(tmp_path))
+    (tmp_path / "train").mkdir()
+    with pytest.raises(FileNotFoundError, match="no .bin/.idx pairs"):
+        PRETOKENIZED(2, 8, "train", device="cpu", data_dir=str(tmp_path))
+    with pytest.raises(ValueError, match="split"):
+        PRETOKENIZED(2, 8, "test", device="cpu", data_dir=str(tmp_path))
