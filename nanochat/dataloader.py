@@ -460,14 +460,17 @@ def _maybe_prefetch(source, depth: int, name: str):
     return _Prefetcher(source, depth, name) if depth > 0 else source
 
 
-def _pipeline(doc_batches, encoder, prefetch: int, pack):
+def _pipeline(doc_batches, encoder, prefetch: int, pack, tokenizing: bool = True):
     """Reading, tokenizing and packing, each on its own thread when prefetch > 0: reading runs a few
     row groups ahead of the tokenizer (so its pool never waits on parquet), tokenizing `prefetch`
-    document batches ahead of packing. Yields what `pack(token_batches)` yields."""
+    document batches ahead of packing. Yields what `pack(token_batches)` yields. Without a tokenizer
+    (pretokenized shards) reading is a slice of a memory map: it stays on the packing thread, since
+    handing each batch between threads would cost more than the work."""
     stages = [doc_batches]
+    depth = prefetch if tokenizing else 0
     try:
-        stages.append(_maybe_prefetch(doc_batches, 4 * prefetch, "nanochat-read"))
-        stages.append(_maybe_prefetch(_token_batches(stages[-1], encoder), prefetch, "nanochat-tokenize"))
+        stages.append(_maybe_prefetch(doc_batches, 4 * depth, "nanochat-read"))
+        stages.append(_maybe_prefetch(_token_batches(stages[-1], encoder), depth, "nanochat-tokenize"))
         yield from pack(stages[-1])
     finally:
         for stage in reversed(stages):  # downstream first: it may be blocked on the one before
@@ -826,7 +829,7 @@ def pretokenized_distributed_data_loader_with_state_bos_bestfit(
     tracker = _Tracker("bestfit", stream, encoder, config, start)
     max_docs = _max_docs(attention_info, max_docs_per_row, T)
     batches = _pipeline(stream.batches(), encoder, prefetch, lambda tokens: _bestfit_batches(
-        tokens, tracker, position, B, T, buffer_size, trace_documents, max_docs))
+        tokens, tracker, position, B, T, buffer_size, trace_documents, max_docs), tokenizing=False)
     return DataLoader(batches, _DeviceBatches(B, T, device), _row_split, prefetch, with_state, attention_info)
 
 

@@ -161,6 +161,59 @@ def pack_oracle(docs, B, T, buffer_size, n_batches, batch):
     return time.perf_counter() - t0
 
 
+def pretokenized_section(tokenizer, data_dir, tmp, docs_np, args, B, T, tbs) -> dict:
+    """Pretokenize the train shards, time the pretokenized loader, a memory copy, and the crop share
+    of windowing (L = T+1, O = 0 and 128) next to the seeds' cropping."""
+    from nanochat.dataloader import pretokenized_distributed_data_loader_with_state_bos_bestfit
+    from nanochat.pretokenize import pretokenize_file, window_document
+    out = os.path.join(tmp, "tokens")
+    t0 = time.perf_counter()
+    for split in ("train", "val"):
+        for path in split_parquet_files(split, data_dir):
+            name = os.path.basename(path)[:-len(".parquet")]
+            pretokenize_file(tokenizer, path, os.path.join(out, split, name), num_threads=args.threads)
+    pretokenize_s = time.perf_counter() - t0
+    row_tokens = B * (T + 1)
+
+    n = max(args.loader_batches, 200)
+    loader_tps = {}
+    for prefetch in (4, 0):  # packing on its background thread (the default), and in the caller
+        loader = pretokenized_distributed_data_loader_with_state_bos_bestfit(
+            B, T, "train", device=args.device, data_dir=out, batch_size=tbs, rank=0, world_size=1,
+            prefetch=prefetch)
+        next(loader)
+        t0 = time.perf_counter()
+        for _ in range(n):
+            next(loader)
+        loader_tps[prefetch] = n * row_tokens / (time.perf_counter() - t0)
+        loader.close()
+
+    # a plain copy of as many uint16 tokens as the loader emitted, through memory (64 MB at a time)
+    src = np.random.default_rng(0).integers(0, 2**16, size=32 * 2**20, dtype=np.uint16)
+    dst = np.empty_like(src)
+    np.copyto(dst, src)  # the first copy pays for mapping dst's pages: not a copy cost
+    copies = max(5, n * row_tokens // src.size)
+    t0 = time.perf_counter()
+    for _ in range(copies):
+        np.copyto(dst, src)
+    memcpy_tps = copies * src.size / (time.perf_counter() - t0)
+
+    crop = []
+    for name, windows in [("seeds' cropping (no windows)", [(d, 0) for d in docs_np]),
+                          ("windows L=T+1, O=0", None), ("windows L=T+1, O=128", None)]:
+        if windows is None:
+            overlap = 0 if name.endswith("O=0") else 128
+            windows = [w for d in docs_np for w in window_document(d, T + 1, overlap)]
+        packer = BestFitPacker(T + 1)
+        refill = cycled([(doc, None, o) for doc, o in windows], tbs)
+        rows = np.empty((B, T + 1), dtype=np.uint32)
+        for _ in range(args.crop_batches):
+            packer.fill(rows, refill, 1000)
+        stats = packer.stats()
+        crop.append((name, stats["crop_share"], stats["tokens_masked"] / (args.crop_batches * B * T)))
+    return {"pretokenize_s": pretokenize_s, "loader_tps": loader_tps, "memcpy_tps": memcpy_tps, "crop": crop}
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--data-dir", default=None, help="shards to read (default: generate a corpus)")
@@ -282,6 +335,10 @@ def main(argv=None):
         # an array object's header, plus the (seq, doc) tuple and deque slot that index it
         per_doc_overhead = sys.getsizeof(buffered[0]) - buffered[0].nbytes + sys.getsizeof((0, 0)) + 8
 
+        # 6. pretokenized shards of the same corpus: the loader with no tokenizer in the loop, against
+        # the parquet loader and against a plain memory copy of the same bytes (the physical limit)
+        pretok = pretokenized_section(tokenizer, data_dir, tmp, docs_np, args, B, T, tbs)
+
     read_tps = n_tokens / t_read
     print()
     print(f"B={B} T={T} threads={threads} tokenizer_batch_size={tbs} device={args.device}")
@@ -315,6 +372,19 @@ def main(argv=None):
     for k, share, share_tok, bdocs, btoks in crop:
         print(f"  after {k:5d} batches: {share:6.1%}  {share_tok:6.1%}   buffer {bdocs:,} docs, {btoks:,} tokens")
     print()
+    print()
+    print("pretokenized .bin/.idx shards (same corpus, windowing off; python -m nanochat.pretokenize)")
+    print(f"  pretokenize: {pretok['pretokenize_s']:.1f}s for the train shards")
+    for prefetch, tps in pretok["loader_tps"].items():
+        where = "a background thread (default)" if prefetch else "the caller (prefetch=0)"
+        print(f"  pretokenized loader, packing on {where:30s} {tps:14,.0f} tokens emitted/s, "
+              f"{tps / loader_emit_tps:.1f}x the parquet loader, {tps / pretok['memcpy_tps']:.1%} of a memory copy")
+    print(f"  memory copy of the same bytes (uint16): {pretok['memcpy_tps']:14,.0f} tokens/s   "
+          "(targets: >= 20x the parquet loader, >= 20 M tokens/s)")
+    print(f"  crop share over {args.crop_batches:,} batches at T={T} (cropped / tokens consumed; masked overlap "
+          "targets / targets):")
+    for name, share, masked in pretok["crop"]:
+        print(f"    {name:34s} {share:6.1%}   masked {masked:5.1%}")
     print(f"memory: peak RSS {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024:,.0f} MiB (whole process, "
           f"corpus and token lists included); document buffer: {buffer_bytes / max(1, crop[-1][4]):.2f} bytes "
           f"per buffered token ({dtype}) + ~{per_doc_overhead} bytes per document")

@@ -111,7 +111,9 @@ def test_round_trip_through_token_shard(tmp_path):
         assert shard.lengths().tolist() == [3, 1, 4]
         assert [shard.entry(i).tolist() for i in range(3)] == [[BOS, 1, 2], [BOS], [BOS, 3, 4, 5]]
         assert shard.entry(-1).tolist() == [BOS, 3, 4, 5]
-        assert isinstance(shard.tokens, np.memmap) and shard.tokens.dtype == np.uint16
+        # a plain view of the memory map (not a copy): its base is the np.memmap of the .bin
+        assert isinstance(shard.tokens.base, np.memmap) and shard.tokens.dtype == np.uint16
+        assert not shard.tokens.flags.writeable and not shard.tokens.flags.owndata
         with pytest.raises(ValueError):
             shard.tokens[0] = 1  # read-only
         with pytest.raises(IndexError, match="entry 3 is out of range"):
