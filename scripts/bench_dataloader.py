@@ -278,26 +278,47 @@ def main(argv=None):
         # speed drifts by +-15% from one second to the next, so the two are measured in alternating
         # rounds and compared on their totals; each round's own ratio is printed too.
         def run_loader(n_batches):
-            loader = tokenizing_distributed_data_loader_with_state_bos_bestfit(
-                tokenizer, B, T, "train", tokenizer_threads=threads, tokenizer_batch_size=tbs,
-                device=args.device, data_dir=data_dir, rank=0, world_size=1)
-            next(loader)  # start-up: the first buffer fill
-            start, wait_start = loader.stats["tokens_tokenized"], loader.stats["wait_seconds"]
-            c0, t0 = time.process_time(), time.perf_counter()
-            for _ in range(n_batches):
-                next(loader)
-            if args.device.startswith("cuda"):
-                import torch
-                torch.cuda.synchronize()
-            dt, cpu = time.perf_counter() - t0, time.process_time() - c0
-            stats = loader.stats
-            loader.close()
-            return stats["tokens_tokenized"] - start, dt, cpu, stats["wait_seconds"] - wait_start
+            # count what the loader pushes through its tokenizer, read-ahead included, as the
+            # tokenization-alone run does (the packer's own count would miss what is queued ahead)
+            counted = {"tokens": 0}
+            encode = tokenizer.encode_to_arrays
+
+            def counting_encode(texts, **kwargs):
+                docs = encode(texts, **kwargs)
+                counted["tokens"] += sum(len(d) for d in docs)
+                return docs
+
+            tokenizer.encode_to_arrays = counting_encode
+            try:
+                loader = tokenizing_distributed_data_loader_with_state_bos_bestfit(
+                    tokenizer, B, T, "train", tokenizer_threads=threads, tokenizer_batch_size=tbs,
+                    device=args.device, data_dir=data_dir, rank=0, world_size=1)
+                next(loader)  # start-up: the first buffer fill
+                start, wait_start = counted["tokens"], loader.stats["wait_seconds"]
+                c0, t0 = time.process_time(), time.perf_counter()
+                for _ in range(n_batches):
+                    next(loader)
+                if args.device.startswith("cuda"):
+                    import torch
+                    torch.cuda.synchronize()
+                dt, cpu = time.perf_counter() - t0, time.process_time() - c0
+                tokens, wait = counted["tokens"] - start, loader.stats["wait_seconds"] - wait_start
+                loader.close()
+            finally:
+                del tokenizer.encode_to_arrays  # back to the class's method
+            return tokens, dt, cpu, wait
 
         rounds = []
-        per_round = max(1, len(text_batches) // args.repeats)
+        # tokenization alone takes, every round, the texts at the start of the corpus: about what a
+        # fresh loader tokenizes in its timed batches (documents differ in how fast they tokenize)
+        tokens_per_round = (args.loader_batches // args.repeats) * row_tokens * 1.4
+        chunk, total = [], 0
+        for texts in text_batches:
+            chunk.append(texts)
+            total += sum(len(t) for t in texts) / 4.3  # ~4.3 characters a token: only to size the chunk
+            if total >= tokens_per_round:
+                break
         for r in range(args.repeats):
-            chunk = [text_batches[(r * per_round + i) % len(text_batches)] for i in range(per_round)]
             arrays, dt_tok, cpu_tok = cpu_timed(lambda: tokenize_all(tokenizer.encode_to_arrays, bos, chunk, tbs, threads))
             # (tokens, wall, cpu) of tokenization alone, then (tokens, wall, cpu, wait) of the loader
             rounds.append((sum(map(len, arrays)), dt_tok, cpu_tok, *run_loader(args.loader_batches // args.repeats)))
