@@ -334,7 +334,7 @@ def test_refused_when_truncated(key, small):
 
 
 @pytest.mark.parametrize("edit", [
-    lambda s: s["buffer"][0][3][0].__setitem__(0, s["buffer"][0][3][0][0] + 1),
+    lambda s: s["buffer"][0][3].__setitem__(0, s["buffer"][0][3][0] + 1),
     lambda s: s["next"].__setitem__(3, s["next"][3] + 1),
     lambda s: s["next"].__setitem__(2, s["next"][2] + 1),
     lambda s: s["emitted"].__setitem__("batches", 0),
