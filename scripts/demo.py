@@ -36,6 +36,7 @@ import pyarrow.parquet as pq
 
 from nanochat.dataloader import tokenizing_distributed_data_loader_with_state_bos_bestfit
 from nanochat.dataset import get_dataset, index_to_filename, repackage
+from nanochat.resume import decode_keys
 from nanochat.tokenizer import RustBPETokenizer
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -225,7 +226,7 @@ def print_batch_stats(name: str, s: dict) -> None:
     state = s["state_dict"]
     seeds = {k: state[k] for k in ("pq_idx", "rg_idx", "epoch")}
     print(f"{name}: state_dict of the last batch: {seeds} + the exact-resume part: "
-          f"{sum(n for group in state['buffer'] for _, n in group[3])} buffered documents by position, "
+          f"{len(decode_keys(state['buffer']))} buffered documents by position, "
           f"emitted hash {state['emitted']['hash'][:12]}..., {len(json.dumps(state)):,} bytes as JSON")
 
 
