@@ -477,7 +477,9 @@ def _read_txt(path: str, text_field: str):
                 yield line
 
 
-def _read_jsonl(path: str, text_field: str):
+def read_jsonl_texts(path: str, text_field: str = "text"):
+    """Yield the text field of each non-empty line of a .jsonl or .jsonl.gz file; a line that is not
+    JSON, or lacks the field, or whose field is not a string is an error naming file and line."""
     opener = gzip.open if path.endswith(".gz") else open
     with opener(path, "rt", encoding="utf-8") as f:
         for lineno, line in enumerate(f, 1):
@@ -514,7 +516,7 @@ def _read_parquet(path: str, text_field: str):
 
 
 def _reader_for(path: str):
-    for suffix, reader in ((".jsonl.gz", _read_jsonl), (".jsonl", _read_jsonl),
+    for suffix, reader in ((".jsonl.gz", read_jsonl_texts), (".jsonl", read_jsonl_texts),
                            (".txt", _read_txt), (".parquet", _read_parquet)):
         if path.endswith(suffix):
             return reader

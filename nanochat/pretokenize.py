@@ -93,7 +93,6 @@ longer than its entry.
 """
 
 import argparse
-import gzip
 import hashlib
 import json
 import logging
@@ -110,7 +109,7 @@ import pyarrow.parquet as pq
 from tqdm import tqdm
 
 from nanochat.common import get_dist_info
-from nanochat.dataset import read_row_group_texts, split_parquet_files
+from nanochat.dataset import read_jsonl_texts, read_row_group_texts, split_parquet_files
 from nanochat.tokenizer import TOKENIZER_FILENAME, RustBPETokenizer, get_tokenizer_dir
 
 logger = logging.getLogger(__name__)
@@ -451,24 +450,12 @@ def _read_text_batches(path: str, text_field: str):
         for rg_idx in range(pf.num_row_groups):
             yield read_row_group_texts(pf, rg_idx, path)
         return
-    opener = gzip.open if path.endswith(".gz") else open
     batch = []
-    with opener(path, "rt", encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{path} line {lineno}: invalid JSON ({e.msg})") from None
-            text = record.get(text_field) if isinstance(record, dict) else None
-            if not isinstance(text, str):
-                raise ValueError(f"{path} line {lineno}: no string field {text_field!r}; "
-                                 "pass the right one with --text-field")
-            batch.append(text)
-            if len(batch) == TEXTS_PER_BATCH:
-                yield batch
-                batch = []
+    for text in read_jsonl_texts(path, text_field):
+        batch.append(text)
+        if len(batch) == TEXTS_PER_BATCH:
+            yield batch
+            batch = []
     if batch:
         yield batch
 
