@@ -19,7 +19,6 @@ import tiktoken
 from hypothesis import given, settings, strategies as st
 
 from conftest import write_shards
-from nanochat import tokenizer as tokenizer_module
 from nanochat.tokenizer import (MIN_VOCAB_SIZE, SPECIAL_TOKENS, SPLIT_PATTERN, RustBPETokenizer,
                                 get_token_bytes, get_tokenizer)
 
