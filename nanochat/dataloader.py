@@ -31,6 +31,8 @@ import os
 import queue
 import threading
 import time
+from collections import deque
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pyarrow.parquet as pq
@@ -256,8 +258,10 @@ class _Encoder:
         self.bos = tokenizer.get_bos_token_id()
         vocab_size = tokenizer.get_vocab_size() if hasattr(tokenizer, "get_vocab_size") else None
         self.dtype = token_dtype(vocab_size)
-        # a tokenizer that can return numpy arrays (ours can) skips building a Python int per token
+        # a tokenizer that can return numpy arrays (ours can) skips building a Python int per token;
+        # ours may also be called from two threads at once (its thread pool is shared and locked)
         self.encode = getattr(tokenizer, "encode_to_arrays", None) or tokenizer.encode
+        self.thread_safe = hasattr(tokenizer, "encode_to_arrays")
         self.threads = tokenizer_threads
 
     def __call__(self, texts: list[str]) -> tuple[list[np.ndarray], list[int]]:
@@ -266,12 +270,30 @@ class _Encoder:
         return docs, [0] * len(docs)
 
 
-def _token_batches(doc_batches, encoder):
+def _token_batches(doc_batches, encoder, overlap_calls: bool = False):
     """Yield (documents, keys, after, overlaps) for each document batch: the texts tokenized with BOS
-    prepended (or, for pretokenized shards, the entries as they are)."""
-    for items, keys, after in doc_batches:
-        docs, overlaps = encoder(items)
-        yield docs, keys, after, overlaps
+    prepended (or, for pretokenized shards, the entries as they are).
+
+    overlap_calls: start the next batch's encode call before this one returns, so the tokenizer's
+    thread pool does not idle on the tail of each call (its last, longest documents). Only for a
+    tokenizer that may be called from two threads at once (nanochat's)."""
+    if not overlap_calls:
+        for items, keys, after in doc_batches:
+            docs, overlaps = encoder(items)
+            yield docs, keys, after, overlaps
+        return
+    with ThreadPoolExecutor(2, thread_name_prefix="nanochat-encode-call") as calls:
+        pending: deque = deque()
+        for items, keys, after in doc_batches:
+            pending.append((calls.submit(encoder, items), keys, after))
+            if len(pending) == 2:  # the newer call keeps running while this batch goes on
+                future, keys, after = pending.popleft()
+                docs, overlaps = future.result()
+                yield docs, keys, after, overlaps
+        while pending:
+            future, keys, after = pending.popleft()
+            docs, overlaps = future.result()
+            yield docs, keys, after, overlaps
 
 
 # -----------------------------------------------------------------------------
@@ -470,7 +492,8 @@ def _pipeline(doc_batches, encoder, prefetch: int, pack, tokenizing: bool = True
     depth = prefetch if tokenizing else 0
     try:
         stages.append(_maybe_prefetch(doc_batches, 4 * depth, "nanochat-read"))
-        stages.append(_maybe_prefetch(_token_batches(stages[-1], encoder), depth, "nanochat-tokenize"))
+        overlap_calls = depth > 0 and getattr(encoder, "thread_safe", False)
+        stages.append(_maybe_prefetch(_token_batches(stages[-1], encoder, overlap_calls), depth, "nanochat-tokenize"))
         yield from pack(stages[-1])
     finally:
         for stage in reversed(stages):  # downstream first: it may be blocked on the one before

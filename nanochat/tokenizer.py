@@ -294,7 +294,7 @@ class RustBPETokenizer:
         with _POOLS_LOCK:
             pools = self.__dict__.setdefault("_pools", {})
             if num_threads not in pools:
-                pools[num_threads] = ThreadPoolExecutor(num_threads, thread_name_prefix="nanochat-encode")
+                pools[num_threads] = ThreadPoolExecutor(num_threads, thread_name_prefix="tokenizer-encode")
             return pools[num_threads]
 
     def __call__(self, *args, **kwargs):
