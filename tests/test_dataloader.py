@@ -418,3 +418,11 @@ def test_real_tokenizer_fast_path_matches_oracle(tmp_path):
                      data_dir=str(tmp_path))
     reference = oracle.bestfit_loader(tok, paths, 3, 32, tokenizer_batch_size=10, buffer_size=20)
     assert_same_stream(loader, reference, 40)
+    # and with this tokenizer the loader overlaps consecutive encode calls: resume stays exact
+    kw = dict(device="cpu", buffer_size=20, tokenizer_batch_size=10, data_dir=str(tmp_path))
+    loader = BESTFIT(tok, 3, 32, "train", **kw)
+    run = [(x.clone(), y.clone(), s) for x, y, s in (next(loader) for _ in range(30))]
+    resumed = BESTFIT(tok, 3, 32, "train", resume_state_dict=run[11][2], **kw)
+    for x, y, s in run[12:]:
+        rx, ry, rs = next(resumed)
+        assert torch.equal(rx, x) and torch.equal(ry, y) and rs == s
