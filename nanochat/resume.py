@@ -37,8 +37,10 @@ the unemitted rest of a document the concatenating loader had started.
 
 import base64
 import hashlib
+import itertools
 import json
 import os
+from operator import itemgetter
 
 import numpy as np
 import pyarrow.parquet as pq
@@ -80,25 +82,12 @@ def decode_rows(runs) -> list[int]:
 
 
 def encode_keys(keys) -> list[list]:
-    """Document keys in order -> [[epoch, pq_idx, rg_idx, rows], ...], consecutive keys of one unit
-    grouped, rows as encode_rows writes them. (Runs once per batch over ~buffer_size keys: one tight
-    loop, ~0.15 us a key.)"""
-    groups: list[list] = []
-    epoch = pq_idx = rg_idx = rows = None
-    previous = -2
-    for e, p, g, row in keys:
-        if g != rg_idx or p != pq_idx or e != epoch:
-            epoch, pq_idx, rg_idx, rows, previous = e, p, g, [], -2
-            groups.append([e, p, g, rows])
-        if row == previous + 1:
-            if rows[-1] < 0:
-                rows[-1] -= 1
-            else:
-                rows.append(-1)
-        else:
-            rows.append(row)
-        previous = row
-    return groups
+    """Document keys in order -> [[epoch, pq_idx, rg_idx, rows], ...]: consecutive keys of one unit
+    grouped, their rows as encode_rows writes them (~0.15 ms per batch for a 1,000-document buffer)."""
+    return [[*unit, encode_rows(map(_ROW, group))] for unit, group in itertools.groupby(keys, key=_UNIT)]
+
+
+_UNIT, _ROW = itemgetter(0, 1, 2), itemgetter(3)
 
 
 def decode_keys(groups) -> list[Key]:
