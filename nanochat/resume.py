@@ -36,6 +36,7 @@ the unemitted rest of a document the concatenating loader had started.
 """
 
 import base64
+import bisect
 import hashlib
 import itertools
 import json
@@ -113,28 +114,26 @@ def decode_bitmap(text: str, total: int) -> list[int]:
 
 class RowGroupIndex:
     """The units a stream deals out, per file: parquet row groups, or chunks of `chunk_size` entries
-    of a pretokenized shard (chunk_size set). Counted lazily, from footers and indexes only."""
+    of a pretokenized shard (chunk_size set). Counted lazily, a file's footer or index when that
+    file is first asked about; only a plan's bitmaps (after an elastic merge) need them all."""
 
     def __init__(self, paths: list[str], chunk_size: int | None = None):
         self.paths = paths
         self.chunk_size = chunk_size
-        self._counts: list[int] | None = None
-
-    def count(self, pq_idx: int) -> int:
-        return self.counts[pq_idx]
+        self._counts: dict[int, int] = {}
+        self._bases: list[int] | None = None  # cumulative counts: where each file starts
 
     def _entries(self, pq_idx: int) -> int:
         from nanochat.pretokenize import TokenShard
         return len(TokenShard(self.paths[pq_idx]))
 
-    @property
-    def counts(self) -> list[int]:
-        if self._counts is None:
+    def count(self, pq_idx: int) -> int:
+        if pq_idx not in self._counts:
             if self.chunk_size is None:
-                self._counts = [pq.ParquetFile(p).num_row_groups for p in self.paths]
+                self._counts[pq_idx] = pq.ParquetFile(self.paths[pq_idx]).num_row_groups
             else:
-                self._counts = [-(-self._entries(i) // self.chunk_size) for i in range(len(self.paths))]
-        return self._counts
+                self._counts[pq_idx] = -(-self._entries(pq_idx) // self.chunk_size)
+        return self._counts[pq_idx]
 
     def rows(self, pq_idx: int, rg_idx: int) -> int:
         """Documents in one unit."""
@@ -143,18 +142,25 @@ class RowGroupIndex:
         return min(self.chunk_size, self._entries(pq_idx) - rg_idx * self.chunk_size)
 
     @property
+    def bases(self) -> list[int]:
+        if self._bases is None:
+            self._bases = [0]
+            for pq_idx in range(len(self.paths)):
+                self._bases.append(self._bases[-1] + self.count(pq_idx))
+        return self._bases
+
+    @property
     def total(self) -> int:
-        return sum(self.counts)
+        return self.bases[-1]
 
     def base(self, pq_idx: int) -> int:
-        return sum(self.counts[:pq_idx])
+        return self.bases[pq_idx]
 
     def locate(self, index: int) -> tuple[int, int]:
-        for pq_idx, n in enumerate(self.counts):
-            if index < n:
-                return pq_idx, index
-            index -= n
-        raise ValueError("row group index past the end of the split")
+        if not 0 <= index < self.total:
+            raise ValueError("row group index past the end of the split")
+        pq_idx = bisect.bisect_right(self.bases, index) - 1
+        return pq_idx, index - self.bases[pq_idx]
 
 
 def encode_plan(units, index: RowGroupIndex) -> list[dict]:
