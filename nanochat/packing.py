@@ -6,8 +6,9 @@ Two packers share one contract (`add` documents, then fill rows, pulling more do
 the benchmark all drive the same code:
 
 - `BestFitPacker`: nanochat's BOS-aligned best-fit. Every row starts with BOS (every document does)
-  and has no padding; the price is cropping (about a third of tokens at T=2048 on FineWeb-like text,
-  measured in scripts/bench_dataloader.py).
+  and has no padding; the price is cropping (about a third of tokens at T=2048 on FineWeb-like text).
+  Its `long_doc_policy` "split" / "split_reuse" cut long documents (and cropped rests) into
+  BOS-led pieces instead, so almost nothing is cropped (scripts/bench_dataloader.py measures each).
 - `ConcatPacker`: the older loader's token stream: documents back to back, no alignment, no waste.
 
 Documents are numpy arrays of the narrowest unsigned dtype the vocabulary allows (2 bytes per token
@@ -21,10 +22,11 @@ from typing import Callable, Iterable
 
 import numpy as np
 
-# refill() returns the next (document, key, overlap) of the stream (possibly none): keys name documents
-# for resume states and traces (or are None); overlap counts the tokens after BOS that repeat the
-# previous window of a windowed document (0 for whole documents)
-Refill = Callable[[], Iterable[tuple[np.ndarray, object, int]]]
+# refill() returns the next (document, key, overlap, start) of the stream (possibly none): keys name
+# documents for resume states and traces (or are None); overlap counts the tokens after BOS that
+# repeat the previous window of a windowed document (0 for whole documents); start is None for a
+# document, or the start of the one piece of it to buffer (a resumed buffer, an elastic plan)
+Refill = Callable[[], Iterable[tuple[np.ndarray, object, int, int | None]]]
 
 
 def token_dtype(vocab_size: int | None) -> np.dtype:
@@ -32,6 +34,25 @@ def token_dtype(vocab_size: int | None) -> np.dtype:
     if vocab_size is not None and vocab_size <= 2**16:
         return np.dtype(np.uint16)
     return np.dtype(np.uint32)
+
+
+# -----------------------------------------------------------------------------
+# Long documents: where they are cut
+
+
+POLICIES = ("crop", "split", "split_reuse")
+
+
+def next_cut(start: int, capacity: int, overlap: int) -> int:
+    """Where the piece of a document that begins at token `start` ends (exclusive), on the fixed grid
+    of cuts capacity, capacity + step, capacity + 2 step, ... with step = capacity - 1 - overlap:
+    piece 0 is tokens [0, capacity) (its own BOS first); every later piece is BOS, the `overlap`
+    tokens before its start again, then step new tokens, so every piece is at most `capacity` long.
+    Seed 003's windowing (max_length = capacity) cuts at the same places."""
+    if start < capacity:
+        return capacity
+    step = capacity - 1 - overlap
+    return capacity + ((start - capacity) // step + 1) * step
 
 
 # -----------------------------------------------------------------------------
@@ -47,22 +68,41 @@ class BestFitPacker:
         rest is discarded;
       - ties on length go to the document that entered the buffer first.
 
+    long_doc_policy (what happens to tokens that do not fit):
+      - "crop" (the seeds'): as above; a document longer than a row can only ever be cropped.
+      - "split": a document longer than a row is cut into pieces on the next_cut() grid when it is
+        added; each piece starts with BOS (later pieces repeat the `overlap` tokens before their
+        start, whose targets are masked) and is best-fit like a document. Only the end-of-row crop
+        above still discards tokens.
+      - "split_reuse": "split", and the cropped rest of an end-of-row crop goes back into the buffer
+        as a piece (BOS, overlap, the rest) instead of being discarded: nothing is ever cropped.
+    A piece is (document, start): the document's tokens [start, end) after a BOS and the overlap
+    (start 0: the document's own first tokens); the buffer refers to it by (key, start).
+
     Cost per placement: documents that fit a row sit in per-length FIFO queues, and a bitmask
     (a Python int, bit L set <=> some document of length L is buffered) answers "largest length
     <= remaining" with one mask and `bit_length()`, and "shortest" with the lowest set bit. Those
     are C operations on T/64 machine words (32 words at T=2048): constant next to the interpreter's
-    own cost, independent of the buffer size. Documents longer than a row can only ever be
-    cropped, so they wait in a heap keyed by (length, arrival).
+    own cost, independent of the buffer size. Documents longer than a row (only under "crop") can
+    only ever be cropped, so they wait in a heap keyed by (length, arrival).
     """
 
     # the running totals a resume state carries, so statistics continue across a restart
     COUNTERS = ("tokens_in", "tokens_out", "tokens_cropped", "rows", "docs_placed", "max_docs_per_row",
-                "tokens_masked")
+                "tokens_masked", "tokens_bos_added", "tokens_repeated", "tokens_continued", "docs_split")
 
-    def __init__(self, row_capacity: int):
+    def __init__(self, row_capacity: int, long_doc_policy: str = "crop", overlap: int = 0):
         if row_capacity < 2:
             raise ValueError(f"row_capacity must be >= 2 (T >= 1), got {row_capacity}")
+        if long_doc_policy not in POLICIES:
+            raise ValueError(f"long_doc_policy must be one of {POLICIES}, got {long_doc_policy!r}")
+        if isinstance(overlap, bool) or not isinstance(overlap, int) or not 0 <= overlap <= row_capacity - 2:
+            raise ValueError(f"split overlap must be an integer in [0, T-1] = [0, {row_capacity - 2}] "
+                             f"(each piece needs a new token), got {overlap!r}")
+        if overlap and long_doc_policy == "crop":
+            raise ValueError("a split overlap needs long_doc_policy='split' or 'split_reuse' (crop never splits)")
         self.row_capacity = row_capacity
+        self.policy, self.overlap = long_doc_policy, overlap
         self._by_length: dict[int, deque] = {}  # length -> deque of (seq, doc), oldest first
         self._fit_mask = 0  # bit L set <=> self._by_length[L] is non-empty
         self._long: list = []  # heap of (length, seq, doc) for documents longer than a row
@@ -71,47 +111,84 @@ class BestFitPacker:
         # seq -> key of each buffered document, in arrival order (what a resume state refers to)
         self._keys: dict[int, object] = {}
         self._overlaps: dict[int, int] = {}  # seq -> leading tokens (after BOS) that repeat a window
+        self._starts: dict[int, int] = {}  # seq -> start of a piece (absent: a whole document)
         # what the last fill() placed, per row: document start positions, and target ranges to mask
-        self.trace: list | None = None  # set to a list to record, per row, the keys placed in it
+        self.trace: list | None = None  # set to a list to record, per row, the (key, start) placed in it
         self.starts: list[list[int]] = []
         self.masked: list[tuple[int, int, int]] = []  # (row, start, end): targets[row, start:end] = -100
         # running totals, cheap to read at any step
-        self.tokens_in = 0
-        self.tokens_out = 0
-        self.tokens_cropped = 0
+        self.tokens_in = 0  # document tokens that entered (each once, however it is cut)
+        self.tokens_out = 0  # tokens placed in rows, including the BOS and overlap that start a piece
+        self.tokens_cropped = 0  # document tokens discarded, never placed
         self.rows = 0
-        self.docs_placed = 0  # documents (whole or cropped) that went into rows
+        self.docs_placed = 0  # documents and pieces (whole or cropped) that went into rows
         self.max_docs_per_row = 0
         self.tokens_masked = 0
+        self.tokens_bos_added = 0  # the BOS in front of each placed piece that continues a document
+        self.tokens_repeated = 0  # overlap tokens placed a second time (their targets are masked)
+        self.tokens_continued = 0  # placed tokens of pieces that continue a document (start > 0)
+        self.docs_split = 0  # documents cut into pieces
 
     def __len__(self) -> int:
         return self._num_docs
 
     def stats(self) -> dict:
         """Running totals: what entered the buffer, what went out in rows, what was cropped away."""
+        document_tokens_out = self.tokens_out - self.tokens_bos_added - self.tokens_repeated
         return {
             "tokens_tokenized": self.tokens_in,
             "tokens_emitted": self.tokens_out,
             "tokens_cropped": self.tokens_cropped,
-            "crop_share": self.tokens_cropped / max(1, self.tokens_out + self.tokens_cropped),
+            # the share of the tokens taken from the buffer that were thrown away
+            "crop_share": self.tokens_cropped / max(1, document_tokens_out + self.tokens_cropped),
+            "tokens_masked": self.tokens_masked,
+            "tokens_bos_added": self.tokens_bos_added,
+            "tokens_repeated": self.tokens_repeated,
+            "docs_split": self.docs_split,
+            # emitted tokens whose own document starts in the same row (1.0 under "crop")
+            "doc_start_visible_share": 1 - self.tokens_continued / max(1, self.tokens_out),
             "docs_per_row_mean": self.docs_placed / max(1, self.rows),
             "docs_per_row_max": self.max_docs_per_row,
             "buffer_docs": self._num_docs,
-            "buffer_tokens": self.tokens_in - self.tokens_out - self.tokens_cropped,
-            "tokens_masked": self.tokens_masked,
+            "buffer_tokens": self.tokens_in - document_tokens_out - self.tokens_cropped,
         }
 
-    def buffered_keys(self) -> list:
-        """Keys of the buffered documents in arrival order (insertion order of the dict)."""
-        return list(self._keys.values())
+    def buffered(self) -> list[tuple[object, int | None]]:
+        """(key, start) of the buffered documents in arrival order; start is None for a whole
+        document, else the piece's start (add_piece(document, key, overlap, start) rebuilds it)."""
+        return [(key, self._starts.get(seq)) for seq, key in self._keys.items()]
 
     def add(self, doc: np.ndarray, key=None, overlap: int = 0) -> None:
-        """Buffer a document; `key` names it (e.g. where it was read) in buffered_keys() and traces;
-        `overlap`: how many tokens after its BOS repeat the previous window of the same document
-        (their targets are masked when it is placed)."""
+        """Buffer a document, cut into pieces if the policy splits and it is longer than a row.
+        `key` names it (e.g. where it was read) in buffered() and traces; `overlap`: how many tokens
+        after its BOS repeat the previous window of the same document (their targets are masked)."""
         n = len(doc)
         if n == 0:
             raise ValueError("cannot pack an empty document (every document starts with BOS)")
+        self.tokens_in += n
+        if n <= self.row_capacity or self.policy == "crop":
+            self._push(doc, key, overlap, None)
+            return
+        self.docs_split += 1
+        start = 0
+        while start < n:
+            end = min(n, next_cut(start, self.row_capacity, self.overlap))
+            self._push(doc[:end], key, overlap, start)
+            start = end
+
+    def add_piece(self, doc: np.ndarray, key, overlap: int, start: int) -> None:
+        """Buffer the one piece of `doc` that begins at token `start` (what buffered() reported)."""
+        n = len(doc)
+        if not 0 <= start < n:
+            raise ValueError(f"a piece starting at token {start} of a {n}-token document: the state "
+                             "does not match the data or the tokenizer")
+        end = n if self.policy == "crop" else min(n, next_cut(start, self.row_capacity, self.overlap))
+        self.tokens_in += end - start
+        self._push(doc[:end], key, overlap, start)
+
+    def _push(self, doc: np.ndarray, key, overlap: int, start: int | None) -> None:
+        """Buffer doc (a whole document, or the piece of it from `start` to its end)."""
+        n = len(doc) if not start else len(doc) - max(1, start - self.overlap) + 1
         if n <= self.row_capacity:
             bucket = self._by_length.get(n)
             if bucket is None:
@@ -123,9 +200,10 @@ class BestFitPacker:
         self._keys[self._seq] = key
         if overlap:
             self._overlaps[self._seq] = overlap
+        if start is not None:
+            self._starts[self._seq] = start
         self._seq += 1
         self._num_docs += 1
-        self.tokens_in += n
 
     def _pop_length(self, n: int) -> tuple[int, np.ndarray]:
         bucket = self._by_length[n]
@@ -135,36 +213,53 @@ class BestFitPacker:
             self._fit_mask &= ~(1 << n)
         return seq, doc
 
-    def _taken(self, seq: int) -> tuple[object, int]:
-        self._num_docs -= 1
-        return self._keys.pop(seq), self._overlaps.pop(seq, 0)
-
     def place(self, row: np.ndarray, pos: int) -> int:
         """Place one document into row[pos:] by the best-fit rule; returns the new position."""
         return self._place(row, pos)[0]
 
-    def _place(self, row: np.ndarray, pos: int) -> tuple[int, object, int]:
-        """place(), also returning the placed document's key and overlap."""
+    def _place(self, row: np.ndarray, pos: int) -> tuple[int, object, int | None, int]:
+        """place(), also returning the placed document's key, piece start, and how many tokens
+        after its BOS repeat earlier ones (their targets are masked)."""
         remaining = self.row_capacity - pos
         fits = self._fit_mask & ((2 << remaining) - 1)  # lengths 1..remaining
         if fits:
             n = fits.bit_length() - 1  # the largest that fits
             seq, doc = self._pop_length(n)
-            row[pos:pos + n] = doc
-            self.tokens_out += n
-            return pos + n, *self._taken(seq)
-        # nothing fits: crop the shortest; every short document is shorter than every long one
-        if self._fit_mask:
-            n = (self._fit_mask & -self._fit_mask).bit_length() - 1
-            seq, doc = self._pop_length(n)
-        elif self._long:
-            n, seq, doc = heapq.heappop(self._long)
-        else:
-            raise RuntimeError("BestFitPacker.place called with an empty buffer")
-        row[pos:] = doc[:remaining]
-        self.tokens_out += remaining
-        self.tokens_cropped += n - remaining
-        return self.row_capacity, *self._taken(seq)
+            m = n
+        else:  # nothing fits: crop the shortest; every short document is shorter than every long one
+            if self._fit_mask:
+                n = (self._fit_mask & -self._fit_mask).bit_length() - 1
+                seq, doc = self._pop_length(n)
+            elif self._long:
+                n, seq, doc = heapq.heappop(self._long)
+            else:
+                raise RuntimeError("BestFitPacker.place called with an empty buffer")
+            m = remaining
+        self._num_docs -= 1
+        key, window = self._keys.pop(seq), self._overlaps.pop(seq, 0)
+        start = self._starts.pop(seq, None) if self._starts else None
+        if not start:  # a whole document, or its first piece
+            row[pos:pos + m] = doc[:m]
+            masked = window
+            placed_to = m  # the document's tokens [0, m) are placed
+        else:  # BOS, then the document from a = start - overlap (the repeated tokens, then new ones)
+            a = max(1, start - self.overlap)
+            row[pos] = doc[0]
+            row[pos + 1:pos + m] = doc[a:a + m - 1]
+            self.tokens_bos_added += 1
+            self.tokens_repeated += min(m - 1, start - a)
+            self.tokens_continued += m
+            # mask the repeated tokens, and what is left of a pretokenized window's own overlap
+            masked = max(start, min(1 + window, len(doc))) - a
+            placed_to = max(start, a + m - 1)
+        self.tokens_out += m
+        if m < n:  # cropped: the document's tokens [placed_to, len(doc)) did not fit
+            if self.policy == "split_reuse":  # they go back as a piece
+                self.docs_split += start is None
+                self._push(doc, key, window, placed_to)
+            else:
+                self.tokens_cropped += len(doc) - placed_to
+        return pos + m, key, start, masked
 
     def fill(self, rows: np.ndarray, refill: Refill, buffer_size: int) -> None:
         """Fill every row of `rows` (shape (n, row_capacity)), refilling the buffer to at least
@@ -177,17 +272,20 @@ class BestFitPacker:
                 self.trace.append([])
             while pos < self.row_capacity:
                 while self._num_docs < buffer_size:
-                    for doc, key, overlap in refill():
-                        self.add(doc, key, overlap)
+                    for doc, key, overlap, piece in refill():
+                        if piece is None:
+                            self.add(doc, key, overlap)
+                        else:
+                            self.add_piece(doc, key, overlap, piece)
                 start = pos
-                pos, key, overlap = self._place(row, pos)
+                pos, key, piece, masked = self._place(row, pos)
                 starts.append(start)
                 if self.trace is not None:
-                    self.trace[-1].append(key)
-                if overlap:
-                    # the targets that predict the repeated tokens (row positions start+1..start+overlap,
-                    # so targets start..start+overlap-1), as far as the document made it into the row
-                    end = min(start + overlap, pos - 1)
+                    self.trace[-1].append((key, piece))
+                if masked:
+                    # the targets that predict the repeated tokens (row positions start+1..start+masked,
+                    # so targets start..start+masked-1), as far as the document made it into the row
+                    end = min(start + masked, pos - 1)
                     if end > start:
                         self.masked.append((r, start, end))
                         self.tokens_masked += end - start
@@ -247,7 +345,9 @@ class ConcatPacker:
         """Fill the 1-D array `out` with the next len(out) tokens of the stream."""
         needed = len(out)
         while self._num_tokens < needed:
-            for doc, key, overlap in refill():
+            for doc, key, overlap, start in refill():
+                if start is not None:
+                    raise ValueError("the concatenating loader streams whole documents, not pieces")
                 self.add(doc, key, overlap)
         pos = 0
         while pos < needed:

@@ -111,6 +111,7 @@ from tqdm import tqdm
 from nanochat.common import get_dist_info
 from nanochat.dataset import read_jsonl_texts, read_row_group_texts, split_parquet_files
 from nanochat.tokenizer import TOKENIZER_FILENAME, RustBPETokenizer, get_tokenizer_dir
+from nanochat.packing import next_cut
 
 logger = logging.getLogger(__name__)
 
@@ -379,14 +380,12 @@ def window_document(tokens: np.ndarray, max_length: int, overlap: int) -> list[t
         raise ValueError(f"a document is a 1-D array that starts with BOS, got shape {tokens.shape}")
     if len(tokens) <= max_length:
         return [(tokens, 0)]
-    bos, doc = tokens[:1], tokens[1:]
-    windows = [(tokens[:max_length], 0)]
-    new_per_window = max_length - 1 - overlap
-    pos = max_length - 1  # document tokens already in some window
-    while pos < len(doc):
-        end = min(pos + new_per_window, len(doc))
-        windows.append((np.concatenate((bos, doc[pos - overlap:end])), overlap))
-        pos = end
+    windows, start = [], 0
+    while start < len(tokens):  # the loader's split policy cuts on the same grid (packing.next_cut)
+        end = min(len(tokens), next_cut(start, max_length, overlap))
+        windows.append((tokens[:end], 0) if start == 0 else
+                       (np.concatenate((tokens[:1], tokens[start - overlap:end])), overlap))
+        start = end
     return windows
 
 

@@ -95,3 +95,62 @@ def concat_loader(tokenizer, paths, B, T, tokenizer_batch_size=128, rank=0, worl
         inputs = [tokens[r * T:(r + 1) * T] for r in range(B)]
         targets = [tokens[r * T + 1:(r + 1) * T + 1] for r in range(B)]
         yield inputs, targets, {"pq_idx": pq_idx, "rg_idx": rg_idx, "epoch": epoch}
+
+
+# -----------------------------------------------------------------------------
+# Long-document policies (issue 7), token by token: every token carries where it came from
+
+
+def split_document(doc, doc_id, capacity, overlap, window=0):
+    """A document as (token, doc_id, position, kind, masked) tokens, cut as the issue says: the first
+    piece is its first `capacity` tokens; each later piece is a BOS, the `overlap` tokens before its
+    first new token again ("copy", masked), then up to capacity-1-overlap new tokens. kind: "doc"
+    (the document's own token: emitted once, or cropped), "bos" (an added BOS), "copy" (a repeat).
+    window: the document is a pretokenized window whose tokens 1..window repeat the previous window."""
+    tokens = [(t, doc_id, p, "doc", 1 <= p <= window) for p, t in enumerate(doc)]
+    if len(doc) <= capacity:
+        return [tokens]
+    pieces = [tokens[:capacity]]
+    p = capacity  # the next new token
+    while p < len(doc):
+        end = min(p + capacity - 1 - overlap, len(doc))
+        pieces.append(continuation(doc, doc_id, p, overlap) + tokens[p:end])
+        p = end
+    return pieces
+
+
+def continuation(doc, doc_id, p, overlap):
+    """The head of a piece that continues a document at position p: BOS, then the overlap (never the
+    document's own BOS at position 0)."""
+    copies = [(doc[q], doc_id, q, "copy", True) for q in range(max(1, p - overlap), p)]
+    return [(doc[0], doc_id, None, "bos", False)] + copies
+
+
+def bestfit_policy_rows(buffer, refill, B, capacity, buffer_size, policy, overlap, docs):
+    """Seed 000's best-fit over pieces (lists of tagged tokens) under a long-document policy.
+    refill() appends pieces to `buffer`; docs maps doc_id -> the document's tokens (for the overlap of a
+    reused rest). Returns (rows of tagged tokens, tokens cropped)."""
+    rows, cropped = [], 0
+    for _ in range(B):
+        row = []
+        while len(row) < capacity:
+            while len(buffer) < buffer_size:
+                refill()
+            remaining = capacity - len(row)
+            best = None
+            for i, piece in enumerate(buffer):
+                if len(piece) <= remaining and (best is None or len(piece) > len(buffer[best])):
+                    best = i
+            if best is not None:
+                row.extend(buffer.pop(best))
+                continue
+            piece = buffer.pop(min(range(len(buffer)), key=lambda i: len(buffer[i])))
+            row.extend(piece[:remaining])
+            rest = [t for t in piece[remaining:] if t[3] == "doc"]  # the document's own tokens left
+            if policy == "split_reuse" and rest:
+                doc_id, p = rest[0][1], rest[0][2]
+                buffer.append(continuation(docs[doc_id], doc_id, p, overlap) + rest)
+            else:
+                cropped += len(rest)
+        rows.append(row)
+    return rows, cropped

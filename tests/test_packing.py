@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from nanochat.packing import BestFitPacker, ConcatPacker, token_dtype
-from oracle import bestfit_rows
+from nanochat.packing import POLICIES, BestFitPacker, ConcatPacker, next_cut, token_dtype
+from oracle import bestfit_policy_rows, bestfit_rows, split_document
 
 BOS = 0
 
@@ -29,7 +29,8 @@ def run_fast(docs, B, row_capacity, buffer_size, batch):
     packer = BestFitPacker(row_capacity)
 
     def refill():
-        chunk = [(np.array(d, dtype=np.uint32), d[1] if len(d) > 1 else None, 0) for _, d in zip(range(batch), it)]
+        chunk = [(np.array(d, dtype=np.uint32), d[1] if len(d) > 1 else None, 0, None)
+                 for _, d in zip(range(batch), it)]
         if not chunk:
             raise StopIteration
         return chunk
@@ -138,7 +139,7 @@ def test_concat_is_the_stream(lengths, n):
     packer = ConcatPacker()
     out, got = np.empty(n, dtype=np.int64), []
     for _ in range(len(stream) // n):
-        packer.take(out, lambda: [(np.array(d), None, 0) for _, d in zip(range(3), it)])
+        packer.take(out, lambda: [(np.array(d), None, 0, None) for _, d in zip(range(3), it)])
         got.extend(out.tolist())
     assert got == stream[:len(got)]
     assert packer.tokens_out == len(got) and len(packer) == packer.tokens_in - len(got)
@@ -148,3 +149,151 @@ def test_token_dtype():
     assert token_dtype(65536) == np.uint16
     assert token_dtype(65537) == np.uint32
     assert token_dtype(None) == np.uint32
+
+
+# -----------------------------------------------------------------------------
+# Long-document policies
+
+
+def policy_case(data, max_length=150):
+    """Random documents with unique token ids, some of them pretokenized windows (their first tokens
+    after BOS repeat a previous window), and a random policy, overlap and shapes."""
+    lengths = data.draw(st.lists(st.integers(1, max_length), min_size=1, max_size=200), label="lengths")
+    capacity = data.draw(st.integers(2, 64), label="row_capacity")
+    policy = data.draw(st.sampled_from(POLICIES), label="policy")
+    overlap = 0 if policy == "crop" else data.draw(st.integers(0, capacity - 2), label="overlap")
+    docs = make_docs(lengths)
+    windows = [min(data.draw(st.integers(0, 3), label="window"), len(d) - 1) for d in docs]
+    return docs, windows, capacity, policy, overlap
+
+
+@settings(max_examples=400, deadline=None)
+@given(data=st.data(), B=st.integers(1, 6), buffer_size=st.integers(1, 40), batch=st.integers(1, 9))
+def test_policies_match_oracle(data, B, buffer_size, batch):
+    docs, windows, capacity, policy, overlap = policy_case(data)
+    # enough documents that the stream never runs dry (every placement takes at least one token)
+    needed = B * capacity + buffer_size + batch
+    order = [i % len(docs) for i in range(needed)]
+
+    stream = iter(order)
+    oracle_buffer = []
+
+    def oracle_refill():
+        for i in [i for _, i in zip(range(batch), stream)]:
+            tokens = split_document(docs[i], i, capacity, overlap, windows[i])
+            oracle_buffer.extend(tokens if policy != "crop" else [sum(tokens, [])])
+
+    expected, cropped = bestfit_policy_rows(oracle_buffer, oracle_refill, B, capacity, buffer_size, policy,
+                                            overlap, docs)
+
+    fast_stream = iter(order)
+    packer = BestFitPacker(capacity, policy, overlap)
+
+    def refill():
+        return [(np.array(docs[i], dtype=np.uint32), i, windows[i], None) for _, i in zip(range(batch), fast_stream)]
+
+    rows = np.empty((B, capacity), dtype=np.int64)
+    packer.trace = []
+    packer.fill(rows, refill, buffer_size)
+    assert rows.tolist() == [[t[0] for t in row] for row in expected]
+    # the trace names each placement: (document, None) for a whole document, (document, 0) for the
+    # first piece of a split one, (document, start > 0) for a piece that continues it
+    for row, traced in zip(expected, packer.trace):
+        heads = [t for t in row if t[0] == BOS]  # every placement starts with the only BOS token
+        assert [key for key, _ in traced] == [t[1] for t in heads]
+        for t, (_, start) in zip(heads, traced):
+            whole = policy == "crop" or len(docs[t[1]]) <= capacity
+            assert start == (None if whole else 0) if t[3] == "doc" else start > 0
+    masked = {(r, t) for r, start, end in packer.masked for t in range(start, end)}
+    # masked targets are exactly those that predict a repeated token (a piece's overlap, a window's)
+    assert masked == {(r, t) for r, row in enumerate(expected) for t in range(capacity - 1) if row[t + 1][4]}
+    tagged = [t for row in expected for t in row]
+    assert packer.tokens_cropped == cropped
+    assert packer.tokens_bos_added == sum(t[3] == "bos" for t in tagged)
+    assert packer.tokens_repeated == sum(t[3] == "copy" for t in tagged)
+    assert packer.tokens_masked == len(masked)
+    if policy == "split_reuse":
+        assert packer.tokens_cropped == 0
+
+
+def drain(packer, capacity):
+    """Place everything buffered (rows of `capacity`, the last one partial); returns (rows, masked target
+    set). Uses _place() so the buffer can run empty."""
+    rows, masked = [], set()
+    while len(packer):
+        row, pos = np.zeros(capacity, dtype=np.int64), 0
+        while pos < capacity and len(packer):
+            start = pos
+            pos, _, _, n_masked = packer._place(row, pos)
+            masked |= {(len(rows), t) for t in range(start, min(start + n_masked, pos - 1))}
+        rows.append(row[:pos])
+    return rows, masked
+
+
+@settings(max_examples=300, deadline=None)
+@given(data=st.data())
+def test_policy_accounting_closes(data):
+    docs, _, capacity, policy, overlap = policy_case(data, max_length=300)
+    packer = BestFitPacker(capacity, policy, overlap)
+    for i, doc in enumerate(docs):
+        packer.add(np.array(doc), i)
+    rows, masked = drain(packer, capacity)
+    # every token id except BOS is unique to one document position: count where each one went
+    emitted, repeats = [], []
+    for r, row in enumerate(rows):
+        assert row[0] == BOS  # every row (and every piece) starts with BOS
+        for t in range(1, len(row)):
+            if row[t] != BOS:
+                (repeats if (r, t - 1) in masked else emitted).append(int(row[t]))
+    every = [t for d in docs for t in d[1:]]
+    assert len(emitted) == len(set(emitted))  # no token trained on twice
+    assert set(repeats) <= set(emitted)  # masked tokens are repeats of emitted ones
+    assert len(every) - len(emitted) == packer.tokens_cropped  # the rest was cropped, and counted
+    assert packer.tokens_repeated == len(repeats)
+    assert packer.tokens_in == sum(map(len, docs))
+    assert packer.tokens_out == sum(map(len, rows))
+    assert packer.tokens_out - packer.tokens_bos_added - packer.tokens_repeated + packer.tokens_cropped \
+        == packer.tokens_in
+    assert packer.stats()["buffer_tokens"] == 0
+    if policy == "split_reuse":
+        assert sorted(emitted) == sorted(every)  # nothing is lost
+    if policy != "crop":
+        assert all(len(row) <= capacity for row in rows)
+        assert packer.docs_split >= sum(len(d) > capacity for d in docs)
+
+
+def test_split_cuts_like_windowing():
+    # capacity 8, overlap 2: pieces [0, 8), then 5 new tokens each, after BOS and 2 repeats
+    assert [next_cut(s, 8, 2) for s in (0, 7, 8, 12, 13, 18)] == [8, 8, 13, 13, 18, 23]
+    doc = np.array([BOS] + list(range(1, 20)))
+    packer = BestFitPacker(8, "split", 2)
+    packer.add(doc, "d")
+    assert packer.docs_split == 1
+    assert packer.buffered() == [("d", 0), ("d", 8), ("d", 13), ("d", 18)]
+    rows, masked = drain(packer, 8)
+    assert [r.tolist() for r in rows] == [[0, 1, 2, 3, 4, 5, 6, 7], [0, 6, 7, 8, 9, 10, 11, 12],
+                                          [0, 11, 12, 13, 14, 15, 16, 17], [0, 16, 17, 18, 19]]
+    assert masked == {(r, t) for r in (1, 2, 3) for t in (0, 1)}
+
+
+def test_split_reuse_puts_the_cropped_rest_back():
+    packer = BestFitPacker(6, "split_reuse", 1)
+    packer.add(np.array([BOS, 1, 2, 3]), "a")
+    packer.add(np.array([BOS, 4, 5, 6, 7]), "b")
+    row = np.zeros(6, dtype=np.int64)
+    assert packer.place(row, 0) == 5 and packer.place(row, 5) == 6  # b whole, then a's BOS alone
+    assert row.tolist() == [BOS, 4, 5, 6, 7, BOS] and packer.tokens_cropped == 0
+    assert packer.buffered() == [("a", 1)] and packer.docs_split == 1
+    row = np.zeros(6, dtype=np.int64)
+    assert packer.place(row, 0) == 4 and row[:4].tolist() == [BOS, 1, 2, 3]  # no overlap before token 1
+
+
+def test_policy_bad_input():
+    with pytest.raises(ValueError, match="long_doc_policy must be one of"):
+        BestFitPacker(8, "truncate")
+    with pytest.raises(ValueError, match=r"overlap must be an integer in \[0, T-1\] = \[0, 6\]"):
+        BestFitPacker(8, "split", 7)
+    with pytest.raises(ValueError, match="needs long_doc_policy='split'"):
+        BestFitPacker(8, "crop", 2)
+    with pytest.raises(ValueError, match="piece starting at token 9 of a 5-token document"):
+        BestFitPacker(8, "split").add_piece(np.arange(5), "k", 0, 9)
