@@ -41,7 +41,7 @@ import torch
 from nanochat import resume
 from nanochat.common import get_dist_info
 from nanochat.dataset import SPLITS, read_row_group_column, split_parquet_files
-from nanochat.packing import BestFitPacker, ConcatPacker, token_dtype
+from nanochat.packing import BestFitPacker, ConcatPacker, check_long_doc_policy, token_dtype
 from nanochat.resume import Key, RowGroupIndex, Unit
 
 logger = logging.getLogger(__name__)
@@ -162,17 +162,20 @@ class _Stream:
         return items
 
     def batches(self):
-        """Yield (texts, keys, after): the keys (epoch, pq_idx, rg_idx, row) of the texts, and where
-        the stream continues after them, ("plan", unit, offset, n) or ("regular", *cursor)."""
+        """Yield (texts, keys, after): the keys (epoch, pq_idx, rg_idx, row) of the texts (a plan's
+        pieces: (epoch, pq_idx, rg_idx, row, start)), and where the stream continues after them,
+        ("plan", unit, offset, n) or ("regular", *cursor)."""
         tbs = self.tokenizer_batch_size
-        for u, (epoch, pq_idx, rg_idx, rows) in enumerate(self.plan):
+        for u, (epoch, pq_idx, rg_idx, rows, starts) in enumerate(self.plan):
             unit = self._unit(pq_idx, rg_idx, "resume_state_dict['plan']")
             rows = range(self.reader.size(unit)) if rows is None else rows
+            starts = starts or (None,) * len(rows)
             self._check_rows(rows, unit, pq_idx, rg_idx, "resume_state_dict['plan']")
             for i in range(0, len(rows), tbs):
                 chunk = rows[i:i + tbs]
-                yield (self.reader.pick(unit, chunk), [(epoch, pq_idx, rg_idx, r) for r in chunk],
-                       ("plan", u, i + len(chunk), len(rows)))
+                keys = [(epoch, pq_idx, rg_idx, r) if start is None else (epoch, pq_idx, rg_idx, r, start)
+                        for r, start in zip(chunk, starts[i:i + tbs])]
+                yield self.reader.pick(unit, chunk), keys, ("plan", u, i + len(chunk), len(rows))
         yield from self._regular()
 
     def _regular(self):
@@ -216,9 +219,10 @@ class _Stream:
         _, u, offset, n = position
         units = self.plan[u:]
         if offset:
-            epoch, pq_idx, rg_idx, rows = units[0]
+            epoch, pq_idx, rg_idx, rows, starts = units[0]
             rest = tuple(range(offset, n)) if rows is None else tuple(rows[offset:])
-            units = ([(epoch, pq_idx, rg_idx, rest)] if rest else []) + units[1:]
+            starts = None if starts is None else starts[offset:]
+            units = ([(epoch, pq_idx, rg_idx, rest, starts)] if rest else []) + units[1:]
         return units, self.start
 
 
@@ -312,7 +316,10 @@ class _Source:
     def __call__(self):
         docs, keys, self.after, overlaps = next(self.token_batches)
         self.position = (keys[-1][1], keys[-1][2], keys[-1][0])
-        return zip(docs, keys, overlaps)
+        if self.after[0] == "plan":  # an elastic plan may deal single pieces of split documents
+            return [(doc, key[:4], overlap, key[4] if len(key) == 5 else None)
+                    for doc, key, overlap in zip(docs, keys, overlaps)]
+        return zip(docs, keys, overlaps, itertools.repeat(None))
 
 
 class _Tracker:
@@ -326,15 +333,24 @@ class _Tracker:
         self._plan_cache: tuple = (None, None)
 
     def restore(self, packer) -> None:
-        """Re-read and re-tokenize the buffered documents, in arrival order, and the counters."""
+        """Re-read and re-tokenize the buffered documents (each once, however many of its pieces are
+        buffered), rebuild the buffer in arrival order, and restore the counters."""
         if not self.start:
             return
         keys = resume.decode_keys(self.start["buffer"])
-        items = self.stream.read_documents(keys, "resume_state_dict['buffer']")
+        starts = resume.decode_pieces(self.start.get("pieces", []), len(keys), "resume_state_dict['pieces']")
+        unique = list(dict.fromkeys(keys))
+        items = self.stream.read_documents(unique, "resume_state_dict['buffer']")
+        tokenized = {}
         for i in range(0, len(items), 1024):
             docs, overlaps = self.encoder(items[i:i + 1024])
-            for doc, key, overlap in zip(docs, keys[i:i + 1024], overlaps):
+            tokenized.update(zip(unique[i:i + 1024], zip(docs, overlaps)))
+        for key, start in zip(keys, starts):
+            doc, overlap = tokenized[key]
+            if start is None:
                 packer.add(doc, key, overlap)
+            else:
+                packer.add_piece(doc, key, overlap, start)
         if self.kind == "concat" and keys:
             packer.skip_consumed(self.start["offset"])
         for name, value in self.start["counters"].items():
@@ -353,11 +369,12 @@ class _Tracker:
         units, cursor = self.stream.remaining_plan(source.after)
         pq_idx, rg_idx, epoch = source.position
         counters = {name: getattr(packer, name) for name in packer.COUNTERS}
+        buffer, pieces = resume.encode_buffer(packer.buffered())
         return resume.seal({
             "version": resume.VERSION, "loader": self.kind,
             "pq_idx": pq_idx, "rg_idx": rg_idx, "epoch": epoch,
             "plan": self._plan_items(units) if units else [], "next": list(cursor),
-            "buffer": resume.encode_keys(packer.buffered_keys()),
+            "buffer": buffer, "pieces": pieces,
             "offset": packer.offset if self.kind == "concat" else 0,
             "config": self.config,
             "emitted": {"batches": self.batches, "tokens": self.tokens, "hash": self.hash},
@@ -394,14 +411,17 @@ def _bestfit_batches(token_batches, tracker: _Tracker, position: Position, B: in
     """Yield (rows (B, T+1), state, stats, extras) packed best-fit; rows are a fresh array each batch.
     extras: the trace, the target ranges to mask (window overlaps) and, when max_docs_per_row is set,
     the attention outputs."""
-    packer = BestFitPacker(T + 1)  # +1 so that inputs and targets can both be sliced from one row
+    # T + 1 so that inputs and targets can both be sliced from one row
+    packer = BestFitPacker(T + 1, tracker.config["long_doc_policy"], tracker.config["split_overlap"])
     tracker.restore(packer)
     source = _Source(token_batches, tracker.stream, position)
     while True:
         rows = np.empty((B, T + 1), dtype=tracker.encoder.dtype)  # token dtype: the transfer widens it
         packer.trace = [] if trace else None
         packer.fill(rows, source, buffer_size)
-        extras = {"trace": packer.trace, "masked": packer.masked}
+        extras = {"trace": None, "masked": packer.masked}
+        if trace:  # a document's key, or (*key, start) for a piece of a split document
+            extras["trace"] = [[key if start is None else (*key, start) for key, start in row] for row in packer.trace]
         if max_docs_per_row is not None:
             extras["info"] = _attention_info(packer.starts, T, max_docs_per_row)
         yield rows, tracker.state(packer, source, rows), packer.stats(), extras
@@ -597,7 +617,7 @@ def _start_stream(reader, rank, world_size, batch_size, state, config, allow_sta
 
 
 def _setup(kind, tokenizer, B, T, split, tokenizer_threads, tokenizer_batch_size, resume_state_dict,
-           data_dir, rank, world_size, prefetch, allow_state_mismatch, buffer_size=None):
+           data_dir, rank, world_size, prefetch, allow_state_mismatch, buffer_size=None, policy=None):
     """Validate everything up front (so bad input fails at the call, not deep in a thread), then
     build the document stream and the state tracker, resuming if asked.
     Returns (document batches, tracker, seeds position)."""
@@ -605,6 +625,8 @@ def _setup(kind, tokenizer, B, T, split, tokenizer_threads, tokenizer_batch_size
                    tokenizer_batch_size=tokenizer_batch_size, buffer_size=buffer_size)
     if buffer_size is None and kind == "bestfit":
         raise ValueError("buffer_size must be an integer >= 1")
+    if policy is not None:
+        check_long_doc_policy(*policy, T)
     for method in ("get_bos_token_id", "encode"):
         if not callable(getattr(tokenizer, method, None)):
             raise TypeError(f"tokenizer must have a {method}() method, got {type(tokenizer).__name__}")
@@ -615,6 +637,8 @@ def _setup(kind, tokenizer, B, T, split, tokenizer_threads, tokenizer_batch_size
               "num_files": len(reader.paths), "B": B, "T": T, "buffer_size": buffer_size,
               "tokenizer_batch_size": tokenizer_batch_size, "tokenizer": resume.tokenizer_fingerprint(tokenizer),
               "rank": rank, "world_size": world_size}
+    if policy is not None:
+        config["long_doc_policy"], config["split_overlap"] = policy
     stream, start, position = _start_stream(reader, rank, world_size, tokenizer_batch_size, resume_state_dict,
                                             config, allow_state_mismatch)
     return stream.batches(), _Tracker(kind, stream, encoder, config, start), position
@@ -689,8 +713,8 @@ def tokenizing_distributed_data_loader_with_state_bos_bestfit(
         device="cuda", resume_state_dict: dict | None = None, buffer_size: int = 1000, *,
         data_dir: str | None = None, rank: int | None = None, world_size: int | None = None,
         prefetch: int = 4, with_state: bool = True, allow_state_mismatch: bool = False,
-        trace_documents: bool = False, attention_info: bool = False,
-        max_docs_per_row: int | None = None) -> DataLoader:
+        trace_documents: bool = False, attention_info: bool = False, max_docs_per_row: int | None = None,
+        long_doc_policy: str = "crop", split_overlap: int = 0) -> DataLoader:
     """Yield (inputs, targets, state_dict) forever: (B, T) int64 batches of BOS-aligned best-fit rows.
 
     tokenizer: anything with get_bos_token_id() and encode(list_of_str, prepend=bos, num_threads=n)
@@ -702,10 +726,17 @@ def tokenizing_distributed_data_loader_with_state_bos_bestfit(
     prefetch: batches prepared ahead on background threads (0 runs everything in the caller).
     attention_info: also yield, per batch, a dict of doc_ids, position_ids and cu_seqlens (padded to
     B * max_docs_per_row + 1; default bound T, a row with more documents is an error).
+    long_doc_policy: what to do with tokens that do not fit a row. "crop" (the seeds'): discard them
+    (about a third of all tokens at T=2048 on FineWeb). "split": cut documents longer than a row
+    into pieces that each start with BOS and are packed like documents; later pieces repeat the
+    split_overlap tokens before them, with those targets set to -100. "split_reuse": also put the
+    cropped rest of a row's last document back into the buffer as a piece; nothing is discarded.
+    Every row starts with BOS under every policy; the bench prints each policy's waste.
     """
     doc_batches, tracker, position = _setup(
         "bestfit", tokenizer, B, T, split, tokenizer_threads, tokenizer_batch_size, resume_state_dict, data_dir,
-        rank, world_size, prefetch, allow_state_mismatch, buffer_size=buffer_size)
+        rank, world_size, prefetch, allow_state_mismatch, buffer_size=buffer_size,
+        policy=(long_doc_policy, split_overlap))
     max_docs = _max_docs(attention_info, max_docs_per_row, T)
     batches = _pipeline(doc_batches, tracker.encoder, prefetch, lambda tokens: _bestfit_batches(
         tokens, tracker, position, B, T, buffer_size, trace_documents, max_docs))
@@ -813,7 +844,8 @@ def pretokenized_distributed_data_loader_with_state_bos_bestfit(
         buffer_size: int = 1000, *, data_dir: str, bos_token: int | None = None, chunk_size: int = 1024,
         batch_size: int = 128, rank: int | None = None, world_size: int | None = None, prefetch: int = 4,
         with_state: bool = True, allow_state_mismatch: bool = False, trace_documents: bool = False,
-        attention_info: bool = False, max_docs_per_row: int | None = None) -> DataLoader:
+        attention_info: bool = False, max_docs_per_row: int | None = None, long_doc_policy: str = "crop",
+        split_overlap: int = 0) -> DataLoader:
     """The best-fit loader over pretokenized shards (`python -m nanochat.pretokenize`): the same
     rows, rules, state and resume (exact and elastic) as the parquet loader, with no tokenizer.
 
@@ -824,9 +856,11 @@ def pretokenized_distributed_data_loader_with_state_bos_bestfit(
     row group size, so that with windowing off this yields the parquet loader's batches).
     batch_size: entries added to the buffer per refill (the parquet loader's tokenizer_batch_size).
     Targets that predict a window's overlap with the previous window are -100.
+    long_doc_policy, split_overlap: as for the parquet loader (windows longer than a row are split).
     """
     from nanochat.pretokenize import TokenShard, list_token_shards
     _check_options(B, T, split, prefetch, buffer_size=buffer_size, chunk_size=chunk_size, batch_size=batch_size)
+    check_long_doc_policy(long_doc_policy, split_overlap, T)
     rank, world_size = _resolve_rank(rank, world_size)
     split_dir = os.path.join(data_dir, split)
     if not os.path.isdir(split_dir):
@@ -846,7 +880,7 @@ def pretokenized_distributed_data_loader_with_state_bos_bestfit(
     config = {"loader": "bestfit", "source": "pretokenized", "split": split, "files": resume.files_fingerprint(paths),
               "num_files": len(paths), "chunk_size": chunk_size, "B": B, "T": T, "buffer_size": buffer_size,
               "tokenizer_batch_size": batch_size, "tokenizer": f"bos:{bos_token}", "rank": rank,
-              "world_size": world_size}
+              "world_size": world_size, "long_doc_policy": long_doc_policy, "split_overlap": split_overlap}
     stream, start, position = _start_stream(reader, rank, world_size, batch_size, resume_state_dict, config,
                                             allow_state_mismatch)
     tracker = _Tracker("bestfit", stream, encoder, config, start)

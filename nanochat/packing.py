@@ -55,6 +55,17 @@ def next_cut(start: int, capacity: int, overlap: int) -> int:
     return capacity + ((start - capacity) // step + 1) * step
 
 
+def check_long_doc_policy(policy: str, overlap: int, T: int) -> None:
+    """Raise ValueError unless (long_doc_policy, split_overlap) are valid for rows of T+1 tokens."""
+    if policy not in POLICIES:
+        raise ValueError(f"long_doc_policy must be one of {POLICIES}, got {policy!r}")
+    if isinstance(overlap, bool) or not isinstance(overlap, int) or not 0 <= overlap <= T - 1:
+        raise ValueError(f"split_overlap must be an integer in [0, T-1] = [0, {T - 1}] (each piece needs a "
+                         f"new token), got {overlap!r}")
+    if overlap and policy == "crop":
+        raise ValueError("split_overlap needs long_doc_policy='split' or 'split_reuse' (crop never splits)")
+
+
 # -----------------------------------------------------------------------------
 # Best-fit
 
@@ -94,13 +105,7 @@ class BestFitPacker:
     def __init__(self, row_capacity: int, long_doc_policy: str = "crop", overlap: int = 0):
         if row_capacity < 2:
             raise ValueError(f"row_capacity must be >= 2 (T >= 1), got {row_capacity}")
-        if long_doc_policy not in POLICIES:
-            raise ValueError(f"long_doc_policy must be one of {POLICIES}, got {long_doc_policy!r}")
-        if isinstance(overlap, bool) or not isinstance(overlap, int) or not 0 <= overlap <= row_capacity - 2:
-            raise ValueError(f"split overlap must be an integer in [0, T-1] = [0, {row_capacity - 2}] "
-                             f"(each piece needs a new token), got {overlap!r}")
-        if overlap and long_doc_policy == "crop":
-            raise ValueError("a split overlap needs long_doc_policy='split' or 'split_reuse' (crop never splits)")
+        check_long_doc_policy(long_doc_policy, overlap, row_capacity - 1)
         self.row_capacity = row_capacity
         self.policy, self.overlap = long_doc_policy, overlap
         self._by_length: dict[int, deque] = {}  # length -> deque of (seq, doc), oldest first
@@ -318,9 +323,10 @@ class ConcatPacker:
         return {"tokens_tokenized": self.tokens_in, "tokens_emitted": self.tokens_out,
                 "tokens_cropped": 0, "crop_share": 0.0, "buffer_tokens": self._num_tokens}
 
-    def buffered_keys(self) -> list:
-        """Keys of the documents not yet fully consumed, in order; `offset` tokens of the first are."""
-        return [key for _, key in self._docs]
+    def buffered(self) -> list:
+        """(key, None) of the documents not yet fully consumed, in order; `offset` tokens of the first
+        are (None: whole documents, as BestFitPacker.buffered() reports them)."""
+        return [(key, None) for _, key in self._docs]
 
     @property
     def offset(self) -> int:

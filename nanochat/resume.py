@@ -14,13 +14,16 @@ stays a few KB at buffer_size=1000 (the buffered documents are re-read and re-to
       "next": [epoch, pq_idx, rg_idx, row],    # where the regular stream continues
       "buffer": [[epoch, pq_idx, rg_idx, rows], ...],  # buffered documents, arrival order
                                  # rows: [3, -2, 9] = rows 3, 4, 5 and 9 (-k: the k rows after)
+      "pieces": [[i, start], ...],  # buffer entries i that are one piece of their document, from
+                                 # token `start` (long_doc_policy "split"/"split_reuse"; else empty)
       "offset": 0,               # concat: tokens of the first buffered document already emitted
       "config": {...},           # what it was taken on: files, split, B, T, buffer_size, rank, ...
       "emitted": {"batches": k, "tokens": n, "hash": "..."},   # running sha256 of every token emitted
       "counters": {...},         # the loader's running statistics, so they continue after a resume
       "checksum": "...",         # sha256 of the rest: a truncated or hand-edited state is refused
     }
-    item = {"epoch": e, "pq_idx": p, "rg_idx": g, "rows": rows}   # some rows of a row group
+    item = {"epoch": e, "pq_idx": p, "rg_idx": g, "rows": rows[, "pieces": [[j, start], ...]]}
+                                 # some rows of a row group (j: an index into rows, as in "pieces")
          | {"epoch": e, "row_groups": "<base64 bitmap over the split's row groups>", "total": n}
 
 The regular stream of rank r of W reads, per epoch, row groups r, r+W, ... of every file (the seeds'
@@ -32,7 +35,11 @@ returns {"version": 2, "merged": ..., "states": [one per new rank]}. Every docum
 (still buffered, the unread rest of a row group, or a row group not yet read in the current epoch) is
 dealt round-robin to exactly one new rank as its plan; after its plan, new rank q continues with the
 next epoch as rank q of M. The discarded tail of a cropped document counts as consumed, and so does
-the unemitted rest of a document the concatenating loader had started.
+the unemitted rest of a document the concatenating loader had started. A buffered piece of a split
+document is dealt as that piece alone.
+
+A state without "pieces" (or a config without "long_doc_policy") is read as "crop": states saved before
+the policies existed resume unchanged.
 """
 
 import base64
@@ -48,8 +55,10 @@ import pyarrow.parquet as pq
 
 VERSION = 2
 EMPTY_HASH = "0" * 32
-Key = tuple  # (epoch, pq_idx, rg_idx, row): one document
-Unit = tuple  # (epoch, pq_idx, rg_idx, rows tuple or None for the whole row group): a piece of work
+Key = tuple  # (epoch, pq_idx, rg_idx, row): one document; (..., row, start): one piece of it
+# (epoch, pq_idx, rg_idx, rows, starts): some work. rows: a tuple, or None for the whole row group;
+# starts: None, or a tuple aligned with rows: None for a whole document, else the piece's start
+Unit = tuple
 
 # -----------------------------------------------------------------------------
 # Compact encodings
@@ -93,6 +102,25 @@ _UNIT, _ROW = itemgetter(0, 1, 2), itemgetter(3)
 
 def decode_keys(groups) -> list[Key]:
     return [(epoch, pq_idx, rg_idx, row) for epoch, pq_idx, rg_idx, runs in groups for row in decode_rows(runs)]
+
+
+def encode_buffer(buffered) -> tuple[list[list], list[list[int]]]:
+    """A packer's buffered() list of (key, start) -> the state's ("buffer", "pieces")."""
+    keys = [key for key, _ in buffered]
+    return encode_keys(keys), [[i, start] for i, (_, start) in enumerate(buffered) if start is not None]
+
+
+def decode_pieces(pieces, n: int, where: str) -> list:
+    """"pieces" [[i, start], ...] -> a list of n starts (None where the entry is a whole document)."""
+    starts: list = [None] * n
+    if not isinstance(pieces, list):
+        raise ValueError(f"{where} must be a list of [index, start] pairs")
+    for pair in pieces:
+        if not (isinstance(pair, list) and len(pair) == 2 and all(_is_int(v) for v in pair)
+                and 0 <= pair[0] < n and pair[1] >= 0):
+            raise ValueError(f"{where}: {pair!r} is not [index < {n}, start >= 0]")
+        starts[pair[0]] = pair[1]
+    return starts
 
 
 def encode_bitmap(indices, total: int) -> str:
@@ -175,7 +203,7 @@ def encode_plan(units, index: RowGroupIndex) -> list[dict]:
                           "total": index.total})
             pending.clear()
 
-    for epoch, pq_idx, rg_idx, rows in units:
+    for epoch, pq_idx, rg_idx, rows, starts in units:
         if rows is None:
             g = index.base(pq_idx) + rg_idx
             if pending and (epoch != pending_epoch or g <= pending[-1]):
@@ -184,7 +212,10 @@ def encode_plan(units, index: RowGroupIndex) -> list[dict]:
             pending.append(g)
         else:
             flush()
-            items.append({"epoch": epoch, "pq_idx": pq_idx, "rg_idx": rg_idx, "rows": encode_rows(rows)})
+            item = {"epoch": epoch, "pq_idx": pq_idx, "rg_idx": rg_idx, "rows": encode_rows(rows)}
+            if starts is not None and any(start is not None for start in starts):
+                item["pieces"] = [[j, start] for j, start in enumerate(starts) if start is not None]
+            items.append(item)
     flush()
     return items
 
@@ -199,11 +230,13 @@ def decode_plan(items, index: RowGroupIndex) -> list[Unit]:
             if item.get("total") != index.total:
                 raise ValueError(f"{where}['total']={item.get('total')} but the split has {index.total} row groups")
             for g in decode_bitmap(item["row_groups"], index.total):
-                units.append((item["epoch"], *index.locate(g), None))
+                units.append((item["epoch"], *index.locate(g), None, None))
         else:
             if not (_is_int(item.get("pq_idx")) and _is_int(item.get("rg_idx"))):
                 raise ValueError(f"{where} needs int 'pq_idx' and 'rg_idx'")
-            units.append((item["epoch"], item["pq_idx"], item["rg_idx"], tuple(_check_runs(item.get("rows"), where))))
+            rows = tuple(_check_runs(item.get("rows"), where))
+            starts = tuple(decode_pieces(item["pieces"], len(rows), where + "['pieces']")) if "pieces" in item else None
+            units.append((item["epoch"], item["pq_idx"], item["rg_idx"], rows, starts))
     return units
 
 
@@ -296,7 +329,10 @@ def check_state(state: dict, config: dict, *, allow_mismatch: bool) -> bool:
         if not (isinstance(group, list) and len(group) == 4 and all(_is_int(v) for v in group[:3])):
             raise ValueError(f"resume_state_dict['buffer'][{i}] must be [epoch, pq_idx, rg_idx, rows]")
         _check_runs(group[3], f"resume_state_dict['buffer'][{i}]")
+    decode_pieces(state.get("pieces", []), len(decode_keys(state["buffer"])), "resume_state_dict['pieces']")
     saved = dict(state["config"], loader=state["loader"])
+    if state["loader"] == "bestfit":  # saved before the long-document policies: the seeds' cropping
+        saved = {"long_doc_policy": "crop", "split_overlap": 0} | saved
     differ = [f"{k}: state {saved.get(k)!r}, loader {v!r}" for k, v in config.items() if saved.get(k) != v]
     if differ and not allow_mismatch:
         raise ValueError("resume_state_dict was taken on another configuration (" + "; ".join(differ) +
@@ -336,7 +372,7 @@ def merge_states(states: list[dict], world_size: int, *, data_dir: str | None = 
         raise ValueError(f"config.world_size: the states were taken on {n_old} ranks, but {len(states)} were given")
     for i, s in enumerate(states):
         for key in ("loader", "source", "split", "files", "num_files", "chunk_size", "B", "T", "buffer_size",
-                    "tokenizer_batch_size", "tokenizer", "world_size"):
+                    "tokenizer_batch_size", "tokenizer", "world_size", "long_doc_policy", "split_overlap"):
             if s["config"].get(key) != first["config"].get(key):
                 raise ValueError(f"config.{key}: states[{i}] has {s['config'].get(key)!r}, "
                                  f"states[0] has {first['config'].get(key)!r}")
@@ -362,16 +398,20 @@ def merge_states(states: list[dict], world_size: int, *, data_dir: str | None = 
     # everything not yet trained on: explicit documents, then whole row groups per epoch
     docs: list[Key] = []
     whole: dict[int, set[int]] = {}
-    for s in states:
+    for i, s in enumerate(states):
         buffered = decode_keys(s["buffer"])
+        starts = decode_pieces(s.get("pieces", []), len(buffered), f"states[{i}]['pieces']")
+        buffered = [key if start is None else (*key, start) for key, start in zip(buffered, starts)]
         if s["loader"] == "concat" and s["offset"] > 0:
             buffered = buffered[1:]  # partly emitted: counts as consumed
         docs += buffered
-        for epoch, pq_idx, rg_idx, rows in decode_plan(s["plan"], index):
+        for epoch, pq_idx, rg_idx, rows, starts in decode_plan(s["plan"], index):
             if rows is None:
                 whole.setdefault(epoch, set()).add(index.base(pq_idx) + rg_idx)
             else:
-                docs += [(epoch, pq_idx, rg_idx, r) for r in rows]
+                starts = starts or (None,) * len(rows)
+                docs += [(epoch, pq_idx, rg_idx, r) if st is None else (epoch, pq_idx, rg_idx, r, st)
+                         for r, st in zip(rows, starts)]
     last_epoch = max(s["next"][0] for s in states)
     for rank, s in enumerate(states):
         epoch, pq_idx, rg_idx, row = s["next"]
@@ -389,11 +429,11 @@ def merge_states(states: list[dict], world_size: int, *, data_dir: str | None = 
     # deal: documents one by one, then row groups one by one, round-robin over the new ranks
     units: list[list[Unit]] = [[] for _ in range(world_size)]
     for i, key in enumerate(docs):
-        units[i % world_size].append((*key[:3], (key[3],)))
+        units[i % world_size].append((*key[:3], (key[3],), None if len(key) == 4 else (key[4],)))
     dealt = 0
     for epoch in sorted(whole):
         for g in sorted(whole[epoch]):
-            units[dealt % world_size].append((epoch, *index.locate(g), None))
+            units[dealt % world_size].append((epoch, *index.locate(g), None, None))
             dealt += 1
     merged = []
     for q in range(world_size):
@@ -401,7 +441,7 @@ def merge_states(states: list[dict], world_size: int, *, data_dir: str | None = 
         config = dict(first["config"], rank=q, world_size=world_size)
         state = {"version": VERSION, "loader": first["loader"], "pq_idx": first["pq_idx"],
                  "rg_idx": first["rg_idx"], "epoch": first["epoch"], "plan": plan,
-                 "next": [last_epoch + 1, 0, q, 0], "buffer": [], "offset": 0, "config": config,
+                 "next": [last_epoch + 1, 0, q, 0], "buffer": [], "pieces": [], "offset": 0, "config": config,
                  "emitted": {"batches": first["emitted"]["batches"], "tokens": 0, "hash": EMPTY_HASH},
                  "counters": {}}
         merged.append(seal(state))
@@ -412,8 +452,12 @@ def _coalesce(units: list[Unit]) -> list[Unit]:
     """Join consecutive single-document units of one row group (keeps a new rank's plan short)."""
     out: list[Unit] = []
     for unit in units:
-        if out and unit[3] is not None and out[-1][3] is not None and out[-1][:3] == unit[:3]:
-            out[-1] = (*unit[:3], out[-1][3] + unit[3])
+        last = out[-1] if out else None
+        if last and unit[3] is not None and last[3] is not None and last[:3] == unit[:3]:
+            starts = None
+            if last[4] is not None or unit[4] is not None:
+                starts = (last[4] or (None,) * len(last[3])) + (unit[4] or (None,) * len(unit[3]))
+            out[-1] = (*unit[:3], last[3] + unit[3], starts)
         else:
             out.append(unit)
     return out

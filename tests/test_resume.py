@@ -211,7 +211,7 @@ def test_state_survives_json_and_torch(kind, small):
     run = take(open_loader(kind, small), 14)
     k = 6
     state = run[k][2]
-    assert state["buffer"] and sorted(state) == sorted(V2_KEYS)
+    assert state["buffer"] and sorted(state) == sorted(V2_KEYS + ("pieces",))
     via_json = json.loads(json.dumps(state))
     assert via_json == state
     buffer = io.BytesIO()
@@ -683,7 +683,7 @@ def test_elastic_restart_of_the_concatenating_loader(n_old, n_new, k, tmp_path):
 
     merged = merge_states(states, n_new, data_dir=str(tmp_path))
     index = RowGroupIndex(paths)
-    plans = [[(e, p, g, row) for e, p, g, rows in decode_plan(s["plan"], index)
+    plans = [[(e, p, g, row) for e, p, g, rows, _ in decode_plan(s["plan"], index)
               for row in (range(num_rows[p, g]) if rows is None else rows)] for s in merged["states"]]
     counts = Counter(key for plan in plans for key in plan)
     assert counts == Counter(expected) and max(counts.values()) == 1
