@@ -154,3 +154,26 @@ def bestfit_policy_rows(buffer, refill, B, capacity, buffer_size, policy, overla
                 cropped += len(rest)
         rows.append(row)
     return rows, cropped
+
+
+def bestfit_policy_loader(tokenizer, paths, B, T, tokenizer_batch_size, buffer_size, rank, world_size,
+                          policy, overlap):
+    """bestfit_loader under a long-document policy. Yields (inputs, targets, cropped so far) as lists;
+    targets that predict a repeated token are -100."""
+    batches = document_batches(paths, tokenizer_batch_size, rank, world_size)
+    bos = tokenizer.get_bos_token_id()
+    buffer, docs, cropped = [], {}, 0
+
+    def refill():
+        texts, _ = next(batches)
+        for tokens in tokenizer.encode(texts, prepend=bos):
+            doc_id = len(docs)
+            docs[doc_id] = tokens
+            capacity = T + 1 if policy != "crop" else len(tokens)  # crop never cuts
+            buffer.extend(split_document(tokens, doc_id, capacity, overlap))
+
+    while True:
+        rows, n = bestfit_policy_rows(buffer, refill, B, T + 1, buffer_size, policy, overlap, docs)
+        cropped += n
+        yield ([[t[0] for t in row[:-1]] for row in rows],
+               [[-100 if t[4] else t[0] for t in row[1:]] for row in rows], cropped)

@@ -12,6 +12,7 @@ import random
 import threading
 import time
 
+import pyarrow.parquet as pq
 import pytest
 import torch
 
@@ -78,7 +79,6 @@ def assert_same_stream(loader, reference, n_batches):
 
 def usable_rank(files, cfg, split="train"):
     """Whether this rank of the split gets any document."""
-    import pyarrow.parquet as pq
     paths = split_parquet_files(split, cfg["data_dir"])
     return any(pq.ParquetFile(p).metadata.num_rows and any(
         pq.ParquetFile(p).metadata.row_group(rg).num_rows
@@ -130,6 +130,57 @@ def test_bestfit_matches_oracle(seed, tmp_path):
                                       cfg["rank"], cfg["world_size"], resume=seeds_keys(states[k]))
     assert_same_stream(resumed, reference, 5)
     resumed.close()
+
+
+@pytest.mark.parametrize("seed", range(24))
+def test_policies_match_oracle(seed, tmp_path):
+    # long_doc_policy "split" / "split_reuse" against the token-tagged oracle, then exact resume
+    rng, files, cfg = random_config(1000 + seed, tmp_path)
+    policy = rng.choice(["split", "split_reuse"])
+    overlap = rng.choice([0, rng.randint(0, cfg["T"] - 1)])
+    buffer_size, prefetch = rng.choice([1, 3, 8, 30]), rng.choice([0, 2])
+    tok = ByteTokenizer()
+    kw = dict(tokenizer_batch_size=cfg["tokenizer_batch_size"], device="cpu", buffer_size=buffer_size,
+              data_dir=cfg["data_dir"], rank=cfg["rank"], world_size=cfg["world_size"], prefetch=prefetch,
+              long_doc_policy=policy, split_overlap=overlap)
+    loader = BESTFIT(tok, cfg["B"], cfg["T"], "train", **kw)
+    reference = oracle.bestfit_policy_loader(tok, split_parquet_files("train", cfg["data_dir"]), cfg["B"], cfg["T"],
+                                             cfg["tokenizer_batch_size"], buffer_size, cfg["rank"],
+                                             cfg["world_size"], policy, overlap)
+    total = sum(len(t.encode()) + 1 for f in files for t in f)
+    n_batches = 2 * total // (cfg["B"] * (cfg["T"] + 1)) + 3
+    states, batches = [], []
+    for k in range(n_batches):
+        inputs, targets, state = next(loader)
+        exp_inputs, exp_targets, cropped = next(reference)
+        assert as_lists(inputs, targets) == (exp_inputs, exp_targets), f"batch {k} differs"
+        assert (inputs[:, 0] == tok.bos).all()  # every row starts with BOS
+        stats = loader.stats
+        assert stats["tokens_cropped"] == cropped
+        # the accounting closes: every tokenized token is emitted once, cropped, or still buffered
+        assert stats["tokens_emitted"] == (k + 1) * cfg["B"] * (cfg["T"] + 1)
+        assert stats["tokens_tokenized"] == (stats["tokens_emitted"] - stats["tokens_bos_added"] - stats["tokens_repeated"]
+                                             + stats["tokens_cropped"] + stats["buffer_tokens"])
+        assert stats["tokens_masked"] == sum(row.count(-100) for row in exp_targets) + (
+            states[-1]["counters"]["tokens_masked"] if states else 0)
+        states.append(state)
+        batches.append(as_lists(inputs, targets))
+    loader.close()
+    if policy == "split_reuse":
+        assert loader.stats["tokens_cropped"] == 0
+    mine = [t for path in split_parquet_files("train", cfg["data_dir"])  # this rank's row groups
+            for g in range(cfg["rank"], pq.ParquetFile(path).num_row_groups, cfg["world_size"])
+            for t in pq.ParquetFile(path).read_row_group(g).column("text").to_pylist()]
+    if policy == "split_reuse" or any(len(t.encode()) + 1 > cfg["T"] + 1 for t in mine):
+        assert loader.stats["docs_split"] > 0 and any(s["pieces"] for s in states), "not vacuous: pieces buffered"
+    assert states[-1]["epoch"] >= 2, "the test should cross an epoch boundary"
+    for k in rng.sample(range(n_batches - 1), min(3, n_batches - 1)):
+        resumed = BESTFIT(tok, cfg["B"], cfg["T"], "train", resume_state_dict=states[k], **kw)
+        for j in range(k + 1, n_batches):
+            inputs, targets, state = next(resumed)
+            assert as_lists(inputs, targets) == batches[j], f"resumed after batch {k}: batch {j} differs"
+            assert state == states[j]
+        resumed.close()
 
 
 @pytest.mark.parametrize("seed", range(20))
