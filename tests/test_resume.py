@@ -63,13 +63,18 @@ def random_corpus(rng: random.Random, data_dir, T: int, world_size: int, tokeniz
 
 
 def open_loader(kind: str, cfg: dict, **over):
-    """A loader of `kind` on cfg's data; over replaces any argument (concat ignores best-fit options)."""
+    """A loader of `kind` on cfg's data; over replaces any argument (concat ignores best-fit options).
+    kind: "bestfit", "concat", or a long_doc_policy of the best-fit loader ("split", "split_reuse")."""
     kw = {"device": "cpu", **cfg, **over}
     B, T, split = kw.pop("B"), kw.pop("T"), kw.pop("split", "train")
     if kind == "concat":
-        kw.pop("buffer_size", None)
-        kw.pop("trace_documents", None)
+        for option in ("buffer_size", "trace_documents", "split_overlap"):
+            kw.pop(option, None)
         return CONCAT(ByteTokenizer(), B, T, split, **kw)
+    if kind in ("split", "split_reuse"):
+        kw["long_doc_policy"] = kind
+    else:
+        kw.pop("split_overlap", None)
     return BESTFIT(ByteTokenizer(), B, T, split, **kw)
 
 
@@ -154,14 +159,16 @@ def small(tmp_path):
 @pytest.mark.parametrize("seed", range(3))
 @pytest.mark.parametrize("prefetch", [0, 3])
 @pytest.mark.parametrize("split", ["train", "val"])
-@pytest.mark.parametrize("kind", ["bestfit", "concat"])
+@pytest.mark.parametrize("kind", ["bestfit", "concat", "split", "split_reuse"])
 def test_exact_resume_after_every_batch(kind, split, prefetch, seed, tmp_path):
-    rng = random.Random(f"{kind}-{split}-{prefetch}-{seed}")
+    # (the seeds of the policy kinds start at 10: their configs all cover the cases asserted below)
+    rng = random.Random(f"{kind}-{split}-{prefetch}-{seed + 10 * (kind in ('split', 'split_reuse'))}")
     world_size = rng.randint(1, 3)
     T, tbs = rng.randint(4, 32), rng.randint(1, 5)
     random_corpus(rng, tmp_path, T, world_size, tbs)
     cfg = dict(B=rng.randint(1, 4), T=T, split=split, tokenizer_batch_size=tbs, buffer_size=rng.choice([2, 3, 7, 20]),
-               rank=rng.randrange(world_size), world_size=world_size, prefetch=prefetch, data_dir=str(tmp_path))
+               rank=rng.randrange(world_size), world_size=world_size, prefetch=prefetch, data_dir=str(tmp_path),
+               split_overlap=rng.choice([0, rng.randint(0, T - 1)]))
     loader = open_loader(kind, cfg)
     run = take(loader, 1)
     while len(run) < 400 and run[-1][2]["epoch"] == run[0][2]["epoch"]:
@@ -178,10 +185,12 @@ def test_exact_resume_after_every_batch(kind, split, prefetch, seed, tmp_path):
     if split == "train":
         assert len({s["next"][1] for s in states}) >= 2, "the run should cross a file boundary"
     assert all(s["plan"] == [] for s in states)
-    if kind == "bestfit":
-        assert all(len(decode_keys(s["buffer"])) >= cfg["buffer_size"] - 1 for s in states)
-    else:
+    if kind == "concat":
         assert any(s["buffer"] and s["offset"] > 0 for s in states), "some state should hold a started document"
+    else:
+        assert all(len(decode_keys(s["buffer"])) >= cfg["buffer_size"] - 1 for s in states)
+    if kind in ("split", "split_reuse") and split == "train":  # (a val run may be a few batches)
+        assert any(s["pieces"] for s in states), "some state should hold pieces of a split document"
 
     for k in range(n - 1):
         # every other resume swaps the background threads on or off: prefetch is not part of the stream
@@ -701,3 +710,93 @@ def test_elastic_restart_of_the_concatenating_loader(n_old, n_new, k, tmp_path):
         assert stream[len(tokens)] == BOS  # then the regular stream, from a whole document
         assert batch[2]["emitted"]["batches"] == k + len(stream) // (B * T + 1)
         loader.close()
+
+
+# -----------------------------------------------------------------------------
+# 5. every long-document policy resumes elastically
+
+
+def placed_pieces(batch, trace, texts, overlap):
+    """(document key, piece start, positions of the document newly placed) for every placement of a
+    best-fit batch, checking that each row segment is the traced document or piece: BOS, then the
+    document from its start (a piece: from start - overlap), the row's last one possibly cropped."""
+    out = []
+    for row, keys in zip(rows_of(batch), trace):
+        # the last token is known from the targets only: -100 where it repeats an overlap token
+        same = (lambda got, want: got == want[:len(got)] or (got[-1] == -100 and got[:-1] == want[:len(got) - 1])) \
+            if row[-1] == -100 else (lambda got, want: got == want[:len(got)])
+        heads = [i for i, t in enumerate(row) if t == BOS]
+        assert heads[0] == 0 and len(heads) == len(keys)
+        for n, (head, key) in enumerate(zip(heads, keys)):
+            m = (heads[n + 1] if n + 1 < len(heads) else len(row)) - head
+            doc = [BOS] + list(texts[key[1:4]].encode())
+            start = key[4] if len(key) == 5 else None
+            if not start:
+                assert same(row[head:head + m], doc)
+                positions = range(0, m)
+            else:
+                a = max(1, start - overlap)
+                assert same(row[head:head + m], [BOS] + doc[a:])
+                positions = range(start, max(start, a + m - 1))
+            out.append((key[:4], start, positions))
+    return out
+
+
+@pytest.mark.parametrize("policy,overlap", [("split", 0), ("split", 4), ("split_reuse", 0), ("split_reuse", 3)])
+@pytest.mark.parametrize("n_old,n_new,k", [(2, 3, 6), (3, 2, 9), (1, 2, 6)])
+def test_elastic_restart_with_split_policies(policy, overlap, n_old, n_new, k, tmp_path):
+    # every token of every document not yet trained on is placed exactly once after the merge: under
+    # "split" every piece of the cutting grid is placed once; under "split_reuse" every token is
+    elastic_corpus(tmp_path, seed=n_old * 10 + k)
+    cfg = dict(B=2, T=20, tokenizer_batch_size=3, buffer_size=6, prefetch=0, data_dir=str(tmp_path),
+               trace_documents=True, split_overlap=overlap)
+    texts = texts_by_key(tmp_path)
+    placed, states = [], []
+    for r in range(n_old):
+        loader = open_loader(policy, cfg, rank=r, world_size=n_old)
+        for _ in range(k):
+            batch = take(loader, 1)[0]
+            placed += placed_pieces(batch, loader.documents, texts, overlap)
+        states.append(batch[2])
+        loader.close()
+    assert any(s["pieces"] for s in states), "not vacuous: the old ranks held pieces of split documents"
+    last_epoch = max(s["next"][0] for s in states)
+    merged = merge_states(states, n_new, data_dir=str(tmp_path))
+    assert any("pieces" in item for s in merged["states"] for item in s["plan"])
+    waiting = []  # (key, start) of old documents still buffered at the end (best-fit may keep one waiting)
+    for q in range(n_new):
+        loader = open_loader(policy, cfg, rank=q, world_size=n_new, resume_state_dict=merged)
+        for j in range(500):
+            batch = take(loader, 1)[0]
+            placed += placed_pieces(batch, loader.documents, texts, overlap)
+            state = batch[2]
+            if not state["plan"] and j >= 40:
+                break
+        assert not state["plan"], f"new rank {q} did not finish its plan"
+        keys = decode_keys(state["buffer"])
+        starts = dict(state["pieces"])
+        waiting += [(key, starts.get(i)) for i, key in enumerate(keys) if key[0] <= last_epoch]
+        loader.close()
+
+    old_epochs = [(e, *key) for e in range(1, last_epoch + 1) for key in texts]
+
+    def grid(key):
+        """Where the document's pieces start (None: it is not split) and its length (oracle.split_document)."""
+        doc = [BOS] + list(texts[key[1:]].encode())
+        pieces = oracle.split_document(doc, key, cfg["T"] + 1, overlap)
+        starts = [None] if len(pieces) == 1 else [next(t[2] for t in piece if t[3] == "doc") for piece in pieces]
+        return starts, len(doc)
+
+    def waiting_span(key, start):
+        starts, n = grid(key)
+        return range(start or 0, min([c for c in starts[1:] if c > (start or 0)] + [n]))
+
+    mine = [p for p in placed if p[0][0] <= last_epoch]
+    positions = Counter([(key, i) for key, _, span in mine for i in span] +
+                        [(key, i) for key, start in waiting for i in waiting_span(key, start)])
+    assert max(positions.values()) == 1, "a token was trained on twice"
+    if policy == "split_reuse":  # nothing is cropped: every token of every document, exactly once
+        assert set(positions) == {(key, i) for key in old_epochs for i in range(grid(key)[1])}
+    else:  # the grid's pieces, each placed (or still waiting) exactly once
+        assert Counter([(key, start) for key, start, _ in mine] + waiting) == Counter(
+            (key, start) for key in old_epochs for start in grid(key)[0])
