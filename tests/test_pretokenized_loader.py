@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 import torch
 
+import oracle
 from conftest import write_shards
 from nanochat.dataloader import (
     pretokenized_distributed_data_loader_with_state_bos_bestfit as PRETOKENIZED,
@@ -47,14 +48,21 @@ def rows_of(inputs, targets):
     return torch.cat([inputs, targets[:, -1:]], dim=1)
 
 
+POLICIES = [("crop", 0), ("split", 3), ("split_reuse", 2)]
+
+
+@pytest.mark.parametrize("policy,overlap", POLICIES)
 @pytest.mark.parametrize("world_size,rank", [(1, 0), (2, 1), (3, 0)])
 @pytest.mark.parametrize("split", ["train", "val"])
-def test_same_batches_as_the_parquet_loader(corpus, world_size, rank, split):
+def test_same_batches_as_the_parquet_loader(corpus, world_size, rank, split, policy, overlap):
     root, tokenizer = corpus
-    kw = dict(device="cpu", buffer_size=7, rank=rank, world_size=world_size)
+    kw = dict(device="cpu", buffer_size=7, rank=rank, world_size=world_size, long_doc_policy=policy,
+              split_overlap=overlap)
     parquet = PARQUET(tokenizer, 3, 24, split, tokenizer_batch_size=5, data_dir=str(root / "parquet"), **kw)
     pretok = PRETOKENIZED(3, 24, split, data_dir=str(root / "whole"), chunk_size=ROW_GROUP, batch_size=5, **kw)
-    for k in range(25):  # past the end of the data: epochs wrap the same way
+    for k in range(400):  # past the end of the data: epochs wrap the same way
+        if k >= 25 and ps["epoch"] >= 2:
+            break
         x, y, s = next(parquet)
         px, py, ps = next(pretok)
         assert torch.equal(x, px) and torch.equal(y, py), f"batch {k}"
@@ -64,11 +72,12 @@ def test_same_batches_as_the_parquet_loader(corpus, world_size, rank, split):
     assert ps["epoch"] >= 2
 
 
+@pytest.mark.parametrize("policy,overlap", POLICIES)
 @pytest.mark.parametrize("data", ["whole", "windowed"])
-def test_exact_resume(corpus, data):
+def test_exact_resume(corpus, data, policy, overlap):
     root, _ = corpus
     kw = dict(device="cpu", buffer_size=6, data_dir=str(root / data), chunk_size=5, batch_size=3,
-              rank=1, world_size=2)
+              rank=1, world_size=2, long_doc_policy=policy, split_overlap=overlap)
     loader = PRETOKENIZED(2, 16, "train", **kw)
     run = [(rows_of(x, y).clone(), y.clone(), s) for x, y, s in (next(loader) for _ in range(30))]
     assert any(s["buffer"] for _, _, s in run)
@@ -108,6 +117,42 @@ def test_window_overlaps_are_masked_exactly(corpus):
             masked_total += int(expected.sum())
     assert masked_total > 0
     assert loader.stats["tokens_masked"] == masked_total
+
+
+@pytest.mark.parametrize("policy,overlap", POLICIES[1:] + [("split", 0), ("split_reuse", 6)])
+def test_windows_split_by_a_policy_match_the_oracle(corpus, policy, overlap):
+    """Windows of 17 tokens (overlap 5) in rows of 13: a window's own overlap and a piece's overlap are
+    both masked, exactly where the token-tagged oracle says (tests/oracle.py), one rank."""
+    root, _ = corpus
+    from nanochat.pretokenize import TokenShard, list_token_shards
+    B, T, chunk, batch = 3, 12, 6, 4
+    entries = []  # (tokens, window overlap) in the order one rank reads them, in batches of `batch`
+    for prefix in list_token_shards(str(root / "windowed" / "train")):
+        shard = TokenShard(prefix)
+        for c in range(0, len(shard), chunk):
+            ids = range(c, min(c + chunk, len(shard)))
+            entries += [[(shard.entry(i).tolist(), int(shard.overlaps[i])) for i in ids[j:j + batch]]
+                        for j in range(0, len(ids), batch)]
+    assert any(w for group in entries for _, w in group) and any(len(t) > T + 1 for group in entries for t, _ in group)
+    stream = (group for _ in range(3) for group in entries)  # epochs repeat the same order
+    buffer, docs = [], {}
+
+    def refill():
+        for tokens, window in next(stream):
+            docs[len(docs)] = tokens
+            buffer.extend(oracle.split_document(tokens, len(docs) - 1, T + 1, overlap, window))
+
+    loader = PRETOKENIZED(B, T, "train", device="cpu", buffer_size=5, data_dir=str(root / "windowed"),
+                          chunk_size=chunk, batch_size=batch, long_doc_policy=policy, split_overlap=overlap)
+    masked = 0
+    for k in range(25):
+        rows, _ = oracle.bestfit_policy_rows(buffer, refill, B, T + 1, 5, policy, overlap, docs)
+        x, y, _ = next(loader)
+        assert x.tolist() == [[t[0] for t in row[:-1]] for row in rows], f"batch {k}"
+        assert y.tolist() == [[-100 if t[4] else t[0] for t in row[1:]] for row in rows], f"batch {k}"
+        masked += sum(t[4] for row in rows for t in row[1:])
+    assert loader.stats["tokens_masked"] == masked > 0
+    assert (loader.stats["tokens_repeated"] > 0) == (overlap > 0)
 
 
 def test_attention_outputs_agree_with_the_rows(corpus):
