@@ -267,6 +267,20 @@ def test_bad_arguments(loader, name, kwargs, small_dir):
         loader(ByteTokenizer(), **args)
 
 
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(long_doc_policy="truncate"), r"long_doc_policy must be one of \('crop', 'split', 'split_reuse'\)"),
+    (dict(long_doc_policy="split", split_overlap=8), r"split_overlap must be an integer in \[0, T-1\] = \[0, 7\]"),
+    (dict(long_doc_policy="split", split_overlap=-1), "split_overlap must be"),
+    (dict(split_overlap=2), "split_overlap needs long_doc_policy='split' or 'split_reuse'"),
+])
+def test_bad_long_doc_policy(kwargs, match, small_dir, tmp_path):
+    with pytest.raises(ValueError, match=match):  # at the call, not at the first batch
+        BESTFIT(ByteTokenizer(), 2, 8, "train", device="cpu", data_dir=small_dir, **kwargs)
+    from nanochat.dataloader import pretokenized_distributed_data_loader_with_state_bos_bestfit as PRETOKENIZED
+    with pytest.raises(ValueError, match=match):
+        PRETOKENIZED(2, 8, "train", device="cpu", data_dir=str(tmp_path), **kwargs)
+
+
 def test_bad_buffer_size(small_dir):
     with pytest.raises(ValueError, match="buffer_size"):
         BESTFIT(ByteTokenizer(), 2, 8, "train", device="cpu", data_dir=small_dir, buffer_size=0)
@@ -430,13 +444,15 @@ def test_cuda_batches_match_cpu(tmp_path):
 # statistics
 
 
+@pytest.mark.parametrize("policy,overlap", [("crop", 0), ("split", 5), ("split_reuse", 0)])
 @pytest.mark.parametrize("prefetch", [0, 3])
-def test_stats_describe_the_yielded_batches(prefetch, tmp_path):
+def test_stats_describe_the_yielded_batches(prefetch, policy, overlap, tmp_path):
     rng = random.Random(7)
     write_shards(tmp_path, [["y" * rng.randint(0, 120) for _ in range(300)], ["v"]], row_group_size=10)
     B, T = 3, 40
     loader = BESTFIT(ByteTokenizer(), B, T, "train", device="cpu", buffer_size=12, tokenizer_batch_size=7,
-                     data_dir=str(tmp_path), prefetch=prefetch)
+                     data_dir=str(tmp_path), prefetch=prefetch, long_doc_policy=policy, split_overlap=overlap)
+    assert loader.stats == {}  # nothing yielded yet
     bos_per_row = []
     for k in range(1, 30):
         inputs, targets, _ = next(loader)
@@ -447,10 +463,21 @@ def test_stats_describe_the_yielded_batches(prefetch, tmp_path):
         assert s["docs_per_row_max"] == max(bos_per_row)
         assert s["docs_per_row_mean"] == pytest.approx(sum(bos_per_row) / len(bos_per_row))
         assert s["tokens_emitted"] == k * B * (T + 1)  # what was yielded, not what was read ahead
-        assert s["tokens_tokenized"] == s["tokens_emitted"] + s["tokens_cropped"] + s["buffer_tokens"]
+        # every tokenized token is emitted once, cropped, or still buffered; pieces add a BOS and overlap
+        assert s["tokens_tokenized"] == (s["tokens_emitted"] - s["tokens_bos_added"] - s["tokens_repeated"]
+                                         + s["tokens_cropped"] + s["buffer_tokens"])
+        assert s["tokens_masked"] == int((targets == -100).sum()) + (masked_before if k > 1 else 0)
+        masked_before = s["tokens_masked"]
         # refilled to 12 before each placement, and the last placement of a batch took one out
         assert s["buffer_docs"] >= 11 and s["wait_seconds"] >= 0
-    assert s["tokens_cropped"] > 0 and max(bos_per_row) >= 2
+    assert max(bos_per_row) >= 2
+    if policy == "crop":
+        assert s["tokens_cropped"] > 0 and s["docs_split"] == 0 and s["doc_start_visible_share"] == 1
+        assert s["tokens_bos_added"] == s["tokens_repeated"] == s["tokens_masked"] == 0
+    else:  # documents of up to 121 tokens in rows of 41: many are split, and their pieces placed
+        assert s["docs_split"] > 0 and s["tokens_bos_added"] > 0 and 0.3 < s["doc_start_visible_share"] < 1
+        assert s["crop_share"] < 0.05 if policy == "split" else s["tokens_cropped"] == 0
+        assert s["tokens_masked"] == s["tokens_repeated"] and (s["tokens_repeated"] > 0) == (overlap > 0)
 
 
 def test_real_tokenizer_fast_path_matches_oracle(tmp_path):
