@@ -135,7 +135,7 @@ def pack_ours(docs, B, T, buffer_sizes, n_batches, batch, rounds=5):
     rows = np.empty((B, T + 1), dtype=np.uint16 if docs[0].dtype == np.uint16 else np.uint32)
     packers = {}
     for size in buffer_sizes:
-        packers[size] = (BestFitPacker(T + 1), cycled([(doc, None, 0) for doc in docs], batch))
+        packers[size] = (BestFitPacker(T + 1), cycled([(doc, None, 0, None) for doc in docs], batch))
         packers[size][0].fill(rows, packers[size][1], size)
     seconds = dict.fromkeys(buffer_sizes, 0.0)
     for _ in range(rounds):
@@ -159,6 +159,37 @@ def pack_oracle(docs, B, T, buffer_size, n_batches, batch):
     for _ in range(n_batches):
         oracle.bestfit_rows(doc_buffer, refill, B, T + 1, buffer_size)
     return time.perf_counter() - t0
+
+
+POLICY_RUNS = [("crop", 0), ("split", 0), ("split", 128), ("split_reuse", 0), ("split_reuse", 128)]
+
+
+def policy_section(docs_np, B, tbs, bos, crop_batches, Ts=(512, 2048, 4096)) -> list[tuple]:
+    """The long-document policies on the same documents at several T: per (T, policy, overlap), the
+    crop share, the slots spent on the BOS and overlap that start pieces, the share of emitted tokens
+    whose own document starts in the same row, documents split, rows not starting with BOS, and the
+    packing speed against the seeds' cropping at the same T. Every run packs the same number of
+    tokens (crop_batches batches at T=2048), after one untimed fill."""
+    results = []
+    for T in Ts:
+        n_batches = max(1, crop_batches * 2048 // T)
+        rows = np.empty((B, T + 1), dtype=docs_np[0].dtype)
+        for policy, overlap in POLICY_RUNS:
+            packer = BestFitPacker(T + 1, policy, overlap)
+            refill = cycled([(doc, None, 0, None) for doc in docs_np], tbs)
+            packer.fill(rows, refill, 1000)
+            not_bos, seconds = 0, 0.0
+            for _ in range(n_batches):
+                t0 = time.perf_counter()
+                packer.fill(rows, refill, 1000)
+                seconds += time.perf_counter() - t0
+                not_bos += int((rows[:, 0] != bos).sum())
+            s = packer.stats()
+            results.append((T, policy, overlap, s["crop_share"], s["tokens_cropped"] / s["tokens_tokenized"],
+                            (s["tokens_bos_added"] + s["tokens_repeated"]) / s["tokens_emitted"],
+                            s["doc_start_visible_share"], s["docs_split"], not_bos,
+                            n_batches * B * (T + 1) / seconds))
+    return results
 
 
 def pretokenized_section(tokenizer, data_dir, tmp, docs_np, args, B, T, tbs) -> dict:
@@ -205,7 +236,7 @@ def pretokenized_section(tokenizer, data_dir, tmp, docs_np, args, B, T, tbs) -> 
             overlap = 0 if name.endswith("O=0") else 128
             windows = [w for d in docs_np for w in window_document(d, T + 1, overlap)]
         packer = BestFitPacker(T + 1)
-        refill = cycled([(doc, None, o) for doc, o in windows], tbs)
+        refill = cycled([(doc, None, o, None) for doc, o in windows], tbs)
         rows = np.empty((B, T + 1), dtype=np.uint32)
         for _ in range(args.crop_batches):
             packer.fill(rows, refill, 1000)
@@ -342,7 +373,7 @@ def main(argv=None):
         # 5. the crop share over a long run (documents longer than a row pile up in the buffer)
         crop = []
         packer = BestFitPacker(T + 1)
-        refill = cycled([(doc, None, 0) for doc in docs_np], tbs)
+        refill = cycled([(doc, None, 0, None) for doc in docs_np], tbs)
         rows = np.empty((B, T + 1), dtype=np.int64)
         checkpoints = {c for c in (10, 100, 1000, args.crop_batches) if c <= args.crop_batches}
         for k in range(1, args.crop_batches + 1):
@@ -359,6 +390,9 @@ def main(argv=None):
         # 6. pretokenized shards of the same corpus: the loader with no tokenizer in the loop, against
         # the parquet loader and against a plain memory copy of the same bytes (the physical limit)
         pretok = pretokenized_section(tokenizer, data_dir, tmp, docs_np, args, B, T, tbs)
+
+        # 7. the long-document policies (issue 7), T = 512, 2048, 4096
+        policies = policy_section(docs_np, B, tbs, bos, args.crop_batches)
 
     read_tps = n_tokens / t_read
     print()
@@ -406,6 +440,19 @@ def main(argv=None):
           "targets / targets):")
     for name, share, masked in pretok["crop"]:
         print(f"    {name:34s} {share:6.1%}   masked {masked:5.1%}")
+    print()
+    print(f"long_doc_policy (buffer 1,000; each run packs {args.crop_batches:,} batches' worth of T=2048 tokens; "
+          "cropped: / tokens taken from the buffer, / tokens tokenized; added: piece BOS + overlap / emitted; "
+          "start visible: emitted tokens whose own document starts in the row; speed: packing alone)")
+    print(f"  {'T':>5s} {'policy':12s} {'overlap':>7s} {'cropped':>8s} {'/tokd':>7s} {'added':>7s} {'start vis.':>10s} "
+          f"{'docs split':>10s} {'rows w/o BOS':>12s} {'tokens/s':>14s} {'time vs crop':>12s}")
+    crop_speed = {}
+    for T, policy, overlap, share, share_tok, added, visible, split, not_bos, tps in policies:
+        crop_speed.setdefault(T, tps)
+        print(f"  {T:5d} {policy:12s} {overlap:7d} {share:8.2%} {share_tok:7.2%} {added:7.2%} {visible:10.1%} "
+              f"{split:10,d} {not_bos:12d} {tps:14,.0f} {crop_speed[T] / tps:11.2f}x")
+    print("  (targets at T=2048 for a splitting policy: <= 5% of tokenized tokens cropped, every row starts with BOS, "
+          "packing time within 1.5x of crop's)")
     print(f"memory: peak RSS {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024:,.0f} MiB (whole process, "
           f"corpus and token lists included); document buffer: {buffer_bytes / max(1, crop[-1][4]):.2f} bytes "
           f"per buffered token ({dtype}) + ~{per_doc_overhead} bytes per document")
