@@ -10,7 +10,8 @@ The pipeline, each stage a generator that can be read and tested alone:
      cut into batches of `tokenizer_batch_size` texts, forever (epochs count from 1);
   2. tokens: `tokenizer.encode(texts, prepend=bos)` -> numpy documents (2 bytes/token when the
      vocabulary allows);
-  3. packing (nanochat/packing.py, pure): best-fit BOS-aligned rows, or the concatenated stream;
+  3. packing (nanochat/packing.py, pure): best-fit BOS-aligned rows (long documents cropped as the
+     seeds do, or split into BOS-led pieces: long_doc_policy), or the concatenated stream;
   4. transfer: one pinned `[inputs | targets]` staging buffer -> one non-blocking copy to the device.
 Reading, tokenizing and packing each run ahead on a background thread (`prefetch`), so they overlap
 with each other and with the training step; the state yielded with a batch describes what that batch

@@ -183,6 +183,10 @@ def parse_args(argv=None):
     parser.add_argument("--B", type=int, default=8, help="rows per batch and rank (default: 8)")
     parser.add_argument("--T", type=int, default=128, help="tokens per row (default: 128)")
     parser.add_argument("--buffer-size", type=int, default=1000, help="loader documents to pick from (default: 1000)")
+    parser.add_argument("--long-doc-policy", default="crop", choices=["crop", "split", "split_reuse"],
+                        help="train loader: what to do with tokens that do not fit a row (default: crop, the seeds')")
+    parser.add_argument("--split-overlap", type=int, default=0,
+                        help="tokens a piece of a split document repeats from the piece before (targets masked)")
     parser.add_argument("--steps", type=int, default=100, help="optimizer steps in all (default: 100)")
     parser.add_argument("--lr", type=float, default=3e-3, help="AdamW learning rate (default: 3e-3)")
     parser.add_argument("--seed", type=int, default=42, help="seeds the model init (default: 42)")
@@ -247,7 +251,8 @@ def main(argv=None) -> int:
 
     loader_kwargs = dict(device=device, buffer_size=args.buffer_size, data_dir=args.data_dir)
     train_loader = tokenizing_distributed_data_loader_with_state_bos_bestfit(
-        tokenizer, args.B, args.T, "train", resume_state_dict=loader_state, **loader_kwargs)
+        tokenizer, args.B, args.T, "train", resume_state_dict=loader_state, long_doc_policy=args.long_doc_policy,
+        split_overlap=args.split_overlap, **loader_kwargs)
     log = {"losses": {}, "val": {}, "buffer_docs": {}}
 
     def run_eval(step):
@@ -278,11 +283,13 @@ def main(argv=None) -> int:
         optimizer.zero_grad(set_to_none=True)
         loss = loss.item()
         dt = time.perf_counter() - t0
-        buffer_docs = train_loader.stats.get("buffer_docs")
+        stats = train_loader.stats
+        buffer_docs = stats.get("buffer_docs")
         log["losses"][step] = loss
         log["buffer_docs"][step] = buffer_docs
         print0(f"step {step:5d}/{args.steps} | loss {loss:.6f} | {dt * 1000:.0f} ms | "
-               f"{args.B * args.T * world_size / dt:,.0f} tok/s | buffer docs {buffer_docs} | loss {loss!r}")
+               f"{args.B * args.T * world_size / dt:,.0f} tok/s | buffer docs {buffer_docs} | "
+               f"cropped {stats['crop_share']:.1%} | loader wait {stats['wait_seconds']:.2f}s | loss {loss!r}")
 
         if step % args.eval_every == 0 or step == args.steps:
             run_eval(step)
