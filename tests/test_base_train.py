@@ -195,3 +195,16 @@ def test_resume_on_another_world_size(corpus, tmp_path):
     assert "world size changed from 2 to 1" in log["stdout"]
     assert sorted(log["losses"], key=int) == [str(s) for s in range(4, STEPS + 1)]
     assert all(math.isfinite(loss) for loss in log["losses"].values())
+
+
+def test_resume_is_exact_with_split_documents(corpus, tmp_path):
+    # long_doc_policy="split_reuse" with an overlap: the checkpoint's loader state holds pieces of split
+    # documents, and the resumed losses still equal the uninterrupted run's, float for float
+    policy = ["--long-doc-policy", "split_reuse", "--split-overlap", "3", "--checkpoint-dir", str(tmp_path / "ck")]
+    straight = train(corpus, tmp_path, "straight", *policy)
+    train(corpus, tmp_path, "stopped", *policy, "--save-every", "3", "--stop-after-step", str(RESUME_STEP))
+    state = torch.load(tmp_path / "ck" / f"step_{RESUME_STEP:06d}.pt", weights_only=True)["dataloader_state_dicts"][0]
+    assert state["pieces"] and state["config"]["long_doc_policy"] == "split_reuse"
+    resumed = train(corpus, tmp_path, "resumed", *policy, "--resume-from-step", str(RESUME_STEP))
+    assert resumed["losses"] == {s: v for s, v in straight["losses"].items() if int(s) > RESUME_STEP}
+    assert "cropped 0.0%" in straight["stdout"]  # split_reuse crops nothing
