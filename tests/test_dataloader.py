@@ -155,6 +155,9 @@ def test_policies_match_oracle(seed, tmp_path):
         exp_inputs, exp_targets, cropped = next(reference)
         assert as_lists(inputs, targets) == (exp_inputs, exp_targets), f"batch {k} differs"
         assert (inputs[:, 0] == tok.bos).all()  # every row starts with BOS
+        # targets are the inputs shifted by one, except the masked overlap targets; rows are full
+        kept = targets[:, :-1] != -100
+        assert torch.equal(targets[:, :-1][kept], inputs[:, 1:][kept]) and (inputs >= 0).all()
         stats = loader.stats
         assert stats["tokens_cropped"] == cropped
         # the accounting closes: every tokenized token is emitted once, cropped, or still buffered

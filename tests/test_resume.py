@@ -529,6 +529,14 @@ def test_merge_errors(small):
     concat1 = state_after("concat", small, 3, rank=1, world_size=2)
     with pytest.raises(ValueError, match=r"config\.loader"):
         merge_states([s0, concat1], 3, data_dir=d)
+    split1 = state_after("split", small, 3, rank=1, world_size=2)
+    with pytest.raises(ValueError, match=r"config\.long_doc_policy: states\[1\] has 'split', states\[0\] has 'crop'"):
+        merge_states([s0, split1], 3, data_dir=d)
+    bad_pieces = resume.seal(dict(split1, pieces=[[10**6, 3]]))
+    with pytest.raises(ValueError, match=r"states\[1\]\['pieces'\]"):
+        merge_states([state_after("split", small, 3, rank=0, world_size=2), bad_pieces], 3, data_dir=d)
+    with pytest.raises(ValueError, match=r"resume_state_dict\['pieces'\]"):
+        open_loader("split", small, resume_state_dict=resume.seal(dict(state_after("split", small, 3), pieces=[[0, -1]])))
     edited = copy.deepcopy(s1)
     edited["next"][3] += 1
     with pytest.raises(ValueError, match=r"states\[1\]\['checksum'\]"):
