@@ -132,8 +132,9 @@ class _Stream:
     rank, rank + world_size, ... of every file, each cut into batches of `batch_size` documents."""
 
     def __init__(self, reader, rank: int, world_size: int, batch_size: int,
-                 plan: list[Unit] = (), start: Cursor | None = None):
+                 plan: list[Unit] = (), start: Cursor | None = None, epochs: int | None = None):
         self.reader, self.rank, self.world_size = reader, rank, world_size
+        self.epochs = epochs  # None: forever; 1: one pass (a mixture's bucket), then the stream ends
         self.paths, self.index = reader.paths, reader.index
         self.tokenizer_batch_size = batch_size
         self.plan = list(plan)
@@ -182,7 +183,7 @@ class _Stream:
     def _regular(self):
         tbs, rank, world_size = self.tokenizer_batch_size, self.rank, self.world_size
         epoch, pq_idx, rg_idx, row = self.start
-        while True:  # one epoch per pass
+        while self.epochs is None or epoch <= self.epochs:  # one epoch per pass
             docs_this_pass = 0
             full_pass = (pq_idx, rg_idx, row) == (0, rank, 0)
             while pq_idx < len(self.paths):
@@ -204,7 +205,7 @@ class _Stream:
                     row = 0
                 pq_idx += 1
                 rg_idx = rank
-            if full_pass and docs_this_pass == 0:
+            if full_pass and docs_this_pass == 0 and self.epochs is None:
                 # the reference loops here forever; a rank with nothing to read is a configuration error
                 raise ValueError(
                     f"rank {rank} of world size {world_size} receives no documents: the split's "

@@ -268,7 +268,9 @@ class BestFitPacker:
 
     def fill(self, rows: np.ndarray, refill: Refill, buffer_size: int) -> None:
         """Fill every row of `rows` (shape (n, row_capacity)), refilling the buffer to at least
-        `buffer_size` documents before each placement, as the seeds' loader does."""
+        `buffer_size` documents before each placement, as the seeds' loader does. A refill that
+        returns nothing means the stream has ended: the buffer is drained (the caller makes sure it
+        holds enough tokens to finish the rows)."""
         assert rows.shape[1] == self.row_capacity
         self.starts, self.masked = [], []
         for r, row in enumerate(rows):
@@ -277,11 +279,15 @@ class BestFitPacker:
                 self.trace.append([])
             while pos < self.row_capacity:
                 while self._num_docs < buffer_size:
+                    added = False
                     for doc, key, overlap, piece in refill():
+                        added = True
                         if piece is None:
                             self.add(doc, key, overlap)
                         else:
                             self.add_piece(doc, key, overlap, piece)
+                    if not added:  # a finite stream ran out: place from what is left
+                        break
                 start = pos
                 pos, key, piece, masked = self._place(row, pos)
                 starts.append(start)

@@ -77,6 +77,18 @@ def assert_same_stream(loader, reference, n_batches):
         assert seeds_keys(state) == exp_state, f"state of batch {k} differs"
 
 
+def check_exact_resume(rng, tok, cfg, kw, states, batches):
+    """Resumed from 3 states taken mid-run: the same batches and the same states as without the stop."""
+    n_batches = len(batches)
+    for k in rng.sample(range(n_batches - 1), min(3, n_batches - 1)):
+        resumed = BESTFIT(tok, cfg["B"], cfg["T"], "train", resume_state_dict=states[k], **kw)
+        for j in range(k + 1, n_batches):
+            inputs, targets, state = next(resumed)
+            assert as_lists(inputs, targets) == batches[j], f"resumed after batch {k}: batch {j} differs"
+            assert state == states[j]
+        resumed.close()
+
+
 def usable_rank(files, cfg, split="train"):
     """Whether this rank of the split gets any document."""
     paths = split_parquet_files(split, cfg["data_dir"])
@@ -114,14 +126,7 @@ def test_bestfit_matches_oracle(seed, tmp_path):
     kw = dict(tokenizer_batch_size=cfg["tokenizer_batch_size"], device="cpu", buffer_size=buffer_size,
               data_dir=cfg["data_dir"], rank=cfg["rank"], world_size=cfg["world_size"], prefetch=prefetch)
 
-    # exact resume from a state taken mid-run: the same batches and the same states as without the stop
-    for k in rng.sample(range(n_batches - 1), min(3, n_batches - 1)):
-        resumed = BESTFIT(tok, cfg["B"], cfg["T"], "train", resume_state_dict=states[k], **kw)
-        for j in range(k + 1, n_batches):
-            inputs, targets, state = next(resumed)
-            assert as_lists(inputs, targets) == batches[j], f"resumed after batch {k}: batch {j} differs"
-            assert state == states[j]
-        resumed.close()
+    check_exact_resume(rng, tok, cfg, kw, states, batches)
 
     # the seeds' form of the state resumes approximately, exactly as the seeds' resume does
     k = rng.randrange(n_batches)
@@ -177,13 +182,7 @@ def test_policies_match_oracle(seed, tmp_path):
     if policy == "split_reuse" or any(len(t.encode()) + 1 > cfg["T"] + 1 for t in mine):
         assert loader.stats["docs_split"] > 0 and any(s["pieces"] for s in states), "not vacuous: pieces buffered"
     assert states[-1]["epoch"] >= 2, "the test should cross an epoch boundary"
-    for k in rng.sample(range(n_batches - 1), min(3, n_batches - 1)):
-        resumed = BESTFIT(tok, cfg["B"], cfg["T"], "train", resume_state_dict=states[k], **kw)
-        for j in range(k + 1, n_batches):
-            inputs, targets, state = next(resumed)
-            assert as_lists(inputs, targets) == batches[j], f"resumed after batch {k}: batch {j} differs"
-            assert state == states[j]
-        resumed.close()
+    check_exact_resume(rng, tok, cfg, kw, states, batches)
 
 
 @pytest.mark.parametrize("seed", range(20))
