@@ -585,13 +585,13 @@ def _check_options(B, T, split, prefetch, **more) -> None:
         raise ValueError(f"prefetch must be an integer >= 0 (0 = no background threads), got {prefetch!r}")
 
 
-def _start_stream(reader, rank, world_size, batch_size, state, config, allow_state_mismatch):
+def _start_stream(reader, rank, world_size, batch_size, state, config, allow_state_mismatch, epochs=None):
     """The stream a loader starts from: fresh, or resumed from a state (version 2: exactly; the seeds'
     form, or another stream accepted with allow_state_mismatch: after the saved unit, as nanochat).
     Returns (stream, version-2 start state or None, seeds position)."""
     paths = reader.paths
     if state is None:
-        return _Stream(reader, rank, world_size, batch_size), None, (0, 0, 1)
+        return _Stream(reader, rank, world_size, batch_size, epochs=epochs), None, (0, 0, 1)
     if not isinstance(state, dict):
         raise TypeError(f"resume_state_dict must be a dict, got {type(state).__name__}")
     if "merged" in state:  # elastic resume: every rank gets the merge, and takes its own part
@@ -607,7 +607,7 @@ def _start_stream(reader, rank, world_size, batch_size, state, config, allow_sta
         if state["next"][1] >= len(paths):
             raise ValueError(f"resume_state_dict['next'] points at file {state['next'][1]}; the split has {len(paths)}")
         plan = resume.decode_plan(state["plan"], reader.index)
-        stream = _Stream(reader, rank, world_size, batch_size, plan, tuple(state["next"]))
+        stream = _Stream(reader, rank, world_size, batch_size, plan, tuple(state["next"]), epochs=epochs)
         return stream, state, (state["pq_idx"], state["rg_idx"], state["epoch"])
     if "version" in state:
         logger.warning("resume_state_dict is from another document stream; resuming approximately "
@@ -615,7 +615,7 @@ def _start_stream(reader, rank, world_size, batch_size, state, config, allow_sta
     # the seeds' form: approximate, after the saved unit
     pq_idx, rg_idx, epoch = _check_legacy_state(state, paths, reader)
     cursor = (epoch, pq_idx, (rg_idx // world_size + 1) * world_size + rank, 0)
-    return _Stream(reader, rank, world_size, batch_size, start=cursor), None, (pq_idx, rg_idx, epoch)
+    return _Stream(reader, rank, world_size, batch_size, start=cursor, epochs=epochs), None, (pq_idx, rg_idx, epoch)
 
 
 def _setup(kind, tokenizer, B, T, split, tokenizer_threads, tokenizer_batch_size, resume_state_dict,
@@ -686,6 +686,7 @@ class DataLoader:
         t0 = time.perf_counter()
         try:
             packed, state_dict, stats, extras = next(self._source)
+            self._check(extras)
         except BaseException as e:
             self._error = e
             self.close()
@@ -699,6 +700,9 @@ class DataLoader:
             device = self._transfer.device
             out += ({k: torch.from_numpy(v).to(device) for k, v in extras["info"].items()},)
         return out
+
+    def _check(self, extras: dict) -> None:
+        """Called with every batch before it is yielded; raising stops the loader (see the mixture loader)."""
 
     def close(self) -> None:
         """Stop the background threads (idempotent)."""

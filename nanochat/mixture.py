@@ -1,0 +1,619 @@
+"""
+Data mixtures and curricula over pretokenized buckets (seed 003's layout and rules).
+
+    <data_dir>/train/<bucket>/*.bin *.idx      one `python -m nanochat.pretokenize` output per bucket
+    <data_dir>/val/<bucket>/...
+
+A curriculum is an ordered list of phases, each a token budget and a mix of bucket weights, as a
+YAML or JSON file or a Python list:
+
+    curriculum:
+      - tokens: 5_000_000_000               # (seed 003's name, duration_tokens, works too)
+        mix: {web: 0.6, code: 0.2, math: 0.1, wiki: 0.1}
+      - tokens: 5_000_000_000
+        mix: {web: 0.3, code: 0.3, math: 0.2, wiki: 0.2}
+
+How it mixes. Every row of a batch comes whole from one bucket, best-fit packed from that bucket's own
+buffer by the same packer as the other loaders (so every row starts with BOS, and long_doc_policy
+applies). Row n of this rank in phase p comes from the bucket whose slice of [0, 1) (the phase's
+weights, in bucket-name order) holds
+
+    u = frac(h(seed, rank, p, generation) + n * (sqrt(5) - 1) / 2)
+
+a counter-based function of (seed, rank, position): no generator state, so a resume continues the
+sequence exactly. h is a hash (blake2b) giving each rank its own starting point; the golden-ratio
+steps make the sequence low-discrepancy, so over any N consecutive rows every bucket's count is
+within a few rows of N * weight. Rows are all T+1 tokens, so the realised token mix follows the
+weights whatever the buckets' document lengths (well within 1 point over 1M tokens at T=2048).
+
+Phases. The phase of a batch is set by the tokens the whole job trained before it (B * T * world_size
+per step), so all ranks switch at the same step; a phase boundary falls on a step boundary. Past the
+last phase the loader stops with CurriculumComplete, unless allow_budget_mismatch=True (then the last
+phase's mix goes on). Giving `total_tokens` (what the run will train) checks the curriculum's total
+against it up front.
+
+Exhaustion (seed 003). Each rank reads its own share of every bucket once (chunks rank, rank + W, ...).
+A phase that demands more of a bucket than exists is caught before the run: validate() (and the
+loader at start) treats it as a blocking error, or a warning with allow_bucket_exhaustion=True. If a
+bucket still runs dry on some rank (the estimate was off: cropping, uneven shares), then
+  - allow_bucket_exhaustion=False (default): the loader raises BucketExhausted carrying the last good
+    state (the batch before). Under torch.distributed, the ranks agree on it with one tiny all_reduce
+    per batch, so every rank raises at the same step and none is left hanging in a collective. The
+    training script saves a checkpoint with that state and stops; resuming from it with the flag set
+    continues with the bucket dropped.
+  - allow_bucket_exhaustion=True: the bucket is dropped on that rank (a warning) and the other
+    weights are renormalised.
+
+The state (version 2, plain data) holds the phase, the tokens done (in the phase and in all), this
+rank's position in the phase, the dropped buckets, and one best-fit loader state per bucket (so exact
+and elastic resume work as for the other loaders; merge_states merges mixture states).
+
+    python -m nanochat.mixture validate CONFIG --data DATA_DIR [--tokens N] [--split train]
+"""
+
+import argparse
+import hashlib
+import itertools
+import json
+import logging
+import math
+import os
+import sys
+import warnings
+from typing import NamedTuple
+
+import numpy as np
+import torch
+
+from nanochat import resume
+from nanochat.dataloader import (DataLoader, _check_options, _DeviceBatches, _resolve_rank, _row_split,
+                                 _ShardDocs, _ShardReader, _Source, _start_stream, _token_batches, _Tracker)
+from nanochat.packing import BestFitPacker, check_long_doc_policy
+
+logger = logging.getLogger(__name__)
+
+PHI = (math.sqrt(5) - 1) / 2  # the golden ratio's fractional part: the most evenly spread steps on [0, 1)
+
+
+class Phase(NamedTuple):
+    tokens: int  # tokens the whole job trains in this phase
+    mix: dict  # bucket -> weight, normalised to sum to 1
+
+
+class MixtureStop(RuntimeError):
+    """The mixture loader stopped on purpose; `state` is the last good state (resume from it)."""
+
+    def __init__(self, message: str, state: dict | None):
+        super().__init__(message)
+        self.state = state
+
+
+class BucketExhausted(MixtureStop):
+    """A bucket ran dry on some rank (allow_bucket_exhaustion=False). Save a checkpoint with `.state`
+    and stop; resume with allow_bucket_exhaustion=True to go on without the bucket."""
+
+    def __init__(self, message: str, state: dict | None, bucket: str | None):
+        super().__init__(message, state)
+        self.bucket = bucket
+
+
+class CurriculumComplete(MixtureStop):
+    """Every phase's token budget has been trained (allow_budget_mismatch=False)."""
+
+
+# -----------------------------------------------------------------------------
+# Curricula and buckets
+
+
+def list_buckets(data_dir: str, split: str) -> dict[str, list[str]]:
+    """bucket name -> its .bin paths, for every subdirectory of data_dir/split holding .bin/.idx pairs."""
+    from nanochat.pretokenize import list_token_shards
+    split_dir = os.path.join(data_dir, split)
+    if not os.path.isdir(split_dir):
+        raise FileNotFoundError(f"{split_dir} does not exist: buckets are subdirectories {split_dir}/<bucket>/ of "
+                                "pretokenized shards (python -m nanochat.pretokenize --output ...)")
+    buckets = {}
+    for name in sorted(os.listdir(split_dir)):
+        if os.path.isdir(os.path.join(split_dir, name)):
+            paths = [prefix + ".bin" for prefix in list_token_shards(os.path.join(split_dir, name))]
+            if paths:
+                buckets[name] = paths
+    if not buckets:
+        raise FileNotFoundError(f"no bucket in {split_dir}: expected subdirectories with .bin/.idx pairs")
+    return buckets
+
+
+def load_curriculum(spec, buckets=None) -> list[Phase]:
+    """A curriculum from a YAML/JSON file path, a list of phases, or a dict with a "curriculum" list
+    (seed 003's config shape, also under "data"). Each phase: {"tokens": n, "mix": {bucket: weight}}.
+    Weights that do not sum to 1 are normalised with a warning; an unknown bucket (when `buckets` is
+    given), a negative weight, an empty mix or a bad token count is a ValueError naming the phase."""
+    if isinstance(spec, (str, os.PathLike)):
+        path = os.fspath(spec)
+        if not os.path.isfile(path):
+            raise FileNotFoundError(f"curriculum file {path} does not exist")
+        with open(path) as f:
+            text = f.read()
+        if path.endswith(".json"):
+            spec = json.loads(text)
+        else:
+            import yaml
+            spec = yaml.safe_load(text)
+    if isinstance(spec, dict):
+        spec = spec.get("data", spec)
+        if "curriculum" not in spec:
+            raise ValueError("curriculum: expected a list of phases, or a mapping with a 'curriculum' list")
+        spec = spec["curriculum"]
+    if not isinstance(spec, (list, tuple)) or not spec:
+        raise ValueError(f"curriculum must be a non-empty list of phases, got {spec!r}")
+    phases = []
+    for i, phase in enumerate(spec, 1):
+        where = f"curriculum phase {i}"
+        if not isinstance(phase, dict):
+            raise ValueError(f"{where}: expected a mapping with 'tokens' and 'mix', got {phase!r}")
+        unknown_keys = set(phase) - {"tokens", "duration_tokens", "mix"}
+        if unknown_keys:
+            raise ValueError(f"{where}: unknown keys {sorted(unknown_keys)} (a phase has 'tokens' and 'mix')")
+        tokens = phase.get("tokens", phase.get("duration_tokens"))
+        if isinstance(tokens, float) and tokens.is_integer():
+            tokens = int(tokens)
+        if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 1:
+            raise ValueError(f"{where}: 'tokens' must be a positive integer, got {tokens!r}")
+        mix = phase.get("mix")
+        if not isinstance(mix, dict) or not mix:
+            raise ValueError(f"{where}: empty mix; give {{bucket: weight, ...}}")
+        for name, weight in mix.items():
+            if buckets is not None and name not in buckets:
+                raise ValueError(f"{where}: unknown bucket {name!r} (buckets: {', '.join(sorted(buckets))})")
+            if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not math.isfinite(weight):
+                raise ValueError(f"{where}: weight of {name!r} must be a number, got {weight!r}")
+            if weight < 0:
+                raise ValueError(f"{where}: weight of {name!r} is {weight}; weights must be >= 0")
+        total = sum(mix.values())
+        if total <= 0:
+            raise ValueError(f"{where}: every weight is 0; give at least one bucket a positive weight")
+        if abs(total - 1) > 1e-9:
+            warnings.warn(f"{where}: weights sum to {total:g}, normalised to 1", stacklevel=2)
+        phases.append(Phase(tokens, {name: mix[name] / total for name in sorted(mix) if mix[name] > 0}))
+    return phases
+
+
+def bucket_tokens(paths: list[str]) -> int:
+    """Tokens in a bucket's shards (from the .idx files only)."""
+    from nanochat.pretokenize import TokenShard
+    return sum(int(TokenShard(path).offsets[-1]) for path in paths)
+
+
+def validate(curriculum, data_dir: str, split: str = "train", total_tokens: int | None = None,
+             allow_bucket_exhaustion: bool = False, allow_budget_mismatch: bool = False,
+             T: int | None = None) -> tuple[list[dict], list[str], list[str]]:
+    """Tokens demanded versus available, per phase and bucket. Returns (rows, problems, warnings):
+    problems block a run (a predicted shortfall, a budget mismatch), warnings do not (the same under
+    their allow_* flag). Demand counts trained tokens; with T given, a row of T+1 tokens per T trained."""
+    buckets = list_buckets(data_dir, split)
+    phases = curriculum if isinstance(curriculum, list) and all(isinstance(p, Phase) for p in curriculum) \
+        else load_curriculum(curriculum, buckets)
+    available = {name: bucket_tokens(paths) for name, paths in buckets.items()}
+    scale = (T + 1) / T if T else 1.0
+    rows, problems, notes = [], [], []
+    demanded: dict[str, float] = dict.fromkeys(buckets, 0.0)
+    for i, phase in enumerate(phases, 1):
+        for name, weight in phase.mix.items():
+            demand = phase.tokens * weight * scale
+            demanded[name] += demand
+            short = demanded[name] > available[name]
+            rows.append({"phase": i, "bucket": name, "weight": weight, "demanded": round(demand),
+                         "demanded_so_far": round(demanded[name]), "available": available[name],
+                         "status": "SHORT" if short else "ok"})
+            if short:
+                message = (f"phase {i}: bucket {name!r} runs dry: {demanded[name]:,.0f} tokens demanded by the end "
+                           f"of the phase, {available[name]:,} available")
+                (notes if allow_bucket_exhaustion else problems).append(message)
+    total = sum(p.tokens for p in phases)
+    if total_tokens is not None and total_tokens != total:
+        message = (f"budget mismatch: the curriculum totals {total:,} tokens, the run will train {total_tokens:,}")
+        (notes if allow_budget_mismatch else problems).append(message)
+    return rows, problems, notes
+
+
+def _unit(seed: int, rank: int, phase: int, generation: int) -> float:
+    """A rank's pseudo-random starting point on [0, 1) for a phase (blake2b of the four numbers)."""
+    digest = hashlib.blake2b(f"{seed}:{rank}:{phase}:{generation}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") / 2**64
+
+
+def choose(weights: list[tuple[str, float]], u: float) -> str:
+    """The bucket whose slice of [0, 1) holds u (weights in order, summing to 1)."""
+    edge = 0.0
+    for name, weight in weights:
+        edge += weight
+        if u < edge:
+            return name
+    return weights[-1][0]  # u within rounding of 1
+
+
+# -----------------------------------------------------------------------------
+# The loader
+
+
+class _Lookahead:
+    """An iterator that can tell whether it has another item (reading one ahead, on the same thread)."""
+
+    def __init__(self, it):
+        self._it, self._slot, self._done = it, None, False
+
+    def more(self) -> bool:
+        if self._slot is None and not self._done:
+            try:
+                self._slot = next(self._it)
+            except StopIteration:
+                self._done = True
+        return self._slot is not None
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        if not self.more():
+            raise StopIteration
+        item, self._slot = self._slot, None
+        return item
+
+
+class _Bucket:
+    """One bucket: its single-pass document stream, best-fit packer and state tracker."""
+
+    def __init__(self, name, stream, tracker, packer, position, trace):
+        self.name, self.stream, self.tracker, self.packer = name, stream, tracker, packer
+        self.batches = _Lookahead(_token_batches(stream.batches(), tracker.encoder))
+        self.source = _Source(self.batches, stream, position)
+        self.trace = trace
+        tracker.restore(packer)
+
+    def _refill(self):
+        return self.source() if self.batches.more() else ()  # nothing: the bucket is drained
+
+    def _buffered_tokens(self) -> int:
+        p = self.packer
+        return p.tokens_in - (p.tokens_out - p.tokens_bos_added - p.tokens_repeated) - p.tokens_cropped
+
+    def fill_row(self, row: np.ndarray, buffer_size: int) -> bool:
+        """Pack one row (shape (1, T+1)); False if the bucket cannot fill it any more (dry)."""
+        capacity = row.shape[1]
+        while self._buffered_tokens() < capacity and self.batches.more():  # enough left to finish the row?
+            for doc, key, overlap, start in self.source():
+                if start is None:
+                    self.packer.add(doc, key, overlap)
+                else:
+                    self.packer.add_piece(doc, key, overlap, start)
+        if self._buffered_tokens() < capacity:
+            return False
+        self.packer.trace = [] if self.trace else None
+        self.packer.fill(row, self._refill, buffer_size)
+        return True
+
+
+class _Mixture:
+    """The curriculum's position, and the rows it draws from the buckets."""
+
+    def __init__(self, phases, buckets, B, T, world_size, rank, seed, buffer_size, allow_bucket_exhaustion,
+                 allow_budget_mismatch, config, start):
+        self.phases, self.buckets = phases, buckets
+        self.B, self.T, self.world_size, self.rank, self.seed = B, T, world_size, rank, seed
+        self.buffer_size = buffer_size
+        self.allow_bucket_exhaustion, self.allow_budget_mismatch = allow_bucket_exhaustion, allow_budget_mismatch
+        self.config = config
+        self.ends = list(itertools.accumulate(p.tokens for p in phases))  # where each phase ends, in job tokens
+        s = start or {}
+        self.tokens_done = s.get("tokens_done", 0)  # tokens the whole job has trained
+        self.phase = s.get("phase", 0)
+        self.position = s.get("position", 0)  # this rank's rows drawn in the phase
+        self.generation = s.get("generation", 0)  # elastic merges so far: a fresh sequence after each
+        self.dropped = set(s.get("dropped", []))
+        emitted = s.get("emitted", {"batches": 0, "tokens": 0, "hash": resume.EMPTY_HASH})
+        self.batches, self.emitted_tokens, self.hash = emitted["batches"], emitted["tokens"], emitted["hash"]
+        self.past_end_warned = False
+
+    def _phase_of(self, tokens_done: int) -> int | None:
+        for p, end in enumerate(self.ends):
+            if tokens_done < end:
+                return p
+        return None
+
+    def state(self) -> dict:
+        start = self.ends[self.phase - 1] if self.phase else 0
+        return resume.seal({
+            "version": resume.VERSION, "loader": "mixture", "phase": self.phase,
+            "phase_tokens_done": self.tokens_done - start, "tokens_done": self.tokens_done,
+            "position": self.position, "generation": self.generation, "dropped": sorted(self.dropped),
+            "buckets": {name: b.tracker.state(b.packer, b.source, np.empty(0, np.uint32))
+                        for name, b in self.buckets.items()},
+            "config": self.config,
+            "emitted": {"batches": self.batches, "tokens": self.emitted_tokens, "hash": self.hash},
+        })
+
+    def stats(self, row_buckets) -> dict:
+        per = {name: b.packer.stats() for name, b in self.buckets.items()}
+        total = {key: sum(s[key] for s in per.values()) for key in
+                 ("tokens_tokenized", "tokens_emitted", "tokens_cropped", "tokens_masked", "tokens_bos_added",
+                  "tokens_repeated", "docs_split", "buffer_docs", "buffer_tokens")}
+        out_docs = total["tokens_emitted"] - total["tokens_bos_added"] - total["tokens_repeated"]
+        return total | {
+            "crop_share": total["tokens_cropped"] / max(1, out_docs + total["tokens_cropped"]),
+            "phase": self.phase, "phase_tokens_done": self.tokens_done - (self.ends[self.phase - 1] if self.phase else 0),
+            "tokens_done": self.tokens_done, "dropped": sorted(self.dropped), "row_buckets": row_buckets,
+            "buckets": per,
+        }
+
+    def batches_(self):
+        """Yield (rows, state, stats, extras) per batch; extras["stop"] is set (with the last good state
+        as the state) when the loader must stop: ("bucket", name) or ("budget", None)."""
+        B, T = self.B, self.T
+        last_state = None
+        while True:
+            phase = self._phase_of(self.tokens_done)
+            if phase is None:
+                if not self.allow_budget_mismatch:
+                    yield None, last_state, {}, {"stop": ("budget", None)}
+                    return
+                phase = len(self.phases) - 1
+                if not self.past_end_warned:
+                    self.past_end_warned = True
+                    logger.warning("the curriculum's %s tokens are done; going on with the last phase's mix "
+                                   "(allow_budget_mismatch=True)", f"{self.ends[-1]:,}")
+            if phase != self.phase:
+                self.phase, self.position = phase, 0
+            rows = np.empty((B, T + 1), dtype=np.uint32)
+            row_buckets, masked, trace = [], [], []
+            for i in range(B):
+                while True:
+                    weights = self._weights(phase)
+                    u = (_unit(self.seed, self.rank, phase, self.generation) + self.position * PHI) % 1.0
+                    self.position += 1
+                    name = choose(weights, u)
+                    bucket = self.buckets[name]
+                    if bucket.fill_row(rows[i:i + 1], self.buffer_size):
+                        break
+                    if not self.allow_bucket_exhaustion:
+                        yield None, last_state, {}, {"stop": ("bucket", name)}
+                        return
+                    self.dropped.add(name)
+                    logger.warning("bucket %r ran dry on rank %d in phase %d; dropped, the other weights "
+                                   "renormalised (allow_bucket_exhaustion=True)", name, self.rank, phase + 1)
+                row_buckets.append(name)
+                masked += [(i, start, end) for _, start, end in bucket.packer.masked]
+                if bucket.trace:
+                    trace += [[(name, *key) if start is None else (name, *key, start) for key, start in row]
+                              for row in bucket.packer.trace]
+            self.tokens_done += B * T * self.world_size
+            self.batches += 1
+            self.emitted_tokens += rows.size
+            self.hash = resume.hash_tokens(self.hash, rows)
+            last_state = self.state()
+            extras = {"trace": trace if trace else None, "masked": masked, "stop": None, "state": last_state}
+            yield rows, last_state, self.stats(row_buckets), extras
+
+    def _weights(self, phase: int) -> list[tuple[str, float]]:
+        mix = {name: w for name, w in self.phases[phase].mix.items() if name not in self.dropped}
+        if not mix:
+            raise ValueError(f"curriculum phase {phase + 1}: every bucket of its mix ran dry on rank {self.rank} "
+                             f"({', '.join(sorted(self.phases[phase].mix))})")
+        total = sum(mix.values())
+        return [(name, w / total) for name, w in sorted(mix.items())]
+
+
+def _agree(code: int) -> int:
+    """The largest stop code over all ranks (one all_reduce), when torch.distributed is running."""
+    import torch.distributed as dist
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return code
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else "cpu"
+    flag = torch.tensor([code], dtype=torch.int32, device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    return int(flag.item())
+
+
+class MixtureLoader(DataLoader):
+    """The DataLoader of pretokenized_mixture_loader...: stops, on every rank at the same step, with
+    BucketExhausted or CurriculumComplete. `stats` adds the phase, tokens done, dropped buckets,
+    per-bucket statistics, and `row_buckets` (each row's bucket in the last batch)."""
+
+    STOP_CODES = {None: 0, "budget": 1, "bucket": 2}
+
+    def __init__(self, *args, start_state=None, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.last_state = start_state
+
+    def _check(self, extras: dict) -> None:
+        stop = extras.get("stop")
+        code = _agree(self.STOP_CODES[stop[0] if stop else None])
+        if not code:
+            self.last_state = extras["state"]
+        if code == 2:
+            bucket = stop[1] if stop else None
+            where = f"bucket {bucket!r} ran dry on this rank" if bucket else "a bucket ran dry on another rank"
+            raise BucketExhausted(f"{where}; its `state` is the last good state: save a checkpoint with it and "
+                                  "stop, or resume with allow_bucket_exhaustion=True to drop the bucket",
+                                  self.last_state, bucket)
+        if code == 1:
+            raise CurriculumComplete("every phase of the curriculum is done; its `state` is the last good state "
+                                     "(pass allow_budget_mismatch=True to go on with the last phase)", self.last_state)
+
+
+def pretokenized_mixture_loader_with_state_bos_bestfit(
+        B: int, T: int, split: str, curriculum, device="cuda", resume_state_dict: dict | None = None,
+        buffer_size: int = 1000, *, data_dir: str, seed: int = 0, bos_token: int | None = None,
+        chunk_size: int = 1024, batch_size: int = 128, rank: int | None = None, world_size: int | None = None,
+        prefetch: int = 4, with_state: bool = True, allow_state_mismatch: bool = False,
+        allow_bucket_exhaustion: bool = False, allow_budget_mismatch: bool = False,
+        total_tokens: int | None = None, trace_documents: bool = False, long_doc_policy: str = "crop",
+        split_overlap: int = 0) -> MixtureLoader:
+    """Yield (inputs, targets, state_dict): best-fit rows, each from one bucket of data_dir/split/<bucket>/,
+    mixed by the curriculum (see the module docstring). buffer_size is per bucket. seed picks the mix's
+    sequence. total_tokens: tokens the run will train (all ranks), checked against the curriculum.
+    Raises BucketExhausted / CurriculumComplete (with .state, the last good state) where it must stop."""
+    from nanochat.pretokenize import TokenShard
+    _check_options(B, T, split, prefetch, buffer_size=buffer_size, chunk_size=chunk_size, batch_size=batch_size)
+    check_long_doc_policy(long_doc_policy, split_overlap, T)
+    if isinstance(seed, bool) or not isinstance(seed, int):
+        raise ValueError(f"seed must be an integer, got {seed!r}")
+    rank, world_size = _resolve_rank(rank, world_size)
+    paths = list_buckets(data_dir, split)
+    phases = load_curriculum(curriculum, paths)
+    if bos_token is None:
+        first = TokenShard(next(iter(paths.values()))[0])
+        if not len(first) or not len(first.entry(0)):
+            raise ValueError(f"{first.prefix} starts with an empty entry; pass bos_token explicitly")
+        bos_token = int(first.entry(0)[0])
+    used = sorted({name for p in phases for name in p.mix})
+    config = {"loader": "mixture", "source": "pretokenized", "split": split,
+              "buckets": {name: resume.files_fingerprint(paths[name]) for name in used},
+              "chunk_size": chunk_size, "B": B, "T": T, "buffer_size": buffer_size, "tokenizer_batch_size": batch_size,
+              "tokenizer": f"bos:{bos_token}", "seed": seed,
+              "curriculum": [[p.tokens, [[name, w] for name, w in sorted(p.mix.items())]] for p in phases],
+              "rank": rank, "world_size": world_size, "long_doc_policy": long_doc_policy,
+              "split_overlap": split_overlap}
+    state = _mixture_start(resume_state_dict, config, rank, world_size, allow_state_mismatch)
+    if state is None:  # a fresh run: refuse a curriculum that is predicted to run dry
+        _, problems, notes = validate(phases, data_dir, split, total_tokens, allow_bucket_exhaustion,
+                                      allow_budget_mismatch, T)
+        for note in notes:
+            logger.warning("mixture: %s", note)
+        if problems:
+            raise ValueError("the curriculum does not fit the data: " + "; ".join(problems) +
+                             " (python -m nanochat.mixture validate prints the whole table; "
+                             "allow_bucket_exhaustion / allow_budget_mismatch accept it)")
+    elif total_tokens is not None and total_tokens != sum(p.tokens for p in phases) and not allow_budget_mismatch:
+        raise ValueError(f"budget mismatch: the curriculum totals {sum(p.tokens for p in phases):,} tokens, "
+                         f"the run will train {total_tokens:,}; pass allow_budget_mismatch=True to accept it")
+    encoder = _ShardDocs(bos_token)
+    buckets = {}
+    for name in used:
+        sub_config = {"loader": "bestfit", "source": "pretokenized", "split": f"{split}/{name}",
+                      "files": config["buckets"][name], "num_files": len(paths[name]), "chunk_size": chunk_size,
+                      "B": B, "T": T, "buffer_size": buffer_size, "tokenizer_batch_size": batch_size,
+                      "tokenizer": config["tokenizer"], "rank": rank, "world_size": world_size,
+                      "long_doc_policy": long_doc_policy, "split_overlap": split_overlap}
+        sub_state = state["buckets"][name] if state else None
+        reader = _ShardReader(paths[name], chunk_size)
+        stream, start, position = _start_stream(reader, rank, world_size, batch_size, sub_state, sub_config,
+                                                allow_state_mismatch, epochs=1)
+        tracker = _Tracker("bestfit", stream, encoder, sub_config, start)
+        packer = BestFitPacker(T + 1, long_doc_policy, split_overlap)
+        buckets[name] = (stream, tracker, packer, position)
+
+    def batches():
+        made = {name: _Bucket(name, *parts, trace_documents) for name, parts in buckets.items()}
+        mixture = _Mixture(phases, made, B, T, world_size, rank, seed, buffer_size, allow_bucket_exhaustion,
+                           allow_budget_mismatch, config, state)
+        yield from mixture.batches_()
+
+    return MixtureLoader(batches(), _DeviceBatches(B, T, device), _row_split, prefetch, with_state,
+                         start_state=resume_state_dict)
+
+
+def _mixture_start(state, config, rank, world_size, allow_mismatch) -> dict | None:
+    """Validate a mixture resume state (or a merge of them) against this loader; returns this rank's."""
+    if state is None:
+        return None
+    if not isinstance(state, dict):
+        raise TypeError(f"resume_state_dict must be a dict, got {type(state).__name__}")
+    if "merged" in state:
+        merged = state.get("states")
+        if not isinstance(merged, list) or len(merged) != world_size:
+            raise ValueError(f"resume_state_dict['merged'] is for {len(merged or [])} ranks, but this run has world "
+                             f"size {world_size}; merge for this world size")
+        state = merged[rank]
+    if state.get("version") != resume.VERSION or state.get("loader") != "mixture":
+        raise ValueError("resume_state_dict is not a mixture loader state (version 2, loader 'mixture')")
+    for key in ("phase", "tokens_done", "position", "generation", "dropped", "buckets", "config", "emitted", "checksum"):
+        if key not in state:
+            raise ValueError(f"resume_state_dict is missing {key!r} (a truncated state?)")
+    if state["checksum"] != resume.checksum(state) and not allow_mismatch:
+        raise ValueError("resume_state_dict['checksum'] does not match its contents: the state was edited or "
+                         "corrupted; pass allow_state_mismatch=True to resume from it anyway")
+    saved = state["config"]
+    differ = [f"{k}: state {saved.get(k)!r}, loader {v!r}" for k, v in config.items() if saved.get(k) != v]
+    stream_fields = ("source", "split", "buckets", "chunk_size", "tokenizer", "rank", "world_size")
+    if differ and (not allow_mismatch or any(saved.get(k) != config[k] for k in stream_fields)):
+        raise ValueError("resume_state_dict was taken on another configuration (" + "; ".join(differ) + ")" +
+                         ("" if allow_mismatch else "; pass allow_state_mismatch=True to go on with a changed "
+                          "curriculum, seed, B, T or buffer size"))
+    return state
+
+
+def merge_mixture_states(states: list[dict], world_size: int, *, data_dir: str) -> dict:
+    """Merge the mixture states of all N ranks at one step into the resume state of M ranks: every
+    bucket's remaining documents are dealt by resume.merge_states; the phase and tokens done carry over,
+    and the new ranks start a fresh mix sequence (generation + 1). A bucket stays dropped only if every
+    old rank had dropped it."""
+    if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
+        raise ValueError(f"world_size must be an integer >= 1, got {world_size!r}")
+    for i, s in enumerate(states):
+        if not isinstance(s, dict) or s.get("loader") != "mixture" or s.get("checksum") != resume.checksum(s):
+            raise ValueError(f"states[{i}] is not an intact mixture loader state")
+    first = states[0]
+    for i, s in enumerate(states):
+        for key in ("tokens_done", "phase", "generation"):
+            if s[key] != first[key]:
+                raise ValueError(f"{key}: states[{i}] has {s[key]!r}, states[0] has {first[key]!r}; merge states "
+                                 "of one step")
+        if {k: v for k, v in s["config"].items() if k != "rank"} != {k: v for k, v in first["config"].items()
+                                                                     if k != "rank"}:
+            raise ValueError(f"config: states[{i}] was taken on another configuration than states[0]")
+    per_bucket = {name: resume.merge_states([s["buckets"][name] for s in states], world_size, data_dir=data_dir)
+                  for name in first["buckets"]}
+    dropped = sorted(set.intersection(*(set(s["dropped"]) for s in states)))
+    merged = []
+    for q in range(world_size):
+        merged.append(resume.seal({
+            "version": resume.VERSION, "loader": "mixture", "phase": first["phase"],
+            "phase_tokens_done": first["phase_tokens_done"], "tokens_done": first["tokens_done"], "position": 0,
+            "generation": first["generation"] + 1, "dropped": dropped,
+            "buckets": {name: m["states"][q] for name, m in per_bucket.items()},
+            "config": dict(first["config"], rank=q, world_size=world_size),
+            "emitted": {"batches": first["emitted"]["batches"], "tokens": 0, "hash": resume.EMPTY_HASH},
+        }))
+    return {"version": resume.VERSION, "merged": {"from_world_size": len(states), "world_size": world_size},
+            "states": merged}
+
+
+# -----------------------------------------------------------------------------
+# python -m nanochat.mixture validate CONFIG --data PATH [--tokens N]
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m nanochat.mixture",
+                                     description="Check a curriculum against the buckets on disk.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    check = sub.add_parser("validate", help="tokens demanded vs available per phase and bucket; exit 1 on a "
+                                            "blocking problem")
+    check.add_argument("config", help="curriculum file (.yaml/.yml/.json): a list of phases or {curriculum: [...]}")
+    check.add_argument("--data", required=True, help="the data directory holding <split>/<bucket>/ shards")
+    check.add_argument("--split", default="train", choices=["train", "val"])
+    check.add_argument("--tokens", type=int, default=None, help="tokens the run will train (all ranks)")
+    check.add_argument("--T", type=int, default=None, help="the loader's T: a row of T+1 tokens trains T")
+    check.add_argument("--allow-bucket-exhaustion", action="store_true", help="a predicted shortfall only warns")
+    check.add_argument("--allow-budget-mismatch", action="store_true", help="a budget mismatch only warns")
+    args = parser.parse_args(argv)
+    try:
+        rows, problems, notes = validate(args.config, args.data, args.split, args.tokens,
+                                         args.allow_bucket_exhaustion, args.allow_budget_mismatch, args.T)
+    except (ValueError, OSError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(f"{'phase':>5s}  {'bucket':16s} {'weight':>7s} {'demanded':>16s} {'demanded so far':>16s} "
+          f"{'available':>16s}  status")
+    for r in rows:
+        print(f"{r['phase']:5d}  {r['bucket']:16s} {r['weight']:7.3f} {r['demanded']:16,d} {r['demanded_so_far']:16,d} "
+              f"{r['available']:16,d}  {r['status']}")
+    for note in notes:
+        print(f"warning: {note}")
+    for problem in problems:
+        print(f"error: {problem}")
+    print("blocking problems: " + (str(len(problems)) if problems else "none"))
+    return 1 if problems else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

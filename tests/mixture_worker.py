@@ -1,0 +1,41 @@
+"""
+One rank of test_mixture.py::test_ranks_stop_at_the_same_step, under torchrun with gloo:
+    torchrun --nproc_per_node 2 tests/mixture_worker.py DATA_DIR OUT_DIR
+Runs the mixture loader until it stops and writes OUT_DIR/rank{r}.json: the step at which it raised
+BucketExhausted, the bucket it names (None: it ran dry on another rank), and whether the exception's
+state is the state of the last batch this rank yielded.
+"""
+
+import json
+import os
+import sys
+
+import torch.distributed as dist
+
+from nanochat.mixture import BucketExhausted, pretokenized_mixture_loader_with_state_bos_bestfit
+
+
+def main():
+    data_dir, out_dir = sys.argv[1], sys.argv[2]
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    curriculum = [{"tokens": 60_000, "mix": {"web": 0.9, "tiny": 0.1}}]
+    loader = pretokenized_mixture_loader_with_state_bos_bestfit(
+        4, 99, "train", curriculum, device="cpu", data_dir=data_dir, buffer_size=4, chunk_size=4, batch_size=4,
+        allow_bucket_exhaustion=False)
+    step, last = 0, None
+    report = {"rank": rank, "step": None, "bucket": None, "state_is_last": False}
+    try:
+        while step < 1000:
+            _, _, last = next(loader)
+            step += 1
+            dist.barrier()  # a training step's collective: a rank left behind would hang here
+    except BucketExhausted as e:
+        report.update(step=step + 1, bucket=e.bucket, state_is_last=e.state == last)
+    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+        json.dump(report, f)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,293 @@
+"""
+Data mixtures and curricula (nanochat/mixture.py) on generated buckets of known sizes: the realised
+mix per phase (every 1M-token window within 1 point of the target, rows checked against their
+bucket's tokens), reproducibility, exact resume mid-phase and across a phase boundary, elastic resume,
+both exhaustion behaviours (and the ranks of a real torchrun job stopping at the same step), the
+budget, curriculum errors, and `python -m nanochat.mixture validate`'s report and exit codes.
+Run: python -m pytest tests/test_mixture.py -q
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+from nanochat.mixture import (BucketExhausted, CurriculumComplete, load_curriculum, main as mixture_main,
+                              pretokenized_mixture_loader_with_state_bos_bestfit as MIX, validate)
+from nanochat.pretokenize import write_token_shard
+from nanochat.resume import merge_states
+
+BOS = 1
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# each bucket's tokens come from its own id range, so a row's bucket can be read off its tokens
+ID_RANGES = {"code": (1000, 2000), "math": (2000, 3000), "web": (3000, 4000), "tiny": (4000, 5000)}
+
+
+def make_bucket(root, split, name, n_docs, mean_len, seed, shards=2, fixed_len=None):
+    """Shards of n_docs documents of geometric lengths (or all fixed_len), BOS first."""
+    rng = np.random.default_rng(seed)
+    directory = os.path.join(root, split, name)
+    os.makedirs(directory, exist_ok=True)
+    low, high = ID_RANGES[name]
+    per_shard = -(-n_docs // shards)
+    for s in range(shards):
+        n = min(per_shard, n_docs - s * per_shard)
+        lengths = np.full(n, fixed_len) if fixed_len else np.maximum(1, rng.geometric(1 / mean_len, size=n))
+        entries = [np.concatenate(([BOS], rng.integers(low, high, size=k - 1))).astype(np.uint16) for k in lengths]
+        write_token_shard(os.path.join(directory, f"shard_{s:03d}"), entries, [0] * n, np.uint16)
+
+
+def bucket_of_row(row) -> str:
+    tokens = row[row != BOS]
+    names = {name for name, (low, high) in ID_RANGES.items() if ((tokens >= low) & (tokens < high)).any()}
+    assert len(names) == 1, f"a row mixes buckets {names}"
+    return names.pop()
+
+
+@pytest.fixture(scope="module")
+def buckets(tmp_path_factory):
+    """web: long documents, code: short ones, math: medium; each far larger than the curriculum needs."""
+    root = tmp_path_factory.mktemp("mixture")
+    for split in ("train", "val"):
+        make_bucket(root, split, "web", 9000, 400, 1)
+        make_bucket(root, split, "code", 30000, 60, 2)
+        make_bucket(root, split, "math", 12000, 150, 3)
+    return str(root)
+
+
+CURRICULUM = [{"tokens": 2_500_000, "mix": {"web": 0.5, "code": 0.3, "math": 0.2}},
+              {"tokens": 1_500_000, "mix": {"web": 0.2, "code": 0.5, "math": 0.3}}]
+KW = dict(device="cpu", buffer_size=64, chunk_size=128, batch_size=32)
+
+
+def test_realised_mix_follows_every_phase(buckets):
+    B, T = 16, 255
+    loader = MIX(B, T, "train", CURRICULUM, data_dir=buckets, **KW)
+    rows_by_phase = {0: [], 1: []}
+    with pytest.raises(CurriculumComplete) as stop:
+        while True:
+            x, y, state = next(loader)
+            rows = torch.cat([x, y[:, -1:]], dim=1).numpy()
+            assert (rows[:, 0] == BOS).all()
+            named = [bucket_of_row(row) for row in rows]
+            assert named == loader.stats["row_buckets"]  # the reported bucket is the row's real one
+            rows_by_phase[state["phase"]].extend(named)
+    # the budget: phases switch at the first step past each budget, and the loader stops past the total
+    assert stop.value.state["tokens_done"] >= 4_000_000 > stop.value.state["tokens_done"] - B * T
+    for phase, names in rows_by_phase.items():
+        mix = CURRICULUM[phase]["mix"]
+        window = 1_000_000 // T  # rows of T trained tokens in 1M tokens
+        assert len(names) > window
+        for bucket, weight in mix.items():
+            hits = np.concatenate(([0], np.cumsum([n == bucket for n in names])))
+            shares = (hits[window:] - hits[:-window]) / window  # every window of 1M tokens in the phase
+            assert np.abs(shares - weight).max() <= 0.01, (phase, bucket, shares.min(), shares.max())
+
+
+def test_reproducible_and_seeded(buckets):
+    def run(seed):
+        loader = MIX(4, 63, "train", CURRICULUM, data_dir=buckets, seed=seed, **KW)
+        return [next(loader)[0].clone() for _ in range(30)]
+    a, b, c = run(0), run(0), run(1)
+    assert all(torch.equal(x, y) for x, y in zip(a, b))
+    assert not all(torch.equal(x, y) for x, y in zip(a, c))
+
+
+def take(loader, n):
+    return [(x.clone(), y.clone(), s) for x, y, s in (next(loader) for _ in range(n))]
+
+
+@pytest.mark.parametrize("policy", ["crop", "split_reuse"])
+def test_exact_resume_mid_phase_and_across_the_boundary(buckets, policy):
+    B, T = 8, 127
+    short = [{"tokens": 40 * B * T, "mix": {"web": 0.6, "code": 0.4}},
+             {"tokens": 40 * B * T, "mix": {"code": 0.3, "math": 0.7}}]
+    kw = dict(KW, data_dir=buckets, long_doc_policy=policy, split_overlap=2 if policy != "crop" else 0)
+    run = take(MIX(B, T, "train", short, **kw), 70)
+    phases = [s["phase"] for _, _, s in run]
+    boundary = phases.index(1)
+    # the state after a batch names that batch's phase: the 40th batch completes phase 0
+    assert boundary == 40 and run[boundary - 1][2]["phase_tokens_done"] == 40 * B * T
+    assert run[boundary][2]["phase_tokens_done"] == B * T
+    assert all(len(s["buckets"]) == 3 for _, _, s in run)
+    for k in (5, boundary - 2, boundary - 1, boundary, 60):
+        resumed = MIX(B, T, "train", short, resume_state_dict=json.loads(json.dumps(run[k][2])), **kw)
+        for j, (x, y, s) in enumerate(take(resumed, 69 - k), k + 1):
+            assert torch.equal(x, run[j][0]) and torch.equal(y, run[j][1]) and s == run[j][2], (k, j)
+
+
+def test_elastic_resume(buckets):
+    # 2 ranks for 25 steps, then 3: the phase and the tokens done carry over, the mix goes on, no
+    # document is trained on twice (crop: each placed once, whole or cropped), and a state of the
+    # merged run resumes exactly
+    B, T = 4, 127
+    cur = [{"tokens": 2_000_000, "mix": {"web": 0.5, "code": 0.25, "math": 0.25}}]
+    kw = dict(KW, data_dir=buckets, trace_documents=True, buffer_size=16)
+    placed, states = [], []
+    for rank in range(2):
+        loader = MIX(B, T, "train", cur, rank=rank, world_size=2, **kw)
+        for _ in range(25):
+            _, _, state = next(loader)
+            placed += [key for row in loader.documents for key in row]
+        states.append(state)
+    assert all(any(b["buffer"] for b in s["buckets"].values()) for s in states)
+    merged = merge_states(states, 3, data_dir=buckets)
+    assert [s["tokens_done"] for s in merged["states"]] == [25 * B * T * 2] * 3
+    assert all(s["generation"] == 1 and any(b["plan"] for b in s["buckets"].values()) for s in merged["states"])
+    new_rows = []
+    for rank in range(3):
+        loader = MIX(B, T, "train", cur, rank=rank, world_size=3, resume_state_dict=merged, **kw)
+        run = []
+        for _ in range(60):
+            run.append(take(loader, 1)[0])
+            placed += [key for row in loader.documents for key in row]
+            new_rows += loader.stats["row_buckets"]
+        assert run[0][2]["tokens_done"] == 25 * B * T * 2 + B * T * 3
+        again = MIX(B, T, "train", cur, rank=rank, world_size=3, resume_state_dict=run[9][2], **kw)
+        assert all(torch.equal(x, r[0]) and s == r[2] for (x, _, s), r in zip(take(again, 5), run[10:15]))
+    assert len(placed) == len(set(placed)), "a document was trained on twice"
+    shares = {name: new_rows.count(name) / len(new_rows) for name in ("web", "code", "math")}
+    assert abs(shares["web"] - 0.5) < 0.02 and abs(shares["code"] - 0.25) < 0.02
+
+
+def tiny_buckets(root):
+    """web (plenty) and tiny: 40 documents of 200 tokens (8,000), of which the loader at T=99 crops half."""
+    make_bucket(root, "train", "web", 4000, 100, 5)
+    make_bucket(root, "train", "tiny", 40, 0, 6, shards=1, fixed_len=200)
+    return str(root)
+
+
+TINY_CUR = [{"tokens": 60_000, "mix": {"web": 0.9, "tiny": 0.1}}]
+
+
+def test_bucket_runs_dry_then_resumes_with_it_dropped(tmp_path):
+    data = tiny_buckets(tmp_path)
+    kw = dict(device="cpu", buffer_size=4, chunk_size=8, batch_size=4, data_dir=data)
+    # validation predicts no shortfall (6,000 tokens of tiny demanded, 8,000 available) ...
+    rows, problems, _ = validate(TINY_CUR, data, T=99)
+    assert not problems and [r["status"] for r in rows] == ["ok", "ok"]
+    # ... but cropping uses tiny up faster: the loader stops with the last good state
+    loader = MIX(4, 99, "train", TINY_CUR, **kw)
+    states = []
+    with pytest.raises(BucketExhausted, match="bucket 'tiny' ran dry on this rank") as stop:
+        while True:
+            states.append(next(loader)[2])
+    assert stop.value.bucket == "tiny" and stop.value.state == states[-1]
+    with pytest.raises(BucketExhausted):  # and it stays stopped
+        next(loader)
+    # resumed with allow_bucket_exhaustion=True: the bucket is dropped, web fills every row from then on
+    resumed = MIX(4, 99, "train", TINY_CUR, resume_state_dict=stop.value.state, allow_bucket_exhaustion=True, **kw)
+    x, _, state = take(resumed, 1)[0]
+    assert state["dropped"] == ["tiny"] and resumed.stats["dropped"] == ["tiny"]
+    for _ in range(5):
+        next(resumed)
+        assert set(resumed.stats["row_buckets"]) == {"web"}
+    # the same run with the flag from the start drops it at the same row and goes on
+    straight = MIX(4, 99, "train", TINY_CUR, allow_bucket_exhaustion=True, **kw)
+    batches = take(straight, len(states) + 1)
+    assert batches[len(states)][2]["dropped"] == ["tiny"]
+    assert torch.equal(batches[len(states)][0], x)
+
+
+def test_predicted_shortfall_blocks_the_start(tmp_path):
+    data = tiny_buckets(tmp_path)
+    greedy = [{"tokens": 60_000, "mix": {"web": 0.5, "tiny": 0.5}}]  # 30,000 tokens of tiny: 8,000 exist
+    with pytest.raises(ValueError, match="phase 1: bucket 'tiny' runs dry: 30,303 tokens demanded"):  # x 100/99
+        MIX(4, 99, "train", greedy, device="cpu", data_dir=data)
+    loader = MIX(4, 99, "train", greedy, device="cpu", data_dir=data, allow_bucket_exhaustion=True,
+                 buffer_size=4, chunk_size=8, batch_size=4)
+    for _ in range(60):
+        next(loader)
+    assert loader.stats["dropped"] == ["tiny"]
+
+
+def test_budget(buckets):
+    cur = [{"tokens": 10 * 4 * 63, "mix": {"web": 1.0}}]
+    with pytest.raises(ValueError, match="budget mismatch: the curriculum totals 2,520 tokens, the run will train 5,000"):
+        MIX(4, 63, "train", cur, data_dir=buckets, total_tokens=5000, **KW)
+    loader = MIX(4, 63, "train", cur, data_dir=buckets, total_tokens=5000, allow_budget_mismatch=True, **KW)
+    states = [next(loader)[2] for _ in range(15)]  # past the curriculum's end: the last phase goes on
+    assert states[-1]["tokens_done"] == 15 * 4 * 63 and states[-1]["phase"] == 0
+    loader = MIX(4, 63, "train", cur, data_dir=buckets, **KW)
+    states = [next(loader)[2] for _ in range(10)]
+    with pytest.raises(CurriculumComplete) as stop:
+        next(loader)
+    assert stop.value.state == states[-1]
+
+
+def test_curriculum_errors_name_the_phase(buckets, tmp_path):
+    names = {"web", "code", "math"}
+    good = {"tokens": 10, "mix": {"web": 1}}
+    for phase, match in [({"tokens": 10, "mix": {"maths": 1}}, "curriculum phase 2: unknown bucket 'maths'"),
+                         ({"tokens": 10, "mix": {"web": -0.1, "code": 1}}, "phase 2: weight of 'web' is -0.1"),
+                         ({"tokens": 10, "mix": {}}, "curriculum phase 2: empty mix"),
+                         ({"tokens": 0, "mix": {"web": 1}}, "curriculum phase 2: 'tokens' must be a positive integer"),
+                         ({"tokens": 10, "mix": {"web": 0}}, "curriculum phase 2: every weight is 0"),
+                         ({"tokens": 10, "weights": {"web": 1}}, "curriculum phase 2: unknown keys")]:
+        with pytest.raises(ValueError, match=match):
+            load_curriculum([good, phase], names)
+    with pytest.warns(UserWarning, match="curriculum phase 1: weights sum to 2, normalised to 1"):
+        phases = load_curriculum([{"duration_tokens": 10, "mix": {"web": 1.5, "code": 0.5}}], names)
+    assert phases[0].mix == {"code": 0.25, "web": 0.75}
+    # files: YAML (seed 003's shape) and JSON give the same curriculum
+    (tmp_path / "c.yaml").write_text("data:\n  curriculum:\n    - duration_tokens: 5_000\n"
+                                     "      mix: {web: 0.6, code: 0.4}\n")
+    (tmp_path / "c.json").write_text(json.dumps([{"tokens": 5000, "mix": {"web": 0.6, "code": 0.4}}]))
+    assert load_curriculum(str(tmp_path / "c.yaml"), names) == load_curriculum(str(tmp_path / "c.json"), names)
+    with pytest.raises(ValueError, match="unknown bucket 'maths'"):
+        MIX(2, 16, "train", [{"tokens": 10, "mix": {"maths": 1}}], data_dir=buckets, **KW)
+
+
+def test_validate_report_and_exit_codes(tmp_path, capsys):
+    data = tiny_buckets(tmp_path / "data")
+    config = tmp_path / "cur.yaml"
+    config.write_text("curriculum:\n  - tokens: 20000\n    mix: {web: 0.8, tiny: 0.2}\n"
+                      "  - tokens: 20000\n    mix: {web: 0.9, tiny: 0.1}\n")
+    assert mixture_main(["validate", str(config), "--data", data]) == 0
+    out = capsys.readouterr().out
+    assert "blocking problems: none" in out
+    lines = [line.split() for line in out.splitlines() if line.strip().startswith(("1 ", "2 "))]
+    assert [(l[0], l[1], l[-1]) for l in lines] == [("1", "tiny", "ok"), ("1", "web", "ok"),
+                                                   ("2", "tiny", "ok"), ("2", "web", "ok")]
+    assert lines[2][4] == "6,000" and lines[2][5] == "8,000"  # demanded so far, available
+    # more of tiny than exists: exit 1 and the shortfall, unless exhaustion is allowed
+    config.write_text("curriculum:\n  - tokens: 20000\n    mix: {web: 0.5, tiny: 0.5}\n")
+    assert mixture_main(["validate", str(config), "--data", data]) == 1
+    assert "error: phase 1: bucket 'tiny' runs dry: 10,000 tokens demanded" in capsys.readouterr().out
+    assert mixture_main(["validate", str(config), "--data", data, "--allow-bucket-exhaustion"]) == 0
+    assert "warning: phase 1: bucket 'tiny' runs dry" in capsys.readouterr().out
+    # the budget: --tokens different from the curriculum's total
+    config.write_text("curriculum:\n  - tokens: 20000\n    mix: {web: 1}\n")
+    assert mixture_main(["validate", str(config), "--data", data, "--tokens", "30000"]) == 1
+    assert "budget mismatch" in capsys.readouterr().out
+    assert mixture_main(["validate", str(config), "--data", data, "--tokens", "30000", "--allow-budget-mismatch"]) == 0
+    # a broken config or data directory: exit 2 with the reason
+    config.write_text("curriculum:\n  - tokens: 20000\n    mix: {web: 1, wiki: 1}\n")
+    assert mixture_main(["validate", str(config), "--data", data]) == 2
+    assert "curriculum phase 1: unknown bucket 'wiki'" in capsys.readouterr().err
+    assert mixture_main(["validate", str(config), "--data", str(tmp_path / "nowhere")]) == 2
+    # and as a module, from a shell
+    result = subprocess.run([sys.executable, "-m", "nanochat.mixture", "validate", str(config), "--data", data],
+                            cwd=REPO_ROOT, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2 and "unknown bucket 'wiki'" in result.stderr
+
+
+def test_ranks_stop_at_the_same_step(tmp_path):
+    # 2 real processes (torchrun, gloo): tiny runs dry on one rank first; both raise at the same step
+    data = tiny_buckets(tmp_path / "data")
+    out = tmp_path / "out"
+    out.mkdir()
+    result = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+         os.path.join(REPO_ROOT, "tests", "mixture_worker.py"), data, str(out)],
+        cwd=REPO_ROOT, capture_output=True, text=True, timeout=180,
+        env={k: v for k, v in dict(os.environ, OMP_NUM_THREADS="1").items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE")})
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    reports = [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
+    assert reports[0]["step"] == reports[1]["step"] > 1
+    assert sorted(r["bucket"] for r in reports if r["bucket"]) == ["tiny"]  # one rank saw it run dry
+    assert all(r["state_is_last"] for r in reports)
