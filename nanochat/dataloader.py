@@ -371,12 +371,11 @@ class _Tracker:
         units, cursor = self.stream.remaining_plan(source.after)
         pq_idx, rg_idx, epoch = source.position
         counters = {name: getattr(packer, name) for name in packer.COUNTERS}
-        buffer, pieces = resume.encode_buffer(packer.buffered())
         return resume.seal({
             "version": resume.VERSION, "loader": self.kind,
             "pq_idx": pq_idx, "rg_idx": rg_idx, "epoch": epoch,
             "plan": self._plan_items(units) if units else [], "next": list(cursor),
-            "buffer": buffer, "pieces": pieces,
+            "buffer": resume.encode_keys(packer.buffered_keys()), "pieces": packer.buffered_pieces(),
             "offset": packer.offset if self.kind == "concat" else 0,
             "config": self.config,
             "emitted": {"batches": self.batches, "tokens": self.tokens, "hash": self.hash},

@@ -163,6 +163,16 @@ class BestFitPacker:
         document, else the piece's start (add_piece(document, key, overlap, start) rebuilds it)."""
         return [(key, self._starts.get(seq)) for seq, key in self._keys.items()]
 
+    def buffered_keys(self) -> list:
+        """The keys of buffered(), alone (a C-speed copy: the state is built every batch)."""
+        return list(self._keys.values())
+
+    def buffered_pieces(self) -> list[list[int]]:
+        """[[index in buffered(), start], ...] for the buffered pieces (empty unless the policy splits)."""
+        if not self._starts:
+            return []
+        return [[i, self._starts[seq]] for i, seq in enumerate(self._keys) if seq in self._starts]
+
     def add(self, doc: np.ndarray, key=None, overlap: int = 0) -> None:
         """Buffer a document, cut into pieces if the policy splits and it is longer than a row.
         `key` names it (e.g. where it was read) in buffered() and traces; `overlap`: how many tokens
@@ -329,10 +339,12 @@ class ConcatPacker:
         return {"tokens_tokenized": self.tokens_in, "tokens_emitted": self.tokens_out,
                 "tokens_cropped": 0, "crop_share": 0.0, "buffer_tokens": self._num_tokens}
 
-    def buffered(self) -> list:
-        """(key, None) of the documents not yet fully consumed, in order; `offset` tokens of the first
-        are (None: whole documents, as BestFitPacker.buffered() reports them)."""
-        return [(key, None) for _, key in self._docs]
+    def buffered_keys(self) -> list:
+        """Keys of the documents not yet fully consumed, in order; `offset` tokens of the first are."""
+        return [key for _, key in self._docs]
+
+    def buffered_pieces(self) -> list:
+        return []  # whole documents only
 
     @property
     def offset(self) -> int:

@@ -104,12 +104,6 @@ def decode_keys(groups) -> list[Key]:
     return [(epoch, pq_idx, rg_idx, row) for epoch, pq_idx, rg_idx, runs in groups for row in decode_rows(runs)]
 
 
-def encode_buffer(buffered) -> tuple[list[list], list[list[int]]]:
-    """A packer's buffered() list of (key, start) -> the state's ("buffer", "pieces")."""
-    keys = [key for key, _ in buffered]
-    return encode_keys(keys), [[i, start] for i, (_, start) in enumerate(buffered) if start is not None]
-
-
 def decode_pieces(pieces, n: int, where: str) -> list:
     """"pieces" [[i, start], ...] -> a list of n starts (None where the entry is a whole document)."""
     starts: list = [None] * n
