@@ -402,14 +402,28 @@ class _Mixture:
         return [(name, w / total) for name, w in sorted(mix.items())]
 
 
-def _agree(code: int) -> int:
-    """The largest stop code over all ranks (one all_reduce), when torch.distributed is running."""
+_FLAG_GROUP: list = []  # the CPU (gloo) process group the stop flags travel on, made once
+
+
+def _flag_group():
+    """A gloo group for the per-batch stop flag, or None outside torch.distributed. On CPU, so that
+    reading the flag never waits for the GPU (an NCCL all_reduce + .item() would sync every step).
+    Made at the first mixture loader's construction, which every rank reaches in the same order."""
     import torch.distributed as dist
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return None
+    if not _FLAG_GROUP:
+        _FLAG_GROUP.append(dist.group.WORLD if dist.get_backend() == "gloo" else dist.new_group(backend="gloo"))
+    return _FLAG_GROUP[0]
+
+
+def _agree(code: int, group) -> int:
+    """The largest stop code over all ranks: one 4-byte all_reduce on the CPU group."""
+    if group is None:
         return code
-    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else "cpu"
-    flag = torch.tensor([code], dtype=torch.int32, device=device)
-    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    import torch.distributed as dist
+    flag = torch.tensor([code], dtype=torch.int32)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
     return int(flag.item())
 
 
@@ -423,10 +437,11 @@ class MixtureLoader(DataLoader):
     def __init__(self, *args, start_state=None, **kwargs):
         super().__init__(*args, **kwargs)
         self.last_state = start_state
+        self._group = _flag_group()
 
     def _check(self, extras: dict) -> None:
         stop = extras.get("stop")
-        code = _agree(self.STOP_CODES[stop[0] if stop else None])
+        code = _agree(self.STOP_CODES[stop[0] if stop else None], self._group)
         if not code:
             self.last_state = extras["state"]
         if code == 2:
