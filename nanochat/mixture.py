@@ -322,7 +322,7 @@ class _Mixture:
 
     def state(self) -> dict:
         start = self.ends[self.phase - 1] if self.phase else 0
-        return resume.seal({
+        return _seal({
             "version": resume.VERSION, "loader": "mixture", "phase": self.phase,
             "phase_tokens_done": self.tokens_done - start, "tokens_done": self.tokens_done,
             "position": self.position, "generation": self.generation, "dropped": sorted(self.dropped),
@@ -415,6 +415,21 @@ def _flag_group():
     if not _FLAG_GROUP:
         _FLAG_GROUP.append(dist.group.WORLD if dist.get_backend() == "gloo" else dist.new_group(backend="gloo"))
     return _FLAG_GROUP[0]
+
+
+def _checksum(state: dict) -> str:
+    """A mixture state's checksum: its own fields, and each bucket state by that state's checksum (which
+    covers the bucket's contents and is checked when the bucket resumes), so each batch's state is
+    serialised once, not twice."""
+    buckets = state.get("buckets")
+    if not isinstance(buckets, dict) or not all(isinstance(b, dict) for b in buckets.values()):
+        return ""
+    return resume.checksum(dict(state, buckets={name: b.get("checksum") for name, b in buckets.items()}))
+
+
+def _seal(state: dict) -> dict:
+    state["checksum"] = _checksum(state)
+    return state
 
 
 def _agree(code: int, group) -> int:
@@ -544,7 +559,7 @@ def _mixture_start(state, config, rank, world_size, allow_mismatch) -> dict | No
     for key in ("phase", "tokens_done", "position", "generation", "dropped", "buckets", "config", "emitted", "checksum"):
         if key not in state:
             raise ValueError(f"resume_state_dict is missing {key!r} (a truncated state?)")
-    if state["checksum"] != resume.checksum(state) and not allow_mismatch:
+    if state["checksum"] != _checksum(state) and not allow_mismatch:
         raise ValueError("resume_state_dict['checksum'] does not match its contents: the state was edited or "
                          "corrupted; pass allow_state_mismatch=True to resume from it anyway")
     saved = state["config"]
@@ -565,7 +580,7 @@ def merge_mixture_states(states: list[dict], world_size: int, *, data_dir: str) 
     if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
         raise ValueError(f"world_size must be an integer >= 1, got {world_size!r}")
     for i, s in enumerate(states):
-        if not isinstance(s, dict) or s.get("loader") != "mixture" or s.get("checksum") != resume.checksum(s):
+        if not isinstance(s, dict) or s.get("loader") != "mixture" or s.get("checksum") != _checksum(s):
             raise ValueError(f"states[{i}] is not an intact mixture loader state")
     first = states[0]
     for i, s in enumerate(states):
@@ -581,7 +596,7 @@ def merge_mixture_states(states: list[dict], world_size: int, *, data_dir: str) 
     dropped = sorted(set.intersection(*(set(s["dropped"]) for s in states)))
     merged = []
     for q in range(world_size):
-        merged.append(resume.seal({
+        merged.append(_seal({
             "version": resume.VERSION, "loader": "mixture", "phase": first["phase"],
             "phase_tokens_done": first["phase_tokens_done"], "tokens_done": first["tokens_done"], "position": 0,
             "generation": first["generation"] + 1, "dropped": dropped,

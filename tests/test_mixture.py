@@ -9,6 +9,7 @@ Run: python -m pytest tests/test_mixture.py -q
 
 import json
 import os
+import signal
 import subprocess
 import sys
 
@@ -281,12 +282,19 @@ def test_ranks_stop_at_the_same_step(tmp_path):
     data = tiny_buckets(tmp_path / "data")
     out = tmp_path / "out"
     out.mkdir()
-    result = subprocess.run(
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE")}
+    job = subprocess.Popen(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
          os.path.join(REPO_ROOT, "tests", "mixture_worker.py"), data, str(out)],
-        cwd=REPO_ROOT, capture_output=True, text=True, timeout=180,
-        env={k: v for k, v in dict(os.environ, OMP_NUM_THREADS="1").items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE")})
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+        cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        env=dict(env, OMP_NUM_THREADS="1"), start_new_session=True)
+    try:
+        output, _ = job.communicate(timeout=180)
+    except subprocess.TimeoutExpired:  # a hang is the failure this test looks for: leave no worker behind
+        os.killpg(job.pid, signal.SIGKILL)
+        output, _ = job.communicate()
+        pytest.fail("the ranks hung (one stopped, the other waited in a collective):\n" + output[-3000:])
+    assert job.returncode == 0, output[-3000:]
     reports = [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
     assert reports[0]["step"] == reports[1]["step"] > 1
     assert sorted(r["bucket"] for r in reports if r["bucket"]) == ["tiny"]  # one rank saw it run dry
@@ -305,6 +313,10 @@ def test_resume_refusals_and_a_changed_curriculum(buckets):
             **KW)
     with pytest.raises(ValueError, match=r"\['checksum'\] does not match"):
         MIX(B, T, "train", cur, data_dir=buckets, resume_state_dict=dict(state, position=0), **KW)
+    edited = json.loads(json.dumps(state))
+    edited["buckets"]["web"]["next"][3] += 1  # a bucket's content, its checksum left as it was
+    with pytest.raises(ValueError, match=r"\['checksum'\] does not match"):
+        MIX(B, T, "train", cur, data_dir=buckets, resume_state_dict=edited, **KW)
     other = [{"tokens": 200_000, "mix": {"web": 0.2, "code": 0.8}}]
     with pytest.raises(ValueError, match="curriculum: state"):
         MIX(B, T, "train", other, data_dir=buckets, resume_state_dict=state, **KW)
