@@ -542,6 +542,11 @@ def pretokenized_mixture_loader_with_state_bos_bestfit(
                          start_state=resume_state_dict)
 
 
+def pretokenized_mixture_loader_bos_bestfit(*args, **kwargs):
+    """Like pretokenized_mixture_loader_with_state_bos_bestfit, yielding (inputs, targets)."""
+    return pretokenized_mixture_loader_with_state_bos_bestfit(*args, with_state=False, **kwargs)
+
+
 def _mixture_start(state, config, rank, world_size, allow_mismatch) -> dict | None:
     """Validate a mixture resume state (or a merge of them) against this loader; returns this rank's."""
     if state is None:

@@ -89,6 +89,15 @@ def test_realised_mix_follows_every_phase(buckets):
             assert np.abs(shares - weight).max() <= 0.01, (phase, bucket, shares.min(), shares.max())
 
 
+def test_without_state(buckets):
+    from nanochat.mixture import pretokenized_mixture_loader_bos_bestfit
+    loader = pretokenized_mixture_loader_bos_bestfit(4, 63, "train", CURRICULUM, data_dir=buckets, **KW)
+    with_state = MIX(4, 63, "train", CURRICULUM, data_dir=buckets, **KW)
+    for _ in range(5):
+        batch, (x, y, _) = next(loader), next(with_state)
+        assert len(batch) == 2 and torch.equal(batch[0], x) and torch.equal(batch[1], y)
+
+
 def test_reproducible_and_seeded(buckets):
     def run(seed):
         loader = MIX(4, 63, "train", CURRICULUM, data_dir=buckets, seed=seed, **KW)
