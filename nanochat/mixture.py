@@ -405,12 +405,14 @@ class _Mixture:
 _FLAG_GROUP: list = []  # the CPU (gloo) process group the stop flags travel on, made once
 
 
-def _flag_group():
-    """A gloo group for the per-batch stop flag, or None outside torch.distributed. On CPU, so that
-    reading the flag never waits for the GPU (an NCCL all_reduce + .item() would sync every step).
-    Made at the first mixture loader's construction, which every rank reaches in the same order."""
+def _flag_group(world_size: int):
+    """A gloo group for the per-batch stop flag, or None when the loader is not one of a job's ranks
+    (no torch.distributed, or a loader made for world_size=1, e.g. an evaluation on rank 0 only). On
+    CPU, so that reading the flag never waits for the GPU (an NCCL all_reduce + .item() would sync
+    every step). Made at the first mixture loader's construction, which every rank reaches in the
+    same order."""
     import torch.distributed as dist
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+    if world_size == 1 or not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() != world_size:
         return None
     if not _FLAG_GROUP:
         _FLAG_GROUP.append(dist.group.WORLD if dist.get_backend() == "gloo" else dist.new_group(backend="gloo"))
@@ -449,10 +451,10 @@ class MixtureLoader(DataLoader):
 
     STOP_CODES = {None: 0, "budget": 1, "bucket": 2}
 
-    def __init__(self, *args, start_state=None, **kwargs):
+    def __init__(self, *args, start_state=None, world_size=1, **kwargs):
         super().__init__(*args, **kwargs)
         self.last_state = start_state
-        self._group = _flag_group()
+        self._group = _flag_group(world_size)
 
     def _check(self, extras: dict) -> None:
         stop = extras.get("stop")
@@ -539,7 +541,7 @@ def pretokenized_mixture_loader_with_state_bos_bestfit(
         yield from mixture.batches_()
 
     return MixtureLoader(batches(), _DeviceBatches(B, T, device), _row_split, prefetch, with_state,
-                         start_state=resume_state_dict)
+                         start_state=resume_state_dict, world_size=world_size)
 
 
 def pretokenized_mixture_loader_bos_bestfit(*args, **kwargs):
