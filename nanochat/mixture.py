@@ -15,19 +15,21 @@ YAML or JSON file or a Python list:
 
 How it mixes. Every row of a batch comes whole from one bucket, best-fit packed from that bucket's own
 buffer by the same packer as the other loaders (so every row starts with BOS, and long_doc_policy
-applies). Row n of this rank in phase p comes from the bucket whose slice of [0, 1) (the phase's
+applies). Row n of rank r (of W) in phase p comes from the bucket whose slice of [0, 1) (the phase's
 weights, in bucket-name order) holds
 
-    u = frac(h(seed, rank, p, generation) + n * (sqrt(5) - 1) / 2)
+    u = frac(h(seed, p, generation) + (n * W + r) * (sqrt(5) - 1) / 2)
 
 a counter-based function of (seed, rank, position): no generator state, so a resume continues the
-sequence exactly. h is a hash (blake2b) giving each rank its own starting point; the golden-ratio
-steps make the sequence low-discrepancy, so over any N consecutive rows every bucket's count is
-within a few rows of N * weight. Rows are all T+1 tokens, so the realised token mix follows the
-weights whatever the buckets' document lengths (well within 1 point over 1M tokens at T=2048).
+sequence exactly. h is a hash (blake2b); the golden-ratio steps make the sequence low-discrepancy, and
+the job's rows of consecutive steps are one contiguous stretch of it, so over any N of them every
+bucket's count is within a few rows of N * weight. Rows are all T+1 tokens, so the realised token mix
+follows the weights whatever the buckets' document lengths: within 1 point over every 1M tokens of
+the job up to T=2048 (a row is then 1/488 of the window; at T=8192 a single row is 0.8 points).
 
 Phases. The phase of a batch is set by the tokens the whole job trained before it (B * T * world_size
-per step), so all ranks switch at the same step; a phase boundary falls on a step boundary. Past the
+per step), so all ranks switch at the same step; a phase boundary falls on a step boundary (a phase
+shorter than one step is skipped, with a warning). The state counts phases from 1. Past the
 last phase the loader stops with CurriculumComplete, unless allow_budget_mismatch=True (then the last
 phase's mix goes on). Giving `total_tokens` (what the run will train) checks the curriculum's total
 against it up front.
@@ -128,24 +130,26 @@ def load_curriculum(spec, buckets=None) -> list[Phase]:
     (seed 003's config shape, also under "data"). Each phase: {"tokens": n, "mix": {bucket: weight}}.
     Weights that do not sum to 1 are normalised with a warning; an unknown bucket (when `buckets` is
     given), a negative weight, an empty mix or a bad token count is a ValueError naming the phase."""
+    source = "curriculum"
     if isinstance(spec, (str, os.PathLike)):
-        path = os.fspath(spec)
+        path = source = os.fspath(spec)
         if not os.path.isfile(path):
             raise FileNotFoundError(f"curriculum file {path} does not exist")
         with open(path) as f:
             text = f.read()
-        if path.endswith(".json"):
-            spec = json.loads(text)
-        else:
-            import yaml
-            spec = yaml.safe_load(text)
+        import yaml
+        try:  # JSON is YAML too, but its own parser gives the better message for a .json file
+            spec = json.loads(text) if path.endswith(".json") else yaml.safe_load(text)
+        except (ValueError, yaml.YAMLError) as e:
+            raise ValueError(f"{path} is not valid {'JSON' if path.endswith('.json') else 'YAML'}: {e}") from None
     if isinstance(spec, dict):
-        spec = spec.get("data", spec)
+        if "curriculum" not in spec and isinstance(spec.get("data"), dict):
+            spec = spec["data"]  # seed 003's config: data: {curriculum: [...]}
         if "curriculum" not in spec:
-            raise ValueError("curriculum: expected a list of phases, or a mapping with a 'curriculum' list")
+            raise ValueError(f"{source}: expected a list of phases, or a mapping with a 'curriculum' list")
         spec = spec["curriculum"]
     if not isinstance(spec, (list, tuple)) or not spec:
-        raise ValueError(f"curriculum must be a non-empty list of phases, got {spec!r}")
+        raise ValueError(f"{source}: the curriculum must be a non-empty list of phases, got {spec!r}")
     phases = []
     for i, phase in enumerate(spec, 1):
         where = f"curriculum phase {i}"
@@ -178,48 +182,77 @@ def load_curriculum(spec, buckets=None) -> list[Phase]:
     return phases
 
 
-def bucket_tokens(paths: list[str]) -> int:
-    """Tokens in a bucket's shards (from the .idx files only)."""
+def rank_shares(paths: list[str], chunk_size: int, world_size: int) -> list[int]:
+    """Tokens each rank reads of a bucket (chunks rank, rank + W, ... of every file), from the .idx
+    files only. With world_size 1: the bucket's size."""
     from nanochat.pretokenize import TokenShard
-    return sum(int(TokenShard(path).offsets[-1]) for path in paths)
+    shares = [0] * world_size
+    for path in paths:
+        offsets = TokenShard(path).offsets
+        starts = np.arange(0, len(offsets) - 1, chunk_size)
+        per_chunk = offsets[np.minimum(starts + chunk_size, len(offsets) - 1)] - offsets[starts]
+        for rank in range(world_size):
+            shares[rank] += int(per_chunk[rank::world_size].sum())
+    return shares
 
 
 def validate(curriculum, data_dir: str, split: str = "train", total_tokens: int | None = None,
              allow_bucket_exhaustion: bool = False, allow_budget_mismatch: bool = False,
-             T: int | None = None) -> tuple[list[dict], list[str], list[str]]:
+             T: int | None = None, world_size: int = 1, chunk_size: int = 1024,
+             step_tokens: int = 0) -> tuple[list[dict], list[str], list[str]]:
     """Tokens demanded versus available, per phase and bucket. Returns (rows, problems, warnings):
     problems block a run (a predicted shortfall, a budget mismatch), warnings do not (the same under
-    their allow_* flag). Demand counts trained tokens; with T given, a row of T+1 tokens per T trained."""
+    their allow_* flag).
+    - Demand counts trained tokens; with T given, a row of T+1 tokens per T trained. Cropping consumes
+      more (long_doc_policy="split_reuse" does not), which the loader's run-time check catches.
+    - With world_size W, each rank reads only its chunks of a bucket and draws about 1/W of the demand:
+      the smallest rank share must cover demand / W.
+    - total_tokens (what the run trains): a mismatch with the curriculum's total of one step
+      (step_tokens) or more is a budget mismatch; accepted, a longer run extends the last phase, and
+      its demand counts."""
     buckets = list_buckets(data_dir, split)
     phases = curriculum if isinstance(curriculum, list) and all(isinstance(p, Phase) for p in curriculum) \
         else load_curriculum(curriculum, buckets)
-    available = {name: bucket_tokens(paths) for name, paths in buckets.items()}
+    shares = {name: rank_shares(paths, chunk_size, world_size) for name, paths in buckets.items()}
     scale = (T + 1) / T if T else 1.0
-    rows, problems, notes = [], [], []
-    demanded: dict[str, float] = dict.fromkeys(buckets, 0.0)
-    for i, phase in enumerate(phases, 1):
-        for name, weight in phase.mix.items():
-            demand = phase.tokens * weight * scale
-            demanded[name] += demand
-            short = demanded[name] > available[name]
-            rows.append({"phase": i, "bucket": name, "weight": weight, "demanded": round(demand),
-                         "demanded_so_far": round(demanded[name]), "available": available[name],
-                         "status": "SHORT" if short else "ok"})
-            if short:
-                message = (f"phase {i}: bucket {name!r} runs dry: {demanded[name]:,.0f} tokens demanded by the end "
-                           f"of the phase, {available[name]:,} available")
-                (notes if allow_bucket_exhaustion else problems).append(message)
     total = sum(p.tokens for p in phases)
-    if total_tokens is not None and total_tokens != total:
-        message = (f"budget mismatch: the curriculum totals {total:,} tokens, the run will train {total_tokens:,}")
+    budgets = [p.tokens for p in phases]
+    rows, problems, notes = [], [], []
+    if total_tokens is not None and abs(total_tokens - total) >= max(1, step_tokens):
+        message = f"budget mismatch: the curriculum totals {total:,} tokens, the run will train {total_tokens:,}"
         (notes if allow_budget_mismatch else problems).append(message)
+        if allow_budget_mismatch and total_tokens > total:
+            budgets[-1] += total_tokens - total  # the last phase goes on
+    demanded: dict[str, float] = dict.fromkeys(buckets, 0.0)
+    for i, (phase, budget) in enumerate(zip(phases, budgets), 1):
+        for name, weight in phase.mix.items():
+            demand = budget * weight * scale
+            demanded[name] += demand
+            available, smallest = sum(shares[name]), min(shares[name])
+            short = demanded[name] > available or demanded[name] / world_size > smallest
+            rows.append({"phase": i, "bucket": name, "weight": weight, "demanded": round(demand),
+                         "demanded_so_far": round(demanded[name]), "available": available,
+                         "smallest_rank_share": smallest, "status": "SHORT" if short else "ok"})
+            if short:
+                where = (f"{available:,} available" if world_size == 1 else
+                         f"{available:,} available, the smallest of {world_size} ranks' shares is {smallest:,}")
+                message = (f"phase {i}: bucket {name!r} runs dry: {demanded[name]:,.0f} tokens demanded by the end "
+                           f"of the phase, {where}")
+                (notes if allow_bucket_exhaustion else problems).append(message)
     return rows, problems, notes
 
 
-def _unit(seed: int, rank: int, phase: int, generation: int) -> float:
-    """A rank's pseudo-random starting point on [0, 1) for a phase (blake2b of the four numbers)."""
-    digest = hashlib.blake2b(f"{seed}:{rank}:{phase}:{generation}".encode(), digest_size=8).digest()
+def _unit(seed: int, phase: int, generation: int) -> float:
+    """The job's pseudo-random starting point on [0, 1) for a phase (blake2b of the three numbers)."""
+    digest = hashlib.blake2b(f"{seed}:{phase}:{generation}".encode(), digest_size=8).digest()
     return int.from_bytes(digest, "little") / 2**64
+
+
+def row_unit(seed: int, phase: int, generation: int, position: int, rank: int, world_size: int) -> float:
+    """Where row `position` of `rank` in a phase falls on [0, 1): the job's rows share one golden-ratio
+    sequence, indexed position * world_size + rank, so the rows of any run of consecutive steps (all
+    ranks together) are one contiguous stretch of it, and the job's mix is as even as one rank's."""
+    return (_unit(seed, phase, generation) + (position * world_size + rank) * PHI) % 1.0
 
 
 def choose(weights: list[tuple[str, float]], u: float) -> str:
@@ -306,7 +339,8 @@ class _Mixture:
         self.ends = list(itertools.accumulate(p.tokens for p in phases))  # where each phase ends, in job tokens
         s = start or {}
         self.tokens_done = s.get("tokens_done", 0)  # tokens the whole job has trained
-        self.phase = s.get("phase", 0)
+        self.phase = s.get("phase", 1) - 1  # (the state counts phases from 1, as the messages do)
+        self.phase_tokens_done = s.get("phase_tokens_done", 0)  # job tokens trained in this phase's batches
         self.position = s.get("position", 0)  # this rank's rows drawn in the phase
         self.generation = s.get("generation", 0)  # elastic merges so far: a fresh sequence after each
         self.dropped = set(s.get("dropped", []))
@@ -321,10 +355,9 @@ class _Mixture:
         return None
 
     def state(self) -> dict:
-        start = self.ends[self.phase - 1] if self.phase else 0
         return _seal({
-            "version": resume.VERSION, "loader": "mixture", "phase": self.phase,
-            "phase_tokens_done": self.tokens_done - start, "tokens_done": self.tokens_done,
+            "version": resume.VERSION, "loader": "mixture", "phase": self.phase + 1,
+            "phase_tokens_done": self.phase_tokens_done, "tokens_done": self.tokens_done,
             "position": self.position, "generation": self.generation, "dropped": sorted(self.dropped),
             "buckets": {name: b.tracker.state(b.packer, b.source, np.empty(0, np.uint32))
                         for name, b in self.buckets.items()},
@@ -340,8 +373,8 @@ class _Mixture:
         out_docs = total["tokens_emitted"] - total["tokens_bos_added"] - total["tokens_repeated"]
         return total | {
             "crop_share": total["tokens_cropped"] / max(1, out_docs + total["tokens_cropped"]),
-            "phase": self.phase, "phase_tokens_done": self.tokens_done - (self.ends[self.phase - 1] if self.phase else 0),
-            "tokens_done": self.tokens_done, "dropped": sorted(self.dropped), "row_buckets": row_buckets,
+            "phase": self.phase + 1, "phase_tokens_done": self.phase_tokens_done, "tokens_done": self.tokens_done,
+            "dropped": sorted(self.dropped), "row_buckets": row_buckets,
             "buckets": per,
         }
 
@@ -362,13 +395,19 @@ class _Mixture:
                     logger.warning("the curriculum's %s tokens are done; going on with the last phase's mix "
                                    "(allow_budget_mismatch=True)", f"{self.ends[-1]:,}")
             if phase != self.phase:
-                self.phase, self.position = phase, 0
+                if phase > self.phase + 1:
+                    logger.warning("curriculum phases %s are shorter than one step (%s tokens) and were skipped",
+                                   list(range(self.phase + 2, phase + 1)), f"{B * T * self.world_size:,}")
+                self.phase, self.position, self.phase_tokens_done = phase, 0, 0
             rows = np.empty((B, T + 1), dtype=np.uint32)
             row_buckets, masked, trace = [], [], []
             for i in range(B):
                 while True:
                     weights = self._weights(phase)
-                    u = (_unit(self.seed, self.rank, phase, self.generation) + self.position * PHI) % 1.0
+                    if not weights:  # every bucket of the phase ran dry on this rank
+                        yield None, last_state, {}, {"stop": ("bucket", None)}
+                        return
+                    u = row_unit(self.seed, phase, self.generation, self.position, self.rank, self.world_size)
                     self.position += 1
                     name = choose(weights, u)
                     bucket = self.buckets[name]
@@ -386,6 +425,7 @@ class _Mixture:
                     trace += [[(name, *key) if start is None else (name, *key, start) for key, start in row]
                               for row in bucket.packer.trace]
             self.tokens_done += B * T * self.world_size
+            self.phase_tokens_done += B * T * self.world_size
             self.batches += 1
             self.emitted_tokens += rows.size
             self.hash = resume.hash_tokens(self.hash, rows)
@@ -394,10 +434,8 @@ class _Mixture:
             yield rows, last_state, self.stats(row_buckets), extras
 
     def _weights(self, phase: int) -> list[tuple[str, float]]:
+        """The phase's weights without the dropped buckets, renormalised (empty: all of them dropped)."""
         mix = {name: w for name, w in self.phases[phase].mix.items() if name not in self.dropped}
-        if not mix:
-            raise ValueError(f"curriculum phase {phase + 1}: every bucket of its mix ran dry on rank {self.rank} "
-                             f"({', '.join(sorted(self.phases[phase].mix))})")
         total = sum(mix.values())
         return [(name, w / total) for name, w in sorted(mix.items())]
 
@@ -450,23 +488,43 @@ class MixtureLoader(DataLoader):
     per-bucket statistics, and `row_buckets` (each row's bucket in the last batch)."""
 
     STOP_CODES = {None: 0, "budget": 1, "bucket": 2}
+    FAILED = 3  # this rank's loader failed (a bad shard, ...): the others stop too instead of waiting
 
     def __init__(self, *args, start_state=None, world_size=1, **kwargs):
         super().__init__(*args, **kwargs)
         self.last_state = start_state
         self._group = _flag_group(world_size)
+        self._told_failure = False
+
+    def __next__(self):
+        try:
+            return super().__next__()
+        except MixtureStop:
+            raise
+        except Exception:
+            if not self._told_failure:  # pair with the other ranks' flag exchange of this step
+                self._told_failure = True
+                _agree(self.FAILED, self._group)
+            raise
 
     def _check(self, extras: dict) -> None:
         stop = extras.get("stop")
         code = _agree(self.STOP_CODES[stop[0] if stop else None], self._group)
         if not code:
             self.last_state = extras["state"]
+        if code == self.FAILED:
+            self._told_failure = True
+            raise RuntimeError("the mixture loader failed on another rank (see its error); stopping here too")
         if code == 2:
-            bucket = stop[1] if stop else None
-            where = f"bucket {bucket!r} ran dry on this rank" if bucket else "a bucket ran dry on another rank"
+            if stop and stop[1]:
+                where = f"bucket {stop[1]!r} ran dry on this rank"
+            elif stop:
+                where = "every bucket of the current phase ran dry on this rank"
+            else:
+                where = "a bucket ran dry on another rank"
             raise BucketExhausted(f"{where}; its `state` is the last good state: save a checkpoint with it and "
                                   "stop, or resume with allow_bucket_exhaustion=True to drop the bucket",
-                                  self.last_state, bucket)
+                                  self.last_state, stop[1] if stop else None)
         if code == 1:
             raise CurriculumComplete("every phase of the curriculum is done; its `state` is the last good state "
                                      "(pass allow_budget_mismatch=True to go on with the last phase)", self.last_state)
@@ -508,14 +566,15 @@ def pretokenized_mixture_loader_with_state_bos_bestfit(
     state = _mixture_start(resume_state_dict, config, rank, world_size, allow_state_mismatch)
     if state is None:  # a fresh run: refuse a curriculum that is predicted to run dry
         _, problems, notes = validate(phases, data_dir, split, total_tokens, allow_bucket_exhaustion,
-                                      allow_budget_mismatch, T)
+                                      allow_budget_mismatch, T, world_size, chunk_size, B * T * world_size)
         for note in notes:
             logger.warning("mixture: %s", note)
         if problems:
             raise ValueError("the curriculum does not fit the data: " + "; ".join(problems) +
                              " (python -m nanochat.mixture validate prints the whole table; "
                              "allow_bucket_exhaustion / allow_budget_mismatch accept it)")
-    elif total_tokens is not None and total_tokens != sum(p.tokens for p in phases) and not allow_budget_mismatch:
+    elif (total_tokens is not None and abs(total_tokens - sum(p.tokens for p in phases)) >= B * T * world_size
+          and not allow_budget_mismatch):
         raise ValueError(f"budget mismatch: the curriculum totals {sum(p.tokens for p in phases):,} tokens, "
                          f"the run will train {total_tokens:,}; pass allow_budget_mismatch=True to accept it")
     encoder = _ShardDocs(bos_token)
@@ -541,7 +600,7 @@ def pretokenized_mixture_loader_with_state_bos_bestfit(
         yield from mixture.batches_()
 
     return MixtureLoader(batches(), _DeviceBatches(B, T, device), _row_split, prefetch, with_state,
-                         start_state=resume_state_dict, world_size=world_size)
+                         start_state=state, world_size=world_size)
 
 
 def pretokenized_mixture_loader_bos_bestfit(*args, **kwargs):
@@ -598,8 +657,8 @@ def merge_mixture_states(states: list[dict], world_size: int, *, data_dir: str) 
         if {k: v for k, v in s["config"].items() if k != "rank"} != {k: v for k, v in first["config"].items()
                                                                      if k != "rank"}:
             raise ValueError(f"config: states[{i}] was taken on another configuration than states[0]")
-    per_bucket = {name: resume.merge_states([s["buckets"][name] for s in states], world_size, data_dir=data_dir)
-                  for name in first["buckets"]}
+    per_bucket = {name: resume.merge_states([s["buckets"][name] for s in states], world_size, data_dir=data_dir,
+                                            epochs=1) for name in first["buckets"]}
     dropped = sorted(set.intersection(*(set(s["dropped"]) for s in states)))
     merged = []
     for q in range(world_size):
@@ -619,6 +678,13 @@ def merge_mixture_states(states: list[dict], world_size: int, *, data_dir: str) 
 # python -m nanochat.mixture validate CONFIG --data PATH [--tokens N]
 
 
+def _positive(text: str) -> int:
+    value = int(text.replace("_", ""))
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
+    return value
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m nanochat.mixture",
                                      description="Check a curriculum against the buckets on disk.")
@@ -628,22 +694,29 @@ def main(argv=None) -> int:
     check.add_argument("config", help="curriculum file (.yaml/.yml/.json): a list of phases or {curriculum: [...]}")
     check.add_argument("--data", required=True, help="the data directory holding <split>/<bucket>/ shards")
     check.add_argument("--split", default="train", choices=["train", "val"])
-    check.add_argument("--tokens", type=int, default=None, help="tokens the run will train (all ranks)")
-    check.add_argument("--T", type=int, default=None, help="the loader's T: a row of T+1 tokens trains T")
+    check.add_argument("--tokens", type=_positive, default=None, help="tokens the run will train (all ranks)")
+    check.add_argument("--T", type=_positive, default=None, help="the loader's T: a row of T+1 tokens trains T")
+    check.add_argument("--B", type=_positive, default=None, help="the loader's B (with --T: the step, the budget's "
+                                                                  "tolerance)")
+    check.add_argument("--world-size", type=_positive, default=1, help="ranks: each must hold its share (default 1)")
+    check.add_argument("--chunk-size", type=_positive, default=1024, help="the loader's chunk_size (default 1024)")
     check.add_argument("--allow-bucket-exhaustion", action="store_true", help="a predicted shortfall only warns")
     check.add_argument("--allow-budget-mismatch", action="store_true", help="a budget mismatch only warns")
     args = parser.parse_args(argv)
     try:
+        step = args.B * args.T * args.world_size if args.B and args.T else 0
         rows, problems, notes = validate(args.config, args.data, args.split, args.tokens,
-                                         args.allow_bucket_exhaustion, args.allow_budget_mismatch, args.T)
+                                         args.allow_bucket_exhaustion, args.allow_budget_mismatch, args.T,
+                                         args.world_size, args.chunk_size, step)
     except (ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    per_rank = args.world_size > 1
     print(f"{'phase':>5s}  {'bucket':16s} {'weight':>7s} {'demanded':>16s} {'demanded so far':>16s} "
-          f"{'available':>16s}  status")
+          f"{'available':>16s}" + (f" {'smallest rank share':>20s}" if per_rank else "") + "  status")
     for r in rows:
         print(f"{r['phase']:5d}  {r['bucket']:16s} {r['weight']:7.3f} {r['demanded']:16,d} {r['demanded_so_far']:16,d} "
-              f"{r['available']:16,d}  {r['status']}")
+              f"{r['available']:16,d}" + (f" {r['smallest_rank_share']:20,d}" if per_rank else "") + f"  {r['status']}")
     for note in notes:
         print(f"warning: {note}")
     for problem in problems:

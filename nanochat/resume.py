@@ -338,13 +338,16 @@ def check_state(state: dict, config: dict, *, allow_mismatch: bool) -> bool:
 # Elastic resume: N states -> M ranks
 
 
-def merge_states(states: list[dict], world_size: int, *, data_dir: str | None = None) -> dict:
+def merge_states(states: list[dict], world_size: int, *, data_dir: str | None = None,
+                 epochs: int | None = None) -> dict:
     """Merge the states of all N ranks, taken at the same step, into the resume state of M ranks.
 
     Each rank saves its own state with its checkpoint; to restart on M ranks, load all N, call
     merge_states(states, M), and give the result to every new rank as resume_state_dict (rank r of M
     picks its part). data_dir: where the shards are, as given to the loader (default: the dataset
-    directory; for the pretokenized loader, its directory holding train/ and val/)."""
+    directory; for the pretokenized loader, its directory holding train/ and val/). Mixture states
+    (nanochat/mixture.py) are merged too. epochs: the streams read their data this many times and then
+    end (a mixture's buckets: once); nothing past it is dealt."""
     from nanochat.dataset import split_parquet_files  # here: resume.py stays importable without the store
 
     if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
@@ -412,6 +415,8 @@ def merge_states(states: list[dict], world_size: int, *, data_dir: str | None = 
                 docs += [(epoch, pq_idx, rg_idx, r) if st is None else (epoch, pq_idx, rg_idx, r, st)
                          for r, st in zip(rows, starts)]
     last_epoch = max(s["next"][0] for s in states)
+    if epochs is not None:
+        last_epoch = min(last_epoch, epochs)  # a finished stream's cursor points past its last epoch
     for rank, s in enumerate(states):
         epoch, pq_idx, rg_idx, row = s["next"]
         # the rest of this rank's share of its current epoch, then all of its share of later ones

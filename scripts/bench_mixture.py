@@ -97,7 +97,7 @@ def main(argv=None):
 
         # the realised mix over every 1M-token window of each phase
         loader = pretokenized_mixture_loader_with_state_bos_bestfit(B, T, "train", phases, **kw)
-        rows = {0: [], 1: []}
+        rows = {1: [], 2: []}
         while True:
             _, _, state = next(loader)
             if state["tokens_done"] > sum(p["tokens"] for p in phases):
@@ -108,10 +108,10 @@ def main(argv=None):
         print(f"realised mix, worst gap over every window of {window} rows = {window * T:,} tokens:")
         for phase, names in rows.items():
             gaps = []
-            for bucket, weight in phases[phase]["mix"].items():
+            for bucket, weight in phases[phase - 1]["mix"].items():
                 hits = np.concatenate(([0], np.cumsum([n == bucket for n in names])))
                 gaps.append((bucket, np.abs((hits[window:] - hits[:-window]) / window - weight).max()))
-            print(f"  phase {phase + 1} ({len(names):,} rows): " +
+            print(f"  phase {phase} ({len(names):,} rows): " +
                   ", ".join(f"{b} {g:.2%}" for b, g in gaps) + "  (target <= 1.00%)")
 
 

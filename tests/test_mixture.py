@@ -65,22 +65,27 @@ CURRICULUM = [{"tokens": 2_500_000, "mix": {"web": 0.5, "code": 0.3, "math": 0.2
 KW = dict(device="cpu", buffer_size=64, chunk_size=128, batch_size=32)
 
 
-def test_realised_mix_follows_every_phase(buckets):
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_realised_mix_follows_every_phase(buckets, world_size):
+    # the job's rows (all ranks, step by step): every 1M-token window inside a phase within 1 point
     B, T = 16, 255
-    loader = MIX(B, T, "train", CURRICULUM, data_dir=buckets, **KW)
-    rows_by_phase = {0: [], 1: []}
+    loaders = [MIX(B, T, "train", CURRICULUM, data_dir=buckets, rank=r, world_size=world_size, **KW)
+               for r in range(world_size)]
+    rows_by_phase = {1: [], 2: []}
     with pytest.raises(CurriculumComplete) as stop:
         while True:
-            x, y, state = next(loader)
-            rows = torch.cat([x, y[:, -1:]], dim=1).numpy()
-            assert (rows[:, 0] == BOS).all()
-            named = [bucket_of_row(row) for row in rows]
-            assert named == loader.stats["row_buckets"]  # the reported bucket is the row's real one
-            rows_by_phase[state["phase"]].extend(named)
+            for loader in loaders:  # one step: every rank's batch
+                x, y, state = next(loader)
+                rows = torch.cat([x, y[:, -1:]], dim=1).numpy()
+                assert (rows[:, 0] == BOS).all()
+                named = [bucket_of_row(row) for row in rows]
+                assert named == loader.stats["row_buckets"]  # the reported bucket is the row's real one
+                rows_by_phase[state["phase"]].extend(named)
     # the budget: phases switch at the first step past each budget, and the loader stops past the total
-    assert stop.value.state["tokens_done"] >= 4_000_000 > stop.value.state["tokens_done"] - B * T
+    step = B * T * world_size
+    assert stop.value.state["tokens_done"] >= 4_000_000 > stop.value.state["tokens_done"] - step
     for phase, names in rows_by_phase.items():
-        mix = CURRICULUM[phase]["mix"]
+        mix = CURRICULUM[phase - 1]["mix"]
         window = 1_000_000 // T  # rows of T trained tokens in 1M tokens
         assert len(names) > window
         for bucket, weight in mix.items():
@@ -119,7 +124,7 @@ def test_exact_resume_mid_phase_and_across_the_boundary(buckets, policy):
     kw = dict(KW, data_dir=buckets, long_doc_policy=policy, split_overlap=2 if policy != "crop" else 0)
     run = take(MIX(B, T, "train", short, **kw), 70)
     phases = [s["phase"] for _, _, s in run]
-    boundary = phases.index(1)
+    boundary = phases.index(2)
     # the state after a batch names that batch's phase: the 40th batch completes phase 0
     assert boundary == 40 and run[boundary - 1][2]["phase_tokens_done"] == 40 * B * T
     assert run[boundary][2]["phase_tokens_done"] == B * T
@@ -221,7 +226,7 @@ def test_budget(buckets):
         MIX(4, 63, "train", cur, data_dir=buckets, total_tokens=5000, **KW)
     loader = MIX(4, 63, "train", cur, data_dir=buckets, total_tokens=5000, allow_budget_mismatch=True, **KW)
     states = [next(loader)[2] for _ in range(15)]  # past the curriculum's end: the last phase goes on
-    assert states[-1]["tokens_done"] == 15 * 4 * 63 and states[-1]["phase"] == 0
+    assert states[-1]["tokens_done"] == 15 * 4 * 63 and states[-1]["phase"] == 1
     loader = MIX(4, 63, "train", cur, data_dir=buckets, **KW)
     states = [next(loader)[2] for _ in range(10)]
     with pytest.raises(CurriculumComplete) as stop:
@@ -280,67 +285,118 @@ def test_validate_report_and_exit_codes(tmp_path, capsys):
     assert mixture_main(["validate", str(config), "--data", data]) == 2
     assert "curriculum phase 1: unknown bucket 'wiki'" in capsys.readouterr().err
     assert mixture_main(["validate", str(config), "--data", str(tmp_path / "nowhere")]) == 2
+    config.write_text("curriculum:\n  - tokens: [20000\n")  # broken YAML: exit 2, naming the file
+    assert mixture_main(["validate", str(config), "--data", data]) == 2
+    assert f"{config} is not valid YAML" in capsys.readouterr().err
+    for bad in (["--T", "0"], ["--tokens", "-5"], ["--world-size", "0"]):
+        with pytest.raises(SystemExit) as exit_code:
+            mixture_main(["validate", str(config), "--data", data, *bad])
+        assert exit_code.value.code == 2 and "must be a positive integer" in capsys.readouterr().err
     # and as a module, from a shell
     result = subprocess.run([sys.executable, "-m", "nanochat.mixture", "validate", str(config), "--data", data],
                             cwd=REPO_ROOT, capture_output=True, text=True, timeout=60)
-    assert result.returncode == 2 and "unknown bucket 'wiki'" in result.stderr
+    assert result.returncode == 2 and f"{config} is not valid YAML" in result.stderr
 
 
-def test_ranks_stop_at_the_same_step(tmp_path):
-    # 2 real processes (torchrun, gloo): tiny runs dry on one rank first; both raise at the same step
-    data = tiny_buckets(tmp_path / "data")
-    out = tmp_path / "out"
-    out.mkdir()
+def run_workers(data, out, mode):
+    """tests/mixture_worker.py on 2 real processes (torchrun, gloo); returns both ranks' reports."""
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE")}
     job = subprocess.Popen(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-         os.path.join(REPO_ROOT, "tests", "mixture_worker.py"), data, str(out)],
+         os.path.join(REPO_ROOT, "tests", "mixture_worker.py"), data, str(out), mode],
         cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         env=dict(env, OMP_NUM_THREADS="1"), start_new_session=True)
     try:
         output, _ = job.communicate(timeout=180)
-    except subprocess.TimeoutExpired:  # a hang is the failure this test looks for: leave no worker behind
+    except subprocess.TimeoutExpired:  # a hang is the failure these tests look for: leave no worker behind
         os.killpg(job.pid, signal.SIGKILL)
         output, _ = job.communicate()
         pytest.fail("the ranks hung (one stopped, the other waited in a collective):\n" + output[-3000:])
     assert job.returncode == 0, output[-3000:]
-    reports = [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
+    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
+
+
+def test_ranks_stop_at_the_same_step(tmp_path):
+    # tiny runs dry on one rank first (its share is smaller); both raise BucketExhausted at the same step
+    data = tiny_buckets(tmp_path / "data")
+    (tmp_path / "out").mkdir()
+    reports = run_workers(data, tmp_path / "out", "dry")
     assert reports[0]["step"] == reports[1]["step"] > 1
     assert sorted(r["bucket"] for r in reports if r["bucket"]) == ["tiny"]  # one rank saw it run dry
     assert all(r["state_is_last"] for r in reports)
 
 
-def test_resume_refusals_and_a_changed_curriculum(buckets):
-    B, T = 4, 63
-    cur = [{"tokens": 200_000, "mix": {"web": 0.5, "code": 0.5}}]
-    run = take(MIX(B, T, "train", cur, data_dir=buckets, **KW), 12)
-    state = run[5][2]
-    with pytest.raises(ValueError, match="not a mixture loader state"):
-        MIX(B, T, "train", cur, data_dir=buckets, resume_state_dict=state["buckets"]["web"], **KW)
-    with pytest.raises(ValueError, match="missing 'position'"):
-        MIX(B, T, "train", cur, data_dir=buckets, resume_state_dict={k: v for k, v in state.items() if k != "position"},
-            **KW)
-    with pytest.raises(ValueError, match=r"\['checksum'\] does not match"):
-        MIX(B, T, "train", cur, data_dir=buckets, resume_state_dict=dict(state, position=0), **KW)
-    edited = json.loads(json.dumps(state))
-    edited["buckets"]["web"]["next"][3] += 1  # a bucket's content, its checksum left as it was
-    with pytest.raises(ValueError, match=r"\['checksum'\] does not match"):
-        MIX(B, T, "train", cur, data_dir=buckets, resume_state_dict=edited, **KW)
-    other = [{"tokens": 200_000, "mix": {"web": 0.2, "code": 0.8}}]
-    with pytest.raises(ValueError, match="curriculum: state"):
-        MIX(B, T, "train", other, data_dir=buckets, resume_state_dict=state, **KW)
-    with pytest.raises(ValueError, match="rank: state 0, loader 1"):
-        MIX(B, T, "train", cur, data_dir=buckets, resume_state_dict=state, rank=1, world_size=2, **KW)
-    # allow_state_mismatch: a new mix from the same document positions. Each bucket packs its own rows,
-    # whatever the mix, so each bucket's rows continue exactly as in the original run
-    changed = MIX(B, T, "train", other, data_dir=buckets, resume_state_dict=state, allow_state_mismatch=True, **KW)
-    new = take(changed, 6)
-    assert new[0][2]["tokens_done"] == state["tokens_done"] + B * T
+def test_a_failing_rank_stops_the_others(tmp_path):
+    # a read error on rank 1 only: rank 1 raises it, rank 0 raises at the same step instead of hanging
+    data = tiny_buckets(tmp_path / "data")
+    (tmp_path / "out").mkdir()
+    reports = run_workers(data, tmp_path / "out", "fail")
+    assert reports[0]["step"] == reports[1]["step"] > 1
+    assert "injected read error" in reports[1]["error"]
+    assert reports[0]["error"] == "RuntimeError: the mixture loader failed on another rank (see its error); " \
+                                  "stopping here too"
 
-    def rows_of(batches, name):
-        rows = [r for x, y, _ in batches for r in torch.cat([x, y[:, -1:]], dim=1).numpy()]
-        return [r.tolist() for r in rows if bucket_of_row(r) == name]
-    for name in ("web", "code"):
-        before, after = rows_of(run[6:], name), rows_of(new, name)
-        n = min(len(before), len(after))
-        assert n >= 3 and before[:n] == after[:n], name
+
+def test_merging_twice_deals_nothing_twice(buckets):
+    # 2 ranks -> 3 -> 2: the second merge deals what is left of the first (buckets are read once)
+    B, T = 2, 63
+    cur = [{"tokens": 3_000_000, "mix": {"code": 0.5, "math": 0.5}}]
+    kw = dict(KW, data_dir=buckets, trace_documents=True, buffer_size=16)
+    placed, resume_from = [], None
+    for world_size, steps in [(2, 10), (3, 15), (2, 10)]:
+        states = []
+        for rank in range(world_size):
+            loader = MIX(B, T, "train", cur, rank=rank, world_size=world_size, resume_state_dict=resume_from, **kw)
+            for _ in range(steps):
+                _, _, state = next(loader)
+                placed += [key for row in loader.documents for key in row]
+            states.append(state)
+        assert all(b["next"][0] <= 2 for s in states for b in s["buckets"].values())
+        resume_from = merge_states(states, 3 if world_size == 2 else 2, data_dir=buckets)
+        # nothing past the buckets' single pass is ever dealt
+        assert all(item["epoch"] == 1 for s in resume_from["states"] for b in s["buckets"].values()
+                   for item in b["plan"])
+    assert {key[1] for key in placed} == {1} and len(placed) == len(set(placed)), "a document was dealt twice"
+
+
+def test_every_bucket_of_a_phase_dry(tmp_path):
+    # a phase whose only bucket runs dry, with exhaustion allowed: a BucketExhausted stop, not an error
+    data = tiny_buckets(tmp_path)
+    only_tiny = [{"tokens": 100_000, "mix": {"tiny": 1}}]
+    loader = MIX(4, 99, "train", only_tiny, device="cpu", data_dir=data, buffer_size=4, chunk_size=8, batch_size=4,
+                 allow_bucket_exhaustion=True)
+    states = []
+    with pytest.raises(BucketExhausted, match="every bucket of the current phase ran dry on this rank") as stop:
+        for _ in range(1000):
+            states.append(next(loader)[2])
+    assert stop.value.state == states[-1] and stop.value.bucket is None
+
+
+def test_phases_shorter_than_a_step(buckets, caplog):
+    # a step is 4 * 63 = 252 tokens; the 50-token phase cannot get a batch of its own: skipped, with a warning
+    cur = [{"tokens": 400, "mix": {"web": 1}}, {"tokens": 50, "mix": {"code": 1}}, {"tokens": 1000, "mix": {"math": 1}}]
+    loader = MIX(4, 63, "train", cur, data_dir=buckets, allow_budget_mismatch=True, **KW)
+    states = [next(loader)[2] for _ in range(6)]
+    assert [s["phase"] for s in states] == [1, 1, 3, 3, 3, 3]
+    assert [s["phase_tokens_done"] for s in states] == [252, 504, 252, 504, 756, 1008]
+    assert "curriculum phases [2] are shorter than one step (252 tokens) and were skipped" in caplog.text
+
+
+def test_validate_counts_rank_shares_and_a_longer_run(tmp_path):
+    data = tiny_buckets(tmp_path)
+    # tiny is one shard of 40 documents: with chunks of 32, rank 0 reads 32 of them, rank 1 only 8
+    cur = [{"tokens": 20_000, "mix": {"web": 0.8, "tiny": 0.2}}]
+    rows, problems, _ = validate(cur, data)
+    assert not problems  # 4,000 of 8,000 tokens, one rank
+    rows, problems, _ = validate(cur, data, world_size=2, chunk_size=32)
+    assert [r["smallest_rank_share"] for r in rows if r["bucket"] == "tiny"] == [1_600]
+    assert problems == ["phase 1: bucket 'tiny' runs dry: 4,000 tokens demanded by the end of the phase, 8,000 "
+                        "available, the smallest of 2 ranks' shares is 1,600"]
+    with pytest.raises(ValueError, match="the smallest of 2 ranks' shares is 1,600"):
+        MIX(4, 99, "train", cur, device="cpu", data_dir=data, rank=0, world_size=2, chunk_size=32)
+    # a longer run than the curriculum, accepted: the last phase goes on, and its demand counts
+    rows, problems, notes = validate(cur, data, total_tokens=60_000, allow_budget_mismatch=True)
+    assert notes[0].startswith("budget mismatch") and "runs dry: 12,000 tokens demanded" in problems[0]
+    # within one step of the curriculum's total is no mismatch (budgets are rarely whole steps)
+    assert validate(cur, data, total_tokens=20_100, step_tokens=4 * 99)[1] == []
+    assert validate(cur, data, total_tokens=20_500, step_tokens=4 * 99)[1][0].startswith("budget mismatch")
