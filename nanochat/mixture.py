@@ -25,7 +25,8 @@ sequence exactly. h is a hash (blake2b); the golden-ratio steps make the sequenc
 the job's rows of consecutive steps are one contiguous stretch of it, so over any N of them every
 bucket's count is within a few rows of N * weight. Rows are all T+1 tokens, so the realised token mix
 follows the weights whatever the buckets' document lengths: within 1 point over every 1M tokens of
-the job up to T=2048 (a row is then 1/488 of the window; at T=8192 a single row is 0.8 points).
+the job (whole steps) up to T=4096 (at T=2048 a row is 1/488 of the window; at T=8192 a single row is
+0.8 points, and the gap reaches 1.7).
 
 Phases. The phase of a batch is set by the tokens the whole job trained before it (B * T * world_size
 per step), so all ranks switch at the same step; a phase boundary falls on a step boundary (a phase
