@@ -349,10 +349,7 @@ class _Tracker:
             tokenized.update(zip(unique[i:i + 1024], zip(docs, overlaps)))
         for key, start in zip(keys, starts):
             doc, overlap = tokenized[key]
-            if start is None:
-                packer.add(doc, key, overlap)
-            else:
-                packer.add_piece(doc, key, overlap, start)
+            packer.add(doc, key, overlap, start)
         if self.kind == "concat" and keys:
             packer.skip_consumed(self.start["offset"])
         for name, value in self.start["counters"].items():

@@ -316,10 +316,7 @@ class _Bucket:
         capacity = row.shape[1]
         while self._buffered_tokens() < capacity and self.batches.more():  # enough left to finish the row?
             for doc, key, overlap, start in self.source():
-                if start is None:
-                    self.packer.add(doc, key, overlap)
-                else:
-                    self.packer.add_piece(doc, key, overlap, start)
+                self.packer.add(doc, key, overlap, start)
         if self._buffered_tokens() < capacity:
             return False
         self.packer.trace = [] if self.trace else None

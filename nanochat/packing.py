@@ -173,10 +173,14 @@ class BestFitPacker:
             return []
         return [[i, self._starts[seq]] for i, seq in enumerate(self._keys) if seq in self._starts]
 
-    def add(self, doc: np.ndarray, key=None, overlap: int = 0) -> None:
-        """Buffer a document, cut into pieces if the policy splits and it is longer than a row.
+    def add(self, doc: np.ndarray, key=None, overlap: int = 0, start: int | None = None) -> None:
+        """Buffer a document, cut into pieces if the policy splits and it is longer than a row; or,
+        with `start`, only its piece from that token (what buffered() reported: add_piece).
         `key` names it (e.g. where it was read) in buffered() and traces; `overlap`: how many tokens
         after its BOS repeat the previous window of the same document (their targets are masked)."""
+        if start is not None:
+            self.add_piece(doc, key, overlap, start)
+            return
         n = len(doc)
         if n == 0:
             raise ValueError("cannot pack an empty document (every document starts with BOS)")
@@ -290,12 +294,9 @@ class BestFitPacker:
             while pos < self.row_capacity:
                 while self._num_docs < buffer_size:
                     added = False
-                    for doc, key, overlap, piece in refill():
+                    for doc, key, overlap, start in refill():
                         added = True
-                        if piece is None:
-                            self.add(doc, key, overlap)
-                        else:
-                            self.add_piece(doc, key, overlap, piece)
+                        self.add(doc, key, overlap, start)
                     if not added:  # a finite stream ran out: place from what is left
                         break
                 start = pos
@@ -350,9 +351,11 @@ class ConcatPacker:
     def offset(self) -> int:
         return self._offset
 
-    def add(self, doc: np.ndarray, key=None, overlap: int = 0) -> None:
+    def add(self, doc: np.ndarray, key=None, overlap: int = 0, start: int | None = None) -> None:
         """Append a document to the stream (a window's overlap is streamed as it is: the
         concatenating loader does not mask)."""
+        if start is not None:
+            raise ValueError("the concatenating loader streams whole documents, not pieces")
         if len(doc):
             self._docs.append((doc, key))
             self._num_tokens += len(doc)
@@ -370,9 +373,7 @@ class ConcatPacker:
         needed = len(out)
         while self._num_tokens < needed:
             for doc, key, overlap, start in refill():
-                if start is not None:
-                    raise ValueError("the concatenating loader streams whole documents, not pieces")
-                self.add(doc, key, overlap)
+                self.add(doc, key, overlap, start)
         pos = 0
         while pos < needed:
             doc = self._docs[0][0]
