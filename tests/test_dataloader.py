@@ -77,6 +77,12 @@ def assert_same_stream(loader, reference, n_batches):
         assert seeds_keys(state) == exp_state, f"state of batch {k} differs"
 
 
+def past_two_epochs(files, cfg) -> int:
+    """Enough batches to pass the end of the data at least twice (byte tokens, BOS each)."""
+    total = sum(len(t.encode()) + 1 for f in files for t in f)
+    return 2 * total // (cfg["B"] * (cfg["T"] + 1)) + 3
+
+
 def check_exact_resume(rng, tok, cfg, kw, states, batches):
     """Resumed from 3 states taken mid-run: the same batches and the same states as without the stop."""
     n_batches = len(batches)
@@ -109,9 +115,7 @@ def test_bestfit_matches_oracle(seed, tmp_path):
                      world_size=cfg["world_size"], prefetch=prefetch)
     reference = oracle.bestfit_loader(tok, paths, cfg["B"], cfg["T"], cfg["tokenizer_batch_size"], buffer_size,
                                       cfg["rank"], cfg["world_size"])
-    # enough batches to pass the end of the data at least twice
-    total = sum(len(t.encode()) + 1 for f in files for t in f)
-    n_batches = 2 * total // (cfg["B"] * (cfg["T"] + 1)) + 3
+    n_batches = past_two_epochs(files, cfg)
     states, batches = [], []
     for k in range(n_batches):
         inputs, targets, state = next(loader)
@@ -152,8 +156,7 @@ def test_policies_match_oracle(seed, tmp_path):
     reference = oracle.bestfit_policy_loader(tok, split_parquet_files("train", cfg["data_dir"]), cfg["B"], cfg["T"],
                                              cfg["tokenizer_batch_size"], buffer_size, cfg["rank"],
                                              cfg["world_size"], policy, overlap)
-    total = sum(len(t.encode()) + 1 for f in files for t in f)
-    n_batches = 2 * total // (cfg["B"] * (cfg["T"] + 1)) + 3
+    n_batches = past_two_epochs(files, cfg)
     states, batches = [], []
     for k in range(n_batches):
         inputs, targets, state = next(loader)
