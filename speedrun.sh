@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The data side of the nanochat speedrun on a GPU box: FineWeb-Edu shards, a 65536-token BPE
+# The data side of the nanochat speedrun on a GPU box: ClimbMix-400B shards, a 65536-token BPE
 # tokenizer, and a check that the best-fit loader streams packed batches to the GPU.
 #
 #     bash speedrun.sh                                   # everything under ~/.cache/nanochat
@@ -10,7 +10,7 @@
 set -euo pipefail
 cd "$(dirname "$0")"
 
-# Everything nanochat writes goes under here: base_data/ (shards), tokenizer/
+# Everything nanochat writes goes under here: base_data_climbmix/ (shards), tokenizer/
 export NANOCHAT_BASE_DIR="${NANOCHAT_BASE_DIR:-$HOME/.cache/nanochat}"
 mkdir -p "$NANOCHAT_BASE_DIR"
 
@@ -78,6 +78,6 @@ print(f"state_dict: {state_dict}")
 loader.close()
 EOF
 # For throughput in detail (tokenize vs pack vs copy), the loader benchmark:
-# python -m scripts.bench_dataloader --data-dir "$NANOCHAT_BASE_DIR/base_data" --tokenizer-dir "$NANOCHAT_BASE_DIR/tokenizer"
+# python -m scripts.bench_dataloader --data-dir "$NANOCHAT_BASE_DIR/base_data_climbmix" --tokenizer-dir "$NANOCHAT_BASE_DIR/tokenizer"
 
-echo "data ready: $(ls "$NANOCHAT_BASE_DIR/base_data"/*.parquet | wc -l) shards in $NANOCHAT_BASE_DIR/base_data, tokenizer in $NANOCHAT_BASE_DIR/tokenizer"
+echo "data ready: $(ls "$NANOCHAT_BASE_DIR/base_data_climbmix"/*.parquet | wc -l) shards in $NANOCHAT_BASE_DIR/base_data_climbmix, tokenizer in $NANOCHAT_BASE_DIR/tokenizer"

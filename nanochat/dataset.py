@@ -58,12 +58,12 @@ class DatasetSpec:
 
 
 DATASETS = {
-    # ~100B GPT-2 tokens of FineWeb-Edu, shuffled; 1823 shards of ~100MB (zstd)
-    "fineweb-edu-100b": DatasetSpec("fineweb-edu-100b", "karpathy/fineweb-edu-100b-shuffle", 1822, "base_data"),
-    # nanochat's newer, larger set
+    # nanochat's dataset since March 2026: 6543 shards of ~100MB (zstd), ~250M characters each
     "climbmix-400b": DatasetSpec("climbmix-400b", "karpathy/climbmix-400b-shuffle", 6542, "base_data_climbmix"),
+    # the one before it: ~100B GPT-2 tokens of FineWeb-Edu, shuffled; 1823 shards of ~100MB (zstd)
+    "fineweb-edu-100b": DatasetSpec("fineweb-edu-100b", "karpathy/fineweb-edu-100b-shuffle", 1822, "base_data"),
 }
-DEFAULT_DATASET = "fineweb-edu-100b"
+DEFAULT_DATASET = "climbmix-400b"  # what nanochat itself downloads and reads
 
 
 def index_to_filename(index: int) -> str:
@@ -71,7 +71,7 @@ def index_to_filename(index: int) -> str:
 
 
 def get_dataset(name: str | None = None) -> DatasetSpec:
-    """The dataset named by `name`, else $NANOCHAT_DATASET, else FineWeb-Edu-100B."""
+    """The dataset named by `name`, else $NANOCHAT_DATASET, else ClimbMix-400B (what the downloader fetches)."""
     name = name or os.environ.get("NANOCHAT_DATASET") or DEFAULT_DATASET
     if name not in DATASETS:
         raise ValueError(f"unknown dataset {name!r} (from --dataset or NANOCHAT_DATASET); "
@@ -80,8 +80,38 @@ def get_dataset(name: str | None = None) -> DatasetSpec:
 
 
 def get_data_dir(dataset: str | None = None) -> str:
-    """Where the shards of a dataset live: <base_dir>/base_data for the default dataset."""
+    """Where the shards of a dataset live: <base_dir>/base_data_climbmix for the default dataset."""
     return os.path.join(get_base_dir(), get_dataset(dataset).subdir)
+
+
+def find_dataset() -> DatasetSpec:
+    """The dataset the readers use when given no data_dir: $NANOCHAT_DATASET when set; else the one
+    whose directory the downloader made (nanochat's or ours: the same names); when several exist,
+    the default one (logged once); when none does, the default one (its directory is then missing)."""
+    if os.environ.get("NANOCHAT_DATASET"):
+        return get_dataset()
+    present = [spec for spec in DATASETS.values() if os.path.isdir(get_data_dir(spec.name))]
+    if len(present) == 1:
+        return present[0]
+    if len(present) > 1:
+        _log_once(logging.WARNING, "found %s; reading %s, the default (set NANOCHAT_DATASET to choose)",
+                  " and ".join(get_data_dir(spec.name) for spec in present), get_data_dir(DEFAULT_DATASET))
+    return get_dataset(DEFAULT_DATASET)
+
+
+def find_data_dir() -> str:
+    """The directory the readers use when given no data_dir (see find_dataset)."""
+    return get_data_dir(find_dataset().name)
+
+
+_LOGGED: set = set()
+
+
+def _log_once(level: int, message: str, *args) -> None:
+    """Log a message once per process: the loaders list the shards for every split and every rank."""
+    if (message, args) not in _LOGGED:
+        _LOGGED.add((message, args))
+        logger.log(level, message, *args)
 
 
 # -----------------------------------------------------------------------------
@@ -96,9 +126,9 @@ def _check_split(split: str) -> None:
 
 
 def list_parquet_files(data_dir: str | None = None) -> list[str]:
-    """Sorted full paths of the `*.parquet` files in data_dir (default: the dataset's directory).
+    """Sorted full paths of the `*.parquet` files in data_dir (default: find_data_dir()).
     Partial downloads live under other names (`*.parquet.tmp`, ...) and are never listed."""
-    data_dir = get_data_dir() if data_dir is None else data_dir
+    data_dir = find_data_dir() if data_dir is None else data_dir
     if not os.path.isdir(data_dir):
         raise FileNotFoundError(
             f"data directory {data_dir} does not exist; download some shards first: "
@@ -107,29 +137,38 @@ def list_parquet_files(data_dir: str | None = None) -> list[str]:
     return [os.path.join(data_dir, f) for f in names]
 
 
+def _dataset_of(data_dir: str) -> DatasetSpec | None:
+    """The known dataset whose directory this is (by its name, e.g. base_data_climbmix), or None."""
+    name = os.path.basename(os.path.normpath(data_dir))
+    return next((spec for spec in DATASETS.values() if spec.subdir == name), None)
+
+
 def split_parquet_files(split: str, data_dir: str | None = None) -> list[str]:
-    """The files of one split. The validation shard is pinned by name when the directory holds a
-    known dataset's last shard (so fetching more or fewer train shards never changes "val");
-    otherwise the last file in sorted order is val. Raises when the split would be empty."""
+    """The files of one split. In a known dataset's directory, val is that dataset's last shard,
+    pinned by name (fetching more or fewer train shards never changes "val"); when it is missing,
+    val is the last file in sorted order, as in the seeds, with one warning. In another directory,
+    val is a known dataset's last shard if one is there, else the last file in sorted order.
+    Raises when the split would be empty."""
     _check_split(split)
-    shown_dir = get_data_dir() if data_dir is None else data_dir
+    data_dir = find_data_dir() if data_dir is None else data_dir
     paths = list_parquet_files(data_dir)
     if not paths:
         raise FileNotFoundError(
-            f"no parquet shards in {shown_dir}; download some first: python -m nanochat.dataset -n 8")
-    val_names = {spec.val_filename for spec in DATASETS.values()}
+            f"no parquet shards in {data_dir}; download some first: python -m nanochat.dataset -n 8")
+    spec = _dataset_of(data_dir)
+    val_names = {spec.val_filename} if spec else {s.val_filename for s in DATASETS.values()}
     pinned = [p for p in paths if os.path.basename(p) in val_names]
-    if data_dir is None and not pinned:
-        raise FileNotFoundError(
-            f"the validation shard {get_dataset().val_filename} is missing from {shown_dir}; "
-            "fetch it with: python -m nanochat.dataset -n 0")
     val_path = pinned[-1] if pinned else paths[-1]
+    if spec and not pinned:
+        _log_once(logging.WARNING, "the validation shard %s of %s is missing from %s; using the last file, %s, "
+                  "as val. To fetch it: python -m nanochat.dataset --dataset %s -n 0", spec.val_filename,
+                  spec.name, data_dir, os.path.basename(val_path), spec.name)
     if split == "val":
         return [val_path]
     train = [p for p in paths if p != val_path]
     if not train:
         raise FileNotFoundError(
-            f"{shown_dir} holds only the validation shard {os.path.basename(val_path)}, so the train split "
+            f"{data_dir} holds only the validation shard {os.path.basename(val_path)}, so the train split "
             "is empty; download train shards: python -m nanochat.dataset -n 8")
     return train
 

@@ -8,13 +8,13 @@ The section below is written to be pasted into the README as is.
 
 ## Pretokenized shards (`.bin` / `.idx`)
 
-    python -m nanochat.pretokenize --input ~/.cache/nanochat/base_data \
+    python -m nanochat.pretokenize --input ~/.cache/nanochat/base_data_climbmix \
         --output ~/.cache/nanochat/base_tokens --max-length 2049 --overlap-size 256 --num-workers 8
 
 turns each input shard into one pair of files named after it, train and val kept apart:
 
     <output>/train/shard_00000.bin  shard_00000.idx  ...
-    <output>/val/shard_01822.bin    shard_01822.idx
+    <output>/val/shard_06542.bin    shard_06542.idx
     <output>/pretokenize.json       the settings (tokenizer hash, dtype, BOS, --max-length, --overlap-size)
 
 `--input` is a parquet dataset directory (its last shard is val, as for the parquet loader), or

@@ -5,16 +5,16 @@ The whole data pipeline end to end on a built-in sample, offline: ~6s on 2 CPU c
     python -m scripts.demo                      # into a fresh temp dir (printed)
     python -m scripts.demo --out /tmp/nc-demo   # or a directory of your choice (must be empty)
 
-Stages, each the real code that speedrun.sh runs on FineWeb-Edu:
+Stages, each the real code that speedrun.sh runs on ClimbMix-400B:
   1. write a seeded English-like corpus (Zipf word frequencies, log-normal document lengths) as
      shards with `nanochat.dataset.repackage`, named like the hosted dataset: shard_00000.parquet, ...
-     and the val shard under the default dataset's last index (shard_01822.parquet);
+     and the val shard under the default dataset's last index (shard_06542.parquet);
   2. serve them from an HTTP server on 127.0.0.1;
   3. download them with the real CLI: `python -m nanochat.dataset -n N --base-url ... --data-dir ...`;
   4. train a tokenizer with `python -m scripts.tok_train`, measure it with `python -m scripts.tok_eval`;
   5. stream best-fit packed batches with the loader on the CPU and print what they look like.
 
---out is laid out like $NANOCHAT_BASE_DIR (base_data/, tokenizer/) plus hosted/ (what the server
+--out is laid out like $NANOCHAT_BASE_DIR (base_data_climbmix/, tokenizer/) plus hosted/ (what the server
 served), so afterwards `NANOCHAT_BASE_DIR=<out> python -m scripts.tok_eval` works too. Nothing
 under ~/.cache/nanochat is read or written.
 """
@@ -236,7 +236,7 @@ def print_batch_stats(name: str, s: dict) -> None:
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description="Run the data pipeline end to end on a built-in sample, offline")
     parser.add_argument("--out", default=None,
-                        help="empty or new directory for hosted/, base_data/, tokenizer/ (default: a fresh temp dir)")
+                        help="empty or new directory for hosted/, base_data_climbmix/, tokenizer/ (default: a fresh temp dir)")
     parser.add_argument("--num-docs", type=int, default=4000, help="documents in the sample (default: 4000)")
     parser.add_argument("--shards", type=int, default=4, help="train shards; one val shard is added (default: 4)")
     parser.add_argument("--row-group-size", type=int, default=256,
@@ -263,13 +263,13 @@ def parse_args(argv=None):
 def main(argv=None) -> int:
     args = parse_args(argv)
     out = os.path.abspath(args.out) if args.out else tempfile.mkdtemp(prefix="nanochat-demo-")
-    hosted_dir, data_dir, tokenizer_dir = (os.path.join(out, d) for d in ("hosted", "base_data", "tokenizer"))
+    hosted_dir, data_dir, tokenizer_dir = (os.path.join(out, d) for d in ("hosted", get_dataset().subdir, "tokenizer"))
     os.makedirs(out, exist_ok=True)
     print(f"out: {out}")
     print(f"num_docs: {args.num_docs}  shards: {args.shards} (+1 val)  row_group_size: {args.row_group_size}  "
           f"vocab_size: {args.vocab_size}  batches: {args.batches}  B: {args.B}  T: {args.T}  seed: {args.seed}")
     t_start = time.perf_counter()
-    # the tools find base_data/ and tokenizer/ under here by default; --data-dir etc. are still passed
+    # the tools find the shards and tokenizer/ under here by default; --data-dir etc. are still passed
     env = dict(os.environ, NANOCHAT_BASE_DIR=out)
 
     print("\n== 1. sample corpus -> shards")

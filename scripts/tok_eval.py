@@ -11,7 +11,7 @@ tiktoken can load them (it downloads them once into its cache; offline they are 
 
 import argparse
 
-from nanochat.dataset import get_data_dir, parquets_iter_batched
+from nanochat.dataset import find_data_dir, parquets_iter_batched
 from nanochat.tokenizer import RustBPETokenizer, get_tokenizer_dir
 
 
@@ -52,7 +52,7 @@ def load_references(names: list[str]) -> dict:
 def main(argv=None):
     args = parse_args(argv)
     tokenizer_dir = get_tokenizer_dir() if args.tokenizer_dir is None else args.tokenizer_dir
-    data_dir = get_data_dir() if args.data_dir is None else args.data_dir
+    data_dir = find_data_dir() if args.data_dir is None else args.data_dir
     names = [] if args.compare.strip().lower() in ("", "none") else [n.strip() for n in args.compare.split(",") if n.strip()]
     print(f"tokenizer_dir: {tokenizer_dir}")
     print(f"data_dir: {data_dir}")

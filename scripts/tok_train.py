@@ -3,7 +3,7 @@ Train the BPE tokenizer on the train shards and save it (tokenizer.json + token_
 
     python -m scripts.tok_train --max-chars 2000000000 --vocab-size 65536
 
-The default 2B characters is ~8 shards of FineWeb-Edu (~250M characters each) and trains in a few
+The default 2B characters is ~8 shards of ClimbMix (~250M characters each) and trains in a few
 minutes on a multi-core node; rustbpe's time grows roughly linearly with characters.
 """
 
@@ -14,7 +14,7 @@ import time
 from tqdm import tqdm
 
 from nanochat.common import get_base_dir
-from nanochat.dataset import get_data_dir, parquets_iter_batched
+from nanochat.dataset import find_data_dir, parquets_iter_batched
 from nanochat.tokenizer import MIN_VOCAB_SIZE, RustBPETokenizer
 
 SAMPLES = [
@@ -48,7 +48,7 @@ def parse_args(argv=None):
 
 def main(argv=None):
     args = parse_args(argv)
-    data_dir = get_data_dir() if args.data_dir is None else args.data_dir
+    data_dir = find_data_dir() if args.data_dir is None else args.data_dir
     out_dir = os.path.join(get_base_dir(), "tokenizer") if args.out_dir is None else args.out_dir
     print(f"max_chars: {args.max_chars:,}")
     print(f"doc_cap: {args.doc_cap:,}")

@@ -186,11 +186,12 @@ def test_import_does_no_io(tmp_path):
 
 
 def test_get_dataset_and_data_dir(monkeypatch):
-    assert get_dataset().name == "fineweb-edu-100b"
-    assert get_dataset().val_filename == "shard_01822.parquet"
-    monkeypatch.setenv("NANOCHAT_DATASET", "climbmix-400b")
-    assert get_dataset().max_shard == 6542
+    assert get_dataset().name == "climbmix-400b"  # nanochat's own default since 92d63d4
+    assert get_dataset().val_filename == "shard_06542.parquet"
     assert get_data_dir().endswith(os.path.join("nanochat_base", "base_data_climbmix"))
+    monkeypatch.setenv("NANOCHAT_DATASET", "fineweb-edu-100b")
+    assert get_dataset().max_shard == 1822
+    assert get_data_dir().endswith(os.path.join("nanochat_base", "base_data"))
     with pytest.raises(ValueError, match="nope"):
         get_dataset("nope")
     with pytest.raises(ValueError, match="nope"):
@@ -235,10 +236,100 @@ def test_missing_or_empty_dir_names_the_download_command(tmp_path):
         split_parquet_files("train", str(tmp_path))  # exists, but holds no shards
 
 
-def test_default_dir_needs_the_val_shard():
-    write_shards(get_data_dir(), [["a"], ["b"]], row_group_size=1)
-    with pytest.raises(FileNotFoundError, match="-n 0"):
-        split_parquet_files("val")
+# -----------------------------------------------------------------------------
+# Finding the data with no configuration: where nanochat's downloader puts it
+
+
+@pytest.fixture
+def fresh_log(monkeypatch, caplog):
+    """Warnings are logged once per process: start each test with none logged yet."""
+    monkeypatch.setattr(dataset, "_LOGGED", set())
+    caplog.set_level("WARNING", logger="nanochat.dataset")
+    return caplog
+
+
+def _downloaded(name, train_shards):
+    """What the downloader writes for a dataset: train shards 0..n-1 and the val shard, one row group each."""
+    data_dir = get_data_dir(name)
+    indices = list(range(train_shards)) + [get_dataset(name).max_shard]
+    for i in indices:
+        os.makedirs(data_dir, exist_ok=True)
+        write_shard(os.path.join(data_dir, index_to_filename(i)), [f"{name} {i}"], row_group_size=1)
+    return data_dir
+
+
+def _names(paths):
+    return [os.path.basename(p) for p in paths]
+
+
+@pytest.mark.parametrize("name, val", [("climbmix-400b", "shard_06542.parquet"),
+                                       ("fineweb-edu-100b", "shard_01822.parquet")])
+def test_the_one_downloaded_dataset_is_found(name, val, fresh_log):
+    data_dir = _downloaded(name, 2)
+    assert list_parquet_files() == list_parquet_files(data_dir)
+    assert _names(split_parquet_files("val")) == [val]
+    assert _names(split_parquet_files("train")) == ["shard_00000.parquet", "shard_00001.parquet"]
+    assert list(parquets_iter_batched("val")) == [[f"{name} {get_dataset(name).max_shard}"]]
+    assert list(parquets_iter_batched("train")) == [[f"{name} 0"], [f"{name} 1"]]
+    assert not fresh_log.records  # nothing to warn about
+
+
+def test_both_datasets_present_reads_the_default_and_says_so(fresh_log):
+    fineweb = _downloaded("fineweb-edu-100b", 3)
+    climbmix = _downloaded("climbmix-400b", 1)
+    for _ in range(3):
+        assert list_parquet_files() == list_parquet_files(climbmix)
+    assert _names(split_parquet_files("val")) == ["shard_06542.parquet"]
+    [record] = fresh_log.records  # once, however often the data is listed
+    assert record.message.startswith(f"found {climbmix} and {fineweb}; reading {climbmix}, the default")
+    assert "NANOCHAT_DATASET" in record.message
+
+
+def test_nanochat_dataset_variable_chooses(monkeypatch, fresh_log):
+    fineweb = _downloaded("fineweb-edu-100b", 1)
+    _downloaded("climbmix-400b", 1)
+    monkeypatch.setenv("NANOCHAT_DATASET", "fineweb-edu-100b")
+    assert list_parquet_files() == list_parquet_files(fineweb)
+    assert not fresh_log.records
+
+
+def test_own_shards_in_the_dataset_dir_use_the_last_file_as_val(fresh_log):
+    # a user's own shards where nanochat looks: the seeds' rule (last file is val), one warning
+    data_dir = get_data_dir("climbmix-400b")
+    write_shards(data_dir, [["a"], ["b"], ["c"]], row_group_size=1)
+    for _ in range(2):
+        assert _names(split_parquet_files("val")) == ["shard_00002.parquet"]
+        assert _names(split_parquet_files("train")) == ["shard_00000.parquet", "shard_00001.parquet"]
+    [record] = fresh_log.records
+    assert "shard_06542.parquet" in record.message and "shard_00002.parquet" in record.message
+    assert "python -m nanochat.dataset --dataset climbmix-400b -n 0" in record.message
+
+
+def test_a_train_shard_named_like_the_other_datasets_val_is_train(fresh_log):
+    # shard_01822 is FineWeb's val shard but an ordinary ClimbMix train shard
+    data_dir = get_data_dir("climbmix-400b")
+    os.makedirs(data_dir)
+    for i in (0, 1822, 6542):
+        write_shard(os.path.join(data_dir, index_to_filename(i)), [str(i)], row_group_size=1)
+    assert _names(split_parquet_files("val")) == ["shard_06542.parquet"]
+    assert _names(split_parquet_files("train")) == ["shard_00000.parquet", "shard_01822.parquet"]
+
+
+def test_no_data_anywhere_names_the_default_dir_and_the_download_command():
+    with pytest.raises(FileNotFoundError, match="base_data_climbmix does not exist.*python -m nanochat.dataset -n 8"):
+        split_parquet_files("train")
+
+
+def test_loaders_read_the_found_dataset_with_no_configuration(byte_tokenizer):
+    from nanochat.dataloader import tokenizing_distributed_data_loader_with_state_bos_bestfit as loader
+    data_dir = get_data_dir("fineweb-edu-100b")
+    write_shards(data_dir, [[f"doc {i} " * (i + 1) for i in range(40)]] * 2, row_group_size=8)
+    os.replace(os.path.join(data_dir, "shard_00001.parquet"), os.path.join(data_dir, "shard_01822.parquet"))
+    found = loader(byte_tokenizer, 2, 16, "train", device="cpu", prefetch=0)
+    given = loader(byte_tokenizer, 2, 16, "train", device="cpu", prefetch=0, data_dir=data_dir)
+    for _ in range(3):
+        (x1, y1, s1), (x2, y2, s2) = next(found), next(given)
+        assert x1.tolist() == x2.tolist() and y1.tolist() == y2.tolist() and s1 == s2
 
 
 def test_parquets_iter_batched_start_step(tmp_path):
@@ -274,7 +365,7 @@ def test_read_errors_name_file_and_row_group(tmp_path, table, message):
 
 
 def test_main_downloads_train_and_val_shards(server, tmp_path, capsys):
-    served = _serve(server, tmp_path, [0, 1, 1822])
+    served = _serve(server, tmp_path, [0, 1, 6542])
     data_dir = tmp_path / "data"
     rc = main(["-n", "2", "-w", "2", "--base-url", server.url, "--data-dir", str(data_dir)] + FAST)
     assert rc == 0
@@ -283,14 +374,14 @@ def test_main_downloads_train_and_val_shards(server, tmp_path, capsys):
     assert f"downloaded 3/3 shards to {data_dir}" in out
     _assert_only_complete_shards(data_dir, served)
     assert server.gets == {name: 1 for name in server.files}
-    assert list_parquet_files(str(data_dir))[-1].endswith("shard_01822.parquet")
+    assert list_parquet_files(str(data_dir))[-1].endswith("shard_06542.parquet")
 
 
 def test_existing_files_are_skipped(server, tmp_path):
-    served = _serve(server, tmp_path, [0, 1, 1822])
+    served = _serve(server, tmp_path, [0, 1, 6542])
     data_dir = tmp_path / "data"
     data_dir.mkdir()
-    for i in (0, 1822):
+    for i in (0, 6542):
         (data_dir / index_to_filename(i)).write_bytes(served[i])
     assert main(["-n", "2", "--base-url", server.url, "--data-dir", str(data_dir)] + FAST) == 0
     assert server.gets == {"shard_00001.parquet": 1}
@@ -326,12 +417,12 @@ def test_n_minus_one_fetches_all_and_defaults_come_from_env(server, tmp_path, ti
 
 
 def test_n_zero_fetches_only_the_val_shard(server, tmp_path, capsys):
-    served = _serve(server, tmp_path, [0, 1822])
+    served = _serve(server, tmp_path, [0, 6542])
     data_dir = tmp_path / "data"
     assert main(["-n", "0", "--base-url", server.url, "--data-dir", str(data_dir)] + FAST) == 0
     assert "downloaded 1/1 shards" in capsys.readouterr().out
-    _assert_only_complete_shards(data_dir, {1822: served[1822]})
-    assert split_parquet_files("val", str(data_dir))[0].endswith("shard_01822.parquet")
+    _assert_only_complete_shards(data_dir, {6542: served[6542]})
+    assert split_parquet_files("val", str(data_dir))[0].endswith("shard_06542.parquet")
 
 
 @pytest.mark.parametrize("args, name", [
@@ -366,7 +457,7 @@ def test_api_resolves_defaults_at_call_time(server, tmp_path, monkeypatch):
     monkeypatch.setenv("NANOCHAT_BASE_DIR", str(tmp_path / "later"))
     monkeypatch.setenv("NANOCHAT_DATA_URL", server.url)
     assert download_single_file(5, backoff_base=0.01) is True
-    _assert_only_complete_shards(tmp_path / "later" / "base_data", served)
+    _assert_only_complete_shards(tmp_path / "later" / "base_data_climbmix", served)
 
 
 # -----------------------------------------------------------------------------
@@ -470,7 +561,7 @@ def test_non_parquet_or_truncated_body_is_discarded_and_retried(server, tmp_path
 
 @pytest.mark.parametrize("fault", ["garbage", "short", "cut", "500"])
 def test_shard_that_never_succeeds_fails_the_run(server, tmp_path, fault, capsys):
-    served = _serve(server, tmp_path, [0, 1, 1822])
+    served = _serve(server, tmp_path, [0, 1, 6542])
     server.always["shard_00001.parquet"] = fault
     data_dir = tmp_path / "data"
     rc = main(["-n", "2", "--base-url", server.url, "--data-dir", str(data_dir)] + FAST)
@@ -483,7 +574,7 @@ def test_shard_that_never_succeeds_fails_the_run(server, tmp_path, fault, capsys
 
 
 def test_404_fails_fast(server, tmp_path, capsys):
-    served = _serve(server, tmp_path, [0, 1822])  # shard 1 does not exist on the server
+    served = _serve(server, tmp_path, [0, 6542])  # shard 1 does not exist on the server
     data_dir = tmp_path / "data"
     assert main(["-n", "2", "--base-url", server.url, "--data-dir", str(data_dir)] + FAST) == 1
     assert "failed (1): shard_00001.parquet" in capsys.readouterr().out
@@ -541,7 +632,7 @@ def test_two_threads_download_one_shard_once(server, tmp_path):
 
 
 def test_two_processes_download_into_one_dir(server, tmp_path):
-    served = _serve(server, tmp_path, [0, 1, 2, 1822])
+    served = _serve(server, tmp_path, [0, 1, 2, 6542])
     for name in server.files:
         server.always[name] = "slow"
     data_dir = tmp_path / "data"
@@ -560,7 +651,7 @@ _DiskUsage = namedtuple("_DiskUsage", "total used free")  # what shutil.disk_usa
 
 
 def test_not_enough_disk_space_stops_before_downloading(server, tmp_path, monkeypatch):
-    _serve(server, tmp_path, [0, 1822])
+    _serve(server, tmp_path, [0, 6542])
     data_dir = tmp_path / "data"
     monkeypatch.setattr(dataset.shutil, "disk_usage", lambda path: _DiskUsage(10**6, 10**6 - 100, 100))
     with pytest.raises(OSError, match="--data-dir") as info:

@@ -28,12 +28,12 @@ def test_demo_end_to_end(tmp_path):
 
     # what was downloaded is exactly what was served, under the real dataset's names
     served = sorted(os.listdir(out / "hosted"))
-    assert served == ["shard_00000.parquet", "shard_00001.parquet", "shard_01822.parquet"]
-    downloaded = sorted(f for f in os.listdir(out / "base_data") if f.endswith(".parquet"))
+    assert served == ["shard_00000.parquet", "shard_00001.parquet", "shard_06542.parquet"]
+    downloaded = sorted(f for f in os.listdir(out / "base_data_climbmix") if f.endswith(".parquet"))
     assert downloaded == served
     for name in served:
-        assert (out / "base_data" / name).read_bytes() == (out / "hosted" / name).read_bytes(), name
-    assert not [f for f in os.listdir(out / "base_data") if f.endswith(".tmp")]
+        assert (out / "base_data_climbmix" / name).read_bytes() == (out / "hosted" / name).read_bytes(), name
+    assert not [f for f in os.listdir(out / "base_data_climbmix") if f.endswith(".tmp")]
 
     assert (out / "tokenizer" / "tokenizer.json").is_file()
     assert (out / "tokenizer" / "token_bytes.npy").is_file()
