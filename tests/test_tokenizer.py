@@ -1,11 +1,14 @@
 """
 Tests for nanochat/tokenizer.py and the scripts tok_train / tok_eval.
 
+Covers encoding, our JSON format, upstream nanochat's API (the tiktoken-Encoding constructor, chat
+rendering and its masks, decode_single_token_bytes, the calls nanochat's tok_train.py makes).
 A throwaway tokenizer (vocab 512) is trained in-process on generated text; nothing here reads the
 user's cache or the network (tiktoken's named encodings are replaced by local stand-ins).
-Run: python -m pytest tests/test_tokenizer.py -q   (a few seconds)
+Run: python -m pytest tests/test_tokenizer.py -q   (about ten seconds)
 """
 
+import copy
 import json
 import os
 import pickle
@@ -86,7 +89,7 @@ def test_round_trip_any_text(tok, text):
 
 def test_vocab_and_special_ids(tok):
     assert tok.get_vocab_size() == VOCAB_SIZE  # the training text is rich enough for every merge
-    assert tok.get_special_tokens() == SPECIAL_TOKENS
+    assert tok.get_special_tokens() == set(SPECIAL_TOKENS)  # a set of names, as tiktoken's special_tokens_set
     # the specials come right after the mergeable ranks, <|bos|> first
     assert tok.get_bos_token_id() == len(tok.mergeable_ranks) == VOCAB_SIZE - len(SPECIAL_TOKENS)
     for i, name in enumerate(SPECIAL_TOKENS):
@@ -249,6 +252,180 @@ def test_from_pretrained_uses_endoftext_as_bos(monkeypatch):
     monkeypatch.setattr(tiktoken, "get_encoding", lambda name: bare)
     with pytest.raises(ValueError, match="endoftext"):
         RustBPETokenizer.from_pretrained("bare")
+
+
+def test_constructor_takes_a_tiktoken_encoding(tok, tmp_path):
+    # nanochat builds the class as RustBPETokenizer(enc, bos_token)
+    enc = tiktoken.Encoding("mine", pat_str=tok.pattern, mergeable_ranks=tok.mergeable_ranks,
+                            special_tokens=tok.special_tokens)
+    built = RustBPETokenizer(enc, "<|bos|>")
+    assert built.enc is enc and isinstance(tok.enc, tiktoken.Encoding)
+    assert built.bos_token_id == built.get_bos_token_id() == tok.get_bos_token_id() == VOCAB_SIZE - 9
+    assert built.encode(TEXTS, prepend="<|bos|>") == tok.encode(TEXTS, prepend="<|bos|>")
+    built.save(str(tmp_path / "built"))  # and it saves as JSON like a trained one
+    assert RustBPETokenizer.from_directory(str(tmp_path / "built")).encode(TEXTS) == tok.encode(TEXTS)
+    with pytest.raises(TypeError, match="tiktoken.Encoding"):
+        RustBPETokenizer({"<|bos|>": 0}, "<|bos|>")
+    with pytest.raises(ValueError, match=r"bos_token '<\|nope\|>'"):
+        RustBPETokenizer(enc, "<|nope|>")
+
+
+def test_decode_single_token_bytes(tok):
+    # rustbpe gives byte b the rank b, so ids 0..255 are the single bytes
+    assert all(tok.mergeable_ranks[bytes([b])] == b for b in range(256))
+    assert tok.decode_single_token_bytes(97) == b"a"
+    merged, rank = next((t, r) for t, r in tok.mergeable_ranks.items() if len(t) >= 2)
+    assert tok.decode_single_token_bytes(rank) == merged
+    # a lone byte >= 0x80 is not UTF-8: the text view loses it, the bytes view keeps it
+    assert tok.decode_single_token_bytes(0xE4) == b"\xe4"
+    assert tok.id_to_token(0xE4) == "\ufffd" and len(tok.id_to_token(0xE4).encode()) == 3
+    assert tok.decode_single_token_bytes(tok.get_bos_token_id()) == b"<|bos|>"
+
+
+def test_driven_like_nanochat_tok_train(tmp_path):
+    # the calls nanochat's scripts/tok_train.py makes after training, in its order
+    import torch
+    tokenizer = RustBPETokenizer.train_from_iterator(iter(make_docs(500, seed=20)), 300)
+    tokenizer_dir = os.path.join(os.environ["NANOCHAT_BASE_DIR"], "tokenizer")  # conftest: a tmp dir
+    tokenizer.save(tokenizer_dir)
+    sample = "Hello world!\nNumbers: 123, 4567\nContractions: I'm, it's\nUnicode: 你好世界 🌍"
+    assert tokenizer.decode(tokenizer.encode(sample)) == sample
+    special_ids = set(tokenizer.encode_special(s) for s in tokenizer.get_special_tokens())
+    counts = [0 if i in special_ids else len(tokenizer.decode_single_token_bytes(i))
+              for i in range(tokenizer.get_vocab_size())]
+    with open(os.path.join(tokenizer_dir, "token_bytes.pt"), "wb") as f:
+        torch.save(torch.tensor(counts, dtype=torch.int32, device="cpu"), f)
+
+    expected = tokenizer.compute_token_bytes()
+    assert (expected[128:256] == 1).all()  # guard: the raw bytes >= 0x80 count one byte each
+    assert (get_token_bytes().numpy() == expected).all()  # token_bytes.npy, written by save()
+    os.remove(os.path.join(tokenizer_dir, "token_bytes.npy"))
+    assert (get_token_bytes().numpy() == expected).all()  # now the token_bytes.pt written above
+    assert get_tokenizer().encode(sample) == tokenizer.encode(sample)
+
+
+# -----------------------------------------------------------------------------
+# Chat conversations
+
+
+def _pieces(*pieces) -> tuple[list[int], list[int]]:
+    """(ids, mask) from (ids, mask value) pieces, in order: the expected output, written by hand."""
+    return [i for ids, _ in pieces for i in ids], [m for ids, m in pieces for _ in ids]
+
+
+def test_render_conversation(tok):
+    s, e = tok.encode_special, tok.encode
+    conversation = {"messages": [
+        {"role": "user", "content": "hi there"},
+        {"role": "assistant", "content": "hello!"},
+        {"role": "user", "content": "2+2?"},
+        {"role": "assistant", "content": "4"},
+    ]}
+    expected = _pieces(
+        ([tok.get_bos_token_id()], 0),
+        ([s("<|user_start|>")], 0), (e("hi there"), 0), ([s("<|user_end|>")], 0),
+        ([s("<|assistant_start|>")], 0), (e("hello!"), 1), ([s("<|assistant_end|>")], 1),
+        ([s("<|user_start|>")], 0), (e("2+2?"), 0), ([s("<|user_end|>")], 0),
+        ([s("<|assistant_start|>")], 0), (e("4"), 1), ([s("<|assistant_end|>")], 1),
+    )
+    assert tok.render_conversation(conversation) == expected
+    ids, mask = expected
+    assert ids[:2] == [503, 504] and ids[-1] == 507  # <|bos|>, <|user_start|>, ... <|assistant_end|>
+    assert sum(mask) == len(e("hello!")) + len(e("4")) + 2
+
+
+def test_render_conversation_merges_a_system_message(tok):
+    s, e = tok.encode_special, tok.encode
+    conversation = {"messages": [
+        {"role": "system", "content": "be brief"},
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": "yo"},
+    ]}
+    before = copy.deepcopy(conversation)
+    expected = _pieces(
+        ([tok.get_bos_token_id(), s("<|user_start|>")], 0), (e("be brief\n\nhi"), 0),
+        ([s("<|user_end|>"), s("<|assistant_start|>")], 0), (e("yo"), 1), ([s("<|assistant_end|>")], 1),
+    )
+    assert tok.render_conversation(conversation) == expected
+    assert conversation == before  # the caller's messages are not changed
+
+
+def test_render_conversation_tool_parts(tok):
+    s, e = tok.encode_special, tok.encode
+    conversation = {"messages": [
+        {"role": "user", "content": "what is 2+2?"},
+        {"role": "assistant", "content": [
+            {"type": "text", "text": "let me check"},
+            {"type": "python", "text": "2+2"},
+            {"type": "python_output", "text": "4"},
+            {"type": "text", "text": "it is 4"},
+        ]},
+    ]}
+    expected = _pieces(
+        ([tok.get_bos_token_id(), s("<|user_start|>")], 0), (e("what is 2+2?"), 0),
+        ([s("<|user_end|>"), s("<|assistant_start|>")], 0),
+        (e("let me check"), 1),
+        ([s("<|python_start|>")] + e("2+2") + [s("<|python_end|>")], 1),  # the model writes the call
+        ([s("<|output_start|>")] + e("4") + [s("<|output_end|>")], 0),  # the interpreter writes the output
+        (e("it is 4"), 1),
+        ([s("<|assistant_end|>")], 1),
+    )
+    assert tok.render_conversation(conversation) == expected
+
+
+def test_render_conversation_truncates(tok):
+    conversation = {"messages": [{"role": "user", "content": "hello " * 100},
+                                 {"role": "assistant", "content": "world " * 1000}]}
+    ids, mask = tok.render_conversation(conversation, max_tokens=10**6)
+    assert len(ids) > 2048
+    assert tok.render_conversation(conversation, max_tokens=7) == (ids[:7], mask[:7])
+    assert tok.render_conversation(conversation) == (ids[:2048], mask[:2048])  # the default
+
+
+@pytest.mark.parametrize("messages, error", [
+    ([], "no messages"),
+    ([{"role": "assistant", "content": "hi"}], "message 0 .* from 'assistant' but should be from 'user'"),
+    ([{"role": "user", "content": "a"}, {"role": "user", "content": "b"}], "should be from 'assistant'"),
+    ([{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"},
+      {"role": "assistant", "content": "c"}], "message 2 .* should be from 'user'"),
+    ([{"role": "system", "content": "s"}], "followed by a user message"),
+    ([{"role": "system", "content": "s"}, {"role": "assistant", "content": "a"}], "followed by a user message"),
+    ([{"role": "user", "content": ["not", "a", "str"]}], "user's content must be a str"),
+    ([{"role": "user", "content": "q"}, {"role": "assistant", "content": 42}], "str or a list of parts"),
+    ([{"role": "user", "content": "q"}, {"role": "assistant", "content": [{"type": "image", "text": "x"}]}],
+     "unknown part type 'image'"),
+])
+def test_render_conversation_rejects_bad_conversations(tok, messages, error):
+    with pytest.raises(ValueError, match=error):
+        tok.render_conversation({"messages": messages})
+
+
+def test_render_for_completion(tok):
+    s, e = tok.encode_special, tok.encode
+    conversation = {"messages": [
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": "hello"},
+        {"role": "user", "content": "2+2?"},
+        {"role": "assistant", "content": "the reference answer"},
+    ]}
+    before = copy.deepcopy(conversation)
+    expected = ([tok.get_bos_token_id(), s("<|user_start|>")] + e("hi") + [s("<|user_end|>")]
+                + [s("<|assistant_start|>")] + e("hello") + [s("<|assistant_end|>")]
+                + [s("<|user_start|>")] + e("2+2?") + [s("<|user_end|>")] + [s("<|assistant_start|>")])
+    assert tok.render_for_completion(conversation) == expected
+    assert conversation == before
+    with pytest.raises(ValueError, match="last message must be the assistant's"):
+        tok.render_for_completion({"messages": conversation["messages"][:3]})
+    with pytest.raises(ValueError, match="last message must be the assistant's"):
+        tok.render_for_completion({"messages": []})
+
+
+def test_visualize_tokenization(tok):
+    bos = tok.get_bos_token_id()
+    assert tok.decode([97]) == "a"
+    assert tok.visualize_tokenization([97, bos], [1, 0]) == "\033[92ma\033[0m|\033[91m<|bos|>\033[0m"
+    assert tok.visualize_tokenization([97, bos], [1, 0], with_token_id=True) == (
+        "\033[92ma\033[0m|\033[90m(97)\033[0m|\033[91m<|bos|>\033[0m|\033[90m(503)\033[0m")
 
 
 # -----------------------------------------------------------------------------
