@@ -24,14 +24,18 @@ token_bytes.npy (numpy, loaded with allow_pickle=False):
 
 Both files are written under a temporary name and renamed, so a crash never leaves a half-written
 file under the final name. Upstream nanochat pickles the tiktoken Encoding instead (tokenizer.pkl,
-plus token_bytes.pt); loading a pickle can run arbitrary code, so reading one needs
-from_directory(..., allow_pickle=True).
+plus token_bytes.pt). We read such a pickle without pickle.load, which could run any code: a
+restricted unpickler admits only tiktoken's Encoding class, swapped for a stand-in that just keeps
+the tables. `python -m nanochat.tokenizer convert DIR` turns one into tokenizer.json.
 """
 
+import argparse
 import base64
 import json
 import logging
 import os
+import pickle
+import sys
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
@@ -62,11 +66,12 @@ SPLIT_PATTERN = r"""'(?i:[sdmt]|ll|ve|re)|[^\r\n\p{L}\p{N}]?+\p{L}+|\p{N}{1,2}| 
 
 TOKENIZER_FILENAME = "tokenizer.json"
 TOKEN_BYTES_FILENAME = "token_bytes.npy"
-PICKLE_FILENAME = "tokenizer.pkl"  # upstream nanochat's format, read only on request
+PICKLE_FILENAME = "tokenizer.pkl"  # upstream nanochat's format, read with _EncodingUnpickler
 FORMAT_NAME = "nanochat-tokenizer"
 FORMAT_VERSION = 1
 MIN_VOCAB_SIZE = 256 + len(SPECIAL_TOKENS)  # the byte alphabet plus our specials: 265
 TRAIN_HINT = "python -m scripts.tok_train"
+CONVERT_HINT = "python -m nanochat.tokenizer convert"
 
 # how each kind of assistant part is rendered: (opening special, closing special, mask of the part)
 # tool output is written by the interpreter at inference time, so the model never learns to produce it
@@ -126,29 +131,24 @@ class RustBPETokenizer:
         return cls._from_tables("rustbpe", trainer.get_pattern(), mergeable_ranks, special_tokens, SPECIAL_TOKENS[0])
 
     @classmethod
-    def from_directory(cls, tokenizer_dir: str, *, allow_pickle: bool = False):
-        """Load tokenizer.json from tokenizer_dir. With allow_pickle=True, a directory holding only
-        upstream nanochat's tokenizer.pkl is read too (only do that for files you trust)."""
+    def from_directory(cls, tokenizer_dir: str):
+        """Load the tokenizer in tokenizer_dir: our tokenizer.json, else upstream nanochat's tokenizer.pkl
+        (read without running anything in it; see _EncodingUnpickler). tokenizer.json wins when both exist."""
         if not os.path.isdir(tokenizer_dir):
             raise FileNotFoundError(f"tokenizer directory {tokenizer_dir} does not exist; "
                                     f"train a tokenizer first: {TRAIN_HINT}")
         json_path = os.path.join(tokenizer_dir, TOKENIZER_FILENAME)
-        if os.path.exists(json_path):
-            return cls._from_json(json_path)
         pkl_path = os.path.join(tokenizer_dir, PICKLE_FILENAME)
-        if not os.path.exists(pkl_path):
-            raise FileNotFoundError(f"tokenizer file {json_path} does not exist; "
-                                    f"train a tokenizer first: {TRAIN_HINT}")
-        if not allow_pickle:
-            raise FileNotFoundError(
-                f"no {TOKENIZER_FILENAME} in {tokenizer_dir}, only the pickle {pkl_path}. Loading a pickle "
-                "can run arbitrary code, so it is refused by default; if you trust the file, pass "
-                "allow_pickle=True (and save() the result to get a tokenizer.json), or retrain: " + TRAIN_HINT)
-        import pickle
-        logger.warning("loading the pickled tokenizer %s (allow_pickle=True)", pkl_path)
-        with open(pkl_path, "rb") as f:
-            enc = pickle.load(f)
-        return cls(enc, SPECIAL_TOKENS[0])
+        if os.path.exists(json_path):
+            if os.path.exists(pkl_path) and os.path.getmtime(pkl_path) > os.path.getmtime(json_path):
+                # likely nanochat's tok_train wrote a new pickle over an old conversion
+                logger.warning("%s is newer than %s; loading %s anyway. To use the pickle, convert it: %s %s",
+                               pkl_path, json_path, json_path, CONVERT_HINT, tokenizer_dir)
+            return cls._from_json(json_path)
+        if os.path.exists(pkl_path):
+            return cls._from_pickle(pkl_path)
+        raise FileNotFoundError(f"tokenizer file {json_path} does not exist (nor nanochat's {PICKLE_FILENAME}); "
+                                f"train a tokenizer first: {TRAIN_HINT}")
 
     @classmethod
     def from_pretrained(cls, tiktoken_name: str):
@@ -191,6 +191,17 @@ class RustBPETokenizer:
             # ValueError covers bad JSON, bad UTF-8, bad base64 and failed table checks
             raise ValueError(f"{path} is not a valid tokenizer file ({type(e).__name__}: {e}); "
                              f"retrain it: {TRAIN_HINT}") from e
+
+    @classmethod
+    def _from_pickle(cls, path: str):
+        """Upstream nanochat's tokenizer.pkl (a pickled tiktoken Encoding, BOS <|bos|>), run nothing."""
+        state = _read_pickled_encoding(path)
+        try:
+            return cls._from_tables(state["name"], state["pat_str"], state["mergeable_ranks"],
+                                    state["special_tokens"], SPECIAL_TOKENS[0])
+        except ValueError as e:
+            raise ValueError(f"{path} holds a tiktoken Encoding with unusable tables ({e}); "
+                             f"retrain the tokenizer: {TRAIN_HINT}") from e
 
     # -------------------------------------------------------------------------
     # Saving
@@ -408,6 +419,70 @@ Tokenizer = RustBPETokenizer
 _POOLS_LOCK = threading.Lock()
 
 # -----------------------------------------------------------------------------
+# Reading upstream nanochat's tokenizer.pkl without running it
+
+
+class UnsafePickleError(pickle.UnpicklingError, ValueError):
+    """A tokenizer.pkl asked for something other than tiktoken's Encoding class; nothing was run."""
+
+
+class _EncodingState:
+    """Stands in for tiktoken.core.Encoding while unpickling: it keeps the pickled state, runs nothing."""
+
+    state = None
+
+    def __setstate__(self, state) -> None:
+        self.state = state
+
+
+class _EncodingUnpickler(pickle.Unpickler):
+    """Unpickles a tiktoken Encoding as an _EncodingState. Its pickle (protocol 3 and up) names one
+    global, tiktoken.core.Encoding; everything else is plain data (dicts, str, bytes, int). Any other
+    global could be a function to call (os.system, builtins.exec), so it is refused before it exists."""
+
+    def __init__(self, file, path: str):
+        super().__init__(file)
+        self.path = path
+
+    def find_class(self, module: str, name: str):
+        if (module, name) == ("tiktoken.core", "Encoding"):
+            return _EncodingState
+        raise UnsafePickleError(
+            f"{self.path} refers to {module}.{name}, but a nanochat tokenizer.pkl refers only to "
+            "tiktoken.core.Encoding; refused without running anything. Retrain the tokenizer "
+            f"({TRAIN_HINT}) or get the file from where it was trained")
+
+
+def _read_pickled_encoding(path: str) -> dict:
+    """The state that tiktoken's Encoding pickles (name, pat_str, mergeable_ranks, special_tokens)."""
+    try:
+        with open(path, "rb") as f:
+            obj = _EncodingUnpickler(f, path).load()
+    except UnsafePickleError:
+        raise
+    # a damaged pickle fails in many ways inside the unpickler, each meaning the same to the caller
+    # (MemoryError too: a damaged length field can ask for a huge buffer; 27 of 3,000 byte-flip trials)
+    except (pickle.UnpicklingError, EOFError, ValueError, TypeError, KeyError, IndexError, AttributeError,
+            OverflowError, MemoryError) as e:
+        raise ValueError(f"{path} is not a valid pickled tokenizer ({type(e).__name__}: {e}); "
+                         f"retrain it: {TRAIN_HINT}") from e
+    if not isinstance(obj, _EncodingState):
+        raise ValueError(f"{path} holds a {type(obj).__name__}, not a pickled tiktoken Encoding; "
+                         f"retrain the tokenizer: {TRAIN_HINT}")
+    state = obj.state
+    if isinstance(state, str):
+        # tiktoken pickles its own registered encodings by name only
+        raise ValueError(f"{path} names tiktoken's encoding {state!r} instead of holding its tables; "
+                         f"load it with RustBPETokenizer.from_pretrained({state!r})")
+    keys = {"name", "pat_str", "mergeable_ranks", "special_tokens"}
+    if not isinstance(state, dict) or set(state) != keys:
+        got = list(state) if isinstance(state, dict) else type(state).__name__
+        raise ValueError(f"{path} holds a tiktoken Encoding whose state is not {sorted(keys)} (got {got}); "
+                         f"retrain the tokenizer: {TRAIN_HINT}")
+    return state
+
+
+# -----------------------------------------------------------------------------
 # Helpers
 
 
@@ -510,3 +585,39 @@ def get_token_bytes(device="cpu", tokenizer_dir: str | None = None):
                                 f"first: {TRAIN_HINT}")
     return token_bytes.to(device)
 
+
+# -----------------------------------------------------------------------------
+# Command line
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m nanochat.tokenizer convert DIR`: write tokenizer.json and token_bytes.npy next to
+    upstream nanochat's tokenizer.pkl in DIR. The pickle is read without running it and left as it is."""
+    parser = argparse.ArgumentParser(prog="python -m nanochat.tokenizer", description="Tokenizer utilities")
+    commands = parser.add_subparsers(dest="command", required=True)
+    convert = commands.add_parser("convert", help="turn nanochat's tokenizer.pkl into tokenizer.json",
+                                  description="Write tokenizer.json and token_bytes.npy next to nanochat's "
+                                              "tokenizer.pkl; the pickle is read without running anything in it.")
+    convert.add_argument("tokenizer_dir", metavar="DIR", help="directory holding tokenizer.pkl, "
+                                                              "e.g. ~/.cache/nanochat/tokenizer")
+    args = parser.parse_args(argv)
+    print(f"command={args.command} tokenizer_dir={args.tokenizer_dir}")
+    pkl_path = os.path.join(args.tokenizer_dir, PICKLE_FILENAME)
+    if not os.path.exists(pkl_path):
+        raise FileNotFoundError(f"{pkl_path} does not exist; convert reads the tokenizer.pkl that upstream "
+                                "nanochat's scripts/tok_train.py writes")
+    tokenizer = RustBPETokenizer._from_pickle(pkl_path)
+    tokenizer.save(args.tokenizer_dir)
+    print(f"read {pkl_path}: vocab size {tokenizer.get_vocab_size():,}, bos id {tokenizer.get_bos_token_id()}")
+    for filename in (TOKENIZER_FILENAME, TOKEN_BYTES_FILENAME):
+        print(f"wrote {os.path.join(args.tokenizer_dir, filename)}")
+    return 0
+
+
+if __name__ == "__main__":
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        sys.exit(main())
+    except (ValueError, OSError) as e:  # FileNotFoundError is an OSError; show one line, not a traceback
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(1)
