@@ -1,8 +1,10 @@
 """
 GPT-4-style BPE tokenizer: trained with rustbpe, run with tiktoken, saved as plain JSON.
 
-Training on ~2B characters takes a few minutes on a node; encoding runs at tiktoken speed
-(several MB/s per thread). A saved tokenizer is a directory holding two files:
+The class has upstream nanochat's API (RustBPETokenizer(enc, bos_token), train_from_iterator,
+from_directory, encode, render_conversation, ...), so this file can replace nanochat/tokenizer.py in a
+nanochat checkout. Training on ~2B characters takes a few minutes on a node; encoding runs at tiktoken
+speed (several MB/s per thread). A saved tokenizer is a directory holding two files:
 
 tokenizer.json (UTF-8 JSON, nothing in it is ever executed):
     {
@@ -21,14 +23,19 @@ token_bytes.npy (numpy, loaded with allow_pickle=False):
     It turns a summed loss into bits per byte, a metric that does not depend on the vocab size.
 
 Both files are written under a temporary name and renamed, so a crash never leaves a half-written
-file under the final name. Upstream nanochat pickles the tiktoken Encoding instead (tokenizer.pkl);
-loading a pickle can run arbitrary code, so reading one needs from_directory(..., allow_pickle=True).
+file under the final name. Upstream nanochat pickles the tiktoken Encoding instead (tokenizer.pkl,
+plus token_bytes.pt). We read such a pickle without pickle.load, which could run any code: a
+restricted unpickler admits only tiktoken's Encoding class, swapped for a stand-in that just keeps
+the tables. `python -m nanochat.tokenizer convert DIR` turns one into tokenizer.json.
 """
 
+import argparse
 import base64
 import json
 import logging
 import os
+import pickle
+import sys
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
@@ -59,29 +66,43 @@ SPLIT_PATTERN = r"""'(?i:[sdmt]|ll|ve|re)|[^\r\n\p{L}\p{N}]?+\p{L}+|\p{N}{1,2}| 
 
 TOKENIZER_FILENAME = "tokenizer.json"
 TOKEN_BYTES_FILENAME = "token_bytes.npy"
-PICKLE_FILENAME = "tokenizer.pkl"  # upstream nanochat's format, read only on request
+PICKLE_FILENAME = "tokenizer.pkl"  # upstream nanochat's format, read with _EncodingUnpickler
 FORMAT_NAME = "nanochat-tokenizer"
 FORMAT_VERSION = 1
 MIN_VOCAB_SIZE = 256 + len(SPECIAL_TOKENS)  # the byte alphabet plus our specials: 265
 TRAIN_HINT = "python -m scripts.tok_train"
+CONVERT_HINT = "python -m nanochat.tokenizer convert"
+
+# how each kind of assistant part is rendered: (opening special, closing special, mask of the part)
+# tool output is written by the interpreter at inference time, so the model never learns to produce it
+_PARTS = {
+    "text": (None, None, 1),
+    "python": ("<|python_start|>", "<|python_end|>", 1),
+    "python_output": ("<|output_start|>", "<|output_end|>", 0),
+}
+# ANSI colours for visualize_tokenization
+_GREEN, _RED, _GRAY, _RESET = "\033[92m", "\033[91m", "\033[90m", "\033[0m"
 
 # -----------------------------------------------------------------------------
 # The tokenizer
 
 
 class RustBPETokenizer:
-    """A tiktoken Encoding plus the tables it was built from, so that it can be saved as JSON."""
+    """A tiktoken Encoding (for fast encoding) and the name of its BOS token; trained with rustbpe."""
 
-    def __init__(self, name: str, pattern: str, mergeable_ranks: dict[bytes, int],
-                 special_tokens: dict[str, int], bos_token: str):
-        _check_tables(pattern, mergeable_ranks, special_tokens, bos_token)
-        self.name = name
-        self.pattern = pattern
-        self.mergeable_ranks = dict(mergeable_ranks)
-        self.special_tokens = dict(special_tokens)
+    def __init__(self, enc: tiktoken.Encoding, bos_token: str):
+        if not isinstance(enc, tiktoken.Encoding):
+            raise TypeError(f"enc must be a tiktoken.Encoding, got {type(enc).__name__}")
+        if bos_token not in enc.special_tokens_set:
+            raise ValueError(f"bos_token {bos_token!r} is not among the special tokens "
+                             f"{sorted(enc.special_tokens_set)} of encoding {enc.name!r}")
+        self.enc = enc
+        # tiktoken keeps its tables in private attributes; this is the one place we read them (save needs them)
+        self.name = enc.name
+        self.pattern = enc._pat_str
+        self.mergeable_ranks = enc._mergeable_ranks
+        self.special_tokens = enc._special_tokens
         self.bos_token = bos_token
-        self.enc = tiktoken.Encoding(name, pat_str=pattern, mergeable_ranks=self.mergeable_ranks,
-                                     special_tokens=self.special_tokens)
         self.bos_token_id = self.special_tokens[bos_token]
 
     # -------------------------------------------------------------------------
@@ -107,32 +128,27 @@ class RustBPETokenizer:
                            "asked for %d", len(mergeable_ranks), vocab_size_no_special)
         offset = len(mergeable_ranks)
         special_tokens = {name: offset + i for i, name in enumerate(SPECIAL_TOKENS)}
-        return cls("rustbpe", trainer.get_pattern(), mergeable_ranks, special_tokens, SPECIAL_TOKENS[0])
+        return cls._from_tables("rustbpe", trainer.get_pattern(), mergeable_ranks, special_tokens, SPECIAL_TOKENS[0])
 
     @classmethod
-    def from_directory(cls, tokenizer_dir: str, *, allow_pickle: bool = False):
-        """Load tokenizer.json from tokenizer_dir. With allow_pickle=True, a directory holding only
-        upstream nanochat's tokenizer.pkl is read too (only do that for files you trust)."""
+    def from_directory(cls, tokenizer_dir: str):
+        """Load the tokenizer in tokenizer_dir: our tokenizer.json, else upstream nanochat's tokenizer.pkl
+        (read without running anything in it; see _EncodingUnpickler). tokenizer.json wins when both exist."""
         if not os.path.isdir(tokenizer_dir):
             raise FileNotFoundError(f"tokenizer directory {tokenizer_dir} does not exist; "
                                     f"train a tokenizer first: {TRAIN_HINT}")
         json_path = os.path.join(tokenizer_dir, TOKENIZER_FILENAME)
-        if os.path.exists(json_path):
-            return cls._from_json(json_path)
         pkl_path = os.path.join(tokenizer_dir, PICKLE_FILENAME)
-        if not os.path.exists(pkl_path):
-            raise FileNotFoundError(f"tokenizer file {json_path} does not exist; "
-                                    f"train a tokenizer first: {TRAIN_HINT}")
-        if not allow_pickle:
-            raise FileNotFoundError(
-                f"no {TOKENIZER_FILENAME} in {tokenizer_dir}, only the pickle {pkl_path}. Loading a pickle "
-                "can run arbitrary code, so it is refused by default; if you trust the file, pass "
-                "allow_pickle=True (and save() the result to get a tokenizer.json), or retrain: " + TRAIN_HINT)
-        import pickle
-        logger.warning("loading the pickled tokenizer %s (allow_pickle=True)", pkl_path)
-        with open(pkl_path, "rb") as f:
-            enc = pickle.load(f)
-        return cls._from_encoding(enc, SPECIAL_TOKENS[0])
+        if os.path.exists(json_path):
+            if os.path.exists(pkl_path) and os.path.getmtime(pkl_path) > os.path.getmtime(json_path):
+                # likely nanochat's tok_train wrote a new pickle over an old conversion
+                logger.warning("%s is newer than %s; loading %s anyway. To use the pickle, convert it: %s %s",
+                               pkl_path, json_path, json_path, CONVERT_HINT, tokenizer_dir)
+            return cls._from_json(json_path)
+        if os.path.exists(pkl_path):
+            return cls._from_pickle(pkl_path)
+        raise FileNotFoundError(f"tokenizer file {json_path} does not exist (nor nanochat's {PICKLE_FILENAME}); "
+                                f"train a tokenizer first: {TRAIN_HINT}")
 
     @classmethod
     def from_pretrained(cls, tiktoken_name: str):
@@ -141,14 +157,19 @@ class RustBPETokenizer:
         enc = tiktoken.get_encoding(tiktoken_name)
         for bos_token in ("<|bos|>", "<|endoftext|>"):
             if bos_token in enc.special_tokens_set:
-                return cls._from_encoding(enc, bos_token)
+                return cls(enc, bos_token)
         raise ValueError(f"tiktoken encoding {tiktoken_name!r} has neither <|bos|> nor <|endoftext|> "
                          f"among its special tokens {sorted(enc.special_tokens_set)}")
 
     @classmethod
-    def _from_encoding(cls, enc: tiktoken.Encoding, bos_token: str):
-        # tiktoken keeps its tables in private attributes; this is the one place we read them
-        return cls(enc.name, enc._pat_str, enc._mergeable_ranks, enc._special_tokens, bos_token)
+    def _from_tables(cls, name: str, pattern: str, mergeable_ranks: dict[bytes, int],
+                     special_tokens: dict[str, int], bos_token: str):
+        """Build the tiktoken Encoding from tables, checked first: tables read from a file may be
+        damaged, and tiktoken panics (rather than raising ValueError) on some bad ones."""
+        _check_tables(name, pattern, mergeable_ranks, special_tokens, bos_token)
+        enc = tiktoken.Encoding(name, pat_str=pattern, mergeable_ranks=mergeable_ranks,
+                                special_tokens=special_tokens)
+        return cls(enc, bos_token)
 
     @classmethod
     def _from_json(cls, path: str):
@@ -164,11 +185,23 @@ class RustBPETokenizer:
                 mergeable_ranks[base64.b64decode(token_b64, validate=True)] = rank
             if len(mergeable_ranks) != len(data["mergeable_ranks"]):
                 raise ValueError("a mergeable token appears twice")
-            return cls(data["name"], data["pattern"], mergeable_ranks, data["special_tokens"], data["bos_token"])
+            return cls._from_tables(data["name"], data["pattern"], mergeable_ranks, data["special_tokens"],
+                                    data["bos_token"])
         except (KeyError, TypeError, ValueError, AttributeError) as e:
             # ValueError covers bad JSON, bad UTF-8, bad base64 and failed table checks
             raise ValueError(f"{path} is not a valid tokenizer file ({type(e).__name__}: {e}); "
                              f"retrain it: {TRAIN_HINT}") from e
+
+    @classmethod
+    def _from_pickle(cls, path: str):
+        """Upstream nanochat's tokenizer.pkl (a pickled tiktoken Encoding, BOS <|bos|>), run nothing."""
+        state = _read_pickled_encoding(path)
+        try:
+            return cls._from_tables(state["name"], state["pat_str"], state["mergeable_ranks"],
+                                    state["special_tokens"], SPECIAL_TOKENS[0])
+        except ValueError as e:
+            raise ValueError(f"{path} holds a tiktoken Encoding with unusable tables ({e}); "
+                             f"retrain the tokenizer: {TRAIN_HINT}") from e
 
     # -------------------------------------------------------------------------
     # Saving
@@ -208,9 +241,9 @@ class RustBPETokenizer:
     def get_vocab_size(self) -> int:
         return self.enc.n_vocab
 
-    def get_special_tokens(self) -> list[str]:
-        """Names of the special tokens, in id order."""
-        return sorted(self.special_tokens, key=self.special_tokens.get)
+    def get_special_tokens(self) -> set[str]:
+        """The names of the special tokens (a set, as tiktoken's special_tokens_set)."""
+        return self.enc.special_tokens_set
 
     def get_bos_token_id(self) -> int:
         return self.bos_token_id
@@ -218,12 +251,18 @@ class RustBPETokenizer:
     def encode_special(self, name: str) -> int:
         """The id of a special token, e.g. encode_special("<|bos|>")."""
         if name not in self.special_tokens:
-            raise ValueError(f"{name!r} is not a special token; the special tokens are {self.get_special_tokens()}")
+            names = sorted(self.special_tokens, key=self.special_tokens.get)
+            raise ValueError(f"{name!r} is not a special token; the special tokens are {names}")
         return self.special_tokens[name]
 
     def id_to_token(self, token_id: int) -> str:
         """The text of one token (a token holding part of a UTF-8 character decodes to U+FFFD)."""
         return self.enc.decode([token_id])
+
+    def decode_single_token_bytes(self, token_id: int) -> bytes:
+        """The raw bytes of one token. Unlike id_to_token, exact for tokens that are not whole UTF-8
+        characters (e.g. a lone byte 0xE4), which is why token byte counts are taken from it."""
+        return self.enc.decode_single_token_bytes(token_id)
 
     def _special_id(self, token: str | int, what: str) -> int:
         if isinstance(token, str):
@@ -304,18 +343,174 @@ class RustBPETokenizer:
         """Text of a list of ids; invalid UTF-8 (a cut through a character) decodes to U+FFFD."""
         return self.enc.decode(ids)
 
+    # -------------------------------------------------------------------------
+    # Chat conversations
+
+    def render_conversation(self, conversation: dict, max_tokens: int = 2048) -> tuple[list[int], list[int]]:
+        """Token ids of one chat conversation, {"messages": [{"role": ..., "content": ...}, ...]}, and a
+        mask of the same length: 1 on the tokens the model learns to produce (the assistant's text and
+        python calls, and <|assistant_end|>), 0 on the rest. Both lists are cut to max_tokens.
+
+        Roles alternate user, assistant, user, ...; a leading system message is put in front of the first
+        user message, separated by a blank line. A user's content is a str; an assistant's is a str or a
+        list of parts {"type": "text" | "python" | "python_output", "text": str}."""
+        ids, mask = [], []
+
+        def add(token_ids: list[int], supervised: int) -> None:
+            ids.extend(token_ids)
+            mask.extend([supervised] * len(token_ids))
+
+        special = self.encode_special
+        add([self.bos_token_id], 0)
+        for i, message in enumerate(_chat_messages(conversation)):
+            role, content = message["role"], message["content"]
+            expected = "user" if i % 2 == 0 else "assistant"
+            if role != expected:
+                raise ValueError(f"message {i} (not counting a leading system message) is from {role!r} but "
+                                 f"should be from {expected!r}: roles must alternate user, assistant, user, ...")
+            if role == "user":
+                if not isinstance(content, str):
+                    raise ValueError(f"message {i}: a user's content must be a str, got {type(content).__name__}")
+                add([special("<|user_start|>")] + self.encode(content) + [special("<|user_end|>")], 0)
+                continue
+            parts = [{"type": "text", "text": content}] if isinstance(content, str) else content
+            if not isinstance(parts, list):
+                raise ValueError(f"message {i}: an assistant's content must be a str or a list of parts, "
+                                 f"got {type(content).__name__}")
+            add([special("<|assistant_start|>")], 0)
+            for part in parts:
+                part_type = part.get("type") if isinstance(part, dict) else None
+                if part_type not in _PARTS:
+                    raise ValueError(f"message {i}: unknown part type {part_type!r} in {part!r}; "
+                                     f"a part is a dict with a 'type' in {list(_PARTS)} and a 'text'")
+                start, end, supervised = _PARTS[part_type]
+                opening = [] if start is None else [special(start)]
+                closing = [] if end is None else [special(end)]
+                add(opening + self.encode(part["text"]) + closing, supervised)
+            add([special("<|assistant_end|>")], 1)
+        # cut long conversations rather than fail: a batch must fit in memory
+        return ids[:max_tokens], mask[:max_tokens]
+
+    def render_for_completion(self, conversation: dict) -> list[int]:
+        """Token ids that prompt the assistant to answer (reinforcement learning, evaluation): the
+        conversation without its last message, which must be the assistant's, then <|assistant_start|>."""
+        messages = conversation["messages"]
+        if not messages or messages[-1]["role"] != "assistant":
+            last = messages[-1]["role"] if messages else None
+            raise ValueError(f"the last message must be the assistant's (it is dropped to leave room for a "
+                             f"completion), got {last!r}")
+        # a new dict with a shorter list: rendering never writes to messages, so the caller's stay intact
+        ids, _ = self.render_conversation(dict(conversation, messages=messages[:-1]))
+        return ids + [self.encode_special("<|assistant_start|>")]
+
+    def visualize_tokenization(self, ids: list[int], mask: list[int], with_token_id: bool = False) -> str:
+        """A debugging view of render_conversation's output: each token's text, green where mask is 1
+        and red where it is 0, joined by '|'; with_token_id adds each id, in gray, as its own piece."""
+        pieces = []
+        for token_id, supervised in zip(ids, mask):
+            color = _GREEN if supervised == 1 else _RED
+            pieces.append(f"{color}{self.decode([token_id])}{_RESET}")
+            if with_token_id:
+                pieces.append(f"{_GRAY}({token_id}){_RESET}")
+        return "|".join(pieces)
+
 
 Tokenizer = RustBPETokenizer
 _POOLS_LOCK = threading.Lock()
 
 # -----------------------------------------------------------------------------
+# Reading upstream nanochat's tokenizer.pkl without running it
+
+
+class UnsafePickleError(pickle.UnpicklingError, ValueError):
+    """A tokenizer.pkl asked for something other than tiktoken's Encoding class; nothing was run."""
+
+
+class _EncodingState:
+    """Stands in for tiktoken.core.Encoding while unpickling: it keeps the pickled state, runs nothing."""
+
+    state = None
+
+    def __setstate__(self, state) -> None:
+        self.state = state
+
+
+class _EncodingUnpickler(pickle.Unpickler):
+    """Unpickles a tiktoken Encoding as an _EncodingState. Its pickle (protocol 3 and up) names one
+    global, tiktoken.core.Encoding; everything else is plain data (dicts, str, bytes, int). Any other
+    global could be a function to call (os.system, builtins.exec), so it is refused before it exists."""
+
+    def __init__(self, file, path: str):
+        super().__init__(file)
+        self.path = path
+
+    def find_class(self, module: str, name: str):
+        if (module, name) == ("tiktoken.core", "Encoding"):
+            return _EncodingState
+        raise UnsafePickleError(
+            f"{self.path} refers to {module}.{name}, but a nanochat tokenizer.pkl refers only to "
+            "tiktoken.core.Encoding; refused without running anything. Retrain the tokenizer "
+            f"({TRAIN_HINT}) or get the file from where it was trained")
+
+
+def _read_pickled_encoding(path: str) -> dict:
+    """The state that tiktoken's Encoding pickles (name, pat_str, mergeable_ranks, special_tokens)."""
+    try:
+        with open(path, "rb") as f:
+            obj = _EncodingUnpickler(f, path).load()
+    except UnsafePickleError:
+        raise
+    # a damaged pickle fails in many ways inside the unpickler, each meaning the same to the caller
+    # (MemoryError too: a damaged length field can ask for a huge buffer; 27 of 3,000 byte-flip trials)
+    except (pickle.UnpicklingError, EOFError, ValueError, TypeError, KeyError, IndexError, AttributeError,
+            OverflowError, MemoryError) as e:
+        raise ValueError(f"{path} is not a valid pickled tokenizer ({type(e).__name__}: {e}); "
+                         f"retrain it: {TRAIN_HINT}") from e
+    if not isinstance(obj, _EncodingState):
+        raise ValueError(f"{path} holds a {type(obj).__name__}, not a pickled tiktoken Encoding; "
+                         f"retrain the tokenizer: {TRAIN_HINT}")
+    state = obj.state
+    if isinstance(state, str):
+        # tiktoken pickles its own registered encodings by name only
+        raise ValueError(f"{path} names tiktoken's encoding {state!r} instead of holding its tables; "
+                         f"load it with RustBPETokenizer.from_pretrained({state!r})")
+    keys = {"name", "pat_str", "mergeable_ranks", "special_tokens"}
+    if not isinstance(state, dict) or set(state) != keys:
+        got = list(state) if isinstance(state, dict) else type(state).__name__
+        raise ValueError(f"{path} holds a tiktoken Encoding whose state is not {sorted(keys)} (got {got}); "
+                         f"retrain the tokenizer: {TRAIN_HINT}")
+    return state
+
+
+# -----------------------------------------------------------------------------
 # Helpers
 
 
-def _check_tables(pattern, mergeable_ranks, special_tokens, bos_token) -> None:
+def _chat_messages(conversation: dict) -> list[dict]:
+    """conversation["messages"] with a leading system message merged into the user message after it
+    (the chat format has no system turn). Builds new dicts; the caller's are left untouched."""
+    messages = conversation["messages"]
+    if not messages:
+        raise ValueError("the conversation has no messages")
+    if messages[0]["role"] != "system":
+        return messages
+    if len(messages) < 2 or messages[1]["role"] != "user":
+        raise ValueError("a system message must be followed by a user message")
+    system, user = messages[0]["content"], messages[1]["content"]
+    if not isinstance(system, str) or not isinstance(user, str):
+        raise ValueError(f"a system message and the user message after it must both hold a str, got "
+                         f"{type(system).__name__} and {type(user).__name__}")
+    return [dict(messages[1], content=system + "\n\n" + user)] + messages[2:]
+
+
+def _check_tables(name, pattern, mergeable_ranks, special_tokens, bos_token) -> None:
     """Raise ValueError unless the tables make a usable tokenizer (a loaded file may be damaged)."""
+    if not isinstance(name, str):
+        raise ValueError(f"name must be a str, got {type(name).__name__}")
     if not isinstance(pattern, str):
         raise ValueError(f"pattern must be a str, got {type(pattern).__name__}")
+    if not isinstance(mergeable_ranks, dict):
+        raise ValueError(f"mergeable_ranks must be a mapping of bytes to rank, got {type(mergeable_ranks).__name__}")
     for token, rank in mergeable_ranks.items():
         if not isinstance(token, bytes) or isinstance(rank, bool) or not isinstance(rank, int) or rank < 0:
             raise ValueError(f"bad mergeable token {token!r} with rank {rank!r}")
@@ -337,6 +532,8 @@ def _check_tables(pattern, mergeable_ranks, special_tokens, bos_token) -> None:
         raise ValueError("two special tokens share an id")
     if bos_token not in special_tokens:
         raise ValueError(f"bos_token {bos_token!r} is not among the special tokens {sorted(special_tokens)}")
+
+
 
 
 def _write_atomic(path: str, write) -> None:
@@ -364,8 +561,6 @@ def get_tokenizer_dir() -> str:
 def get_tokenizer() -> RustBPETokenizer:
     """The tokenizer saved under <base_dir>/tokenizer (see get_base_dir: $NANOCHAT_BASE_DIR)."""
     return RustBPETokenizer.from_directory(get_tokenizer_dir())
-
-
 def get_token_bytes(device="cpu", tokenizer_dir: str | None = None):
     """torch int32 tensor (vocab_size,) of bytes per token (0 for specials), loaded from the
     token_bytes.npy that save() wrote next to the tokenizer (default dir: <base_dir>/tokenizer).
@@ -389,3 +584,40 @@ def get_token_bytes(device="cpu", tokenizer_dir: str | None = None):
         raise FileNotFoundError(f"no {TOKEN_BYTES_FILENAME} in {tokenizer_dir}; train a tokenizer "
                                 f"first: {TRAIN_HINT}")
     return token_bytes.to(device)
+
+
+# -----------------------------------------------------------------------------
+# Command line
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m nanochat.tokenizer convert DIR`: write tokenizer.json and token_bytes.npy next to
+    upstream nanochat's tokenizer.pkl in DIR. The pickle is read without running it and left as it is."""
+    parser = argparse.ArgumentParser(prog="python -m nanochat.tokenizer", description="Tokenizer utilities")
+    commands = parser.add_subparsers(dest="command", required=True)
+    convert = commands.add_parser("convert", help="turn nanochat's tokenizer.pkl into tokenizer.json",
+                                  description="Write tokenizer.json and token_bytes.npy next to nanochat's "
+                                              "tokenizer.pkl; the pickle is read without running anything in it.")
+    convert.add_argument("tokenizer_dir", metavar="DIR", help="directory holding tokenizer.pkl, "
+                                                              "e.g. ~/.cache/nanochat/tokenizer")
+    args = parser.parse_args(argv)
+    print(f"command={args.command} tokenizer_dir={args.tokenizer_dir}")
+    pkl_path = os.path.join(args.tokenizer_dir, PICKLE_FILENAME)
+    if not os.path.exists(pkl_path):
+        raise FileNotFoundError(f"{pkl_path} does not exist; convert reads the tokenizer.pkl that upstream "
+                                "nanochat's scripts/tok_train.py writes")
+    tokenizer = RustBPETokenizer._from_pickle(pkl_path)
+    tokenizer.save(args.tokenizer_dir)
+    print(f"read {pkl_path}: vocab size {tokenizer.get_vocab_size():,}, bos id {tokenizer.get_bos_token_id()}")
+    for filename in (TOKENIZER_FILENAME, TOKEN_BYTES_FILENAME):
+        print(f"wrote {os.path.join(args.tokenizer_dir, filename)}")
+    return 0
+
+
+if __name__ == "__main__":
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        sys.exit(main())
+    except (ValueError, OSError) as e:  # FileNotFoundError is an OSError; show one line, not a traceback
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(1)

@@ -1,15 +1,22 @@
 """
 Tests for nanochat/tokenizer.py and the scripts tok_train / tok_eval.
 
+Covers encoding, our JSON format, upstream nanochat's API (the tiktoken-Encoding constructor, chat
+rendering and its masks, decode_single_token_bytes, the calls nanochat's tok_train.py makes), and
+reading nanochat's tokenizer.pkl without running it (hostile and damaged pickles, the convert CLI).
 A throwaway tokenizer (vocab 512) is trained in-process on generated text; nothing here reads the
 user's cache or the network (tiktoken's named encodings are replaced by local stand-ins).
-Run: python -m pytest tests/test_tokenizer.py -q   (a few seconds)
+Run: python -m pytest tests/test_tokenizer.py -q   (about ten seconds)
 """
 
+import copy
+import datetime
 import json
+import logging
 import os
 import pickle
 import random
+import shutil
 import subprocess
 import sys
 
@@ -20,7 +27,7 @@ from hypothesis import given, settings, strategies as st
 
 from conftest import write_shards
 from nanochat.tokenizer import (MIN_VOCAB_SIZE, SPECIAL_TOKENS, SPLIT_PATTERN, RustBPETokenizer,
-                                get_token_bytes, get_tokenizer)
+                                UnsafePickleError, get_token_bytes, get_tokenizer)
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 VOCAB_SIZE = 512
@@ -86,7 +93,7 @@ def test_round_trip_any_text(tok, text):
 
 def test_vocab_and_special_ids(tok):
     assert tok.get_vocab_size() == VOCAB_SIZE  # the training text is rich enough for every merge
-    assert tok.get_special_tokens() == SPECIAL_TOKENS
+    assert tok.get_special_tokens() == set(SPECIAL_TOKENS)  # a set of names, as tiktoken's special_tokens_set
     # the specials come right after the mergeable ranks, <|bos|> first
     assert tok.get_bos_token_id() == len(tok.mergeable_ranks) == VOCAB_SIZE - len(SPECIAL_TOKENS)
     for i, name in enumerate(SPECIAL_TOKENS):
@@ -221,19 +228,6 @@ def test_get_tokenizer_reads_base_dir(tok, tmp_path):
     assert (get_token_bytes("cpu").numpy() == tok.compute_token_bytes()).all()
 
 
-def test_upstream_pickle_only_with_allow_pickle(tok, tmp_path):
-    pkl_dir = tmp_path / "upstream"
-    pkl_dir.mkdir()
-    with open(pkl_dir / "tokenizer.pkl", "wb") as f:
-        pickle.dump(tok.enc, f)
-    with pytest.raises(FileNotFoundError, match="allow_pickle=True") as info:
-        RustBPETokenizer.from_directory(str(pkl_dir))
-    assert "arbitrary code" in str(info.value) and str(pkl_dir) in str(info.value)
-    loaded = RustBPETokenizer.from_directory(str(pkl_dir), allow_pickle=True)
-    assert loaded.encode(TEXTS) == tok.encode(TEXTS)
-    assert loaded.get_bos_token_id() == tok.get_bos_token_id()
-
-
 def test_from_pretrained_uses_endoftext_as_bos(monkeypatch):
     # a local stand-in for tiktoken's "gpt2" (the real one is downloaded): bytes + <|endoftext|>
     ranks = {bytes([b]): b for b in range(256)}
@@ -249,6 +243,366 @@ def test_from_pretrained_uses_endoftext_as_bos(monkeypatch):
     monkeypatch.setattr(tiktoken, "get_encoding", lambda name: bare)
     with pytest.raises(ValueError, match="endoftext"):
         RustBPETokenizer.from_pretrained("bare")
+
+
+def test_constructor_takes_a_tiktoken_encoding(tok, tmp_path):
+    # nanochat builds the class as RustBPETokenizer(enc, bos_token)
+    enc = tiktoken.Encoding("mine", pat_str=tok.pattern, mergeable_ranks=tok.mergeable_ranks,
+                            special_tokens=tok.special_tokens)
+    built = RustBPETokenizer(enc, "<|bos|>")
+    assert built.enc is enc and isinstance(tok.enc, tiktoken.Encoding)
+    assert built.bos_token_id == built.get_bos_token_id() == tok.get_bos_token_id() == VOCAB_SIZE - 9
+    assert built.encode(TEXTS, prepend="<|bos|>") == tok.encode(TEXTS, prepend="<|bos|>")
+    built.save(str(tmp_path / "built"))  # and it saves as JSON like a trained one
+    assert RustBPETokenizer.from_directory(str(tmp_path / "built")).encode(TEXTS) == tok.encode(TEXTS)
+    with pytest.raises(TypeError, match="tiktoken.Encoding"):
+        RustBPETokenizer({"<|bos|>": 0}, "<|bos|>")
+    with pytest.raises(ValueError, match=r"bos_token '<\|nope\|>'"):
+        RustBPETokenizer(enc, "<|nope|>")
+
+
+def test_decode_single_token_bytes(tok):
+    # rustbpe gives byte b the rank b, so ids 0..255 are the single bytes
+    assert all(tok.mergeable_ranks[bytes([b])] == b for b in range(256))
+    assert tok.decode_single_token_bytes(97) == b"a"
+    merged, rank = next((t, r) for t, r in tok.mergeable_ranks.items() if len(t) >= 2)
+    assert tok.decode_single_token_bytes(rank) == merged
+    # a lone byte >= 0x80 is not UTF-8: the text view loses it, the bytes view keeps it
+    assert tok.decode_single_token_bytes(0xE4) == b"\xe4"
+    assert tok.id_to_token(0xE4) == "\ufffd" and len(tok.id_to_token(0xE4).encode()) == 3
+    assert tok.decode_single_token_bytes(tok.get_bos_token_id()) == b"<|bos|>"
+
+
+def test_driven_like_nanochat_tok_train(tmp_path):
+    # the calls nanochat's scripts/tok_train.py makes after training, in its order
+    import torch
+    tokenizer = RustBPETokenizer.train_from_iterator(iter(make_docs(500, seed=20)), 300)
+    tokenizer_dir = os.path.join(os.environ["NANOCHAT_BASE_DIR"], "tokenizer")  # conftest: a tmp dir
+    tokenizer.save(tokenizer_dir)
+    sample = "Hello world!\nNumbers: 123, 4567\nContractions: I'm, it's\nUnicode: 你好世界 🌍"
+    assert tokenizer.decode(tokenizer.encode(sample)) == sample
+    special_ids = set(tokenizer.encode_special(s) for s in tokenizer.get_special_tokens())
+    counts = [0 if i in special_ids else len(tokenizer.decode_single_token_bytes(i))
+              for i in range(tokenizer.get_vocab_size())]
+    with open(os.path.join(tokenizer_dir, "token_bytes.pt"), "wb") as f:
+        torch.save(torch.tensor(counts, dtype=torch.int32, device="cpu"), f)
+
+    expected = tokenizer.compute_token_bytes()
+    assert (expected[128:256] == 1).all()  # guard: the raw bytes >= 0x80 count one byte each
+    assert (get_token_bytes().numpy() == expected).all()  # token_bytes.npy, written by save()
+    os.remove(os.path.join(tokenizer_dir, "token_bytes.npy"))
+    assert (get_token_bytes().numpy() == expected).all()  # now the token_bytes.pt written above
+    assert get_tokenizer().encode(sample) == tokenizer.encode(sample)
+
+
+# -----------------------------------------------------------------------------
+# Chat conversations
+
+
+def _pieces(*pieces) -> tuple[list[int], list[int]]:
+    """(ids, mask) from (ids, mask value) pieces, in order: the expected output, written by hand."""
+    return [i for ids, _ in pieces for i in ids], [m for ids, m in pieces for _ in ids]
+
+
+def test_render_conversation(tok):
+    s, e = tok.encode_special, tok.encode
+    conversation = {"messages": [
+        {"role": "user", "content": "hi there"},
+        {"role": "assistant", "content": "hello!"},
+        {"role": "user", "content": "2+2?"},
+        {"role": "assistant", "content": "4"},
+    ]}
+    expected = _pieces(
+        ([tok.get_bos_token_id()], 0),
+        ([s("<|user_start|>")], 0), (e("hi there"), 0), ([s("<|user_end|>")], 0),
+        ([s("<|assistant_start|>")], 0), (e("hello!"), 1), ([s("<|assistant_end|>")], 1),
+        ([s("<|user_start|>")], 0), (e("2+2?"), 0), ([s("<|user_end|>")], 0),
+        ([s("<|assistant_start|>")], 0), (e("4"), 1), ([s("<|assistant_end|>")], 1),
+    )
+    assert tok.render_conversation(conversation) == expected
+    ids, mask = expected
+    assert ids[:2] == [503, 504] and ids[-1] == 507  # <|bos|>, <|user_start|>, ... <|assistant_end|>
+    assert sum(mask) == len(e("hello!")) + len(e("4")) + 2
+
+
+def test_render_conversation_merges_a_system_message(tok):
+    s, e = tok.encode_special, tok.encode
+    conversation = {"messages": [
+        {"role": "system", "content": "be brief"},
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": "yo"},
+    ]}
+    before = copy.deepcopy(conversation)
+    expected = _pieces(
+        ([tok.get_bos_token_id(), s("<|user_start|>")], 0), (e("be brief\n\nhi"), 0),
+        ([s("<|user_end|>"), s("<|assistant_start|>")], 0), (e("yo"), 1), ([s("<|assistant_end|>")], 1),
+    )
+    assert tok.render_conversation(conversation) == expected
+    assert conversation == before  # the caller's messages are not changed
+
+
+def test_render_conversation_tool_parts(tok):
+    s, e = tok.encode_special, tok.encode
+    conversation = {"messages": [
+        {"role": "user", "content": "what is 2+2?"},
+        {"role": "assistant", "content": [
+            {"type": "text", "text": "let me check"},
+            {"type": "python", "text": "2+2"},
+            {"type": "python_output", "text": "4"},
+            {"type": "text", "text": "it is 4"},
+        ]},
+    ]}
+    expected = _pieces(
+        ([tok.get_bos_token_id(), s("<|user_start|>")], 0), (e("what is 2+2?"), 0),
+        ([s("<|user_end|>"), s("<|assistant_start|>")], 0),
+        (e("let me check"), 1),
+        ([s("<|python_start|>")] + e("2+2") + [s("<|python_end|>")], 1),  # the model writes the call
+        ([s("<|output_start|>")] + e("4") + [s("<|output_end|>")], 0),  # the interpreter writes the output
+        (e("it is 4"), 1),
+        ([s("<|assistant_end|>")], 1),
+    )
+    assert tok.render_conversation(conversation) == expected
+
+
+def test_render_conversation_truncates(tok):
+    conversation = {"messages": [{"role": "user", "content": "hello " * 100},
+                                 {"role": "assistant", "content": "world " * 1000}]}
+    ids, mask = tok.render_conversation(conversation, max_tokens=10**6)
+    assert len(ids) > 2048
+    assert tok.render_conversation(conversation, max_tokens=7) == (ids[:7], mask[:7])
+    assert tok.render_conversation(conversation) == (ids[:2048], mask[:2048])  # the default
+
+
+@pytest.mark.parametrize("messages, error", [
+    ([], "no messages"),
+    ([{"role": "assistant", "content": "hi"}], "message 0 .* from 'assistant' but should be from 'user'"),
+    ([{"role": "user", "content": "a"}, {"role": "user", "content": "b"}], "should be from 'assistant'"),
+    ([{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"},
+      {"role": "assistant", "content": "c"}], "message 2 .* should be from 'user'"),
+    ([{"role": "system", "content": "s"}], "followed by a user message"),
+    ([{"role": "system", "content": "s"}, {"role": "assistant", "content": "a"}], "followed by a user message"),
+    ([{"role": "user", "content": ["not", "a", "str"]}], "user's content must be a str"),
+    ([{"role": "user", "content": "q"}, {"role": "assistant", "content": 42}], "str or a list of parts"),
+    ([{"role": "user", "content": "q"}, {"role": "assistant", "content": [{"type": "image", "text": "x"}]}],
+     "unknown part type 'image'"),
+])
+def test_render_conversation_rejects_bad_conversations(tok, messages, error):
+    with pytest.raises(ValueError, match=error):
+        tok.render_conversation({"messages": messages})
+
+
+def test_render_for_completion(tok):
+    s, e = tok.encode_special, tok.encode
+    conversation = {"messages": [
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": "hello"},
+        {"role": "user", "content": "2+2?"},
+        {"role": "assistant", "content": "the reference answer"},
+    ]}
+    before = copy.deepcopy(conversation)
+    expected = ([tok.get_bos_token_id(), s("<|user_start|>")] + e("hi") + [s("<|user_end|>")]
+                + [s("<|assistant_start|>")] + e("hello") + [s("<|assistant_end|>")]
+                + [s("<|user_start|>")] + e("2+2?") + [s("<|user_end|>")] + [s("<|assistant_start|>")])
+    assert tok.render_for_completion(conversation) == expected
+    assert conversation == before
+    with pytest.raises(ValueError, match="last message must be the assistant's"):
+        tok.render_for_completion({"messages": conversation["messages"][:3]})
+    with pytest.raises(ValueError, match="last message must be the assistant's"):
+        tok.render_for_completion({"messages": []})
+
+
+def test_visualize_tokenization(tok):
+    bos = tok.get_bos_token_id()
+    assert tok.decode([97]) == "a"
+    assert tok.visualize_tokenization([97, bos], [1, 0]) == "\033[92ma\033[0m|\033[91m<|bos|>\033[0m"
+    assert tok.visualize_tokenization([97, bos], [1, 0], with_token_id=True) == (
+        "\033[92ma\033[0m|\033[90m(97)\033[0m|\033[91m<|bos|>\033[0m|\033[90m(503)\033[0m")
+
+
+# -----------------------------------------------------------------------------
+# Upstream nanochat's tokenizer.pkl, read without running it
+
+
+def write_nanochat_dir(tok, path, protocol: int = pickle.DEFAULT_PROTOCOL) -> str:
+    """A tokenizer directory as upstream nanochat writes it: its tiktoken Encoding pickled, and token_bytes.pt."""
+    import torch
+    os.makedirs(path)
+    enc = tiktoken.Encoding("rustbpe", pat_str=tok.pattern, mergeable_ranks=tok.mergeable_ranks,
+                            special_tokens=tok.special_tokens)
+    with open(os.path.join(path, "tokenizer.pkl"), "wb") as f:
+        pickle.dump(enc, f, protocol=protocol)
+    torch.save(torch.from_numpy(tok.compute_token_bytes()), os.path.join(path, "token_bytes.pt"))
+    return str(path)
+
+
+def _refuse_unpickling(monkeypatch):
+    def refuse(*args, **kwargs):
+        raise AssertionError("loading a tokenizer must never call pickle.load")
+    monkeypatch.setattr(pickle, "load", refuse)
+    monkeypatch.setattr(pickle, "loads", refuse)
+
+
+@pytest.mark.parametrize("protocol", range(3, pickle.HIGHEST_PROTOCOL + 1))
+def test_nanochat_pickle_loads(tok, tmp_path, monkeypatch, protocol):
+    nanochat_dir = write_nanochat_dir(tok, tmp_path / "nanochat", protocol)
+    files = sorted(os.listdir(nanochat_dir))
+    _refuse_unpickling(monkeypatch)
+    loaded = RustBPETokenizer.from_directory(nanochat_dir)
+    monkeypatch.undo()
+    docs = TEXTS + make_docs(100, seed=21)
+    assert loaded.encode(docs, prepend="<|bos|>") == tok.encode(docs, prepend="<|bos|>")
+    assert loaded.get_special_tokens() == set(SPECIAL_TOKENS)
+    assert loaded.get_bos_token_id() == tok.get_bos_token_id()
+    assert loaded.mergeable_ranks == tok.mergeable_ranks
+    # only token_bytes.pt is there, and it is read too
+    assert (get_token_bytes(tokenizer_dir=nanochat_dir).numpy() == tok.compute_token_bytes()).all()
+    assert sorted(os.listdir(nanochat_dir)) == files  # loading wrote nothing
+
+
+class _Call:
+    """Pickles as a call: pickle.loads of it runs func(*args)."""
+
+    def __init__(self, func, *args):
+        self.func, self.args = func, args
+
+    def __reduce__(self):
+        return self.func, self.args
+
+
+def _pickled_encoding(state) -> bytes:
+    """tiktoken's Encoding with any state, laid out as pickle.dump lays out an Encoding: the class,
+    NEWOBJ (an empty instance), the state, then BUILD (which hands the state to __setstate__)."""
+    state_opcodes = pickle.dumps(state, protocol=2)[2:-1]  # without its PROTO header and STOP
+    return b"\x80\x02ctiktoken.core\nEncoding\n)\x81" + state_opcodes + b"b."
+
+
+def _hostile_pickles(marker: str) -> dict:
+    """name -> (pickle bytes that create the file marker when unpickled, the global it asks for)."""
+    hidden = {"name": _Call(os.system, f"touch {marker}"), "pat_str": SPLIT_PATTERN,
+              "mergeable_ranks": {}, "special_tokens": {}}
+    return {
+        "os.system": (pickle.dumps(_Call(os.system, f"touch {marker}")), "posix.system"),
+        "builtins.exec": (pickle.dumps(_Call(exec, f"open({marker!r}, 'w').close()")), "builtins.exec"),
+        "builtins.open": (pickle.dumps(_Call(open, marker, "w")), "builtins.open"),
+        "a call hidden in an Encoding's state": (_pickled_encoding(hidden), "posix.system"),
+    }
+
+
+def test_hostile_pickles_are_refused(tmp_path, monkeypatch):
+    marker = str(tmp_path / "created_by_the_pickle")
+    for name, (payload, global_name) in _hostile_pickles(marker).items():
+        # the payload is live: real unpickling creates the file
+        try:
+            pickle.loads(payload)
+        except (TypeError, ValueError):
+            pass  # the Encoding with a bad state fails, but only after the call in it has run
+        assert os.path.exists(marker), name
+        os.remove(marker)
+
+        bad_dir = tmp_path / name.replace(" ", "_")
+        bad_dir.mkdir()
+        (bad_dir / "tokenizer.pkl").write_bytes(payload)
+        _refuse_unpickling(monkeypatch)
+        with pytest.raises(UnsafePickleError, match="refused without running anything") as info:
+            RustBPETokenizer.from_directory(str(bad_dir))
+        monkeypatch.undo()
+        assert isinstance(info.value, ValueError)
+        assert str(bad_dir / "tokenizer.pkl") in str(info.value) and global_name in str(info.value), name
+        assert not os.path.exists(marker), name
+
+
+def test_pickles_of_other_things_are_refused(tmp_path, monkeypatch):
+    def write(name: str, payload: bytes) -> str:
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "tokenizer.pkl").write_bytes(payload)
+        return str(tmp_path / name)
+
+    other_class = write("other_class", pickle.dumps(datetime.date(2024, 1, 1)))
+    with pytest.raises(UnsafePickleError, match="datetime.date") as info:
+        RustBPETokenizer.from_directory(other_class)
+    assert other_class in str(info.value)
+
+    plain_dict = write("plain_dict", pickle.dumps({"name": "rustbpe"}))
+    with pytest.raises(ValueError, match="holds a dict, not a pickled tiktoken Encoding"):
+        RustBPETokenizer.from_directory(plain_dict)
+
+    # tiktoken pickles its registered encodings by name; loading one would mean a download
+    monkeypatch.setattr(tiktoken, "get_encoding", lambda name: pytest.fail("must not fetch an encoding"))
+    by_name = write("by_name", _pickled_encoding("gpt2"))
+    with pytest.raises(ValueError, match=r"from_pretrained\('gpt2'\)"):
+        RustBPETokenizer.from_directory(by_name)
+
+    bad_tables = write("bad_tables", _pickled_encoding(
+        {"name": "rustbpe", "pat_str": SPLIT_PATTERN, "mergeable_ranks": {"a": 0}, "special_tokens": {}}))
+    with pytest.raises(ValueError, match="unusable tables") as info:
+        RustBPETokenizer.from_directory(bad_tables)
+    assert bad_tables in str(info.value)
+
+
+def test_damaged_pickles(tok, tmp_path):
+    good = open(os.path.join(write_nanochat_dir(tok, tmp_path / "good"), "tokenizer.pkl"), "rb").read()
+    for name, payload in {"truncated": good[:len(good) // 2], "empty": b"",
+                          "not a pickle": b"tokenizer tables\n", "cut after the header": good[:12]}.items():
+        bad_dir = tmp_path / name.replace(" ", "_")
+        bad_dir.mkdir()
+        (bad_dir / "tokenizer.pkl").write_bytes(payload)
+        with pytest.raises(ValueError, match="is not a valid pickled tokenizer") as info:
+            RustBPETokenizer.from_directory(str(bad_dir))
+        assert str(bad_dir / "tokenizer.pkl") in str(info.value) and "scripts.tok_train" in str(info.value), name
+
+
+def test_json_wins_over_pickle(tok, tmp_path, caplog):
+    other = RustBPETokenizer.train_from_iterator(iter(make_docs(200, seed=22)), 300)
+    both = write_nanochat_dir(other, tmp_path / "both")
+    tok.save(both)
+    json_path, pkl_path = os.path.join(both, "tokenizer.json"), os.path.join(both, "tokenizer.pkl")
+    os.utime(pkl_path, (1_000_000, 1_000_000))  # the pickle is older: quietly use tokenizer.json
+    with caplog.at_level(logging.WARNING, logger="nanochat.tokenizer"):
+        assert RustBPETokenizer.from_directory(both).get_vocab_size() == VOCAB_SIZE
+    assert not caplog.records
+    os.utime(pkl_path, (os.path.getmtime(json_path) + 60,) * 2)  # newer: still tokenizer.json, with a warning
+    with caplog.at_level(logging.WARNING, logger="nanochat.tokenizer"):
+        assert RustBPETokenizer.from_directory(both).get_vocab_size() == VOCAB_SIZE
+    assert "newer" in caplog.text and f"python -m nanochat.tokenizer convert {both}" in caplog.text
+
+
+def _convert(tokenizer_dir: str, base_dir: str) -> subprocess.CompletedProcess:
+    env = dict(os.environ, NANOCHAT_BASE_DIR=base_dir)
+    return subprocess.run([sys.executable, "-m", "nanochat.tokenizer", "convert", tokenizer_dir],
+                          cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=120)
+
+
+def test_convert_cli(tok, tmp_path):
+    nanochat_dir = write_nanochat_dir(tok, tmp_path / "nanochat")
+    pkl_path = os.path.join(nanochat_dir, "tokenizer.pkl")
+    pkl_before = (open(pkl_path, "rb").read(), os.path.getmtime(pkl_path))
+    result = _convert(nanochat_dir, str(tmp_path / "base"))
+    assert result.returncode == 0, result.stderr
+    assert f"wrote {os.path.join(nanochat_dir, 'tokenizer.json')}" in result.stdout
+    assert f"wrote {os.path.join(nanochat_dir, 'token_bytes.npy')}" in result.stdout
+    assert sorted(os.listdir(nanochat_dir)) == ["token_bytes.npy", "token_bytes.pt", "tokenizer.json", "tokenizer.pkl"]
+    assert (open(pkl_path, "rb").read(), os.path.getmtime(pkl_path)) == pkl_before  # untouched
+
+    json_only = tmp_path / "json_only"  # load the converted files alone, so the pickle cannot be read
+    json_only.mkdir()
+    for name in ("tokenizer.json", "token_bytes.npy"):
+        shutil.copy(os.path.join(nanochat_dir, name), json_only / name)
+    converted = RustBPETokenizer.from_directory(str(json_only))
+    docs = TEXTS + make_docs(100, seed=23)
+    assert converted.encode(docs, prepend="<|bos|>") == tok.encode(docs, prepend="<|bos|>")
+    assert (get_token_bytes(tokenizer_dir=str(json_only)).numpy() == tok.compute_token_bytes()).all()
+
+
+def test_convert_cli_reports_bad_input(tmp_path):
+    missing = _convert(str(tmp_path / "nope"), str(tmp_path / "base"))
+    assert missing.returncode == 1 and "tokenizer.pkl does not exist" in missing.stderr
+    marker = str(tmp_path / "created_by_the_pickle")
+    hostile = tmp_path / "hostile"
+    hostile.mkdir()
+    (hostile / "tokenizer.pkl").write_bytes(_hostile_pickles(marker)["os.system"][0])
+    refused = _convert(str(hostile), str(tmp_path / "base"))
+    assert refused.returncode == 1 and "refused without running anything" in refused.stderr
+    assert not os.path.exists(marker) and os.listdir(hostile) == ["tokenizer.pkl"]
 
 
 # -----------------------------------------------------------------------------
