@@ -81,8 +81,9 @@ def bestfit_loader(tokenizer, paths, B, T, tokenizer_batch_size=128, buffer_size
 
 
 def concat_loader(tokenizer, paths, B, T, tokenizer_batch_size=128, rank=0, world_size=1, resume=None):
-    """Seed 001's concatenating loader (nanochat 3c3a3d7): each batch reads the next B*T+1 tokens of
-    the stream but drops only B*T, so its last target is the next batch's first input."""
+    """The concatenating loader as nanochat 3c3a3d7 has it (seed 001 popped all B*T+1 tokens, skipping
+    one per batch): each batch reads the next B*T+1 tokens of the stream but drops only B*T, so its
+    last target is the next batch's first input."""
     batches = document_batches(paths, tokenizer_batch_size, rank, world_size, resume)
     bos = tokenizer.get_bos_token_id()
     token_buffer = []
