@@ -426,7 +426,8 @@ def _bestfit_batches(token_batches, tracker: _Tracker, position: Position, B: in
 
 
 def _concat_batches(token_batches, tracker: _Tracker, position: Position, B: int, T: int, trace: bool):
-    """Yield (tokens (B*T+1,), state, stats, None): the next B*T+1 tokens of the concatenated stream."""
+    """Yield (tokens (B*T+1,), state, stats, extras): the next B*T+1 tokens of the concatenated stream,
+    of which B*T are consumed: the last (the last target) is the next batch's first token too."""
     packer = ConcatPacker()
     tracker.restore(packer)
     source = _Source(token_batches, tracker.stream, position)
@@ -769,8 +770,15 @@ def tokenizing_distributed_data_loader_with_state(
         rank: int | None = None, world_size: int | None = None, prefetch: int = 4,
         with_state: bool = True, allow_state_mismatch: bool = False) -> DataLoader:
     """The older concatenating loader: documents back to back (each after its BOS), each batch the
-    next B*T+1 tokens of the stream. Wastes nothing, but rows start mid-document and attend across
-    unrelated documents; for small data or very long documents. Yields (inputs, targets, state_dict)."""
+    next B*T+1 tokens of the stream (inputs the first B*T, targets the last B*T), advancing by B*T: the
+    last target of a batch is the first input of the next, and no token is skipped. Wastes nothing,
+    but rows start mid-document and attend across unrelated documents; for small data or very long
+    documents. Yields (inputs, targets, state_dict).
+
+    stats: tokens_emitted counts tokens consumed, B*T per batch (each token of the stream once, as an
+    input); buffer_tokens those tokenized and not yet consumed (a batch's last target among them), so
+    tokens_tokenized == tokens_emitted + buffer_tokens. The state's emitted["tokens"] counts the
+    B*T+1 tokens of every batch that its hash covers."""
     doc_batches, tracker, position = _setup(
         "concat", tokenizer, B, T, split, tokenizer_threads, tokenizer_batch_size, resume_state_dict, data_dir,
         rank, world_size, prefetch, allow_state_mismatch)

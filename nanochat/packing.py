@@ -9,7 +9,8 @@ the benchmark all drive the same code:
   and has no padding; the price is cropping (about a third of tokens at T=2048 on FineWeb-like text).
   Its `long_doc_policy` "split" / "split_reuse" cut long documents (and cropped rests) into
   BOS-led pieces instead, so almost nothing is cropped (scripts/bench_dataloader.py measures each).
-- `ConcatPacker`: the older loader's token stream: documents back to back, no alignment, no waste.
+- `ConcatPacker`: the older loader's token stream: documents back to back, no alignment, no waste;
+  consecutive windows share one token (the last target of a batch is the next one's first input).
 
 Documents are numpy arrays of the narrowest unsigned dtype the vocabulary allows (2 bytes per token
 for vocabularies up to 65,536), so the buffer costs 2-4 bytes per buffered token plus ~150 bytes per
@@ -64,6 +65,13 @@ def check_long_doc_policy(policy: str, overlap: int, T: int) -> None:
                          f"new token), got {overlap!r}")
     if overlap and policy == "crop":
         raise ValueError("split_overlap needs long_doc_policy='split' or 'split_reuse' (crop never splits)")
+
+
+def check_piece_start(start: int, n: int) -> None:
+    """Raise ValueError unless a piece of an n-token document can start at token `start`."""
+    if not 0 <= start < n:
+        raise ValueError(f"a piece starting at token {start} of a {n}-token document: the state "
+                         "does not match the data or the tokenizer")
 
 
 # -----------------------------------------------------------------------------
@@ -198,9 +206,7 @@ class BestFitPacker:
     def add_piece(self, doc: np.ndarray, key, overlap: int, start: int) -> None:
         """Buffer the one piece of `doc` that begins at token `start` (what buffered() reported)."""
         n = len(doc)
-        if not 0 <= start < n:
-            raise ValueError(f"a piece starting at token {start} of a {n}-token document: the state "
-                             "does not match the data or the tokenizer")
+        check_piece_start(start, n)
         end = n if self.policy == "crop" else min(n, next_cut(start, self.row_capacity, self.overlap))
         self.tokens_in += end - start
         self._push(doc[:end], key, overlap, start)
@@ -322,14 +328,19 @@ class BestFitPacker:
 
 
 class ConcatPacker:
+    """Documents back to back as one token stream, read in windows that overlap by one token: `take`
+    copies the next len(out) tokens but consumes all but the last, which it only peeks (so the last
+    target of one batch is the first input of the next, and no token of the stream is skipped).
+
+    Counters: tokens_in counts tokens that entered the stream, tokens_out tokens consumed (each once;
+    a peeked token counts when it is consumed), so tokens_in == tokens_out + len(self)."""
+
     COUNTERS = ("tokens_in", "tokens_out")
 
-    """Documents back to back as one token stream; `take` cuts the next n tokens off its front."""
-
     def __init__(self):
-        self._docs: deque = deque()  # (document, key) not yet fully consumed
-        self._offset = 0  # tokens of the first document already consumed
-        self._num_tokens = 0  # tokens buffered and not yet consumed
+        self._docs: deque = deque()  # (tokens, key, start) not yet fully consumed; start: see add()
+        self._offset = 0  # tokens of the first entry already consumed
+        self._num_tokens = 0  # tokens buffered and not yet consumed, the peeked one included
         self.tokens_in = 0
         self.tokens_out = 0
 
@@ -341,48 +352,53 @@ class ConcatPacker:
                 "tokens_cropped": 0, "crop_share": 0.0, "buffer_tokens": self._num_tokens}
 
     def buffered_keys(self) -> list:
-        """Keys of the documents not yet fully consumed, in order; `offset` tokens of the first are."""
-        return [key for _, key in self._docs]
+        """Keys of the entries not yet fully consumed, in order; `offset` tokens of the first are."""
+        return [key for _, key, _ in self._docs]
 
-    def buffered_pieces(self) -> list:
-        return []  # whole documents only
+    def buffered_pieces(self) -> list[list[int]]:
+        """[[index in buffered_keys(), start], ...] for the entries that are the rest of a document."""
+        return [[i, start] for i, (_, _, start) in enumerate(self._docs) if start is not None]
 
     @property
     def offset(self) -> int:
         return self._offset
 
     def add(self, doc: np.ndarray, key=None, overlap: int = 0, start: int | None = None) -> None:
-        """Append a document to the stream (a window's overlap is streamed as it is: the
-        concatenating loader does not mask)."""
+        """Append a document to the stream, or with `start` only its tokens from there on (the rest of
+        a document an elastic merge dealt out). A window's overlap is streamed as it is: the
+        concatenating loader does not mask."""
         if start is not None:
-            raise ValueError("the concatenating loader streams whole documents, not pieces")
+            check_piece_start(start, len(doc))
+            doc = doc[start:]
         if len(doc):
-            self._docs.append((doc, key))
+            self._docs.append((doc, key, start))
             self._num_tokens += len(doc)
             self.tokens_in += len(doc)
 
     def skip_consumed(self, offset: int) -> None:
-        """Mark the first `offset` tokens of the first buffered document as already consumed (a
-        resume rebuilds the buffer from whole documents)."""
+        """Mark the first `offset` tokens of the first buffered entry as already consumed (a resume
+        rebuilds the buffer from whole entries)."""
         assert self._offset == 0 and (not self._docs or offset < len(self._docs[0][0]))
         self._offset = offset
         self._num_tokens -= offset
 
     def take(self, out: np.ndarray, refill: Refill) -> None:
-        """Fill the 1-D array `out` with the next len(out) tokens of the stream."""
+        """Fill the 1-D array `out` with the next len(out) tokens of the stream, refilling while fewer
+        are buffered; consume len(out) - 1 of them: the last stays first in the stream."""
         needed = len(out)
         while self._num_tokens < needed:
             for doc, key, overlap, start in refill():
                 self.add(doc, key, overlap, start)
         pos = 0
-        while pos < needed:
+        while pos < needed - 1:
             doc = self._docs[0][0]
-            n = min(len(doc) - self._offset, needed - pos)
+            n = min(len(doc) - self._offset, needed - 1 - pos)
             out[pos:pos + n] = doc[self._offset:self._offset + n]
             pos += n
             self._offset += n
             if self._offset == len(doc):
                 self._docs.popleft()
                 self._offset = 0
-        self._num_tokens -= needed
-        self.tokens_out += needed
+        out[pos] = self._docs[0][0][self._offset]  # peeked: the next take starts with it
+        self._num_tokens -= needed - 1
+        self.tokens_out += needed - 1

@@ -15,8 +15,10 @@ stays a few KB at buffer_size=1000 (the buffered documents are re-read and re-to
       "buffer": [[epoch, pq_idx, rg_idx, rows], ...],  # buffered documents, arrival order
                                  # rows: [3, -2, 9] = rows 3, 4, 5 and 9 (-k: the k rows after)
       "pieces": [[i, start], ...],  # buffer entries i that are one piece of their document, from
-                                 # token `start` (long_doc_policy "split"/"split_reuse"; else empty)
-      "offset": 0,               # concat: tokens of the first buffered document already emitted
+                                 # token `start` (long_doc_policy "split"/"split_reuse"; concat: the
+                                 # rest of a document an elastic merge dealt; else empty)
+      "offset": 0,               # concat: tokens of the first buffered entry already consumed (each
+                                 # batch consumes B*T: its last target is the next one's first input)
       "config": {...},           # what it was taken on: files, split, B, T, buffer_size, rank, ...
       "emitted": {"batches": k, "tokens": n, "hash": "..."},   # running sha256 of every token emitted
       "counters": {...},         # the loader's running statistics, so they continue after a resume
@@ -34,9 +36,10 @@ Elastic resume: `merge_states(states, world_size)` takes the states of all N ran
 returns {"version": 2, "merged": ..., "states": [one per new rank]}. Every document not yet trained on
 (still buffered, the unread rest of a row group, or a row group not yet read in the current epoch) is
 dealt round-robin to exactly one new rank as its plan; after its plan, new rank q continues with the
-next epoch as rank q of M. The discarded tail of a cropped document counts as consumed, and so does
-the unemitted rest of a document the concatenating loader had started. A buffered piece of a split
-document is dealt as that piece alone.
+next epoch as rank q of M. The discarded tail of a cropped document counts as consumed. A buffered
+piece of a split document is dealt as that piece alone, and so is the unconsumed rest of a document
+the concatenating loader had started (from its first token not yet consumed: the last target of the
+last batch, if it fell there), so that loader skips no token across an elastic restart either.
 
 A state without "pieces" (or a config without "long_doc_policy") is read as "crop": states saved before
 the policies existed resume unchanged.
@@ -404,8 +407,9 @@ def merge_states(states: list[dict], world_size: int, *, data_dir: str | None = 
         buffered = decode_keys(s["buffer"])
         starts = decode_pieces(s.get("pieces", []), len(buffered), f"states[{i}]['pieces']")
         buffered = [key if start is None else (*key, start) for key, start in zip(buffered, starts)]
-        if s["loader"] == "concat" and s["offset"] > 0:
-            buffered = buffered[1:]  # partly emitted: counts as consumed
+        if s["loader"] == "concat" and s["offset"] > 0:  # partly consumed: deal the rest
+            key = buffered[0]
+            buffered[0] = (*key[:4], (key[4] if len(key) == 5 else 0) + s["offset"])
         docs += buffered
         for epoch, pq_idx, rg_idx, rows, starts in decode_plan(s["plan"], index):
             if rows is None:

@@ -49,6 +49,15 @@ class ByteTokenizer:
         return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
 
 
+def worker_env() -> dict:
+    """The environment for torchrun workers: no inherited rank, one thread each, and this checkout's
+    nanochat first on the path (a worker runs as a script, so the checkout is not on its path and an
+    editable install elsewhere would be imported instead)."""
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE")}
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    return dict(env, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(filter(None, [root, env.get("PYTHONPATH")])))
+
+
 @pytest.fixture
 def byte_tokenizer():
     return ByteTokenizer()

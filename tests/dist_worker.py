@@ -27,13 +27,15 @@ def main():
     assert ddp and rank == dist.get_rank() and world_size == dist.get_world_size()
     tok = ByteTokenizer()
     B, T = 2, 32
-    # the concatenating loader: the stream of one batch is inputs + the last target
+    # the concatenating loader: the stream is every batch's inputs, then the last batch's last target
+    # (each batch's last target is the next batch's first input)
     concat_stream = []
     loader = tokenizing_distributed_data_loader_with_state(tok, B, T, "train", device="cpu", data_dir=data_dir,
                                                            tokenizer_batch_size=3)
     for _ in range(num_batches):
         inputs, targets, state = next(loader)
-        concat_stream += inputs.flatten().tolist() + [targets[-1, -1].item()]
+        concat_stream += inputs.flatten().tolist()
+    concat_stream.append(targets[-1, -1].item())
     loader.close()
     # the best-fit loader: rows (every document starts with BOS), and the states
     rows, states = [], []

@@ -81,7 +81,9 @@ def bestfit_loader(tokenizer, paths, B, T, tokenizer_batch_size=128, buffer_size
 
 
 def concat_loader(tokenizer, paths, B, T, tokenizer_batch_size=128, rank=0, world_size=1, resume=None):
-    """Seed 001's concatenating loader: each batch pops the next B*T+1 tokens of the stream."""
+    """The concatenating loader as nanochat 3c3a3d7 has it (seed 001 popped all B*T+1 tokens, skipping
+    one per batch): each batch reads the next B*T+1 tokens of the stream but drops only B*T, so its
+    last target is the next batch's first input."""
     batches = document_batches(paths, tokenizer_batch_size, rank, world_size, resume)
     bos = tokenizer.get_bos_token_id()
     token_buffer = []
@@ -91,7 +93,7 @@ def concat_loader(tokenizer, paths, B, T, tokenizer_batch_size=128, rank=0, worl
             texts, (pq_idx, rg_idx, epoch) = next(batches)
             for tokens in tokenizer.encode(texts, prepend=bos):
                 token_buffer.extend(tokens)
-        tokens, token_buffer = token_buffer[:needed], token_buffer[needed:]
+        tokens, token_buffer = token_buffer[:needed], token_buffer[B * T:]
         inputs = [tokens[r * T:(r + 1) * T] for r in range(B)]
         targets = [tokens[r * T + 1:(r + 1) * T + 1] for r in range(B)]
         yield inputs, targets, {"pq_idx": pq_idx, "rg_idx": rg_idx, "epoch": epoch}

@@ -12,7 +12,7 @@ import sys
 import pyarrow.parquet as pq
 import pytest
 
-from conftest import ByteTokenizer, write_shards
+from conftest import ByteTokenizer, worker_env, write_shards
 
 BOS = ByteTokenizer.bos
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -41,10 +41,7 @@ def split_docs(tokens):
 def run_torchrun(world_size, data_dir, out_path, num_batches):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world_size}",
            os.path.join(HERE, "dist_worker.py"), str(data_dir), str(out_path), str(num_batches)]
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    for var in ("RANK", "LOCAL_RANK", "WORLD_SIZE"):
-        env.pop(var, None)
-    result = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=worker_env())
     assert result.returncode == 0, result.stdout + result.stderr
     with open(out_path) as f:
         return json.load(f)

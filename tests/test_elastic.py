@@ -15,7 +15,7 @@ import sys
 import pyarrow.parquet as pq
 import pytest
 
-from conftest import ByteTokenizer, write_shard
+from conftest import ByteTokenizer, worker_env, write_shard
 from nanochat.resume import decode_keys, merge_states
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -31,10 +31,7 @@ def doc_text(i):
 def torchrun(nproc, *args):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
            os.path.join(HERE, "elastic_worker.py"), *map(str, args)]
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    for var in ("RANK", "LOCAL_RANK", "WORLD_SIZE"):
-        env.pop(var, None)
-    result = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=worker_env())
     assert result.returncode == 0, result.stdout + result.stderr
     with open(args[2]) as f:
         return json.load(f)

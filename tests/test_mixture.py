@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 import torch
 
+from conftest import worker_env
 from nanochat.mixture import (BucketExhausted, CurriculumComplete, load_curriculum, main as mixture_main,
                               pretokenized_mixture_loader_with_state_bos_bestfit as MIX, validate)
 from nanochat.pretokenize import write_token_shard
@@ -300,12 +301,11 @@ def test_validate_report_and_exit_codes(tmp_path, capsys):
 
 def run_workers(data, out, mode):
     """tests/mixture_worker.py on 2 real processes (torchrun, gloo); returns both ranks' reports."""
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE")}
     job = subprocess.Popen(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
          os.path.join(REPO_ROOT, "tests", "mixture_worker.py"), data, str(out), mode],
         cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        env=dict(env, OMP_NUM_THREADS="1"), start_new_session=True)
+        env=worker_env(), start_new_session=True)
     try:
         output, _ = job.communicate(timeout=180)
     except subprocess.TimeoutExpired:  # a hang is the failure these tests look for: leave no worker behind

@@ -130,19 +130,68 @@ def test_bestfit_bad_input():
         BestFitPacker(4).add(np.array([], dtype=np.uint16))
 
 
+def concat_refill(docs, it, batch=3):
+    """A refill that hands the packer the next `batch` (index, start) of `it`: the document of that
+    index, keyed by it, whole (start None) or from token `start` on."""
+    return lambda: [(np.array(docs[k]), k, 0, start) for _, (k, start) in zip(range(batch), it)]
+
+
 @settings(max_examples=100, deadline=None)
-@given(lengths=doc_lengths, n=st.integers(1, 200))
-def test_concat_is_the_stream(lengths, n):
+@given(lengths=doc_lengths, n=st.integers(2, 200))
+def test_concat_windows_overlap_by_one(lengths, n):
+    # each take reads n tokens and consumes n - 1: every window's last token is the next one's first,
+    # and the windows without their last token, then the final token, are the stream, none skipped
     docs = make_docs(lengths)
     stream = [t for d in docs for t in d]
-    it = iter(docs)
-    packer = ConcatPacker()
-    out, got = np.empty(n, dtype=np.int64), []
-    for _ in range(len(stream) // n):
-        packer.take(out, lambda: [(np.array(d), None, 0, None) for _, d in zip(range(3), it)])
-        got.extend(out.tolist())
+    packer, refill = ConcatPacker(), concat_refill(docs, ((k, None) for k in range(len(docs))))
+    out, windows = np.empty(n, dtype=np.int64), []
+    for _ in range((len(stream) - 1) // (n - 1)):  # as many as the stream can fill
+        packer.take(out, refill)
+        windows.append(out.tolist())
+        consumed = len(windows) * (n - 1)
+        assert packer.tokens_out == consumed and len(packer) == packer.tokens_in - consumed >= 1
+    assert all(a[-1] == b[0] for a, b in zip(windows, windows[1:]))
+    got = [t for w in windows for t in w[:-1]] + windows[-1][-1:] if windows else []
     assert got == stream[:len(got)]
-    assert packer.tokens_out == len(got) and len(packer) == packer.tokens_in - len(got)
+
+
+@settings(max_examples=100, deadline=None)
+@given(lengths=doc_lengths, n=st.integers(2, 60), k=st.integers(0, 8), data=st.data())
+def test_concat_restores_from_keys_pieces_and_offset(lengths, n, k, data):
+    # a packer rebuilt from what a state holds (entry keys, pieces, offset) continues the stream
+    # exactly; every third entry is the rest of its document, from a start that varies
+    docs = make_docs(lengths)
+    order = list(range(len(docs))) * (2 + 2 * n * (k + 3) // len(docs))  # never runs dry
+    it = iter([(k, None if i % 3 else i % len(docs[k])) for i, k in enumerate(order)])
+    packer, refill = ConcatPacker(), concat_refill(docs, it)
+    out = np.empty(n, dtype=np.int64)
+    for _ in range(k):
+        packer.take(out, refill)
+    restored = ConcatPacker()
+    starts = dict(packer.buffered_pieces())
+    for i, key in enumerate(packer.buffered_keys()):
+        restored.add(np.array(docs[key]), key, 0, starts.get(i))
+    if packer.buffered_keys():
+        restored.skip_consumed(packer.offset)
+    assert len(restored) == len(packer)
+    rest = list(it)  # from here on, both refill from the same entries
+    mine, theirs = concat_refill(docs, iter(rest)), concat_refill(docs, iter(rest))
+    copy = np.empty(n, dtype=np.int64)
+    for _ in range(4):
+        packer.take(out, mine)
+        restored.take(copy, theirs)
+        assert out.tolist() == copy.tolist()
+    # a piece: the document from token `start` on
+    doc = docs[data.draw(st.integers(0, len(docs) - 1))]
+    start = data.draw(st.integers(0, len(doc) - 1))
+    piece = ConcatPacker()
+    piece.add(np.array(doc), "d", 0, start)
+    assert piece.buffered_pieces() == [[0, start]] and len(piece) == piece.tokens_in == len(doc) - start
+    piece_out = np.empty(len(doc) - start, dtype=np.int64)
+    piece.take(piece_out, lambda: [])
+    assert piece_out.tolist() == doc[start:]
+    with pytest.raises(ValueError, match="a piece starting at token"):
+        piece.add(np.array(doc), "d", 0, len(doc))
 
 
 def test_token_dtype():

@@ -95,9 +95,16 @@ def rows_of(batch) -> list[list[int]]:
 
 
 def flat_of(batch) -> list[int]:
-    """Concatenation: the B*T+1 tokens of the stream a batch was cut from."""
+    """Concatenation: the B*T+1 tokens of the stream a batch was cut from (its last is the next
+    batch's first)."""
     inputs, targets = batch[0], batch[1]
     return [t for row in inputs for t in row] + [targets[-1][-1]]
+
+
+def stream_of(batches) -> list[int]:
+    """Concatenation: the stream consecutive batches were cut from: every batch's inputs, then the
+    last batch's last target."""
+    return [t for b in batches for row in b[0] for t in row] + [batches[-1][1][-1][-1]]
 
 
 def emitted_tokens(kind: str, batch) -> list[int]:
@@ -384,9 +391,8 @@ def test_mismatched_B_continues_the_same_rows(kind, B, small):
     if kind == "bestfit":
         assert [r for b in resumed for r in rows_of(b)] == [r for b in run[4:] for r in rows_of(b)][:6 * B]
     else:
-        old = [t for b in run[4:] for t in flat_of(b)]
-        new = [t for b in resumed for t in flat_of(b)]
-        assert len(new) == 6 * (B * small["T"] + 1) <= len(old) and new == old[:len(new)]
+        old, new = stream_of(run[4:]), stream_of(resumed)
+        assert len(new) == 6 * B * small["T"] + 1 <= len(old) and new == old[:len(new)]
     assert [b[2]["emitted"]["batches"] for b in resumed] == list(range(5, 11))
     assert resumed[0][2]["next"] >= run[3][2]["next"]
 
@@ -690,49 +696,71 @@ def test_exact_resume_mid_plan(prefetch, tmp_path):
             resumed.close()
 
 
-@pytest.mark.parametrize("n_old,n_new,k", [(2, 3, 6), (3, 2, 25), (1, 3, 14)])
-def test_elastic_restart_of_the_concatenating_loader(n_old, n_new, k, tmp_path):
-    # no traces for concatenation: the new ranks' plans must be every document the old ranks had not
-    # started, each once (one they had started counts as consumed), and each new rank's token stream
-    # must begin with exactly its plan's documents, whole
-    elastic_corpus(tmp_path, seed=k)
-    cfg = dict(B=2, T=20, tokenizer_batch_size=3, prefetch=0, data_dir=str(tmp_path))
+def concat_entries(state, q: int, world_size: int, paths, texts, epochs: int) -> list[tuple]:
+    """Rank q's concatenated stream, written out as (document key, start) entries (start None: the
+    whole document): a merged state's plan, then the regular stream from its cursor (a fresh rank's:
+    from the start), per epoch row groups q, q + world_size, ... of every file, up to `epochs`."""
+    num_rows = Counter(key[:2] for key in texts)  # (pq_idx, rg_idx) -> rows
+    entries = []
+    if state is not None:
+        for e, p, g, rows, starts in decode_plan(state["plan"], RowGroupIndex(paths)):
+            rows = range(num_rows[p, g]) if rows is None else rows
+            entries += [((e, p, g, r), start) for r, start in zip(rows, starts or [None] * len(rows))]
+    cursor = (1, 0, q, 0) if state is None else tuple(state["next"])
+    entries += [((e, p, g, r), None) for e in range(1, epochs + 1) for p in range(len(paths))
+                for g in range(q, pq.ParquetFile(paths[p]).num_row_groups, world_size)
+                for r in range(num_rows[p, g]) if (e, p, g, r) >= cursor]
+    return entries
+
+
+def tagged_tokens(entries, texts) -> list[tuple]:
+    """((document key, position), token) for every token of the entries, in stream order."""
+    return [((key, i), t) for key, start in entries
+            for i, t in enumerate([BOS] + list(texts[key[1:]].encode())) if i >= (start or 0)]
+
+
+@pytest.mark.parametrize("chain", [((2, 24), (3, None)), ((3, 100), (2, None)), ((1, 55), (3, None)),
+                                   ((2, 24), (3, 4), (2, None)), ((3, 16), (2, 8), (3, None))])
+def test_elastic_restart_of_the_concatenating_loader(chain, tmp_path):
+    # ranks run k batches, their states are merged for the next world size, and so on (k None: run
+    # past the plan). Every rank's stream must be exactly its entries (plan, then regular stream), and
+    # every token of the interrupted epochs consumed (emitted as an input) exactly once across all of
+    # them: a document a rank had started is dealt from its first token not yet consumed. Short
+    # batches (B*T = 10), so that the rest of such a document is often still buffered at a state
+    elastic_corpus(tmp_path, seed=sum(k or 0 for _, k in chain))
+    cfg = dict(B=2, T=5, tokenizer_batch_size=3, prefetch=0, data_dir=str(tmp_path))
+    BT = cfg["B"] * cfg["T"]
     texts = texts_by_key(tmp_path)
     paths = split_parquet_files("train", str(tmp_path))
-    num_rows = Counter(key[:2] for key in texts)  # (pq_idx, rg_idx) -> rows
-    states = rank_states("concat", cfg, n_old, k)
-    last_epoch = max(s["next"][0] for s in states)
-    assert any(s["offset"] > 0 for s in states), "some old rank should have started a document"
-
-    expected = []
-    for r, s in enumerate(states):
-        buffered = decode_keys(s["buffer"])
-        expected += buffered[1:] if s["offset"] else buffered
-        # rank r's stream order, written out: per epoch, its row groups r, r+N, ... of every file
-        order = [(e, p, g, row) for e in range(1, last_epoch + 1) for p in range(len(paths))
-                 for g in range(r, pq.ParquetFile(paths[p]).num_row_groups, n_old) for row in range(num_rows[p, g])]
-        expected += [key for key in order if key >= tuple(s["next"])]
-
-    merged = merge_states(states, n_new, data_dir=str(tmp_path))
-    index = RowGroupIndex(paths)
-    plans = [[(e, p, g, row) for e, p, g, rows, _ in decode_plan(s["plan"], index)
-              for row in (range(num_rows[p, g]) if rows is None else rows)] for s in merged["states"]]
-    counts = Counter(key for plan in plans for key in plan)
-    assert counts == Counter(expected) and max(counts.values()) == 1
-
-    B, T = cfg["B"], cfg["T"]
-    for q, plan in enumerate(plans):
-        assert plan, f"new rank {q} should have work"
-        tokens = [t for key in plan for t in [BOS] + list(texts[key[1:]].encode())]
-        loader = open_loader("concat", cfg, rank=q, world_size=n_new, resume_state_dict=merged)
-        stream = []
-        while len(stream) <= len(tokens):
-            batch = take(loader, 1)[0]
-            stream += flat_of(batch)
-        assert stream[:len(tokens)] == tokens
-        assert stream[len(tokens)] == BOS  # then the regular stream, from a whole document
-        assert batch[2]["emitted"]["batches"] == k + len(stream) // (B * T + 1)
-        loader.close()
+    consumed, merged, pieces_dealt, pieces_resumed = [], None, False, 0
+    for step, (world_size, k) in enumerate(chain):
+        states = []
+        for q in range(world_size):
+            mine = merged["states"][q] if merged else None
+            tagged = tagged_tokens(concat_entries(mine, q, world_size, paths, texts, epochs=8), texts)
+            plan_tokens = len(tagged_tokens(concat_entries(mine, q, world_size, paths, texts, epochs=0), texts))
+            n = k if k is not None else plan_tokens // BT + 2
+            run = take(open_loader("concat", cfg, rank=q, world_size=world_size, resume_state_dict=merged), n)
+            assert stream_of(run) == [t for _, t in tagged[:n * BT + 1]], f"rank {q} of {world_size}: another stream"
+            consumed += [where for where, _ in tagged[:n * BT]]
+            states.append(run[-1][2])
+            # exact resume in the middle of a plan, first where the rest of a started document is buffered
+            mid_plan = [j for j, b in enumerate(run[:-1]) if b[2]["plan"] or b[2]["pieces"]]
+            for j in sorted(mid_plan, key=lambda j: not run[j][2]["pieces"])[:4]:
+                pieces_resumed += bool(run[j][2]["pieces"])
+                resumed = open_loader("concat", cfg, rank=q, world_size=world_size, resume_state_dict=run[j][2])
+                assert take(resumed, min(3, n - j - 1)) == run[j + 1:j + 4]
+                resumed.close()
+        if k is None:
+            break
+        merged = merge_states(states, chain[step + 1][0], data_dir=str(tmp_path))
+        pieces_dealt |= any("pieces" in item for s in merged["states"] for item in s["plan"])
+        last_epoch = merged["states"][0]["next"][0] - 1
+    assert pieces_dealt and pieces_resumed, "not vacuous: the rest of a started document was dealt, and resumed"
+    counts = Counter(where for where in consumed if where[0][0] <= last_epoch)
+    assert set(counts) == {((e, *key), i) for e in range(1, last_epoch + 1)
+                           for key, text in texts.items() for i in range(len(text.encode()) + 1)}
+    assert [where for where, c in counts.items() if c != 1] == []
 
 
 # -----------------------------------------------------------------------------
