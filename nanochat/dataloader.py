@@ -26,12 +26,14 @@ have. It keeps nanochat's keys {"pq_idx", "rg_idx", "epoch"} (the last document 
 a dict with only those keys still resumes approximately, after that row group, as nanochat does.
 """
 
+import atexit
 import itertools
 import logging
 import os
 import queue
 import threading
 import time
+import weakref
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 
@@ -454,6 +456,7 @@ class _Prefetcher:
         self.wait_seconds = 0.0  # time the consumer spent blocked in next(): the stall it felt
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
+        _OPEN_PREFETCHERS.add(self)
 
     def _put(self, item) -> bool:
         while not self._stop.is_set():
@@ -495,6 +498,18 @@ class _Prefetcher:
         self._stop.set()
         if self._thread is not threading.current_thread():
             self._thread.join(timeout=10)
+
+
+_OPEN_PREFETCHERS: weakref.WeakSet = weakref.WeakSet()
+
+
+@atexit.register
+def _stop_open_prefetchers() -> None:
+    """Stop the threads of loaders still open when the interpreter exits (a script that never closes its
+    loader). A daemon thread still running then is ended inside whatever C++ call it is in (pyarrow, the
+    tokenizer), and that can abort the process with 'terminate called without an active exception'."""
+    for prefetcher in list(_OPEN_PREFETCHERS):
+        prefetcher.close()
 
 
 def _maybe_prefetch(source, depth: int, name: str):

@@ -8,7 +8,10 @@ Run: python -m pytest tests/test_dataloader.py -q
 """
 
 import gc
+import os
 import random
+import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -19,7 +22,7 @@ import torch
 from hypothesis import assume, given, settings, strategies as st
 
 import oracle
-from conftest import ByteTokenizer, write_shard, write_shards
+from conftest import ByteTokenizer, worker_env, write_shard, write_shards
 from nanochat.dataloader import (
     tokenizing_distributed_data_loader,
     tokenizing_distributed_data_loader_bos_bestfit,
@@ -469,6 +472,32 @@ def test_early_stop_ends_threads(how, small_dir):
     else:
         loader = None  # a for-loop break, then the loader goes out of scope
     assert wait_for_no_loader_threads() == []
+
+
+EXIT_SCRIPT = """
+import atexit, sys, threading
+names = lambda: sorted(t.name for t in threading.enumerate() if t.name.startswith("nanochat-"))
+atexit.register(lambda: print("at exit:", names()))  # registered first, so it runs after the loader's hook
+sys.path.insert(0, "tests")
+from conftest import ByteTokenizer
+from nanochat.dataloader import tokenizing_distributed_data_loader_bos_bestfit
+loader = tokenizing_distributed_data_loader_bos_bestfit(ByteTokenizer(), 2, 8, "train", device="cpu",
+                                                        data_dir=sys.argv[1], prefetch=3)
+next(loader)
+print("running:", names())
+"""
+
+
+def test_a_loader_never_closed_stops_its_threads_at_exit(small_dir):
+    # a script that just ends: the threads must be stopped before the interpreter finalizes, or one of
+    # them can be cut off inside a C++ call (pyarrow, the tokenizer) and abort the process
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    result = subprocess.run([sys.executable, "-c", EXIT_SCRIPT, small_dir], cwd=root, env=worker_env(),
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    running, at_exit = result.stdout.splitlines()
+    assert "nanochat-packing" in running and "nanochat-tokenize" in running
+    assert at_exit == "at exit: []"
 
 
 # -----------------------------------------------------------------------------
