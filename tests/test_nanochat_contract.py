@@ -139,3 +139,19 @@ def test_a_tokenizer_trained_by_nanochat_loads_from_its_pickle(downloaded):
     assert get_token_bytes(device="cpu").tolist() == ours.compute_token_bytes().tolist()
     x, y, _ = next(tokenizing_distributed_data_loader_with_state_bos_bestfit(tokenizer, 2, 16, "train", device="cpu"))
     assert x.shape == (2, 16)
+
+
+@pytest.mark.parametrize("layout, subdir, val", [("climbmix", "base_data_climbmix", "shard_06542.parquet"),
+                                                 ("fineweb", "base_data", "shard_01822.parquet"),
+                                                 ("own", "base_data_climbmix", "shard_00008.parquet")])
+def test_the_dropin_check_lays_out_what_the_downloader_would(layout, subdir, val, tmp_path, monkeypatch):
+    # scripts/nanochat_dropin.py runs nanochat's scripts on these layouts (it needs a nanochat checkout)
+    from nanochat.dataset import split_parquet_files
+    from scripts.nanochat_dropin import main, write_layout
+    write_layout(str(tmp_path), layout)
+    monkeypatch.setenv("NANOCHAT_BASE_DIR", str(tmp_path))
+    assert os.listdir(tmp_path) == [subdir]
+    assert [os.path.basename(p) for p in split_parquet_files("val")] == [val]
+    assert len(split_parquet_files("train")) == 8
+    with pytest.raises(SystemExit):  # not a nanochat checkout
+        main([str(tmp_path), "--out", str(tmp_path / "out")])
