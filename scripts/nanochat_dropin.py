@@ -39,7 +39,7 @@ PROSE_MODULES = ("argparse", "asyncio", "collections", "concurrent.futures", "co
                  "datetime", "decimal", "email", "enum", "fractions", "functools", "http.server", "inspect", "json",
                  "logging", "multiprocessing", "os", "pathlib", "pickle", "queue", "random", "re", "shutil",
                  "socket", "sqlite3", "statistics", "string", "subprocess", "tarfile", "textwrap", "threading",
-                 "typing", "unittest", "urllib.request", "zipfile")
+                 "unittest", "urllib.request", "zipfile")
 TINY = ["--depth=2", "--head-dim=64", "--window-pattern=L", "--max-seq-len=128", "--device-batch-size=4",
         "--total-batch-size=1024", "--num-iterations=12", "--eval-every=6", "--eval-tokens=4096",
         "--core-metric-every=-1", "--sample-every=-1", "--save-every=6", "--warmup-steps=2"]
