@@ -3,11 +3,14 @@ Loader benchmark: where the time goes, ours vs the seeds' algorithm, on one corp
 
     python -m scripts.bench_dataloader                 # generated FineWeb-like corpus, B=32, T=2048
     python -m scripts.bench_dataloader --data-dir DIR  # your shards (train = all but the last)
+    python -m scripts.bench_dataloader --only ratio    # just the whole loader against its tokenizer alone
 
 It prints tokens/s for reading alone, tokenization alone, packing alone (pre-tokenized input),
 and the whole loader, for ours and for the slow oracle (tests/oracle.py, the seeds' list-and-scan
 best-fit), then the ratios the throughput issue asks for, the crop share over a long run, and
-memory. Speed is a measurement here, never a test assertion.
+memory. The whole loader against its tokenizer alone is measured for our tokenizer (numpy arrays)
+and for tokenizers whose encode returns lists of Python ints, as nanochat's own does. Speed is a
+measurement here, never a test assertion.
 
 The default corpus: documents whose token lengths are log-normal (median ~600, mean ~1,000, a tail
 past 20,000), made of a Zipf-distributed pseudo-English vocabulary, written as real shards; the
@@ -161,6 +164,116 @@ def pack_oracle(docs, B, T, buffer_size, n_batches, batch):
     return time.perf_counter() - t0
 
 
+# -----------------------------------------------------------------------------
+# The whole loader against its tokenizer alone
+
+
+class ListTokenizer:
+    """Our tokenizer as the loader sees nanochat's own RustBPETokenizer, or any duck-typed one: only
+    get_bos_token_id, get_vocab_size and encode(texts, prepend=bos, num_threads=n), which returns lists
+    of Python ints (tiktoken's encode_ordinary_batch, then BOS inserted at the front of each list, as
+    nanochat's does); no encode_to_arrays, so the loader converts the lists itself."""
+
+    def __init__(self, tokenizer: RustBPETokenizer):
+        self._tokenizer = tokenizer
+
+    def get_bos_token_id(self) -> int:
+        return self._tokenizer.get_bos_token_id()
+
+    def get_vocab_size(self) -> int:
+        return self._tokenizer.get_vocab_size()
+
+    def encode(self, texts, prepend=None, num_threads: int = 8) -> list[list[int]]:
+        return self._tokenizer.encode(texts, prepend=prepend, num_threads=num_threads)
+
+
+OURS, LISTS = "ours (encode_to_arrays -> numpy)", "lists (encode -> Python ints)"
+
+
+def ratio_contenders(tokenizer: RustBPETokenizer) -> dict:
+    """{label: (tokenizer, the method the loader calls)}: the tokenizers the loader is compared with."""
+    return {OURS: (tokenizer, "encode_to_arrays"), LISTS: (ListTokenizer(tokenizer), "encode")}
+
+
+def run_loader(tokenizer, method: str, n_batches: int, data_dir: str, args) -> tuple:
+    """(tokens through the tokenizer, wall s, CPU s, consumer wait s) of n_batches from a fresh loader,
+    after its first batch (start-up). Tokens are counted as the loader pushes them through `method`,
+    read-ahead included, as tokenization alone counts them (the packer's own count would miss what is
+    queued ahead)."""
+    counted = {"tokens": 0}
+    encode = getattr(tokenizer, method)
+
+    def counting_encode(texts, **kwargs):
+        docs = encode(texts, **kwargs)
+        counted["tokens"] += sum(len(d) for d in docs)
+        return docs
+
+    setattr(tokenizer, method, counting_encode)  # an instance attribute: the loader picks it up
+    try:
+        loader = tokenizing_distributed_data_loader_with_state_bos_bestfit(
+            tokenizer, args.B, args.T, "train", tokenizer_threads=args.threads,
+            tokenizer_batch_size=args.tokenizer_batch_size, device=args.device, data_dir=data_dir, rank=0,
+            world_size=1)
+        next(loader)  # start-up: the first buffer fill
+        start, wait_start = counted["tokens"], loader.stats["wait_seconds"]
+        c0, t0 = time.process_time(), time.perf_counter()
+        for _ in range(n_batches):
+            next(loader)
+        if args.device.startswith("cuda"):
+            import torch
+            torch.cuda.synchronize()
+        dt, cpu = time.perf_counter() - t0, time.process_time() - c0
+        tokens, wait = counted["tokens"] - start, loader.stats["wait_seconds"] - wait_start
+        loader.close()
+    finally:
+        delattr(tokenizer, method)  # back to the class's method
+    return tokens, dt, cpu, wait
+
+
+def loader_vs_tokenizer(contenders: dict, text_batches, data_dir: str, args) -> dict:
+    """{label: rounds}, each round (tokens, wall s, CPU s) of tokenization alone, then (tokens, wall s,
+    CPU s, wait s) of the whole loader (reading + tokenizing + packing + transfer), with the loader's own
+    encode method. This 2-core machine is shared and its speed drifts by +-15% from one second to the
+    next, so every contender's two runs alternate, round after round, and are compared on their totals."""
+    # tokenization alone takes, every round, the texts at the start of the corpus: about what a fresh
+    # loader tokenizes in its timed batches (documents differ in how fast they tokenize)
+    n_batches = args.loader_batches // args.repeats
+    tokens_per_round = n_batches * args.B * (args.T + 1) * 1.4
+    chunk, total = [], 0
+    for texts in text_batches:
+        chunk.append(texts)
+        total += sum(len(t) for t in texts) / 4.3  # ~4.3 characters a token: only to size the chunk
+        if total >= tokens_per_round:
+            break
+    rounds = {label: [] for label in contenders}
+    for _ in range(args.repeats):
+        for label, (tokenizer, method) in contenders.items():
+            encode, bos = getattr(tokenizer, method), tokenizer.get_bos_token_id()
+            docs, dt, cpu = cpu_timed(lambda: tokenize_all(encode, bos, chunk, args.tokenizer_batch_size,
+                                                           args.threads))
+            measured = run_loader(tokenizer, method, n_batches, data_dir, args)
+            rounds[label].append((sum(map(len, docs)), dt, cpu, *measured))
+            del docs
+    return rounds
+
+
+def print_ratios(rounds: dict) -> None:
+    """Per tokenizer: whole loader / tokenization alone, on the totals of all rounds (per wall second and
+    per CPU-second, the latter immune to a noisy neighbour's steal), and each round's own ratio."""
+    print("  whole loader / tokenization alone (tokens through the tokenizer per second; target >= 0.9):")
+    for label, rs in rounds.items():
+        tokens, wall, cpu = (sum(r[i] for r in rs) for i in (0, 1, 2))
+        loader_tokens, loader_wall, loader_cpu = (sum(r[i] for r in rs) for i in (3, 4, 5))
+        ratio = (loader_tokens / loader_wall) / (tokens / wall)
+        cpu_ratio = (loader_tokens / loader_cpu) / (tokens / cpu)
+        per_round = sorted((r[3] / r[4]) / (r[0] / r[1]) for r in rs)
+        print(f"    {label:34s} {ratio:.2f}  per CPU-second {cpu_ratio:.2f}  per round (sorted) "
+              f"{' '.join(f'{x:.2f}' for x in per_round)}, median {per_round[len(per_round) // 2]:.2f}")
+        print(f"    {'':34s} alone {tokens / wall / 1e6:.2f} M/s ({tokens / cpu / 1e6:.2f} M per CPU-s), loader "
+              f"{loader_tokens / loader_wall / 1e6:.2f} M/s ({loader_tokens / loader_cpu / 1e6:.2f} M per CPU-s); "
+              f"consumer wait {sum(r[6] for r in rs):.2f}s of {loader_wall:.2f}s")
+
+
 POLICY_RUNS = [("crop", 0), ("split", 0), ("split", 128), ("split_reuse", 0), ("split_reuse", 128)]
 
 
@@ -260,6 +373,9 @@ def main(argv=None):
     parser.add_argument("--crop-batches", type=int, default=3000, help="batches for the long crop-share run")
     parser.add_argument("--repeats", type=int, default=8, help="alternating rounds of tokenization alone and the loader")
     parser.add_argument("--device", default="cuda" if _cuda() else "cpu")
+    parser.add_argument("--only", choices=["ratio"], default=None,
+                        help="run one section: ratio = the whole loader against tokenization alone, for our "
+                             "tokenizer and for one whose encode returns lists, as nanochat's does")
     args = parser.parse_args(argv)
     print(f"bench_dataloader: {vars(args)}")
     B, T, threads, tbs = args.B, args.T, args.threads, args.tokenizer_batch_size
@@ -282,6 +398,11 @@ def main(argv=None):
 
         # 1. reading alone, 2. tokenization alone (the same texts, the loader's batch size and threads)
         text_batches, t_read = timed(lambda: read_all(train_paths))
+        if args.only == "ratio":
+            rounds = loader_vs_tokenizer(ratio_contenders(tokenizer), text_batches, data_dir, args)
+            print(f"\nB={B} T={T} threads={threads} tokenizer_batch_size={tbs} device={args.device}")
+            print_ratios(rounds)
+            return
         # the loader's path (numpy arrays, no Python int per token), and plain encode() -> lists
         bos = tokenizer.get_bos_token_id()
         token_lists, t_tok_lists = timed(lambda: tokenize_all(tokenizer.encode, bos, text_batches, tbs, threads))
@@ -304,63 +425,17 @@ def main(argv=None):
         pack10k_tps = n_pack * row_tokens / t_pack10k
         oracle_pack_tps = args.oracle_batches * row_tokens / t_oracle_pack
 
-        # 4. the whole loader (reading + tokenizing + packing + transfer) against tokenization alone
-        # (the loader's own encode path, on the same texts). This 2-core machine is shared and its
-        # speed drifts by +-15% from one second to the next, so the two are measured in alternating
-        # rounds and compared on their totals; each round's own ratio is printed too.
-        def run_loader(n_batches):
-            # count what the loader pushes through its tokenizer, read-ahead included, as the
-            # tokenization-alone run does (the packer's own count would miss what is queued ahead)
-            counted = {"tokens": 0}
-            encode = tokenizer.encode_to_arrays
-
-            def counting_encode(texts, **kwargs):
-                docs = encode(texts, **kwargs)
-                counted["tokens"] += sum(len(d) for d in docs)
-                return docs
-
-            tokenizer.encode_to_arrays = counting_encode
-            try:
-                loader = tokenizing_distributed_data_loader_with_state_bos_bestfit(
-                    tokenizer, B, T, "train", tokenizer_threads=threads, tokenizer_batch_size=tbs,
-                    device=args.device, data_dir=data_dir, rank=0, world_size=1)
-                next(loader)  # start-up: the first buffer fill
-                start, wait_start = counted["tokens"], loader.stats["wait_seconds"]
-                c0, t0 = time.process_time(), time.perf_counter()
-                for _ in range(n_batches):
-                    next(loader)
-                if args.device.startswith("cuda"):
-                    import torch
-                    torch.cuda.synchronize()
-                dt, cpu = time.perf_counter() - t0, time.process_time() - c0
-                tokens, wait = counted["tokens"] - start, loader.stats["wait_seconds"] - wait_start
-                loader.close()
-            finally:
-                del tokenizer.encode_to_arrays  # back to the class's method
-            return tokens, dt, cpu, wait
-
-        rounds = []
-        # tokenization alone takes, every round, the texts at the start of the corpus: about what a
-        # fresh loader tokenizes in its timed batches (documents differ in how fast they tokenize)
-        tokens_per_round = (args.loader_batches // args.repeats) * row_tokens * 1.4
-        chunk, total = [], 0
-        for texts in text_batches:
-            chunk.append(texts)
-            total += sum(len(t) for t in texts) / 4.3  # ~4.3 characters a token: only to size the chunk
-            if total >= tokens_per_round:
-                break
-        for r in range(args.repeats):
-            arrays, dt_tok, cpu_tok = cpu_timed(lambda: tokenize_all(tokenizer.encode_to_arrays, bos, chunk, tbs, threads))
-            # (tokens, wall, cpu) of tokenization alone, then (tokens, wall, cpu, wait) of the loader
-            rounds.append((sum(map(len, arrays)), dt_tok, cpu_tok, *run_loader(args.loader_batches // args.repeats)))
-            del arrays
-        tok_tps = sum(r[0] for r in rounds) / sum(r[1] for r in rounds)
-        tok_cpu_tps = sum(r[0] for r in rounds) / sum(r[2] for r in rounds)
-        t_loader = sum(r[4] for r in rounds)
-        loader_tok_tps = sum(r[3] for r in rounds) / t_loader
-        loader_cpu_tps = sum(r[3] for r in rounds) / sum(r[5] for r in rounds)
+        # 4. the whole loader against tokenization alone, for our tokenizer and a list-returning one
+        contenders = ratio_contenders(tokenizer)
+        rounds = loader_vs_tokenizer(contenders, text_batches, data_dir, args)
+        ours = rounds[OURS]
+        t_loader = sum(r[4] for r in ours)
+        tok_tps = sum(r[0] for r in ours) / sum(r[1] for r in ours)
+        loader_tok_tps = sum(r[3] for r in ours) / t_loader
         loader_emit_tps = (args.loader_batches // args.repeats) * args.repeats * row_tokens / t_loader
-        wait = sum(r[6] for r in rounds)
+        wait = sum(r[6] for r in ours)
+        lists = rounds[LISTS]
+        lists_loader_tps = sum(r[3] for r in lists) / sum(r[4] for r in lists)
 
         reference = oracle.bestfit_loader(tokenizer, train_paths, B, T, tbs, 1000)
         next(reference)  # start-up, as for ours
@@ -406,18 +481,14 @@ def main(argv=None):
         ("packing alone, ours, buffer 10,000", pack10k_tps),
         ("packing alone, oracle, buffer 1,000", oracle_pack_tps),
         ("whole loader, ours (tokens tokenized)", loader_tok_tps),
+        ("whole loader, lists (tokens tokenized)", lists_loader_tps),
         ("whole loader, ours (tokens emitted)", loader_emit_tps),
         ("whole loader, oracle (tokens emitted)", oracle_emit_tps),
     ]:
         print(f"{name:42s} {tps:14,.0f}")
     print()
     print("ratios")
-    print(f"  whole loader / tokenization alone (tokens tokenized per s): {loader_tok_tps / tok_tps:.2f}  (target >= 0.9)")
-    round_ratios = sorted((r[3] / r[4]) / (r[0] / r[1]) for r in rounds)
-    print(f"      per round (loader / tokenization alone, sorted): {' '.join(f'{x:.2f}' for x in round_ratios)}; "
-          f"median {round_ratios[len(round_ratios) // 2]:.2f}")
-    print(f"  the same per CPU-second (immune to a noisy neighbour's steal): {loader_cpu_tps / tok_cpu_tps:.2f}  "
-          f"(tokenization alone {tok_cpu_tps / 1e6:.2f} M, loader {loader_cpu_tps / 1e6:.2f} M tokens per CPU-s)")
+    print_ratios(rounds)
     print(f"  packing / oracle packing (buffer 1,000):                    {pack_tps / oracle_pack_tps:.1f}x  (target >= 20)")
     print(f"  packing cost at buffer 10,000 / at 1,000:                   {t_pack10k / t_pack:.2f}  (target < 1.5)")
     print(f"  whole loader, ours / oracle (tokens emitted per s):         {loader_emit_tps / oracle_emit_tps:.2f}x")

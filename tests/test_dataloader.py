@@ -3,7 +3,8 @@ The loaders (nanochat/dataloader.py) against the seeds' oracle (tests/oracle.py)
 random shards (uneven row groups, empty texts, documents longer than a row), batch shapes, buffer
 and tokenizer batch sizes, ranks and world sizes, across epoch boundaries, with and without the
 background threads, and resumed from a yielded state. Then bad input, background failures, shutdown,
-and CUDA transfer (skipped without a GPU). Multi-process sharding lives in test_distributed.py.
+CUDA transfer (skipped without a GPU), and tokenizers that return lists of ints (nanochat's) or other
+arrays against our numpy path. Multi-process sharding lives in test_distributed.py.
 Run: python -m pytest tests/test_dataloader.py -q
 """
 
@@ -16,6 +17,7 @@ import tempfile
 import threading
 import time
 
+import numpy as np
 import pyarrow.parquet as pq
 import pytest
 import torch
@@ -405,6 +407,12 @@ class BadTokenizer(ByteTokenizer):
     (lambda texts: [[256, 1.5] for _ in texts], TypeError, "lists of ints"),
     (lambda texts: [[1, 2] for _ in texts], ValueError, "BOS"),
     (lambda texts: [[256, 70000] for _ in texts], ValueError, "out of range"),
+    (lambda texts: [(256, -1) for _ in texts], ValueError, "out of range"),
+    (lambda texts: [[] for _ in texts], ValueError, "BOS"),
+    (lambda texts: ["ab" for _ in texts], TypeError, "element of type str"),
+    (lambda texts: [np.array([256, 1.5]) for _ in texts], TypeError, "lists of ints"),
+    (lambda texts: [np.array([256, 70000]) for _ in texts], ValueError, "out of range"),
+    (lambda texts: [np.array([1, 2], dtype=np.uint16) for _ in texts], ValueError, "BOS"),
 ])
 def test_bad_tokenizer_output(result, error, match, prefetch, small_dir):
     loader = BESTFIT(BadTokenizer(result), 2, 8, "train", device="cpu", data_dir=small_dir, prefetch=prefetch)
@@ -584,3 +592,110 @@ def test_real_tokenizer_fast_path_matches_oracle(tmp_path):
     for x, y, s in run[12:]:
         rx, ry, rs = next(resumed)
         assert torch.equal(rx, x) and torch.equal(ry, y) and rs == s
+
+
+# -----------------------------------------------------------------------------
+# tokenizers that return lists of ints (nanochat's own, any duck-typed one)
+
+
+class ListTokenizer:
+    """A trained BPE seen through the documented interface only: encode returns lists of Python ints,
+    there is no encode_to_arrays. with_enc also exposes the tiktoken Encoding as `enc`, as nanochat's
+    RustBPETokenizer does. Records how many encode calls ran at once."""
+
+    def __init__(self, tok, with_enc: bool):
+        self._tok = tok
+        if with_enc:
+            self.enc = tok.enc
+        self._lock = threading.Lock()
+        self.running = self.most_at_once = 0
+
+    def get_bos_token_id(self):
+        return self._tok.get_bos_token_id()
+
+    def get_vocab_size(self):
+        return self._tok.get_vocab_size()
+
+    def encode(self, texts, prepend=None, num_threads=1):
+        with self._lock:
+            self.running += 1
+            self.most_at_once = max(self.most_at_once, self.running)
+        try:
+            time.sleep(0.001)  # give a second call the chance to start, were one made
+            return self._tok.encode(texts, prepend=prepend, num_threads=num_threads)
+        finally:
+            with self._lock:
+                self.running -= 1
+
+
+@pytest.fixture(scope="module")
+def bpe_corpus():
+    rng = random.Random(5)
+    words = ["the", "data", "loader", "packs", "rows", "of", "tokens", "123", "4567", "é", "ünï", "\n"]
+    docs = [" ".join(rng.choice(words) for _ in range(rng.randint(0, 90))) for _ in range(130)]
+    from nanochat.tokenizer import RustBPETokenizer
+    return docs, RustBPETokenizer.train_from_iterator(iter(docs), 300)
+
+
+@pytest.mark.parametrize("with_enc", [False, True])
+@pytest.mark.parametrize("prefetch", [0, 3])
+def test_list_tokenizer_matches_ours(with_enc, prefetch, bpe_corpus, tmp_path):
+    # the loader converts the lists itself: the same batches and states as from our numpy arrays
+    docs, tok = bpe_corpus
+    write_shards(tmp_path, [docs[:60], docs[60:120], docs[120:]], row_group_size=16)
+    kw = dict(device="cpu", buffer_size=20, tokenizer_batch_size=10, data_dir=str(tmp_path), prefetch=prefetch)
+    ours = BESTFIT(tok, 4, 64, "train", **kw)
+    lists = ListTokenizer(tok, with_enc)
+    loader = BESTFIT(lists, 4, 64, "train", **kw)
+    run = []
+    for k in range(60):  # the train split holds ~8,800 tokens: ~30 batches
+        x, y, s = next(loader)
+        ox, oy, ostate = next(ours)
+        assert torch.equal(x, ox) and torch.equal(y, oy), f"batch {k} differs"
+        assert s == ostate, f"state of batch {k} differs"
+        run.append((x.clone(), y.clone(), s))
+    assert run[-1][2]["epoch"] >= 2, "the test should cross an epoch boundary"
+    assert lists.most_at_once == 1  # a tokenizer that returns lists is called one batch at a time
+    loader.close()
+    # a state taken with the list tokenizer resumes ours exactly
+    resumed = BESTFIT(tok, 4, 64, "train", resume_state_dict=run[24][2], **kw)
+    for x, y, s in run[25:40]:
+        rx, ry, rs = next(resumed)
+        assert torch.equal(rx, x) and torch.equal(ry, y) and rs == s
+
+
+class WideTokenizer(ByteTokenizer):
+    """Byte tokens shifted past 2**16: storage is uint32."""
+
+    bos = 70_000
+
+    def get_vocab_size(self):
+        return 70_257
+
+    def encode(self, texts, prepend=None, num_threads=1):
+        return [[prepend] + [70_001 + b for b in t.encode()] for t in texts]
+
+
+@pytest.mark.parametrize("prefetch", [0, 2])
+def test_wide_vocabulary_is_stored_in_uint32(prefetch, small_dir):
+    loader = BESTFIT(WideTokenizer(), 2, 8, "train", device="cpu", data_dir=small_dir, prefetch=prefetch)
+    inputs, targets, _ = next(loader)
+    assert (inputs[:, 0] == 70_000).all() and inputs.min() >= 70_000 and targets.max() < 70_257
+    too_wide = BadTokenizer(lambda texts: [[70_000, 2**32] for _ in texts])
+    too_wide.get_vocab_size = WideTokenizer().get_vocab_size
+    with pytest.raises(ValueError, match=r"out of range \[0, 4294967295\] for uint32"):
+        next(BESTFIT(too_wide, 2, 8, "train", device="cpu", data_dir=small_dir, prefetch=prefetch))
+
+
+class Int64ArrayTokenizer(ByteTokenizer):
+    def encode(self, texts, prepend=None, num_threads=1):
+        return [np.array(ids, dtype=np.int64) for ids in super().encode(texts, prepend, num_threads)]
+
+
+def test_arrays_of_another_dtype_are_converted(small_dir):
+    kw = dict(device="cpu", data_dir=small_dir, buffer_size=3, tokenizer_batch_size=2)
+    loader = BESTFIT(Int64ArrayTokenizer(), 2, 8, "train", **kw)
+    reference = BESTFIT(ByteTokenizer(), 2, 8, "train", **kw)
+    for _ in range(10):
+        (x, y, s), (rx, ry, rs) = next(loader), next(reference)
+        assert torch.equal(x, rx) and torch.equal(y, ry) and s == rs
