@@ -652,7 +652,7 @@ def _start_stream(reader, rank, world_size, batch_size, state, config, allow_sta
         plan = resume.decode_plan(state["plan"], reader.index)
         stream = _Stream(reader, rank, world_size, batch_size, plan, tuple(state["next"]), epochs=epochs)
         return stream, state, (state["pq_idx"], state["rg_idx"], state["epoch"])
-    if "version" in state:
+    if "version" in state and allow_state_mismatch:  # (another rank's state has said so already)
         logger.warning("resume_state_dict is from another document stream; resuming approximately "
                        "after its file %s, %s %s", state.get("pq_idx"), reader.unit_name, state.get("rg_idx"))
     # the seeds' form: approximate, after the saved unit

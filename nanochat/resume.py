@@ -50,11 +50,14 @@ import bisect
 import hashlib
 import itertools
 import json
+import logging
 import os
 from operator import itemgetter
 
 import numpy as np
 import pyarrow.parquet as pq
+
+logger = logging.getLogger(__name__)
 
 VERSION = 2
 EMPTY_HASH = "0" * 32
@@ -331,6 +334,13 @@ def check_state(state: dict, config: dict, *, allow_mismatch: bool) -> bool:
     if state["loader"] == "bestfit":  # saved before the long-document policies: the seeds' cropping
         saved = {"long_doc_policy": "crop", "split_overlap": 0} | saved
     differ = [f"{k}: state {saved.get(k)!r}, loader {v!r}" for k, v in config.items() if saved.get(k) != v]
+    if differ and not allow_mismatch and {k for k, v in config.items() if saved.get(k) != v} <= {"rank", "world_size"}:
+        # nanochat's base_train saves rank 0's state alone and hands it to every rank on resume: such a
+        # rank resumes approximately, after the saved row group, exactly as nanochat's own loader does
+        logger.warning("resume_state_dict is another rank's state (%s): resuming approximately after its "
+                       "file %s, unit %s, as nanochat does; for an exact resume give each rank its own state "
+                       "(merge_states for another world size)", "; ".join(differ), state["pq_idx"], state["rg_idx"])
+        return False
     if differ and not allow_mismatch:
         raise ValueError("resume_state_dict was taken on another configuration (" + "; ".join(differ) +
                          "); pass allow_state_mismatch=True to resume as well as possible")
