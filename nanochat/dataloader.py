@@ -487,7 +487,6 @@ class _Prefetcher:
         self.wait_seconds = 0.0  # time the consumer spent blocked in next(): the stall it felt
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
-        _OPEN_PREFETCHERS.add(self)
 
     def _put(self, item) -> bool:
         while not self._stop.is_set():
@@ -518,7 +517,14 @@ class _Prefetcher:
         if self._error is not None:
             raise self._error
         t0 = time.perf_counter()
-        ok, item = self._queue.get()
+        while True:
+            try:
+                ok, item = self._queue.get(timeout=0.1)
+                break
+            except queue.Empty:
+                if not self._thread.is_alive() and self._queue.empty():  # closed: nothing will come
+                    ok, item = False, RuntimeError(f"{self._thread.name} was closed")
+                    break
         self.wait_seconds += time.perf_counter() - t0
         if ok:
             return item
@@ -529,18 +535,6 @@ class _Prefetcher:
         self._stop.set()
         if self._thread is not threading.current_thread():
             self._thread.join(timeout=10)
-
-
-_OPEN_PREFETCHERS: weakref.WeakSet = weakref.WeakSet()
-
-
-@atexit.register
-def _stop_open_prefetchers() -> None:
-    """Stop the threads of loaders still open when the interpreter exits (a script that never closes its
-    loader). A daemon thread still running then is ended inside whatever C++ call it is in (pyarrow, the
-    tokenizer), and that can abort the process with 'terminate called without an active exception'."""
-    for prefetcher in list(_OPEN_PREFETCHERS):
-        prefetcher.close()
 
 
 def _maybe_prefetch(source, depth: int, name: str):
@@ -717,6 +711,7 @@ class DataLoader:
         # with trace_documents=True: per row of the last batch, the (epoch, pq_idx, rg_idx, row) of
         # every document placed in it, in order (a debugging aid: which documents did a step see?)
         self.documents: list | None = None
+        _OPEN_LOADERS.add(self)
 
     def __iter__(self):
         return self
@@ -755,6 +750,19 @@ class DataLoader:
 
     def __del__(self):
         self.close()
+
+
+_OPEN_LOADERS: weakref.WeakSet = weakref.WeakSet()
+
+
+@atexit.register
+def _close_open_loaders() -> None:
+    """Stop the threads of loaders still open when the interpreter exits (a script that never closes its
+    loader). A daemon thread still running then is ended inside whatever C++ call it is in (pyarrow, the
+    tokenizer), and that can abort the process with 'terminate called without an active exception'.
+    Each loader closes its stages downstream first, so none waits on a stage already stopped."""
+    for loader in list(_OPEN_LOADERS):
+        loader.close()
 
 
 def tokenizing_distributed_data_loader_with_state_bos_bestfit(
