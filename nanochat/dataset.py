@@ -85,18 +85,24 @@ def get_data_dir(dataset: str | None = None) -> str:
 
 
 def find_dataset() -> DatasetSpec:
-    """The dataset the readers use when given no data_dir: $NANOCHAT_DATASET when set; else the one
-    whose directory the downloader made (nanochat's or ours: the same names); when several exist,
-    the default one (logged once); when none does, the default one (its directory is then missing)."""
+    """The dataset the readers use when given no data_dir: $NANOCHAT_DATASET when set; else the one whose
+    directory holds train shards (the downloader's names are nanochat's); when several do, the default one
+    (logged once); when none does, the default one."""
     if os.environ.get("NANOCHAT_DATASET"):
         return get_dataset()
-    present = [spec for spec in DATASETS.values() if os.path.isdir(get_data_dir(spec.name))]
+    # a directory with no train shard (a failed first download, `-n 0`) hides nothing
+    present = [spec for spec in DATASETS.values() if _has_train_shards(get_data_dir(spec.name), spec)]
     if len(present) == 1:
         return present[0]
     if len(present) > 1:
         _log_once(logging.WARNING, "found %s; reading %s, the default (set NANOCHAT_DATASET to choose)",
                   " and ".join(get_data_dir(spec.name) for spec in present), get_data_dir(DEFAULT_DATASET))
     return get_dataset(DEFAULT_DATASET)
+
+
+def _has_train_shards(data_dir: str, spec: DatasetSpec) -> bool:
+    return os.path.isdir(data_dir) and any(name.endswith(".parquet") and name != spec.val_filename
+                                           for name in os.listdir(data_dir))
 
 
 def find_data_dir() -> str:
@@ -144,25 +150,25 @@ def _dataset_of(data_dir: str) -> DatasetSpec | None:
 
 
 def split_parquet_files(split: str, data_dir: str | None = None) -> list[str]:
-    """The files of one split. In a known dataset's directory, val is that dataset's last shard,
-    pinned by name (fetching more or fewer train shards never changes "val"); when it is missing,
-    val is the last file in sorted order, as in the seeds, with one warning. In another directory,
-    val is a known dataset's last shard if one is there, else the last file in sorted order.
-    Raises when the split would be empty."""
+    """The files of one split: val is the last file in sorted order, train the others (the seeds' rule
+    and nanochat's). In a dataset's directory that is its last index, e.g. shard_06542.parquet, however
+    many train shards were fetched; if it is not (your own shards there), one warning says which file is
+    val and how to fetch the dataset's. Raises when the split would be empty."""
     _check_split(split)
     data_dir = find_data_dir() if data_dir is None else data_dir
     paths = list_parquet_files(data_dir)
     if not paths:
         raise FileNotFoundError(
             f"no parquet shards in {data_dir}; download some first: python -m nanochat.dataset -n 8")
+    val_path = paths[-1]
     spec = _dataset_of(data_dir)
-    val_names = {spec.val_filename} if spec else {s.val_filename for s in DATASETS.values()}
-    pinned = [p for p in paths if os.path.basename(p) in val_names]
-    val_path = pinned[-1] if pinned else paths[-1]
-    if spec and not pinned:
-        _log_once(logging.WARNING, "the validation shard %s of %s is missing from %s; using the last file, %s, "
-                  "as val. To fetch it: python -m nanochat.dataset --dataset %s -n 0", spec.val_filename,
-                  spec.name, data_dir, os.path.basename(val_path), spec.name)
+    if spec and os.path.basename(val_path) != spec.val_filename:
+        if os.path.join(data_dir, spec.val_filename) in paths:
+            why = "sorts before it, so it is a train shard here"
+        else:
+            why = f"is missing (to fetch it: python -m nanochat.dataset --dataset {spec.name} -n 0)"
+        _log_once(logging.WARNING, "%s: the last file in sorted order, %s, is val; %s's validation shard %s %s",
+                  data_dir, os.path.basename(val_path), spec.name, spec.val_filename, why)
     if split == "val":
         return [val_path]
     train = [p for p in paths if p != val_path]

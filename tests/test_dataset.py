@@ -206,12 +206,13 @@ def test_list_ignores_temp_and_lock_files(tmp_path):
     assert names == ["shard_00000.parquet", "shard_00001.parquet"]
 
 
-def test_split_pins_val_shard_by_name(tmp_path):
+def test_split_val_is_the_last_sorted_file(tmp_path):
+    # the seeds' rule and nanochat's, also past a name that is some dataset's val shard
     for name in ("a.parquet", "shard_00000.parquet", "shard_01822.parquet", "z.parquet"):
         write_shard(tmp_path / name, [name], row_group_size=1)
-    assert [os.path.basename(p) for p in split_parquet_files("val", str(tmp_path))] == ["shard_01822.parquet"]
+    assert [os.path.basename(p) for p in split_parquet_files("val", str(tmp_path))] == ["z.parquet"]
     train = [os.path.basename(p) for p in split_parquet_files("train", str(tmp_path))]
-    assert train == ["a.parquet", "shard_00000.parquet", "z.parquet"]
+    assert train == ["a.parquet", "shard_00000.parquet", "shard_01822.parquet"]
 
 
 def test_split_without_known_val_uses_last_sorted(tmp_path):
@@ -313,6 +314,32 @@ def test_a_train_shard_named_like_the_other_datasets_val_is_train(fresh_log):
         write_shard(os.path.join(data_dir, index_to_filename(i)), [str(i)], row_group_size=1)
     assert _names(split_parquet_files("val")) == ["shard_06542.parquet"]
     assert _names(split_parquet_files("train")) == ["shard_00000.parquet", "shard_01822.parquet"]
+
+
+def test_own_shards_past_the_val_index_keep_the_seeds_rule(fresh_log):
+    # 1900 of one's own shards in FineWeb's directory: its val index 1822 is a train shard there
+    data_dir = get_data_dir("fineweb-edu-100b")
+    os.makedirs(data_dir)
+    for i in (0, 1822, 1899):
+        write_shard(os.path.join(data_dir, index_to_filename(i)), [str(i)], row_group_size=1)
+    assert _names(split_parquet_files("val")) == ["shard_01899.parquet"]
+    assert _names(split_parquet_files("train")) == ["shard_00000.parquet", "shard_01822.parquet"]
+    [record] = fresh_log.records
+    assert "shard_01899.parquet, is val" in record.message and "shard_01822.parquet sorts before it" in record.message
+
+
+@pytest.mark.parametrize("climbmix_holds", [[], [6542]])
+def test_a_dataset_dir_without_train_shards_hides_nothing(climbmix_holds, fresh_log):
+    # a failed first download (an empty directory, lock files) or `-n 0` (the val shard alone)
+    fineweb = _downloaded("fineweb-edu-100b", 2)
+    climbmix = get_data_dir("climbmix-400b")
+    os.makedirs(climbmix)
+    (open(os.path.join(climbmix, ".shard_00000.parquet.lock"), "w")).close()
+    for i in climbmix_holds:
+        write_shard(os.path.join(climbmix, index_to_filename(i)), ["v"], row_group_size=1)
+    assert list_parquet_files() == list_parquet_files(fineweb)
+    assert _names(split_parquet_files("val")) == ["shard_01822.parquet"]
+    assert not fresh_log.records
 
 
 def test_no_data_anywhere_names_the_default_dir_and_the_download_command():
