@@ -71,6 +71,7 @@ FORMAT_NAME = "nanochat-tokenizer"
 FORMAT_VERSION = 1
 MIN_VOCAB_SIZE = 256 + len(SPECIAL_TOKENS)  # the byte alphabet plus our specials: 265
 TRAIN_HINT = "python -m scripts.tok_train"
+MAX_ID_GAP = 1024  # unused ids a loaded tokenizer may have (tiktoken's cl100k_base has a handful)
 CONVERT_HINT = "python -m nanochat.tokenizer convert"
 
 # how each kind of assistant part is rendered: (opening special, closing special, mask of the part)
@@ -187,7 +188,7 @@ class RustBPETokenizer:
                 raise ValueError("a mergeable token appears twice")
             return cls._from_tables(data["name"], data["pattern"], mergeable_ranks, data["special_tokens"],
                                     data["bos_token"])
-        except (KeyError, TypeError, ValueError, AttributeError) as e:
+        except (KeyError, TypeError, ValueError, AttributeError, RecursionError) as e:
             # ValueError covers bad JSON, bad UTF-8, bad base64 and failed table checks
             raise ValueError(f"{path} is not a valid tokenizer file ({type(e).__name__}: {e}); "
                              f"retrain it: {TRAIN_HINT}") from e
@@ -199,8 +200,8 @@ class RustBPETokenizer:
         try:
             return cls._from_tables(state["name"], state["pat_str"], state["mergeable_ranks"],
                                     state["special_tokens"], SPECIAL_TOKENS[0])
-        except ValueError as e:
-            raise ValueError(f"{path} holds a tiktoken Encoding with unusable tables ({e}); "
+        except (ValueError, RecursionError) as e:  # RecursionError: a deeply nested value in the tables
+            raise ValueError(f"{path} holds a tiktoken Encoding with unusable tables ({type(e).__name__}: {e}); "
                              f"retrain the tokenizer: {TRAIN_HINT}") from e
 
     # -------------------------------------------------------------------------
@@ -249,11 +250,15 @@ class RustBPETokenizer:
         return self.bos_token_id
 
     def encode_special(self, name: str) -> int:
-        """The id of a special token, e.g. encode_special("<|bos|>")."""
-        if name not in self.special_tokens:
+        """The id of a special token, e.g. encode_special("<|bos|>") (or of any text that is one token)."""
+        if name in self.special_tokens:
+            return self.special_tokens[name]
+        try:
+            return self.enc.encode_single_token(name)
+        except KeyError:
             names = sorted(self.special_tokens, key=self.special_tokens.get)
-            raise ValueError(f"{name!r} is not a special token; the special tokens are {names}")
-        return self.special_tokens[name]
+            raise ValueError(f"{name!r} is not a special token (nor a single token); the special tokens are "
+                             f"{names}") from None
 
     def id_to_token(self, token_id: int) -> str:
         """The text of one token (a token holding part of a UTF-8 character decodes to U+FFFD)."""
@@ -532,8 +537,12 @@ def _check_tables(name, pattern, mergeable_ranks, special_tokens, bos_token) -> 
         raise ValueError("two special tokens share an id")
     if bos_token not in special_tokens:
         raise ValueError(f"bos_token {bos_token!r} is not among the special tokens {sorted(special_tokens)}")
-
-
+    # ids index arrays of vocab size (token_bytes, embeddings): a stray huge id would make them huge
+    num_tokens = len(ranks) + len(special_tokens)
+    top = max(ranks | set(special_tokens.values()))
+    if top >= num_tokens + MAX_ID_GAP:
+        raise ValueError(f"the largest token id is {top:,} for {num_tokens:,} tokens; ids must be nearly dense "
+                         f"(at most {MAX_ID_GAP} unused ids)")
 
 
 def _write_atomic(path: str, write) -> None:
@@ -561,6 +570,8 @@ def get_tokenizer_dir() -> str:
 def get_tokenizer() -> RustBPETokenizer:
     """The tokenizer saved under <base_dir>/tokenizer (see get_base_dir: $NANOCHAT_BASE_DIR)."""
     return RustBPETokenizer.from_directory(get_tokenizer_dir())
+
+
 def get_token_bytes(device="cpu", tokenizer_dir: str | None = None):
     """torch int32 tensor (vocab_size,) of bytes per token (0 for specials), loaded from the
     token_bytes.npy that save() wrote next to the tokenizer (default dir: <base_dir>/tokenizer).
@@ -579,7 +590,18 @@ def get_token_bytes(device="cpu", tokenizer_dir: str | None = None):
                              f"{token_bytes.shape}; retrain: {TRAIN_HINT}")
         token_bytes = torch.from_numpy(token_bytes.astype(np.int32))
     elif os.path.exists(pt_path):
-        token_bytes = torch.load(pt_path, map_location="cpu", weights_only=True).to(torch.int32)
+        try:
+            token_bytes = torch.load(pt_path, map_location="cpu", weights_only=True)  # tensors only, runs nothing
+        except Exception as e:  # torch raises several kinds for a damaged or non-tensor file
+            raise ValueError(f"{pt_path} is not a valid token bytes file ({type(e).__name__}); delete it and "
+                             f"retrain, or write token_bytes.npy: python -m nanochat.tokenizer convert "
+                             f"{tokenizer_dir}") from None
+        if not (isinstance(token_bytes, torch.Tensor) and token_bytes.ndim == 1
+                and not token_bytes.is_floating_point() and not token_bytes.is_complex()):
+            got = f"a {token_bytes.dtype} tensor of shape {tuple(token_bytes.shape)}" if isinstance(
+                token_bytes, torch.Tensor) else f"a {type(token_bytes).__name__}"
+            raise ValueError(f"{pt_path} should hold a 1-D int tensor, got {got}; retrain: {TRAIN_HINT}")
+        token_bytes = token_bytes.to(torch.int32)
     else:
         raise FileNotFoundError(f"no {TOKEN_BYTES_FILENAME} in {tokenizer_dir}; train a tokenizer "
                                 f"first: {TRAIN_HINT}")
@@ -600,13 +622,24 @@ def main(argv: list[str] | None = None) -> int:
                                               "tokenizer.pkl; the pickle is read without running anything in it.")
     convert.add_argument("tokenizer_dir", metavar="DIR", help="directory holding tokenizer.pkl, "
                                                               "e.g. ~/.cache/nanochat/tokenizer")
+    convert.add_argument("--force", action="store_true", help="replace a tokenizer.json that holds another tokenizer")
     args = parser.parse_args(argv)
-    print(f"command={args.command} tokenizer_dir={args.tokenizer_dir}")
+    print(f"command={args.command} tokenizer_dir={args.tokenizer_dir} force={args.force}")
     pkl_path = os.path.join(args.tokenizer_dir, PICKLE_FILENAME)
     if not os.path.exists(pkl_path):
         raise FileNotFoundError(f"{pkl_path} does not exist; convert reads the tokenizer.pkl that upstream "
                                 "nanochat's scripts/tok_train.py writes")
     tokenizer = RustBPETokenizer._from_pickle(pkl_path)
+    json_path = os.path.join(args.tokenizer_dir, TOKENIZER_FILENAME)
+    if os.path.exists(json_path) and not args.force:
+        existing = RustBPETokenizer._from_json(json_path)
+        if (existing.mergeable_ranks, existing.special_tokens, existing.pattern) == (
+                tokenizer.mergeable_ranks, tokenizer.special_tokens, tokenizer.pattern):
+            print(f"{json_path} already holds the tokenizer of {pkl_path}; nothing to do")
+            return 0
+        raise FileExistsError(f"{json_path} exists and holds another tokenizer (vocab size "
+                              f"{existing.get_vocab_size():,}, the pickle's is {tokenizer.get_vocab_size():,}); "
+                              "pass --force to replace it with the pickle's")
     tokenizer.save(args.tokenizer_dir)
     print(f"read {pkl_path}: vocab size {tokenizer.get_vocab_size():,}, bos id {tokenizer.get_bos_token_id()}")
     for filename in (TOKENIZER_FILENAME, TOKEN_BYTES_FILENAME):

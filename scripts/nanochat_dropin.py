@@ -2,7 +2,7 @@
 Check that our modules drop into a nanochat checkout: nanochat's own scripts run unchanged on them, and give
 what nanochat's own modules give. Needs a checkout of karpathy/nanochat (checked at 92d63d4) and a Python
 with nanochat's dependencies (torch, wandb, psutil, pyarrow, rustbpe, tiktoken, filelock, pyyaml, pytest).
-Offline, on CPU, about 3 minutes per layout on 2 cores:
+Offline, on CPU, about 1.5 minutes per layout on 2 cores:
 
     python -m scripts.nanochat_dropin ~/nanochat --python ~/nanochat/.venv/bin/python --layout climbmix
 

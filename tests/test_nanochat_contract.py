@@ -73,7 +73,11 @@ def test_tok_train_then_base_train_calls(downloaded):
     token_bytes = get_token_bytes(device="cpu")
     assert tokenizer.get_vocab_size() == trained.get_vocab_size() == 600
     assert token_bytes.dtype == torch.int32 and token_bytes.shape == (600,)
-    assert token_bytes.tolist() == trained.compute_token_bytes().tolist()  # the .pt and our own agree
+    # what tok_train wrote (token_bytes.pt) is what get_token_bytes gives (from the token_bytes.npy of save())
+    written = torch.load(os.path.join(get_base_dir(), "tokenizer", "token_bytes.pt"), weights_only=True)
+    assert token_bytes.tolist() == written.tolist() == trained.compute_token_bytes().tolist()
+    os.remove(os.path.join(get_base_dir(), "tokenizer", "token_bytes.npy"))  # and from the .pt alone
+    assert get_token_bytes(device="cpu").tolist() == written.tolist()
     assert [int(token_bytes[tokenizer.encode_special(s)]) for s in SPECIAL_TOKENS] == [0] * len(SPECIAL_TOKENS)
     B, T = 4, 32
     train_loader = tokenizing_distributed_data_loader_with_state_bos_bestfit(

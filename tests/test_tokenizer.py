@@ -17,6 +17,7 @@ import os
 import pickle
 import random
 import shutil
+import struct
 import subprocess
 import sys
 
@@ -591,6 +592,69 @@ def test_convert_cli(tok, tmp_path):
     docs = TEXTS + make_docs(100, seed=23)
     assert converted.encode(docs, prepend="<|bos|>") == tok.encode(docs, prepend="<|bos|>")
     assert (get_token_bytes(tokenizer_dir=str(json_only)).numpy() == tok.compute_token_bytes()).all()
+
+
+def test_convert_keeps_a_different_tokenizer_json(tok, tmp_path):
+    # tokenizer.json is the user's: convert replaces it only when told to, and says nothing needs doing
+    # when it already holds the pickle's tokenizer
+    other = RustBPETokenizer.train_from_iterator(iter(make_docs(200, seed=22)), 300)
+    both = write_nanochat_dir(tok, tmp_path / "both")
+    other.save(both)
+    before = open(os.path.join(both, "tokenizer.json"), "rb").read()
+    refused = _convert(both, str(tmp_path / "base"))
+    assert refused.returncode == 1 and "holds another tokenizer" in refused.stderr and "--force" in refused.stderr
+    assert open(os.path.join(both, "tokenizer.json"), "rb").read() == before
+    forced = subprocess.run([sys.executable, "-m", "nanochat.tokenizer", "convert", both, "--force"], cwd=REPO_ROOT,
+                            capture_output=True, text=True, timeout=120)
+    assert forced.returncode == 0, forced.stderr
+    assert RustBPETokenizer.from_directory(both).get_vocab_size() == tok.get_vocab_size()
+    again = _convert(both, str(tmp_path / "base"))
+    assert again.returncode == 0 and "nothing to do" in again.stdout
+
+
+def test_pickled_tables_with_far_apart_ids_or_deep_nesting_are_refused(tok, tmp_path):
+    ranks = dict(tok.mergeable_ranks)
+    states = {
+        "huge id": {"name": "x", "pat_str": tok.pattern, "mergeable_ranks": ranks,
+                    "special_tokens": {"<|bos|>": 50_000_000}},  # a 200 MB token_bytes.npy
+        "id past u32": {"name": "x", "pat_str": tok.pattern, "mergeable_ranks": ranks,
+                        "special_tokens": {"<|bos|>": 2**32}},
+        "deeply nested": {"name": "x", "pat_str": tok.pattern, "mergeable_ranks": {**ranks, b"zz": 987654321},
+                          "special_tokens": {"<|bos|>": len(ranks)}},
+    }
+    # unpickling nests without recursion: 100,000 lists inside each other in place of the rank 987654321
+    nested = b"]" * 100_000 + b"a" * 99_999
+    for name, state in states.items():
+        bad_dir = tmp_path / name.replace(" ", "_")
+        bad_dir.mkdir()
+        payload = _pickled_encoding(state).replace(b"J" + struct.pack("<i", 987654321), nested)
+        assert (nested in payload) == (name == "deeply nested")
+        (bad_dir / "tokenizer.pkl").write_bytes(payload)
+        with pytest.raises(ValueError) as info:
+            RustBPETokenizer.from_directory(str(bad_dir))
+        assert str(bad_dir / "tokenizer.pkl") in str(info.value), name
+
+
+def test_token_bytes_pt_is_checked(tmp_path):
+    import torch
+    for name, value in {"a list": [1, 2, 3], "floats": torch.ones(4), "2-D": torch.ones(2, 2, dtype=torch.int32)}.items():
+        torch.save(value, tmp_path / "token_bytes.pt")
+        with pytest.raises(ValueError, match="token_bytes.pt should hold a 1-D int tensor"):
+            get_token_bytes(tokenizer_dir=str(tmp_path))
+    (tmp_path / "token_bytes.pt").write_bytes(b"garbage")
+    with pytest.raises(ValueError, match="token_bytes.pt is not a valid token bytes file") as info:
+        get_token_bytes(tokenizer_dir=str(tmp_path))
+    assert "weights_only=False" not in str(info.value)  # never advise loading it unsafely
+    torch.save(torch.tensor([0, 1, 2], dtype=torch.int64), tmp_path / "token_bytes.pt")
+    assert get_token_bytes(tokenizer_dir=str(tmp_path)).tolist() == [0, 1, 2]
+
+
+def test_encode_special_of_ordinary_text_is_its_single_token(tok):
+    # as nanochat's (tiktoken's encode_single_token): any text that is exactly one token has an id
+    assert tok.encode_special("a") == tok.encode("a")[0]
+    assert tok.encode_special("<|bos|>") == tok.get_bos_token_id()
+    with pytest.raises(ValueError, match="not a special token"):
+        tok.encode_special("certainly not one token")
 
 
 def test_convert_cli_reports_bad_input(tmp_path):
