@@ -76,6 +76,7 @@ def test_tok_train_then_base_train_calls(downloaded):
     # what tok_train wrote (token_bytes.pt) is what get_token_bytes gives (from the token_bytes.npy of save())
     written = torch.load(os.path.join(get_base_dir(), "tokenizer", "token_bytes.pt"), weights_only=True)
     assert token_bytes.tolist() == written.tolist() == trained.compute_token_bytes().tolist()
+    assert written[128:256].tolist() == [1] * 128  # the raw bytes >= 0x80: one byte each, not U+FFFD's three
     os.remove(os.path.join(get_base_dir(), "tokenizer", "token_bytes.npy"))  # and from the .pt alone
     assert get_token_bytes(device="cpu").tolist() == written.tolist()
     assert [int(token_bytes[tokenizer.encode_special(s)]) for s in SPECIAL_TOKENS] == [0] * len(SPECIAL_TOKENS)

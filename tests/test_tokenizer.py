@@ -274,28 +274,6 @@ def test_decode_single_token_bytes(tok):
     assert tok.decode_single_token_bytes(tok.get_bos_token_id()) == b"<|bos|>"
 
 
-def test_driven_like_nanochat_tok_train(tmp_path):
-    # the calls nanochat's scripts/tok_train.py makes after training, in its order
-    import torch
-    tokenizer = RustBPETokenizer.train_from_iterator(iter(make_docs(500, seed=20)), 300)
-    tokenizer_dir = os.path.join(os.environ["NANOCHAT_BASE_DIR"], "tokenizer")  # conftest: a tmp dir
-    tokenizer.save(tokenizer_dir)
-    sample = "Hello world!\nNumbers: 123, 4567\nContractions: I'm, it's\nUnicode: 你好世界 🌍"
-    assert tokenizer.decode(tokenizer.encode(sample)) == sample
-    special_ids = set(tokenizer.encode_special(s) for s in tokenizer.get_special_tokens())
-    counts = [0 if i in special_ids else len(tokenizer.decode_single_token_bytes(i))
-              for i in range(tokenizer.get_vocab_size())]
-    with open(os.path.join(tokenizer_dir, "token_bytes.pt"), "wb") as f:
-        torch.save(torch.tensor(counts, dtype=torch.int32, device="cpu"), f)
-
-    expected = tokenizer.compute_token_bytes()
-    assert (expected[128:256] == 1).all()  # guard: the raw bytes >= 0x80 count one byte each
-    assert (get_token_bytes().numpy() == expected).all()  # token_bytes.npy, written by save()
-    os.remove(os.path.join(tokenizer_dir, "token_bytes.npy"))
-    assert (get_token_bytes().numpy() == expected).all()  # now the token_bytes.pt written above
-    assert get_tokenizer().encode(sample) == tokenizer.encode(sample)
-
-
 # -----------------------------------------------------------------------------
 # Chat conversations
 
