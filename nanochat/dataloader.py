@@ -39,12 +39,11 @@ from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
-import pyarrow.parquet as pq
 import torch
 
 from nanochat import resume
 from nanochat.common import get_dist_info
-from nanochat.dataset import SPLITS, read_row_group_column, split_parquet_files
+from nanochat.dataset import SPLITS, open_parquet, read_row_group_column, split_parquet_files
 from nanochat.packing import BestFitPacker, ConcatPacker, check_long_doc_policy, token_dtype
 from nanochat.resume import Key, RowGroupIndex, Unit
 
@@ -114,7 +113,7 @@ class _ParquetReader:
 
     def read(self, pq_idx: int, rg_idx: int):
         path = self.paths[pq_idx]
-        return read_row_group_column(pq.ParquetFile(path), rg_idx, path)
+        return read_row_group_column(open_parquet(path), rg_idx, path)
 
     @staticmethod
     def size(unit) -> int:

@@ -183,6 +183,23 @@ def split_parquet_files(split: str, data_dir: str | None = None) -> list[str]:
 # Reading
 
 
+def verify_hint(path: str) -> str:
+    """The fix for a shard that cannot be read: find every bad one, then fetch them again."""
+    return (f"to list every bad shard: python -m nanochat.dataset --verify --data-dir {os.path.dirname(path) or '.'} "
+            "(running the download again re-fetches the bad ones)")
+
+
+def open_parquet(path: str) -> pq.ParquetFile:
+    """Open a shard, reading its footer; a 0-byte, truncated or non-parquet file is a ValueError that
+    names it and the fix, not pyarrow's message without the file name."""
+    try:
+        return pq.ParquetFile(path)
+    except (pa.ArrowException, OSError) as e:
+        if isinstance(e, FileNotFoundError):
+            raise FileNotFoundError(f"shard {path} does not exist (it was there when the shards were listed)") from None
+        raise ValueError(f"{path} is not a readable parquet file ({e}); {verify_hint(path)}") from None
+
+
 def read_row_group_texts(pf: pq.ParquetFile, rg_idx: int, path: str) -> list[str]:
     """The `text` column of one row group as a list of str, or a clear error naming file and row group."""
     return read_row_group_column(pf, rg_idx, path).to_pylist()
@@ -195,7 +212,10 @@ def read_row_group_column(pf: pq.ParquetFile, rg_idx: int, path: str) -> pa.Chun
     if "text" not in pf.schema_arrow.names:
         raise ValueError(f"{path} has no 'text' column (columns: {pf.schema_arrow.names}); "
                          "shards need one string column named 'text'")
-    column = pf.read_row_group(rg_idx, columns=["text"]).column("text")
+    try:
+        column = pf.read_row_group(rg_idx, columns=["text"]).column("text")
+    except (pa.ArrowException, OSError) as e:
+        raise ValueError(f"{path} row group {rg_idx} could not be read ({e}); {verify_hint(path)}") from None
     if not (pa.types.is_string(column.type) or pa.types.is_large_string(column.type)):
         raise ValueError(f"{path} row group {rg_idx}: column 'text' has type {column.type}, expected string")
     if column.null_count:
@@ -209,7 +229,7 @@ def parquets_iter_batched(split: str, start: int = 0, step: int = 1, data_dir: s
     if start < 0 or step < 1:
         raise ValueError(f"need start >= 0 and step >= 1, got start={start}, step={step}")
     for path in split_parquet_files(split, data_dir):
-        pf = pq.ParquetFile(path)
+        pf = open_parquet(path)
         for rg_idx in range(start, pf.num_row_groups, step):
             yield read_row_group_texts(pf, rg_idx, path)
 

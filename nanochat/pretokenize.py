@@ -105,11 +105,10 @@ from concurrent.futures import ProcessPoolExecutor, as_completed
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.parquet as pq
 from tqdm import tqdm
 
 from nanochat.common import get_dist_info
-from nanochat.dataset import read_jsonl_texts, read_row_group_texts, split_parquet_files
+from nanochat.dataset import open_parquet, read_jsonl_texts, read_row_group_texts, split_parquet_files
 from nanochat.tokenizer import TOKENIZER_FILENAME, RustBPETokenizer, get_tokenizer_dir
 from nanochat.packing import next_cut
 
@@ -445,7 +444,7 @@ def plan_jobs(inputs: list[str], output: str, val_inputs: list[str] | None = Non
 def _read_text_batches(path: str, text_field: str):
     """Lists of up to TEXTS_PER_BATCH texts from a parquet shard (one row group each) or a jsonl file."""
     if path.endswith(".parquet"):
-        pf = pq.ParquetFile(path)
+        pf = open_parquet(path)
         for rg_idx in range(pf.num_row_groups):
             yield read_row_group_texts(pf, rg_idx, path)
         return

@@ -55,7 +55,8 @@ import os
 from operator import itemgetter
 
 import numpy as np
-import pyarrow.parquet as pq
+
+from nanochat.dataset import open_parquet
 
 logger = logging.getLogger(__name__)
 
@@ -158,7 +159,7 @@ class RowGroupIndex:
     def count(self, pq_idx: int) -> int:
         if pq_idx not in self._counts:
             if self.chunk_size is None:
-                self._counts[pq_idx] = pq.ParquetFile(self.paths[pq_idx]).num_row_groups
+                self._counts[pq_idx] = open_parquet(self.paths[pq_idx]).num_row_groups
             else:
                 self._counts[pq_idx] = -(-self._entries(pq_idx) // self.chunk_size)
         return self._counts[pq_idx]
@@ -166,7 +167,7 @@ class RowGroupIndex:
     def rows(self, pq_idx: int, rg_idx: int) -> int:
         """Documents in one unit."""
         if self.chunk_size is None:
-            return pq.ParquetFile(self.paths[pq_idx]).metadata.row_group(rg_idx).num_rows
+            return open_parquet(self.paths[pq_idx]).metadata.row_group(rg_idx).num_rows
         return min(self.chunk_size, self._entries(pq_idx) - rg_idx * self.chunk_size)
 
     @property
