@@ -8,13 +8,15 @@ minutes on a multi-core node; rustbpe's time grows roughly linearly with charact
 """
 
 import argparse
+import math
 import os
 import time
 
 from tqdm import tqdm
+from tqdm.contrib.logging import logging_redirect_tqdm
 
 from nanochat.common import get_base_dir
-from nanochat.dataset import find_data_dir, parquets_iter_batched
+from nanochat.dataset import find_data_dir, open_parquet, parquets_iter_batched, split_parquet_files
 from nanochat.tokenizer import MIN_VOCAB_SIZE, RustBPETokenizer
 
 SAMPLES = [
@@ -59,20 +61,26 @@ def main(argv=None):
     counts = {"chars": 0, "docs": 0}
 
     def text_iterator():
-        """Train documents, each cropped to doc_cap, until max_chars characters in all."""
-        with tqdm(total=args.max_chars, unit="char", unit_scale=True, desc="chars") as progress:
+        """Train documents, each cropped to doc_cap, until max_chars characters in all. The bar counts
+        row groups against those in the train shards, and against fewer once the characters seen so
+        far say that max_chars will end the run first."""
+        row_groups = sum(open_parquet(path).num_row_groups for path in split_parquet_files("train", data_dir))
+        with tqdm(total=row_groups, unit="row group", desc="reading") as progress:
             for texts in parquets_iter_batched("train", data_dir=data_dir):
-                batch_chars = 0
                 for text in texts:
                     text = text[:min(args.doc_cap, args.max_chars - counts["chars"])]
                     counts["chars"] += len(text)
                     counts["docs"] += 1
-                    batch_chars += len(text)
                     yield text
                     if counts["chars"] >= args.max_chars:
-                        progress.update(batch_chars)
-                        return
-                progress.update(batch_chars)
+                        progress.total = progress.n + 1
+                        break
+                progress.update(1)
+                progress.set_postfix(chars=f"{counts['chars']:,}")
+                if counts["chars"] >= args.max_chars:
+                    return
+                expected = math.ceil(args.max_chars * progress.n / counts["chars"]) if counts["chars"] else row_groups
+                progress.total = min(row_groups, max(expected, progress.n + 1))
 
     t0 = time.time()
     try:
@@ -98,4 +106,5 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    with logging_redirect_tqdm():  # a warning while the bar is drawn goes above it, not through it
+        main()

@@ -25,6 +25,7 @@ import numpy as np
 import pytest
 import tiktoken
 from hypothesis import given, settings, strategies as st
+from tqdm import tqdm
 
 from conftest import write_shards
 from nanochat.tokenizer import (MIN_VOCAB_SIZE, SPECIAL_TOKENS, SPLIT_PATTERN, RustBPETokenizer,
@@ -773,6 +774,25 @@ def test_tok_train_crops_documents(tmp_path, capsys):
                     "--data-dir", data_dir, "--out-dir", out_dir])
     assert "trained on 1,000 characters from 100 documents" in capsys.readouterr().out
     assert RustBPETokenizer.from_directory(out_dir).get_vocab_size() <= 280
+
+
+@pytest.mark.parametrize("max_chars, row_groups", [(10**9, 6), (1000, 1)])
+def test_tok_train_bar_counts_the_text_there(tmp_path, monkeypatch, capsys, max_chars, row_groups):
+    """The bar ends full, at the row groups read: all of them when the shards hold less than --max-chars
+    (its default is 2B characters), fewer when --max-chars ends the run first."""
+    from scripts import tok_train
+    bars = []
+
+    class Recorded(tqdm):
+        def close(self):
+            bars.append((self.n, self.total))
+            super().close()
+    monkeypatch.setattr(tok_train, "tqdm", Recorded)
+    data_dir = str(tmp_path / "shards")
+    write_shards(data_dir, [make_docs(100, seed=13), make_docs(50, seed=14), make_docs(20, seed=15)], 30)
+    tok_train.main(["--vocab-size", "280", "--max-chars", str(max_chars), "--data-dir", data_dir,
+                    "--out-dir", str(tmp_path / "tok")])
+    assert set(bars) == {(row_groups, row_groups)}  # 4 + 2 row groups of train; val is not read
 
 
 def test_scripts_report_bad_input(tmp_path):
