@@ -39,7 +39,7 @@ Configurations (61 of them, 1,071 steps):
     seed, split_reuse, val, the stateless wrapper, a bucket running dry (BucketExhausted) and one dropped
     (allow_bucket_exhaustion=True);
   - resume: a new loader from the state after k steps, its next steps (every loader; the mixture mid-phase
-    and from the last step of a phase; best-fit from the seeds' keys {pq_idx, rg_idx, epoch} alone too);
+    and one step before its next phase; best-fit from the seeds' keys {pq_idx, rg_idx, epoch} alone too);
   - elastic: the states of 3 ranks at one step merged by nanochat.resume.merge_states into 2 (the merged
     states are the records of a "merged" configuration), then each new rank's steps (best-fit crop and
     split, concat, pretokenized, mixture).
@@ -380,8 +380,8 @@ CURRICULA = {
     "two_phases": [{"tokens": 1920, "mix": {"web": 0.5, "code": 0.3, "math": 0.2}},
                    {"tokens": 1280, "mix": {"web": 0.2, "code": 0.5, "math": 0.3}}],
     "val": [{"tokens": 640, "mix": {"web": 0.5, "code": 0.5}}],
-    # "tiny" holds 4 documents of 239-315 tokens: validate expects 330 tokens of it to be there, but each of
-    # its rows crops a whole document, so it runs dry within a few steps: BucketExhausted
+    # "tiny" holds 4 documents of 239-315 tokens: validate finds 1,097 tokens for the 330 demanded, but each
+    # of its rows crops a whole document, so it runs dry within a few steps: BucketExhausted
     "tiny": [{"tokens": 640, "mix": {"web": 0.5, "tiny": 0.5}}],
     # predicted to run dry (validate's warning): with allow_bucket_exhaustion, dropped when it does
     "greedy": [{"tokens": 6400, "mix": {"web": 0.5, "tiny": 0.5}}],
@@ -409,7 +409,7 @@ def mixture_configurations(inputs: dict):
     yield from run_all("mixture", mixture, "train", dict(kw, **one, curriculum="tiny"), 60)
     yield from run_all("mixture", mixture, "train", dict(kw, **one, curriculum="greedy", allow_bucket_exhaustion=True),
                        60)
-    for k in (10, 29):  # mid-phase; the last step of phase 1
+    for k in (10, 29):  # mid-phase; one step before phase 2, so the resumed loader crosses into it
         yield from run_resumed("mixture", mixture, "train", dict(kw, **one), k, 60)
     yield from run_elastic("mixture", mixture, "train", kw, 5, 60, inputs["mixture"])
 
@@ -464,7 +464,8 @@ def short(value, limit: int = 160) -> str:
 def first_difference(a, b, path: str = "") -> str:
     """Where two JSON values first differ, e.g. "['next'][2]: old 5, new 6"."""
     if isinstance(a, dict) and isinstance(b, dict):
-        for key in sorted(a.keys() | b.keys()):
+        # a state's checksum differs whenever anything else in it does: name that first
+        for key in sorted(a.keys() | b.keys(), key=lambda k: (k == "checksum", k)):
             if key not in a or key not in b:
                 return f"{path}[{key!r}]: only in {'old' if key in a else 'new'}"
             if a[key] != b[key]:
