@@ -754,7 +754,7 @@ def test_unresolvable_host_stops_the_run_at_once(tmp_path):
     url = "http://shards.invalid/resolve/main"
     data_dir = tmp_path / "data"
     t0 = time.monotonic()
-    with pytest.raises(HostNotFoundError, match="cannot resolve the host of http://shards.invalid/"):
+    with pytest.raises(HostNotFoundError, match="cannot resolve the host 'shards.invalid' of http://shards.invalid/"):
         download_shards(range(8), str(data_dir), url, num_workers=4, backoff_base=30, check_disk=False)
     with pytest.raises(HostNotFoundError, match="shards.invalid"):
         download_single_file(0, str(data_dir), url, backoff_base=30)
@@ -770,7 +770,7 @@ def test_unresolvable_host_on_the_cli_is_one_error(tmp_path):
     assert time.monotonic() - t0 < 30
     assert result.returncode == 2
     errors = [line for line in result.stderr.splitlines() if "shards.invalid" in line]
-    assert len(errors) == 1 and errors[0].startswith("error: cannot resolve the host of https://shards.invalid/")
+    assert len(errors) == 1 and errors[0].startswith("error: cannot resolve the host 'shards.invalid' of https://")
     assert "WARNING" not in result.stderr
 
 
