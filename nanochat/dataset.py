@@ -31,9 +31,10 @@ from tqdm import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
 
 from nanochat.common import get_base_dir
-from nanochat.download import (  # check_disk_space and the constants are part of this module's API too
-    BACKOFF_BASE, DEADLINE, MAX_ATTEMPTS, MIN_RATE, RATE_WINDOW, REQUEST_TIMEOUT, DownloadError, Limits, Report,
-    check_disk_space, check_files, check_url, download_file, download_files, record_path, summarize,
+from nanochat.download import (  # the constants, check_disk_space, HostNotFoundError: this module's API too
+    BACKOFF_BASE, CHUNK_SIZE, DEADLINE, DISK_MARGIN, MAX_ATTEMPTS, MIN_RATE, RATE_WINDOW, REQUEST_TIMEOUT,
+    RETRY_AFTER_CAP, SHARD_BYTES_ESTIMATE, DownloadError, HostNotFoundError, Limits, Report, check_disk_space,
+    check_files, check_url, download_file, download_files, record_path, summarize,
 )
 
 logger = logging.getLogger(__name__)
@@ -255,7 +256,8 @@ def download_single_file(index: int, data_dir: str | None = None, base_url: str 
 
 def _fetch_shards(indices: list[int], data_dir: str, base_url: str, num_workers: int, limits: Limits,
                   progress: bool | None, check_disk: bool) -> Report:
-    check_url(base_url)
+    """What fetching these shards did: the CLI prints it, download_shards returns its failures."""
+    check_url(base_url)  # before the per-shard URLs, so that the error names what the user passed
     files = [(shard_url(i, base_url), os.path.join(data_dir, index_to_filename(i))) for i in indices]
     return download_files(files, num_workers, limits, progress=progress, check_disk=check_disk)
 
@@ -268,9 +270,9 @@ def download_shards(indices, data_dir: str | None = None, base_url: str | None =
                     deadline: float = DEADLINE) -> list[int]:
     """Fetch the given shard indices with num_workers threads (0: in this thread); shards already there
     are checked and fetched again when bad. Returns the sorted indices that failed; empty means every
-    shard is now on disk and verified. Raises before any download when a URL is not http(s)://, when
-    check_disk finds the missing shards won't fit (OSError), or when the host does not resolve
-    (HostNotFoundError)."""
+    shard is now on disk and verified. Raises ValueError before any download when base_url is not
+    http(s)://, OSError when check_disk finds the missing shards won't fit, and HostNotFoundError as soon
+    as the host does not resolve (the whole run stops: no retry can help)."""
     limits = Limits(max_attempts, backoff_base, timeout, min_rate, rate_window, deadline)
     indices = sorted(set(indices))
     data_dir = get_data_dir(dataset) if data_dir is None else data_dir

@@ -112,7 +112,7 @@ class _RetryLater(DownloadError):
 
 
 class _Stopped(Exception):
-    """Another file of the run hit an error that stops the run."""
+    """Another file of the run hit an error that stops the run (or the user pressed Ctrl-C)."""
 
 
 def check_url(url: str) -> None:
@@ -276,15 +276,18 @@ def check_file(path: str) -> None:
     """Raise BadFileError unless path is a sound parquet file that matches its record, when it has one
     (size and sha256, checked in that order; a file without a record gets the parquet checks only)."""
     record = _read_json(record_path(path))
-    size = os.path.getsize(path)
-    if record is not None:
-        if not isinstance(record.get("size"), int) or not re.fullmatch(r"[0-9a-f]{64}", str(record.get("sha256"))):
-            raise BadFileError("unreadable record", f"{record_path(path)} lacks a size and a sha256")
-        if size != record["size"]:
+    if record is not None and not (isinstance(record.get("size"), int)
+                                   and re.fullmatch(r"[0-9a-f]{64}", str(record.get("sha256")))):
+        raise BadFileError("unreadable record", f"{record_path(path)} lacks a size and a sha256")
+    try:
+        size = os.path.getsize(path)
+        if record is not None and size != record["size"]:
             raise BadFileError("wrong size", f"{path} has {size} bytes, its record says {record['size']}")
-    check_parquet(path)
-    if record is not None and sha256_of(path) != record["sha256"]:
-        raise BadFileError("sha256 mismatch", f"{path} does not hash to the sha256 in its record")
+        check_parquet(path)
+        if record is not None and sha256_of(path) != record["sha256"]:
+            raise BadFileError("sha256 mismatch", f"{path} does not hash to the sha256 in its record")
+    except OSError as e:  # a directory or an unreadable file under the name
+        raise BadFileError("unreadable", f"{path} could not be read ({e})") from None
 
 
 def check_files(paths: list[str], num_workers: int = 4, *, progress: bool | None = None) -> dict[str, BadFileError]:
@@ -420,13 +423,15 @@ def _resume_point(tmp: str) -> tuple[int, dict | None]:
     return have, record
 
 
-def _stream(response: requests.Response, f, limits: Limits, deadline: float, bar: tqdm) -> None:
-    """Copy the body to f; raise when the rate over a window falls below limits.min_rate or past the deadline.
-    read1 returns whatever has arrived, so a trickling server is noticed within one window."""
+def _stream(response: requests.Response, f, limits: Limits, deadline: float, bar: tqdm, stop) -> None:
+    """Copy the body to f; raise when the rate over a window falls below limits.min_rate, past the deadline,
+    or when the run stops. read1 returns whatever has arrived, so a trickling server is noticed within one window."""
     window_start, window_bytes = time.monotonic(), 0
     while chunk := response.raw.read1(CHUNK_SIZE):
         f.write(chunk)
         bar.update(len(chunk))
+        if stop.is_set():
+            raise _Stopped()
         now = time.monotonic()
         if now > deadline:
             raise _GiveUp("past the deadline", f"past the deadline of {limits.deadline:g}s for one file")
@@ -434,12 +439,12 @@ def _stream(response: requests.Response, f, limits: Limits, deadline: float, bar
         if now - window_start >= limits.rate_window:
             rate = window_bytes / (now - window_start)
             if rate < limits.min_rate:
-                raise DownloadError("too slow", f"{rate / 1e3:.2f} KB/s over {now - window_start:.1f}s, "
+                raise DownloadError("too slow", f"{rate / 1e3:.3g} KB/s over {now - window_start:.1f}s, "
                                                 f"below the minimum of {limits.min_rate / 1e3:g} KB/s")
             window_start, window_bytes = now, 0
 
 
-def _fetch_to_tmp(url: str, tmp: str, limits: Limits, deadline: float, progress: bool | None) -> dict:
+def _fetch_to_tmp(url: str, tmp: str, limits: Limits, deadline: float, progress: bool | None, stop) -> dict:
     """One attempt: bring tmp up to the whole file, resuming when it holds a prefix of the same version.
     Returns its record: the validator, and the size and sha256 the server stated (None when it did not)."""
     have, record = _resume_point(tmp)
@@ -477,7 +482,7 @@ def _fetch_to_tmp(url: str, tmp: str, limits: Limits, deadline: float, progress:
             if not append:
                 os.fsync(f.fileno())  # the old bytes are gone on disk before the record names the new version
                 _write_json(record_path(tmp), record)
-            _stream(response, f, limits, deadline, bar)
+            _stream(response, f, limits, deadline, bar, stop)
             f.flush()
             os.fsync(f.fileno())
     return record
@@ -508,7 +513,7 @@ def _download_locked(url: str, path: str, limits: Limits, progress: bool | None,
     while True:
         before = _size(tmp)
         try:
-            record = _fetch_to_tmp(url, tmp, limits, deadline, progress)
+            record = _fetch_to_tmp(url, tmp, limits, deadline, progress, stop)
             _install(tmp, path, record)
             logger.info("downloaded %s (%.1f MB)", name, os.path.getsize(path) / 1e6)
             return
@@ -634,7 +639,7 @@ def download_files(files: list[tuple[str, str]], num_workers: int = 4, limits: L
                    progress: bool | None = None, check_disk: bool = True) -> Report:
     """download_file for each (url, path) with num_workers threads (0 or 1: in this thread). Every URL
     is checked first; the disk check (when asked) covers the missing files. HostNotFoundError stops the
-    run: the other threads stop at their next wait and the error is raised."""
+    run: the other threads stop at their next read or wait, keeping their partial files, and it is raised."""
     if num_workers < 0:
         raise ValueError(f"num_workers must be >= 0 (0: download in this thread), got {num_workers}")
     for url, _ in files:
@@ -661,7 +666,7 @@ def download_files(files: list[tuple[str, str]], num_workers: int = 4, limits: L
         except _Stopped:
             return path, None, None  # the error that stopped the run is raised by its own thread
         except BaseException:
-            stop.set()  # the others stop at their next wait
+            stop.set()  # the others stop at their next read or wait
             raise
 
     def record(path, replaced, error):

@@ -516,6 +516,9 @@ class _RecordedWaits:
         self.waits.append(seconds)
         return False
 
+    def is_set(self):
+        return False
+
 
 def test_backoff_doubles(server, tmp_path):
     _serve(server, tmp_path, [0])
@@ -772,6 +775,21 @@ def test_unresolvable_host_on_the_cli_is_one_error(tmp_path):
     errors = [line for line in result.stderr.splitlines() if "shards.invalid" in line]
     assert len(errors) == 1 and errors[0].startswith("error: cannot resolve the host 'shards.invalid' of https://")
     assert "WARNING" not in result.stderr
+
+
+def test_unresolvable_host_stops_downloads_in_flight(server, tmp_path):
+    # one thread is mid-way through a trickling download (fast enough: min_rate 0) when another finds the
+    # host of its file does not resolve: the run stops at once, the partial file is kept
+    _serve(server, tmp_path, [0])
+    server.always[NAME] = "trickle"  # ~14 KB at 50 bytes/s would take minutes
+    data_dir = tmp_path / "data"
+    files = [(f"{server.url}/{NAME}", str(data_dir / NAME)),
+             ("http://shards.invalid/x/shard_00001.parquet", str(data_dir / "shard_00001.parquet"))]
+    t0 = time.monotonic()
+    with pytest.raises(HostNotFoundError):
+        download.download_files(files, num_workers=2, limits=Limits(min_rate=0), check_disk=False)
+    assert time.monotonic() - t0 < 10
+    assert os.path.getsize(data_dir / f"{NAME}.tmp") > 0 and not os.path.exists(data_dir / NAME)
 
 
 @pytest.mark.parametrize("url", ["127.0.0.1:8000/resolve/main", "ftp://example.com/x", "http://", "/srv/shards"])
