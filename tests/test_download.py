@@ -406,10 +406,11 @@ def test_short_body_once_is_resumed(server, tmp_path):
     _assert_only_complete_shards(tmp_path / "data", served)
 
 
-def _leave_partial(data_dir, body: bytes, n: int, validator: str | None) -> None:
-    """What a killed run leaves: the first n bytes in the temp file and, with a validator, its record."""
+def _leave_partial(data_dir, partial: bytes, body: bytes, validator: str | None) -> None:
+    """What a killed run leaves: partial in the temp file and, with a validator, the record that says it
+    belongs to the file body (its size and sha256 as the server stated them)."""
     data_dir.mkdir(exist_ok=True)
-    (data_dir / f"{NAME}.tmp").write_bytes(body[:n])
+    (data_dir / f"{NAME}.tmp").write_bytes(partial)
     if validator is not None:
         record = {"url": "", "validator": validator, "size": len(body), "sha256": _sha256(body)}
         (data_dir / f"{NAME}.tmp.json").write_text(json.dumps(record))
@@ -418,7 +419,7 @@ def _leave_partial(data_dir, body: bytes, n: int, validator: str | None) -> None
 def test_partial_file_from_an_earlier_run_is_resumed(server, tmp_path):
     served = _serve(server, tmp_path, [0])
     data_dir = tmp_path / "data"
-    _leave_partial(data_dir, served[0], 1000, f'"{_sha256(served[0])}"')
+    _leave_partial(data_dir, served[0][:1000], served[0], f'"{_sha256(served[0])}"')
     assert list_parquet_files(str(data_dir)) == []
     assert _download(server, tmp_path, 0)
     assert server.ranges[NAME] == ["bytes=1000-"]
@@ -429,7 +430,7 @@ def test_partial_file_without_a_record_starts_over(server, tmp_path):
     # nothing says which version of the file those bytes belong to: never spliced onto another
     served = _serve(server, tmp_path, [0])
     data_dir = tmp_path / "data"
-    _leave_partial(data_dir, served[0], 1000, None)
+    _leave_partial(data_dir, served[0][:1000], served[0], None)
     assert _download(server, tmp_path, 0)
     assert server.ranges[NAME] == [None]
     _assert_only_complete_shards(data_dir, served)
@@ -439,9 +440,7 @@ def test_partial_file_without_a_record_starts_over(server, tmp_path):
 def test_complete_or_overlong_temp_file(server, tmp_path, extra, ranges):
     served = _serve(server, tmp_path, [0])
     data_dir = tmp_path / "data"
-    _leave_partial(data_dir, served[0] + extra, len(served[0]) + len(extra), f'"{_sha256(served[0])}"')
-    (data_dir / f"{NAME}.tmp.json").write_text(json.dumps(
-        {"url": "", "validator": f'"{_sha256(served[0])}"', "size": len(served[0]), "sha256": _sha256(served[0])}))
+    _leave_partial(data_dir, served[0] + extra, served[0], f'"{_sha256(served[0])}"')
     assert _download(server, tmp_path, 0)
     # complete: the 416 names our size and the checks pass; overlong: discarded up front, fetched again
     assert server.ranges[NAME] == [r and r.replace("LEN", str(len(served[0]))) for r in ranges]
@@ -587,7 +586,7 @@ def test_file_changed_between_runs_restarts_instead_of_splicing(server, tmp_path
 def test_garbage_leftover_temp_file_is_discarded(server, tmp_path):
     served = _serve(server, tmp_path, [0])
     data_dir = tmp_path / "data"
-    _leave_partial(data_dir, b"<html>Service Unavailable</html>" * 100, 3000, f'"{_sha256(served[0])}"')
+    _leave_partial(data_dir, b"<html>Service Unavailable</html>" * 100, served[0], f'"{_sha256(served[0])}"')
     assert _download(server, tmp_path, 0)
     assert server.ranges[NAME] == [None]
     _assert_only_complete_shards(data_dir, served)
@@ -640,6 +639,17 @@ def test_bad_existing_shard_is_fetched_again_and_reported(server, tmp_path, bad,
     assert f"downloaded 3/3 shards to {data_dir}\nreplaced 1 bad shards that were there:\n" \
            f"  1 x {reason}: shard_00000.parquet\n" in out
     assert server.gets == {name: 1 + (name == NAME) for name in server.files}
+    _assert_only_complete_shards(data_dir, served)
+
+
+def test_unreadable_record_means_fetch_again(server, tmp_path, capsys):
+    served = _serve(server, tmp_path, [0, 6542])
+    data_dir = tmp_path / "data"
+    assert _cli(server, data_dir, "-n", "1") == 0
+    (data_dir / f"{NAME}.json").write_text('{"size": 12')
+    assert _cli(server, data_dir, "-n", "1") == 0
+    assert "  1 x unreadable record: shard_00000.parquet\n" in capsys.readouterr().out
+    assert server.gets[NAME] == 2
     _assert_only_complete_shards(data_dir, served)
 
 
