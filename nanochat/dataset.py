@@ -6,14 +6,15 @@ A dataset is a numbered run of parquet shards (`shard_00000.parquet`, ...) with 
 row groups of ~1024 documents. The last index of a dataset is its validation shard; everything
 else is train. Reading one row group costs one pyarrow call (a few ms for ~1024 documents).
 
-Downloading (`python -m nanochat.dataset -n 240 -w 4`) fetches ~100MB per shard over HTTP with
-retries, Range resume, a parquet check before the rename and a per-shard file lock, so several
-processes can fetch into one directory at once. `python -m nanochat.dataset repackage ...` turns
+Downloading (`python -m nanochat.dataset -n 240 -w 4`) fetches ~100MB per shard with nanochat/download.py:
+bounded retries, Range + If-Range resume, a per-shard file lock (several processes can fetch into one
+directory at once), and a shard appears under its name only once its size, sha256 (when the server
+states it) and parquet structure check out. Shards already there are checked before they are skipped;
+`--verify` checks them all offline. `python -m nanochat.dataset repackage ...` turns
 your own .txt/.jsonl/.jsonl.gz/.parquet text into shards of the same format (all in memory).
 """
 
 import argparse
-import errno
 import gzip
 import json
 import logging
@@ -21,19 +22,20 @@ import math
 import os
 import random
 import re
-import shutil
 import sys
-import time
-from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass
 
 import pyarrow as pa
 import pyarrow.parquet as pq
-import requests
-from filelock import FileLock
 from tqdm import tqdm
+from tqdm.contrib.logging import logging_redirect_tqdm
 
 from nanochat.common import get_base_dir
+from nanochat.download import (  # the constants, check_disk_space, HostNotFoundError: this module's API too
+    BACKOFF_BASE, CHUNK_SIZE, DEADLINE, DISK_MARGIN, MAX_ATTEMPTS, MIN_RATE, RATE_WINDOW, REQUEST_TIMEOUT,
+    RETRY_AFTER_CAP, SHARD_BYTES_ESTIMATE, DownloadError, HostNotFoundError, Limits, Report, check_disk_space,
+    check_files, check_url, download_file, download_files, record_path, summarize,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -235,35 +237,7 @@ def parquets_iter_batched(split: str, start: int = 0, step: int = 1, data_dir: s
 
 
 # -----------------------------------------------------------------------------
-# Downloading
-
-MAX_ATTEMPTS = 5  # waits between them: base, 2*base, 4*base, 8*base (2, 4, 8, 16 s by default)
-BACKOFF_BASE = 2.0
-REQUEST_TIMEOUT = 30.0  # seconds of silence (connect or read) before an attempt counts as failed
-# 64 KiB per write (~1600 for a ~100MB shard). A dropped connection loses the chunk being read
-# (urllib3 fills a whole chunk before handing it over), so this is also the most a resume re-fetches.
-CHUNK_SIZE = 64 * 1024
-RETRY_AFTER_CAP = 60.0  # a server asking for longer than this gets this; 5 attempts stay within minutes
-# Used for the disk check when the server gives no Content-Length: FineWeb-Edu and ClimbMix shards
-# are ~90-100MB (zstd), so 100MB errs on the side of asking for too much.
-SHARD_BYTES_ESTIMATE = 100 * 1024**2
-DISK_MARGIN = 1.1  # shards differ in size by a few percent; keep 10% headroom over the estimate
-
-
-class _RetryLater(Exception):
-    """The server asked us to wait (429/503 with Retry-After) instead of using our backoff."""
-
-    def __init__(self, message: str, seconds: float):
-        super().__init__(message)
-        self.seconds = seconds
-
-
-class _GiveUp(Exception):
-    """A permanent failure (404 and other 4xx): retrying would get the same answer."""
-
-
-class _BadBody(Exception):
-    """What we have on disk is wrong (size, Content-Range, not parquet); it cannot be resumed."""
+# Downloading: which shards, their names and URLs (the HTTP machinery is in nanochat/download.py)
 
 
 def get_base_url(dataset: str | None = None) -> str:
@@ -275,253 +249,56 @@ def shard_url(index: int, base_url: str) -> str:
     return f"{base_url.rstrip('/')}/{index_to_filename(index)}"
 
 
-def _lock_path(path: str) -> str:
-    # a hidden name that does not end in .parquet, so list_parquet_files never sees it. We never
-    # delete it ourselves: unlinking a lock file another process is waiting on lets a third process
-    # lock a fresh file of the same name, and then two writers would share one temp file.
-    folder, name = os.path.split(path)
-    return os.path.join(folder, f".{name}.lock")
-
-
-def _remove(path: str) -> None:
-    try:
-        os.remove(path)
-    except FileNotFoundError:
-        pass
-
-
-def _retry_after_seconds(value: str | None) -> float | None:
-    """The seconds form of a Retry-After header, capped at RETRY_AFTER_CAP; None if absent or a date."""
-    if value is None or not value.strip().isdigit():
-        return None  # the HTTP-date form is rare for these servers; our own backoff covers it
-    return min(float(value.strip()), RETRY_AFTER_CAP)
-
-
-def _content_length(response: requests.Response) -> int | None:
-    # with a Content-Encoding the header counts compressed bytes, not what we write to disk
-    if response.headers.get("Content-Encoding", "identity") != "identity":
-        return None
-    value = response.headers.get("Content-Length", "")
-    return int(value) if value.isdigit() else None
-
-
-def _parse_content_range(value: str | None) -> tuple[int, int | None]:
-    """(first byte, total size or None) of a `bytes first-last/total` Content-Range."""
-    match = re.fullmatch(r"bytes (\d+)-(\d+)/(\d+|\*)", (value or "").strip())
-    if not match:
-        raise _BadBody(f"206 answer with an invalid Content-Range {value!r}")
-    first, last = int(match.group(1)), int(match.group(2))
-    total = None if match.group(3) == "*" else int(match.group(3))
-    if last < first or (total is not None and last >= total):
-        raise _BadBody(f"206 answer with an inconsistent Content-Range {value!r}")
-    return first, total
-
-
-def _unsatisfied_range_total(response: requests.Response) -> int | None:
-    """The file size a 416 answer reports in its `bytes */total` Content-Range, if any."""
-    match = re.fullmatch(r"bytes \*/(\d+)", response.headers.get("Content-Range", "").strip())
-    return int(match.group(1)) if match else None
-
-
-def _check_status(response: requests.Response, url: str) -> None:
-    """Return for 200/206; otherwise raise the exception that says whether and when to retry."""
-    code = response.status_code
-    if code in (200, 206):
-        return
-    if code == 416:
-        raise _BadBody(f"{url}: 416 Range Not Satisfiable for our partial file")
-    if code in (429, 503):
-        seconds = _retry_after_seconds(response.headers.get("Retry-After"))
-        if seconds is not None:
-            raise _RetryLater(f"{url}: HTTP {code}, Retry-After {seconds:g}s", seconds)
-    if 400 <= code < 500 and code not in (408, 429):
-        raise _GiveUp(f"{url}: HTTP {code}")
-    raise requests.HTTPError(f"{url}: HTTP {code}", response=response)
-
-
-def _fetch_to_tmp(url: str, tmp: str, *, timeout: float, progress: bool | None) -> int | None:
-    """One attempt: append the rest of the shard to tmp (or rewrite it) and return the total size
-    the server announced, if it did. A dropped connection raises and leaves tmp for the next try."""
-    have = os.path.getsize(tmp) if os.path.exists(tmp) else 0
-    # identity: we compare bytes on disk with Content-Length, which compression would break
-    headers = {"Accept-Encoding": "identity"}
-    if have:
-        headers["Range"] = f"bytes={have}-"
-    with requests.get(url, headers=headers, stream=True, timeout=timeout) as response:
-        if response.status_code == 416 and have and _unsatisfied_range_total(response) == have:
-            return have  # a run stopped between the last byte and the rename; the check below decides
-        _check_status(response, url)
-        if response.status_code == 206:
-            first, total = _parse_content_range(response.headers.get("Content-Range"))
-            if first != have:
-                raise _BadBody(f"{url}: asked for bytes from {have}, got a range starting at {first}")
-            mode = "ab"
-        else:
-            # 200: no Range sent, or the server ignores Range, so the body is the whole file
-            have, mode = 0, "wb"
-            total = _content_length(response)
-        bar_off = None if progress is None else not progress  # None: tqdm shows bars only on a TTY
-        with open(tmp, mode) as f, tqdm(total=total, initial=have, unit="B", unit_scale=True,
-                                         desc=os.path.basename(url), leave=False, disable=bar_off) as bar:
-            for chunk in response.iter_content(CHUNK_SIZE):
-                f.write(chunk)
-                bar.update(len(chunk))
-    return total
-
-
-def _verify_shard(tmp: str, total: int | None) -> None:
-    """Raise _BadBody unless tmp has the announced size and a readable parquet footer."""
-    size = os.path.getsize(tmp)
-    if total is not None and size != total:
-        raise _BadBody(f"{tmp} has {size} bytes, the server announced {total}")
-    try:
-        with open(tmp, "rb") as f:
-            pq.ParquetFile(f)  # reads and parses the footer: catches truncated and non-parquet bodies
-    except (pa.ArrowException, OSError) as e:
-        raise _BadBody(f"{tmp} is not a readable parquet file ({e})") from None
-
-
-def _download_locked(url: str, path: str, *, max_attempts: int, backoff_base: float,
-                     timeout: float, progress: bool | None) -> bool:
-    """The retry loop; the caller holds the shard's lock, so the fixed temp name is ours alone."""
-    name = os.path.basename(path)
-    tmp = path + ".tmp"  # survives an interrupted run so that the next run resumes it
-    for attempt in range(1, max_attempts + 1):
-        wait = backoff_base * 2 ** (attempt - 1)
-        try:
-            total = _fetch_to_tmp(url, tmp, timeout=timeout, progress=progress)
-            _verify_shard(tmp, total)
-            os.replace(tmp, path)
-            logger.info("downloaded %s (%.1f MB)", name, os.path.getsize(path) / 1e6)
-            return True
-        except _GiveUp as e:
-            logger.error("%s: %s; not retrying", name, e)
-            _remove(tmp)
-            return False
-        except _RetryLater as e:
-            wait = e.seconds
-            logger.warning("%s attempt %d/%d: %s", name, attempt, max_attempts, e)
-        except _BadBody as e:
-            _remove(tmp)  # a complete but wrong file cannot be resumed; start over
-            logger.warning("%s attempt %d/%d: %s; discarded", name, attempt, max_attempts, e)
-        except (requests.RequestException, OSError) as e:
-            # keep the partial temp file: the next attempt asks only for the missing bytes
-            logger.warning("%s attempt %d/%d: %s", name, attempt, max_attempts, e)
-        if attempt < max_attempts:
-            time.sleep(wait)
-    _remove(tmp)
-    logger.error("%s: failed after %d attempts", name, max_attempts)
-    return False
-
-
-def _check_download_args(max_attempts: int, backoff_base: float) -> None:
-    if max_attempts < 1:
-        raise ValueError(f"max_attempts must be >= 1, got {max_attempts}")
-    if backoff_base < 0:
-        raise ValueError(f"backoff_base must be >= 0 seconds, got {backoff_base}")
-
-
 def download_single_file(index: int, data_dir: str | None = None, base_url: str | None = None,
                          max_attempts: int = MAX_ATTEMPTS, backoff_base: float = BACKOFF_BASE, *,
                          dataset: str | None = None, timeout: float = REQUEST_TIMEOUT,
-                         progress: bool | None = None) -> bool:
-    """Fetch shard `index` into data_dir unless it is already there; True when it is there afterwards.
-    Safe to call from several threads or processes at once: one downloads, the others wait and skip.
-    progress: bytes bar per shard (None: only on a terminal)."""
+                         progress: bool | None = None, min_rate: float = MIN_RATE,
+                         rate_window: float = RATE_WINDOW, deadline: float = DEADLINE) -> bool:
+    """Fetch shard `index` into data_dir unless a sound copy is there; True when one is there afterwards.
+    A copy that fails its checks is fetched again. Safe to call from several threads or processes at
+    once. Raises HostNotFoundError when the host does not resolve (no retry can help).
+    progress: bytes bar per shard (None: only on a terminal); timeout, min_rate (bytes/s over
+    rate_window seconds) and deadline (seconds for the shard) bound the time spent: see nanochat/download.py."""
     if index < 0:
         raise ValueError(f"shard index must be >= 0, got {index}")
-    _check_download_args(max_attempts, backoff_base)
+    limits = Limits(max_attempts, backoff_base, timeout, min_rate, rate_window, deadline)
     data_dir = get_data_dir(dataset) if data_dir is None else data_dir
     base_url = get_base_url(dataset) if base_url is None else base_url
-    path = os.path.join(data_dir, index_to_filename(index))
-    if os.path.exists(path):
-        logger.debug("skipping %s: already there", path)
-        return True
-    os.makedirs(data_dir, exist_ok=True)
-    with FileLock(_lock_path(path)):
-        # another thread or process may have finished this shard while we waited for the lock
-        if os.path.exists(path):
-            logger.debug("skipping %s: downloaded by another process", path)
-            return True
-        return _download_locked(shard_url(index, base_url), path, max_attempts=max_attempts,
-                                backoff_base=backoff_base, timeout=timeout, progress=progress)
-
-
-def _probe_shard_bytes(url: str, timeout: float) -> int | None:
-    """Content-Length of one shard from a HEAD request, or None when the server won't say."""
+    check_url(base_url)
     try:
-        response = requests.head(url, allow_redirects=True, timeout=timeout,
-                                 headers={"Accept-Encoding": "identity"})
-    except requests.RequestException as e:
-        logger.info("HEAD %s failed (%s); using the per-shard estimate", url, e)
-        return None
-    if response.status_code != 200:
-        return None
-    return _content_length(response)
+        download_file(shard_url(index, base_url), os.path.join(data_dir, index_to_filename(index)), limits,
+                      progress=progress)
+    except DownloadError as e:
+        logger.error("%s", e)
+        return False
+    return True
 
 
-def check_disk_space(data_dir: str, num_shards: int, probe_url: str | None = None, *,
-                     timeout: float = REQUEST_TIMEOUT) -> None:
-    """Raise OSError(ENOSPC) if num_shards more shards would not fit in data_dir.
-    Shard size comes from a HEAD of probe_url (shards of one dataset are within a few percent of
-    each other), else SHARD_BYTES_ESTIMATE; 10% headroom is added either way."""
-    if num_shards <= 0:
-        return
-    shard_bytes = _probe_shard_bytes(probe_url, timeout) if probe_url else None
-    source = "from a HEAD request" if shard_bytes else "estimated"
-    shard_bytes = shard_bytes or SHARD_BYTES_ESTIMATE
-    need = int(shard_bytes * num_shards * DISK_MARGIN)
-    free = shutil.disk_usage(data_dir).free
-    if need > free:
-        raise OSError(errno.ENOSPC,
-                      f"{num_shards} shards need about {need / 1e9:.2f} GB ({shard_bytes / 1e6:.1f} MB each, "
-                      f"{source}, +10%) but {data_dir} has {free / 1e9:.2f} GB free; free some space, "
-                      "pass --data-dir on a bigger disk, or fetch fewer shards with -n")
+def _fetch_shards(indices: list[int], data_dir: str, base_url: str, num_workers: int, limits: Limits,
+                  progress: bool | None, check_disk: bool) -> Report:
+    """What fetching these shards did: the CLI prints it, download_shards returns its failures."""
+    check_url(base_url)  # before the per-shard URLs, so that the error names what the user passed
+    files = [(shard_url(i, base_url), os.path.join(data_dir, index_to_filename(i))) for i in indices]
+    return download_files(files, num_workers, limits, progress=progress, check_disk=check_disk)
 
 
 def download_shards(indices, data_dir: str | None = None, base_url: str | None = None,
                     num_workers: int = 4, max_attempts: int = MAX_ATTEMPTS,
                     backoff_base: float = BACKOFF_BASE, *, dataset: str | None = None,
                     timeout: float = REQUEST_TIMEOUT, progress: bool | None = None,
-                    check_disk: bool = True) -> list[int]:
-    """Fetch the given shard indices with num_workers threads (0: in this thread).
-    Returns the sorted indices that failed; empty means every shard is now on disk.
-    Raises OSError before any download when check_disk finds the missing shards won't fit."""
+                    check_disk: bool = True, min_rate: float = MIN_RATE, rate_window: float = RATE_WINDOW,
+                    deadline: float = DEADLINE) -> list[int]:
+    """Fetch the given shard indices with num_workers threads (0: in this thread); shards already there
+    are checked and fetched again when bad. Returns the sorted indices that failed; empty means every
+    shard is now on disk and verified. Raises ValueError before any download when base_url is not
+    http(s)://, OSError when check_disk finds the missing shards won't fit, and HostNotFoundError as soon
+    as the host does not resolve (the whole run stops: no retry can help)."""
+    limits = Limits(max_attempts, backoff_base, timeout, min_rate, rate_window, deadline)
     indices = sorted(set(indices))
-    if num_workers < 0:
-        raise ValueError(f"num_workers must be >= 0 (0: download in this thread), got {num_workers}")
-    _check_download_args(max_attempts, backoff_base)
     data_dir = get_data_dir(dataset) if data_dir is None else data_dir
     base_url = get_base_url(dataset) if base_url is None else base_url
-    missing = [i for i in indices if not os.path.exists(os.path.join(data_dir, index_to_filename(i)))]
-    logger.info("%d of %d shards already in %s", len(indices) - len(missing), len(indices), data_dir)
-    if not missing:
-        return []
-    os.makedirs(data_dir, exist_ok=True)
-    if check_disk:
-        check_disk_space(data_dir, len(missing), shard_url(missing[0], base_url), timeout=timeout)
-
-    def fetch(index: int) -> bool:
-        return download_single_file(index, data_dir, base_url, max_attempts, backoff_base,
-                                    timeout=timeout, progress=progress)
-
-    failed = []
-    bar_off = None if progress is None else not progress
-    with tqdm(total=len(indices), initial=len(indices) - len(missing), unit="shard",
-              desc="shards", disable=bar_off) as bar:
-        if num_workers <= 1:
-            for index in missing:
-                if not fetch(index):
-                    failed.append(index)
-                bar.update(1)
-        else:
-            with ThreadPoolExecutor(max_workers=num_workers) as pool:
-                futures = {pool.submit(fetch, i): i for i in missing}
-                for future in as_completed(futures):
-                    if not future.result():
-                        failed.append(futures[future])
-                    bar.update(1)
-    return sorted(failed)
+    report = _fetch_shards(indices, data_dir, base_url, num_workers, limits, progress, check_disk)
+    return [i for i in indices if index_to_filename(i) in report.failed]
 
 
 # -----------------------------------------------------------------------------
@@ -688,47 +465,110 @@ def repackage(inputs: list[str], out_dir: str, *, shard_size_mb: float | None = 
 def _download_main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m nanochat.dataset",
-        description="Download pretraining shards (plus, always, the validation shard). "
-                    "To convert your own text instead: python -m nanochat.dataset repackage --help")
+        description="Download pretraining shards (plus, always, the validation shard); shards already there are "
+                    "checked and fetched again when bad. To convert your own text instead: "
+                    "python -m nanochat.dataset repackage --help")
     parser.add_argument("-n", "--num-files", type=int, default=-1,
-                        help="number of train shards to fetch, from shard 0 (-1: all, 0: only val)")
-    parser.add_argument("-w", "--num-workers", type=int, default=4, help="parallel downloads (0: one at a time)")
+                        help="train shards to fetch, from shard 0 (default: -1, every shard; 0: only val)")
+    parser.add_argument("-w", "--num-workers", type=int, default=4,
+                        help="parallel downloads or checks (default: 4; 0: one at a time)")
     parser.add_argument("--dataset", default=None, help=f"one of {sorted(DATASETS)} (default: $NANOCHAT_DATASET, "
                                                         f"else {DEFAULT_DATASET})")
     parser.add_argument("--base-url", default=None, help="default: $NANOCHAT_DATA_URL, else the dataset's URL")
     parser.add_argument("--data-dir", default=None, help="default: <base dir>/<dataset subdir>")
+    parser.add_argument("--verify", action="store_true",
+                        help="download nothing: check every shard in the data dir (size and sha256 against its "
+                             ".json record, PAR1 magic, parquet metadata) and exit 1 if any is bad")
+    parser.add_argument("--max-attempts", type=int, default=MAX_ATTEMPTS,
+                        help=f"attempts in a row without progress, per shard (default: {MAX_ATTEMPTS})")
     parser.add_argument("--backoff-base", type=float, default=BACKOFF_BASE,
-                        help="seconds before the 2nd attempt; doubles after each failure")
-    parser.add_argument("--max-attempts", type=int, default=MAX_ATTEMPTS, help="tries per shard")
+                        help=f"seconds before the 2nd attempt; doubles after each failure (default: {BACKOFF_BASE:g})")
+    parser.add_argument("--timeout", type=float, default=REQUEST_TIMEOUT,
+                        help=f"seconds of silence before an attempt fails (default: {REQUEST_TIMEOUT:g})")
+    parser.add_argument("--min-rate", type=float, default=MIN_RATE / 1e3,
+                        help=f"KB/s: an attempt slower than this over --rate-window fails (default: {MIN_RATE / 1e3:g})")
+    parser.add_argument("--rate-window", type=float, default=RATE_WINDOW,
+                        help=f"seconds the rate is averaged over (default: {RATE_WINDOW:g})")
+    parser.add_argument("--deadline", type=float, default=DEADLINE,
+                        help=f"seconds for one shard, all attempts together (default: {DEADLINE:g})")
     args = parser.parse_args(argv)
     if args.num_files < -1:
         parser.error(f"-n/--num-files must be >= -1 (-1 means all shards), got {args.num_files}")
     if args.num_workers < 0:
         parser.error(f"-w/--num-workers must be >= 0, got {args.num_workers}")
-    if args.backoff_base < 0:
-        parser.error(f"--backoff-base must be >= 0 seconds, got {args.backoff_base}")
     if args.max_attempts < 1:
         parser.error(f"--max-attempts must be >= 1, got {args.max_attempts}")
+    for flag, value in (("--backoff-base", args.backoff_base), ("--min-rate", args.min_rate)):
+        if value < 0:
+            parser.error(f"{flag} must be >= 0, got {value:g}")
+    for flag, value in (("--timeout", args.timeout), ("--rate-window", args.rate_window),
+                        ("--deadline", args.deadline)):
+        if value <= 0:
+            parser.error(f"{flag} must be > 0 seconds, got {value:g}")
 
     spec = get_dataset(args.dataset)
     data_dir = args.data_dir or get_data_dir(spec.name)
+    if args.verify:
+        return _verify_main(spec, data_dir, args.num_workers)
     base_url = args.base_url or get_base_url(spec.name)
+    check_url(base_url)
     num_train = spec.max_shard  # train shards are 0 .. max_shard-1
     num_files = num_train if args.num_files == -1 else args.num_files
     if num_files > num_train:
         print(f"-n {num_files} is past the last train shard of {spec.name}; clamping to {num_train}")
         num_files = num_train
     indices = list(range(num_files)) + [spec.max_shard]
+    limits = Limits(args.max_attempts, args.backoff_base, args.timeout, args.min_rate * 1e3, args.rate_window,
+                    args.deadline)
     print(f"dataset={spec.name} train_shards={num_files} val_shard={spec.max_shard} "
           f"workers={args.num_workers} data_dir={data_dir} base_url={base_url} "
-          f"max_attempts={args.max_attempts} backoff_base={args.backoff_base:g}s")
-    failed = download_shards(indices, data_dir, base_url, args.num_workers, args.max_attempts,
-                             args.backoff_base)
-    print(f"downloaded {len(indices) - len(failed)}/{len(indices)} shards to {data_dir}")
-    if failed:
-        print(f"failed ({len(failed)}): {', '.join(index_to_filename(i) for i in failed)}")
+          f"max_attempts={args.max_attempts} backoff_base={args.backoff_base:g}s timeout={args.timeout:g}s "
+          f"min_rate={args.min_rate:g}KB/s rate_window={args.rate_window:g}s deadline={args.deadline:g}s")
+    report = _fetch_shards(indices, data_dir, base_url, args.num_workers, limits, None, True)
+    print(f"downloaded {len(indices) - len(report.failed)}/{len(indices)} shards to {data_dir}")
+    if report.replaced:
+        print(f"replaced {len(report.replaced)} bad shards that were there:")
+        print("\n".join(summarize(report.replaced)))
+    if report.failed:
+        print(f"failed ({len(report.failed)}); rerun the same command to retry (partial downloads resume):")
+        print("\n".join(summarize(report.failed)))
         return 1
     return 0
+
+
+def _verify_main(spec: DatasetSpec, data_dir: str, num_workers: int) -> int:
+    """--verify: check every shard in data_dir, offline; 1 when any is bad, with the command that fixes it."""
+    paths = list_parquet_files(data_dir)
+    if not paths:
+        raise FileNotFoundError(f"no parquet shards in {data_dir}; download some first: python -m nanochat.dataset -n 8")
+    bad = check_files(paths, num_workers)
+    unrecorded = sum(not os.path.exists(record_path(p)) for p in paths)
+    print(f"checked {len(paths)} shards in {data_dir}: {len(paths) - len(bad)} good, {len(bad)} bad")
+    if unrecorded:
+        print(f"{unrecorded} have no .json record (fetched by another tool or an older downloader): for them "
+              "only the parquet magic and metadata were checked, not size and sha256")
+    if not bad:
+        return 0
+    print("\n".join(summarize({os.path.basename(p): e.reason for p, e in bad.items()})))
+    for path, error in list(bad.items())[:3]:
+        logger.info("%s", error)
+    indices = {os.path.basename(p): _shard_index(os.path.basename(p), spec) for p in paths}
+    if any(indices[os.path.basename(p)] is not None for p in bad):
+        num_files = 1 + max((i for i in indices.values() if i is not None and i < spec.max_shard), default=-1)
+        print(f"to fix: python -m nanochat.dataset --dataset {spec.name} --data-dir {data_dir} -n {num_files} "
+              "(add your --base-url if you used one); it fetches the bad shards again")
+    others = sorted(os.path.basename(p) for p in bad if indices[os.path.basename(p)] is None)
+    if others:
+        print(f"not shards of {spec.name}, so not fetchable: {', '.join(others[:3])}"
+              f"{f' and {len(others) - 3} more' if len(others) > 3 else ''}; delete them or write them again "
+              "(e.g. python -m nanochat.dataset repackage)")
+    return 1
+
+
+def _shard_index(name: str, spec: DatasetSpec) -> int | None:
+    """The index of a shard of spec named like the downloader names it, else None."""
+    match = re.fullmatch(r"shard_(\d{5})\.parquet", name)
+    return int(match.group(1)) if match and int(match.group(1)) <= spec.max_shard else None
 
 
 def _repackage_main(argv: list[str]) -> int:
@@ -755,8 +595,9 @@ def _repackage_main(argv: list[str]) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`python -m nanochat.dataset [-n N -w W ...]` downloads; `... repackage INPUTS --out DIR` converts.
-    Returns the exit status (1 when a shard failed); bad input raises ValueError/FileNotFoundError/OSError."""
+    """`python -m nanochat.dataset [-n N -w W ...]` downloads, `... --verify` checks the local shards,
+    `... repackage INPUTS --out DIR` converts. Returns the exit status (1 when a shard failed or is bad);
+    bad input raises ValueError/FileNotFoundError/OSError (HostNotFoundError when the host does not resolve)."""
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["repackage"]:
         return _repackage_main(argv[1:])
@@ -766,7 +607,8 @@ def main(argv: list[str] | None = None) -> int:
 if __name__ == "__main__":
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
-        sys.exit(main())
+        with logging_redirect_tqdm():  # log lines go above the progress bars instead of through them
+            sys.exit(main())
     except (ValueError, OSError) as e:  # FileNotFoundError is an OSError; show one line, not a traceback
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)

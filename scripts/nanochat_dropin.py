@@ -33,7 +33,7 @@ import torch
 
 from nanochat.tokenizer import RustBPETokenizer
 
-OUR_MODULES = ("dataset", "dataloader", "tokenizer", "packing", "resume", "pretokenize", "mixture")
+OUR_MODULES = ("dataset", "download", "dataloader", "tokenizer", "packing", "resume", "pretokenize", "mixture")
 # modules whose docstrings are long English prose, importable without side effects
 PROSE_MODULES = ("argparse", "asyncio", "collections", "concurrent.futures", "contextlib", "csv", "dataclasses",
                  "datetime", "decimal", "email", "enum", "fractions", "functools", "http.server", "inspect", "json",

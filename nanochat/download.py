@@ -1,0 +1,708 @@
+"""
+Fetching parquet files over HTTP so that only complete, verified files ever appear under their final names.
+
+One file is fetched into `<name>.tmp` under a per-file lock and renamed into place only after it passes
+every check: the size the server stated, the sha256 the server stated (the Hugging Face hub states it for
+LFS files), the PAR1 magic at both ends and readable parquet metadata. `<name>.json` beside it records its
+size and sha256, so that later runs (and `python -m nanochat.dataset --verify`) re-check it offline.
+
+An attempt ends in bounded time: after REQUEST_TIMEOUT seconds of silence, when the rate falls below
+MIN_RATE over RATE_WINDOW seconds, or past the per-file DEADLINE. A dropped connection resumes with
+Range + If-Range, so a file that changed on the server starts over instead of being spliced; `.tmp` keeps
+its bytes across attempts and runs. Checking a ~100MB shard costs ~0.07 s when it is in the page cache
+(sha256 at ~1.4 GB/s, the parquet metadata under 10 ms); from a cold disk, the disk's read speed decides.
+"""
+
+import errno
+import hashlib
+import json
+import logging
+import os
+import re
+import shutil
+import socket
+import threading
+import time
+import urllib.parse
+from concurrent.futures import ThreadPoolExecutor, as_completed
+from dataclasses import dataclass, field
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import requests
+import urllib3
+from filelock import FileLock
+from tqdm import tqdm
+
+logger = logging.getLogger(__name__)
+
+# -----------------------------------------------------------------------------
+# Settings
+
+MAX_ATTEMPTS = 5  # attempts in a row without progress; waits between them: base, 2*base, 4*base, 8*base
+BACKOFF_BASE = 2.0  # seconds (2, 4, 8, 16 s by default)
+REQUEST_TIMEOUT = 30.0  # seconds of silence (connect or read) before an attempt counts as failed
+MIN_RATE = 50_000.0  # bytes/s: an attempt slower than this over RATE_WINDOW fails (a ~100MB shard takes ~35 min)
+RATE_WINDOW = 30.0  # seconds over which the rate is averaged
+DEADLINE = 3600.0  # seconds for one file, all attempts together; past it the file fails until the next run
+# An attempt that stored at least this many bytes made progress: the attempt count starts again. A link
+# that drops every 200 KB then still completes, one that delivers a few bytes per attempt does not.
+PROGRESS_BYTES = 64 * 1024
+CHUNK_SIZE = 64 * 1024  # the most one read returns; a read returns as soon as any bytes have arrived
+RETRY_AFTER_CAP = 60.0  # a server asking for longer than this gets this
+# Used for the disk check when the server gives no Content-Length: FineWeb-Edu and ClimbMix shards
+# are ~90-100MB (zstd), so 100MB errs on the side of asking for too much.
+SHARD_BYTES_ESTIMATE = 100 * 1024**2
+DISK_MARGIN = 1.1  # shards differ in size by a few percent; keep 10% headroom over the estimate
+MAGIC = b"PAR1"  # every parquet file starts and ends with it
+
+
+@dataclass(frozen=True)
+class Limits:
+    """How often and for how long to try one file."""
+    max_attempts: int = MAX_ATTEMPTS
+    backoff_base: float = BACKOFF_BASE
+    timeout: float = REQUEST_TIMEOUT
+    min_rate: float = MIN_RATE
+    rate_window: float = RATE_WINDOW
+    deadline: float = DEADLINE
+
+    def __post_init__(self):
+        if self.max_attempts < 1:
+            raise ValueError(f"max_attempts must be >= 1, got {self.max_attempts}")
+        for name in ("backoff_base", "min_rate"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        for name in ("timeout", "rate_window", "deadline"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be > 0 seconds, got {getattr(self, name)}")
+
+
+# -----------------------------------------------------------------------------
+# Errors
+
+
+class DownloadError(Exception):
+    """A file could not be fetched. `reason` is a short category for the end-of-run summary
+    ("HTTP 404", "too slow", ...); the message says what happened in full."""
+
+    def __init__(self, reason: str, message: str):
+        super().__init__(message)
+        self.reason = reason
+
+
+class BadFileError(DownloadError):
+    """A file on disk failed a check (size, sha256, magic, metadata). Partial files that fail are discarded."""
+
+
+class HostNotFoundError(OSError):
+    """The server's name does not resolve: no file can be fetched, so the whole run stops."""
+
+
+class _GiveUp(DownloadError):
+    """Retrying cannot help (404, a symlink in the way, the deadline)."""
+
+
+class _RetryLater(DownloadError):
+    """The server asked us to wait (429/503 with Retry-After) instead of using our backoff."""
+
+    def __init__(self, reason: str, message: str, seconds: float):
+        super().__init__(reason, message)
+        self.seconds = seconds
+
+
+class _Stopped(Exception):
+    """Another file of the run hit an error that stops the run (or the user pressed Ctrl-C)."""
+
+
+def check_url(url: str) -> None:
+    """Raise ValueError unless url is an http:// or https:// URL with a host."""
+    parts = urllib.parse.urlsplit(url)
+    if parts.scheme not in ("http", "https") or not parts.netloc:
+        raise ValueError(f"download URL {url!r} must start with http:// or https:// and name a host, "
+                         "e.g. https://huggingface.co/datasets/...; fix --base-url or NANOCHAT_DATA_URL")
+
+
+def _dns_failure(error: BaseException) -> socket.gaierror | None:
+    """The failed DNS lookup (socket.gaierror) somewhere in the error's chain, if that was the cause.
+    requests wraps it: ConnectionError <- urllib3's MaxRetryError <- NameResolutionError <- gaierror."""
+    seen = set()
+    while error is not None and id(error) not in seen:
+        if isinstance(error, socket.gaierror):
+            return error
+        seen.add(id(error))
+        error = error.__cause__ or error.__context__
+    return None
+
+
+def _host_not_found(url: str, error: socket.gaierror) -> HostNotFoundError:
+    host = urllib.parse.urlsplit(url).hostname
+    return HostNotFoundError(f"cannot resolve the host {host!r} of {url} ({error.strerror}); check the network "
+                             "connection and the URL (--base-url, NANOCHAT_DATA_URL), then rerun (files already "
+                             "fetched are kept)")
+
+
+def _reason_of(error: Exception) -> str:
+    """The summary category of a network or local error."""
+    if isinstance(error, (requests.Timeout, urllib3.exceptions.TimeoutError, socket.timeout)):
+        return "timed out"
+    if isinstance(error, (requests.RequestException, urllib3.exceptions.HTTPError)):
+        return "connection failed"
+    return "local error"
+
+
+# -----------------------------------------------------------------------------
+# Files beside the download: names, records, opening without following links
+
+
+def tmp_path(path: str) -> str:
+    return path + ".tmp"  # never a *.parquet name, so the listing never sees a partial file
+
+
+def record_path(path: str) -> str:
+    """`<path>.json`: what was verified about path (size, sha256), or for a `.tmp` which version it holds."""
+    return path + ".json"
+
+
+def lock_path(path: str) -> str:
+    # a hidden name that does not end in .parquet, so the listing never sees it. We never delete it
+    # ourselves: unlinking a lock file another process is waiting on lets a third process lock a
+    # fresh file of the same name, and then two writers would share one temp file.
+    folder, name = os.path.split(path)
+    return os.path.join(folder, f".{name}.lock")
+
+
+def _remove(path: str) -> None:
+    try:
+        os.remove(path)
+    except FileNotFoundError:
+        pass
+
+
+def _discard(tmp: str) -> None:
+    _remove(tmp)
+    _remove(record_path(tmp))
+
+
+def _size(path: str) -> int:
+    return os.lstat(path).st_size if os.path.lexists(path) else 0
+
+
+def _open_nofollow(path: str, flags: int, mode: str):
+    """os.open with O_NOFOLLOW: a symlink at path is an error; its target is never read or written."""
+    try:
+        fd = os.open(path, flags | os.O_NOFOLLOW, 0o644)
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise _GiveUp("symlink in the way",
+                          f"{path} is a symbolic link; the downloader never writes through one. "
+                          f"Remove the link (rm {path}) and rerun") from None
+        raise
+    return os.fdopen(fd, mode)
+
+
+def _fsync_dir(folder: str) -> None:
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_json(path: str, record: dict) -> None:
+    """Write a small JSON record atomically (the caller holds the file's lock, so the temp name is ours)."""
+    tmp = tmp_path(path)
+    with _open_nofollow(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, "w") as f:
+        json.dump(record, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def _read_json(path: str) -> dict | None:
+    """The record at path, None when there is none; BadFileError when it cannot be read."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            record = json.load(f)
+    except FileNotFoundError:
+        return None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise BadFileError("unreadable record", f"{path} could not be read ({e})") from None
+    if not isinstance(record, dict):
+        raise BadFileError("unreadable record", f"{path} holds {type(record).__name__}, not a JSON object")
+    return record
+
+
+# -----------------------------------------------------------------------------
+# Checking a file: size, sha256, parquet structure
+
+
+def sha256_of(path: str) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1024 * 1024):
+            digest.update(chunk)  # hashlib releases the GIL for big buffers: threads hash in parallel
+    return digest.hexdigest()
+
+
+def check_parquet(path: str) -> None:
+    """Raise BadFileError unless path starts and ends with PAR1, its footer parses, and every column
+    chunk of every row group lies between the leading magic and the footer."""
+    with open(path, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        head = f.read(4)
+        f.seek(max(size - 8, 0))
+        tail = f.read(8)
+        if size < 12 or head != MAGIC or tail[4:] != MAGIC:
+            raise BadFileError("not parquet", f"{path} does not start and end with PAR1 "
+                                              f"({size} bytes, starting with {head!r})")
+        footer_start = size - 8 - int.from_bytes(tail[:4], "little")
+        try:
+            metadata = pq.ParquetFile(f).metadata
+            for i in range(metadata.num_row_groups):
+                row_group = metadata.row_group(i)
+                for j in range(row_group.num_columns):
+                    column = row_group.column(j)
+                    first = column.dictionary_page_offset if column.has_dictionary_page else column.data_page_offset
+                    if not 4 <= first <= first + column.total_compressed_size <= footer_start:
+                        raise BadFileError("unreadable parquet metadata",
+                                           f"{path}: row group {i} column {j} lies outside the data "
+                                           f"(bytes {first}+{column.total_compressed_size}, footer at {footer_start})")
+        except (pa.ArrowException, OSError) as e:
+            raise BadFileError("unreadable parquet metadata", f"{path} has no readable parquet footer ({e})") from None
+
+
+def check_file(path: str) -> None:
+    """Raise BadFileError unless path is a sound parquet file that matches its record, when it has one
+    (size and sha256, checked in that order; a file without a record gets the parquet checks only)."""
+    record = _read_json(record_path(path))
+    if record is not None and not (isinstance(record.get("size"), int)
+                                   and re.fullmatch(r"[0-9a-f]{64}", str(record.get("sha256")))):
+        raise BadFileError("unreadable record", f"{record_path(path)} lacks a size and a sha256")
+    try:
+        size = os.path.getsize(path)
+        if record is not None and size != record["size"]:
+            raise BadFileError("wrong size", f"{path} has {size} bytes, its record says {record['size']}")
+        check_parquet(path)
+        if record is not None and sha256_of(path) != record["sha256"]:
+            raise BadFileError("sha256 mismatch", f"{path} does not hash to the sha256 in its record")
+    except OSError as e:  # a directory or an unreadable file under the name
+        raise BadFileError("unreadable", f"{path} could not be read ({e})") from None
+
+
+def check_files(paths: list[str], num_workers: int = 4, *, progress: bool | None = None) -> dict[str, BadFileError]:
+    """check_file on each path with num_workers threads; returns {path: error} for the bad ones."""
+    def check(path):
+        try:
+            check_file(path)
+        except BadFileError as e:
+            return e
+        return None
+
+    bad = {}
+    with ThreadPoolExecutor(max_workers=max(num_workers, 1)) as pool:
+        results = pool.map(check, paths)
+        for path, error in zip(paths, tqdm(results, total=len(paths), unit="file", desc="checking",
+                                           disable=None if progress is None else not progress)):
+            if error is not None:
+                bad[path] = error
+    return bad
+
+
+# -----------------------------------------------------------------------------
+# What the server says: status, sizes, validators, sha256
+
+
+def _retry_after_seconds(value: str | None) -> float | None:
+    """The seconds form of a Retry-After header, capped at RETRY_AFTER_CAP; None if absent or a date."""
+    if value is None or not value.strip().isdigit():
+        return None  # the HTTP-date form is rare for these servers; our own backoff covers it
+    return min(float(value.strip()), RETRY_AFTER_CAP)
+
+
+def _content_length(response: requests.Response) -> int | None:
+    # with a Content-Encoding the header counts compressed bytes, not what we write to disk
+    if response.headers.get("Content-Encoding", "identity") != "identity":
+        return None
+    value = response.headers.get("Content-Length", "")
+    return int(value) if value.isdigit() else None
+
+
+def _parse_content_range(value: str | None) -> tuple[int, int | None]:
+    """(first byte, total size or None) of a `bytes first-last/total` Content-Range."""
+    match = re.fullmatch(r"bytes (\d+)-(\d+)/(\d+|\*)", (value or "").strip())
+    if not match:
+        raise BadFileError("bad Content-Range", f"206 answer with an invalid Content-Range {value!r}")
+    first, last = int(match.group(1)), int(match.group(2))
+    total = None if match.group(3) == "*" else int(match.group(3))
+    if last < first or (total is not None and last >= total):
+        raise BadFileError("bad Content-Range", f"206 answer with an inconsistent Content-Range {value!r}")
+    return first, total
+
+
+def _unsatisfied_range_total(response: requests.Response) -> int | None:
+    """The file size a 416 answer reports in its `bytes */total` Content-Range, if any."""
+    match = re.fullmatch(r"bytes \*/(\d+)", response.headers.get("Content-Range", "").strip())
+    return int(match.group(1)) if match else None
+
+
+def _check_status(response: requests.Response, url: str) -> None:
+    """Return for 200/206; otherwise raise the error that says whether and when to retry."""
+    code = response.status_code
+    if code in (200, 206):
+        return
+    if code == 416:
+        raise BadFileError("HTTP 416", f"{url}: 416 Range Not Satisfiable for our partial file")
+    if code in (429, 503):
+        seconds = _retry_after_seconds(response.headers.get("Retry-After"))
+        if seconds is not None:
+            raise _RetryLater(f"HTTP {code}", f"{url}: HTTP {code}, Retry-After {seconds:g}s", seconds)
+    if code == 404:
+        raise _GiveUp("HTTP 404", f"{url}: HTTP 404, not on the server; check the URL (--base-url, "
+                                  "NANOCHAT_DATA_URL) and that the dataset has this file")
+    if 400 <= code < 500 and code not in (408, 429):
+        raise _GiveUp(f"HTTP {code}", f"{url}: HTTP {code}")
+    raise DownloadError(f"HTTP {code}", f"{url}: HTTP {code}")
+
+
+def validator(response: requests.Response) -> str | None:
+    """What If-Range may name to mean "this version of the file": a strong ETag, else Last-Modified.
+    (A weak ETag, W/"...", is not allowed in If-Range.)"""
+    etag = response.headers.get("ETag")
+    if etag and not etag.startswith("W/"):
+        return etag
+    return response.headers.get("Last-Modified")
+
+
+def stated_sha256(response: requests.Response) -> str | None:
+    """The file's sha256 if the server states it, as huggingface_hub reads it: X-Linked-Etag (the hub
+    puts it on the redirect to its CDN, so it may be on a response in history), else the ETag of the
+    first response. Only a quoted 64-hex-digit value (W/ allowed) is a sha256; anything else is just a
+    validator (S3's md5, a git blob sha1, ...)."""
+    chain = [*response.history, response]
+    value = next((r.headers["X-Linked-Etag"] for r in chain if "X-Linked-Etag" in r.headers), None)
+    if value is None:
+        value = chain[0].headers.get("ETag", "")
+    match = re.fullmatch(r'(?:W/)?"([0-9a-fA-F]{64})"', value.strip())
+    return match.group(1).lower() if match else None
+
+
+# -----------------------------------------------------------------------------
+# One attempt: resume or restart the temp file, stream with bounds, verify, install
+
+
+def _resume_point(tmp: str) -> tuple[int, dict | None]:
+    """(bytes of tmp to keep, its record). A tmp that cannot be trusted is discarded: one without a
+    record naming a validator (nothing could tell whether its bytes belong to the file the server has
+    now, and splicing two versions is the one failure we must never risk), one that does not start
+    with PAR1, or one longer than the file."""
+    try:
+        f = _open_nofollow(tmp, os.O_RDONLY, "rb")
+    except FileNotFoundError:
+        _remove(record_path(tmp))
+        return 0, None
+    with f:
+        have = os.fstat(f.fileno()).st_size
+        head = f.read(4)
+    try:
+        record = _read_json(record_path(tmp))
+    except BadFileError:
+        record = None
+    why = None
+    if not record or not record.get("validator"):
+        why = "no record of which version of the file it holds"
+    elif not MAGIC.startswith(head):
+        why = f"it does not start with PAR1 (starts with {head!r})"
+    elif record.get("size") is not None and have > record["size"]:
+        why = f"it is longer than the file ({record['size']} bytes)"
+    if why:
+        if have:
+            logger.warning("discarding %d bytes of %s: %s", have, tmp, why)
+        _discard(tmp)
+        return 0, None
+    return have, record
+
+
+def _stream(response: requests.Response, f, limits: Limits, deadline: float, bar: tqdm, stop) -> None:
+    """Copy the body to f; raise when the rate over a window falls below limits.min_rate, past the deadline,
+    or when the run stops. read1 returns whatever has arrived, so a trickling server is noticed within one window."""
+    window_start, window_bytes = time.monotonic(), 0
+    while chunk := response.raw.read1(CHUNK_SIZE):
+        f.write(chunk)
+        bar.update(len(chunk))
+        if stop.is_set():
+            raise _Stopped()
+        now = time.monotonic()
+        if now > deadline:
+            raise _GiveUp("past the deadline", f"past the deadline of {limits.deadline:g}s for one file")
+        window_bytes += len(chunk)
+        if now - window_start >= limits.rate_window:
+            rate = window_bytes / (now - window_start)
+            if rate < limits.min_rate:
+                raise DownloadError("too slow", f"{rate / 1e3:.3g} KB/s over {now - window_start:.1f}s, "
+                                                f"below the minimum of {limits.min_rate / 1e3:g} KB/s")
+            window_start, window_bytes = now, 0
+
+
+def _fetch_to_tmp(url: str, tmp: str, limits: Limits, deadline: float, progress: bool | None, stop) -> dict:
+    """One attempt: bring tmp up to the whole file, resuming when it holds a prefix of the same version.
+    Returns its record: the validator, and the size and sha256 the server stated (None when it did not)."""
+    have, record = _resume_point(tmp)
+    # identity: we compare bytes on disk with Content-Length, which compression would break
+    headers = {"Accept-Encoding": "identity"}
+    if have:
+        # If-Range: "the rest, if the file is still this version; else the whole file" (a 200)
+        headers.update({"Range": f"bytes={have}-", "If-Range": record["validator"]})
+    timeout = min(limits.timeout, max(deadline - time.monotonic(), 0.01))
+    with requests.get(url, headers=headers, stream=True, timeout=timeout) as response:
+        if response.status_code == 416 and have and _unsatisfied_range_total(response) == have:
+            return record  # a run stopped between the last byte and the rename; the checks decide
+        _check_status(response, url)
+        if response.status_code == 206:
+            first, total = _parse_content_range(response.headers.get("Content-Range"))
+            if not have or first != have:
+                asked = f"bytes from {have}" if have else "the whole file"
+                raise BadFileError("bad Content-Range", f"{url}: asked for {asked}, got a range from byte {first}")
+            # a server that ignores If-Range could still answer 206 for a changed file
+            other_size = None not in (total, record["size"]) and total != record["size"]
+            if validator(response) not in (None, record["validator"]) or other_size:
+                raise BadFileError("changed on the server", f"{url} changed since {tmp} was started")
+            append = True
+        else:
+            if have:
+                logger.info("%s: the server sent the whole file (it changed, or ignores Range); starting over", url)
+            record = {"url": url, "validator": validator(response), "size": _content_length(response),
+                      "sha256": stated_sha256(response)}
+            append = False
+        flags = os.O_WRONLY | os.O_CREAT | (os.O_APPEND if append else os.O_TRUNC)
+        bar_off = None if progress is None else not progress  # None: tqdm shows bars only on a terminal
+        with _open_nofollow(tmp, flags, "ab" if append else "wb") as f, \
+                tqdm(total=record["size"], initial=have if append else 0, unit="B", unit_scale=True,
+                     desc=os.path.basename(url), leave=False, disable=bar_off) as bar:
+            if not append:
+                os.fsync(f.fileno())  # the old bytes are gone on disk before the record names the new version
+                _write_json(record_path(tmp), record)
+            _stream(response, f, limits, deadline, bar, stop)
+            f.flush()
+            os.fsync(f.fileno())
+    return record
+
+
+def _install(tmp: str, path: str, record: dict) -> None:
+    """Check tmp against what the server stated and as parquet, then rename it to path; its record first.
+    A bad file that was at path stays there until this moment, so the name is never empty."""
+    size = os.path.getsize(tmp)
+    if record["size"] is not None and size != record["size"]:
+        raise BadFileError("wrong size", f"{tmp} has {size} bytes, the server stated {record['size']}")
+    check_parquet(tmp)
+    digest = sha256_of(tmp)
+    if record["sha256"] is not None and digest != record["sha256"]:
+        raise BadFileError("sha256 mismatch", f"{tmp} hashes to {digest}, the server stated {record['sha256']}")
+    # the sha256 is recorded either way: from then on a local change to the file is caught
+    _write_json(record_path(path), {"size": size, "sha256": digest, "sha256_stated_by_server": bool(record["sha256"])})
+    os.replace(tmp, path)  # tmp was fsynced after its last write
+    _fsync_dir(os.path.dirname(os.path.abspath(path)))
+    _remove(record_path(tmp))
+
+
+def _download_locked(url: str, path: str, limits: Limits, progress: bool | None, stop) -> None:
+    """The retry loop; the caller holds the file's lock, so the temp names are ours alone."""
+    name, tmp = os.path.basename(path), tmp_path(path)
+    deadline = time.monotonic() + limits.deadline
+    attempt = 1  # attempts in a row without progress, this one included
+    while True:
+        before = _size(tmp)
+        try:
+            record = _fetch_to_tmp(url, tmp, limits, deadline, progress, stop)
+            _install(tmp, path, record)
+            logger.info("downloaded %s (%.1f MB)", name, os.path.getsize(path) / 1e6)
+            return
+        except _GiveUp as e:
+            kept = _size(tmp)  # tmp keeps what it holds: the next run resumes it
+            raise _GiveUp(e.reason, f"{name}: {e}; not retrying" + (f" ({kept} bytes kept in {tmp})" if kept else "")
+                          ) from None
+        except _RetryLater as e:
+            error, wait = e, e.seconds
+        except BadFileError as e:
+            _discard(tmp)  # a wrong body cannot be resumed; start over
+            error, wait = e, None
+        except DownloadError as e:
+            error, wait = e, None
+        except (requests.RequestException, urllib3.exceptions.HTTPError, OSError) as e:
+            if _dns_failure(e):
+                raise _host_not_found(url, _dns_failure(e)) from None
+            error, wait = DownloadError(_reason_of(e), str(e)), None
+        kept = _size(tmp)
+        progressed = kept - before >= PROGRESS_BYTES
+        if attempt >= limits.max_attempts and not progressed:
+            raise DownloadError(error.reason, f"{name}: {error}; gave up after {attempt} attempts in a row "
+                                              "without progress" + (f" ({kept} bytes kept in {tmp}: a rerun "
+                                                                     "resumes)" if kept else ""))
+        if wait is None:
+            wait = limits.backoff_base * 2 ** (0 if progressed else attempt - 1)
+        logger.warning("%s attempt %d/%d: %s; %sretrying in %gs", name, attempt, limits.max_attempts, error,
+                       "it made progress, so the count starts again; " if progressed else "", wait)
+        if progressed:
+            attempt = 0  # the deadline still bounds the whole file
+        if time.monotonic() + wait > deadline:
+            raise DownloadError("past the deadline", f"{name}: {error}; no time left before the deadline of "
+                                                     f"{limits.deadline:g}s ({kept} bytes kept in {tmp})")
+        if stop.wait(wait):
+            raise _Stopped()
+        attempt += 1
+
+
+def download_file(url: str, path: str, limits: Limits | None = None, *, progress: bool | None = None,
+                  stop: threading.Event | None = None) -> str | None:
+    """Make path a verified copy of the parquet file at url. Returns None when it was already there and
+    passed check_file; else it was fetched, and the return value says what was wrong with the file that
+    was there ("" when there was none). Raises DownloadError when it could not be fetched (a bad file
+    that was there stays), HostNotFoundError when no file from that host can be. Safe to call from
+    several threads or processes at once: one downloads, the others wait and find the file there."""
+    check_url(url)
+    limits = Limits() if limits is None else limits
+    stop = threading.Event() if stop is None else stop
+    if _problem_with(path) is None:
+        return None
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    lock = lock_path(path)
+    _open_nofollow(lock, os.O_RDWR | os.O_CREAT, "rb").close()  # a symlink there is an error, never followed
+    with FileLock(lock):
+        problem = _problem_with(path)  # another thread or process may have fetched it while we waited
+        if problem is None:
+            return None
+        if problem:
+            logger.warning("%s is bad (%s); fetching it again (it stays until the new one is verified)",
+                           path, problem)
+        _download_locked(url, path, limits, progress, stop)
+    return problem.reason if problem else ""
+
+
+def _problem_with(path: str) -> BadFileError | str | None:
+    """None when path is there and sound; "" when it is missing; else what is wrong with it."""
+    if not os.path.exists(path):
+        return ""
+    try:
+        check_file(path)
+    except BadFileError as e:
+        return e
+    return None
+
+
+# -----------------------------------------------------------------------------
+# Many files: the disk check, the pool, the summary
+
+
+def _probe_bytes(url: str, timeout: float) -> int | None:
+    """Content-Length of one file from a HEAD request, or None when the server won't say."""
+    try:
+        response = requests.head(url, allow_redirects=True, timeout=timeout, headers={"Accept-Encoding": "identity"})
+    except requests.RequestException as e:
+        if _dns_failure(e):
+            raise _host_not_found(url, _dns_failure(e)) from None
+        logger.info("HEAD %s failed (%s); using the per-shard estimate", url, e)
+        return None
+    if response.status_code != 200:
+        return None
+    return _content_length(response)
+
+
+def check_disk_space(data_dir: str, num_shards: int, probe_url: str | None = None, *,
+                     timeout: float = REQUEST_TIMEOUT) -> None:
+    """Raise OSError(ENOSPC) if num_shards more shards would not fit in data_dir.
+    Shard size comes from a HEAD of probe_url (shards of one dataset are within a few percent of
+    each other), else SHARD_BYTES_ESTIMATE; 10% headroom is added either way. An unresolvable host
+    raises HostNotFoundError here, before any download."""
+    if num_shards <= 0:
+        return
+    shard_bytes = _probe_bytes(probe_url, timeout) if probe_url else None
+    source = "from a HEAD request" if shard_bytes else "estimated"
+    shard_bytes = shard_bytes or SHARD_BYTES_ESTIMATE
+    need = int(shard_bytes * num_shards * DISK_MARGIN)
+    free = shutil.disk_usage(data_dir).free
+    if need > free:
+        raise OSError(errno.ENOSPC,
+                      f"{num_shards} shards need about {need / 1e9:.2f} GB ({shard_bytes / 1e6:.1f} MB each, "
+                      f"{source}, +10%) but {data_dir} has {free / 1e9:.2f} GB free; free some space, "
+                      "pass --data-dir on a bigger disk, or fetch fewer shards with -n")
+
+
+@dataclass
+class Report:
+    """What a run did, by file name."""
+    total: int
+    replaced: dict[str, str] = field(default_factory=dict)  # name -> what was wrong with the file that was there
+    failed: dict[str, str] = field(default_factory=dict)  # name -> why it could not be fetched
+
+
+def download_files(files: list[tuple[str, str]], num_workers: int = 4, limits: Limits | None = None, *,
+                   progress: bool | None = None, check_disk: bool = True) -> Report:
+    """download_file for each (url, path) with num_workers threads (0 or 1: in this thread). Every URL
+    is checked first; the disk check (when asked) covers the missing files. HostNotFoundError stops the
+    run: the other threads stop at their next read or wait, keeping their partial files, and it is raised."""
+    if num_workers < 0:
+        raise ValueError(f"num_workers must be >= 0 (0: download in this thread), got {num_workers}")
+    for url, _ in files:
+        check_url(url)
+    limits = Limits() if limits is None else limits
+    missing = [(url, path) for url, path in files if not os.path.exists(path)]
+    if files:
+        logger.info("%d of %d files already in %s (each is checked)", len(files) - len(missing), len(files),
+                    os.path.dirname(files[0][1]))
+    if missing:
+        os.makedirs(os.path.dirname(os.path.abspath(missing[0][1])), exist_ok=True)
+        if check_disk:
+            check_disk_space(os.path.dirname(os.path.abspath(missing[0][1])), len(missing), missing[0][0],
+                             timeout=limits.timeout)
+    report = Report(total=len(files))
+    stop = threading.Event()
+
+    def fetch(url: str, path: str) -> tuple[str, str | None, DownloadError | None]:
+        try:
+            return path, download_file(url, path, limits, progress=progress, stop=stop), None
+        except DownloadError as e:
+            logger.error("%s", e)
+            return path, None, e
+        except _Stopped:
+            return path, None, None  # the error that stopped the run is raised by its own thread
+        except BaseException:
+            stop.set()  # the others stop at their next read or wait
+            raise
+
+    def record(path, replaced, error):
+        if error is not None:
+            report.failed[os.path.basename(path)] = error.reason
+        elif replaced:
+            report.replaced[os.path.basename(path)] = replaced
+
+    bar_off = None if progress is None else not progress
+    with tqdm(total=len(files), unit="file", desc="files", disable=bar_off) as bar:
+        if num_workers <= 1:
+            for url, path in files:
+                record(*fetch(url, path))
+                bar.update(1)
+        else:
+            with ThreadPoolExecutor(max_workers=num_workers) as pool:
+                futures = [pool.submit(fetch, url, path) for url, path in files]
+                try:
+                    for future in as_completed(futures):
+                        record(*future.result())
+                        bar.update(1)
+                except BaseException:
+                    stop.set()
+                    pool.shutdown(cancel_futures=True)
+                    raise
+    return report
+
+
+def summarize(reasons: dict[str, str], shown: int = 3) -> list[str]:
+    """One line per reason, most frequent first: how many files, and the first few names.
+    Stays short for thousands of files: `  1000 x HTTP 404: a, b, c and 997 more`."""
+    by_reason: dict[str, list[str]] = {}
+    for name in sorted(reasons):
+        by_reason.setdefault(reasons[name], []).append(name)
+    lines = []
+    for reason, names in sorted(by_reason.items(), key=lambda item: (-len(item[1]), item[0])):
+        more = f" and {len(names) - shown} more" if len(names) > shown else ""
+        lines.append(f"  {len(names)} x {reason}: {', '.join(names[:shown])}{more}")
+    return lines
