@@ -267,6 +267,26 @@ def list_token_shards(data_dir: str) -> list[str]:
     return prefixes
 
 
+def recorded_vocab_size(directory: str) -> int | None:
+    """The vocabulary size that directory/pretokenize.json records (every id the shards' tokenizer makes
+    is below it), or None: no such file, or one written before the field existed."""
+    path = os.path.join(directory, META_FILENAME)
+    if not os.path.isfile(path):
+        return None
+    fix = "restore the file, or remove it and pass the tokenizer's vocab_size to the loader"
+    try:
+        with open(path, encoding="utf-8") as f:
+            settings = json.load(f)
+    except ValueError as e:  # not JSON, not UTF-8
+        raise ValueError(f"{path} (pretokenize's settings) is not valid JSON: {e}; {fix}") from None
+    if not isinstance(settings, dict):
+        raise ValueError(f"{path} holds a JSON {type(settings).__name__}, not pretokenize's settings; {fix}")
+    size = settings.get("vocab_size")
+    if size is not None and (isinstance(size, bool) or not isinstance(size, int) or size < 1):
+        raise ValueError(f"{path}: vocab_size must be a positive integer, got {size!r}; {fix}")
+    return size
+
+
 # -----------------------------------------------------------------------------
 # Writing a shard
 
