@@ -634,11 +634,20 @@ def _output_lock(output: str, rank: int, world_size: int, timeout: float):
                            f"{path} stayed locked for {timeout:g}s; let that run finish (or stop it), then "
                            "run again: the rerun skips the pairs it wrote") from None
     try:
-        with open(path, "w", encoding="utf-8") as f:  # who holds it, for the message above
-            f.write(f"pid {os.getpid()} on {socket.gethostname()}, since {time.strftime('%Y-%m-%d %H:%M:%S')}\n")
+        _note_holder(path, f"pid {os.getpid()} on {socket.gethostname()}, since {time.strftime('%Y-%m-%d %H:%M:%S')}\n")
         yield
     finally:
+        _note_holder(path, "")  # nobody holds it now: a finished run leaves the file empty
         lock.release()
+
+
+def _note_holder(path: str, text: str) -> None:
+    # who holds the lock, for the message a second run gives; only a note: failing to write it changes nothing
+    try:
+        with open(path, "w", encoding="utf-8") as f:
+            f.write(text)
+    except OSError:
+        pass
 
 
 # -----------------------------------------------------------------------------

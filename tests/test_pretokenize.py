@@ -601,6 +601,7 @@ def test_cli_two_runs_on_one_output(many_inputs, tmp_path, capsys):
         first.kill()
         first.wait()
     assert {k: data for k, (data, _) in _files(out).items()} == reference
+    assert lock.read_text() == ""  # released: it names nobody
     capsys.readouterr()
     assert main(argv + ["--output", str(out), "--lock-timeout", "0"]) == 0  # free again: all 24 skipped
     assert "24 already done" in capsys.readouterr().out
