@@ -312,7 +312,8 @@ def test_bos_token_outside_the_vocabulary(corpus, tmp_path):
     assert str(info.value) == "bos_token is -1; token ids are >= 0"
     with pytest.raises(ValueError) as info:
         PRETOKENIZED(2, 8, "train", bos_token=300, **kw)
-    assert str(info.value) == f"bos_token is 300, outside the vocabulary [0, 300) ({root / 'whole' / 'pretokenize.json'})"
+    settings = root / "whole" / "pretokenize.json"
+    assert str(info.value) == f"bos_token is 300, outside the vocabulary [0, 300) ({settings})"
     with pytest.raises(ValueError) as info:
         PRETOKENIZED(2, 8, "train", bos_token=300, vocab_size=300, **kw)
     assert str(info.value) == "bos_token is 300, outside the vocabulary [0, 300) (the vocab_size argument)"
@@ -373,6 +374,16 @@ def test_pretokenize_json_old_or_damaged(corpus, tmp_path, caplog):
         "no vocab_size argument): their token ids are checked only against their dtype (uint16); pass vocab_size "
         "to catch a damaged shard before the model sees its ids"]
     (data / "pretokenize.json").write_text("{not json")
-    with pytest.raises(ValueError, match=f"^{data / 'pretokenize.json'} \\(pretokenize's settings\\) is not valid "
-                                         "JSON: .*; restore the file, or remove it and pass the tokenizer's vocab_size"):
+    with pytest.raises(ValueError) as info:
         PRETOKENIZED(2, 16, "train", **kw)
+    assert str(info.value) == (f"{data / 'pretokenize.json'} (pretokenize's settings) is not valid JSON: Expecting "
+                               "property name enclosed in double quotes: line 1 column 2 (char 1); restore the file, "
+                               "or remove it and pass the tokenizer's vocab_size to the loader")
+    fix = "restore the file, or remove it and pass the tokenizer's vocab_size to the loader"
+    for text, problem in (("[300]", " holds a JSON list, not pretokenize's settings"),
+                          ('{"vocab_size": "300"}', ": vocab_size must be a positive integer, got '300'"),
+                          ('{"vocab_size": 0}', ": vocab_size must be a positive integer, got 0")):
+        (data / "pretokenize.json").write_text(text)
+        with pytest.raises(ValueError) as info:
+            PRETOKENIZED(2, 16, "train", **kw)
+        assert str(info.value) == f"{data / 'pretokenize.json'}{problem}; {fix}"
