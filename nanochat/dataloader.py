@@ -850,28 +850,102 @@ def tokenizing_distributed_data_loader(*args, **kwargs):
 # The pretokenized loader: .bin/.idx token shards (nanochat/pretokenize.py), no tokenizer in the loop
 
 
+_WARNED_NO_VOCAB: set = set()  # directories warned about once already
+
+
+def _shard_vocab(first_path: str, bos_token, vocab_size, settings_dirs: list[str]) -> tuple[int, int | None, str]:
+    """(bos_token, vocab_size or None, where vocab_size comes from), checked up front. The vocabulary
+    comes from the vocab_size argument and from pretokenize.json in settings_dirs, which must all agree;
+    bos_token (default: the first token of the first shard) must be an id in it, and one that the first
+    shard's dtype can hold. With no vocabulary known, ids are bounded only by the shards' dtype (a
+    warning, once per directory)."""
+    from nanochat.pretokenize import META_FILENAME, TokenShard, recorded_vocab_size
+    known = []
+    if vocab_size is not None:
+        _check_positive(vocab_size=vocab_size)
+        known.append((vocab_size, "the vocab_size argument"))
+    for directory in settings_dirs:
+        size = recorded_vocab_size(directory)
+        if size is not None:
+            known.append((size, os.path.join(directory, META_FILENAME)))
+    vocab_size, where = known[0] if known else (None, "")
+    for size, other in known[1:]:
+        if size != vocab_size:
+            raise ValueError(f"vocab_size {vocab_size:,} ({where}) disagrees with {size:,} ({other}); pass the "
+                             "vocab_size of the tokenizer that wrote the shards, and keep shards of different "
+                             "tokenizers apart")
+    first = TokenShard(first_path)
+    if bos_token is None:
+        if not len(first) or not len(first.entry(0)):
+            raise ValueError(f"{first.prefix} starts with an empty entry; pass bos_token explicitly")
+        bos_token, what = int(first.entry(0)[0]), f"bos_token (the first token of {first.bin_path})"
+    elif isinstance(bos_token, bool) or not isinstance(bos_token, (int, np.integer)):
+        raise TypeError(f"bos_token must be an int token id, got {bos_token!r}")
+    else:
+        bos_token, what = int(bos_token), "bos_token"
+    if bos_token < 0:
+        raise ValueError(f"{what} is {bos_token}; token ids are >= 0")
+    if vocab_size is not None and bos_token >= vocab_size:
+        raise ValueError(f"{what} is {bos_token}, outside the vocabulary [0, {vocab_size:,}) ({where})")
+    _check_bos_fits(bos_token, first)
+    directory = os.path.dirname(os.path.abspath(first_path))
+    if vocab_size is None and directory not in _WARNED_NO_VOCAB:
+        _WARNED_NO_VOCAB.add(directory)
+        logger.warning("no vocabulary size for the shards in %s (no pretokenize.json with vocab_size next to "
+                       "them, no vocab_size argument): their token ids are checked only against their dtype "
+                       "(%s); pass vocab_size to catch a damaged shard before the model sees its ids",
+                       directory, first.dtype.name)
+    return bos_token, vocab_size, where
+
+
+def _check_bos_fits(bos_token: int, shard) -> None:
+    if bos_token > np.iinfo(shard.dtype).max:
+        raise ValueError(f"bos_token is {bos_token}, which the {shard.dtype.name} ids of {shard.bin_path} cannot "
+                         "hold, so it is not these shards' BOS; pass the BOS id of the tokenizer that wrote them")
+
+
+def _check_ids(shard, start: int, stop: int, vocab_size: int, where: str) -> None:
+    """ValueError naming the shard and the entry if an id of entries [start, stop) is not below
+    vocab_size: one numpy pass over their tokens (the bench prints its cost)."""
+    tokens = shard.tokens[shard.offsets[start]:shard.offsets[stop]]
+    if tokens.size and tokens.max() >= vocab_size:
+        at = int(shard.offsets[start]) + int(np.argmax(tokens >= vocab_size))  # the first bad token
+        entry = int(np.searchsorted(shard.offsets, at, side="right")) - 1
+        raise ValueError(f"{shard.bin_path}: entry {entry} holds token id {int(shard.tokens[at])} (token "
+                         f"{at - int(shard.offsets[entry])} of the entry), outside the vocabulary [0, "
+                         f"{vocab_size:,}) ({where}); the shard is damaged or was written with another "
+                         "tokenizer: delete the pair and rerun python -m nanochat.pretokenize")
+
+
 class _ShardReader:
     """The stream's view of pretokenized shards: units are chunks of `chunk_size` entries (the DDP
     sharding deals chunks out as the parquet loader deals row groups), items are (tokens, overlap),
-    the tokens a view into the memory-mapped .bin: shards larger than RAM stream in constant memory."""
+    the tokens a view into the memory-mapped .bin: shards larger than RAM stream in constant memory.
+    vocab is _shard_vocab's result: each chunk's ids are checked against it as the chunk is read."""
 
     unit_name = "chunk"
 
-    def __init__(self, paths: list[str], chunk_size: int):
+    def __init__(self, paths: list[str], chunk_size: int, vocab: tuple[int, int | None, str]):
         self.paths, self.chunk_size = paths, chunk_size
+        self.bos_token, self.vocab_size, self.vocab_where = vocab
         self.index = RowGroupIndex(paths, chunk_size)
         self._open: tuple = (None, None)  # one shard mapped at a time: thousands would exhaust file handles
 
     def shard(self, pq_idx: int):
         from nanochat.pretokenize import TokenShard
         if self._open[0] != pq_idx:
-            self._open = (pq_idx, TokenShard(self.paths[pq_idx]))
+            shard = TokenShard(self.paths[pq_idx])
+            _check_bos_fits(self.bos_token, shard)
+            self._open = (pq_idx, shard)
         return self._open[1]
 
     def read(self, pq_idx: int, rg_idx: int):
         shard = self.shard(pq_idx)
         start = rg_idx * self.chunk_size
-        return shard, start, min(start + self.chunk_size, len(shard))
+        stop = min(start + self.chunk_size, len(shard))
+        if self.vocab_size is not None:  # (else the dtype bounds the ids, by construction)
+            _check_ids(shard, start, stop, self.vocab_size, self.vocab_where)
+        return shard, start, stop
 
     @staticmethod
     def size(unit) -> int:
@@ -908,7 +982,7 @@ def pretokenized_distributed_data_loader_with_state_bos_bestfit(
         batch_size: int = 128, rank: int | None = None, world_size: int | None = None, prefetch: int = 4,
         with_state: bool = True, allow_state_mismatch: bool = False, trace_documents: bool = False,
         attention_info: bool = False, max_docs_per_row: int | None = None, long_doc_policy: str = "crop",
-        split_overlap: int = 0) -> DataLoader:
+        split_overlap: int = 0, vocab_size: int | None = None) -> DataLoader:
     """The best-fit loader over pretokenized shards (`python -m nanochat.pretokenize`): the same
     rows, rules, state and resume (exact and elastic) as the parquet loader, with no tokenizer.
 
@@ -920,8 +994,12 @@ def pretokenized_distributed_data_loader_with_state_bos_bestfit(
     batch_size: entries added to the buffer per refill (the parquet loader's tokenizer_batch_size).
     Targets that predict a window's overlap with the previous window are -100.
     long_doc_policy, split_overlap: as for the parquet loader (windows longer than a row are split).
+    vocab_size: the tokenizer's vocabulary size (default: what data_dir/pretokenize.json records; when
+    both are given they must agree). Every id read is checked to be below it, a chunk at a time, so a
+    damaged shard is a ValueError naming the shard and entry, not a device-side assert in the
+    embedding. With neither, a warning, and ids are only bounded by the shards' dtype.
     """
-    from nanochat.pretokenize import TokenShard, list_token_shards
+    from nanochat.pretokenize import list_token_shards
     _check_options(B, T, split, prefetch, buffer_size=buffer_size, chunk_size=chunk_size, batch_size=batch_size)
     check_long_doc_policy(long_doc_policy, split_overlap, T)
     rank, world_size = _resolve_rank(rank, world_size)
@@ -933,12 +1011,9 @@ def pretokenized_distributed_data_loader_with_state_bos_bestfit(
     if not paths:
         raise FileNotFoundError(f"no .bin/.idx pairs in {split_dir}; pretokenize shards first: "
                                 f"python -m nanochat.pretokenize --input <parquet dir> --output {data_dir}")
-    if bos_token is None:
-        first = TokenShard(paths[0])
-        if not len(first) or not len(first.entry(0)):
-            raise ValueError(f"{paths[0]} starts with an empty entry; pass bos_token explicitly")
-        bos_token = int(first.entry(0)[0])
-    reader = _ShardReader(paths, chunk_size)
+    vocab = _shard_vocab(paths[0], bos_token, vocab_size, [data_dir])
+    bos_token = vocab[0]
+    reader = _ShardReader(paths, chunk_size, vocab)
     encoder = _ShardDocs(bos_token)
     config = {"loader": "bestfit", "source": "pretokenized", "split": split, "files": resume.files_fingerprint(paths),
               "num_files": len(paths), "chunk_size": chunk_size, "B": B, "T": T, "buffer_size": buffer_size,

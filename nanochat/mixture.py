@@ -70,7 +70,8 @@ import torch
 
 from nanochat import resume
 from nanochat.dataloader import (DataLoader, _check_options, _DeviceBatches, _resolve_rank, _row_split,
-                                 _ShardDocs, _ShardReader, _Source, _start_stream, _token_batches, _Tracker)
+                                 _shard_vocab, _ShardDocs, _ShardReader, _Source, _start_stream, _token_batches,
+                                 _Tracker)
 from nanochat.packing import BestFitPacker, check_long_doc_policy
 
 logger = logging.getLogger(__name__)
@@ -535,12 +536,13 @@ def pretokenized_mixture_loader_with_state_bos_bestfit(
         prefetch: int = 4, with_state: bool = True, allow_state_mismatch: bool = False,
         allow_bucket_exhaustion: bool = False, allow_budget_mismatch: bool = False,
         total_tokens: int | None = None, trace_documents: bool = False, long_doc_policy: str = "crop",
-        split_overlap: int = 0) -> MixtureLoader:
+        split_overlap: int = 0, vocab_size: int | None = None) -> MixtureLoader:
     """Yield (inputs, targets, state_dict): best-fit rows, each from one bucket of data_dir/split/<bucket>/,
     mixed by the curriculum (see the module docstring). buffer_size is per bucket. seed picks the mix's
     sequence. total_tokens: tokens the run will train (all ranks), checked against the curriculum.
+    vocab_size: as for the pretokenized loader; pretokenize.json is looked for in data_dir and in each
+    bucket's directory.
     Raises BucketExhausted / CurriculumComplete (with .state, the last good state) where it must stop."""
-    from nanochat.pretokenize import TokenShard
     _check_options(B, T, split, prefetch, buffer_size=buffer_size, chunk_size=chunk_size, batch_size=batch_size)
     check_long_doc_policy(long_doc_policy, split_overlap, T)
     if isinstance(seed, bool) or not isinstance(seed, int):
@@ -548,11 +550,10 @@ def pretokenized_mixture_loader_with_state_bos_bestfit(
     rank, world_size = _resolve_rank(rank, world_size)
     paths = list_buckets(data_dir, split)
     phases = load_curriculum(curriculum, paths)
-    if bos_token is None:
-        first = TokenShard(next(iter(paths.values()))[0])
-        if not len(first) or not len(first.entry(0)):
-            raise ValueError(f"{first.prefix} starts with an empty entry; pass bos_token explicitly")
-        bos_token = int(first.entry(0)[0])
+    # the vocabulary: vocab_size, or pretokenize.json in data_dir or in a bucket's directory (all agree)
+    vocab = _shard_vocab(next(iter(paths.values()))[0], bos_token, vocab_size,
+                         [data_dir] + [os.path.join(data_dir, split, name) for name in paths])
+    bos_token = vocab[0]
     used = sorted({name for p in phases for name in p.mix})
     config = {"loader": "mixture", "source": "pretokenized", "split": split,
               "buckets": {name: resume.files_fingerprint(paths[name]) for name in used},
@@ -584,7 +585,7 @@ def pretokenized_mixture_loader_with_state_bos_bestfit(
                       "tokenizer": config["tokenizer"], "rank": rank, "world_size": world_size,
                       "long_doc_policy": long_doc_policy, "split_overlap": split_overlap}
         sub_state = state["buckets"][name] if state else None
-        reader = _ShardReader(paths[name], chunk_size)
+        reader = _ShardReader(paths[name], chunk_size, vocab)
         stream, start, position = _start_stream(reader, rank, world_size, batch_size, sub_state, sub_config,
                                                 allow_state_mismatch, epochs=1)
         tracker = _Tracker("bestfit", stream, encoder, sub_config, start)

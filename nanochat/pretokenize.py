@@ -15,7 +15,8 @@ turns each input shard into one pair of files named after it, train and val kept
 
     <output>/train/shard_00000.bin  shard_00000.idx  ...
     <output>/val/shard_06542.bin    shard_06542.idx
-    <output>/pretokenize.json       the settings (tokenizer hash, dtype, BOS, --max-length, --overlap-size)
+    <output>/pretokenize.json       the settings (tokenizer hash, vocab size, dtype, BOS, --max-length, --overlap-size)
+    <output>/.pretokenize.lock      held while a run writes (names its pid)
 
 `--input` is a parquet dataset directory (its last shard is val, as for the parquet loader), or
 `.jsonl` / `.jsonl.gz` files (or directories of them) with one `{"text": ...}` object per line
@@ -83,7 +84,14 @@ renamed `.bin` first and `.idx` last, so an `.idx` always means a complete pair.
 same arguments skips every input whose `.idx` exists (it prints how many) and rewrites the rest;
 temporary files and a `.bin` without its `.idx`, left by a killed run, are overwritten and never
 listed. A rerun with a different tokenizer, dtype or windowing into the same `--output` is refused
-(`pretokenize.json` disagrees) instead of mixing two kinds of shards.
+(`pretokenize.json` disagrees) instead of mixing two kinds of shards. The worker processes end with
+the main one, however it ends (kill -9 included): on Linux the kernel kills them with it
+(`PR_SET_PDEATHSIG`), elsewhere each checks every 0.2 s that its parent lives. On Linux a rerun
+started right after a kill -9 thus writes the same bytes as an uninterrupted run (elsewhere, wait a
+second). Two runs on one `--output` (and `--rank`) at once are refused: a run holds
+`.pretokenize.lock` (`.pretokenize.rankR-of-N.lock` with `--world-size N`; a file lock, which ends with
+its process), and the second, after waiting `--lock-timeout` seconds (default 10) for it, stops with an
+error that names the output and the pid of the run holding it.
 
 **Checks on open.** `TokenShard(path)` raises, naming the file: FileNotFoundError for a missing
 `.idx` or `.bin`; ValueError for a bad magic, an unknown version or dtype code, an index shorter (or
@@ -93,18 +101,24 @@ longer than its entry.
 """
 
 import argparse
+import contextlib
+import ctypes
 import hashlib
 import json
 import logging
 import multiprocessing
 import os
+import signal
+import socket
 import struct
 import sys
+import threading
 import time
 from concurrent.futures import ProcessPoolExecutor, as_completed
 
 import numpy as np
 import pyarrow as pa
+from filelock import FileLock, Timeout
 from tqdm import tqdm
 
 from nanochat.common import get_dist_info
@@ -121,6 +135,8 @@ HEADER = struct.Struct("<4sIII")  # magic, version, dtype code, entry count: 16 
 MAX_OVERLAP = np.iinfo(np.uint16).max  # the overlap prefix is stored as uint16
 TMP_SUFFIX = ".tmp"  # prefix.bin.tmp / prefix.idx.tmp: never end in .idx, so never listed
 META_FILENAME = "pretokenize.json"
+LOCK_TIMEOUT = 10.0  # seconds a run waits for another run on the same output to finish (--lock-timeout)
+PARENT_POLL_SECONDS = 0.2  # how often a worker checks that the main process is still alive
 JSONL_SUFFIXES = (".jsonl.gz", ".jsonl")
 TEXTS_PER_BATCH = 1024  # texts per encode call: a parquet row group, and as many jsonl lines
 
@@ -249,6 +265,26 @@ def list_token_shards(data_dir: str) -> list[str]:
         if name.endswith(".idx") and os.path.isfile(prefix + ".idx") and os.path.isfile(prefix + ".bin"):
             prefixes.append(prefix)
     return prefixes
+
+
+def recorded_vocab_size(directory: str) -> int | None:
+    """The vocabulary size that directory/pretokenize.json records (every id the shards' tokenizer makes
+    is below it), or None: no such file, or one written before the field existed."""
+    path = os.path.join(directory, META_FILENAME)
+    if not os.path.isfile(path):
+        return None
+    fix = "restore the file, or remove it and pass the tokenizer's vocab_size to the loader"
+    try:
+        with open(path, encoding="utf-8") as f:
+            settings = json.load(f)
+    except ValueError as e:  # not JSON, not UTF-8
+        raise ValueError(f"{path} (pretokenize's settings) is not valid JSON: {e}; {fix}") from None
+    if not isinstance(settings, dict):
+        raise ValueError(f"{path} holds a JSON {type(settings).__name__}, not pretokenize's settings; {fix}")
+    size = settings.get("vocab_size")
+    if size is not None and (isinstance(size, bool) or not isinstance(size, int) or size < 1):
+        raise ValueError(f"{path}: vocab_size must be a positive integer, got {size!r}; {fix}")
+    return size
 
 
 # -----------------------------------------------------------------------------
@@ -489,10 +525,28 @@ _worker_tokenizer = None
 _worker_options: dict = {}
 
 
-def _init_worker(tokenizer_dir: str, options: dict) -> None:
+def _init_worker(tokenizer_dir: str, options: dict, parent_pid: int) -> None:
     global _worker_tokenizer, _worker_options
+    _exit_with_parent(parent_pid)
     _worker_tokenizer = RustBPETokenizer.from_directory(tokenizer_dir)
     _worker_options = options
+
+
+def _exit_with_parent(parent_pid: int) -> None:
+    """End this worker when the main process ends, however it ends (kill -9 included). Left alive, a
+    worker would go on writing pairs, under the same temporary names as a rerun's workers."""
+    if sys.platform.startswith("linux"):
+        # the kernel kills us the moment the process that started us is gone (the pool is made and
+        # used on one thread: the signal comes when that thread ends)
+        PR_SET_PDEATHSIG = 1
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+
+    def watch():  # elsewhere, and if the parent was gone before the line above ran
+        while os.getppid() == parent_pid:
+            time.sleep(PARENT_POLL_SECONDS)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="nanochat-parent-watch", daemon=True).start()
 
 
 def _run_job(job: tuple[str, str]) -> tuple[str, dict | None, str | None]:
@@ -550,7 +604,7 @@ def _results(tokenizer, tokenizer_dir: str, options: dict, jobs: list, num_worke
     # A worker that dies (killed, out of memory) raises BrokenProcessPool here instead of hanging.
     ctx = multiprocessing.get_context("spawn")
     with ProcessPoolExecutor(num_workers, mp_context=ctx, initializer=_init_worker,
-                             initargs=(tokenizer_dir, options)) as pool:
+                             initargs=(tokenizer_dir, options, os.getpid())) as pool:
         futures = [pool.submit(_run_job, job) for job in jobs]
         try:
             for future in as_completed(futures):
@@ -558,6 +612,42 @@ def _results(tokenizer, tokenizer_dir: str, options: dict, jobs: list, num_worke
         finally:
             for future in futures:  # on an error, do not start the inputs still queued
                 future.cancel()
+
+
+@contextlib.contextmanager
+def _output_lock(output: str, rank: int, world_size: int, timeout: float):
+    """Hold the lock of this rank's share of output, waiting up to timeout seconds; TimeoutError, naming
+    the run that holds it, if it stays held. The lock is the kernel's (flock): it ends with its process,
+    so a rerun right after a kill -9 gets it at once (the workers, which do not hold it, die then too)."""
+    name = ".pretokenize.lock" if world_size == 1 else f".pretokenize.rank{rank}-of-{world_size}.lock"
+    path = os.path.join(output, name)
+    os.makedirs(output, exist_ok=True)
+    holder = ""
+    if os.path.exists(path):  # read before FileLock opens it: some filelock versions truncate it on open
+        with open(path, encoding="utf-8", errors="replace") as f:
+            holder = f.read().strip()
+    lock = FileLock(path, timeout=timeout)
+    try:
+        lock.acquire()
+    except Timeout:
+        raise TimeoutError(f"another pretokenize run ({holder or 'pid unknown'}) is writing to {output}: "
+                           f"{path} stayed locked for {timeout:g}s; let that run finish (or stop it), then "
+                           "run again: the rerun skips the pairs it wrote") from None
+    try:
+        _note_holder(path, f"pid {os.getpid()} on {socket.gethostname()}, since {time.strftime('%Y-%m-%d %H:%M:%S')}\n")
+        yield
+    finally:
+        _note_holder(path, "")  # nobody holds it now: a finished run leaves the file empty
+        lock.release()
+
+
+def _note_holder(path: str, text: str) -> None:
+    # who holds the lock, for the message a second run gives; only a note: failing to write it changes nothing
+    try:
+        with open(path, "w", encoding="utf-8") as f:
+            f.write(text)
+    except OSError:
+        pass
 
 
 # -----------------------------------------------------------------------------
@@ -589,6 +679,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rank", type=int, default=None, help="this process's share: inputs rank, "
                                                                "rank + world_size, ... (default: $RANK or 0)")
     parser.add_argument("--world-size", type=int, default=None, help="default: $WORLD_SIZE or 1")
+    parser.add_argument("--lock-timeout", type=float, default=LOCK_TIMEOUT,
+                        help="seconds to wait for another run on the same --output (and rank) to finish "
+                             f"before giving up (default {LOCK_TIMEOUT:g})")
     args = parser.parse_args(argv)
     if args.max_length is not None:
         try:
@@ -599,6 +692,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--overlap-size {args.overlap_size} needs --max-length (windowing is off without it)")
     if args.num_workers < 1:
         parser.error(f"--num-workers must be >= 1, got {args.num_workers}")
+    if not args.lock_timeout >= 0:
+        parser.error(f"--lock-timeout must be >= 0 seconds, got {args.lock_timeout}")
     _, env_rank, _, env_world_size = get_dist_info()
     rank = env_rank if args.rank is None else args.rank
     world_size = env_world_size if args.world_size is None else args.world_size
@@ -613,38 +708,41 @@ def main(argv: list[str] | None = None) -> int:
     settings = _settings(tokenizer, tokenizer_dir, args.max_length, args.overlap_size)
     all_jobs = plan_jobs(args.input, args.output, args.val_input)
     mine = all_jobs[rank::world_size]
-    todo = [job for job in mine if not os.path.exists(job[1] + ".idx")]
-    skipped = len(mine) - len(todo)
-    _check_or_write_settings(args.output, settings)
-    print(f"{len(all_jobs)} inputs, {len(mine)} for rank {rank}/{world_size}; {skipped} already done "
-          f"(their .idx exists), skipped; {len(todo)} to write; dtype {settings['dtype']}")
+    # a second run writing the same pairs would share their temporary files: refused (the lock is
+    # taken after every check, so a mistyped command never waits for it)
+    with _output_lock(args.output, rank, world_size, args.lock_timeout):
+        todo = [job for job in mine if not os.path.exists(job[1] + ".idx")]
+        skipped = len(mine) - len(todo)
+        _check_or_write_settings(args.output, settings)
+        print(f"{len(all_jobs)} inputs, {len(mine)} for rank {rank}/{world_size}; {skipped} already done "
+              f"(their .idx exists), skipped; {len(todo)} to write; dtype {settings['dtype']}")
 
-    num_workers = min(args.num_workers, len(todo))
-    # spread the CPU between processes; each process's tokenizer encodes a batch on this many threads
-    options = {"max_length": args.max_length, "overlap": args.overlap_size, "text_field": args.text_field,
-               "num_threads": max(1, (os.cpu_count() or 1) // max(1, num_workers))}
-    totals = {"documents": 0, "entries": 0, "tokens": 0, "windowed": 0}
-    failed = []
-    t0 = time.time()
-    with tqdm(total=len(mine), initial=skipped, unit="shard", desc="pretokenize", disable=None) as bar:
-        for path, stats, error in _results(tokenizer, tokenizer_dir, options, todo, num_workers):
-            if error is None:
-                for k in totals:
-                    totals[k] += stats[k]
-            else:
-                failed.append((path, error))
-                tqdm.write(f"failed: {path}: {error}")
-            bar.update(1)
-            bar.set_postfix(tokens=f"{totals['tokens']:,}")
+        num_workers = min(args.num_workers, len(todo))
+        # spread the CPU between processes; each process's tokenizer encodes a batch on this many threads
+        options = {"max_length": args.max_length, "overlap": args.overlap_size, "text_field": args.text_field,
+                   "num_threads": max(1, (os.cpu_count() or 1) // max(1, num_workers))}
+        totals = {"documents": 0, "entries": 0, "tokens": 0, "windowed": 0}
+        failed = []
+        t0 = time.time()
+        with tqdm(total=len(mine), initial=skipped, unit="shard", desc="pretokenize", disable=None) as bar:
+            for path, stats, error in _results(tokenizer, tokenizer_dir, options, todo, num_workers):
+                if error is None:
+                    for k in totals:
+                        totals[k] += stats[k]
+                else:
+                    failed.append((path, error))
+                    tqdm.write(f"failed: {path}: {error}")
+                bar.update(1)
+                bar.set_postfix(tokens=f"{totals['tokens']:,}")
 
-    seconds = time.time() - t0
-    print(f"wrote {len(todo) - len(failed)}/{len(todo)} shards to {args.output} in {seconds:.1f}s: "
-          f"{totals['documents']:,} documents -> {totals['entries']:,} entries, {totals['tokens']:,} tokens; "
-          f"{totals['windowed']:,} documents cut into windows; {skipped} skipped (already done)")
-    if failed:
-        print(f"failed ({len(failed)}): " + ", ".join(os.path.basename(p) for p, _ in failed))
-        return 1
-    return 0
+        seconds = time.time() - t0
+        print(f"wrote {len(todo) - len(failed)}/{len(todo)} shards to {args.output} in {seconds:.1f}s: "
+              f"{totals['documents']:,} documents -> {totals['entries']:,} entries, {totals['tokens']:,} tokens; "
+              f"{totals['windowed']:,} documents cut into windows; {skipped} skipped (already done)")
+        if failed:
+            print(f"failed ({len(failed)}): " + ", ".join(os.path.basename(p) for p, _ in failed))
+            return 1
+        return 0
 
 
 if __name__ == "__main__":

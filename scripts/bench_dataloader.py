@@ -306,10 +306,11 @@ def policy_section(docs_np, B, tbs, bos, crop_batches, Ts=(512, 2048, 4096)) -> 
 
 
 def pretokenized_section(tokenizer, data_dir, tmp, docs_np, args, B, T, tbs) -> dict:
-    """Pretokenize the train shards, time the pretokenized loader, a memory copy, and the crop share
-    of windowing (L = T+1, O = 0 and 128) next to the seeds' cropping."""
-    from nanochat.dataloader import pretokenized_distributed_data_loader_with_state_bos_bestfit
-    from nanochat.pretokenize import pretokenize_file, window_document
+    """Pretokenize the train shards, time the pretokenized loader (without and with its check of the
+    ids against the vocabulary, and the check alone), a memory copy, and the crop share of windowing
+    (L = T+1, O = 0 and 128) next to the seeds' cropping."""
+    from nanochat.dataloader import _check_ids, pretokenized_distributed_data_loader_with_state_bos_bestfit
+    from nanochat.pretokenize import TokenShard, list_token_shards, pretokenize_file, window_document
     out = os.path.join(tmp, "tokens")
     t0 = time.perf_counter()
     for split in ("train", "val"):
@@ -319,18 +320,38 @@ def pretokenized_section(tokenizer, data_dir, tmp, docs_np, args, B, T, tbs) -> 
     pretokenize_s = time.perf_counter() - t0
     row_tokens = B * (T + 1)
 
-    n = max(args.loader_batches, 200)
+    rounds = args.repeats
+    n = max(args.loader_batches, 200) // rounds * rounds
     loader_tps = {}
-    for prefetch in (4, 0):  # packing on its background thread (the default), and in the caller
-        loader = pretokenized_distributed_data_loader_with_state_bos_bestfit(
+    vocab_size = tokenizer.get_vocab_size()
+    # packing on its background thread (the default), and in the caller; each without and with the check
+    # of the ids (pretokenize_file writes no pretokenize.json: the ids are checked when vocab_size is
+    # passed), two loaders open at once and timed in alternating rounds, as the machine drifts
+    for prefetch in (4, 0):
+        loaders = {check: pretokenized_distributed_data_loader_with_state_bos_bestfit(
             B, T, "train", device=args.device, data_dir=out, batch_size=tbs, rank=0, world_size=1,
-            prefetch=prefetch)
-        next(loader)
-        t0 = time.perf_counter()
-        for _ in range(n):
+            prefetch=prefetch, vocab_size=vocab_size if check else None) for check in (False, True)}
+        seconds = {check: 0.0 for check in loaders}
+        for loader in loaders.values():
             next(loader)
-        loader_tps[prefetch] = n * row_tokens / (time.perf_counter() - t0)
-        loader.close()
+        for _ in range(rounds):
+            for check, loader in loaders.items():
+                t0 = time.perf_counter()
+                for _ in range(n // rounds):
+                    next(loader)
+                seconds[check] += time.perf_counter() - t0
+        for check, loader in loaders.items():
+            loader_tps[prefetch, check] = n * row_tokens / seconds[check]
+            loader.close()
+
+    # the check alone, over every chunk of the train shards (as the loader reads them, 1,024 entries)
+    shards = [TokenShard(prefix) for prefix in list_token_shards(os.path.join(out, "train"))]
+    checked = sum(int(shard.offsets[-1]) for shard in shards)
+    t0 = time.perf_counter()
+    for shard in shards:
+        for start in range(0, len(shard), 1024):
+            _check_ids(shard, start, min(start + 1024, len(shard)), vocab_size, "bench")
+    check_tps = checked / (time.perf_counter() - t0)
 
     # a plain copy of as many uint16 tokens as the loader emitted, through memory (64 MB at a time)
     src = np.random.default_rng(0).integers(0, 2**16, size=32 * 2**20, dtype=np.uint16)
@@ -355,7 +376,8 @@ def pretokenized_section(tokenizer, data_dir, tmp, docs_np, args, B, T, tbs) -> 
             packer.fill(rows, refill, 1000)
         stats = packer.stats()
         crop.append((name, stats["crop_share"], stats["tokens_masked"] / (args.crop_batches * B * T)))
-    return {"pretokenize_s": pretokenize_s, "loader_tps": loader_tps, "memcpy_tps": memcpy_tps, "crop": crop}
+    return {"pretokenize_s": pretokenize_s, "loader_tps": loader_tps, "check_tps": check_tps,
+            "memcpy_tps": memcpy_tps, "crop": crop}
 
 
 def main(argv=None):
@@ -501,10 +523,16 @@ def main(argv=None):
     print()
     print("pretokenized .bin/.idx shards (same corpus, windowing off; python -m nanochat.pretokenize)")
     print(f"  pretokenize: {pretok['pretokenize_s']:.1f}s for the train shards")
-    for prefetch, tps in pretok["loader_tps"].items():
-        where = "a background thread (default)" if prefetch else "the caller (prefetch=0)"
-        print(f"  pretokenized loader, packing on {where:30s} {tps:14,.0f} tokens emitted/s, "
+    for (prefetch, check), tps in pretok["loader_tps"].items():
+        where = ("a background thread (default)" if prefetch else "the caller (prefetch=0)") + \
+            (", ids checked" if check else "")
+        print(f"  pretokenized loader, packing on {where:43s} {tps:14,.0f} tokens emitted/s, "
               f"{tps / loader_emit_tps:.1f}x the parquet loader, {tps / pretok['memcpy_tps']:.1%} of a memory copy")
+    tps = pretok["loader_tps"]
+    print(f"  the check of the ids against the vocabulary: loader speed with / without it "
+          f"{tps[4, True] / tps[4, False]:.3f} (prefetch 4), {tps[0, True] / tps[0, False]:.3f} (prefetch 0); "
+          f"the check alone {pretok['check_tps'] / 1e6:,.0f} M tokens/s, its time per token / the loader's "
+          f"(prefetch 0, without it): {tps[0, False] / pretok['check_tps']:.2%}")
     print(f"  memory copy of the same bytes (uint16): {pretok['memcpy_tps']:14,.0f} tokens/s   "
           "(targets: >= 20x the parquet loader, >= 20 M tokens/s)")
     print(f"  crop share over {args.crop_batches:,} batches at T={T} (cropped / tokens consumed; masked overlap "

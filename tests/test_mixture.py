@@ -10,6 +10,7 @@ Run: python -m pytest tests/test_mixture.py -q
 import json
 import os
 import signal
+import struct
 import subprocess
 import sys
 
@@ -207,6 +208,36 @@ def test_bucket_runs_dry_then_resumes_with_it_dropped(tmp_path):
     batches = take(straight, len(states) + 1)
     assert batches[len(states)][2]["dropped"] == ["tiny"]
     assert torch.equal(batches[len(states)][0], x)
+
+
+def test_token_ids_are_checked_against_the_vocabulary(tmp_path):
+    """A bucket's pretokenize.json gives the vocabulary: a flipped token in that bucket is a ValueError
+    naming the shard and entry; buckets whose settings disagree are refused up front."""
+    data = tiny_buckets(tmp_path)
+    tiny = os.path.join(data, "train", "tiny")
+    with open(os.path.join(tiny, "pretokenize.json"), "w") as f:
+        json.dump({"vocab_size": 5000}, f)
+    bin_path = os.path.join(tiny, "shard_000.bin")
+    at = 20 * 200 + 5  # token 5 of entry 20 (every entry of tiny is 200 tokens)
+    with open(bin_path, "r+b") as f:
+        f.seek(2 * at)
+        old = struct.unpack("<H", f.read(2))[0]
+        f.seek(2 * at)
+        f.write(struct.pack("<H", old ^ 0xFFFF))
+    kw = dict(device="cpu", buffer_size=4, chunk_size=8, batch_size=4, data_dir=data, allow_bucket_exhaustion=True)
+    loader = MIX(4, 99, "train", TINY_CUR, **kw)
+    with pytest.raises(ValueError) as info:
+        for _ in range(200):
+            next(loader)
+    assert str(info.value) == (f"{bin_path}: entry 20 holds token id {old ^ 0xFFFF} (token 5 of the entry), outside "
+                               f"the vocabulary [0, 5,000) ({os.path.join(tiny, 'pretokenize.json')}); the shard is "
+                               "damaged or was written with another tokenizer: delete the pair and rerun "
+                               "python -m nanochat.pretokenize")
+    with open(os.path.join(data, "train", "web", "pretokenize.json"), "w") as f:
+        json.dump({"vocab_size": 4096}, f)
+    with pytest.raises(ValueError, match=r"^vocab_size 5,000 \(.*tiny/pretokenize.json\) disagrees with 4,096 "
+                                         r"\(.*web/pretokenize.json\)"):
+        MIX(4, 99, "train", TINY_CUR, **kw)
 
 
 def test_predicted_shortfall_blocks_the_start(tmp_path):

@@ -13,7 +13,11 @@ import json
 import os
 import random
 import shutil
+import socket
 import struct
+import subprocess
+import sys
+import time
 from concurrent.futures.process import BrokenProcessPool
 
 import numpy as np
@@ -69,10 +73,13 @@ def _write_tiny(prefix) -> None:
 
 
 def _files(directory) -> dict:
-    """{relative path: (bytes, mtime_ns)} of every file under directory."""
+    """{relative path: (bytes, mtime_ns)} of every file under directory but the lock file, which every
+    run rewrites (it names the run holding the output)."""
     out = {}
     for root, _, names in os.walk(directory):
         for name in names:
+            if name == ".pretokenize.lock":
+                continue
             path = os.path.join(root, name)
             with open(path, "rb") as f:
                 out[os.path.relpath(path, directory)] = (f.read(), os.stat(path).st_mtime_ns)
@@ -487,6 +494,119 @@ def test_cli_bad_input_fails_alone(tokenizer_dir, tmp_path, capsys):
     assert sorted(os.listdir(os.path.join(out, "train"))) == ["good.bin", "good.idx"]
 
 
+# -----------------------------------------------------------------------------
+# kill -9 and concurrent runs: real processes (tests/slow_pretokenize.py sleeps 0.1 s per encode call,
+# one call per input here, so a run of 24 inputs on 2 workers lasts over a second)
+
+SLOW_SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "slow_pretokenize.py")
+
+
+@pytest.fixture(scope="module")
+def many_inputs(tmp_path_factory, tokenizer_dir):
+    """24 small jsonl inputs, and their output from an uninterrupted run (the reference)."""
+    root = tmp_path_factory.mktemp("many")
+    os.makedirs(root / "raw")
+    for i in range(24):
+        (root / "raw" / f"part_{i:02d}.jsonl").write_text(
+            "".join(json.dumps({"text": t}) + "\n" for t in _texts(100 + i, 12)), encoding="utf-8")
+    argv = ["--input", str(root / "raw"), "--tokenizer-dir", tokenizer_dir, "--max-length", "16",
+            "--overlap-size", "4", "--num-workers", "2"]
+    assert main(argv + ["--output", str(root / "reference")]) == 0
+    return argv, {k: data for k, (data, _) in _files(root / "reference").items()}
+
+
+def _start_slow_run(argv, log_path):
+    from conftest import worker_env
+    with open(log_path, "w") as log:
+        return subprocess.Popen([sys.executable, SLOW_SCRIPT] + argv, env=worker_env(), stdout=log,
+                                stderr=subprocess.STDOUT)
+
+
+def _children(pid: int) -> dict:
+    """{pid: (start time, command line)} of the live child processes of pid (Linux /proc)."""
+    out = {}
+    for name in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{name}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            with open(f"/proc/{name}/cmdline", "rb") as f:
+                cmdline = f.read().replace(b"\0", b" ").decode()
+        except (OSError, ValueError, IndexError):  # not a process, or gone meanwhile
+            continue
+        if int(fields[1]) == pid and fields[0] != "Z":
+            out[int(name)] = (fields[19], cmdline)
+    return out
+
+
+def _alive(pid: int, start_time: str) -> bool:
+    """Whether that process (not a later one with its pid) still runs; a zombie has ended."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return False
+    return fields[0] != "Z" and fields[19] == start_time
+
+
+def _wait_for(condition, seconds: float, what: str):
+    deadline = time.monotonic() + seconds
+    while not condition():
+        assert time.monotonic() < deadline, f"no {what} within {seconds} s"
+        time.sleep(0.01)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_cli_kill_9_leaves_no_process_and_a_rerun_matches(many_inputs, tmp_path, capsys):
+    argv, reference = many_inputs
+    out = tmp_path / "tokens"
+    run = _start_slow_run(argv + ["--output", str(out)], tmp_path / "log.txt")
+    try:
+        train = out / "train"
+        _wait_for(lambda: train.is_dir() and any(n.endswith(".idx") for n in os.listdir(train)), 60, "first pair")
+        children = _children(run.pid)
+        kinds = sorted("resource_tracker" if "resource_tracker" in c else "spawn" if "spawn_main" in c else c
+                       for _, c in children.values())
+        assert kinds == ["resource_tracker", "spawn", "spawn"]  # 2 workers and multiprocessing's tracker
+        run.kill()  # SIGKILL: no handler, no cleanup
+    finally:
+        run.kill()
+        run.wait()
+    done = [n for n in os.listdir(train) if n.endswith(".idx")]
+    assert 1 <= len(done) < 24  # killed in the middle
+
+    capsys.readouterr()
+    assert main(argv + ["--output", str(out)]) == 0  # at once
+    assert f"{len(done)} already done" in capsys.readouterr().out
+    assert {k: data for k, (data, _) in _files(out).items()} == reference  # byte for byte, no .tmp left
+    # the killed run's workers and resource tracker are gone, not left running
+    _wait_for(lambda: not any(_alive(pid, start) for pid, (start, _) in children.items()), 5, "exit of all")
+
+
+def test_cli_two_runs_on_one_output(many_inputs, tmp_path, capsys):
+    """A second run on an output a run is writing is refused, naming the output and the other run's pid;
+    the first run is undisturbed, and once it is done the output is free again."""
+    argv, reference = many_inputs
+    out = tmp_path / "tokens"
+    first = _start_slow_run(argv + ["--output", str(out)], tmp_path / "log.txt")
+    try:
+        lock = out / ".pretokenize.lock"
+        _wait_for(lambda: lock.is_file() and lock.read_text().startswith(f"pid {first.pid} on"), 60, "lock")
+        with pytest.raises(TimeoutError) as info:
+            main(argv + ["--output", str(out), "--lock-timeout", "0.2"])
+        message = str(info.value)
+        assert message.startswith(f"another pretokenize run (pid {first.pid} on {socket.gethostname()}, since ")
+        assert f") is writing to {out}: {lock} stayed locked for 0.2s; let that run finish (or stop it)" in message
+        assert first.wait(timeout=120) == 0
+    finally:
+        first.kill()
+        first.wait()
+    assert {k: data for k, (data, _) in _files(out).items()} == reference
+    assert lock.read_text() == ""  # released: it names nobody
+    capsys.readouterr()
+    assert main(argv + ["--output", str(out), "--lock-timeout", "0"]) == 0  # free again: all 24 skipped
+    assert "24 already done" in capsys.readouterr().out
+
+
 def _die(job):
     os._exit(3)  # a worker killed mid-shard (the OOM killer, kill -9)
 
@@ -511,6 +631,9 @@ def test_cli_rejects_bad_arguments(parquet_dir, tokenizer_dir, tmp_path, capsys)
     assert "needs --max-length" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         main(base + ["--rank", "2", "--world-size", "2"])
+    with pytest.raises(SystemExit):
+        main(base + ["--lock-timeout", "-1"])
+    assert "--lock-timeout must be >= 0 seconds, got -1.0" in capsys.readouterr().err
     with pytest.raises(ValueError, match="pass their directory"):
         main(["--input", os.path.join(parquet_dir, "shard_00000.parquet"), "--output", str(tmp_path / "out"),
               "--tokenizer-dir", tokenizer_dir])

@@ -7,6 +7,7 @@ Run: python -m pytest tests/test_pretokenized_loader.py -q
 """
 
 import random
+import struct
 
 import numpy as np
 import pytest
@@ -240,3 +241,149 @@ def test_missing_data_names_the_command(tmp_path):
         PRETOKENIZED(2, 8, "train", device="cpu", data_dir=str(tmp_path))
     with pytest.raises(ValueError, match="split"):
         PRETOKENIZED(2, 8, "test", device="cpu", data_dir=str(tmp_path))
+
+
+# -----------------------------------------------------------------------------
+# Token ids against the vocabulary (pretokenize.json records 300 ids; the BPE tokenizer above)
+
+
+def _copy_whole(corpus, tmp_path):
+    import shutil
+    root, _ = corpus
+    return shutil.copytree(root / "whole", tmp_path / "whole")
+
+
+def _rows(loader, n):
+    return [rows_of(x, y).clone() for x, y, _ in (next(loader) for _ in range(n))]
+
+
+def test_flipped_bin_bytes_name_the_shard_and_entry(corpus, tmp_path):
+    """Both bytes of one token flipped: the chunk holding it raises a ValueError with the shard's path,
+    the entry, the id and where the vocabulary size came from, before any of its ids reach a batch."""
+    from nanochat.pretokenize import TokenShard
+    data = _copy_whole(corpus, tmp_path)
+    shard = TokenShard(data / "train" / "shard_00001")
+    entry = next(i for i in range(12, len(shard)) if len(shard.entry(i)) > 3)  # in the second chunk of 8
+    at = int(shard.offsets[entry]) + 2
+    old = int(shard.tokens[at])
+    del shard
+    with open(data / "train" / "shard_00001.bin", "r+b") as f:
+        f.seek(2 * at)
+        f.write(struct.pack("<H", old ^ 0xFFFF))
+    message = (f"{data / 'train' / 'shard_00001.bin'}: entry {entry} holds token id {old ^ 0xFFFF} (token 2 of "
+               f"the entry), outside the vocabulary [0, 300) ({data / 'pretokenize.json'}); the shard is damaged "
+               "or was written with another tokenizer: delete the pair and rerun python -m nanochat.pretokenize")
+    for prefetch in (0, 2):
+        loader = PRETOKENIZED(2, 16, "train", device="cpu", buffer_size=4, data_dir=str(data), chunk_size=ROW_GROUP,
+                              batch_size=4, prefetch=prefetch)
+        batches = []
+        with pytest.raises(ValueError) as info:
+            for _ in range(200):
+                batches.append(rows_of(*next(loader)[:2]).clone())
+        assert str(info.value) == message
+        assert len(batches) >= 3 and all((b < 300).all() for b in batches)  # read and checked as it goes
+        loader.close()
+
+
+def test_ids_are_checked_up_to_the_last_id_of_the_vocabulary(tmp_path):
+    """vocab_size given as an argument (no pretokenize.json): id vocab_size - 1 passes, vocab_size fails."""
+    for split in ("train", "val"):
+        (tmp_path / split).mkdir()
+    entries = [np.array([7, 99, 1, 2]), np.array([7, 4, 5]), np.array([7, 6])] * 3
+    write_token_shard(str(tmp_path / "train" / "shard_00000"), entries, [0] * 9, np.uint16)
+    loader = PRETOKENIZED(1, 5, "train", device="cpu", buffer_size=2, data_dir=str(tmp_path), vocab_size=100)
+    x, y, _ = next(loader)
+    assert rows_of(x, y)[0].tolist() == [7, 99, 1, 2, 7, 6]  # best fit: the longest first
+    entries[4] = np.array([7, 100, 5])
+    write_token_shard(str(tmp_path / "train" / "shard_00000"), entries, [0] * 9, np.uint16)
+    loader = PRETOKENIZED(1, 5, "train", device="cpu", buffer_size=2, data_dir=str(tmp_path), vocab_size=100)
+    with pytest.raises(ValueError) as info:
+        next(loader)
+    assert str(info.value).startswith(f"{tmp_path / 'train' / 'shard_00000.bin'}: entry 4 holds token id 100 "
+                                      "(token 1 of the entry), outside the vocabulary [0, 100) (the vocab_size "
+                                      "argument); ")
+
+
+def test_bos_token_outside_the_vocabulary(corpus, tmp_path):
+    root, _ = corpus
+    kw = dict(device="cpu", data_dir=str(root / "whole"))
+    with pytest.raises(ValueError) as info:
+        PRETOKENIZED(2, 8, "train", bos_token=-1, **kw)
+    assert str(info.value) == "bos_token is -1; token ids are >= 0"
+    with pytest.raises(ValueError) as info:
+        PRETOKENIZED(2, 8, "train", bos_token=300, **kw)
+    settings = root / "whole" / "pretokenize.json"
+    assert str(info.value) == f"bos_token is 300, outside the vocabulary [0, 300) ({settings})"
+    with pytest.raises(ValueError) as info:
+        PRETOKENIZED(2, 8, "train", bos_token=300, vocab_size=300, **kw)
+    assert str(info.value) == "bos_token is 300, outside the vocabulary [0, 300) (the vocab_size argument)"
+    with pytest.raises(TypeError, match="bos_token must be an int token id, got '1'"):
+        PRETOKENIZED(2, 8, "train", bos_token="1", **kw)
+    # no vocabulary known: the shards' dtype is the bound (a uint16 shard cannot hold id 65536)
+    (tmp_path / "train").mkdir()
+    write_token_shard(str(tmp_path / "train" / "a"), [np.array([9, 1, 2])], [0], np.uint16)
+    with pytest.raises(ValueError) as info:
+        PRETOKENIZED(2, 8, "train", device="cpu", data_dir=str(tmp_path), bos_token=65536)
+    assert str(info.value) == (f"bos_token is 65536, which the uint16 ids of {tmp_path / 'train' / 'a.bin'} cannot "
+                               "hold, so it is not these shards' BOS; pass the BOS id of the tokenizer that wrote them")
+    PRETOKENIZED(2, 8, "train", device="cpu", data_dir=str(tmp_path), bos_token=65535)  # fits: accepted
+
+
+def test_default_bos_is_checked_too(tmp_path):
+    """The default BOS is the first token of the first shard: a damaged one is named as such."""
+    (tmp_path / "train").mkdir()
+    write_token_shard(str(tmp_path / "train" / "a"), [np.array([400, 1, 2])], [0], np.uint16)
+    with pytest.raises(ValueError) as info:
+        PRETOKENIZED(2, 8, "train", device="cpu", data_dir=str(tmp_path), vocab_size=300)
+    assert str(info.value) == (f"bos_token (the first token of {tmp_path / 'train' / 'a.bin'}) is 400, outside the "
+                               "vocabulary [0, 300) (the vocab_size argument)")
+
+
+def test_vocab_size_must_agree_with_pretokenize_json(corpus):
+    root, _ = corpus
+    kw = dict(device="cpu", buffer_size=5, data_dir=str(root / "whole"), chunk_size=ROW_GROUP, batch_size=4)
+    with pytest.raises(ValueError) as info:
+        PRETOKENIZED(2, 16, "train", vocab_size=4096, **kw)
+    assert str(info.value) == (f"vocab_size 4,096 (the vocab_size argument) disagrees with 300 "
+                               f"({root / 'whole' / 'pretokenize.json'}); pass the vocab_size of the tokenizer that "
+                               "wrote the shards, and keep shards of different tokenizers apart")
+    for bad in (0, -5, 1.5, True):
+        with pytest.raises(ValueError, match="vocab_size must be an integer >= 1"):
+            PRETOKENIZED(2, 16, "train", vocab_size=bad, **kw)
+    # agreeing: the same batches as with the file alone
+    assert all(torch.equal(a, b) for a, b in zip(_rows(PRETOKENIZED(2, 16, "train", vocab_size=300, **kw), 10),
+                                                  _rows(PRETOKENIZED(2, 16, "train", **kw), 10)))
+
+
+def test_pretokenize_json_old_or_damaged(corpus, tmp_path, caplog):
+    """An older pretokenize.json without vocab_size is read (no vocabulary known: a warning, once per
+    directory); one that is not JSON is a ValueError naming it."""
+    import json
+    data = _copy_whole(corpus, tmp_path)
+    settings = json.loads((data / "pretokenize.json").read_text())
+    del settings["vocab_size"]
+    (data / "pretokenize.json").write_text(json.dumps(settings))
+    kw = dict(device="cpu", buffer_size=5, data_dir=str(data), chunk_size=ROW_GROUP, batch_size=4)
+    with caplog.at_level("WARNING", logger="nanochat.dataloader"):
+        expected = _rows(PRETOKENIZED(2, 16, "train", vocab_size=300, **kw), 6)
+        assert not caplog.records
+        for _ in range(2):
+            assert all(torch.equal(a, b) for a, b in zip(_rows(PRETOKENIZED(2, 16, "train", **kw), 6), expected))
+    assert [r.getMessage() for r in caplog.records] == [
+        f"no vocabulary size for the shards in {data / 'train'} (no pretokenize.json with vocab_size next to them, "
+        "no vocab_size argument): their token ids are checked only against their dtype (uint16); pass vocab_size "
+        "to catch a damaged shard before the model sees its ids"]
+    (data / "pretokenize.json").write_text("{not json")
+    with pytest.raises(ValueError) as info:
+        PRETOKENIZED(2, 16, "train", **kw)
+    assert str(info.value) == (f"{data / 'pretokenize.json'} (pretokenize's settings) is not valid JSON: Expecting "
+                               "property name enclosed in double quotes: line 1 column 2 (char 1); restore the file, "
+                               "or remove it and pass the tokenizer's vocab_size to the loader")
+    fix = "restore the file, or remove it and pass the tokenizer's vocab_size to the loader"
+    for text, problem in (("[300]", " holds a JSON list, not pretokenize's settings"),
+                          ('{"vocab_size": "300"}', ": vocab_size must be a positive integer, got '300'"),
+                          ('{"vocab_size": 0}', ": vocab_size must be a positive integer, got 0")):
+        (data / "pretokenize.json").write_text(text)
+        with pytest.raises(ValueError) as info:
+            PRETOKENIZED(2, 16, "train", **kw)
+        assert str(info.value) == f"{data / 'pretokenize.json'}{problem}; {fix}"
