@@ -30,7 +30,6 @@ import atexit
 import itertools
 import logging
 import os
-import queue
 import struct
 import threading
 import time
@@ -74,26 +73,26 @@ def _resolve_rank(rank: int | None, world_size: int | None) -> tuple[int, int]:
     return rank, world_size
 
 
-def _check_legacy_state(state: dict, paths: list[str], reader) -> Position:
+def _check_legacy_state(state: dict, paths: list[str], reader, where: str = "resume_state_dict") -> Position:
     """Validate a seeds-form state {pq_idx, rg_idx[, epoch]}; returns where the stream continues:
     the row group after the saved one (approximate, as the seeds' resume)."""
     missing = {"pq_idx", "rg_idx"} - state.keys()
     if missing:
-        raise ValueError(f"resume_state_dict is missing {sorted(missing)}")
+        raise ValueError(f"{where} is missing {sorted(missing)}")
     # "epoch" is optional: the older concatenating loader's states do not carry it
     values = {"pq_idx": state["pq_idx"], "rg_idx": state["rg_idx"], "epoch": state.get("epoch", 1)}
     for key, value in values.items():
         if isinstance(value, bool) or not isinstance(value, int):
-            raise ValueError(f"resume_state_dict[{key!r}] must be an int, got {value!r}")
+            raise ValueError(f"{where}[{key!r}] must be an int, got {value!r}")
     pq_idx, rg_idx, epoch = values["pq_idx"], values["rg_idx"], values["epoch"]
     if epoch < 1:
-        raise ValueError(f"resume_state_dict['epoch'] must be >= 1 (epochs count from 1), got {epoch}")
+        raise ValueError(f"{where}['epoch'] must be >= 1 (epochs count from 1), got {epoch}")
     if not 0 <= pq_idx < len(paths):
-        raise ValueError(f"resume_state_dict['pq_idx']={pq_idx} points past the data: "
+        raise ValueError(f"{where}['pq_idx']={pq_idx} points past the data: "
                          f"the split has {len(paths)} file(s)")
     num_units = reader.index.count(pq_idx)
     if not 0 <= rg_idx < num_units:
-        raise ValueError(f"resume_state_dict['rg_idx']={rg_idx} points past the data: "
+        raise ValueError(f"{where}['rg_idx']={rg_idx} points past the data: "
                          f"{paths[pq_idx]} has {num_units} {reader.unit_name}(s)")
     return pq_idx, rg_idx, epoch
 
@@ -134,8 +133,10 @@ class _Stream:
     rank, rank + world_size, ... of every file, each cut into batches of `batch_size` documents."""
 
     def __init__(self, reader, rank: int, world_size: int, batch_size: int,
-                 plan: list[Unit] = (), start: Cursor | None = None, epochs: int | None = None):
+                 plan: list[Unit] = (), start: Cursor | None = None, epochs: int | None = None,
+                 where: str = "resume_state_dict"):
         self.reader, self.rank, self.world_size = reader, rank, world_size
+        self.where = where  # what messages call the state it resumed from
         self.epochs = epochs  # None: forever; 1: one pass (a mixture's bucket), then the stream ends
         self.paths, self.index = reader.paths, reader.index
         self.tokenizer_batch_size = batch_size
@@ -171,10 +172,10 @@ class _Stream:
         ("plan", unit, offset, n) or ("regular", *cursor)."""
         tbs = self.tokenizer_batch_size
         for u, (epoch, pq_idx, rg_idx, rows, starts) in enumerate(self.plan):
-            unit = self._unit(pq_idx, rg_idx, "resume_state_dict['plan']")
+            unit = self._unit(pq_idx, rg_idx, f"{self.where}['plan']")
             rows = range(self.reader.size(unit)) if rows is None else rows
             starts = starts or (None,) * len(rows)
-            self._check_rows(rows, unit, pq_idx, rg_idx, "resume_state_dict['plan']")
+            self._check_rows(rows, unit, pq_idx, rg_idx, f"{self.where}['plan']")
             for i in range(0, len(rows), tbs):
                 chunk = rows[i:i + tbs]
                 keys = [(epoch, pq_idx, rg_idx, r) if start is None else (epoch, pq_idx, rg_idx, r, start)
@@ -193,7 +194,7 @@ class _Stream:
                     unit = self.reader.read(pq_idx, rg_idx)
                     n = self.reader.size(unit)
                     if row > n:
-                        raise ValueError(f"resume_state_dict['next'] points at row {row} of {self.paths[pq_idx]} "
+                        raise ValueError(f"{self.where}['next'] points at row {row} of {self.paths[pq_idx]} "
                                          f"{self.reader.unit_name} {rg_idx}, which has {n} rows: the state does "
                                          "not match the data")
                     docs_this_pass += n
@@ -346,11 +347,16 @@ class _Source:
         self.token_batches = token_batches
         self.after = stream.first_position
         self.position = position  # the seeds' keys of the last batch pulled
+        self.where = stream.where
 
     def __call__(self):
         docs, keys, self.after, overlaps = next(self.token_batches)
         self.position = (keys[-1][1], keys[-1][2], keys[-1][0])
         if self.after[0] == "plan":  # an elastic plan may deal single pieces of split documents
+            for doc, key in zip(docs, keys):
+                if len(key) == 5 and key[4] >= len(doc):
+                    raise ValueError(f"{self.where}['plan'] deals document {key[:4]} from token {key[4]}, but it has "
+                                     f"{len(doc)}: the state does not match the data or the tokenizer")
             return [(doc, key[:4], overlap, key[4] if len(key) == 5 else None)
                     for doc, key, overlap in zip(docs, keys, overlaps)]
         return zip(docs, keys, overlaps, itertools.repeat(None))
@@ -371,19 +377,27 @@ class _Tracker:
         buffered), rebuild the buffer in arrival order, and restore the counters."""
         if not self.start:
             return
-        keys = resume.decode_keys(self.start["buffer"])
-        starts = resume.decode_pieces(self.start.get("pieces", []), len(keys), "resume_state_dict['pieces']")
+        where = self.stream.where
+        keys = resume.decode_keys(self.start["buffer"])  # (its size was checked: resume.check_fields)
+        starts = resume.decode_pieces(self.start.get("pieces", []), len(keys))
         unique = list(dict.fromkeys(keys))
-        items = self.stream.read_documents(unique, "resume_state_dict['buffer']")
+        items = self.stream.read_documents(unique, f"{where}['buffer']")
         tokenized = {}
         for i in range(0, len(items), 1024):
             docs, overlaps = self.encoder(items[i:i + 1024])
             tokenized.update(zip(unique[i:i + 1024], zip(docs, overlaps)))
-        for key, start in zip(keys, starts):
+        for i, (key, start) in enumerate(zip(keys, starts)):
             doc, overlap = tokenized[key]
+            if start is not None and start >= len(doc):
+                raise ValueError(f"{where}['pieces'] starts buffered entry {i} at token {start}, but its document has "
+                                 f"{len(doc)}: the state does not match the data or the tokenizer")
             packer.add(doc, key, overlap, start)
         if self.kind == "concat" and keys:
-            packer.skip_consumed(self.start["offset"])
+            offset, first = self.start["offset"], len(tokenized[keys[0]][0]) - (starts[0] or 0)
+            if offset >= first:  # the last token of the first entry is never consumed: it is the next batch's first
+                raise ValueError(f"{where}['offset'] is {offset}, but the first buffered entry has {first} tokens: "
+                                 "the state does not match the data or the tokenizer")
+            packer.skip_consumed(offset)
         for name, value in self.start["counters"].items():
             setattr(packer, name, value)
 
@@ -474,34 +488,56 @@ def _concat_batches(token_batches, tracker: _Tracker, position: Position, B: int
 
 
 class _Prefetcher:
-    """Runs an iterator on a daemon thread, up to `depth` items ahead, through a bounded queue.
-    An exception in the thread is raised by the consumer's next `next()` (and every one after);
-    `close()` stops the thread, and closes the source from inside it."""
+    """Runs an iterator on a daemon thread, up to `depth` items ahead.
+    An exception in the thread is raised by the consumer's next `next()` (and every one after).
+
+    `close()` stops it: the thread asks its source for nothing more and ends, closing the source from
+    inside; a call already running there (one tokenizer call, one row group read) is not interrupted,
+    and the thread ends when it returns. From then on `next()` raises StopIteration, even for items
+    already made. A prefetcher started on another's thread (the packing stage starts the reading and
+    tokenizing stages) stops with it, so a whole pipeline stops at once; its waits are woken at once."""
 
     def __init__(self, source, depth: int, name: str):
         self._source = source
-        self._queue: queue.Queue = queue.Queue(maxsize=depth)
+        self._depth = depth
+        self._items: deque = deque()  # (ok, item) made ahead: at most depth
+        self._changed = threading.Condition()  # notified when an item is put or taken, and on close
         self._stop = threading.Event()
+        self._parent = getattr(_running, "prefetcher", None)  # the prefetcher whose thread started this one
+        self._children: list[_Prefetcher] = []
+        if self._parent is not None:
+            self._parent._children.append(self)
         self._error: BaseException | None = None
         self.wait_seconds = 0.0  # time the consumer spent blocked in next(): the stall it felt
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        _PREFETCHERS.add(self)
         self._thread.start()
 
-    def _put(self, item) -> bool:
-        while not self._stop.is_set():
-            try:
-                self._queue.put(item, timeout=0.05)
-                return True
-            except queue.Full:
-                pass
-        return False
+    def stopping(self) -> bool:
+        return self._stop.is_set() or (self._parent is not None and self._parent.stopping())
+
+    def _put(self, entry) -> bool:
+        """Hand (ok, item) to the consumer, waiting while `depth` are waiting; False (dropped) once stopping."""
+        with self._changed:
+            while len(self._items) >= self._depth and not self.stopping():
+                self._changed.wait(0.1)  # (woken when the consumer takes one, or on close)
+            if self.stopping():
+                return False
+            self._items.append(entry)
+            self._changed.notify_all()
+            return True
 
     def _run(self) -> None:
+        _running.prefetcher = self
         try:
-            for item in self._source:
-                if not self._put((True, item)):
+            items = iter(self._source)
+            while not self.stopping():  # checked before every pull: a pull may start a long call
+                try:
+                    item = next(items)
+                except StopIteration:
+                    self._put((False, StopIteration()))
                     return
-            self._put((False, StopIteration()))
+                self._put((True, item))
         except BaseException as e:  # hand every failure to the consumer, never die silently
             self._put((False, e))
         finally:
@@ -516,24 +552,61 @@ class _Prefetcher:
         if self._error is not None:
             raise self._error
         t0 = time.perf_counter()
-        while True:
-            try:
-                ok, item = self._queue.get(timeout=0.1)
-                break
-            except queue.Empty:
-                if not self._thread.is_alive() and self._queue.empty():  # closed: nothing will come
-                    ok, item = False, RuntimeError(f"{self._thread.name} was closed")
-                    break
+        ok, item = self._get()
         self.wait_seconds += time.perf_counter() - t0
         if ok:
             return item
         self._error = item
         raise item
 
-    def close(self) -> None:
+    def _get(self) -> tuple[bool, object]:
+        """The thread's next (ok, item), or (False, StopIteration()) once stopping (dropping what was made)."""
+        with self._changed:
+            while not self._items and not self.stopping() and self._thread.is_alive():
+                self._changed.wait(0.1)  # (woken when the thread puts one, or on close)
+            if self.stopping():
+                return False, StopIteration()
+            if not self._items:  # (never: the thread ends with a last entry unless stopping)
+                return False, RuntimeError(f"{self._thread.name} ended without a result")
+            entry = self._items.popleft()
+            self._changed.notify_all()
+            return entry
+
+    def _wake(self) -> None:
+        """Wake whoever waits on this prefetcher or on those it started, so that they see it stopping."""
+        with self._changed:
+            self._changed.notify_all()
+        for child in self._children:
+            child._wake()
+
+    def close(self, timeout: float = 0.5) -> None:
+        """Stop the thread and wait for it at most `timeout` seconds (it ends when its current call does)."""
         self._stop.set()
+        self._wake()
         if self._thread is not threading.current_thread():
-            self._thread.join(timeout=10)
+            self._thread.join(timeout)
+
+
+_running = threading.local()  # .prefetcher: the prefetcher whose thread this is
+_PREFETCHERS: weakref.WeakSet = weakref.WeakSet()  # every prefetcher (a running thread keeps its own alive)
+EXIT_TIMEOUT = 5.0  # seconds the interpreter's exit waits, in all, for background calls still running
+
+
+@atexit.register
+def _stop_threads_at_exit() -> None:
+    """Stop every loader's threads when the interpreter exits (a script that never closes its loader,
+    or ends right after closing it), and wait for the calls they are in to return, at most EXIT_TIMEOUT
+    seconds in all: a daemon thread still inside a C++ call (pyarrow, torch, the tokenizer) when the
+    interpreter finalizes aborts the process with 'terminate called without an active exception'."""
+    prefetchers = list(_PREFETCHERS)
+    for prefetcher in prefetchers:
+        prefetcher.close(timeout=0)
+    deadline = time.monotonic() + EXIT_TIMEOUT
+    for prefetcher in prefetchers:
+        prefetcher._thread.join(max(0.0, deadline - time.monotonic()))
+    running = [p._thread.name for p in prefetchers if p._thread.is_alive()]
+    if running:
+        logger.warning("exiting with loader threads still inside a call after %ss: %s", EXIT_TIMEOUT, running)
 
 
 def _maybe_prefetch(source, depth: int, name: str):
@@ -546,15 +619,15 @@ def _pipeline(doc_batches, encoder, prefetch: int, pack, tokenizing: bool = True
     document batches ahead of packing. Yields what `pack(token_batches)` yields. Without a tokenizer
     (pretokenized shards) reading is a slice of a memory map: it stays on the packing thread, since
     handing each batch between threads would cost more than the work."""
-    stages = [doc_batches]
     depth = prefetch if tokenizing else 0
+    stages = []  # a prefetcher closes its source itself, on its thread (which may still be running it)
     try:
         stages.append(_maybe_prefetch(doc_batches, 4 * depth, "nanochat-read"))
         overlap_calls = depth > 0 and getattr(encoder, "thread_safe", False)
         stages.append(_maybe_prefetch(_token_batches(stages[-1], encoder, overlap_calls), depth, "nanochat-tokenize"))
         yield from pack(stages[-1])
     finally:
-        for stage in reversed(stages):  # downstream first: it may be blocked on the one before
+        for stage in reversed(stages):  # downstream first: it may be waiting on the one before
             stage.close()
 
 
@@ -621,35 +694,31 @@ def _check_options(B, T, split, prefetch, **more) -> None:
         raise ValueError(f"prefetch must be an integer >= 0 (0 = no background threads), got {prefetch!r}")
 
 
-def _start_stream(reader, rank, world_size, batch_size, state, config, allow_state_mismatch, epochs=None):
+def _start_stream(reader, rank, world_size, batch_size, state, config, allow_state_mismatch, epochs=None,
+                  where: str = "resume_state_dict"):
     """The stream a loader starts from: fresh, or resumed from a state (version 2: exactly; the seeds'
     form, or another stream accepted with allow_state_mismatch: after the saved unit, as nanochat).
-    Returns (stream, version-2 start state or None, seeds position)."""
+    where: what messages call the state. Returns (stream, version-2 start state or None, seeds position)."""
     paths = reader.paths
     if state is None:
         return _Stream(reader, rank, world_size, batch_size, epochs=epochs), None, (0, 0, 1)
     if not isinstance(state, dict):
-        raise TypeError(f"resume_state_dict must be a dict, got {type(state).__name__}")
+        raise TypeError(f"{where} must be a dict, got {type(state).__name__}")
     if "merged" in state:  # elastic resume: every rank gets the merge, and takes its own part
-        merged = state.get("states")
-        if not isinstance(merged, list) or len(merged) != world_size:
-            raise ValueError(f"resume_state_dict['merged'] is for {state['merged'].get('world_size')} ranks, "
-                             f"but this run has world size {world_size}; merge for this world size")
-        state = merged[rank]
-    if "version" not in state and state.keys() & set(resume.FIELDS) - set(SEEDS_KEYS):
-        raise ValueError("resume_state_dict is missing 'version' but has this loader's other keys "
-                         f"({sorted(state.keys() & set(resume.FIELDS))}): a truncated state?")
-    if "version" in state and resume.check_state(state, config, allow_mismatch=allow_state_mismatch):
-        if state["next"][1] >= len(paths):
-            raise ValueError(f"resume_state_dict['next'] points at file {state['next'][1]}; the split has {len(paths)}")
+        state, where = resume.rank_state(state, rank, world_size, where)
+    if "version" not in state and state.keys() & set(resume.REQUIRED) - set(SEEDS_KEYS):
+        raise ValueError(f"{where} is missing 'version' but has this loader's other keys "
+                         f"({sorted(state.keys() & set(resume.REQUIRED))}): a truncated state?")
+    if "version" in state and resume.check_state(state, config, reader.index, allow_mismatch=allow_state_mismatch,
+                                                 where=where):
         plan = resume.decode_plan(state["plan"], reader.index)
-        stream = _Stream(reader, rank, world_size, batch_size, plan, tuple(state["next"]), epochs=epochs)
+        stream = _Stream(reader, rank, world_size, batch_size, plan, tuple(state["next"]), epochs=epochs, where=where)
         return stream, state, (state["pq_idx"], state["rg_idx"], state["epoch"])
     if "version" in state and allow_state_mismatch:  # (another rank's state has said so already)
-        logger.warning("resume_state_dict is from another document stream; resuming approximately "
-                       "after its file %s, %s %s", state.get("pq_idx"), reader.unit_name, state.get("rg_idx"))
+        logger.warning("%s is from another document stream; resuming approximately after its file %s, %s %s",
+                       where, state.get("pq_idx"), reader.unit_name, state.get("rg_idx"))
     # the seeds' form: approximate, after the saved unit
-    pq_idx, rg_idx, epoch = _check_legacy_state(state, paths, reader)
+    pq_idx, rg_idx, epoch = _check_legacy_state(state, paths, reader, where)
     cursor = (epoch, pq_idx, (rg_idx // world_size + 1) * world_size + rank, 0)
     return _Stream(reader, rank, world_size, batch_size, start=cursor, epochs=epochs), None, (pq_idx, rg_idx, epoch)
 
@@ -704,13 +773,13 @@ class DataLoader:
         self._prefetch = prefetch
         self._with_state = with_state
         self._source = None
+        self._closed = False
         self._error: BaseException | None = None
         self._wait_seconds = 0.0
         self.stats: dict = {}
         # with trace_documents=True: per row of the last batch, the (epoch, pq_idx, rg_idx, row) of
         # every document placed in it, in order (a debugging aid: which documents did a step see?)
         self.documents: list | None = None
-        _OPEN_LOADERS.add(self)
 
     def __iter__(self):
         return self
@@ -718,6 +787,8 @@ class DataLoader:
     def __next__(self):
         if self._error is not None:
             raise self._error
+        if self._closed:
+            raise StopIteration  # as a closed generator: nothing comes out after close()
         if self._source is None:
             self._source = _maybe_prefetch(self._batches, self._prefetch, "nanochat-packing")
         t0 = time.perf_counter()
@@ -742,26 +813,17 @@ class DataLoader:
         """Called with every batch before it is yielded; raising stops the loader (see the mixture loader)."""
 
     def close(self) -> None:
-        """Stop the background threads (idempotent)."""
+        """Stop the background threads and end the iteration: every later next() raises StopIteration,
+        as for a closed generator (a batch already prepared is dropped). Idempotent; returns within a
+        second: a thread inside a long call (one tokenizer call) ends when that call returns, and
+        starts no other."""
+        self._closed = True
         source = self._source if self._source is not None else getattr(self, "_batches", None)
         if source is not None:
             source.close()
 
     def __del__(self):
         self.close()
-
-
-_OPEN_LOADERS: weakref.WeakSet = weakref.WeakSet()
-
-
-@atexit.register
-def _close_open_loaders() -> None:
-    """Stop the threads of loaders still open when the interpreter exits (a script that never closes its
-    loader). A daemon thread still running then is ended inside whatever C++ call it is in (pyarrow, the
-    tokenizer), and that can abort the process with 'terminate called without an active exception'.
-    Each loader closes its stages downstream first, so none waits on a stage already stopped."""
-    for loader in list(_OPEN_LOADERS):
-        loader.close()
 
 
 def tokenizing_distributed_data_loader_with_state_bos_bestfit(

@@ -61,6 +61,7 @@ import json
 import logging
 import math
 import os
+import reprlib
 import sys
 import warnings
 from typing import NamedTuple
@@ -562,7 +563,7 @@ def pretokenized_mixture_loader_with_state_bos_bestfit(
               "curriculum": [[p.tokens, [[name, w] for name, w in sorted(p.mix.items())]] for p in phases],
               "rank": rank, "world_size": world_size, "long_doc_policy": long_doc_policy,
               "split_overlap": split_overlap}
-    state = _mixture_start(resume_state_dict, config, rank, world_size, allow_state_mismatch)
+    state, where = _mixture_start(resume_state_dict, config, rank, world_size, allow_state_mismatch)
     if state is None:  # a fresh run: refuse a curriculum that is predicted to run dry
         _, problems, notes = validate(phases, data_dir, split, total_tokens, allow_bucket_exhaustion,
                                       allow_budget_mismatch, T, world_size, chunk_size, B * T * world_size)
@@ -587,7 +588,7 @@ def pretokenized_mixture_loader_with_state_bos_bestfit(
         sub_state = state["buckets"][name] if state else None
         reader = _ShardReader(paths[name], chunk_size, vocab)
         stream, start, position = _start_stream(reader, rank, world_size, batch_size, sub_state, sub_config,
-                                                allow_state_mismatch, epochs=1)
+                                                allow_state_mismatch, epochs=1, where=f"{where}['buckets'][{name!r}]")
         tracker = _Tracker("bestfit", stream, encoder, sub_config, start)
         packer = BestFitPacker(T + 1, long_doc_policy, split_overlap)
         buckets[name] = (stream, tracker, packer, position)
@@ -607,34 +608,73 @@ def pretokenized_mixture_loader_bos_bestfit(*args, **kwargs):
     return pretokenized_mixture_loader_with_state_bos_bestfit(*args, with_state=False, **kwargs)
 
 
-def _mixture_start(state, config, rank, world_size, allow_mismatch) -> dict | None:
-    """Validate a mixture resume state (or a merge of them) against this loader; returns this rank's."""
+def _mixture_start(state, config, rank, world_size, allow_mismatch) -> tuple[dict | None, str]:
+    """Validate a mixture resume state (or a merge of them) against this loader; returns this rank's, and
+    what messages call it (its bucket states are checked when each bucket resumes)."""
+    where = "resume_state_dict"
     if state is None:
-        return None
+        return None, where
     if not isinstance(state, dict):
         raise TypeError(f"resume_state_dict must be a dict, got {type(state).__name__}")
     if "merged" in state:
-        merged = state.get("states")
-        if not isinstance(merged, list) or len(merged) != world_size:
-            raise ValueError(f"resume_state_dict['merged'] is for {len(merged or [])} ranks, but this run has world "
-                             f"size {world_size}; merge for this world size")
-        state = merged[rank]
+        state, where = resume.rank_state(state, rank, world_size)
     if state.get("version") != resume.VERSION or state.get("loader") != "mixture":
-        raise ValueError("resume_state_dict is not a mixture loader state (version 2, loader 'mixture')")
-    for key in ("phase", "tokens_done", "position", "generation", "dropped", "buckets", "config", "emitted", "checksum"):
-        if key not in state:
-            raise ValueError(f"resume_state_dict is missing {key!r} (a truncated state?)")
-    if state["checksum"] != _checksum(state) and not allow_mismatch:
-        raise ValueError("resume_state_dict['checksum'] does not match its contents: the state was edited or "
+        raise ValueError(f"{where} is not a mixture loader state (version 2, loader 'mixture')")
+    resume._fields(state, where, FIELDS, ())
+    if not resume.intact(state, where, _checksum) and not allow_mismatch:
+        raise ValueError(f"{where}['checksum'] does not match its contents: the state was edited or "
                          "corrupted; pass allow_state_mismatch=True to resume from it anyway")
+    _check_fields(state, where)
     saved = state["config"]
     differ = [f"{k}: state {saved.get(k)!r}, loader {v!r}" for k, v in config.items() if saved.get(k) != v]
     stream_fields = ("source", "split", "buckets", "chunk_size", "tokenizer", "rank", "world_size")
     if differ and (not allow_mismatch or any(saved.get(k) != config[k] for k in stream_fields)):
-        raise ValueError("resume_state_dict was taken on another configuration (" + "; ".join(differ) + ")" +
+        raise ValueError(f"{where} was taken on another configuration (" + "; ".join(differ) + ")" +
                          ("" if allow_mismatch else "; pass allow_state_mismatch=True to go on with a changed "
                           "curriculum, seed, B, T or buffer size"))
-    return state
+    return state, where
+
+
+FIELDS = ("version", "loader", "phase", "phase_tokens_done", "tokens_done", "position", "generation", "dropped",
+          "buckets", "config", "emitted", "checksum")
+CONFIG_FIELDS = ("loader", "source", "split", "buckets", "chunk_size", "B", "T", "buffer_size", "tokenizer_batch_size",
+                 "tokenizer", "seed", "curriculum", "rank", "world_size", "long_doc_policy", "split_overlap")
+
+
+def _check_fields(state: dict, where: str) -> None:
+    """Check every field of a mixture state but its bucket states (checked when each bucket resumes, or
+    by merge_states): a ValueError naming the field."""
+    config = resume._fields(state["config"], f"{where}['config']", CONFIG_FIELDS, ())
+    names = resume._fields(config["buckets"], f"{where}['config']['buckets']", ())
+    for name, files in names.items():
+        resume._hex(files, f"{where}['config']['buckets'][{name!r}]")
+    for key in ("chunk_size", "B", "T", "buffer_size", "tokenizer_batch_size", "world_size"):
+        resume._int(config[key], f"{where}['config'][{key!r}]", 1)
+    if resume._int(config["rank"], f"{where}['config']['rank']") >= config["world_size"]:
+        raise ValueError(f"{where}['config']['rank'] is {config['rank']}, but world_size is {config['world_size']}")
+    phases = resume._list(config["curriculum"], f"{where}['config']['curriculum']")
+    for i, phase in enumerate(phases):
+        if not (isinstance(phase, list) and len(phase) == 2 and resume._is_int(phase[0]) and phase[0] >= 1
+                and isinstance(phase[1], list) and all(isinstance(p, list) and len(p) == 2 and p[0] in names
+                                                       for p in phase[1])):
+            raise ValueError(f"{where}['config']['curriculum'][{i}] must be [tokens, [[bucket, weight], ...]]")
+    resume._int(state["phase"], f"{where}['phase']", 1)
+    if state["phase"] > len(phases):
+        raise ValueError(f"{where}['phase'] is {state['phase']}, but the curriculum has {len(phases)} phases")
+    resume._int(state["tokens_done"], f"{where}['tokens_done']")
+    if resume._int(state["phase_tokens_done"], f"{where}['phase_tokens_done']") > state["tokens_done"]:
+        raise ValueError(f"{where}['phase_tokens_done'] is {state['phase_tokens_done']}, more than "
+                         f"tokens_done {state['tokens_done']}")
+    resume._int(state["position"], f"{where}['position']")
+    resume._int(state["generation"], f"{where}['generation']")
+    dropped = resume._list(state["dropped"], f"{where}['dropped']")
+    if not all(isinstance(name, str) and name in names for name in dropped) or len(set(dropped)) != len(dropped):
+        raise ValueError(f"{where}['dropped'] must list buckets of the mixture ({', '.join(names)}) once each, got "
+                         f"{reprlib.repr(dropped)}")
+    buckets = resume._fields(state["buckets"], f"{where}['buckets']", names, ())
+    for name, bucket in buckets.items():
+        resume._fields(bucket, f"{where}['buckets'][{name!r}]", ())
+    resume._check_emitted(state["emitted"], f"{where}['emitted']")
 
 
 def merge_mixture_states(states: list[dict], world_size: int, *, data_dir: str) -> dict:
@@ -645,8 +685,12 @@ def merge_mixture_states(states: list[dict], world_size: int, *, data_dir: str) 
     if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
         raise ValueError(f"world_size must be an integer >= 1, got {world_size!r}")
     for i, s in enumerate(states):
-        if not isinstance(s, dict) or s.get("loader") != "mixture" or s.get("checksum") != _checksum(s):
-            raise ValueError(f"states[{i}] is not an intact mixture loader state")
+        if not isinstance(s, dict) or s.get("loader") != "mixture" or s.get("version") != resume.VERSION:
+            raise ValueError(f"states[{i}] is not a mixture loader state (version 2, loader 'mixture')")
+        resume._fields(s, f"states[{i}]", FIELDS, ())
+        if not resume.intact(s, f"states[{i}]", _checksum):
+            raise ValueError(f"states[{i}]['checksum'] does not match its contents (edited or corrupted)")
+        _check_fields(s, f"states[{i}]")
     first = states[0]
     for i, s in enumerate(states):
         for key in ("tokens_done", "phase", "generation"):
@@ -656,8 +700,9 @@ def merge_mixture_states(states: list[dict], world_size: int, *, data_dir: str) 
         if {k: v for k, v in s["config"].items() if k != "rank"} != {k: v for k, v in first["config"].items()
                                                                      if k != "rank"}:
             raise ValueError(f"config: states[{i}] was taken on another configuration than states[0]")
-    per_bucket = {name: resume.merge_states([s["buckets"][name] for s in states], world_size, data_dir=data_dir,
-                                            epochs=1) for name in first["buckets"]}
+    per_bucket = {name: resume._merge_states([s["buckets"][name] for s in states], world_size, data_dir, 1,
+                                             [f"states[{i}]['buckets'][{name!r}]" for i in range(len(states))])
+                  for name in first["buckets"]}
     dropped = sorted(set.intersection(*(set(s["dropped"]) for s in states)))
     merged = []
     for q in range(world_size):
