@@ -42,7 +42,8 @@ the concatenating loader had started (from its first token not yet consumed: the
 last batch, if it fell there), so that loader skips no token across an elastic restart either.
 
 A state without "pieces" (or a config without "long_doc_policy") is read as "crop": states saved before
-the policies existed resume unchanged.
+the policies existed resume unchanged. Every field of a state is checked before it is used (check_fields,
+check_data): anything a loader would not have written is a ValueError naming the field.
 """
 
 import base64
@@ -429,7 +430,7 @@ def check_fields(state: dict, where: str = "resume_state_dict", loader_config: d
     if state["version"] != VERSION:
         raise ValueError(f"{where}['version'] is {reprlib.repr(state['version'])}; this loader reads version {VERSION}")
     loader = state["loader"]
-    if loader not in COUNTERS:
+    if not isinstance(loader, str) or loader not in COUNTERS:
         raise ValueError(f"{where}['loader'] must be 'bestfit' or 'concat', got {reprlib.repr(loader)}")
     _int(state["pq_idx"], f"{where}['pq_idx']")
     _int(state["rg_idx"], f"{where}['rg_idx']")
@@ -464,7 +465,8 @@ def check_fields(state: dict, where: str = "resume_state_dict", loader_config: d
         limit = max(limit, buffer_limit(loader_config, loader))
     if buffered - pieces > limit:
         raise ValueError(f"{where}['buffer'] holds {buffered - pieces} whole documents, more than the {limit} a "
-                         f"{loader} loader with this config keeps")
+                         f"{loader} loader with this config keeps (a loader that keeps as many can resume it, "
+                         "with allow_state_mismatch=True)")
     offset = _int(state["offset"], f"{where}['offset']")
     if offset and (loader == "bestfit" or not buffered):
         raise ValueError(f"{where}['offset'] must be 0 " + ("for a best-fit state" if loader == "bestfit" else

@@ -2,7 +2,8 @@
 The loaders (nanochat/dataloader.py) against the seeds' oracle (tests/oracle.py), token for token:
 random shards (uneven row groups, empty texts, documents longer than a row), batch shapes, buffer
 and tokenizer batch sizes, ranks and world sizes, across epoch boundaries, with and without the
-background threads, and resumed from a yielded state. Then bad input, background failures, shutdown,
+background threads, and resumed from a yielded state. Then bad input, background failures, shutdown
+(close() while a tokenizer call runs, and the interpreter's exit during one),
 CUDA transfer (skipped without a GPU), and tokenizers that return lists of ints (nanochat's) or other
 arrays against our numpy path. Multi-process sharding lives in test_distributed.py.
 Run: python -m pytest tests/test_dataloader.py -q
@@ -506,6 +507,120 @@ def test_a_loader_never_closed_stops_its_threads_at_exit(small_dir):
     running, at_exit = result.stdout.splitlines()
     assert "nanochat-packing" in running and "nanochat-tokenize" in running
     assert at_exit == "at exit: []"
+
+
+class SlowTokenizer(ByteTokenizer):
+    """A byte tokenizer whose calls on the loader's threads sleep `delay` seconds first: a long call that
+    nothing interrupts. Counts the calls started and ended."""
+
+    def __init__(self, delay: float):
+        self.delay, self.started, self.ended = delay, 0, 0
+        self.in_call = threading.Event()
+
+    def encode(self, texts, prepend=None, num_threads=1):
+        if threading.current_thread().name.startswith("nanochat-"):  # (not the fingerprint's call, at the start)
+            self.started += 1
+            self.in_call.set()
+            time.sleep(self.delay)
+            self.ended += 1
+        return super().encode(texts, prepend, num_threads)
+
+
+class SlowArrayTokenizer(SlowTokenizer):
+    """The same with encode_to_arrays, as ours: the loader keeps two calls running at once."""
+
+    def encode_to_arrays(self, texts, prepend=None, num_threads=1):
+        return [np.array(ids, dtype=np.uint16) for ids in self.encode(texts, prepend, num_threads)]
+
+
+@pytest.mark.parametrize("tokenizer", [SlowTokenizer, SlowArrayTokenizer])
+def test_close_returns_while_a_tokenizer_call_runs(tokenizer, small_dir):
+    tok = tokenizer(delay=3.0)
+    loader = BESTFIT(tok, 2, 8, "train", device="cpu", data_dir=small_dir, prefetch=2)
+    got = []
+
+    def consume():  # waits in next() for the first batch, which the tokenizer holds up
+        try:
+            got.append(next(loader))
+        except StopIteration:
+            got.append("StopIteration")
+
+    consumer = threading.Thread(target=consume)
+    consumer.start()
+    assert tok.in_call.wait(10)
+    t0 = time.monotonic()
+    loader.close()
+    assert time.monotonic() - t0 < 1.5, "close() waited for the tokenizer call"
+    started = tok.started
+    consumer.join(2)
+    assert not consumer.is_alive() and got == ["StopIteration"]  # the waiting next() ends: nothing came out
+    for _ in range(2):
+        with pytest.raises(StopIteration):
+            next(loader)
+    threads = loader_threads()
+    assert threads, "a thread should still be inside the call"
+    for thread in threads:  # each ends when its call does (3 s after it started)
+        thread.join(10)
+    assert [t.name for t in threads if t.is_alive()] == []
+    assert tok.ended == tok.started == started >= 1  # the calls running at close() ended, and none started after
+
+
+@pytest.mark.parametrize("prefetch", [0, 3])
+def test_nothing_comes_out_after_close(prefetch, small_dir):
+    loader = BESTFIT(ByteTokenizer(), 2, 8, "train", device="cpu", data_dir=small_dir, prefetch=prefetch)
+    next(loader)
+    deadline = time.monotonic() + 10
+    while prefetch and not loader._source._items and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert not prefetch or loader._source._items, "not vacuous: the next batches are ready"
+    loader.close()
+    for _ in range(2):
+        with pytest.raises(StopIteration):  # as from a closed generator
+            next(loader)
+    assert list(loader) == []
+    assert wait_for_no_loader_threads() == []
+
+
+BUSY_EXIT_SCRIPT = """
+import sys, threading, time
+import torch
+sys.path.insert(0, "tests")
+from conftest import ByteTokenizer
+from nanochat.dataloader import tokenizing_distributed_data_loader_bos_bestfit
+torch.set_num_threads(1)
+in_call = threading.Event()
+
+class Busy(ByteTokenizer):  # once `busy`, each call spends 1.5 s in torch's C++ code, without the GIL
+    busy = False
+
+    def encode(self, texts, prepend=None, num_threads=1):
+        if self.busy:
+            print("call started", flush=True)
+            in_call.set()
+            a, t0 = torch.randn(500, 500), time.monotonic()
+            while time.monotonic() - t0 < 1.5:
+                a @ a
+            print("call ended", flush=True)
+        return super().encode(texts, prepend, num_threads)
+
+tokenizer = Busy()
+loader = tokenizing_distributed_data_loader_bos_bestfit(tokenizer, 2, 8, "train", device="cpu", data_dir=sys.argv[1],
+                                                        prefetch=2)
+next(loader)
+tokenizer.busy = True
+in_call.wait(30)
+print("exiting", flush=True)
+"""
+
+
+def test_exit_during_a_tokenizer_call_is_clean(small_dir):
+    # the script ends while a loader thread is inside a C++ call: the interpreter must neither abort ('terminate
+    # called without an active exception', as a daemon thread cut off there does) nor start another call
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    result = subprocess.run([sys.executable, "-c", BUSY_EXIT_SCRIPT, small_dir], cwd=root, env=worker_env(),
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0 and "terminate called" not in result.stderr, result.stderr
+    assert result.stdout.splitlines() == ["call started", "exiting", "call ended"]
 
 
 # -----------------------------------------------------------------------------

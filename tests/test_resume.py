@@ -10,30 +10,40 @@ Exact and elastic resume (nanochat/resume.py and the version-2 states of nanocha
   what allow_state_mismatch=True accepts instead, and the seeds' {pq_idx, rg_idx, epoch} form;
 - statistics that continue across a resume;
 - merge_states: its errors, and an elastic N -> M restart in one process where every document
-  not yet trained on is placed exactly once (checked on document traces and on the tokens).
+  not yet trained on is placed exactly once (checked on document traces and on the tokens);
+- every field checked: a hypothesis property edits real states of every loader (and states to merge) at
+  random and reseals them: each resumes, or is refused with a ValueError naming the edited field, within
+  a time and memory bound; and worked examples, field by field.
 Run: python -m pytest tests/test_resume.py -q
 """
 
+import contextlib
 import copy
 import hashlib
 import io
 import json
 import random
+import signal
+import tracemalloc
 from collections import Counter
 
 import numpy as np
 import pyarrow.parquet as pq
 import pytest
 import torch
+from hypothesis import event, given, settings, strategies as st
 
 import oracle
 from conftest import ByteTokenizer, write_shard, write_shards
 from nanochat.dataloader import (
+    pretokenized_distributed_data_loader_with_state_bos_bestfit as PRETOKENIZED,
     tokenizing_distributed_data_loader_with_state,
     tokenizing_distributed_data_loader_with_state_bos_bestfit,
 )
 from nanochat.dataset import split_parquet_files
 from nanochat import resume
+from nanochat.mixture import MixtureStop, _seal as mixture_seal, pretokenized_mixture_loader_with_state_bos_bestfit as MIX
+from nanochat.pretokenize import write_token_shard
 from nanochat.resume import RowGroupIndex, decode_keys, decode_plan, merge_states
 
 BESTFIT = tokenizing_distributed_data_loader_with_state_bos_bestfit
@@ -150,14 +160,19 @@ def check_rows_against_trace(batch, trace, texts):
 SMALL = dict(B=2, T=16, tokenizer_batch_size=4, buffer_size=5, rank=0, world_size=1, prefetch=0)
 
 
-@pytest.fixture
-def small(tmp_path):
+def write_small(data_dir) -> dict:
     """3 train shards (row groups of 6, 5 and 7) and a val shard: texts of 0 to 40 characters."""
     rng = random.Random(11)
+    data_dir.mkdir(parents=True, exist_ok=True)
     for i, (n, rg) in enumerate([(40, 6), (33, 5), (45, 7), (30, 6)]):
         texts = ["".join(rng.choice("pqrstu ") for _ in range(rng.randint(0, 40))) for _ in range(n)]
-        write_shard(tmp_path / f"shard_{i:05d}.parquet", texts, row_group_size=rg)
-    return dict(SMALL, data_dir=str(tmp_path))
+        write_shard(data_dir / f"shard_{i:05d}.parquet", texts, row_group_size=rg)
+    return dict(SMALL, data_dir=str(data_dir))
+
+
+@pytest.fixture
+def small(tmp_path):
+    return write_small(tmp_path)
 
 
 # -----------------------------------------------------------------------------
@@ -856,3 +871,320 @@ def test_elastic_restart_with_split_policies(policy, overlap, n_old, n_new, k, t
     else:  # the grid's pieces, each placed (or still waiting) exactly once
         assert Counter([(key, start) for key, start, _ in mine] + waiting) == Counter(
             (key, start) for key in old_epochs for start in grid(key)[0])
+
+
+# -----------------------------------------------------------------------------
+# 9. every field of a state is checked: a state resealed after an edit (or one given with
+#    allow_state_mismatch=True) resumes, or is refused with a ValueError that names the field; never
+#    another error from deep inside, a hang, or a large allocation
+
+
+def write_token_dir(directory, seed: int, n_docs: int = 40):
+    """Two pretokenized shards of documents of 1 to 30 byte tokens after BOS."""
+    rng = np.random.default_rng(seed)
+    directory.mkdir(parents=True, exist_ok=True)
+    for s in range(2):
+        docs = [np.concatenate(([BOS], rng.integers(0, 256, size=rng.integers(0, 30)))).astype(np.uint16)
+                for _ in range(n_docs)]
+        write_token_shard(str(directory / f"shard_{s:03d}"), docs, [0] * n_docs, np.uint16)
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """Real states of real loaders, and how to resume from them:
+    - resumes: kind -> (state, open(state, allow_state_mismatch) -> loader): best-fit under "crop" and
+      "split_reuse" (buffered pieces), concatenating (an offset), rank 1's part of a merge for 3 ranks (plans
+      of rows, pieces and bitmaps), pretokenized, and a mixture's;
+    - ranks: kind -> (the states of 2 ranks at one step, merge(states) -> the first new rank's loader)."""
+    root = tmp_path_factory.mktemp("saved")
+    cfg = write_small(root / "parquet")
+    split = dict(cfg, split_overlap=2)
+    for split_name, seed in (("train", 1), ("val", 2)):
+        write_token_dir(root / "tokens" / split_name, seed)
+        for bucket, bucket_seed in (("web", 3), ("code", 4)):
+            write_token_dir(root / "mix" / split_name / bucket, seed * 10 + bucket_seed)
+    tok = dict(device="cpu", buffer_size=4, chunk_size=8, batch_size=3, prefetch=0)
+    curriculum = [{"tokens": 600, "mix": {"web": 0.5, "code": 0.5}}, {"tokens": 600, "mix": {"code": 1.0}}]
+
+    def pretokenized(state, allow=False, **over):
+        return PRETOKENIZED(2, 16, "train", resume_state_dict=state, allow_state_mismatch=allow,
+                            data_dir=str(root / "tokens"), **tok, **over)
+
+    def mixture(state, allow=False, **over):
+        return MIX(2, 16, "train", curriculum, resume_state_dict=state, allow_state_mismatch=allow,
+                   data_dir=str(root / "mix"), **tok, **over)
+
+    def state_of(open_loader, k, **over):
+        loader = open_loader(None, **over)
+        state = take(loader, k)[-1][2]
+        loader.close()
+        return state
+
+    split_ranks = rank_states("split_reuse", split, 2, 5)
+    mixture_ranks = [state_of(mixture, 4, rank=r, world_size=2) for r in range(2)]
+    merged = merge_states(split_ranks, 3, data_dir=cfg["data_dir"])
+    resumes = {
+        "bestfit": (state_after("bestfit", cfg, 6), lambda state, allow: open_loader(
+            "bestfit", cfg, resume_state_dict=state, allow_state_mismatch=allow)),
+        "split_reuse": (state_after("split_reuse", split, 6), lambda state, allow: open_loader(
+            "split_reuse", split, resume_state_dict=state, allow_state_mismatch=allow)),
+        "concat": ([s for _, _, s in take(open_loader("concat", cfg), 12) if s["offset"]][-1],
+                   lambda state, allow: open_loader("concat", cfg, resume_state_dict=state,
+                                                    allow_state_mismatch=allow)),
+        "merged": (merged, lambda state, allow: open_loader("split_reuse", split, resume_state_dict=state,
+                                                            allow_state_mismatch=allow, rank=1, world_size=3)),
+        "pretokenized": (state_of(pretokenized, 6), pretokenized),
+        "mixture": (state_of(mixture, 6), mixture),
+    }
+    ranks = {
+        "split_reuse": (split_ranks, lambda states: open_loader("split_reuse", split, rank=0, world_size=3,
+                        resume_state_dict=merge_states(states, 3, data_dir=cfg["data_dir"]))),
+        "mixture": (mixture_ranks, lambda states: mixture(merge_states(states, 3, data_dir=str(root / "mix")),
+                                                          rank=0, world_size=3)),
+    }
+    # not vacuous: the fields that need the most checking are there
+    assert resumes["split_reuse"][0]["pieces"] and resumes["concat"][0]["offset"] > 0
+    assert any("pieces" in item for item in merged["states"][1]["plan"])
+    assert any("row_groups" in item for item in merged["states"][1]["plan"])
+    assert all(b["buffer"] for s in mixture_ranks + [resumes["mixture"][0]] for b in s["buckets"].values())
+    return {"resumes": resumes, "ranks": ranks}
+
+
+def paths_of(value, path=()):
+    """The path (keys and indices) of every part of a plain-data value, under `path`."""
+    yield path
+    if isinstance(value, dict):
+        for key, item in value.items():
+            yield from paths_of(item, path + (key,))
+    elif isinstance(value, list):
+        for i, item in enumerate(value):
+            yield from paths_of(item, path + (i,))
+
+
+GARBAGE = [None, True, 1.5, "x", "", "0" * 32, "zz" * 16, -1, 0, 1, 7, 10**6, 10**18, -10**9, [], {}, [[]],
+           [0, -10**6], [0, -10**9], [[0, 5]], {"a": [None, {"b": []}]}]
+
+
+def mutate(state, data) -> tuple:
+    """Change one part of state in place, as drawn: replaced by garbage, an int nudged, a key or an
+    item deleted, or one added. Returns its path."""
+    path = data.draw(st.sampled_from(list(paths_of(state))[1:]), label="path")
+    parent = state
+    for key in path[:-1]:
+        parent = parent[key]
+    key, value = path[-1], parent[path[-1]]
+    how = data.draw(st.sampled_from(["replace", "nudge", "delete", "add"]), label="how")
+    garbage = copy.deepcopy(data.draw(st.sampled_from(GARBAGE), label="garbage"))
+    if how == "nudge" and isinstance(value, int) and not isinstance(value, bool):
+        parent[key] = value + data.draw(st.sampled_from([-1, 1, 3, 10**6, -10**9]), label="by")
+    elif how == "delete":
+        del parent[key]
+    elif how == "add" and isinstance(value, dict):
+        value["junk"] = garbage
+        path += ("junk",)
+    elif how == "add" and isinstance(value, list):
+        value.append(garbage)
+    else:
+        parent[key] = garbage
+    return path
+
+
+def reseal(state) -> None:
+    """Make every checksum of an edited state match its contents again, as a hand edit can."""
+    if not isinstance(state, dict):
+        return
+    if "merged" in state:
+        for s in (state["states"] if isinstance(state.get("states"), list) else ()):
+            reseal(s)
+    elif state.get("loader") == "mixture":
+        for bucket in (state["buckets"].values() if isinstance(state.get("buckets"), dict) else ()):
+            reseal(bucket)
+        mixture_seal(state)
+    else:
+        resume.seal(state)
+
+
+# fields an error may name instead of the edited one (a shorter buffer leaves its pieces or offset pointing
+# past it; what a merge deals becomes a plan)
+RELATED = {"buffer": ("pieces", "offset", "plan"), "pieces": ("plan",), "offset": ("plan",), "next": ("plan",)}
+
+
+def names_it(message: str, path: tuple) -> bool:
+    """Whether an error names the edited part: a key on its path, or a field related to one."""
+    names = [key for key in path if isinstance(key, str)]
+    names += [name for key in names for name in RELATED.get(key, ())]
+    return any(name in message for name in names)
+
+
+@contextlib.contextmanager
+def bounded(seconds: float = 20, megabytes: float = 64):
+    """Fail a body that runs longer (a hang) or allocates more at its peak (Python and numpy memory)."""
+    def timeout(*_):
+        raise TimeoutError(f"still running after {seconds} s")
+    previous = signal.signal(signal.SIGALRM, timeout)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    tracemalloc.start()
+    try:
+        yield
+    finally:  # (also when the body raised: it must not have allocated much first)
+        peak = tracemalloc.get_traced_memory()[1]
+        tracemalloc.stop()
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+        assert peak < megabytes * 2**20, f"allocated {peak / 2**20:.0f} MB"
+
+
+@settings(max_examples=150, deadline=None)
+@given(data=st.data())
+def test_every_field_of_an_edited_state_is_checked(saved, data):
+    kind = data.draw(st.sampled_from(sorted(saved["resumes"])), label="kind")
+    state, open_resumed = copy.deepcopy(saved["resumes"][kind][0]), saved["resumes"][kind][1]
+    path = mutate(state, data)
+    if path[-1] != "checksum":
+        reseal(state)
+    allow = data.draw(st.booleans(), label="allow_state_mismatch")
+    with bounded():
+        try:
+            loader = open_resumed(state, allow)
+            for _ in range(2):
+                next(loader)
+            event("resumed")
+        except ValueError as e:
+            assert names_it(str(e), path), f"{e} (edited: {path})"
+            event("refused")
+        except MixtureStop:  # an edited mixture state can validly say that the curriculum is done
+            event("resumed")
+
+
+@settings(max_examples=40, deadline=None)
+@given(data=st.data())
+def test_every_field_of_an_edited_state_to_merge_is_checked(saved, data):
+    kind = data.draw(st.sampled_from(sorted(saved["ranks"])), label="kind")
+    states, merge_and_open = copy.deepcopy(saved["ranks"][kind][0]), saved["ranks"][kind][1]
+    i = data.draw(st.integers(0, len(states) - 1), label="rank")
+    path = mutate(states[i], data)
+    if path[-1] != "checksum":
+        reseal(states[i])
+    with bounded():
+        try:
+            next(merge_and_open(states))
+            event("merged and resumed")
+        except ValueError as e:
+            assert names_it(str(e), path), f"{e} (edited: {path} of states[{i}])"
+            event("refused")
+        except MixtureStop:
+            event("merged and resumed")
+
+
+def set_path(path, value):
+    """An edit: state[path[0]][path[1]]... = value."""
+    def edit(state):
+        for key in path[:-1]:
+            state = state[key]
+        state[path[-1]] = value
+    return edit
+
+
+def first_rows_item(state) -> dict:
+    return next(item for item in state["states"][1]["plan"] if "rows" in item)
+
+
+def first_bitmap_item(state) -> dict:
+    return next(item for item in state["states"][1]["plan"] if "row_groups" in item)
+
+
+@pytest.mark.parametrize("kind,edit,reseal_it,match", [
+    # the two reported: a counter that is not one became a packer attribute; a run of a billion rows
+    ("bestfit", set_path(["counters", "fill"], None), True, r"\['counters'\] has an unknown counter 'fill'"),
+    ("bestfit", set_path(["counters", "fill"], None), False, r"\['counters'\] has an unknown counter 'fill'"),
+    ("bestfit", set_path(["buffer", 0, 3], [0, -10**9]), True,
+     r"\['buffer'\] holds 100000000\d whole documents, more than the 21 a bestfit loader"),
+    ("bestfit", set_path(["counters", "tokens_in"], None), True,
+     r"\['counters'\]\['tokens_in'\] must be an int >= 0, got None"),
+    ("bestfit", set_path(["counters", "rows"], -5), True, r"\['counters'\]\['rows'\] must be an int >= 0, got -5"),
+    ("bestfit", set_path(["buffer", 0, 3], [0, -10]), True,
+     r"\['buffer'\]\[0\] refers to row 10 of shard_00000.parquet row group 0, which has 6 rows"),
+    ("bestfit", set_path(["buffer", 0, 1], 9), True, r"\['buffer'\]\[0\] refers to file 9, row group 0"),
+    ("bestfit", set_path(["buffer", 0, 3], [-1, 3]), True, r"\['buffer'\]\[0\] must be a non-empty list of rows"),
+    ("bestfit", set_path(["buffer", 0], [1, 0, 0]), True, r"\['buffer'\]\[0\] must be \[epoch >= 1, pq_idx"),
+    ("bestfit", set_path(["next"], [1, 0, 4]), True, r"\['next'\] must be \[epoch >= 1, pq_idx, rg_idx, row\]"),
+    ("bestfit", set_path(["next", 3], 10**6), True, r"\['next'\] = \[1, 0, 4, 1000000\] is not a place where rank 0"),
+    ("bestfit", set_path(["next", 1], 3), True, r"\['next'\] = \[1, 3, 4, 0\] is not a place"),
+    ("bestfit", set_path(["emitted", "hash"], "zz" * 16), True,
+     r"\['emitted'\]\['hash'\] must be 32 lowercase hex digits"),
+    ("bestfit", set_path(["emitted", "batches"], -1), True, r"\['emitted'\]\['batches'\] must be an int >= 0"),
+    ("bestfit", set_path(["emitted", "junk"], 1), True, r"\['emitted'\] has an unknown field 'junk'"),
+    ("bestfit", set_path(["offset"], 1), True, r"\['offset'\] must be 0 for a best-fit state, got 1"),
+    ("bestfit", set_path(["epoch"], 0), True, r"\['epoch'\] must be an int >= 1, got 0"),
+    ("bestfit", set_path(["pq_idx"], 10**9), True, r"\['pq_idx'\], \['rg_idx'\] = 1000000000, 3: a row group"),
+    ("bestfit", set_path(["loader"], ["bestfit"]), True, r"\['loader'\] must be 'bestfit' or 'concat'"),
+    ("bestfit", set_path(["loader"], "concat"), True, r"\['config'\]\['loader'\] is 'bestfit', but the state is"),
+    ("bestfit", set_path(["junk"], 1), True, r"resume_state_dict has an unknown field 'junk'"),
+    ("bestfit", set_path(["config", "rank"], 5), True, r"\['config'\]\['rank'\] is 5, but world_size is 1"),
+    ("bestfit", set_path(["config", "T"], "16"), True, r"\['config'\]\['T'\] must be an int >= 1, got '16'"),
+    ("bestfit", set_path(["config", "junk"], None), True, r"\['config'\] has an unknown field 'junk'"),
+    ("bestfit", set_path(["config", "split_overlap"], 3), True, r"\['config'\]\['split_overlap'\] must be an int in"),
+    ("bestfit", set_path(["checksum"], "x"), False, r"\['checksum'\] must be 32 lowercase hex digits"),
+    ("bestfit", set_path(["counters", "rows"], b"12"), False, r"resume_state_dict is not plain data"),
+    # pieces (split documents), and the concatenating loader's offset: checked against the documents' lengths
+    ("split_reuse", set_path(["pieces"], [[1, 0], [0, 0]]), True, r"\['pieces'\]: \[0, 0\] is not \[index, start\]"),
+    ("split_reuse", set_path(["pieces"], [[10**6, 0]]), True, r"\['pieces'\]: \[1000000, 0\] is not \[index, start\]"),
+    ("split_reuse", set_path(["pieces", 0, 1], 10**6), True, r"\['pieces'\] starts buffered entry \d+ at token 1000000"),
+    ("concat", set_path(["offset"], 10**6), True, r"\['offset'\] is 1000000, but the first buffered entry has \d+"),
+    ("concat", set_path(["buffer"], []), True, r"\['offset'\] must be 0 when the buffer is empty"),
+    ("concat", set_path(["counters", "docs_split"], 0), True, r"\['counters'\] has an unknown counter 'docs_split'"),
+    # a merge: its envelope, and rank 1's plan (rows, pieces, bitmaps)
+    ("merged", set_path(["merged"], 3), True, r"resume_state_dict\['merged'\] must be a dict, got int"),
+    ("merged", set_path(["states", 1], "x"), True, r"resume_state_dict\['states'\]\[1\] must be a dict, got str"),
+    ("merged", lambda s: first_bitmap_item(s).update(row_groups="!!!!"), True,
+     r"\['states'\]\[1\]\['plan'\]\[\d+\]\['row_groups'\] must be the base64 bitmap of 21 row groups"),
+    ("merged", lambda s: first_bitmap_item(s).update(row_groups="AA==", total=8), True,
+     r"\['states'\]\[1\]\['plan'\]\[\d+\]\['total'\] is 8, but the data has 21 row groups"),
+    ("merged", lambda s: first_rows_item(s).update(rows=[0, -10**6]), True,
+     r"\['states'\]\[1\]\['plan'\]\[\d+\]\['rows'\] refers to row 1000000 of shard_0000\d.parquet"),
+    ("merged", lambda s: first_rows_item(s).update(rows=[0, 1, 0, 1, 0, 1, 0, 1, 0]), True,
+     r"\['states'\]\[1\]\['plan'\]\[\d+\]\['rows'\] lists 9 whole documents of a row group that has [5-7]"),
+    ("merged", lambda s: first_rows_item(s).update(rows=[0], pieces=[[0, 10**6]]), True,
+     r"\['states'\]\[1\]\['plan'\] deals document \(1, \d, \d, 0\) from token 1000000, but it has \d+"),
+    # the pretokenized loader's chunks, and a mixture's own fields and its buckets' states
+    ("pretokenized", set_path(["buffer", 0, 3], [9]), True,
+     r"\['buffer'\]\[0\] refers to row 9 of shard_00\d.bin chunk \d+, which has 8 rows"),
+    ("mixture", set_path(["dropped"], ["nope"]), True, r"\['dropped'\] must list buckets of the mixture"),
+    ("mixture", lambda s: s["buckets"].pop("code"), True, r"\['buckets'\] is missing 'code'"),
+    ("mixture", set_path(["phase"], 0), True, r"\['phase'\] must be an int >= 1, got 0"),
+    ("mixture", set_path(["phase"], 3), True, r"\['phase'\] is 3, but the curriculum has 2 phases"),
+    ("mixture", set_path(["phase_tokens_done"], 10**9), True, r"\['phase_tokens_done'\] is 1000000000, more than"),
+    ("mixture", set_path(["buckets", "web", "counters", "fill"], None), True,
+     r"resume_state_dict\['buckets'\]\['web'\]\['counters'\] has an unknown counter 'fill'"),
+    ("mixture", set_path(["buckets", "code", "next", 3], 10**6), True,
+     r"resume_state_dict\['buckets'\]\['code'\]\['next'\] = .* is not a place"),
+])
+def test_edited_fields_are_refused_by_name(saved, kind, edit, reseal_it, match):
+    state, open_resumed = copy.deepcopy(saved["resumes"][kind][0]), saved["resumes"][kind][1]
+    edit(state)
+    if reseal_it:
+        reseal(state)
+    with bounded(), pytest.raises(ValueError, match=match):
+        loader = open_resumed(state, not reseal_it)  # not resealed: given with allow_state_mismatch=True
+        for _ in range(2):
+            next(loader)
+
+
+@pytest.mark.parametrize("kind,i,edit,match", [
+    ("split_reuse", 1, set_path(["next", 0], 10**9),
+     r"states\[1\]\['next'\] is in epoch 1000000000, 999999999 past another rank's, more than the \d+ tokens"),
+    ("split_reuse", 0, set_path(["buffer", 0, 3], [0, -10**9]), r"states\[0\]\['buffer'\] holds 100000000\d whole"),
+    ("split_reuse", 1, set_path(["counters", "fill"], None), r"states\[1\]\['counters'\] has an unknown counter"),
+    ("split_reuse", 1, set_path(["offset"], 2), r"states\[1\]\['offset'\] must be 0 for a best-fit state"),
+    ("mixture", 1, set_path(["buckets", "code", "buffer", 0, 3], [0, -10**9]),
+     r"states\[1\]\['buckets'\]\['code'\]\['buffer'\] holds 100000000\d whole"),
+    ("mixture", 1, set_path(["buckets", "web", "next", 0], 10**9),
+     r"states\[1\]\['buckets'\]\['web'\]\['next'\] is in epoch 1000000000"),
+    ("mixture", 0, set_path(["generation"], -1), r"states\[0\]\['generation'\] must be an int >= 0, got -1"),
+])
+def test_edited_states_to_merge_are_refused_by_name(saved, kind, i, edit, match):
+    states, merge_and_open = copy.deepcopy(saved["ranks"][kind][0]), saved["ranks"][kind][1]
+    edit(states[i])
+    reseal(states[i])
+    with bounded(seconds=10), pytest.raises(ValueError, match=match):
+        merge_and_open(states)
