@@ -655,8 +655,9 @@ def _check_fields(state: dict, where: str) -> None:
     phases = resume._list(config["curriculum"], f"{where}['config']['curriculum']")
     for i, phase in enumerate(phases):
         if not (isinstance(phase, list) and len(phase) == 2 and resume._is_int(phase[0]) and phase[0] >= 1
-                and isinstance(phase[1], list) and all(isinstance(p, list) and len(p) == 2 and isinstance(p[0], str) and p[0] in names
-                                                       for p in phase[1])):
+                and isinstance(phase[1], list)
+                and all(isinstance(p, list) and len(p) == 2 and isinstance(p[0], str) and p[0] in names
+                        for p in phase[1])):
             raise ValueError(f"{where}['config']['curriculum'][{i}] must be [tokens, [[bucket, weight], ...]]")
     resume._int(state["phase"], f"{where}['phase']", 1)
     if state["phase"] > len(phases):

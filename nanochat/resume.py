@@ -225,7 +225,8 @@ def decode_plan(items, index: RowGroupIndex) -> list[Unit]:
     units: list[Unit] = []
     for item in items:
         if "row_groups" in item:
-            units += [(item["epoch"], *index.locate(g), None, None) for g in decode_bitmap(item["row_groups"], index.total)]
+            groups = decode_bitmap(item["row_groups"], index.total)
+            units += [(item["epoch"], *index.locate(g), None, None) for g in groups]
         else:
             rows = tuple(decode_rows(item["rows"]))
             starts = tuple(decode_pieces(item["pieces"], len(rows))) if "pieces" in item else None
@@ -498,9 +499,10 @@ def check_data(state: dict, index: RowGroupIndex, where: str = "resume_state_dic
             raise ValueError(f"{at} refers to file {pq_idx}, {unit} {rg_idx}, which the data does not have (it has "
                              f"{files} files): the state does not match the data")
         count, largest = _runs(runs, at)
-        if largest >= index.rows(pq_idx, rg_idx):
+        n = index.rows(pq_idx, rg_idx)
+        if largest >= n:
             raise ValueError(f"{at} refers to row {largest} of {os.path.basename(index.paths[pq_idx])} {unit} "
-                             f"{rg_idx}, which has {index.rows(pq_idx, rg_idx)} rows: the state does not match the data")
+                             f"{rg_idx}, which has {n} rows: the state does not match the data")
         return count
 
     pq_idx, rg_idx = state["pq_idx"], state["rg_idx"]
@@ -533,7 +535,8 @@ def rank_state(merged: dict, rank: int, world_size: int, where: str = "resume_st
     """This rank's part of merge_states' result (every new rank is given all of it), and what messages call it."""
     _fields(merged, where, ("version", "merged", "states"), ())
     if merged["version"] != VERSION:
-        raise ValueError(f"{where}['version'] is {reprlib.repr(merged['version'])}; this loader reads version {VERSION}")
+        raise ValueError(f"{where}['version'] is {reprlib.repr(merged['version'])}; this loader reads "
+                         f"version {VERSION}")
     info, states = merged["merged"], _list(merged["states"], f"{where}['states']")
     _fields(info, f"{where}['merged']", ("from_world_size", "world_size"), ())
     _int(info["from_world_size"], f"{where}['merged']['from_world_size']", 1)

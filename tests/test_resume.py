@@ -42,7 +42,8 @@ from nanochat.dataloader import (
 )
 from nanochat.dataset import split_parquet_files
 from nanochat import resume
-from nanochat.mixture import MixtureStop, _seal as mixture_seal, pretokenized_mixture_loader_with_state_bos_bestfit as MIX
+from nanochat.mixture import MixtureStop, _seal as mixture_seal
+from nanochat.mixture import pretokenized_mixture_loader_with_state_bos_bestfit as MIX
 from nanochat.pretokenize import write_token_shard
 from nanochat.resume import RowGroupIndex, decode_keys, decode_plan, merge_states
 
@@ -1129,7 +1130,8 @@ def first_bitmap_item(state) -> dict:
     # pieces (split documents), and the concatenating loader's offset: checked against the documents' lengths
     ("split_reuse", set_path(["pieces"], [[1, 0], [0, 0]]), True, r"\['pieces'\]: \[0, 0\] is not \[index, start\]"),
     ("split_reuse", set_path(["pieces"], [[10**6, 0]]), True, r"\['pieces'\]: \[1000000, 0\] is not \[index, start\]"),
-    ("split_reuse", set_path(["pieces", 0, 1], 10**6), True, r"\['pieces'\] starts buffered entry \d+ at token 1000000"),
+    ("split_reuse", set_path(["pieces", 0, 1], 10**6), True,
+     r"\['pieces'\] starts buffered entry \d+ at token 1000000"),
     ("concat", set_path(["offset"], 10**6), True, r"\['offset'\] is 1000000, but the first buffered entry has \d+"),
     ("concat", set_path(["buffer"], []), True, r"\['offset'\] must be 0 when the buffer is empty"),
     ("concat", set_path(["counters", "docs_split"], 0), True, r"\['counters'\] has an unknown counter 'docs_split'"),
