@@ -814,9 +814,9 @@ class DataLoader:
 
     def close(self) -> None:
         """Stop the background threads and end the iteration: every later next() raises StopIteration,
-        as for a closed generator (a batch already prepared is dropped). Idempotent; returns within a
-        second: a thread inside a long call (one tokenizer call) ends when that call returns, and
-        starts no other."""
+        as for a closed generator (a batch already prepared is dropped), or the failure that stopped the
+        loader. Idempotent; returns within a second: a thread inside a long call (one tokenizer call)
+        ends when that call returns, and starts no other."""
         self._closed = True
         source = self._source if self._source is not None else getattr(self, "_batches", None)
         if source is not None:
