@@ -452,8 +452,10 @@ def _flag_group(world_size: int):
     import torch.distributed as dist
     if world_size == 1 or not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() != world_size:
         return None
+    if dist.get_backend() == "gloo":
+        return dist.group.WORLD
     if not _FLAG_GROUP:
-        _FLAG_GROUP.append(dist.group.WORLD if dist.get_backend() == "gloo" else dist.new_group(backend="gloo"))
+        _FLAG_GROUP.append(dist.new_group(backend="gloo"))
     return _FLAG_GROUP[0]
 
 
@@ -493,7 +495,11 @@ class MixtureLoader(DataLoader):
     def __init__(self, *args, start_state=None, world_size=1, **kwargs):
         super().__init__(*args, **kwargs)
         self.last_state = start_state
-        self._group = _flag_group(world_size)
+        # Looked up at each step, never kept: a loader held until the interpreter's exit (in a reference
+        # cycle, or never closed) would keep a gloo group alive after destroy_process_group(), and its worker
+        # thread then frees the flag tensors while Python is shutting down, which aborts the process.
+        self._world_size = world_size
+        _flag_group(world_size)  # made now, on every rank in the same order
         self._told_failure = False
 
     def __next__(self):
@@ -504,12 +510,12 @@ class MixtureLoader(DataLoader):
         except Exception:
             if not self._told_failure:  # pair with the other ranks' flag exchange of this step
                 self._told_failure = True
-                _agree(self.FAILED, self._group)
+                _agree(self.FAILED, _flag_group(self._world_size))
             raise
 
     def _check(self, extras: dict) -> None:
         stop = extras.get("stop")
-        code = _agree(self.STOP_CODES[stop[0] if stop else None], self._group)
+        code = _agree(self.STOP_CODES[stop[0] if stop else None], _flag_group(self._world_size))
         if not code:
             self.last_state = extras["state"]
         if code == self.FAILED:
