@@ -6,8 +6,8 @@ Offline, on CPU, about 1.5 minutes per layout on 2 cores:
 
     python -m scripts.nanochat_dropin ~/nanochat --python ~/nanochat/.venv/bin/python --layout climbmix
 
-For each side ("orig": the checkout as it is; "ours": our dataset, dataloader, tokenizer, packing, resume,
-pretokenize and mixture modules copied beside nanochat's common.py) it lays out the same shards of English
+For each side ("orig": the checkout as it is; "ours": our dataset, download, dataloader, tokenizer, packing,
+resume, pretokenize and mixture modules copied beside nanochat's common.py) it lays out the same shards of English
 prose (the Python reference manual and standard-library docstrings), sets only NANOCHAT_BASE_DIR, and runs
 scripts.tok_train, tests/test_tokenizer.py, scripts.base_train (a tiny CPU model), scripts.base_eval
 --eval bpb, and base_train --resume-from-step. Then it compares the sides: tokenizer tables, token_bytes.pt,
