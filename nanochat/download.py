@@ -135,6 +135,11 @@ def _dns_failure(error: BaseException) -> socket.gaierror | None:
     return None
 
 
+# Hosts that have answered in this process: a failed lookup of one of them later (a resolver's hiccup in
+# a long run) is retried like any network error, not a reason to stop every download.
+_ANSWERED_HOSTS: set = set()
+
+
 def _host_not_found(url: str, error: socket.gaierror) -> HostNotFoundError:
     host = urllib.parse.urlsplit(url).hostname
     return HostNotFoundError(f"cannot resolve the host {host!r} of {url} ({error.strerror}); check the network "
@@ -201,6 +206,15 @@ def _open_nofollow(path: str, flags: int, mode: str):
     return os.fdopen(fd, mode)
 
 
+def _resumable(tmp: str) -> int:
+    """Bytes of tmp a next attempt can resume from: none unless its record names a validator."""
+    try:
+        record = _read_json(record_path(tmp))
+    except BadFileError:
+        return 0
+    return _size(tmp) if record and record.get("validator") else 0
+
+
 def _fsync_dir(folder: str) -> None:
     fd = os.open(folder, os.O_RDONLY)
     try:
@@ -217,6 +231,7 @@ def _write_json(path: str, record: dict) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
+    _fsync_dir(os.path.dirname(os.path.abspath(path)))
 
 
 def _read_json(path: str) -> dict | None:
@@ -253,9 +268,11 @@ def check_parquet(path: str) -> None:
         head = f.read(4)
         f.seek(max(size - 8, 0))
         tail = f.read(8)
-        if size < 12 or head != MAGIC or tail[4:] != MAGIC:
-            raise BadFileError("not parquet", f"{path} does not start and end with PAR1 "
-                                              f"({size} bytes, starting with {head!r})")
+        if size < 12 or head != MAGIC:
+            raise BadFileError("not parquet", f"{path} does not start with PAR1 ({size} bytes, starting with {head!r})")
+        if tail[4:] != MAGIC:
+            raise BadFileError("not parquet", f"{path} does not end with PAR1 ({size} bytes): truncated, or not "
+                                              "a parquet file")
         footer_start = size - 8 - int.from_bytes(tail[:4], "little")
         try:
             metadata = pq.ParquetFile(f).metadata
@@ -455,6 +472,7 @@ def _fetch_to_tmp(url: str, tmp: str, limits: Limits, deadline: float, progress:
         headers.update({"Range": f"bytes={have}-", "If-Range": record["validator"]})
     timeout = min(limits.timeout, max(deadline - time.monotonic(), 0.01))
     with requests.get(url, headers=headers, stream=True, timeout=timeout) as response:
+        _ANSWERED_HOSTS.add(urllib.parse.urlsplit(url).hostname)
         if response.status_code == 416 and have and _unsatisfied_range_total(response) == have:
             return record  # a run stopped between the last byte and the rename; the checks decide
         _check_status(response, url)
@@ -473,6 +491,9 @@ def _fetch_to_tmp(url: str, tmp: str, limits: Limits, deadline: float, progress:
                 logger.info("%s: the server sent the whole file (it changed, or ignores Range); starting over", url)
             record = {"url": url, "validator": validator(response), "size": _content_length(response),
                       "sha256": stated_sha256(response)}
+            if record["validator"] is None:
+                logger.warning("%s: the server sends no ETag or Last-Modified, so a broken transfer of it "
+                               "cannot be resumed: each attempt starts from byte 0", url)
             append = False
         flags = os.O_WRONLY | os.O_CREAT | (os.O_APPEND if append else os.O_TRUNC)
         bar_off = None if progress is None else not progress  # None: tqdm shows bars only on a terminal
@@ -500,7 +521,9 @@ def _install(tmp: str, path: str, record: dict) -> None:
         raise BadFileError("sha256 mismatch", f"{tmp} hashes to {digest}, the server stated {record['sha256']}")
     # the sha256 is recorded either way: from then on a local change to the file is caught
     _write_json(record_path(path), {"size": size, "sha256": digest, "sha256_stated_by_server": bool(record["sha256"])})
-    os.replace(tmp, path)  # tmp was fsynced after its last write
+    with _open_nofollow(tmp, os.O_RDONLY, "rb") as f:
+        os.fsync(f.fileno())  # its bytes are on disk before its name is (a 416 finish skipped the write's fsync)
+    os.replace(tmp, path)
     _fsync_dir(os.path.dirname(os.path.abspath(path)))
     _remove(record_path(tmp))
 
@@ -511,14 +534,14 @@ def _download_locked(url: str, path: str, limits: Limits, progress: bool | None,
     deadline = time.monotonic() + limits.deadline
     attempt = 1  # attempts in a row without progress, this one included
     while True:
-        before = _size(tmp)
+        before = _resumable(tmp)
         try:
             record = _fetch_to_tmp(url, tmp, limits, deadline, progress, stop)
             _install(tmp, path, record)
             logger.info("downloaded %s (%.1f MB)", name, os.path.getsize(path) / 1e6)
             return
         except _GiveUp as e:
-            kept = _size(tmp)  # tmp keeps what it holds: the next run resumes it
+            kept = _resumable(tmp)  # tmp keeps what it holds: the next run resumes it
             raise _GiveUp(e.reason, f"{name}: {e}; not retrying" + (f" ({kept} bytes kept in {tmp})" if kept else "")
                           ) from None
         except _RetryLater as e:
@@ -529,14 +552,14 @@ def _download_locked(url: str, path: str, limits: Limits, progress: bool | None,
         except DownloadError as e:
             error, wait = e, None
         except (requests.RequestException, urllib3.exceptions.HTTPError, OSError) as e:
-            if _dns_failure(e):
+            if _dns_failure(e) and urllib.parse.urlsplit(url).hostname not in _ANSWERED_HOSTS:
                 raise _host_not_found(url, _dns_failure(e)) from None
             error, wait = DownloadError(_reason_of(e), str(e)), None
-        kept = _size(tmp)
+        kept = _resumable(tmp)  # without a validator nothing can be resumed, so nothing counts as progress
         progressed = kept - before >= PROGRESS_BYTES
         if attempt >= limits.max_attempts and not progressed:
-            raise DownloadError(error.reason, f"{name}: {error}; gave up after {attempt} attempts in a row "
-                                              "without progress" + (f" ({kept} bytes kept in {tmp}: a rerun "
+            raise DownloadError(error.reason, f"{name}: {error}; gave up after {attempt} "
+                                              f"attempt{'s in a row' if attempt > 1 else ''} without progress" + (f" ({kept} bytes kept in {tmp}: a rerun "
                                                                      "resumes)" if kept else ""))
         if wait is None:
             wait = limits.backoff_base * 2 ** (0 if progressed else attempt - 1)

@@ -15,6 +15,7 @@ import json
 import os
 import random
 import re
+import socket
 import subprocess
 import sys
 import threading
@@ -746,6 +747,64 @@ def test_a_link_that_makes_no_real_progress_gives_up_and_keeps_its_bytes(server,
     server.drop_every = None
     assert _download(server, tmp_path, 0)  # the next run resumes where this one stopped
     assert server.ranges[NAME][-1] == "bytes=3000-"
+    _assert_only_complete_shards(tmp_path / "data", served)
+
+
+def test_a_dropping_link_without_a_validator_restarts_and_says_so(server, tmp_path, caplog):
+    # no ETag, no Last-Modified: the bytes of a broken transfer cannot be resumed, so they are not progress
+    served = _serve(server, tmp_path, [0], big=True)
+    server.etag = None
+    server.drop_every = 70_000
+    assert not _download(server, tmp_path, 0, max_attempts=3)
+    assert server.ranges[NAME] == [None] * 3  # never a Range without a validator to guard it
+    log = caplog.text
+    assert "sends no ETag or Last-Modified, so a broken transfer of it cannot be resumed" in log
+    assert "made progress" not in log and "a rerun resumes" not in log
+    assert "gave up after 3 attempts in a row without progress" in log
+    server.drop_every = None
+    assert _download(server, tmp_path, 0)
+    _assert_only_complete_shards(tmp_path / "data", served)
+
+
+def test_files_and_directory_are_fsynced_around_each_rename(server, tmp_path, monkeypatch):
+    served = _serve(server, tmp_path, [0])
+    data_dir = tmp_path / "data"
+    data_dir.mkdir()
+    calls = []
+    fsync, replace = os.fsync, os.replace
+    monkeypatch.setattr(os, "fsync", lambda fd: calls.append(("fsync", os.readlink(f"/proc/self/fd/{fd}")))
+                        or fsync(fd))
+    monkeypatch.setattr(os, "replace", lambda src, dst: calls.append(("replace", str(src), str(dst)))
+                        or replace(src, dst))
+    if not os.path.exists("/proc/self/fd"):
+        pytest.skip("needs /proc to name a descriptor's file")
+    assert _download(server, tmp_path, 0)
+    shard, record, folder = str(data_dir / NAME), str(data_dir / NAME) + ".json", str(data_dir)
+    for final in (shard, record):
+        tmp = final + ".tmp"
+        rename = calls.index(("replace", tmp, final))
+        assert ("fsync", tmp) in calls[:rename]  # the bytes are on disk before the name
+        assert ("fsync", folder) in calls[rename + 1:]  # and the name is on disk after the rename
+    assert calls.index(("replace", record + ".tmp", record)) < calls.index(("replace", shard + ".tmp", shard))
+    _assert_only_complete_shards(data_dir, served)
+
+
+def test_a_dns_failure_after_the_host_answered_is_retried(server, tmp_path, monkeypatch):
+    # a resolver's hiccup in a long run (EAI_AGAIN) is not "the host does not exist": retried, not fatal
+    served = _serve(server, tmp_path, [0])
+    server.faults[NAME] = ["drop"]
+    lookups, getaddrinfo = [], socket.getaddrinfo
+
+    def flaky(*args, **kwargs):
+        lookups.append(args[0])
+        if len(lookups) == 2:  # the reconnect after the drop
+            raise socket.gaierror(socket.EAI_AGAIN, "Temporary failure in name resolution")
+        return getaddrinfo(*args, **kwargs)
+    monkeypatch.setattr(socket, "getaddrinfo", flaky)
+    monkeypatch.setattr(download, "_ANSWERED_HOSTS", set())
+    assert _download(server, tmp_path, 0)
+    assert len(lookups) == 3 and server.gets[NAME] == 2
+    assert server.ranges[NAME] == [None, f"bytes={len(served[0]) // 2}-"]
     _assert_only_complete_shards(tmp_path / "data", served)
 
 
