@@ -17,6 +17,7 @@ turns each input shard into one pair of files named after it, train and val kept
     <output>/val/shard_06542.bin    shard_06542.idx
     <output>/pretokenize.json       the settings (tokenizer hash, vocab size, dtype, BOS, --max-length, --overlap-size)
     <output>/.pretokenize.lock      held while a run writes (names its pid)
+    <output>/train/.shard_00000.lock  held while that pair is written (empty; never listed)
 
 `--input` is a parquet dataset directory (its last shard is val, as for the parquet loader), or
 `.jsonl` / `.jsonl.gz` files (or directories of them) with one `{"text": ...}` object per line
@@ -88,10 +89,13 @@ listed. A rerun with a different tokenizer, dtype or windowing into the same `--
 the main one, however it ends (kill -9 included): on Linux the kernel kills them with it
 (`PR_SET_PDEATHSIG`), elsewhere each checks every 0.2 s that its parent lives. On Linux a rerun
 started right after a kill -9 thus writes the same bytes as an uninterrupted run (elsewhere, wait a
-second). Two runs on one `--output` (and `--rank`) at once are refused: a run holds
-`.pretokenize.lock` (`.pretokenize.rankR-of-N.lock` with `--world-size N`; a file lock, which ends with
-its process), and the second, after waiting `--lock-timeout` seconds (default 10) for it, stops with an
-error that names the output and the pid of the run holding it.
+second). Two runs of one rank on one `--output` at once (two plain runs, or two with the same
+`--rank` and `--world-size`) are refused: a run holds `.pretokenize.lock` (`.pretokenize.rankR-of-N.lock`
+with `--world-size N`; a file lock, which ends with its process), and the second, after waiting
+`--lock-timeout` seconds (default 10) for it, stops with an error that names the output and the pid of
+the run holding it. Other runs on one output at once (the ranks of one job, or a plain run beside a
+rank) are safe: each pair is written under its own file lock, `.<name>.lock` beside it, and a writer
+that gets it after another finished that pair skips it (counted as already done).
 
 **Checks on open.** `TokenShard(path)` raises, naming the file: FileNotFoundError for a missing
 `.idx` or `.bin`; ValueError for a bad magic, an unknown version or dtype code, an index shorter (or
@@ -554,10 +558,15 @@ def _run_job(job: tuple[str, str]) -> tuple[str, dict | None, str | None]:
 
 
 def _try_job(tokenizer, options: dict, job: tuple[str, str]) -> tuple[str, dict | None, str | None]:
-    """(input path, counts, None) or (input path, None, error message): a bad input fails alone."""
+    """(input path, counts, None), (input path, None, error message): a bad input fails alone, or
+    (input path, None, None): another run on this output wrote the pair meanwhile."""
     path, prefix = job
     try:
-        return path, pretokenize_file(tokenizer, path, prefix, **options), None
+        # no timeout: the holder is a live process writing this pair (the lock ends with its process)
+        with _pair_lock(prefix):
+            if os.path.exists(prefix + ".idx"):  # written while we waited, and the output is deterministic
+                return path, None, None
+            return path, pretokenize_file(tokenizer, path, prefix, **options), None
     except (ValueError, OSError, EOFError, pa.ArrowException) as e:  # BadGzipFile is an OSError
         return path, None, f"{type(e).__name__}: {e}"
 
@@ -612,6 +621,16 @@ def _results(tokenizer, tokenizer_dir: str, options: dict, jobs: list, num_worke
         finally:
             for future in futures:  # on an error, do not start the inputs still queued
                 future.cancel()
+
+
+def _pair_lock(prefix: str) -> FileLock:
+    """The lock a writer holds while it writes the pair at prefix. Runs on one output at once (a plain run
+    and the ranks of a --world-size N run) may have a pair in common, and would share its temporary files.
+    A hidden name beside the pair, .<name>.lock, that no listing of pairs matches; left in place, since
+    removing a lock file another process may be waiting on would let a third take a new one."""
+    directory, name = os.path.split(prefix)
+    os.makedirs(directory or ".", exist_ok=True)
+    return FileLock(os.path.join(directory, f".{name}.lock"))
 
 
 @contextlib.contextmanager
@@ -708,8 +727,9 @@ def main(argv: list[str] | None = None) -> int:
     settings = _settings(tokenizer, tokenizer_dir, args.max_length, args.overlap_size)
     all_jobs = plan_jobs(args.input, args.output, args.val_input)
     mine = all_jobs[rank::world_size]
-    # a second run writing the same pairs would share their temporary files: refused (the lock is
-    # taken after every check, so a mistyped command never waits for it)
+    # a second run of this rank would write the same pairs: refused (the lock is taken after every check,
+    # so a mistyped command never waits for it). Other runs on this output (a plain run beside ranks) may
+    # still share a pair: _pair_lock keeps its writers apart
     with _output_lock(args.output, rank, world_size, args.lock_timeout):
         todo = [job for job in mine if not os.path.exists(job[1] + ".idx")]
         skipped = len(mine) - len(todo)
@@ -722,21 +742,24 @@ def main(argv: list[str] | None = None) -> int:
         options = {"max_length": args.max_length, "overlap": args.overlap_size, "text_field": args.text_field,
                    "num_threads": max(1, (os.cpu_count() or 1) // max(1, num_workers))}
         totals = {"documents": 0, "entries": 0, "tokens": 0, "windowed": 0}
-        failed = []
+        failed, written = [], 0
         t0 = time.time()
         with tqdm(total=len(mine), initial=skipped, unit="shard", desc="pretokenize", disable=None) as bar:
             for path, stats, error in _results(tokenizer, tokenizer_dir, options, todo, num_workers):
-                if error is None:
-                    for k in totals:
-                        totals[k] += stats[k]
-                else:
+                if error is not None:
                     failed.append((path, error))
                     tqdm.write(f"failed: {path}: {error}")
+                elif stats is None:  # another run on this output wrote it meanwhile
+                    skipped += 1
+                else:
+                    written += 1
+                    for k in totals:
+                        totals[k] += stats[k]
                 bar.update(1)
                 bar.set_postfix(tokens=f"{totals['tokens']:,}")
 
         seconds = time.time() - t0
-        print(f"wrote {len(todo) - len(failed)}/{len(todo)} shards to {args.output} in {seconds:.1f}s: "
+        print(f"wrote {written}/{len(todo)} shards to {args.output} in {seconds:.1f}s: "
               f"{totals['documents']:,} documents -> {totals['entries']:,} entries, {totals['tokens']:,} tokens; "
               f"{totals['windowed']:,} documents cut into windows; {skipped} skipped (already done)")
         if failed:

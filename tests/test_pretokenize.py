@@ -12,6 +12,7 @@ import gzip
 import json
 import os
 import random
+import re
 import shutil
 import socket
 import struct
@@ -73,12 +74,12 @@ def _write_tiny(prefix) -> None:
 
 
 def _files(directory) -> dict:
-    """{relative path: (bytes, mtime_ns)} of every file under directory but the lock file, which every
-    run rewrites (it names the run holding the output)."""
+    """{relative path: (bytes, mtime_ns)} of every file under directory but the lock files: the output's,
+    which every run rewrites (it names the run holding the output), and each pair's (.<name>.lock)."""
     out = {}
     for root, _, names in os.walk(directory):
         for name in names:
-            if name == ".pretokenize.lock":
+            if name.startswith(".") and name.endswith(".lock"):
                 continue
             path = os.path.join(root, name)
             with open(path, "rb") as f:
@@ -491,7 +492,7 @@ def test_cli_bad_input_fails_alone(tokenizer_dir, tmp_path, capsys):
                  "--num-workers", "1"]) == 1
     printed = capsys.readouterr().out
     assert "bad.jsonl line 2: invalid JSON" in printed and "failed (1): bad.jsonl" in printed
-    assert sorted(os.listdir(os.path.join(out, "train"))) == ["good.bin", "good.idx"]
+    assert sorted(os.listdir(os.path.join(out, "train"))) == [".bad.lock", ".good.lock", "good.bin", "good.idx"]
 
 
 # -----------------------------------------------------------------------------
@@ -605,6 +606,27 @@ def test_cli_two_runs_on_one_output(many_inputs, tmp_path, capsys):
     capsys.readouterr()
     assert main(argv + ["--output", str(out), "--lock-timeout", "0"]) == 0  # free again: all 24 skipped
     assert "24 already done" in capsys.readouterr().out
+
+
+def test_cli_plain_run_and_a_rank_on_one_output_at_once(many_inputs, tmp_path):
+    """A plain run and rank 0 of 2 on one output at once hold different output locks and share the even
+    inputs: each pair is written once, by whichever run takes its pair lock first, and the other skips it."""
+    argv, reference = many_inputs
+    out = tmp_path / "tokens"
+    runs = [_start_slow_run(argv + ["--output", str(out)] + extra, tmp_path / f"log{i}.txt")
+            for i, extra in enumerate([[], ["--world-size", "2", "--rank", "0"]])]
+    try:
+        assert [run.wait(timeout=120) for run in runs] == [0, 0]
+    finally:
+        for run in runs:
+            run.kill()
+            run.wait()
+    logs = [(tmp_path / f"log{i}.txt").read_text() for i in range(2)]
+    written = [re.search(r"^wrote (\d+)/\d+ shards", log, re.M) for log in logs]
+    assert all(written), logs
+    assert sum(int(m[1]) for m in written) == 24, logs  # no pair written twice, none missed
+    assert {k: data for k, (data, _) in _files(out).items()} == reference  # byte for byte, no .tmp left
+    assert list_token_shards(str(out / "train")) == [str(out / "train" / f"part_{i:02d}") for i in range(24)]
 
 
 def _die(job):
