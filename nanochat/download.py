@@ -440,6 +440,54 @@ def _resume_point(tmp: str) -> tuple[int, dict | None]:
     return have, record
 
 
+# The deadline cuts an attempt off wherever it is, the wait for the response's headers included: requests'
+# timeout only bounds each read, and a server can send one header byte per read. The connections of a
+# download session note their sockets by thread, so that a timer can shut the socket of that thread's attempt.
+_SOCKETS: dict[int, socket.socket] = {}
+
+
+class _NotedHTTPConnection(urllib3.connection.HTTPConnection):
+    def connect(self):
+        super().connect()
+        _SOCKETS[threading.get_ident()] = self.sock
+
+
+class _NotedHTTPSConnection(urllib3.connection.HTTPSConnection):
+    def connect(self):
+        super().connect()
+        _SOCKETS[threading.get_ident()] = self.sock
+
+
+class _NotedHTTPPool(urllib3.HTTPConnectionPool):
+    ConnectionCls = _NotedHTTPConnection
+
+
+class _NotedHTTPSPool(urllib3.HTTPSConnectionPool):
+    ConnectionCls = _NotedHTTPSConnection
+
+
+class _NotedAdapter(requests.adapters.HTTPAdapter):
+    def init_poolmanager(self, *args, **kwargs):
+        super().init_poolmanager(*args, **kwargs)
+        self.poolmanager.pool_classes_by_scheme = {"http": _NotedHTTPPool, "https": _NotedHTTPSPool}
+
+
+def _cut(thread: int) -> None:
+    sock = _SOCKETS.get(thread)
+    if sock is not None:
+        try:
+            sock.shutdown(socket.SHUT_RDWR)  # the blocked read returns at once, and the attempt fails
+        except OSError:
+            pass  # already closed
+
+
+def _session() -> requests.Session:
+    session = requests.Session()
+    for scheme in ("http://", "https://"):
+        session.mount(scheme, _NotedAdapter())
+    return session
+
+
 def _stream(response: requests.Response, f, limits: Limits, deadline: float, bar: tqdm, stop) -> None:
     """Copy the body to f; raise when the rate over a window falls below limits.min_rate, past the deadline,
     or when the run stops. read1 returns whatever has arrived, so a trickling server is noticed within one window."""
@@ -470,8 +518,29 @@ def _fetch_to_tmp(url: str, tmp: str, limits: Limits, deadline: float, progress:
     if have:
         # If-Range: "the rest, if the file is still this version; else the whole file" (a 200)
         headers.update({"Range": f"bytes={have}-", "If-Range": record["validator"]})
-    timeout = min(limits.timeout, max(deadline - time.monotonic(), 0.01))
-    with requests.get(url, headers=headers, stream=True, timeout=timeout) as response:
+    left, fired = max(deadline - time.monotonic(), 0.01), threading.Event()
+    watchdog = threading.Timer(left, lambda thread: fired.set() or _cut(thread), args=(threading.get_ident(),))
+    watchdog.daemon = True
+    watchdog.start()
+    try:
+        with _session() as session:
+            record = _attempt(session, url, tmp, have, record, headers, min(limits.timeout, left), limits,
+                              deadline, progress, stop)
+    except (requests.RequestException, urllib3.exceptions.HTTPError, OSError, BadFileError):
+        if not fired.is_set():
+            raise
+    finally:
+        watchdog.cancel()
+        _SOCKETS.pop(threading.get_ident(), None)
+    if fired.is_set():  # the watchdog cut the connection (whatever that broke, or however headers ended): say why
+        raise _GiveUp("past the deadline", f"past the deadline of {limits.deadline:g}s for one file")
+    return record
+
+
+def _attempt(session: requests.Session, url: str, tmp: str, have: int, record: dict | None, headers: dict,
+             timeout: float, limits: Limits, deadline: float, progress: bool | None, stop) -> dict:
+    """The request and the body of one attempt (see _fetch_to_tmp)."""
+    with session.get(url, headers=headers, stream=True, timeout=timeout) as response:
         _ANSWERED_HOSTS.add(urllib.parse.urlsplit(url).hostname)
         if response.status_code == 416 and have and _unsatisfied_range_total(response) == have:
             return record  # a run stopped between the last byte and the rename; the checks decide
@@ -569,7 +638,8 @@ def _download_locked(url: str, path: str, limits: Limits, progress: bool | None,
             attempt = 0  # the deadline still bounds the whole file
         if time.monotonic() + wait > deadline:
             raise DownloadError("past the deadline", f"{name}: {error}; no time left before the deadline of "
-                                                     f"{limits.deadline:g}s ({kept} bytes kept in {tmp})")
+                                                     f"{limits.deadline:g}s" + (f" ({kept} bytes kept in {tmp})"
+                                                                                if kept else ""))
         if stop.wait(wait):
             raise _Stopped()
         attempt += 1

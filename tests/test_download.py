@@ -139,6 +139,15 @@ class _Handler(BaseHTTPRequestHandler):
         if fault and fault[:3].isdigit():
             code, _, retry_after = fault.partition(":")
             return self._empty(int(code), {"Retry-After": retry_after} if retry_after else None)
+        if fault == "slow_headers":  # the status line and headers a byte at a time, never finished in time
+            try:
+                for byte in b"HTTP/1.1 200 OK\r\n" + b"X-Padding: " + b"x" * 10_000:
+                    self.wfile.write(bytes([byte]))
+                    self.wfile.flush()
+                    time.sleep(0.05)
+            except (BrokenPipeError, ConnectionResetError):
+                pass  # the client gave up on us, as it should
+            return
         if fault == "html":
             page = b"<!DOCTYPE html><html><body>rate limited, try later</body></html>"
             self.send_response(200)
@@ -724,6 +733,17 @@ def test_deadline_bounds_a_shard_however_its_attempts_go(server, tmp_path, caplo
     assert time.monotonic() - t0 < 5
     assert "past the deadline" in caplog.text
     assert os.path.getsize(tmp_path / "data" / f"{NAME}.tmp") > 100  # kept for the next run
+
+
+def test_the_deadline_also_bounds_the_wait_for_headers(server, tmp_path, caplog):
+    # every read gets a byte well within --timeout, so only the deadline can end this attempt
+    _serve(server, tmp_path, [0])
+    server.always[NAME] = "slow_headers"
+    t0 = time.monotonic()
+    assert not _download(server, tmp_path, 0, timeout=2, deadline=1.5, max_attempts=3)
+    assert time.monotonic() - t0 < 6  # the header alone would take over 8 minutes
+    assert "past the deadline of 1.5s for one file; not retrying" in caplog.text
+    assert server.gets[NAME] == 1 and not os.path.exists(tmp_path / "data" / NAME)
 
 
 def test_a_link_that_drops_every_70kb_completes(server, tmp_path):
