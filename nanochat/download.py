@@ -140,6 +140,12 @@ def _dns_failure(error: BaseException) -> socket.gaierror | None:
 _ANSWERED_HOSTS: set = set()
 
 
+def _failed_url(error: Exception, url: str) -> str:
+    """The URL of the request that failed: after a redirect, the target's, not the one we asked for."""
+    request = getattr(error, "request", None)
+    return getattr(request, "url", None) or url
+
+
 def _host_not_found(url: str, error: socket.gaierror) -> HostNotFoundError:
     host = urllib.parse.urlsplit(url).hostname
     return HostNotFoundError(f"cannot resolve the host {host!r} of {url} ({error.strerror}); check the network "
@@ -467,9 +473,18 @@ class _NotedHTTPSPool(urllib3.HTTPSConnectionPool):
 
 
 class _NotedAdapter(requests.adapters.HTTPAdapter):
+    """Connections that note their sockets, direct or through an HTTP(S) proxy (not SOCKS: those keep only
+    the per-read timeout and the checks as the body arrives)."""
+
     def init_poolmanager(self, *args, **kwargs):
         super().init_poolmanager(*args, **kwargs)
         self.poolmanager.pool_classes_by_scheme = {"http": _NotedHTTPPool, "https": _NotedHTTPSPool}
+
+    def proxy_manager_for(self, proxy, **kwargs):
+        manager = super().proxy_manager_for(proxy, **kwargs)
+        if not proxy.lower().startswith("socks"):
+            manager.pool_classes_by_scheme = {"http": _NotedHTTPPool, "https": _NotedHTTPSPool}
+        return manager
 
 
 def _cut(thread: int) -> None:
@@ -526,13 +541,15 @@ def _fetch_to_tmp(url: str, tmp: str, limits: Limits, deadline: float, progress:
         with _session() as session:
             record = _attempt(session, url, tmp, have, record, headers, min(limits.timeout, left), limits,
                               deadline, progress, stop)
-    except (requests.RequestException, urllib3.exceptions.HTTPError, OSError, BadFileError):
-        if not fired.is_set():
+    except Exception as e:
+        if not fired.is_set() or isinstance(e, _Stopped):
             raise
+        record = None  # the watchdog cut the connection: whatever that broke, the reason is the deadline
     finally:
         watchdog.cancel()
         _SOCKETS.pop(threading.get_ident(), None)
-    if fired.is_set():  # the watchdog cut the connection (whatever that broke, or however headers ended): say why
+    # a cut can also end headers early (a 200 with no body); a transfer that completed as the timer fired stands
+    if fired.is_set() and not (record and record["size"] is not None and _size(tmp) == record["size"]):
         raise _GiveUp("past the deadline", f"past the deadline of {limits.deadline:g}s for one file")
     return record
 
@@ -541,7 +558,7 @@ def _attempt(session: requests.Session, url: str, tmp: str, have: int, record: d
              timeout: float, limits: Limits, deadline: float, progress: bool | None, stop) -> dict:
     """The request and the body of one attempt (see _fetch_to_tmp)."""
     with session.get(url, headers=headers, stream=True, timeout=timeout) as response:
-        _ANSWERED_HOSTS.add(urllib.parse.urlsplit(url).hostname)
+        _ANSWERED_HOSTS.update(urllib.parse.urlsplit(r.url).hostname for r in [*response.history, response])
         if response.status_code == 416 and have and _unsatisfied_range_total(response) == have:
             return record  # a run stopped between the last byte and the rename; the checks decide
         _check_status(response, url)
@@ -621,8 +638,9 @@ def _download_locked(url: str, path: str, limits: Limits, progress: bool | None,
         except DownloadError as e:
             error, wait = e, None
         except (requests.RequestException, urllib3.exceptions.HTTPError, OSError) as e:
-            if _dns_failure(e) and urllib.parse.urlsplit(url).hostname not in _ANSWERED_HOSTS:
-                raise _host_not_found(url, _dns_failure(e)) from None
+            failed_url = _failed_url(e, url)  # after a redirect, the host that did not resolve is the target's
+            if _dns_failure(e) and urllib.parse.urlsplit(failed_url).hostname not in _ANSWERED_HOSTS:
+                raise _host_not_found(failed_url, _dns_failure(e)) from None
             error, wait = DownloadError(_reason_of(e), str(e)), None
         kept = _resumable(tmp)  # without a validator nothing can be resumed, so nothing counts as progress
         progressed = kept - before >= PROGRESS_BYTES
@@ -692,7 +710,7 @@ def _probe_bytes(url: str, timeout: float) -> int | None:
         response = requests.head(url, allow_redirects=True, timeout=timeout, headers={"Accept-Encoding": "identity"})
     except requests.RequestException as e:
         if _dns_failure(e):
-            raise _host_not_found(url, _dns_failure(e)) from None
+            raise _host_not_found(_failed_url(e, url), _dns_failure(e)) from None
         logger.info("HEAD %s failed (%s); using the per-shard estimate", url, e)
         return None
     if response.status_code != 200:

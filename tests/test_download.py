@@ -139,6 +139,8 @@ class _Handler(BaseHTTPRequestHandler):
         if fault and fault[:3].isdigit():
             code, _, retry_after = fault.partition(":")
             return self._empty(int(code), {"Retry-After": retry_after} if retry_after else None)
+        if fault == "redirect_invalid":  # to a CDN host that does not resolve
+            return self._empty(302, {"Location": f"http://cdn.invalid/x/{name}"})
         if fault == "slow_headers":  # the status line and headers a byte at a time, never finished in time
             try:
                 for byte in b"HTTP/1.1 200 OK\r\n" + b"X-Padding: " + b"x" * 10_000:
@@ -744,6 +746,32 @@ def test_the_deadline_also_bounds_the_wait_for_headers(server, tmp_path, caplog)
     assert time.monotonic() - t0 < 6  # the header alone would take over 8 minutes
     assert "past the deadline of 1.5s for one file; not retrying" in caplog.text
     assert server.gets[NAME] == 1 and not os.path.exists(tmp_path / "data" / NAME)
+
+
+def test_the_deadline_holds_through_an_http_proxy(server, tmp_path, monkeypatch, caplog):
+    # the test server serves as the proxy too: requests sends it "GET http://shards.example/...", and the
+    # host in that URL is never looked up here
+    served = _serve(server, tmp_path, [0])
+    for name in ("NO_PROXY", "no_proxy", "ALL_PROXY", "all_proxy"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("HTTP_PROXY", server.url.rsplit("/resolve", 1)[0])
+    url = "http://shards.example/resolve/main"
+    data_dir = str(tmp_path / "data")
+    assert download_single_file(0, data_dir, url, backoff_base=0.01)
+    _assert_only_complete_shards(tmp_path / "data", served)
+    server.always["shard_00001.parquet"] = "slow_headers"
+    server.files["shard_00001.parquet"] = served[0]
+    t0 = time.monotonic()
+    assert not download_single_file(1, data_dir, url, timeout=2, deadline=1.5, max_attempts=1)
+    assert time.monotonic() - t0 < 6
+    assert "past the deadline of 1.5s for one file; not retrying" in caplog.text
+
+
+def test_a_redirect_to_a_host_that_does_not_resolve_names_that_host(server, tmp_path):
+    _serve(server, tmp_path, [0])
+    server.always[NAME] = "redirect_invalid"
+    with pytest.raises(HostNotFoundError, match="cannot resolve the host 'cdn.invalid' of http://cdn.invalid/x/"):
+        _download(server, tmp_path, 0)
 
 
 def test_a_link_that_drops_every_70kb_completes(server, tmp_path):
