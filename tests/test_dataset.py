@@ -113,14 +113,18 @@ def fresh_log(monkeypatch, caplog):
     return caplog
 
 
-def _downloaded(name, train_shards):
-    """What the downloader writes for a dataset: train shards 0..n-1 and the val shard, one row group each."""
+def _shards(name, indices):
+    """Shards of these indices in a dataset's directory, one document and row group each."""
     data_dir = get_data_dir(name)
-    indices = list(range(train_shards)) + [get_dataset(name).max_shard]
+    os.makedirs(data_dir, exist_ok=True)
     for i in indices:
-        os.makedirs(data_dir, exist_ok=True)
         write_shard(os.path.join(data_dir, index_to_filename(i)), [f"{name} {i}"], row_group_size=1)
     return data_dir
+
+
+def _downloaded(name, train_shards):
+    """What the downloader writes for a dataset: train shards 0..n-1 and the val shard."""
+    return _shards(name, list(range(train_shards)) + [get_dataset(name).max_shard])
 
 
 def _names(paths):
@@ -172,20 +176,14 @@ def test_own_shards_in_the_dataset_dir_use_the_last_file_as_val(fresh_log):
 
 def test_a_train_shard_named_like_the_other_datasets_val_is_train(fresh_log):
     # shard_01822 is FineWeb's val shard but an ordinary ClimbMix train shard
-    data_dir = get_data_dir("climbmix-400b")
-    os.makedirs(data_dir)
-    for i in (0, 1822, 6542):
-        write_shard(os.path.join(data_dir, index_to_filename(i)), [str(i)], row_group_size=1)
+    _shards("climbmix-400b", (0, 1822, 6542))
     assert _names(split_parquet_files("val")) == ["shard_06542.parquet"]
     assert _names(split_parquet_files("train")) == ["shard_00000.parquet", "shard_01822.parquet"]
 
 
 def test_own_shards_past_the_val_index_keep_the_seeds_rule(fresh_log):
     # 1900 of one's own shards in FineWeb's directory: its val index 1822 is a train shard there
-    data_dir = get_data_dir("fineweb-edu-100b")
-    os.makedirs(data_dir)
-    for i in (0, 1822, 1899):
-        write_shard(os.path.join(data_dir, index_to_filename(i)), [str(i)], row_group_size=1)
+    _shards("fineweb-edu-100b", (0, 1822, 1899))
     assert _names(split_parquet_files("val")) == ["shard_01899.parquet"]
     assert _names(split_parquet_files("train")) == ["shard_00000.parquet", "shard_01822.parquet"]
     [record] = fresh_log.records
