@@ -34,6 +34,8 @@ import urllib3
 from filelock import FileLock
 from tqdm import tqdm
 
+from nanochat.files import fsync_dir, remove_if_exists
+
 logger = logging.getLogger(__name__)
 
 # -----------------------------------------------------------------------------
@@ -183,16 +185,9 @@ def lock_path(path: str) -> str:
     return os.path.join(folder, f".{name}.lock")
 
 
-def _remove(path: str) -> None:
-    try:
-        os.remove(path)
-    except FileNotFoundError:
-        pass
-
-
 def _discard(tmp: str) -> None:
-    _remove(tmp)
-    _remove(record_path(tmp))
+    remove_if_exists(tmp)
+    remove_if_exists(record_path(tmp))
 
 
 def _size(path: str) -> int:
@@ -221,14 +216,6 @@ def _resumable(tmp: str) -> int:
     return _size(tmp) if record and record.get("validator") else 0
 
 
-def _fsync_dir(folder: str) -> None:
-    fd = os.open(folder, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def _write_json(path: str, record: dict) -> None:
     """Write a small JSON record atomically (the caller holds the file's lock, so the temp name is ours)."""
     tmp = tmp_path(path)
@@ -237,7 +224,7 @@ def _write_json(path: str, record: dict) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
-    _fsync_dir(os.path.dirname(os.path.abspath(path)))
+    fsync_dir(os.path.dirname(os.path.abspath(path)))
 
 
 def _read_json(path: str) -> dict | None:
@@ -422,7 +409,7 @@ def _resume_point(tmp: str) -> tuple[int, dict | None]:
     try:
         f = _open_nofollow(tmp, os.O_RDONLY, "rb")
     except FileNotFoundError:
-        _remove(record_path(tmp))
+        remove_if_exists(record_path(tmp))
         return 0, None
     with f:
         have = os.fstat(f.fileno()).st_size
@@ -610,8 +597,8 @@ def _install(tmp: str, path: str, record: dict) -> None:
     with _open_nofollow(tmp, os.O_RDONLY, "rb") as f:
         os.fsync(f.fileno())  # its bytes are on disk before its name is (a 416 finish skipped the write's fsync)
     os.replace(tmp, path)
-    _fsync_dir(os.path.dirname(os.path.abspath(path)))
-    _remove(record_path(tmp))
+    fsync_dir(os.path.dirname(os.path.abspath(path)))
+    remove_if_exists(record_path(tmp))
 
 
 def _download_locked(url: str, path: str, limits: Limits, progress: bool | None, stop) -> None:

@@ -1,0 +1,274 @@
+"""
+The `.bin`/`.idx` token-shard format (GPT-Simple's, version 1): writing a pair, checking it, and
+memory-mapping it. Nothing here tokenizes or plans work: `python -m nanochat.pretokenize` writes
+shards with `write_token_shard`, and the pretokenized loaders read them with `TokenShard`.
+
+May import: numpy, nanochat.files.
+
+    from nanochat.token_shards import TokenShard, list_token_shards
+    for prefix in list_token_shards(os.path.join(output, "train")):  # complete pairs, sorted
+        shard = TokenShard(prefix)  # index read and checked, tokens memory-mapped
+        tokens, overlap = shard.entry(0), int(shard.overlaps[0])
+
+All integers are little-endian. `.idx`:
+
+| offset | size | field | value |
+| --- | --- | --- | --- |
+| 0 | 4 | magic | the bytes `GPTS` |
+| 4 | 4 | version | uint32, `1` |
+| 8 | 4 | dtype code | uint32: `2` = tokens are uint16, `4` = tokens are uint32 |
+| 12 | 4 | entry count N | uint32 |
+| 16 | 8 x (N+1) | offsets | int64: where entry i starts in the `.bin`, in tokens; `offsets[N]` is the total token count |
+| 16 + 8(N+1) | 2 x N | overlap prefix | uint16 per entry: how many tokens of the entry repeat the end of the previous window |
+
+`.bin`: the tokens of all entries back to back, nothing else; its size is exactly
+`offsets[N] * itemsize`.
+
+Writing: a pair goes to `name.bin.tmp` and `name.idx.tmp`, is fsynced, and is renamed `.bin` first and
+`.idx` last, so an `.idx` always means a complete pair; temporary files and a `.bin` without its `.idx`,
+left by a killed writer, are never listed. Reading: `TokenShard(path)` checks the pair on open and
+raises, naming the file, for a missing file, a bad header, offsets that do not start at 0 or decrease,
+a `.bin` whose size is not `offsets[N] * itemsize`, or an overlap prefix longer than its entry.
+"""
+
+import json
+import os
+import struct
+
+import numpy as np
+
+from nanochat.files import fsync_dir, remove_if_exists
+
+MAGIC = b"GPTS"
+VERSION = 1
+DTYPE_CODES = {2: np.uint16, 4: np.uint32}  # the code is the item size in bytes
+HEADER = struct.Struct("<4sIII")  # magic, version, dtype code, entry count: 16 bytes
+MAX_OVERLAP = np.iinfo(np.uint16).max  # the overlap prefix is stored as uint16
+TMP_SUFFIX = ".tmp"  # prefix.bin.tmp / prefix.idx.tmp: never end in .idx, so never listed
+META_FILENAME = "pretokenize.json"
+
+# -----------------------------------------------------------------------------
+# Reading a shard
+
+
+def _le(dtype) -> np.dtype:
+    # the format is little-endian; on the usual (little-endian) hosts this is the native dtype
+    return np.dtype(dtype).newbyteorder("<")
+
+
+def _split_prefix(path: str) -> str:
+    """The common prefix of a pair, from the .idx path, the .bin path or the prefix itself."""
+    root, ext = os.path.splitext(path)
+    return root if ext in (".idx", ".bin") else path
+
+
+class TokenShard:
+    """A memory-mapped .bin/.idx pair, validated on open. The index is read into memory (10 bytes
+    per entry); the tokens stay on disk until an entry is touched."""
+
+    def __init__(self, path: str):
+        self.prefix = _split_prefix(os.fspath(path))
+        self.idx_path = self.prefix + ".idx"
+        self.bin_path = self.prefix + ".bin"
+        for p in (self.idx_path, self.bin_path):
+            if not os.path.isfile(p):
+                raise FileNotFoundError(f"token shard file {p} does not exist; a .bin/.idx pair is "
+                                        "written by python -m nanochat.pretokenize")
+        with open(self.idx_path, "rb") as f:
+            data = f.read()
+        self.dtype, self.offsets, self.overlaps = _parse_index(data, self.idx_path)
+        self._check_bin()
+        num_tokens = int(self.offsets[-1])
+        if num_tokens:
+            # a plain ndarray view of the map: slicing a np.memmap subclass costs ~2 us more per entry
+            self.tokens = np.memmap(self.bin_path, dtype=_le(self.dtype), mode="r",
+                                    shape=(num_tokens,)).view(np.ndarray)
+        else:
+            # numpy cannot map an empty file; an empty read-only array behaves the same
+            self.tokens = np.empty(0, dtype=self.dtype)
+            self.tokens.flags.writeable = False
+
+    def _check_bin(self) -> None:
+        bin_bytes = os.path.getsize(self.bin_path)
+        need = int(self.offsets[-1]) * self.dtype.itemsize
+        if need > bin_bytes:
+            raise ValueError(f"{self.idx_path}: the last offset {int(self.offsets[-1])} ({need} bytes of "
+                             f"{self.dtype.name}) is past the end of {self.bin_path} ({bin_bytes} bytes); "
+                             "the .bin is truncated, rewrite the pair")
+        if need != bin_bytes:
+            raise ValueError(f"{self.bin_path} has {bin_bytes} bytes, but its index {self.idx_path} "
+                             f"says {int(self.offsets[-1])} tokens x {self.dtype.itemsize} bytes = {need}; "
+                             "the pair does not belong together, rewrite it")
+        lengths = np.diff(self.offsets)
+        bad = np.flatnonzero(self.overlaps > lengths)
+        if bad.size:
+            i = int(bad[0])
+            raise ValueError(f"{self.idx_path}: entry {i} has an overlap prefix of {int(self.overlaps[i])} "
+                             f"tokens but only {int(lengths[i])} tokens ({bad.size} such entries)")
+
+    def __len__(self) -> int:
+        return len(self.overlaps)
+
+    def entry(self, i: int) -> np.ndarray:
+        """The tokens of entry i (negative counts from the end), a read-only view into the map."""
+        n = len(self)
+        if not -n <= i < n:
+            raise IndexError(f"entry {i} is out of range for {self.idx_path} ({n} entries)")
+        i = i % n
+        return self.tokens[self.offsets[i]:self.offsets[i + 1]]
+
+    def lengths(self) -> np.ndarray:
+        """int64 (N,): tokens per entry."""
+        return np.diff(self.offsets)
+
+    def __repr__(self) -> str:
+        return f"TokenShard({self.prefix!r}, entries={len(self)}, tokens={int(self.offsets[-1])}, {self.dtype.name})"
+
+
+def _parse_index(data: bytes, idx_path: str) -> tuple[np.dtype, np.ndarray, np.ndarray]:
+    """(dtype, offsets int64 (N+1,), overlaps uint16 (N,)) of an .idx file's bytes, checked."""
+    if len(data) < HEADER.size:
+        raise ValueError(f"{idx_path} is {len(data)} bytes, shorter than the {HEADER.size}-byte header; "
+                         "the index is truncated, rewrite the pair")
+    magic, version, code, n = HEADER.unpack_from(data, 0)
+    if magic != MAGIC:
+        raise ValueError(f"{idx_path} starts with {magic!r}, not the magic {MAGIC!r}; "
+                         "it is not a .bin/.idx token index")
+    if version != VERSION:
+        raise ValueError(f"{idx_path} has format version {version}; this code reads version {VERSION}")
+    if code not in DTYPE_CODES:
+        raise ValueError(f"{idx_path} has dtype code {code}; known codes are "
+                         f"{ {c: np.dtype(t).name for c, t in DTYPE_CODES.items()} }")
+    offsets_at = HEADER.size
+    overlaps_at = offsets_at + 8 * (n + 1)
+    size = overlaps_at + 2 * n
+    if len(data) < size:
+        raise ValueError(f"{idx_path} is {len(data)} bytes, shorter than its header says: {n} entries "
+                         f"need {size} bytes; the index is truncated, rewrite the pair")
+    if len(data) > size:
+        raise ValueError(f"{idx_path} is {len(data)} bytes, {len(data) - size} more than its header's "
+                         f"{n} entries need ({size}); the index is damaged, rewrite the pair")
+    offsets = np.frombuffer(data, dtype="<i8", count=n + 1, offset=offsets_at).astype(np.int64, copy=False)
+    overlaps = np.frombuffer(data, dtype="<u2", count=n, offset=overlaps_at).astype(np.uint16, copy=False)
+    if offsets[0] != 0:
+        raise ValueError(f"{idx_path}: the first offset is {int(offsets[0])}, it must be 0")
+    bad = np.flatnonzero(np.diff(offsets) < 0)
+    if bad.size:
+        i = int(bad[0])
+        raise ValueError(f"{idx_path}: offsets decrease at entry {i} ({int(offsets[i])} -> "
+                         f"{int(offsets[i + 1])}); the index is damaged, rewrite the pair")
+    return np.dtype(DTYPE_CODES[code]), offsets, overlaps
+
+
+def list_token_shards(data_dir: str) -> list[str]:
+    """Sorted prefixes of the complete pairs (an .idx with its .bin) directly in data_dir.
+    Temporary files of a killed run (*.tmp) and a .bin without its .idx are never listed."""
+    if not os.path.isdir(data_dir):
+        raise FileNotFoundError(f"token shard directory {data_dir} does not exist; write shards first: "
+                                "python -m nanochat.pretokenize --input ... --output ...")
+    prefixes = []
+    for name in sorted(os.listdir(data_dir)):
+        prefix = os.path.join(data_dir, name[:-len(".idx")])
+        if name.endswith(".idx") and os.path.isfile(prefix + ".idx") and os.path.isfile(prefix + ".bin"):
+            prefixes.append(prefix)
+    return prefixes
+
+
+def recorded_vocab_size(directory: str) -> int | None:
+    """The vocabulary size that directory/pretokenize.json records (every id the shards' tokenizer makes
+    is below it), or None: no such file, or one written before the field existed."""
+    path = os.path.join(directory, META_FILENAME)
+    if not os.path.isfile(path):
+        return None
+    fix = "restore the file, or remove it and pass the tokenizer's vocab_size to the loader"
+    try:
+        with open(path, encoding="utf-8") as f:
+            settings = json.load(f)
+    except ValueError as e:  # not JSON, not UTF-8
+        raise ValueError(f"{path} (pretokenize's settings) is not valid JSON: {e}; {fix}") from None
+    if not isinstance(settings, dict):
+        raise ValueError(f"{path} holds a JSON {type(settings).__name__}, not pretokenize's settings; {fix}")
+    size = settings.get("vocab_size")
+    if size is not None and (isinstance(size, bool) or not isinstance(size, int) or size < 1):
+        raise ValueError(f"{path}: vocab_size must be a positive integer, got {size!r}; {fix}")
+    return size
+
+
+# -----------------------------------------------------------------------------
+# Writing a shard
+
+
+def _dtype_code(dtype) -> int:
+    dtype = np.dtype(dtype)
+    for code, known in DTYPE_CODES.items():
+        if dtype == np.dtype(known):
+            return code
+    raise ValueError(f"token dtype must be uint16 or uint32, got {dtype.name}")
+
+
+def _as_tokens(entry, dtype: np.dtype, i: int, prefix: str) -> np.ndarray:
+    """entry as a 1-D little-endian array of dtype, or a ValueError if an id does not fit."""
+    arr = np.asarray(entry)
+    if arr.ndim != 1:
+        raise ValueError(f"{prefix}: entry {i} has shape {arr.shape}, expected a 1-D array of token ids")
+    if arr.dtype == dtype:
+        return arr.astype(_le(dtype), copy=False)
+    if arr.size and arr.dtype.kind not in "iu":
+        raise ValueError(f"{prefix}: entry {i} has dtype {arr.dtype}, expected integer token ids")
+    if arr.size and (arr.min() < 0 or arr.max() > np.iinfo(dtype).max):
+        raise ValueError(f"{prefix}: entry {i} has ids in [{arr.min()}, {arr.max()}], which do not fit "
+                         f"{dtype.name}; use uint32 for vocabularies over 65,536 ids")
+    return arr.astype(_le(dtype))
+
+
+def write_token_shard(prefix: str, entries, overlaps, dtype) -> None:
+    """Write prefix.bin and prefix.idx from entries (1-D int arrays) and their overlap prefixes
+    (ints, one per entry). Entries are streamed to disk, so a shard larger than memory is fine.
+    Both files go to temporary names, are fsynced, then renamed .bin first and .idx last: a complete
+    .idx always means a complete pair, and a failure leaves nothing under the final names."""
+    write_token_pairs(prefix, zip(entries, overlaps, strict=True), dtype)
+
+
+def write_token_pairs(prefix: str, pairs, dtype) -> None:
+    """write_token_shard over (entry, overlap) pairs, which lets a caller stream both from one generator."""
+    prefix = os.fspath(prefix)
+    code = _dtype_code(dtype)
+    dtype = np.dtype(DTYPE_CODES[code])
+    bin_path, idx_path = prefix + ".bin", prefix + ".idx"
+    bin_tmp, idx_tmp = bin_path + TMP_SUFFIX, idx_path + TMP_SUFFIX
+    lengths, overlap_list = [], []
+    try:
+        with open(bin_tmp, "wb") as f:
+            for i, (entry, overlap) in enumerate(pairs):
+                tokens = _as_tokens(entry, dtype, i, prefix)
+                overlap = int(overlap)
+                if not 0 <= overlap <= min(len(tokens), MAX_OVERLAP):
+                    raise ValueError(f"{prefix}: entry {i} has {len(tokens)} tokens and an overlap prefix of "
+                                     f"{overlap}; it must be between 0 and the entry length (and <= {MAX_OVERLAP})")
+                f.write(np.ascontiguousarray(tokens).data)
+                lengths.append(len(tokens))
+                overlap_list.append(overlap)
+            f.flush()
+            os.fsync(f.fileno())
+        n = len(lengths)
+        if n > np.iinfo(np.uint32).max:
+            raise ValueError(f"{prefix}: {n} entries do not fit the uint32 entry count; write smaller shards")
+        offsets = np.zeros(n + 1, dtype="<i8")
+        np.cumsum(lengths, out=offsets[1:])
+        with open(idx_tmp, "wb") as f:
+            f.write(HEADER.pack(MAGIC, VERSION, code, n))
+            f.write(offsets.tobytes())
+            f.write(np.asarray(overlap_list, dtype="<u2").tobytes())
+            f.flush()
+            os.fsync(f.fileno())
+        # an old .idx must go before its .bin is replaced: for a moment there is then no pair at all,
+        # never an old index over new tokens
+        remove_if_exists(idx_path)
+        os.replace(bin_tmp, bin_path)
+        os.replace(idx_tmp, idx_path)
+    except BaseException:
+        remove_if_exists(bin_tmp)
+        remove_if_exists(idx_tmp)
+        raise
+    fsync_dir(os.path.dirname(os.path.abspath(prefix)))
+
