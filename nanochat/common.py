@@ -1,6 +1,8 @@
 """
 Small shared helpers: where data lives, and who we are in a torchrun job.
 Nothing here touches the disk or the network at import time.
+
+May import: the standard library only (nanochat's own common.py takes its place in a nanochat checkout).
 """
 
 import os

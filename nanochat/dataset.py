@@ -12,6 +12,8 @@ directory at once), and a shard appears under its name only once its size, sha25
 states it) and parquet structure check out. Shards already there are checked before they are skipped;
 `--verify` checks them all offline. `python -m nanochat.dataset repackage ...` turns
 your own .txt/.jsonl/.jsonl.gz/.parquet text into shards of the same format (all in memory).
+
+May import: nanochat.common, nanochat.download, pyarrow, requests, tqdm, filelock.
 """
 
 import argparse
@@ -461,13 +463,15 @@ def repackage(inputs: list[str], out_dir: str, *, shard_size_mb: float | None = 
 # -----------------------------------------------------------------------------
 # Command line
 
+DOWNLOAD_HELP = ("Download pretraining shards (plus, always, the validation shard); shards already there are checked "
+                 "and fetched again when bad. To convert your own text instead: python -m nanochat.dataset repackage "
+                 "--help")
+REPACKAGE_HELP = ("Shuffle your own documents into nanochat shards (the last shard is val). .txt: one document per "
+                  "non-empty line; .jsonl/.jsonl.gz: one JSON object per line; .parquet: one row per document.")
+
 
 def _download_main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(
-        prog="python -m nanochat.dataset",
-        description="Download pretraining shards (plus, always, the validation shard); shards already there are "
-                    "checked and fetched again when bad. To convert your own text instead: "
-                    "python -m nanochat.dataset repackage --help")
+    parser = argparse.ArgumentParser(prog="python -m nanochat.dataset", description=DOWNLOAD_HELP)
     parser.add_argument("-n", "--num-files", type=int, default=-1,
                         help="train shards to fetch, from shard 0 (default: -1, every shard; 0: only val)")
     parser.add_argument("-w", "--num-workers", type=int, default=4,
@@ -572,11 +576,7 @@ def _shard_index(name: str, spec: DatasetSpec) -> int | None:
 
 
 def _repackage_main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(
-        prog="python -m nanochat.dataset repackage",
-        description="Shuffle your own documents into nanochat shards (the last shard is val). "
-                    ".txt: one document per non-empty line; .jsonl/.jsonl.gz: one JSON object per line; "
-                    ".parquet: one row per document.")
+    parser = argparse.ArgumentParser(prog="python -m nanochat.dataset repackage", description=REPACKAGE_HELP)
     parser.add_argument("inputs", nargs="+", help=f"input files ({', '.join(INPUT_SUFFIXES)})")
     parser.add_argument("--out", required=True, help="output directory (must hold no parquet files)")
     size = parser.add_mutually_exclusive_group()

@@ -11,6 +11,8 @@ MIN_RATE over RATE_WINDOW seconds, or past the per-file DEADLINE. A dropped conn
 Range + If-Range, so a file that changed on the server starts over instead of being spliced; `.tmp` keeps
 its bytes across attempts and runs. Checking a ~100MB shard costs ~0.07 s when it is in the page cache
 (sha256 at ~1.4 GB/s, the parquet metadata under 10 ms); from a cold disk, the disk's read speed decides.
+
+May import: nanochat.files, requests, urllib3, pyarrow, filelock, tqdm.
 """
 
 import errno

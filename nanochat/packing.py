@@ -15,6 +15,8 @@ the benchmark all drive the same code:
 Documents are numpy arrays of the narrowest unsigned dtype the vocabulary allows (2 bytes per token
 for vocabularies up to 65,536), so the buffer costs 2-4 bytes per buffered token plus ~150 bytes per
 document.
+
+May import: numpy only (no I/O, no torch, no threads).
 """
 
 import heapq

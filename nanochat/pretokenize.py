@@ -27,27 +27,14 @@ ones for `val/`. Every document is kept, empty ones included, in input order.
 R, R+N, ... of the list train-then-val, so N machines share the work with no overlap.
 Reading shards back:
 
-    from nanochat.pretokenize import TokenShard, list_token_shards
+    from nanochat.token_shards import TokenShard, list_token_shards
     for prefix in list_token_shards(os.path.join(output, "train")):  # complete pairs, sorted
         shard = TokenShard(prefix)  # index read and checked, tokens memory-mapped
         tokens, overlap = shard.entry(0), int(shard.overlaps[0])
 
-**The format** is GPT-Simple's, version 1. All integers little-endian.
-
-`.idx`:
-
-| offset | size | field | value |
-| --- | --- | --- | --- |
-| 0 | 4 | magic | the bytes `GPTS` |
-| 4 | 4 | version | uint32, `1` |
-| 8 | 4 | dtype code | uint32: `2` = tokens are uint16, `4` = tokens are uint32 |
-| 12 | 4 | entry count N | uint32 |
-| 16 | 8 x (N+1) | offsets | int64: where entry i starts in the `.bin`, in tokens; `offsets[N]` is the total token count |
-| 16 + 8(N+1) | 2 x N | overlap prefix | uint16 per entry: how many tokens of the entry repeat the end of the previous window |
-
-`.bin`: the tokens of all entries back to back, nothing else; its size is exactly
-`offsets[N] * itemsize`. Tokens are uint16 when the tokenizer has at most 65,536 ids (2 bytes per
-token), else uint32.
+**The format** is GPT-Simple's, version 1: nanochat/token_shards.py holds its byte layout (an `.idx`
+index of offsets and overlap prefixes, a `.bin` of the tokens back to back), its writer and its reader.
+Tokens are uint16 when the tokenizer has at most 65,536 ids (2 bytes per token), else uint32.
 
 **Entries, as our writer makes them.** An entry is `[BOS] + the document's tokens` (nanochat's
 convention: `<|bos|>` starts every document and doubles as the delimiter; there is no end-of-document
@@ -102,6 +89,8 @@ that gets it after another finished that pair skips it (counted as already done)
 longer) than its header says, offsets that do not start at 0 or that decrease, a last offset past
 the end of the `.bin`, a `.bin` whose size is not `offsets[N] * itemsize`, or an overlap prefix
 longer than its entry.
+
+May import: nanochat.common, nanochat.dataset, nanochat.tokenizer, nanochat.packing, nanochat.token_shards.
 """
 
 import argparse

@@ -27,6 +27,10 @@ file under the final name. Upstream nanochat pickles the tiktoken Encoding inste
 plus token_bytes.pt). We read such a pickle without pickle.load, which could run any code: a
 restricted unpickler admits only tiktoken's Encoding class, swapped for a stand-in that just keeps
 the tables. `python -m nanochat.tokenizer convert DIR` turns one into tokenizer.json.
+
+May import: nanochat.common, tiktoken, numpy.
+Imported only when needed: rustbpe (training), torch (get_token_bytes): importing the tokenizer stays
+light, as a pretokenize worker or a tokenizer CLI needs it.
 """
 
 import argparse
@@ -508,17 +512,23 @@ def _chat_messages(conversation: dict) -> list[dict]:
     return [dict(messages[1], content=system + "\n\n" + user)] + messages[2:]
 
 
+def _check_id_table(table, argument: str, mapping: str, key_type: type, entry: str, value: str) -> None:
+    """ValueError unless `table` is a dict of key_type keys to int ids >= 0 (mapping, entry, value: how
+    messages call the whole, a key and an id)."""
+    if not isinstance(table, dict):
+        raise ValueError(f"{argument} must be a mapping of {mapping}, got {type(table).__name__}")
+    for key, token_id in table.items():
+        if not isinstance(key, key_type) or isinstance(token_id, bool) or not isinstance(token_id, int) or token_id < 0:
+            raise ValueError(f"bad {entry} {key!r} with {value} {token_id!r}")
+
+
 def _check_tables(name, pattern, mergeable_ranks, special_tokens, bos_token) -> None:
     """Raise ValueError unless the tables make a usable tokenizer (a loaded file may be damaged)."""
     if not isinstance(name, str):
         raise ValueError(f"name must be a str, got {type(name).__name__}")
     if not isinstance(pattern, str):
         raise ValueError(f"pattern must be a str, got {type(pattern).__name__}")
-    if not isinstance(mergeable_ranks, dict):
-        raise ValueError(f"mergeable_ranks must be a mapping of bytes to rank, got {type(mergeable_ranks).__name__}")
-    for token, rank in mergeable_ranks.items():
-        if not isinstance(token, bytes) or isinstance(rank, bool) or not isinstance(rank, int) or rank < 0:
-            raise ValueError(f"bad mergeable token {token!r} with rank {rank!r}")
+    _check_id_table(mergeable_ranks, "mergeable_ranks", "bytes to rank", bytes, "mergeable token", "rank")
     ranks = set(mergeable_ranks.values())
     if len(ranks) != len(mergeable_ranks):
         raise ValueError("two mergeable tokens share a rank")
@@ -526,11 +536,8 @@ def _check_tables(name, pattern, mergeable_ranks, special_tokens, bos_token) -> 
     if missing:
         # without every single byte, some text could not be encoded at all
         raise ValueError(f"{len(missing)} of the 256 single-byte tokens are missing (e.g. byte {missing[0]})")
-    if not isinstance(special_tokens, dict):
-        raise ValueError(f"special_tokens must be a mapping of name to id, got {type(special_tokens).__name__}")
+    _check_id_table(special_tokens, "special_tokens", "name to id", str, "special token", "id")
     for name, token_id in special_tokens.items():
-        if not isinstance(name, str) or isinstance(token_id, bool) or not isinstance(token_id, int) or token_id < 0:
-            raise ValueError(f"bad special token {name!r} with id {token_id!r}")
         if token_id in ranks:
             raise ValueError(f"special token {name} has id {token_id}, which a mergeable token already has")
     if len(set(special_tokens.values())) != len(special_tokens):

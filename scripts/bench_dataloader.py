@@ -28,10 +28,11 @@ import time
 import numpy as np
 import pyarrow.parquet as pq
 
-from nanochat.dataloader import _to_documents, tokenizing_distributed_data_loader_with_state_bos_bestfit
+from nanochat.dataloader import tokenizing_distributed_data_loader_with_state_bos_bestfit
 from nanochat.dataset import read_row_group_texts, split_parquet_files
 from nanochat.packing import BestFitPacker, token_dtype
 from nanochat.tokenizer import RustBPETokenizer
+from nanochat.tokens import to_documents
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
 import oracle  # noqa: E402  the same slow reference the tests compare against
@@ -309,7 +310,8 @@ def pretokenized_section(tokenizer, data_dir, tmp, docs_np, args, B, T, tbs) -> 
     """Pretokenize the train shards, time the pretokenized loader (without and with its check of the
     ids against the vocabulary, and the check alone), a memory copy, and the crop share of windowing
     (L = T+1, O = 0 and 128) next to the seeds' cropping."""
-    from nanochat.dataloader import _check_ids, pretokenized_distributed_data_loader_with_state_bos_bestfit
+    from nanochat.dataloader import pretokenized_distributed_data_loader_with_state_bos_bestfit
+    from nanochat.readers import check_ids
     from nanochat.pretokenize import TokenShard, list_token_shards, pretokenize_file, window_document
     out = os.path.join(tmp, "tokens")
     t0 = time.perf_counter()
@@ -350,7 +352,7 @@ def pretokenized_section(tokenizer, data_dir, tmp, docs_np, args, B, T, tbs) -> 
     t0 = time.perf_counter()
     for shard in shards:
         for start in range(0, len(shard), 1024):
-            _check_ids(shard, start, min(start + 1024, len(shard)), vocab_size, "bench")
+            check_ids(shard, start, min(start + 1024, len(shard)), vocab_size, "bench")
     check_tps = checked / (time.perf_counter() - t0)
 
     # a plain copy of as many uint16 tokens as the loader emitted, through memory (64 MB at a time)
@@ -434,7 +436,7 @@ def main(argv=None):
               f"mean {lengths.mean():.0f}, median {np.median(lengths):.0f}, p99 {np.percentile(lengths, 99):.0f}, "
               f"max {lengths.max():,}")
         dtype = token_dtype(tokenizer.get_vocab_size())
-        docs_np = _to_documents(token_lists, tokenizer.get_bos_token_id(), dtype)
+        docs_np = to_documents(token_lists, tokenizer.get_bos_token_id(), dtype)
 
         # 3. packing alone, ours and the oracle's, on pre-tokenized documents (cycled)
         n_pack = max(args.oracle_batches * 50, 1000)  # ~1 s each: long enough to be stable

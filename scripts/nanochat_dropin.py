@@ -33,7 +33,10 @@ import torch
 
 from nanochat.tokenizer import RustBPETokenizer
 
-OUR_MODULES = ("dataset", "download", "dataloader", "tokenizer", "packing", "resume", "pretokenize", "mixture")
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# what a user copies into a nanochat checkout: every module of ours but common.py (nanochat's own stays)
+OUR_MODULES = tuple(sorted(name[:-3] for name in os.listdir(os.path.join(REPO, "nanochat"))
+                           if name.endswith(".py") and name not in ("common.py", "__init__.py")))
 # modules whose docstrings are long English prose, importable without side effects
 PROSE_MODULES = ("argparse", "asyncio", "collections", "concurrent.futures", "contextlib", "csv", "dataclasses",
                  "datetime", "decimal", "email", "enum", "fractions", "functools", "http.server", "inspect", "json",
@@ -95,9 +98,8 @@ def run_side(side: str, checkout: str, out: str, layout: str, python: str) -> di
     src = os.path.join(root, "nanochat")
     shutil.copytree(checkout, src, ignore=shutil.ignore_patterns(".git", ".venv", "__pycache__"))
     if side == "ours":
-        here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
         for module in OUR_MODULES:
-            shutil.copy(os.path.join(here, "nanochat", f"{module}.py"), os.path.join(src, "nanochat"))
+            shutil.copy(os.path.join(REPO, "nanochat", f"{module}.py"), os.path.join(src, "nanochat"))
     base_dir = os.path.join(root, "base")
     write_layout(base_dir, layout)
     env = dict(os.environ, NANOCHAT_BASE_DIR=base_dir, PYTHONPATH=src)

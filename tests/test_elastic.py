@@ -16,7 +16,8 @@ import pyarrow.parquet as pq
 import pytest
 
 from conftest import ByteTokenizer, worker_env, write_shard
-from nanochat.resume import decode_keys, merge_states
+from nanochat.resume import merge_states
+from nanochat.state import decode_keys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 BOS = ByteTokenizer.bos

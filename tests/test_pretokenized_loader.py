@@ -21,7 +21,8 @@ from nanochat.dataloader import (
 )
 from nanochat.pretokenize import main as pretokenize_main
 from nanochat.pretokenize import write_token_shard
-from nanochat.resume import decode_keys, merge_states
+from nanochat.resume import merge_states
+from nanochat.state import decode_keys
 from nanochat.tokenizer import RustBPETokenizer
 
 WORDS = "the data loader packs rows of tokens into batches while windows overlap 12 345 é".split()

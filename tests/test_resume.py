@@ -41,11 +41,13 @@ from nanochat.dataloader import (
     tokenizing_distributed_data_loader_with_state_bos_bestfit,
 )
 from nanochat.dataset import split_parquet_files
-from nanochat import resume
-from nanochat.mixture import MixtureStop, _seal as mixture_seal
+from nanochat.mixture import MixtureStop, merge_mixture_states
 from nanochat.mixture import pretokenized_mixture_loader_with_state_bos_bestfit as MIX
 from nanochat.pretokenize import write_token_shard
-from nanochat.resume import RowGroupIndex, decode_keys, decode_plan, merge_states
+from nanochat.mixture_state import seal_mixture as mixture_seal
+from nanochat.readers import RowGroupIndex
+from nanochat.resume import merge_states
+from nanochat.state import decode_keys, decode_plan, seal
 
 BESTFIT = tokenizing_distributed_data_loader_with_state_bos_bestfit
 CONCAT = tokenizing_distributed_data_loader_with_state
@@ -335,7 +337,7 @@ def test_refused_on_another_buffer_size_loader_or_tokenizer(small):
     # a state saved before the policies existed reads as "crop" (its config has neither field)
     old = {k: v for k, v in state.items() if k != "pieces"}
     old["config"] = {k: v for k, v in state["config"].items() if k not in ("long_doc_policy", "split_overlap")}
-    old = resume.seal(old)
+    old = seal(old)
     assert take(open_loader("bestfit", small, resume_state_dict=old), 2) == take(
         open_loader("bestfit", small, resume_state_dict=state), 2)
     with pytest.raises(ValueError, match="long_doc_policy: state 'crop', loader 'split'"):
@@ -559,11 +561,11 @@ def test_merge_errors(small):
     split1 = state_after("split", small, 3, rank=1, world_size=2)
     with pytest.raises(ValueError, match=r"config\.long_doc_policy: states\[1\] has 'split', states\[0\] has 'crop'"):
         merge_states([s0, split1], 3, data_dir=d)
-    bad_pieces = resume.seal(dict(split1, pieces=[[10**6, 3]]))
+    bad_pieces = seal(dict(split1, pieces=[[10**6, 3]]))
     with pytest.raises(ValueError, match=r"states\[1\]\['pieces'\]"):
         merge_states([state_after("split", small, 3, rank=0, world_size=2), bad_pieces], 3, data_dir=d)
     with pytest.raises(ValueError, match=r"resume_state_dict\['pieces'\]"):
-        open_loader("split", small, resume_state_dict=resume.seal(dict(state_after("split", small, 3), pieces=[[0, -1]])))
+        open_loader("split", small, resume_state_dict=seal(dict(state_after("split", small, 3), pieces=[[0, -1]])))
     edited = copy.deepcopy(s1)
     edited["next"][3] += 1
     with pytest.raises(ValueError, match=r"states\[1\]\['checksum'\]"):
@@ -940,7 +942,7 @@ def saved(tmp_path_factory):
     ranks = {
         "split_reuse": (split_ranks, lambda states: open_loader("split_reuse", split, rank=0, world_size=3,
                         resume_state_dict=merge_states(states, 3, data_dir=cfg["data_dir"]))),
-        "mixture": (mixture_ranks, lambda states: mixture(merge_states(states, 3, data_dir=str(root / "mix")),
+        "mixture": (mixture_ranks, lambda states: mixture(merge_mixture_states(states, 3, data_dir=str(root / "mix")),
                                                           rank=0, world_size=3)),
     }
     # not vacuous: the fields that need the most checking are there
@@ -1002,7 +1004,7 @@ def reseal(state) -> None:
             reseal(bucket)
         mixture_seal(state)
     else:
-        resume.seal(state)
+        seal(state)
 
 
 # fields an error may name instead of the edited one (a shorter buffer leaves its pieces or offset pointing
