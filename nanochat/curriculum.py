@@ -240,3 +240,7 @@ def main(argv=None) -> int:
         print(f"error: {problem}")
     print("blocking problems: " + (str(len(problems)) if problems else "none"))
     return 1 if problems else 0
+
+
+if __name__ == "__main__":  # (documented as python -m nanochat.mixture validate)
+    raise SystemExit(main())

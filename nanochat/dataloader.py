@@ -36,7 +36,7 @@ from nanochat.dataset import split_parquet_files
 from nanochat.device import DataLoader, DeviceBatches, row_split
 from nanochat.options import check_options, check_positive, resolve_rank
 from nanochat.packing import check_long_doc_policy
-from nanochat.prefetch import maybe_prefetch
+from nanochat.prefetch import EXIT_TIMEOUT, maybe_prefetch  # noqa: F401 (EXIT_TIMEOUT: the README shows it here)
 from nanochat.readers import ParquetReader, ShardReader, shard_paths, shard_vocab
 from nanochat.rows import Tracker, bestfit_batches, concat_batches
 from nanochat.state import stream_config, tokenizer_fingerprint
@@ -130,11 +130,9 @@ def tokenizing_distributed_data_loader_with_state_bos_bestfit(
     return DataLoader(batches, DeviceBatches(B, T, device), row_split, prefetch, with_state, attention_info)
 
 
-
 def tokenizing_distributed_data_loader_bos_bestfit(*args, **kwargs):
     """Like tokenizing_distributed_data_loader_with_state_bos_bestfit, yielding (inputs, targets)."""
     return tokenizing_distributed_data_loader_with_state_bos_bestfit(*args, with_state=False, **kwargs)
-
 
 
 def tokenizing_distributed_data_loader_with_state(

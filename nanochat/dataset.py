@@ -13,7 +13,7 @@ states it) and parquet structure check out. Shards already there are checked bef
 `--verify` checks them all offline. `python -m nanochat.dataset repackage ...` turns
 your own .txt/.jsonl/.jsonl.gz/.parquet text into shards of the same format (all in memory).
 
-May import: nanochat.common, nanochat.download, pyarrow, requests, tqdm, filelock.
+May import: nanochat.common, nanochat.download.
 """
 
 import argparse

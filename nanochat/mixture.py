@@ -57,7 +57,7 @@ nanochat/curriculum.py.
 
 May import: nanochat.curriculum, nanochat.mixture_state, and the loaders' stage modules (nanochat.options,
 nanochat.readers, nanochat.stream, nanochat.tokens, nanochat.rows, nanochat.packing, nanochat.state,
-nanochat.device); never nanochat.dataloader.
+nanochat.device); never nanochat.dataloader, which it stands beside.
 """
 
 import itertools
@@ -71,7 +71,7 @@ import torch.distributed as dist
 from nanochat.curriculum import (Phase, choose, list_buckets, load_curriculum, main,  # noqa: F401 (public here)
                                  row_unit, validate)
 from nanochat.device import DataLoader, DeviceBatches, row_split
-from nanochat.mixture_state import merge_mixture_states, mixture_start, seal_mixture  # noqa: F401 (public here)
+from nanochat.mixture_state import merge_mixture_states, mixture_start, seal_mixture  # noqa: F401 (public)
 from nanochat.options import check_options, resolve_rank
 from nanochat.packing import BestFitPacker, check_long_doc_policy
 from nanochat.readers import ShardReader, shard_vocab
@@ -81,6 +81,7 @@ from nanochat.stream import start_stream
 from nanochat.tokens import ShardDocs, token_batches
 
 logger = logging.getLogger(__name__)
+
 
 class MixtureStop(RuntimeError):
     """The mixture loader stopped on purpose; `state` is the last good state (resume from it)."""
@@ -291,7 +292,6 @@ def _flag_group(world_size: int):
     if not _FLAG_GROUP:
         _FLAG_GROUP.append(dist.new_group(backend="gloo"))
     return _FLAG_GROUP[0]
-
 
 
 def _agree(code: int, group) -> int:

@@ -2,22 +2,21 @@
 The mixture loader's state: its fields and their checks, matching a saved state to a resuming loader,
 and merging the states of N ranks for M (elastic resume). A mixture state holds the curriculum's
 position and one best-fit loader state per bucket (nanochat/state.py); each bucket's documents are
-merged by nanochat/resume.py's merge_stream_states.
+merged by nanochat/elastic.py's merge_stream_states.
 
-May import: nanochat.state, nanochat.resume.
+May import: nanochat.state, nanochat.state_checks, nanochat.elastic.
 """
 
 import reprlib
 
-from nanochat.resume import merge_stream_states, rank_state
-from nanochat.state import (EMPTY_HASH, VERSION, check_emitted, check_hex, check_int, check_keys, check_list, checksum,
-                            intact, is_int)
+from nanochat.elastic import merge_stream_states
+from nanochat.state import EMPTY_HASH, VERSION, checksum, intact
+from nanochat.state_checks import check_emitted, check_hex, check_int, check_keys, check_list, is_int, rank_state
 
 FIELDS = ("version", "loader", "phase", "phase_tokens_done", "tokens_done", "position", "generation", "dropped",
           "buckets", "config", "emitted", "checksum")
 CONFIG_FIELDS = ("loader", "source", "split", "buckets", "chunk_size", "B", "T", "buffer_size", "tokenizer_batch_size",
                  "tokenizer", "seed", "curriculum", "rank", "world_size", "long_doc_policy", "split_overlap")
-
 
 
 def mixture_checksum(state: dict) -> str:
@@ -64,7 +63,7 @@ def mixture_start(state, config, rank, world_size, allow_mismatch) -> tuple[dict
 
 def check_mixture_fields(state: dict, where: str) -> None:
     """Check every field of a mixture state but its bucket states (checked when each bucket resumes, or
-    by merge_states): a ValueError naming the field."""
+    by merge_mixture_states): a ValueError naming the field."""
     config = check_keys(state["config"], f"{where}['config']", CONFIG_FIELDS, ())
     names = check_keys(config["buckets"], f"{where}['config']['buckets']", ())
     for name, files in names.items():
@@ -101,7 +100,7 @@ def check_mixture_fields(state: dict, where: str) -> None:
 
 def merge_mixture_states(states: list[dict], world_size: int, *, data_dir: str) -> dict:
     """Merge the mixture states of all N ranks at one step into the resume state of M ranks: every
-    bucket's remaining documents are dealt by resume.merge_stream_states; the phase and tokens done carry over,
+    bucket's remaining documents are dealt by elastic.merge_stream_states; the phase and tokens done carry over,
     and the new ranks start a fresh mix sequence (generation + 1). A bucket stays dropped only if every
     old rank had dropped it."""
     if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:

@@ -13,7 +13,7 @@ import time
 import weakref
 from collections import deque
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger("nanochat.dataloader.prefetch")  # child of its old logger
 
 
 class Prefetcher:
@@ -122,6 +122,8 @@ EXIT_TIMEOUT = 5.0  # seconds the interpreter's exit waits, in all, for backgrou
 
 
 @atexit.register
+
+
 def _stop_threads_at_exit() -> None:
     """Stop every loader's threads when the interpreter exits (a script that never closes its loader,
     or ends right after closing it), and wait for the calls they are in to return, at most EXIT_TIMEOUT

@@ -115,11 +115,11 @@ from tqdm import tqdm
 
 from nanochat.common import get_dist_info
 from nanochat.dataset import open_parquet, read_jsonl_texts, read_row_group_texts, split_parquet_files
-from nanochat.tokenizer import TOKENIZER_FILENAME, RustBPETokenizer, get_tokenizer_dir
 from nanochat.packing import next_cut
-# TokenShard, list_token_shards and write_token_shard are importable from here too, as the README showed them
-from nanochat.token_shards import (MAGIC, MAX_OVERLAP, META_FILENAME, VERSION, TokenShard, list_token_shards,
-                                   recorded_vocab_size, write_token_pairs, write_token_shard)
+from nanochat.tokenizer import TOKENIZER_FILENAME, RustBPETokenizer, get_tokenizer_dir
+# TokenShard, list_token_shards, recorded_vocab_size and write_token_shard: importable from here too, as before
+from nanochat.token_shards import (MAGIC, MAX_OVERLAP, META_FILENAME, VERSION, TokenShard,  # noqa: F401
+                                   list_token_shards, recorded_vocab_size, write_token_pairs, write_token_shard)
 
 logger = logging.getLogger(__name__)
 

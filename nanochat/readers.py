@@ -27,10 +27,11 @@ from nanochat.dataset import open_parquet, read_row_group_column
 from nanochat.options import check_positive
 from nanochat.token_shards import META_FILENAME, TokenShard, list_token_shards, recorded_vocab_size
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger("nanochat.dataloader.readers")  # child of its old logger
 
 # -----------------------------------------------------------------------------
 # Where the units are: a global index over the split's files, read lazily (footers and indexes only)
+
 
 class RowGroupIndex:
     """The units a stream deals out, per file: parquet row groups, or chunks of `chunk_size` entries

@@ -12,9 +12,10 @@ import itertools
 import numpy as np
 
 from nanochat.packing import BestFitPacker, ConcatPacker
-from nanochat.state import (EMPTY_HASH, VERSION, Unit, decode_keys, decode_pieces, encode_keys, encode_plan, hash_tokens,
-                            seal)
+from nanochat.state import (EMPTY_HASH, VERSION, Unit, decode_keys, decode_pieces, encode_keys, encode_plan,
+                            hash_tokens, seal)
 from nanochat.stream import Position, Stream
+
 
 class Source:
     """Pulls document batches for a packer as (document, key) pairs, and remembers where the stream

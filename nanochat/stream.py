@@ -3,7 +3,7 @@ How a rank walks its documents: DDP dealing, epochs, elastic plans, and where a 
 
 Rank r of W reads, per epoch, units r, r+W, ... of every file (the seeds' sharding: a unit is a parquet
 row group, or a chunk of a pretokenized shard), each cut into batches of `batch_size` documents; epochs
-count from 1. After an elastic merge (nanochat/resume.py) a rank first reads its plan, the work the
+count from 1. After an elastic merge (nanochat/elastic.py) a rank first reads its plan, the work the
 merge dealt it, then the regular stream of the next epoch. Every batch comes with where the stream
 continues after it, so a state can name the exact place (nanochat/state.py).
 
@@ -13,16 +13,16 @@ after the saved unit, as nanochat's loader resumes.
 
 Documents are read through a reader (nanochat/readers.py); nothing here tokenizes.
 
-May import: nanochat.resume, nanochat.state.
+May import: nanochat.state, nanochat.state_checks.
 """
 
 import itertools
 import logging
 
-from nanochat.resume import check_state, rank_state
-from nanochat.state import REQUIRED, Key, Unit, decode_plan
+from nanochat.state import Key, Unit, decode_plan
+from nanochat.state_checks import REQUIRED, check_state, rank_state
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger("nanochat.dataloader.stream")  # child of its old logger
 
 Position = tuple[int, int, int]  # (pq_idx, rg_idx, epoch): the seeds' state keys
 Cursor = tuple[int, int, int, int]  # (epoch, pq_idx, rg_idx, row): where a document batch starts
@@ -158,7 +158,7 @@ def check_legacy_state(state: dict, paths: list[str], reader, where: str = "resu
 
 
 def start_stream(reader, rank, world_size, batch_size, state, config, allow_state_mismatch, epochs=None,
-                  where: str = "resume_state_dict"):
+                 where: str = "resume_state_dict"):
     """The stream a loader starts from: fresh, or resumed from a state (version 2: exactly; the seeds'
     form, or another stream accepted with allow_state_mismatch: after the saved unit, as nanochat).
     where: what messages call the state. Returns (stream, version-2 start state or None, seeds position)."""
@@ -173,7 +173,7 @@ def start_stream(reader, rank, world_size, batch_size, state, config, allow_stat
         raise ValueError(f"{where} is missing 'version' but has this loader's other keys "
                          f"({sorted(state.keys() & set(REQUIRED))}): a truncated state?")
     if "version" in state and check_state(state, config, reader.index, allow_mismatch=allow_state_mismatch,
-                                                 where=where):
+                                          where=where):
         plan = decode_plan(state["plan"], reader.index)
         stream = Stream(reader, rank, world_size, batch_size, plan, tuple(state["next"]), epochs=epochs, where=where)
         return stream, state, (state["pq_idx"], state["rg_idx"], state["epoch"])

@@ -512,14 +512,16 @@ def _chat_messages(conversation: dict) -> list[dict]:
     return [dict(messages[1], content=system + "\n\n" + user)] + messages[2:]
 
 
-def _check_id_table(table, argument: str, mapping: str, key_type: type, entry: str, value: str) -> None:
-    """ValueError unless `table` is a dict of key_type keys to int ids >= 0 (mapping, entry, value: how
-    messages call the whole, a key and an id)."""
+def _id_table(table, argument: str, mapping: str, key_type: type, entry: str, value: str):
+    """Yield the (key, id) pairs of `table`, each checked (a key_type key, an int id >= 0) before it is
+    yielded; ValueError when one is not, or when table is not a dict (mapping, entry, value: how messages
+    call the whole, a key and an id)."""
     if not isinstance(table, dict):
         raise ValueError(f"{argument} must be a mapping of {mapping}, got {type(table).__name__}")
     for key, token_id in table.items():
         if not isinstance(key, key_type) or isinstance(token_id, bool) or not isinstance(token_id, int) or token_id < 0:
             raise ValueError(f"bad {entry} {key!r} with {value} {token_id!r}")
+        yield key, token_id
 
 
 def _check_tables(name, pattern, mergeable_ranks, special_tokens, bos_token) -> None:
@@ -528,7 +530,8 @@ def _check_tables(name, pattern, mergeable_ranks, special_tokens, bos_token) -> 
         raise ValueError(f"name must be a str, got {type(name).__name__}")
     if not isinstance(pattern, str):
         raise ValueError(f"pattern must be a str, got {type(pattern).__name__}")
-    _check_id_table(mergeable_ranks, "mergeable_ranks", "bytes to rank", bytes, "mergeable token", "rank")
+    for _ in _id_table(mergeable_ranks, "mergeable_ranks", "bytes to rank", bytes, "mergeable token", "rank"):
+        pass
     ranks = set(mergeable_ranks.values())
     if len(ranks) != len(mergeable_ranks):
         raise ValueError("two mergeable tokens share a rank")
@@ -536,8 +539,7 @@ def _check_tables(name, pattern, mergeable_ranks, special_tokens, bos_token) -> 
     if missing:
         # without every single byte, some text could not be encoded at all
         raise ValueError(f"{len(missing)} of the 256 single-byte tokens are missing (e.g. byte {missing[0]})")
-    _check_id_table(special_tokens, "special_tokens", "name to id", str, "special token", "id")
-    for name, token_id in special_tokens.items():
+    for name, token_id in _id_table(special_tokens, "special_tokens", "name to id", str, "special token", "id"):
         if token_id in ranks:
             raise ValueError(f"special token {name} has id {token_id}, which a mergeable token already has")
     if len(set(special_tokens.values())) != len(special_tokens):

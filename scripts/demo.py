@@ -36,7 +36,7 @@ import pyarrow.parquet as pq
 
 from nanochat.dataloader import tokenizing_distributed_data_loader_with_state_bos_bestfit
 from nanochat.dataset import get_dataset, index_to_filename, repackage
-from nanochat.resume import decode_keys
+from nanochat.state import decode_keys
 from nanochat.tokenizer import RustBPETokenizer
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -40,9 +40,9 @@ Configurations (61 of them, 1,071 steps):
     (allow_bucket_exhaustion=True);
   - resume: a new loader from the state after k steps, its next steps (every loader; the mixture mid-phase
     and one step before its next phase; best-fit from the seeds' keys {pq_idx, rg_idx, epoch} alone too);
-  - elastic: the states of 3 ranks at one step merged into 2 by nanochat.resume.merge_states (a mixture's
-    by nanochat.mixture.merge_mixture_states; the merged states are the records of a "merged"
-    configuration), then each new rank's steps (best-fit crop and split, concat, pretokenized, mixture).
+  - elastic: the states of 3 ranks at one step merged by nanochat.resume.merge_states into 2 (the merged
+    states are the records of a "merged" configuration), then each new rank's steps (best-fit crop and
+    split, concat, pretokenized, mixture).
 Not covered: CUDA transfer, torchrun and torch.distributed (the mixture's stop agreement), downloads, bad input.
 
 compare prints, per configuration, "identical" or the first step and field that differ (for JSON kept as
@@ -76,7 +76,7 @@ from nanochat.dataloader import (
     tokenizing_distributed_data_loader_with_state,
     tokenizing_distributed_data_loader_with_state_bos_bestfit,
 )
-from nanochat.mixture import (MixtureStop, merge_mixture_states, pretokenized_mixture_loader_bos_bestfit,
+from nanochat.mixture import (MixtureStop, pretokenized_mixture_loader_bos_bestfit,
                               pretokenized_mixture_loader_with_state_bos_bestfit)
 from nanochat.pretokenize import main as pretokenize_main
 from nanochat.pretokenize import pretokenize_file
@@ -281,8 +281,7 @@ def run_elastic(kind: str, make, split: str, kw: dict, k: int, steps: int, data_
     """(name, records): the states of 3 ranks after k steps merged into 2 (one record per new rank),
     then each new rank's `steps` batches resumed from the merge."""
     states = [take(make(split=split, rank=r, world_size=3, **kw), k)[1] for r in range(3)]
-    merge = merge_mixture_states if kind == "mixture" else merge_states
-    merged = checkpointed(merge([checkpointed(s) for s in states], 2, data_dir=data_dir))
+    merged = checkpointed(merge_states([checkpointed(s) for s in states], 2, data_dir=data_dir))
     name = f"{label(kind, split, kw)} elastic 3->2 after {k}"
     yield f"{name} merged", [{"state": digest_json(s)} for s in merged["states"]]
     for q in range(2):

@@ -20,7 +20,6 @@ import torch
 
 from conftest import worker_env
 from nanochat.mixture import (BucketExhausted, CurriculumComplete, load_curriculum, main as mixture_main,
-                              merge_mixture_states,
                               pretokenized_mixture_loader_with_state_bos_bestfit as MIX, validate)
 from nanochat.pretokenize import write_token_shard
 from nanochat.resume import merge_states
@@ -153,10 +152,7 @@ def test_elastic_resume(buckets):
             placed += [key for row in loader.documents for key in row]
         states.append(state)
     assert all(any(b["buffer"] for b in s["buckets"].values()) for s in states)
-    with pytest.raises(ValueError, match=r"states\[0\] is a mixture loader's state: merge mixture states with "
-                                         r"nanochat.mixture.merge_mixture_states"):
-        merge_states(states, 3, data_dir=buckets)  # the resume state knows nothing of mixtures: it points there
-    merged = merge_mixture_states(states, 3, data_dir=buckets)
+    merged = merge_states(states, 3, data_dir=buckets)
     assert [s["tokens_done"] for s in merged["states"]] == [25 * B * T * 2] * 3
     assert all(s["generation"] == 1 and any(b["plan"] for b in s["buckets"].values()) for s in merged["states"])
     new_rows = []
@@ -387,7 +383,7 @@ def test_merging_twice_deals_nothing_twice(buckets):
                 placed += [key for row in loader.documents for key in row]
             states.append(state)
         assert all(b["next"][0] <= 2 for s in states for b in s["buckets"].values())
-        resume_from = merge_mixture_states(states, 3 if world_size == 2 else 2, data_dir=buckets)
+        resume_from = merge_states(states, 3 if world_size == 2 else 2, data_dir=buckets)
         # nothing past the buckets' single pass is ever dealt
         assert all(item["epoch"] == 1 for s in resume_from["states"] for b in s["buckets"].values()
                    for item in b["plan"])

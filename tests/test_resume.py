@@ -41,7 +41,7 @@ from nanochat.dataloader import (
     tokenizing_distributed_data_loader_with_state_bos_bestfit,
 )
 from nanochat.dataset import split_parquet_files
-from nanochat.mixture import MixtureStop, merge_mixture_states
+from nanochat.mixture import MixtureStop
 from nanochat.mixture import pretokenized_mixture_loader_with_state_bos_bestfit as MIX
 from nanochat.pretokenize import write_token_shard
 from nanochat.mixture_state import seal_mixture as mixture_seal
@@ -942,7 +942,7 @@ def saved(tmp_path_factory):
     ranks = {
         "split_reuse": (split_ranks, lambda states: open_loader("split_reuse", split, rank=0, world_size=3,
                         resume_state_dict=merge_states(states, 3, data_dir=cfg["data_dir"]))),
-        "mixture": (mixture_ranks, lambda states: mixture(merge_mixture_states(states, 3, data_dir=str(root / "mix")),
+        "mixture": (mixture_ranks, lambda states: mixture(merge_states(states, 3, data_dir=str(root / "mix")),
                                                           rank=0, world_size=3)),
     }
     # not vacuous: the fields that need the most checking are there

@@ -1,0 +1,148 @@
+"""
+Elastic resume for one stream: merge_stream_states deals the work that N ranks had not yet trained on to
+M new ranks, as each new rank's plan. nanochat/resume.py's merge_states is the front users call; a mixture
+merges each of its buckets with merge_stream_states (nanochat/mixture_state.py).
+
+`merge_states(states, world_size)` takes the states of all N ranks at one step and
+returns {"version": 2, "merged": ..., "states": [one per new rank]}. Every document not yet trained on
+(still buffered, the unread rest of a row group, or a row group not yet read in the current epoch) is
+dealt round-robin to exactly one new rank as its plan; after its plan, new rank q continues with the
+next epoch as rank q of M. The discarded tail of a cropped document counts as consumed. A buffered
+piece of a split document is dealt as that piece alone, and so is the unconsumed rest of a document
+the concatenating loader had started (from its first token not yet consumed: the last target of the
+last batch, if it fell there), so that loader skips no token across an elastic restart either.
+
+May import: nanochat.state, nanochat.state_checks, nanochat.readers, nanochat.dataset, nanochat.token_shards.
+"""
+
+import os
+
+from nanochat.dataset import split_parquet_files
+from nanochat.readers import RowGroupIndex
+from nanochat.state import (EMPTY_HASH, VERSION, Key, Unit, decode_keys, decode_pieces, decode_plan, encode_plan,
+                            files_fingerprint, intact, seal)
+from nanochat.state_checks import buffer_limit, check_data, check_fields
+from nanochat.token_shards import list_token_shards
+
+
+def merge_stream_states(states: list, world_size: int, data_dir: str | None, epochs: int | None,
+                        names: list[str]) -> dict:
+    """merge_states of best-fit or concatenating states (a mixture merges its buckets' with it);
+    names: what messages call each state."""
+    for s, name in zip(states, names):
+        if not isinstance(s, dict) or s.get("version") != VERSION:
+            raise ValueError(f"{name} is not a version-{VERSION} loader state (field 'version')")
+        if "merged" in s:
+            raise ValueError(f"{name} is a merged state: give each rank's own state, not the merge")
+        if not intact(s, name):
+            raise ValueError(f"{name}['checksum'] does not match its contents (edited or corrupted)")
+        check_fields(s, name)
+    first = states[0]
+    n_old = first["config"]["world_size"]
+    if len(states) != n_old:
+        raise ValueError(f"config.world_size: the states were taken on {n_old} ranks, but {len(states)} were given")
+    for s, name in zip(states, names):
+        for key in ("loader", "source", "split", "files", "num_files", "chunk_size", "B", "T", "buffer_size",
+                    "tokenizer_batch_size", "tokenizer", "world_size", "long_doc_policy", "split_overlap"):
+            if s["config"].get(key) != first["config"].get(key):
+                raise ValueError(f"config.{key}: {name} has {s['config'].get(key)!r}, "
+                                 f"{names[0]} has {first['config'].get(key)!r}")
+        if s["emitted"]["batches"] != first["emitted"]["batches"]:
+            raise ValueError(f"emitted.batches: {name} was taken after {s['emitted']['batches']} batches, "
+                             f"{names[0]} after {first['emitted']['batches']}; merge states of one step")
+    ranks = sorted(s["config"]["rank"] for s in states)
+    if ranks != list(range(n_old)):
+        raise ValueError(f"config.rank: need each of ranks 0..{n_old - 1} once, got {ranks}")
+    chunk_size = first["config"].get("chunk_size")
+    if chunk_size is None:
+        paths = split_parquet_files(first["config"]["split"], data_dir)
+    else:
+        if data_dir is None:
+            raise ValueError("data_dir: give the pretokenized directory the states were taken on")
+        paths = [prefix + ".bin" for prefix in list_token_shards(os.path.join(data_dir, first["config"]["split"]))]
+    if files_fingerprint(paths) != first["config"]["files"]:
+        raise ValueError("config.files: the shards on disk are not the ones the states were taken on")
+    index = RowGroupIndex(paths, chunk_size)
+    low = min(s["next"][0] for s in states)
+    for s, name in zip(states, names):
+        check_data(s, index, name)
+        # a rank reads at most one document per token it emits, plus its buffer: since its last restart (where all
+        # ranks started at one epoch) it cannot have got further ahead of the others than that covers of its share.
+        # (A `next` further ahead, hand-edited, would have this merge deal epoch after epoch for a very long time.)
+        rank = s["config"]["rank"]
+        share = sum(sum(index.sizes(p)[rank::n_old]) for p in range(len(paths)))
+        if (s["next"][0] - low) * max(1, share) > s["emitted"]["tokens"] + buffer_limit(s["config"], s["loader"]):
+            raise ValueError(f"{name}['next'] is in epoch {s['next'][0]}, {s['next'][0] - low} past another rank's, "
+                             f"more than the {s['emitted']['tokens']} tokens it emitted can have read of its share "
+                             f"({share} documents an epoch): not the states of one step")
+    states = sorted(states, key=lambda s: s["config"]["rank"])
+
+    # everything not yet trained on: explicit documents, then whole row groups per epoch
+    docs: list[Key] = []
+    whole: dict[int, set[int]] = {}
+    for s in states:
+        buffered = decode_keys(s["buffer"])
+        starts = decode_pieces(s.get("pieces", []), len(buffered))
+        buffered = [key if start is None else (*key, start) for key, start in zip(buffered, starts)]
+        if s["loader"] == "concat" and s["offset"] > 0:  # partly consumed: deal the rest
+            key = buffered[0]
+            buffered[0] = (*key[:4], (key[4] if len(key) == 5 else 0) + s["offset"])
+        docs += buffered
+        for epoch, pq_idx, rg_idx, rows, starts in decode_plan(s["plan"], index):
+            if rows is None:
+                whole.setdefault(epoch, set()).add(index.base(pq_idx) + rg_idx)
+            else:
+                starts = starts or (None,) * len(rows)
+                docs += [(epoch, pq_idx, rg_idx, r) if st is None else (epoch, pq_idx, rg_idx, r, st)
+                         for r, st in zip(rows, starts)]
+    last_epoch = max(s["next"][0] for s in states)
+    if epochs is not None:
+        last_epoch = min(last_epoch, epochs)  # a finished stream's cursor points past its last epoch
+    for rank, s in enumerate(states):
+        epoch, pq_idx, rg_idx, row = s["next"]
+        # the rest of this rank's share of its current epoch, then all of its share of later ones
+        for e in range(epoch, last_epoch + 1):
+            for p in range(len(paths)):
+                for g in range(rank, index.count(p), n_old):
+                    if e == epoch and (p, g) < (pq_idx, rg_idx):
+                        continue
+                    if e == epoch and (p, g) == (pq_idx, rg_idx) and row > 0:
+                        docs += [(e, p, g, r) for r in range(row, index.rows(p, g))]
+                        continue
+                    whole.setdefault(e, set()).add(index.base(p) + g)
+
+    # deal: documents one by one, then row groups one by one, round-robin over the new ranks
+    units: list[list[Unit]] = [[] for _ in range(world_size)]
+    for i, key in enumerate(docs):
+        units[i % world_size].append((*key[:3], (key[3],), None if len(key) == 4 else (key[4],)))
+    dealt = 0
+    for epoch in sorted(whole):
+        for g in sorted(whole[epoch]):
+            units[dealt % world_size].append((epoch, *index.locate(g), None, None))
+            dealt += 1
+    merged = []
+    for q in range(world_size):
+        plan = encode_plan(_coalesce(units[q]), index)
+        config = dict(first["config"], rank=q, world_size=world_size)
+        state = {"version": VERSION, "loader": first["loader"], "pq_idx": first["pq_idx"],
+                 "rg_idx": first["rg_idx"], "epoch": first["epoch"], "plan": plan,
+                 "next": [last_epoch + 1, 0, q, 0], "buffer": [], "pieces": [], "offset": 0, "config": config,
+                 "emitted": {"batches": first["emitted"]["batches"], "tokens": 0, "hash": EMPTY_HASH},
+                 "counters": {}}
+        merged.append(seal(state))
+    return {"version": VERSION, "merged": {"from_world_size": n_old, "world_size": world_size}, "states": merged}
+
+
+def _coalesce(units: list[Unit]) -> list[Unit]:
+    """Join consecutive single-document units of one row group (keeps a new rank's plan short)."""
+    out: list[Unit] = []
+    for unit in units:
+        last = out[-1] if out else None
+        if last and unit[3] is not None and last[3] is not None and last[:3] == unit[:3]:
+            starts = None
+            if last[4] is not None or unit[4] is not None:
+                starts = (last[4] or (None,) * len(last[3])) + (unit[4] or (None,) * len(unit[3]))
+            out[-1] = (*unit[:3], last[3] + unit[3], starts)
+        else:
+            out.append(unit)
+    return out
