@@ -7,7 +7,7 @@ bucket each row of each rank comes from. `python -m nanochat.mixture validate` i
 
 The mixture loader itself is nanochat/mixture.py.
 
-May import: nanochat.token_shards, pyyaml, numpy.
+May import: nanochat.token_shards, nanochat.shuffle, pyyaml, numpy.
 """
 
 import argparse
@@ -22,6 +22,7 @@ from typing import NamedTuple
 import numpy as np
 import yaml
 
+from nanochat.shuffle import Shuffle
 from nanochat.token_shards import TokenShard, list_token_shards
 
 PHI = (math.sqrt(5) - 1) / 2  # the golden ratio's fractional part: the most evenly spread steps on [0, 1)
@@ -109,23 +110,24 @@ def load_curriculum(spec, buckets=None) -> list[Phase]:
     return phases
 
 
-def rank_shares(paths: list[str], chunk_size: int, world_size: int) -> list[int]:
-    """Tokens each rank reads of a bucket (chunks rank, rank + W, ... of every file), from the .idx
-    files only. With world_size 1: the bucket's size."""
-    shares = [0] * world_size
+def rank_shares(paths: list[str], chunk_size: int, world_size: int, shuffle: Shuffle | None = None) -> list[int]:
+    """Tokens each rank reads of a bucket (chunks rank, rank + W, ... of every file; shuffled: of the
+    first epoch's permutation of all chunks), from the .idx files only. With world_size 1: the bucket's size."""
+    chunks = []  # tokens per chunk, per file
     for path in paths:
         offsets = TokenShard(path).offsets
         starts = np.arange(0, len(offsets) - 1, chunk_size)
-        per_chunk = offsets[np.minimum(starts + chunk_size, len(offsets) - 1)] - offsets[starts]
-        for rank in range(world_size):
-            shares[rank] += int(per_chunk[rank::world_size].sum())
-    return shares
+        chunks.append(offsets[np.minimum(starts + chunk_size, len(offsets) - 1)] - offsets[starts])
+    if shuffle:
+        tokens = np.concatenate(chunks) if chunks else np.zeros(0, dtype=np.int64)
+        return [int(tokens[shuffle.units(1, len(tokens), rank, world_size)].sum()) for rank in range(world_size)]
+    return [sum(int(c[rank::world_size].sum()) for c in chunks) for rank in range(world_size)]
 
 
 def validate(curriculum, data_dir: str, split: str = "train", total_tokens: int | None = None,
              allow_bucket_exhaustion: bool = False, allow_budget_mismatch: bool = False,
              T: int | None = None, world_size: int = 1, chunk_size: int = 1024,
-             step_tokens: int = 0) -> tuple[list[dict], list[str], list[str]]:
+             step_tokens: int = 0, shuffle: Shuffle | None = None) -> tuple[list[dict], list[str], list[str]]:
     """Tokens demanded versus available, per phase and bucket. Returns (rows, problems, warnings):
     problems block a run (a predicted shortfall, a budget mismatch), warnings do not (the same under
     their allow_* flag).
@@ -135,11 +137,13 @@ def validate(curriculum, data_dir: str, split: str = "train", total_tokens: int 
       the smallest rank share must cover demand / W.
     - total_tokens (what the run trains): a mismatch with the curriculum's total of one step
       (step_tokens) or more is a budget mismatch; accepted, a longer run extends the last phase, and
-      its demand counts."""
+      its demand counts.
+    - shuffle: the loader's order (each bucket's own, by its name), which deals other chunks to each rank."""
     buckets = list_buckets(data_dir, split)
     phases = curriculum if isinstance(curriculum, list) and all(isinstance(p, Phase) for p in curriculum) \
         else load_curriculum(curriculum, buckets)
-    shares = {name: rank_shares(paths, chunk_size, world_size) for name, paths in buckets.items()}
+    shares = {name: rank_shares(paths, chunk_size, world_size, shuffle and shuffle.bucket(name))
+              for name, paths in buckets.items()}
     scale = (T + 1) / T if T else 1.0
     total = sum(p.tokens for p in phases)
     budgets = [p.tokens for p in phases]
@@ -217,6 +221,10 @@ def main(argv=None) -> int:
                                                                   "tolerance)")
     check.add_argument("--world-size", type=_positive, default=1, help="ranks: each must hold its share (default 1)")
     check.add_argument("--chunk-size", type=_positive, default=1024, help="the loader's chunk_size (default 1024)")
+    check.add_argument("--shuffle", action="store_true", help="the loader shuffles (shuffle=True): ranks get other "
+                                                              "chunks")
+    check.add_argument("--seed", type=int, default=0, help="the loader's seed (with --shuffle; default 0)")
+    check.add_argument("--shuffle-window", type=_positive, default=8, help="the loader's shuffle_window (default 8)")
     check.add_argument("--allow-bucket-exhaustion", action="store_true", help="a predicted shortfall only warns")
     check.add_argument("--allow-budget-mismatch", action="store_true", help="a budget mismatch only warns")
     args = parser.parse_args(argv)
@@ -224,7 +232,8 @@ def main(argv=None) -> int:
         step = args.B * args.T * args.world_size if args.B and args.T else 0
         rows, problems, notes = validate(args.config, args.data, args.split, args.tokens,
                                          args.allow_bucket_exhaustion, args.allow_budget_mismatch, args.T,
-                                         args.world_size, args.chunk_size, step)
+                                         args.world_size, args.chunk_size, step,
+                                         Shuffle(args.seed, args.shuffle_window) if args.shuffle else None)
     except (ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

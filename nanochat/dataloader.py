@@ -34,7 +34,7 @@ nanochat.packing, nanochat.state, nanochat.prefetch, nanochat.device), nanochat.
 
 from nanochat.dataset import split_parquet_files
 from nanochat.device import DataLoader, DeviceBatches, row_split
-from nanochat.options import check_options, check_positive, resolve_rank
+from nanochat.options import check_options, check_positive, check_shuffle, resolve_rank
 from nanochat.packing import check_long_doc_policy
 from nanochat.prefetch import EXIT_TIMEOUT, maybe_prefetch  # noqa: F401 (EXIT_TIMEOUT: the README shows it here)
 from nanochat.readers import ParquetReader, ShardReader, shard_paths, shard_vocab
@@ -63,7 +63,7 @@ def _pipeline(doc_batches, encoder, prefetch: int, pack, tokenizing: bool = True
 
 
 def _setup(kind, tokenizer, B, T, split, tokenizer_threads, tokenizer_batch_size, resume_state_dict,
-           data_dir, rank, world_size, prefetch, allow_state_mismatch, buffer_size=None, policy=None):
+           data_dir, rank, world_size, prefetch, allow_state_mismatch, shuffle, buffer_size=None, policy=None):
     """Validate everything up front (so bad input fails at the call, not deep in a thread), then
     build the document stream and the state tracker, resuming if asked.
     Returns (document batches, tracker, seeds position)."""
@@ -80,9 +80,9 @@ def _setup(kind, tokenizer, B, T, split, tokenizer_threads, tokenizer_batch_size
     reader = ParquetReader(split_parquet_files(split, data_dir))
     encoder = Encoder(tokenizer, tokenizer_threads)
     config = stream_config(kind, "parquet", split, reader.paths, B, T, buffer_size, tokenizer_batch_size,
-                           tokenizer_fingerprint(tokenizer), rank, world_size, policy=policy)
+                           tokenizer_fingerprint(tokenizer), rank, world_size, policy=policy, shuffle=shuffle)
     stream, start, position = start_stream(reader, rank, world_size, tokenizer_batch_size, resume_state_dict,
-                                           config, allow_state_mismatch)
+                                           config, allow_state_mismatch, shuffle=shuffle)
     return stream.batches(), Tracker(kind, stream, encoder, config, start), position
 
 
@@ -101,7 +101,8 @@ def tokenizing_distributed_data_loader_with_state_bos_bestfit(
         data_dir: str | None = None, rank: int | None = None, world_size: int | None = None,
         prefetch: int = 4, with_state: bool = True, allow_state_mismatch: bool = False,
         trace_documents: bool = False, attention_info: bool = False, max_docs_per_row: int | None = None,
-        long_doc_policy: str = "crop", split_overlap: int = 0) -> DataLoader:
+        long_doc_policy: str = "crop", split_overlap: int = 0, shuffle: bool = False, seed: int = 0,
+        shuffle_window: int = 8) -> DataLoader:
     """Yield (inputs, targets, state_dict) forever: (B, T) int64 batches of BOS-aligned best-fit rows.
 
     tokenizer: anything with get_bos_token_id() and encode(list_of_str, prepend=bos, num_threads=n)
@@ -119,10 +120,14 @@ def tokenizing_distributed_data_loader_with_state_bos_bestfit(
     split_overlap tokens before them, with those targets set to -100. "split_reuse": also put the
     cropped rest of a row's last document back into the buffer as a piece; nothing is discarded.
     Every row starts with BOS under every policy; the bench prints each policy's waste.
+    shuffle: read each epoch's row groups in a seeded order (a permutation dealt to the ranks), and the
+    documents of every shuffle_window row groups of a rank's share in a seeded order (default: file order,
+    as the seeds; for shards that are not shuffled already). seed: picks both orders.
     """
     doc_batches, tracker, position = _setup(
         "bestfit", tokenizer, B, T, split, tokenizer_threads, tokenizer_batch_size, resume_state_dict, data_dir,
-        rank, world_size, prefetch, allow_state_mismatch, buffer_size=buffer_size,
+        rank, world_size, prefetch, allow_state_mismatch, check_shuffle(shuffle, seed, shuffle_window),
+        buffer_size=buffer_size,
         policy=(long_doc_policy, split_overlap))
     max_docs = _max_docs(attention_info, max_docs_per_row, T)
     batches = _pipeline(doc_batches, tracker.encoder, prefetch, lambda tokens: bestfit_batches(
@@ -139,7 +144,8 @@ def tokenizing_distributed_data_loader_with_state(
         tokenizer, B: int, T: int, split: str, tokenizer_threads: int = 4, tokenizer_batch_size: int = 128,
         device="cuda", resume_state_dict: dict | None = None, *, data_dir: str | None = None,
         rank: int | None = None, world_size: int | None = None, prefetch: int = 4,
-        with_state: bool = True, allow_state_mismatch: bool = False) -> DataLoader:
+        with_state: bool = True, allow_state_mismatch: bool = False, shuffle: bool = False, seed: int = 0,
+        shuffle_window: int = 8) -> DataLoader:
     """The older concatenating loader: documents back to back (each after its BOS), each batch the
     next B*T+1 tokens of the stream (inputs the first B*T, targets the last B*T), advancing by B*T: the
     last target of a batch is the first input of the next, and no token is skipped. Wastes nothing,
@@ -149,10 +155,10 @@ def tokenizing_distributed_data_loader_with_state(
     stats: tokens_emitted counts tokens consumed, B*T per batch (each token of the stream once, as an
     input); buffer_tokens those tokenized and not yet consumed (a batch's last target among them), so
     tokens_tokenized == tokens_emitted + buffer_tokens. The state's emitted["tokens"] counts the
-    B*T+1 tokens of every batch that its hash covers."""
+    B*T+1 tokens of every batch that its hash covers. shuffle, seed, shuffle_window: as for the best-fit loader."""
     doc_batches, tracker, position = _setup(
         "concat", tokenizer, B, T, split, tokenizer_threads, tokenizer_batch_size, resume_state_dict, data_dir,
-        rank, world_size, prefetch, allow_state_mismatch)
+        rank, world_size, prefetch, allow_state_mismatch, check_shuffle(shuffle, seed, shuffle_window))
     batches = _pipeline(doc_batches, tracker.encoder, prefetch,
                         lambda tokens: concat_batches(tokens, tracker, position, B, T, False))
     return DataLoader(batches, DeviceBatches(B, T, device),
@@ -174,7 +180,8 @@ def pretokenized_distributed_data_loader_with_state_bos_bestfit(
         batch_size: int = 128, rank: int | None = None, world_size: int | None = None, prefetch: int = 4,
         with_state: bool = True, allow_state_mismatch: bool = False, trace_documents: bool = False,
         attention_info: bool = False, max_docs_per_row: int | None = None, long_doc_policy: str = "crop",
-        split_overlap: int = 0, vocab_size: int | None = None) -> DataLoader:
+        split_overlap: int = 0, vocab_size: int | None = None, shuffle: bool = False, seed: int = 0,
+        shuffle_window: int = 8) -> DataLoader:
     """The best-fit loader over pretokenized shards (`python -m nanochat.pretokenize`): the same
     rows, rules, state and resume (exact and elastic) as the parquet loader, with no tokenizer.
 
@@ -190,9 +197,13 @@ def pretokenized_distributed_data_loader_with_state_bos_bestfit(
     both are given they must agree). Every id read is checked to be below it, a chunk at a time, so a
     damaged shard is a ValueError naming the shard and entry, not a device-side assert in the
     embedding. With neither, a warning, and ids are only bounded by the shards' dtype.
+    shuffle: read each epoch's chunks in a seeded order (a permutation dealt to the ranks), and the entries
+    of every shuffle_window chunks of a rank's share in a seeded order, so that the windows of one long
+    document land far apart (default: file order). seed: picks both orders. The state stays a position.
     """
     check_options(B, T, split, prefetch, buffer_size=buffer_size, chunk_size=chunk_size, batch_size=batch_size)
     check_long_doc_policy(long_doc_policy, split_overlap, T)
+    order = check_shuffle(shuffle, seed, shuffle_window)
     rank, world_size = resolve_rank(rank, world_size)
     paths = shard_paths(data_dir, split)
     vocab = shard_vocab(paths[0], bos_token, vocab_size, [data_dir])
@@ -200,9 +211,10 @@ def pretokenized_distributed_data_loader_with_state_bos_bestfit(
     reader = ShardReader(paths, chunk_size, vocab)
     encoder = ShardDocs(bos_token)
     config = stream_config("bestfit", "pretokenized", split, paths, B, T, buffer_size, batch_size, f"bos:{bos_token}",
-                           rank, world_size, chunk_size=chunk_size, policy=(long_doc_policy, split_overlap))
+                           rank, world_size, chunk_size=chunk_size, policy=(long_doc_policy, split_overlap),
+                           shuffle=order)
     stream, start, position = start_stream(reader, rank, world_size, batch_size, resume_state_dict, config,
-                                           allow_state_mismatch)
+                                           allow_state_mismatch, shuffle=order)
     tracker = Tracker("bestfit", stream, encoder, config, start)
     max_docs = _max_docs(attention_info, max_docs_per_row, T)
     batches = _pipeline(stream.batches(), encoder, prefetch, lambda tokens: bestfit_batches(

@@ -12,16 +12,18 @@ piece of a split document is dealt as that piece alone, and so is the unconsumed
 the concatenating loader had started (from its first token not yet consumed: the last target of the
 last batch, if it fell there), so that loader skips no token across an elastic restart either.
 
-May import: nanochat.state, nanochat.state_checks, nanochat.readers, nanochat.dataset, nanochat.token_shards.
+May import: numpy, nanochat.state, nanochat.state_checks, nanochat.readers, nanochat.dataset, nanochat.token_shards.
 """
 
 import os
+
+import numpy as np
 
 from nanochat.dataset import split_parquet_files
 from nanochat.readers import RowGroupIndex
 from nanochat.state import (EMPTY_HASH, VERSION, Key, Unit, decode_keys, decode_pieces, decode_plan, encode_plan,
                             files_fingerprint, intact, seal)
-from nanochat.state_checks import buffer_limit, check_data, check_fields
+from nanochat.state_checks import buffer_limit, check_data, check_fields, config_shuffle
 from nanochat.token_shards import list_token_shards
 
 
@@ -43,7 +45,7 @@ def merge_stream_states(states: list, world_size: int, data_dir: str | None, epo
         raise ValueError(f"config.world_size: the states were taken on {n_old} ranks, but {len(states)} were given")
     for s, name in zip(states, names):
         for key in ("loader", "source", "split", "files", "num_files", "chunk_size", "B", "T", "buffer_size",
-                    "tokenizer_batch_size", "tokenizer", "world_size", "long_doc_policy", "split_overlap"):
+                    "tokenizer_batch_size", "tokenizer", "world_size", "long_doc_policy", "split_overlap", "shuffle"):
             if s["config"].get(key) != first["config"].get(key):
                 raise ValueError(f"config.{key}: {name} has {s['config'].get(key)!r}, "
                                  f"{names[0]} has {first['config'].get(key)!r}")
@@ -63,18 +65,21 @@ def merge_stream_states(states: list, world_size: int, data_dir: str | None, epo
     if files_fingerprint(paths) != first["config"]["files"]:
         raise ValueError("config.files: the shards on disk are not the ones the states were taken on")
     index = RowGroupIndex(paths, chunk_size)
+    shuffle = config_shuffle(first["config"])
     low = min(s["next"][0] for s in states)
     for s, name in zip(states, names):
         check_data(s, index, name)
         # a rank reads at most one document per token it emits, plus its buffer: since its last restart (where all
         # ranks started at one epoch) it cannot have got further ahead of the others than that covers of its share.
         # (A `next` further ahead, hand-edited, would have this merge deal epoch after epoch for a very long time.)
-        rank = s["config"]["rank"]
-        share = sum(sum(index.sizes(p)[rank::n_old]) for p in range(len(paths)))
-        if (s["next"][0] - low) * max(1, share) > s["emitted"]["tokens"] + buffer_limit(s["config"], s["loader"]):
-            raise ValueError(f"{name}['next'] is in epoch {s['next'][0]}, {s['next'][0] - low} past another rank's, "
-                             f"more than the {s['emitted']['tokens']} tokens it emitted can have read of its share "
-                             f"({share} documents an epoch): not the states of one step")
+        rank, budget = s["config"]["rank"], s["emitted"]["tokens"] + buffer_limit(s["config"], s["loader"])
+        read = 0
+        for epoch in range(low, s["next"][0]):  # epochs this rank has finished and the slowest has not
+            read += sum(index.rows(*index.locate(int(g))) for g in _share(index, shuffle, epoch, rank, n_old))
+            if read > budget or epoch - low > budget:
+                raise ValueError(f"{name}['next'] is in epoch {s['next'][0]}, {s['next'][0] - low} past another "
+                                 f"rank's, more than the {s['emitted']['tokens']} tokens it emitted can have read "
+                                 "of its share: not the states of one step")
     states = sorted(states, key=lambda s: s["config"]["rank"])
 
     # everything not yet trained on: explicit documents, then whole row groups per epoch
@@ -99,17 +104,28 @@ def merge_stream_states(states: list, world_size: int, data_dir: str | None, epo
     if epochs is not None:
         last_epoch = min(last_epoch, epochs)  # a finished stream's cursor points past its last epoch
     for rank, s in enumerate(states):
-        epoch, pq_idx, rg_idx, row = s["next"]
+        epoch, rest = s["next"][0], s["next"][1:]
         # the rest of this rank's share of its current epoch, then all of its share of later ones
-        for e in range(epoch, last_epoch + 1):
-            for p in range(len(paths)):
-                for g in range(rank, index.count(p), n_old):
-                    if e == epoch and (p, g) < (pq_idx, rg_idx):
-                        continue
-                    if e == epoch and (p, g) == (pq_idx, rg_idx) and row > 0:
-                        docs += [(e, p, g, r) for r in range(row, index.rows(p, g))]
-                        continue
-                    whole.setdefault(e, set()).add(index.base(p) + g)
+        if shuffle:
+            docs += _window_rest(index, shuffle, epoch, rank, n_old, *rest)
+            window = rest[0] + (rest[1] > 0)  # a window begun is dealt document by document
+            for g in _share(index, shuffle, epoch, rank, n_old)[window * shuffle.window:]:
+                whole.setdefault(epoch, set()).add(int(g))
+            later = [(e, g) for e in range(epoch + 1, last_epoch + 1) for g in _share(index, shuffle, e, rank, n_old)]
+        else:
+            pq_idx, rg_idx, row = rest
+            later = []
+            for e in range(epoch, last_epoch + 1):
+                for p in range(len(paths)):
+                    for g in range(rank, index.count(p), n_old):
+                        if e == epoch and (p, g) < (pq_idx, rg_idx):
+                            continue
+                        if e == epoch and (p, g) == (pq_idx, rg_idx) and row > 0:
+                            docs += [(e, p, g, r) for r in range(row, index.rows(p, g))]
+                            continue
+                        later.append((e, index.base(p) + g))
+        for e, g in later:
+            whole.setdefault(e, set()).add(int(g))
 
     # deal: documents one by one, then row groups one by one, round-robin over the new ranks
     units: list[list[Unit]] = [[] for _ in range(world_size)]
@@ -126,11 +142,31 @@ def merge_stream_states(states: list, world_size: int, data_dir: str | None, epo
         config = dict(first["config"], rank=q, world_size=world_size)
         state = {"version": VERSION, "loader": first["loader"], "pq_idx": first["pq_idx"],
                  "rg_idx": first["rg_idx"], "epoch": first["epoch"], "plan": plan,
-                 "next": [last_epoch + 1, 0, q, 0], "buffer": [], "pieces": [], "offset": 0, "config": config,
+                 "next": [last_epoch + 1, 0, 0] if shuffle else [last_epoch + 1, 0, q, 0], "buffer": [], "pieces": [], "offset": 0, "config": config,
                  "emitted": {"batches": first["emitted"]["batches"], "tokens": 0, "hash": EMPTY_HASH},
                  "counters": {}}
         merged.append(seal(state))
     return {"version": VERSION, "merged": {"from_world_size": n_old, "world_size": world_size}, "states": merged}
+
+
+def _share(index: RowGroupIndex, shuffle, epoch: int, rank: int, world_size: int):
+    """The global indices of the units a rank reads in an epoch, in its order."""
+    if shuffle:
+        return shuffle.units(epoch, index.total, rank, world_size)
+    return [index.base(p) + g for p in range(len(index.paths)) for g in range(rank, index.count(p), world_size)]
+
+
+def _window_rest(index: RowGroupIndex, shuffle, epoch: int, rank: int, world_size: int, window: int,
+                 row: int) -> list[Key]:
+    """The documents of a shuffled rank's begun window that it has not read yet, in its order."""
+    if row == 0:
+        return []
+    units = shuffle.units(epoch, index.total, rank, world_size)[window * shuffle.window:(window + 1) * shuffle.window]
+    places = [index.locate(int(g)) for g in units]
+    bounds = np.cumsum([0] + [index.rows(*place) for place in places])
+    order = shuffle.entries(epoch, rank, world_size, window, int(bounds[-1]))[row:]
+    which = np.searchsorted(bounds, order, side="right") - 1
+    return [(epoch, *places[u], int(i - bounds[u])) for u, i in zip(which, order)]
 
 
 def _coalesce(units: list[Unit]) -> list[Unit]:

@@ -72,7 +72,7 @@ from nanochat.curriculum import (Phase, choose, list_buckets, load_curriculum, m
                                  row_unit, validate)
 from nanochat.device import DataLoader, DeviceBatches, row_split
 from nanochat.mixture_state import merge_mixture_states, mixture_start, seal_mixture  # noqa: F401 (public)
-from nanochat.options import check_options, resolve_rank
+from nanochat.options import check_options, check_shuffle, resolve_rank
 from nanochat.packing import BestFitPacker, check_long_doc_policy
 from nanochat.readers import ShardReader, shard_vocab
 from nanochat.rows import Source, Tracker
@@ -362,17 +362,18 @@ def pretokenized_mixture_loader_with_state_bos_bestfit(
         prefetch: int = 4, with_state: bool = True, allow_state_mismatch: bool = False,
         allow_bucket_exhaustion: bool = False, allow_budget_mismatch: bool = False,
         total_tokens: int | None = None, trace_documents: bool = False, long_doc_policy: str = "crop",
-        split_overlap: int = 0, vocab_size: int | None = None) -> MixtureLoader:
+        split_overlap: int = 0, vocab_size: int | None = None, shuffle: bool = False,
+        shuffle_window: int = 8) -> MixtureLoader:
     """Yield (inputs, targets, state_dict): best-fit rows, each from one bucket of data_dir/split/<bucket>/,
     mixed by the curriculum (see the module docstring). buffer_size is per bucket. seed picks the mix's
     sequence. total_tokens: tokens the run will train (all ranks), checked against the curriculum.
     vocab_size: as for the pretokenized loader; pretokenize.json is looked for in data_dir and in each
-    bucket's directory.
+    bucket's directory. shuffle, shuffle_window: each bucket's chunks and entries in a seeded order, as the
+    pretokenized loader's (seeded by seed and the bucket's name).
     Raises BucketExhausted / CurriculumComplete (with .state, the last good state) where it must stop."""
     check_options(B, T, split, prefetch, buffer_size=buffer_size, chunk_size=chunk_size, batch_size=batch_size)
     check_long_doc_policy(long_doc_policy, split_overlap, T)
-    if isinstance(seed, bool) or not isinstance(seed, int):
-        raise ValueError(f"seed must be an integer, got {seed!r}")
+    order = check_shuffle(shuffle, seed, shuffle_window)
     rank, world_size = resolve_rank(rank, world_size)
     paths = list_buckets(data_dir, split)
     phases = load_curriculum(curriculum, paths)
@@ -387,11 +388,11 @@ def pretokenized_mixture_loader_with_state_bos_bestfit(
               "tokenizer": f"bos:{bos_token}", "seed": seed,
               "curriculum": [[p.tokens, [[name, w] for name, w in sorted(p.mix.items())]] for p in phases],
               "rank": rank, "world_size": world_size, "long_doc_policy": long_doc_policy,
-              "split_overlap": split_overlap}
+              "split_overlap": split_overlap} | ({"shuffle": {"window": shuffle_window}} if shuffle else {})
     state, where = mixture_start(resume_state_dict, config, rank, world_size, allow_state_mismatch)
     if state is None:  # a fresh run: refuse a curriculum that is predicted to run dry
         _, problems, notes = validate(phases, data_dir, split, total_tokens, allow_bucket_exhaustion,
-                                      allow_budget_mismatch, T, world_size, chunk_size, B * T * world_size)
+                                      allow_budget_mismatch, T, world_size, chunk_size, B * T * world_size, order)
         for note in notes:
             logger.warning("mixture: %s", note)
         if problems:
@@ -407,11 +408,12 @@ def pretokenized_mixture_loader_with_state_bos_bestfit(
     for name in used:
         sub_config = stream_config("bestfit", "pretokenized", f"{split}/{name}", paths[name], B, T, buffer_size,
                                    batch_size, config["tokenizer"], rank, world_size, chunk_size=chunk_size,
-                                   policy=(long_doc_policy, split_overlap))
+                                   policy=(long_doc_policy, split_overlap), shuffle=order and order.bucket(name))
         sub_state = state["buckets"][name] if state else None
         reader = ShardReader(paths[name], chunk_size, vocab)
         stream, start, position = start_stream(reader, rank, world_size, batch_size, sub_state, sub_config,
-                                               allow_state_mismatch, epochs=1, where=f"{where}['buckets'][{name!r}]")
+                                               allow_state_mismatch, epochs=1, where=f"{where}['buckets'][{name!r}]",
+                                               shuffle=order and order.bucket(name))
         tracker = Tracker("bestfit", stream, encoder, sub_config, start)
         packer = BestFitPacker(T + 1, long_doc_policy, split_overlap)
         buckets[name] = (stream, tracker, packer, position)

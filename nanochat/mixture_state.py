@@ -53,7 +53,7 @@ def mixture_start(state, config, rank, world_size, allow_mismatch) -> tuple[dict
     check_mixture_fields(state, where)
     saved = state["config"]
     differ = [f"{k}: state {saved.get(k)!r}, loader {v!r}" for k, v in config.items() if saved.get(k) != v]
-    stream_fields = ("source", "split", "buckets", "chunk_size", "tokenizer", "rank", "world_size")
+    stream_fields = ("source", "split", "buckets", "chunk_size", "tokenizer", "rank", "world_size", "shuffle")
     if differ and (not allow_mismatch or any(saved.get(k) != config[k] for k in stream_fields)):
         raise ValueError(f"{where} was taken on another configuration (" + "; ".join(differ) + ")" +
                          ("" if allow_mismatch else "; pass allow_state_mismatch=True to go on with a changed "
@@ -64,7 +64,10 @@ def mixture_start(state, config, rank, world_size, allow_mismatch) -> tuple[dict
 def check_mixture_fields(state: dict, where: str) -> None:
     """Check every field of a mixture state but its bucket states (checked when each bucket resumes, or
     by merge_mixture_states): a ValueError naming the field."""
-    config = check_keys(state["config"], f"{where}['config']", CONFIG_FIELDS, ())
+    config = check_keys(state["config"], f"{where}['config']", CONFIG_FIELDS, ("shuffle",))
+    if "shuffle" in config:  # {"window": chunks}: the buckets' own configs hold the rest
+        check_keys(config["shuffle"], f"{where}['config']['shuffle']", ("window",), ())
+        check_int(config["shuffle"]["window"], f"{where}['config']['shuffle']['window']", 1)
     names = check_keys(config["buckets"], f"{where}['config']['buckets']", ())
     for name, files in names.items():
         check_hex(files, f"{where}['config']['buckets'][{name!r}]")

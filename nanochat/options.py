@@ -2,11 +2,12 @@
 Checking a loader's arguments up front, so that bad input fails at the call with a ValueError that
 names the argument, not later inside a background thread.
 
-May import: nanochat.common, nanochat.dataset.
+May import: nanochat.common, nanochat.dataset, nanochat.shuffle.
 """
 
 from nanochat.common import get_dist_info
 from nanochat.dataset import SPLITS
+from nanochat.shuffle import Shuffle
 
 
 def check_positive(**kwargs) -> None:
@@ -34,3 +35,18 @@ def resolve_rank(rank: int | None, world_size: int | None) -> tuple[int, int]:
     if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < world_size:
         raise ValueError(f"rank must be an integer in [0, {world_size}), got {rank!r}")
     return rank, world_size
+
+
+def check_seed(seed) -> int:
+    if isinstance(seed, bool) or not isinstance(seed, int):
+        raise ValueError(f"seed must be an integer, got {seed!r}")
+    return seed
+
+
+def check_shuffle(shuffle, seed, shuffle_window, bucket: str = "") -> Shuffle | None:
+    """The Shuffle of a loader's shuffle=, seed=, shuffle_window= arguments (None: not shuffled)."""
+    if not isinstance(shuffle, bool):
+        raise ValueError(f"shuffle must be True or False, got {shuffle!r}")
+    check_seed(seed)
+    check_positive(shuffle_window=shuffle_window)
+    return Shuffle(seed, shuffle_window, bucket) if shuffle else None

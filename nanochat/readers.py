@@ -20,12 +20,13 @@ May import: nanochat.dataset, nanochat.token_shards, nanochat.options.
 import bisect
 import logging
 import os
+from collections import OrderedDict
 
 import numpy as np
 
 from nanochat.dataset import open_parquet, read_row_group_column
 from nanochat.options import check_positive
-from nanochat.token_shards import META_FILENAME, TokenShard, list_token_shards, recorded_vocab_size
+from nanochat.token_shards import META_FILENAME, TokenShard, entry_count, list_token_shards, recorded_vocab_size
 
 logger = logging.getLogger("nanochat.dataloader.readers")  # child of its old logger
 
@@ -51,7 +52,7 @@ class RowGroupIndex:
                 meta = open_parquet(self.paths[pq_idx]).metadata
                 self._sizes[pq_idx] = [meta.row_group(g).num_rows for g in range(meta.num_row_groups)]
             else:
-                n = len(TokenShard(self.paths[pq_idx]))
+                n = entry_count(self.paths[pq_idx])
                 self._sizes[pq_idx] = [min(self.chunk_size, n - start) for start in range(0, n, self.chunk_size)]
         return self._sizes[pq_idx]
 
@@ -188,6 +189,7 @@ class ShardReader:
     """The stream's view of pretokenized shards: units are chunks of `chunk_size` entries (the DDP
     sharding deals chunks out as the parquet loader deals row groups), items are (tokens, overlap),
     the tokens a view into the memory-mapped .bin: shards larger than RAM stream in constant memory.
+    The last 16 shards read stay open.
     vocab is shard_vocab's result: each chunk's ids are checked against it as the chunk is read."""
 
     unit_name = "chunk"
@@ -196,14 +198,19 @@ class ShardReader:
         self.paths, self.chunk_size = paths, chunk_size
         self.bos_token, self.vocab_size, self.vocab_where = vocab
         self.index = RowGroupIndex(paths, chunk_size)
-        self._open: tuple = (None, None)  # one shard mapped at a time: thousands would exhaust file handles
+        # the last few shards stay mapped (a shuffled window reads chunks of several); thousands would exhaust
+        # file handles
+        self._open: OrderedDict = OrderedDict()
 
     def shard(self, pq_idx: int):
-        if self._open[0] != pq_idx:
+        if pq_idx not in self._open:
             shard = TokenShard(self.paths[pq_idx])
             check_bos_fits(self.bos_token, shard)
-            self._open = (pq_idx, shard)
-        return self._open[1]
+            self._open[pq_idx] = shard
+            if len(self._open) > 16:
+                self._open.popitem(last=False)
+        self._open.move_to_end(pq_idx)
+        return self._open[pq_idx]
 
     def read(self, pq_idx: int, rg_idx: int):
         shard = self.shard(pq_idx)

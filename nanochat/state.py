@@ -12,7 +12,8 @@ stays a few KB at buffer_size=1000 (the buffered documents are re-read and re-to
       "loader": "bestfit" | "concat",
       "pq_idx": 3, "rg_idx": 40, "epoch": 1,   # the seeds' keys: the last document batch consumed
       "plan": [item, ...],       # work left before the regular stream (only after an elastic merge)
-      "next": [epoch, pq_idx, rg_idx, row],    # where the regular stream continues
+      "next": [epoch, pq_idx, rg_idx, row],    # where the regular stream continues (shuffled:
+                                 # [epoch, window, row], the row-th entry of that window's order)
       "buffer": [[epoch, pq_idx, rg_idx, rows], ...],  # buffered documents, arrival order
                                  # rows: [3, -2, 9] = rows 3, 4, 5 and 9 (-k: the k rows after)
       "pieces": [[i, start], ...],  # buffer entries i that are one piece of their document, from
@@ -31,7 +32,8 @@ stays a few KB at buffer_size=1000 (the buffered documents are re-read and re-to
 
 The regular stream of rank r of W reads, per epoch, row groups r, r+W, ... of every file (the seeds'
 sharding), each cut into batches of tokenizer_batch_size documents. `next` is always the start of a
-document batch, so a resumed loader cuts the same batches.
+document batch, so a resumed loader cuts the same batches. A shuffled loader's config holds "shuffle":
+{"seed", "window"[, "bucket"]}, from which its order is computed again (nanochat/shuffle.py), never stored.
 
 A state without "pieces" (or a config without "long_doc_policy") is read as "crop": states saved before
 the policies existed resume unchanged. Every field of a state is checked before it is used
@@ -189,8 +191,9 @@ def tokenizer_fingerprint(tokenizer) -> str:
 
 def stream_config(loader: str, source: str, split: str, paths: list[str], B: int, T: int, buffer_size: int | None,
                   batch_size: int, tokenizer: str, rank: int, world_size: int, chunk_size: int | None = None,
-                  policy: tuple[str, int] | None = None) -> dict:
-    """The "config" a loader's states record: what they were taken on (see the module docstring)."""
+                  policy: tuple[str, int] | None = None, shuffle=None) -> dict:
+    """The "config" a loader's states record: what they were taken on (see the module docstring).
+    shuffle: a nanochat.shuffle.Shuffle, recorded only when there is one (unshuffled states stay as they were)."""
     config = {"loader": loader, "source": source, "split": split, "files": files_fingerprint(paths),
               "num_files": len(paths)}
     if chunk_size is not None:
@@ -199,6 +202,9 @@ def stream_config(loader: str, source: str, split: str, paths: list[str], B: int
                "rank": rank, "world_size": world_size}
     if policy is not None:
         config["long_doc_policy"], config["split_overlap"] = policy
+    if shuffle is not None:
+        config["shuffle"] = {"seed": shuffle.seed, "window": shuffle.window} | (
+            {"bucket": shuffle.name} if shuffle.name else {})
     return config
 
 

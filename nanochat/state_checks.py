@@ -5,7 +5,7 @@ it (check_state: exactly, approximately as nanochat resumes, or refused with wha
 takes one rank's part of a merge. The validators (check_int, check_keys, ...) serve the mixture state too.
 Every failure is a ValueError that names the field.
 
-May import: nanochat.state, nanochat.packing.
+May import: nanochat.state, nanochat.packing, nanochat.shuffle.
 """
 
 import base64
@@ -18,6 +18,7 @@ import reprlib
 import numpy as np
 
 from nanochat.packing import POLICIES, BestFitPacker, ConcatPacker
+from nanochat.shuffle import Shuffle
 from nanochat.state import VERSION, intact
 
 logger = logging.getLogger("nanochat.resume.state_checks")  # child of its old logger
@@ -35,11 +36,11 @@ REQUIRED = ("version", "loader", "pq_idx", "rg_idx", "epoch", "plan", "next", "b
             "emitted", "counters", "checksum")
 # config fields that change which documents a rank reads, in which order: a state taken with other
 # values cannot continue the same stream
-STREAM_FIELDS = ("loader", "source", "split", "files", "num_files", "chunk_size", "rank", "world_size")
+STREAM_FIELDS = ("loader", "source", "split", "files", "num_files", "chunk_size", "rank", "world_size", "shuffle")
 # the config of every version-2 state has these; the later ones came with the pretokenized loader and the policies
 CONFIG_FIELDS = ("loader", "split", "files", "num_files", "B", "T", "buffer_size", "tokenizer_batch_size",
                  "tokenizer", "rank", "world_size")
-LATER_CONFIG_FIELDS = ("source", "chunk_size", "long_doc_policy", "split_overlap")
+LATER_CONFIG_FIELDS = ("source", "chunk_size", "long_doc_policy", "split_overlap", "shuffle")
 COUNTERS = {"bestfit": BestFitPacker.COUNTERS, "concat": ConcatPacker.COUNTERS}
 
 
@@ -139,7 +140,22 @@ def _check_config(config, loader: str, where: str) -> dict:
     if not (is_int(overlap) and 0 <= overlap < config["T"]) or (overlap and policy == "crop"):
         raise ValueError(f"{where}['split_overlap'] must be an int in [0, T-1] (0 under 'crop'), got "
                          f"{reprlib.repr(overlap)}")
+    if "shuffle" in config:  # only shuffled loaders record it
+        shuffle = check_keys(config["shuffle"], f"{where}['shuffle']", ("seed", "window"), ("bucket",))
+        if not is_int(shuffle["seed"]):
+            raise ValueError(f"{where}['shuffle']['seed'] must be an int, got {reprlib.repr(shuffle['seed'])}")
+        check_int(shuffle["window"], f"{where}['shuffle']['window']", 1)
+        if not isinstance(shuffle.get("bucket", ""), str):
+            raise ValueError(f"{where}['shuffle']['bucket'] must be a str, got {reprlib.repr(shuffle['bucket'])}")
     return config
+
+
+def config_shuffle(config: dict) -> Shuffle | None:
+    """The Shuffle a (checked) config records, or None for an unshuffled stream."""
+    if "shuffle" not in config:
+        return None
+    shuffle = config["shuffle"]
+    return Shuffle(shuffle["seed"], shuffle["window"], shuffle.get("bucket", ""))
 
 
 def check_emitted(emitted, where: str) -> None:
@@ -180,9 +196,9 @@ def check_fields(state: dict, where: str = "resume_state_dict", loader_config: d
                              f"loader's are {', '.join(COUNTERS[loader])})")
         check_int(value, f"{where}['counters'][{name!r}]")
     cursor = check_list(state["next"], f"{where}['next']")
-    if len(cursor) != 4 or not all(is_int(v) and v >= 0 for v in cursor) or cursor[0] < 1:
-        raise ValueError(f"{where}['next'] must be [epoch >= 1, pq_idx, rg_idx, row] (ints >= 0), got "
-                         f"{reprlib.repr(cursor)}")
+    form = ["epoch >= 1", "window", "row"] if "shuffle" in config else ["epoch >= 1", "pq_idx", "rg_idx", "row"]
+    if len(cursor) != len(form) or not all(is_int(v) and v >= 0 for v in cursor) or cursor[0] < 1:
+        raise ValueError(f"{where}['next'] must be [{', '.join(form)}] (ints >= 0), got {reprlib.repr(cursor)}")
 
     # the buffer: [[epoch, pq_idx, rg_idx, rows], ...], its pieces, and (concat) the consumed start of its first
     buffered = 0
@@ -244,13 +260,26 @@ def check_data(state: dict, index, where: str = "resume_state_dict") -> None:
         raise ValueError(f"{where}['pq_idx'], ['rg_idx'] = {pq_idx}, {rg_idx}: a {unit} the data does not have "
                          f"({files} files)")
     rank, world_size = state["config"]["rank"], state["config"]["world_size"]
-    _, pq_idx, rg_idx, row = state["next"]
-    # the regular stream continues at one of this rank's units (rank, rank + world_size, ...), or just past a file's
-    # last one; at a row of it only if that row exists
-    if not (pq_idx < files and rg_idx % world_size == rank and rg_idx < index.count(pq_idx) + world_size
-            and (row == 0 or (rg_idx < index.count(pq_idx) and row < index.rows(pq_idx, rg_idx)))):
-        raise ValueError(f"{where}['next'] = {state['next']} is not a place where rank {rank} of {world_size} reads "
-                         f"(the data has {files} files): the state does not match the data")
+    shuffle = config_shuffle(state["config"])
+    if shuffle:
+        epoch, window, row = state["next"]
+        # a window of this rank's share of the epoch, or just past the last one; at a row of it only if it exists
+        units = shuffle.units(epoch, index.total, rank, world_size)
+        windows = -(-len(units) // shuffle.window)
+        rows = 0 if window >= windows else sum(index.rows(*index.locate(int(g))) for g in
+                                               units[window * shuffle.window:(window + 1) * shuffle.window])
+        if window > windows or (row > 0 and row >= rows):
+            raise ValueError(f"{where}['next'] = {state['next']} is not a place where rank {rank} of {world_size} "
+                             f"reads ({windows} windows in its share of the epoch): the state does not match the "
+                             "data")
+    else:
+        _, pq_idx, rg_idx, row = state["next"]
+        # the regular stream continues at one of this rank's units (rank, rank + world_size, ...), or just past a
+        # file's last one; at a row of it only if that row exists
+        if not (pq_idx < files and rg_idx % world_size == rank and rg_idx < index.count(pq_idx) + world_size
+                and (row == 0 or (rg_idx < index.count(pq_idx) and row < index.rows(pq_idx, rg_idx)))):
+            raise ValueError(f"{where}['next'] = {state['next']} is not a place where rank {rank} of {world_size} "
+                             f"reads (the data has {files} files): the state does not match the data")
     for i, (_, pq_idx, rg_idx, runs) in enumerate(state["buffer"]):
         rows_in(pq_idx, rg_idx, runs, f"{where}['buffer'][{i}]")
     for i, item in enumerate(state["plan"]):

@@ -11,61 +11,86 @@ start_stream builds the stream a loader starts from: fresh; resumed exactly from
 or, from the seeds' {pq_idx, rg_idx, epoch} (or another stream's state, when allowed), approximately,
 after the saved unit, as nanochat's loader resumes.
 
+With shuffle (nanochat/shuffle.py), an epoch deals the units in a permuted order instead, positions rank,
+rank + W, ... of the permutation, and the rank reads the entries of each `window` consecutive units of its
+share in a permuted order; its cursor is then (epoch, window, row): the row-th entry of that order. A plan
+(after an elastic merge) is read in a shuffled order too: its single documents as dealt, then its whole
+units in a keyed order, each unit's entries permuted.
+
 Documents are read through a reader (nanochat/readers.py); nothing here tokenizes.
 
-May import: nanochat.state, nanochat.state_checks.
+May import: numpy, nanochat.state, nanochat.state_checks, nanochat.shuffle.
 """
 
-import itertools
 import logging
+from collections import OrderedDict
 
+import numpy as np
+
+from nanochat.shuffle import Shuffle
 from nanochat.state import Key, Unit, decode_plan
 from nanochat.state_checks import REQUIRED, check_state, rank_state
 
 logger = logging.getLogger("nanochat.dataloader.stream")  # child of its old logger
 
 Position = tuple[int, int, int]  # (pq_idx, rg_idx, epoch): the seeds' state keys
-Cursor = tuple[int, int, int, int]  # (epoch, pq_idx, rg_idx, row): where a document batch starts
+Cursor = tuple[int, ...]  # (epoch, pq_idx, rg_idx, row), shuffled (epoch, window, row): where a document batch starts
 SEEDS_KEYS = ("pq_idx", "rg_idx", "epoch")
 
 
 class Stream:
     """One rank's documents, in order: first its plan (work an elastic resume dealt to it), then the
     regular stream from `start`: per epoch, units (row groups, or chunks of a pretokenized shard)
-    rank, rank + world_size, ... of every file, each cut into batches of `batch_size` documents."""
+    rank, rank + world_size, ... of every file, each cut into batches of `batch_size` documents;
+    with shuffle (a Shuffle), the epoch's permuted units, their entries permuted a window at a time."""
 
     def __init__(self, reader, rank: int, world_size: int, batch_size: int,
                  plan: list[Unit] = (), start: Cursor | None = None, epochs: int | None = None,
-                 where: str = "resume_state_dict"):
+                 where: str = "resume_state_dict", shuffle: Shuffle | None = None):
         self.reader, self.rank, self.world_size = reader, rank, world_size
         self.where = where  # what messages call the state it resumed from
         self.epochs = epochs  # None: forever; 1: one pass (a mixture's bucket), then the stream ends
         self.paths, self.index = reader.paths, reader.index
         self.tokenizer_batch_size = batch_size
-        self.plan = list(plan)
-        self.start = start if start is not None else (1, 0, rank, 0)  # (epoch, pq_idx, rg_idx, row)
+        self.shuffle = shuffle
+        self.plan = self._plan_order(list(plan)) if shuffle else list(plan)
+        if start is None:
+            start = (1, 0, 0) if shuffle else (1, 0, rank, 0)  # (epoch, window, row) / (epoch, pq_idx, rg_idx, row)
+        self.start = start
         self.first_position = ("plan", 0, 0, None) if self.plan else ("regular", *self.start)
+        self._units: OrderedDict = OrderedDict()  # the last units read for a plan or a buffer, by (pq_idx, rg_idx)
 
     def _unit(self, pq_idx: int, rg_idx: int, where: str):
         if not (0 <= pq_idx < len(self.paths) and 0 <= rg_idx < self.index.count(pq_idx)):
             raise ValueError(f"{where} refers to file {pq_idx}, {self.reader.unit_name} {rg_idx}, which this "
                              f"split does not have ({len(self.paths)} files): the state does not match the data")
-        return self.reader.read(pq_idx, rg_idx)
+        # documents dealt one by one (a plan, a buffer) come from a few units in turn: keep the last 16 read
+        if (pq_idx, rg_idx) not in self._units:
+            self._units[pq_idx, rg_idx] = self.reader.read(pq_idx, rg_idx)
+            if len(self._units) > 16:
+                self._units.popitem(last=False)
+        self._units.move_to_end((pq_idx, rg_idx))
+        return self._units[pq_idx, rg_idx]
 
     def _check_rows(self, rows, unit, pq_idx: int, rg_idx: int, where: str) -> None:
         n = self.reader.size(unit)
-        if rows and not 0 <= min(rows) <= max(rows) < n:
+        if len(rows) and not 0 <= min(rows) <= max(rows) < n:
             raise ValueError(f"{where} refers to row {max(rows)} of {self.paths[pq_idx]} {self.reader.unit_name} "
                              f"{rg_idx}, which has {n} rows: the state does not match the data")
 
     def read_documents(self, keys: list[Key], where: str) -> list:
-        """The items of the given documents (for rebuilding a buffer), reading each unit once."""
-        items = []
-        for (pq_idx, rg_idx), group in itertools.groupby(keys, key=lambda k: (k[1], k[2])):
-            rows = [key[3] for key in group]
+        """The items of the given documents (for rebuilding a buffer), in order, reading each unit once."""
+        rows: dict = {}  # (pq_idx, rg_idx) -> [(position in keys, row)]
+        for i, key in enumerate(keys):
+            rows.setdefault((key[1], key[2]), []).append((i, key[3]))
+        items = [None] * len(keys)
+        for (pq_idx, rg_idx), wanted in rows.items():
             unit = self._unit(pq_idx, rg_idx, where)
-            self._check_rows(rows, unit, pq_idx, rg_idx, where)
-            items += self.reader.pick(unit, rows)
+            at, unit_rows = zip(*wanted)
+            self._check_rows(unit_rows, unit, pq_idx, rg_idx, where)
+            for i, item in zip(at, self.reader.pick(unit, unit_rows)):
+                items[i] = item
+        self._units.clear()
         return items
 
     def batches(self):
@@ -75,7 +100,7 @@ class Stream:
         tbs = self.tokenizer_batch_size
         for u, (epoch, pq_idx, rg_idx, rows, starts) in enumerate(self.plan):
             unit = self._unit(pq_idx, rg_idx, f"{self.where}['plan']")
-            rows = range(self.reader.size(unit)) if rows is None else rows
+            rows = self._plan_rows(epoch, pq_idx, rg_idx, self.reader.size(unit)) if rows is None else rows
             starts = starts or (None,) * len(rows)
             self._check_rows(rows, unit, pq_idx, rg_idx, f"{self.where}['plan']")
             for i in range(0, len(rows), tbs):
@@ -83,7 +108,16 @@ class Stream:
                 keys = [(epoch, pq_idx, rg_idx, r) if start is None else (epoch, pq_idx, rg_idx, r, start)
                         for r, start in zip(chunk, starts[i:i + tbs])]
                 yield self.reader.pick(unit, chunk), keys, ("plan", u, i + len(chunk), len(rows))
-        yield from self._regular()
+        self._units.clear()
+        yield from self._shuffled() if self.shuffle else self._regular()
+
+    def _no_documents(self) -> ValueError:
+        # the reference loops here forever; a rank with nothing to read is a configuration error
+        return ValueError(
+            f"rank {self.rank} of world size {self.world_size} receives no documents: the split's "
+            f"{len(self.paths)} file(s) have too few (non-empty) {self.reader.unit_name}s for this many "
+            f"ranks (they are dealt out rank, rank+{self.world_size}, ...); use fewer ranks or "
+            f"shards with more, smaller {self.reader.unit_name}s")
 
     def _regular(self):
         tbs, rank, world_size = self.tokenizer_batch_size, self.rank, self.world_size
@@ -111,13 +145,71 @@ class Stream:
                 pq_idx += 1
                 rg_idx = rank
             if full_pass and docs_this_pass == 0 and self.epochs is None:
-                # the reference loops here forever; a rank with nothing to read is a configuration error
-                raise ValueError(
-                    f"rank {rank} of world size {world_size} receives no documents: the split's "
-                    f"{len(self.paths)} file(s) have too few (non-empty) {self.reader.unit_name}s for this many "
-                    f"ranks (they are dealt out rank, rank+{world_size}, ...); use fewer ranks or "
-                    f"shards with more, smaller {self.reader.unit_name}s")
+                raise self._no_documents()
             epoch, pq_idx, rg_idx, row = epoch + 1, 0, rank, 0
+
+    def _shuffled(self):
+        """The regular stream, shuffled: per epoch this rank's share of the permuted units, `window` units
+        at a time, their entries read in a permuted order."""
+        tbs, size = self.tokenizer_batch_size, self.shuffle.window
+        epoch, window, row = self.start
+        while self.epochs is None or epoch <= self.epochs:
+            units = self.shuffle.units(epoch, self.index.total, self.rank, self.world_size)
+            docs_this_pass, full_pass = 0, (window, row) == (0, 0)
+            for w in range(window, -(-len(units) // size)):
+                places = [self.index.locate(int(g)) for g in units[w * size:(w + 1) * size]]
+                read = [self.reader.read(pq_idx, rg_idx) for pq_idx, rg_idx in places]
+                bounds = np.cumsum([0] + [self.reader.size(unit) for unit in read])
+                n = int(bounds[-1])
+                if row > n:
+                    raise ValueError(f"{self.where}['next'] points at entry {row} of window {w} of epoch {epoch}, "
+                                     f"which has {n}: the state does not match the data")
+                docs_this_pass += n
+                order = self.shuffle.entries(epoch, self.rank, self.world_size, w, n)
+                for i in range(row, n, tbs):
+                    j = min(i + tbs, n)
+                    which = np.searchsorted(bounds, order[i:j], side="right") - 1
+                    rows = order[i:j] - bounds[which]
+                    keys = [(epoch, *places[u], int(r)) for u, r in zip(which, rows)]
+                    after = (epoch, w, j) if j < n else (epoch, w + 1, 0)
+                    yield self._pick_scattered(read, which, rows), keys, ("regular", *after)
+                row = 0
+            if full_pass and docs_this_pass == 0 and self.epochs is None:
+                raise self._no_documents()
+            epoch, window, row = epoch + 1, 0, 0
+
+    def _pick_scattered(self, read: list, which: np.ndarray, rows: np.ndarray) -> list:
+        """The items at (read[which[k]], rows[k]) for every k, in that order, picking from each unit once."""
+        items = [None] * len(rows)
+        for u in np.unique(which):
+            at = np.flatnonzero(which == u)
+            for k, item in zip(at, self.reader.pick(read[u], rows[at].tolist())):
+                items[k] = item
+        return items
+
+    def _global(self, pq_idx: int, rg_idx: int) -> int:
+        return self.index.base(pq_idx) + rg_idx
+
+    def _plan_order(self, plan: list[Unit]) -> list[Unit]:
+        """A shuffled stream reads its plan's single documents as dealt (already in a shuffled order), then its
+        whole units sorted by a keyed order that does not depend on which others are left."""
+        dealt = [unit for unit in plan if unit[3] is not None]
+        by_epoch: dict[int, list[Unit]] = {}
+        for unit in plan:
+            if unit[3] is None:
+                by_epoch.setdefault(unit[0], []).append(unit)
+        for epoch in sorted(by_epoch):
+            whole = by_epoch[epoch]
+            keys = self.shuffle.plan_order(epoch, np.array([self._global(u[1], u[2]) for u in whole]),
+                                           self.index.total)
+            dealt += [whole[i] for i in np.argsort(keys)]
+        return dealt
+
+    def _plan_rows(self, epoch: int, pq_idx: int, rg_idx: int, n: int):
+        """The order a plan reads a whole unit's n entries in."""
+        if self.shuffle is None:
+            return range(n)
+        return tuple(self.shuffle.plan_rows(epoch, self._global(pq_idx, rg_idx), n).tolist())
 
     def remaining_plan(self, position) -> tuple[list[Unit], Cursor]:
         """(plan units not yet read, regular cursor) at a position yielded by batches()."""
@@ -127,9 +219,14 @@ class Stream:
         units = self.plan[u:]
         if offset:
             epoch, pq_idx, rg_idx, rows, starts = units[0]
-            rest = tuple(range(offset, n)) if rows is None else tuple(rows[offset:])
+            rows = self._plan_rows(epoch, pq_idx, rg_idx, n) if rows is None else rows
+            rest = tuple(rows[offset:])
             starts = None if starts is None else starts[offset:]
             units = ([(epoch, pq_idx, rg_idx, rest, starts)] if rest else []) + units[1:]
+        if self.shuffle:  # whole units in file order: they encode as one bitmap an epoch, and re-sort on resume
+            units = ([unit for unit in units if unit[3] is not None] +
+                     sorted((unit for unit in units if unit[3] is None),
+                            key=lambda unit: (unit[0], self._global(unit[1], unit[2]))))
         return units, self.start
 
 
@@ -158,13 +255,15 @@ def check_legacy_state(state: dict, paths: list[str], reader, where: str = "resu
 
 
 def start_stream(reader, rank, world_size, batch_size, state, config, allow_state_mismatch, epochs=None,
-                 where: str = "resume_state_dict"):
+                 where: str = "resume_state_dict", shuffle: Shuffle | None = None):
     """The stream a loader starts from: fresh, or resumed from a state (version 2: exactly; the seeds'
     form, or another stream accepted with allow_state_mismatch: after the saved unit, as nanochat).
-    where: what messages call the state. Returns (stream, version-2 start state or None, seeds position)."""
+    A shuffled stream resumes approximately only from another rank's state of its own run: after that
+    rank's window. where: what messages call the state.
+    Returns (stream, version-2 start state or None, seeds position)."""
     paths = reader.paths
     if state is None:
-        return Stream(reader, rank, world_size, batch_size, epochs=epochs), None, (0, 0, 1)
+        return Stream(reader, rank, world_size, batch_size, epochs=epochs, shuffle=shuffle), None, (0, 0, 1)
     if not isinstance(state, dict):
         raise TypeError(f"{where} must be a dict, got {type(state).__name__}")
     if "merged" in state:  # elastic resume: every rank gets the merge, and takes its own part
@@ -175,8 +274,23 @@ def start_stream(reader, rank, world_size, batch_size, state, config, allow_stat
     if "version" in state and check_state(state, config, reader.index, allow_mismatch=allow_state_mismatch,
                                           where=where):
         plan = decode_plan(state["plan"], reader.index)
-        stream = Stream(reader, rank, world_size, batch_size, plan, tuple(state["next"]), epochs=epochs, where=where)
+        stream = Stream(reader, rank, world_size, batch_size, plan, tuple(state["next"]), epochs=epochs, where=where,
+                        shuffle=shuffle)
         return stream, state, (state["pq_idx"], state["rg_idx"], state["epoch"])
+    position = (state.get("pq_idx"), state.get("rg_idx"), state.get("epoch"))
+    if shuffle:
+        if "version" not in state or state["config"].get("shuffle") != config["shuffle"]:
+            raise ValueError(f"{where} is not a state of this shuffled stream (" +
+                             ("the seeds' form" if "version" not in state else
+                              f"shuffle {state['config'].get('shuffle')!r}, this loader's {config['shuffle']!r}") +
+                             "), and a shuffled loader cannot tell which documents another order has read; resume "
+                             "with the settings the state was taken with, or start afresh")
+        epoch, window, _ = state["next"]
+        logger.warning("%s is another rank's state: resuming approximately, after its window %d of epoch %d",
+                       where, window, epoch)
+        stream = Stream(reader, rank, world_size, batch_size, start=(epoch, window + 1, 0), epochs=epochs,
+                        shuffle=shuffle)
+        return stream, None, position
     if "version" in state and allow_state_mismatch:  # (another rank's state has said so already)
         logger.warning("%s is from another document stream; resuming approximately after its file %s, %s %s",
                        where, state.get("pq_idx"), reader.unit_name, state.get("rg_idx"))

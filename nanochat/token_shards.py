@@ -125,10 +125,10 @@ class TokenShard:
         return f"TokenShard({self.prefix!r}, entries={len(self)}, tokens={int(self.offsets[-1])}, {self.dtype.name})"
 
 
-def _parse_index(data: bytes, idx_path: str) -> tuple[np.dtype, np.ndarray, np.ndarray]:
-    """(dtype, offsets int64 (N+1,), overlaps uint16 (N,)) of an .idx file's bytes, checked."""
-    if len(data) < HEADER.size:
-        raise ValueError(f"{idx_path} is {len(data)} bytes, shorter than the {HEADER.size}-byte header; "
+def _parse_header(data: bytes, size: int, idx_path: str) -> tuple[int, int]:
+    """(dtype code, entry count N) from an .idx file's first bytes, checked against its size in bytes."""
+    if size < HEADER.size:
+        raise ValueError(f"{idx_path} is {size} bytes, shorter than the {HEADER.size}-byte header; "
                          "the index is truncated, rewrite the pair")
     magic, version, code, n = HEADER.unpack_from(data, 0)
     if magic != MAGIC:
@@ -139,15 +139,31 @@ def _parse_index(data: bytes, idx_path: str) -> tuple[np.dtype, np.ndarray, np.n
     if code not in DTYPE_CODES:
         raise ValueError(f"{idx_path} has dtype code {code}; known codes are "
                          f"{ {c: np.dtype(t).name for c, t in DTYPE_CODES.items()} }")
+    need = HEADER.size + 8 * (n + 1) + 2 * n
+    if size < need:
+        raise ValueError(f"{idx_path} is {size} bytes, shorter than its header says: {n} entries "
+                         f"need {need} bytes; the index is truncated, rewrite the pair")
+    if size > need:
+        raise ValueError(f"{idx_path} is {size} bytes, {size - need} more than its header's "
+                         f"{n} entries need ({need}); the index is damaged, rewrite the pair")
+    return code, n
+
+
+def entry_count(path: str) -> int:
+    """The number of entries of a pair, from its .idx header alone (16 bytes read; the rest is checked
+    when the pair is opened): counting the entries of thousands of shards reads no index whole."""
+    idx_path = _split_prefix(os.fspath(path)) + ".idx"
+    with open(idx_path, "rb") as f:
+        header = f.read(HEADER.size)
+        size = os.fstat(f.fileno()).st_size
+    return _parse_header(header, size, idx_path)[1]
+
+
+def _parse_index(data: bytes, idx_path: str) -> tuple[np.dtype, np.ndarray, np.ndarray]:
+    """(dtype, offsets int64 (N+1,), overlaps uint16 (N,)) of an .idx file's bytes, checked."""
+    code, n = _parse_header(data, len(data), idx_path)
     offsets_at = HEADER.size
     overlaps_at = offsets_at + 8 * (n + 1)
-    size = overlaps_at + 2 * n
-    if len(data) < size:
-        raise ValueError(f"{idx_path} is {len(data)} bytes, shorter than its header says: {n} entries "
-                         f"need {size} bytes; the index is truncated, rewrite the pair")
-    if len(data) > size:
-        raise ValueError(f"{idx_path} is {len(data)} bytes, {len(data) - size} more than its header's "
-                         f"{n} entries need ({size}); the index is damaged, rewrite the pair")
     offsets = np.frombuffer(data, dtype="<i8", count=n + 1, offset=offsets_at).astype(np.int64, copy=False)
     overlaps = np.frombuffer(data, dtype="<u2", count=n, offset=overlaps_at).astype(np.uint16, copy=False)
     if offsets[0] != 0:
