@@ -52,9 +52,10 @@ def mixture_start(state, config, rank, world_size, allow_mismatch) -> tuple[dict
                          "corrupted; pass allow_state_mismatch=True to resume from it anyway")
     check_mixture_fields(state, where)
     saved = state["config"]
-    differ = [f"{k}: state {saved.get(k)!r}, loader {v!r}" for k, v in config.items() if saved.get(k) != v]
+    fields = dict.fromkeys([*config, *saved])  # a field only one of them has (shuffle) differs too
+    differ = [f"{k}: state {saved.get(k)!r}, loader {config.get(k)!r}" for k in fields if saved.get(k) != config.get(k)]
     stream_fields = ("source", "split", "buckets", "chunk_size", "tokenizer", "rank", "world_size", "shuffle")
-    if differ and (not allow_mismatch or any(saved.get(k) != config[k] for k in stream_fields)):
+    if differ and (not allow_mismatch or any(saved.get(k) != config.get(k) for k in stream_fields)):
         raise ValueError(f"{where} was taken on another configuration (" + "; ".join(differ) + ")" +
                          ("" if allow_mismatch else "; pass allow_state_mismatch=True to go on with a changed "
                           "curriculum, seed, B, T or buffer size"))

@@ -80,9 +80,11 @@ class Tracker:
             setattr(packer, name, value)
 
     def _plan_items(self, units: list[Unit]) -> list[dict]:
-        # the encoded tail of a long plan changes only when a unit is finished: cache it
-        if self._plan_cache[0] != len(units):
-            self._plan_cache = (len(units), encode_plan(units[1:], self.stream.index))
+        # the encoded tail of a long plan changes only when a unit is finished or begun (a shuffled plan lists
+        # a begun unit first, the others in file order): cache it
+        key = (len(units), units[0][:3], units[0][3] is None)
+        if self._plan_cache[0] != key:
+            self._plan_cache = (key, encode_plan(units[1:], self.stream.index))
         return encode_plan(units[:1], self.stream.index) + self._plan_cache[1]
 
     def state(self, packer, source: Source, tokens: np.ndarray) -> dict:

@@ -328,8 +328,9 @@ def check_state(state: dict, config: dict, index, *, allow_mismatch: bool,
     saved = dict(state["config"])
     if state["loader"] == "bestfit":  # saved before the long-document policies: the seeds' cropping
         saved = {"long_doc_policy": "crop", "split_overlap": 0} | saved
-    differ = [f"{k}: state {saved.get(k)!r}, loader {v!r}" for k, v in config.items() if saved.get(k) != v]
-    if differ and not allow_mismatch and {k for k, v in config.items() if saved.get(k) != v} <= {"rank", "world_size"}:
+    fields = dict.fromkeys([*config, *saved])  # a field only one of them has (shuffle) differs too
+    differ = [f"{k}: state {saved.get(k)!r}, loader {config.get(k)!r}" for k in fields if saved.get(k) != config.get(k)]
+    if differ and not allow_mismatch and {k for k in fields if saved.get(k) != config.get(k)} <= {"rank", "world_size"}:
         # nanochat's base_train saves rank 0's state alone and hands it to every rank on resume: such a
         # rank resumes approximately, after the saved row group, exactly as nanochat's own loader does
         logger.warning("%s is another rank's state (%s): resuming approximately after its "

@@ -6,6 +6,8 @@ reproduce them token for token.
 
 import pyarrow.parquet as pq
 
+from nanochat.shuffle import permute, round_keys
+
 
 def document_batches(paths, tokenizer_batch_size, rank, world_size, resume=None):
     """Seed 002's _document_batches: files in order, row groups rank, rank+world_size, ...,
@@ -37,6 +39,28 @@ def document_batches(paths, tokenizer_batch_size, rank, world_size, resume=None)
         epoch += 1
 
 
+def shuffled_document_batches(paths, tokenizer_batch_size, rank, world_size, seed, window):
+    """The shuffled stream (shuffle=True), one element at a time: per epoch, list every row group of the
+    split in file order, take positions rank, rank + world_size, ... of the epoch's permutation of them,
+    and read their texts `window` row groups at a time, in the order that window's permutation gives,
+    cut into batches of tokenizer_batch_size; forever. The keyed permutation pi itself (nanochat/shuffle.py's
+    permute) is the one thing taken from the library: it is the definition of the order."""
+    units = [(p, g) for p, path in enumerate(paths) for g in range(pq.ParquetFile(path).num_row_groups)]
+    epoch = 1
+    while True:
+        unit_keys = round_keys(seed, "", "units", epoch)
+        mine = [units[int(permute([k], len(units), unit_keys)[0])] for k in range(rank, len(units), world_size)]
+        for w in range(0, len(mine), window):
+            texts = []
+            for p, g in mine[w:w + window]:
+                texts += pq.ParquetFile(paths[p]).read_row_group(g).column("text").to_pylist()
+            entry_keys = round_keys(seed, "", "entries", epoch, world_size, rank, w // window)
+            shuffled = [texts[int(permute([i], len(texts), entry_keys)[0])] for i in range(len(texts))]
+            for i in range(0, len(shuffled), tokenizer_batch_size):
+                yield shuffled[i:i + tokenizer_batch_size], (None, None, epoch)
+        epoch += 1
+
+
 def bestfit_rows(doc_buffer, refill, B, row_capacity, buffer_size):
     """Seed 000's pseudocode for one batch: returns B rows (lists) and the tokens cropped away."""
     rows, cropped = [], 0
@@ -62,9 +86,9 @@ def bestfit_rows(doc_buffer, refill, B, row_capacity, buffer_size):
 
 
 def bestfit_loader(tokenizer, paths, B, T, tokenizer_batch_size=128, buffer_size=1000,
-                   rank=0, world_size=1, resume=None):
-    """Yield (inputs, targets, state) as lists of lists, forever."""
-    batches = document_batches(paths, tokenizer_batch_size, rank, world_size, resume)
+                   rank=0, world_size=1, resume=None, batches=None):
+    """Yield (inputs, targets, state) as lists of lists, forever. batches: another document stream."""
+    batches = batches or document_batches(paths, tokenizer_batch_size, rank, world_size, resume)
     bos = tokenizer.get_bos_token_id()
     doc_buffer = []
     position = [(0, 0, 1)]
@@ -80,11 +104,12 @@ def bestfit_loader(tokenizer, paths, B, T, tokenizer_batch_size=128, buffer_size
                {"pq_idx": pq_idx, "rg_idx": rg_idx, "epoch": epoch})
 
 
-def concat_loader(tokenizer, paths, B, T, tokenizer_batch_size=128, rank=0, world_size=1, resume=None):
+def concat_loader(tokenizer, paths, B, T, tokenizer_batch_size=128, rank=0, world_size=1, resume=None,
+                  batches=None):
     """The concatenating loader as nanochat 3c3a3d7 has it (seed 001 popped all B*T+1 tokens, skipping
     one per batch): each batch reads the next B*T+1 tokens of the stream but drops only B*T, so its
-    last target is the next batch's first input."""
-    batches = document_batches(paths, tokenizer_batch_size, rank, world_size, resume)
+    last target is the next batch's first input. batches: another document stream."""
+    batches = batches or document_batches(paths, tokenizer_batch_size, rank, world_size, resume)
     bos = tokenizer.get_bos_token_id()
     token_buffer = []
     needed = B * T + 1

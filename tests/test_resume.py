@@ -924,6 +924,8 @@ def saved(tmp_path_factory):
         return state
 
     split_ranks = rank_states("split_reuse", split, 2, 5)
+    shuffle = dict(shuffle=True, seed=3, shuffle_window=2)
+    shuffled_ranks = rank_states("split_reuse", split, 2, 5, **shuffle)
     mixture_ranks = [state_of(mixture, 4, rank=r, world_size=2) for r in range(2)]
     merged = merge_states(split_ranks, 3, data_dir=cfg["data_dir"])
     resumes = {
@@ -938,17 +940,24 @@ def saved(tmp_path_factory):
                                                             allow_state_mismatch=allow, rank=1, world_size=3)),
         "pretokenized": (state_of(pretokenized, 6), pretokenized),
         "mixture": (state_of(mixture, 6), mixture),
+        "shuffled": (state_of(pretokenized, 6, **shuffle), lambda state, allow: pretokenized(state, allow, **shuffle)),
+        "shuffled_merged": (merge_states(shuffled_ranks, 3, data_dir=cfg["data_dir"]), lambda state, allow: open_loader(
+            "split_reuse", split, resume_state_dict=state, allow_state_mismatch=allow, rank=1, world_size=3, **shuffle)),
     }
     ranks = {
         "split_reuse": (split_ranks, lambda states: open_loader("split_reuse", split, rank=0, world_size=3,
                         resume_state_dict=merge_states(states, 3, data_dir=cfg["data_dir"]))),
         "mixture": (mixture_ranks, lambda states: mixture(merge_states(states, 3, data_dir=str(root / "mix")),
                                                           rank=0, world_size=3)),
+        "shuffled": (shuffled_ranks, lambda states: open_loader("split_reuse", split, rank=0, world_size=3, **shuffle,
+                     resume_state_dict=merge_states(states, 3, data_dir=cfg["data_dir"]))),
     }
     # not vacuous: the fields that need the most checking are there
     assert resumes["split_reuse"][0]["pieces"] and resumes["concat"][0]["offset"] > 0
     assert any("pieces" in item for item in merged["states"][1]["plan"])
     assert any("row_groups" in item for item in merged["states"][1]["plan"])
+    assert any(len(s["next"]) == 3 and s["next"][2] > 0 for s in shuffled_ranks)
+    assert any("row_groups" in item for item in resumes["shuffled_merged"][0]["states"][1]["plan"])
     assert all(b["buffer"] for s in mixture_ranks + [resumes["mixture"][0]] for b in s["buckets"].values())
     return {"resumes": resumes, "ranks": ranks}
 
