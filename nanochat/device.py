@@ -7,6 +7,8 @@ tensors, with their state and statistics.
 May import: torch, numpy, nanochat.prefetch.
 """
 
+import contextlib
+import threading
 import time
 
 import numpy as np
@@ -91,6 +93,9 @@ class DataLoader:
         self._with_state = with_state
         self._source = None
         self._closed = False
+        # close() from another thread while next() starts the threads: it must see the prefetcher that owns the
+        # generator, not close the generator under it ("generator already executing")
+        self._lock = threading.Lock()
         self._error: BaseException | None = None
         self._wait_seconds = 0.0
         self.stats: dict = {}
@@ -104,10 +109,11 @@ class DataLoader:
     def __next__(self):
         if self._error is not None:
             raise self._error
-        if self._closed:
-            raise StopIteration  # as a closed generator: nothing comes out after close()
-        if self._source is None:
-            self._source = maybe_prefetch(self._batches, self._prefetch, "nanochat-packing")
+        with self._lock:
+            if self._closed:
+                raise StopIteration  # as a closed generator: nothing comes out after close()
+            if self._source is None:
+                self._source = maybe_prefetch(self._batches, self._prefetch, "nanochat-packing")
         t0 = time.perf_counter()
         try:
             packed, state_dict, stats, extras = next(self._source)
@@ -135,7 +141,9 @@ class DataLoader:
         loader. Idempotent; returns within a second: a thread inside a long call (one tokenizer call)
         ends when that call returns, and starts no other."""
         self._closed = True
-        source = self._source if self._source is not None else getattr(self, "_batches", None)
+        lock = getattr(self, "_lock", None)  # (None: __del__ of an object whose __init__ failed)
+        with lock or contextlib.nullcontext():
+            source = self._source if self._source is not None else getattr(self, "_batches", None)
         if source is not None:
             source.close()
 

@@ -31,7 +31,8 @@ def merge_states(states: list[dict], world_size: int, *, data_dir: str | None = 
         raise ValueError(f"world_size must be an integer >= 1, got {world_size!r}")
     if not isinstance(states, (list, tuple)) or not states:
         raise ValueError("merge_states needs the list of every rank's state")
-    if isinstance(states[0], dict) and states[0].get("loader") == "mixture":
+    # a mixture's states (one of them is enough to tell: a damaged one is then refused by the mixture's checks)
+    if any(isinstance(s, dict) and (s.get("loader") == "mixture" or "buckets" in s) for s in states):
         if data_dir is None:
             raise ValueError("data_dir: give the mixture's data directory (holding <split>/<bucket>/)")
         return merge_mixture_states(states, world_size, data_dir=data_dir)

@@ -198,7 +198,9 @@ def check_fields(state: dict, where: str = "resume_state_dict", loader_config: d
     cursor = check_list(state["next"], f"{where}['next']")
     form = ["epoch >= 1", "window", "row"] if "shuffle" in config else ["epoch >= 1", "pq_idx", "rg_idx", "row"]
     if len(cursor) != len(form) or not all(is_int(v) and v >= 0 for v in cursor) or cursor[0] < 1:
-        raise ValueError(f"{where}['next'] must be [{', '.join(form)}] (ints >= 0), got {reprlib.repr(cursor)}")
+        raise ValueError(f"{where}['next'] must be [{', '.join(form)}] (ints >= 0) for a stream " +
+                         ("shuffled by config['shuffle']" if "shuffle" in config else "without config['shuffle']") +
+                         f", got {reprlib.repr(cursor)}")
 
     # the buffer: [[epoch, pq_idx, rg_idx, rows], ...], its pieces, and (concat) the consumed start of its first
     buffered = 0

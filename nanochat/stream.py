@@ -268,6 +268,9 @@ def start_stream(reader, rank, world_size, batch_size, state, config, allow_stat
         raise TypeError(f"{where} must be a dict, got {type(state).__name__}")
     if "merged" in state:  # elastic resume: every rank gets the merge, and takes its own part
         state, where = rank_state(state, rank, world_size, where)
+    elif "states" in state:
+        raise ValueError(f"{where} has 'states' but no 'merged': not a whole merge_states result (a truncated "
+                         "state?); pass what merge_states returned")
     if "version" not in state and state.keys() & set(REQUIRED) - set(SEEDS_KEYS):
         raise ValueError(f"{where} is missing 'version' but has this loader's other keys "
                          f"({sorted(state.keys() & set(REQUIRED))}): a truncated state?")

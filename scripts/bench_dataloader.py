@@ -329,21 +329,23 @@ def pretokenized_section(tokenizer, data_dir, tmp, docs_np, args, B, T, tbs) -> 
     # packing on its background thread (the default), and in the caller; each without and with the check
     # of the ids (pretokenize_file writes no pretokenize.json: the ids are checked when vocab_size is
     # passed), two loaders open at once and timed in alternating rounds, as the machine drifts
+    # (and shuffled, with the check: shuffle=True against the same loader in file order)
     for prefetch in (4, 0):
-        loaders = {check: pretokenized_distributed_data_loader_with_state_bos_bestfit(
+        loaders = {(check, shuffle): pretokenized_distributed_data_loader_with_state_bos_bestfit(
             B, T, "train", device=args.device, data_dir=out, batch_size=tbs, rank=0, world_size=1,
-            prefetch=prefetch, vocab_size=vocab_size if check else None) for check in (False, True)}
-        seconds = {check: 0.0 for check in loaders}
+            prefetch=prefetch, vocab_size=vocab_size if check else None, shuffle=shuffle)
+            for check, shuffle in ((False, False), (True, False), (True, True))}
+        seconds = {key: 0.0 for key in loaders}
         for loader in loaders.values():
             next(loader)
         for _ in range(rounds):
-            for check, loader in loaders.items():
+            for key, loader in loaders.items():
                 t0 = time.perf_counter()
                 for _ in range(n // rounds):
                     next(loader)
-                seconds[check] += time.perf_counter() - t0
-        for check, loader in loaders.items():
-            loader_tps[prefetch, check] = n * row_tokens / seconds[check]
+                seconds[key] += time.perf_counter() - t0
+        for (check, shuffle), loader in loaders.items():
+            loader_tps[prefetch, check, shuffle] = n * row_tokens / seconds[check, shuffle]
             loader.close()
 
     # the check alone, over every chunk of the train shards (as the loader reads them, 1,024 entries)
@@ -379,7 +381,43 @@ def pretokenized_section(tokenizer, data_dir, tmp, docs_np, args, B, T, tbs) -> 
         stats = packer.stats()
         crop.append((name, stats["crop_share"], stats["tokens_masked"] / (args.crop_batches * B * T)))
     return {"pretokenize_s": pretokenize_s, "loader_tps": loader_tps, "check_tps": check_tps,
-            "memcpy_tps": memcpy_tps, "crop": crop}
+            "memcpy_tps": memcpy_tps, "crop": crop, "spread": window_spread(tokenizer, data_dir, tmp, args, tbs)}
+
+
+def window_spread(tokenizer, data_dir, tmp, args, tbs, L=257, overlap=32, B=16, batches=300) -> dict:
+    """How far apart consecutive windows of one document land, in file order and shuffled: the train shards
+    cut into windows of L tokens (so that most documents have several), read by the pretokenized loader at
+    T = L - 1 with trace_documents. Returns shuffle -> (share of pairs in the same batch, median distance in
+    batches, pairs seen)."""
+    from nanochat.dataloader import pretokenized_distributed_data_loader_with_state_bos_bestfit
+    from nanochat.pretokenize import TokenShard, list_token_shards, pretokenize_file
+    out = os.path.join(tmp, "windows")
+    for split in ("train", "val"):
+        for path in split_parquet_files(split, data_dir):
+            name = os.path.basename(path)[:-len(".parquet")]
+            pretokenize_file(tokenizer, path, os.path.join(out, split, name), max_length=L, overlap=overlap,
+                             num_threads=args.threads)
+    shards = [TokenShard(prefix) for prefix in list_token_shards(os.path.join(out, "train"))]
+    document = [np.cumsum(shard.overlaps == 0) for shard in shards]  # a window with no overlap starts a document
+    spread = {}
+    for shuffle in (False, True):
+        loader = pretokenized_distributed_data_loader_with_state_bos_bestfit(
+            B, L - 1, "train", device="cpu", data_dir=out, batch_size=tbs, rank=0, world_size=1, prefetch=0,
+            trace_documents=True, shuffle=shuffle)
+        seen, distances = {}, []
+        for step in range(batches):
+            next(loader)
+            for row in loader.documents:
+                for key in row:
+                    entry = key[2] * 1024 + key[3]
+                    doc = (key[1], int(document[key[1]][entry]))
+                    if doc in seen and seen[doc][1] == entry - 1:
+                        distances.append(step - seen[doc][0])
+                    seen[doc] = (step, entry)
+        loader.close()
+        distances = np.array(distances)
+        spread[shuffle] = (float(np.mean(distances == 0)), float(np.median(distances)), len(distances))
+    return spread
 
 
 def main(argv=None):
@@ -525,16 +563,25 @@ def main(argv=None):
     print()
     print("pretokenized .bin/.idx shards (same corpus, windowing off; python -m nanochat.pretokenize)")
     print(f"  pretokenize: {pretok['pretokenize_s']:.1f}s for the train shards")
-    for (prefetch, check), tps in pretok["loader_tps"].items():
+    for (prefetch, check, shuffle), tps in pretok["loader_tps"].items():
+        if shuffle:
+            continue
         where = ("a background thread (default)" if prefetch else "the caller (prefetch=0)") + \
             (", ids checked" if check else "")
         print(f"  pretokenized loader, packing on {where:43s} {tps:14,.0f} tokens emitted/s, "
               f"{tps / loader_emit_tps:.1f}x the parquet loader, {tps / pretok['memcpy_tps']:.1%} of a memory copy")
     tps = pretok["loader_tps"]
     print(f"  the check of the ids against the vocabulary: loader speed with / without it "
-          f"{tps[4, True] / tps[4, False]:.3f} (prefetch 4), {tps[0, True] / tps[0, False]:.3f} (prefetch 0); "
+          f"{tps[4, True, False] / tps[4, False, False]:.3f} (prefetch 4), "
+          f"{tps[0, True, False] / tps[0, False, False]:.3f} (prefetch 0); "
           f"the check alone {pretok['check_tps'] / 1e6:,.0f} M tokens/s, its time per token / the loader's "
-          f"(prefetch 0, without it): {tps[0, False] / pretok['check_tps']:.2%}")
+          f"(prefetch 0, without it): {tps[0, False, False] / pretok['check_tps']:.2%}")
+    print(f"  shuffle=True (ids checked): loader speed shuffled / in file order {tps[4, True, True] / tps[4, True, False]:.2f} "
+          f"(prefetch 4), {tps[0, True, True] / tps[0, True, False]:.2f} (prefetch 0)   (target >= 0.8)")
+    for shuffle, (same, median, pairs) in pretok["spread"].items():
+        print(f"  consecutive windows of one document (L=257, O=32, read at T=256, B=16), "
+              f"{'shuffled' if shuffle else 'file order'}: {same:.1%} in the same batch, median {median:.0f} "
+              f"batches apart ({pairs:,} pairs)")
     print(f"  memory copy of the same bytes (uint16): {pretok['memcpy_tps']:14,.0f} tokens/s   "
           "(targets: >= 20x the parquet loader, >= 20 M tokens/s)")
     print(f"  crop share over {args.crop_batches:,} batches at T={T} (cropped / tokens consumed; masked overlap "

@@ -6,6 +6,7 @@ One rank of the elastic-resume test (run by test_elastic.py under torchrun, gloo
        of the old epochs (its plan is empty), then 5 batches more; its final state says which of
        those documents still wait in its buffer.
 Rank 0 writes what every rank saw to OUT_JSON.
+With NANOCHAT_TEST_SHUFFLE=1 in the environment, the loader shuffles (seed 5, windows of 2 row groups).
 Usage: torchrun --nproc_per_node=N tests/elastic_worker.py MODE DATA_DIR OUT_JSON NUM_BATCHES [RESUME_JSON]
 """
 
@@ -32,7 +33,8 @@ def main():
     rank = dist.get_rank()
     loader = tokenizing_distributed_data_loader_with_state_bos_bestfit(
         ByteTokenizer(), B, T, "train", device="cpu", data_dir=data_dir, buffer_size=BUFFER,
-        tokenizer_batch_size=TBS, resume_state_dict=resume, trace_documents=True)
+        tokenizer_batch_size=TBS, resume_state_dict=resume, trace_documents=True,
+        shuffle=os.environ.get("NANOCHAT_TEST_SHUFFLE") == "1", seed=5, shuffle_window=2)
     rows, placed, state, extra = [], [], None, 5
     for step in range(num_batches):
         inputs, targets, state = next(loader)

@@ -1,7 +1,7 @@
 """
 Elastic resume with real processes: N ranks (torchrun, gloo, CPU) train for a while and each saves its
 state; merge_states turns the N states into the start of M ranks (2 -> 3 and 4 -> 2); the M ranks
-resume. Every document of the interrupted epoch(s) is placed into a row exactly once across the old
+resume (also with shuffle=True). Every document of the interrupted epoch(s) is placed into a row exactly once across the old
 and the new ranks (a cropped document counts as placed) or still waits in exactly one new rank's
 buffer (best-fit may keep a small document waiting for a long time), never both and never twice;
 checked on the documents' positions and, independently, on the tokens of the rows. Run: python -m pytest tests/test_elastic.py -q (~30 s)
@@ -29,10 +29,11 @@ def doc_text(i):
     return chr(40 + i % 80) + "xyz"[i % 3] * ((i * 7) % 60)
 
 
-def torchrun(nproc, *args):
+def torchrun(nproc, *args, shuffle=False):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
            os.path.join(HERE, "elastic_worker.py"), *map(str, args)]
-    result = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=worker_env())
+    env = dict(worker_env(), NANOCHAT_TEST_SHUFFLE="1" if shuffle else "0")
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
     assert result.returncode == 0, result.stdout + result.stderr
     with open(args[2]) as f:
         return json.load(f)
@@ -50,8 +51,8 @@ def check_rows_against_trace(results, text_of):
                 assert row[start:end] == expected[:end - start]  # whole, or cropped at the row's end
 
 
-@pytest.mark.parametrize("n_old,n_new,old_batches", [(2, 3, 6), (4, 2, 9)])
-def test_elastic_resume_places_every_document_once(n_old, n_new, old_batches, tmp_path):
+@pytest.mark.parametrize("n_old,n_new,old_batches,shuffle", [(2, 3, 6, False), (4, 2, 9, False), (2, 3, 6, True)])
+def test_elastic_resume_places_every_document_once(n_old, n_new, old_batches, shuffle, tmp_path):
     data_dir = tmp_path / "data"
     data_dir.mkdir()
     # 3 train shards with uneven row groups (7, 3, 11 of 5, 7, 3 documents), then a val shard
@@ -68,13 +69,13 @@ def test_elastic_resume_places_every_document_once(n_old, n_new, old_batches, tm
                 text_of[(pq_idx, rg, row)] = text
     write_shard(data_dir / "shard_00003.parquet", ["val"], row_group_size=1)
 
-    old = torchrun(n_old, "old", data_dir, tmp_path / "old.json", old_batches)
+    old = torchrun(n_old, "old", data_dir, tmp_path / "old.json", old_batches, shuffle=shuffle)
     states = [r["state"] for r in old]
     merged = merge_states(states, n_new, data_dir=str(data_dir))
     json.dumps(merged)  # plain data, like every state
     with open(tmp_path / "merged.json", "w") as f:
         json.dump(merged, f)
-    new = torchrun(n_new, "new", data_dir, tmp_path / "new.json", 400, tmp_path / "merged.json")
+    new = torchrun(n_new, "new", data_dir, tmp_path / "new.json", 400, tmp_path / "merged.json", shuffle=shuffle)
     assert all(r["batches"] < 400 for r in new), "a new rank never read its whole share"
     check_rows_against_trace(old + new, text_of)
 
