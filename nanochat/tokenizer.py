@@ -28,6 +28,11 @@ plus token_bytes.pt). We read such a pickle without pickle.load, which could run
 restricted unpickler admits only tiktoken's Encoding class, swapped for a stand-in that just keeps
 the tables. `python -m nanochat.tokenizer convert DIR` turns one into tokenizer.json.
 
+Other tools (transformers, vLLM, GPT-Simple) take any tokenizer.json for a Hugging Face file, so ours is not
+for them: `python -m nanochat.tokenizer export-hf DIR` writes one in the Hugging Face `tokenizers` library's
+format into another directory, which encodes as ours does (see to_hf_json). It is written with the
+standard library; only loading it needs `tokenizers`.
+
 May import: nanochat.common, tiktoken, numpy.
 Imported only when needed: rustbpe (training), torch (get_token_bytes): importing the tokenizer stays
 light, as a pretokenize worker or a tokenizer CLI needs it.
@@ -77,6 +82,10 @@ MIN_VOCAB_SIZE = 256 + len(SPECIAL_TOKENS)  # the byte alphabet plus our special
 TRAIN_HINT = "python -m scripts.tok_train"
 MAX_ID_GAP = 1024  # unused ids a loaded tokenizer may have (tiktoken's cl100k_base has a handful)
 CONVERT_HINT = "python -m nanochat.tokenizer convert"
+HF_CONFIG_FILENAME = "tokenizer_config.json"  # what transformers' AutoTokenizer reads beside tokenizer.json
+# a key of the tokenizer_config.json that export-hf writes: it tells an earlier export, which a new one may
+# replace, from files someone else put there (tokenizer.json itself admits no key of our own)
+HF_EXPORT_MARK = "nanochat_export"
 
 # how each kind of assistant part is rendered: (opening special, closing special, mask of the part)
 # tool output is written by the interpreter at inference time, so the model never learns to produce it
@@ -239,6 +248,79 @@ class RustBPETokenizer:
         for token, rank in self.mergeable_ranks.items():
             token_bytes[rank] = len(token)
         return token_bytes
+
+    # -------------------------------------------------------------------------
+    # Exporting for Hugging Face tools
+
+    def to_hf_json(self) -> dict:
+        """This tokenizer as a Hugging Face `tokenizers` file (the dict that its tokenizer.json holds):
+        a byte-level BPE model whose vocab is our mergeable tokens with their ranks as ids, a pre-tokenizer
+        that splits on our pattern, and our special tokens as added tokens with their ids. It encodes text as
+        tiktoken does with allowed_special="all": like encode(), but special-token text becomes that token.
+        No BOS is added (encode prepends none either)."""
+        alphabet = _byte_level_alphabet()
+
+        def chars(token: bytes) -> str:
+            return "".join(alphabet[b] for b in token)
+
+        by_rank = sorted(self.mergeable_ranks.items(), key=lambda kv: kv[1])
+        byte_level = {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": False}
+        return {
+            "version": "1.0",
+            "truncation": None,
+            "padding": None,
+            "added_tokens": [{"id": token_id, "content": name, "single_word": False, "lstrip": False,
+                              "rstrip": False, "normalized": False, "special": True}
+                             for name, token_id in sorted(self.special_tokens.items(), key=lambda kv: kv[1])],
+            "normalizer": None,
+            # our regex cuts the text into pieces, then each piece's bytes become characters; the
+            # ByteLevel step must not split again with GPT-2's own regex (use_regex False)
+            "pre_tokenizer": {"type": "Sequence", "pretokenizers": [
+                {"type": "Split", "pattern": {"Regex": self.pattern}, "behavior": "Isolated", "invert": False},
+                byte_level,
+            ]},
+            "post_processor": None,
+            "decoder": byte_level,
+            "model": {
+                "type": "BPE",
+                "dropout": None,
+                "unk_token": None,
+                "continuing_subword_prefix": None,
+                "end_of_word_suffix": None,
+                "fuse_unk": False,
+                "byte_fallback": False,
+                # a piece that is one token is that token, as in tiktoken (the merges might split it otherwise)
+                "ignore_merges": True,
+                "vocab": {chars(token): rank for token, rank in by_rank},
+                # "left right": a byte-level token never holds a space (the space byte is U+0120), and
+                # every version of `tokenizers` reads this form
+                "merges": [f"{chars(left)} {chars(right)}" for left, right in _hf_merges(self.mergeable_ranks)],
+            },
+        }
+
+    def export_hf(self, out_dir: str | os.PathLike) -> list[str]:
+        """Write this tokenizer for Hugging Face tools into out_dir (created if needed): tokenizer.json
+        (to_hf_json) and a tokenizer_config.json that makes transformers' AutoTokenizer load it with our BOS
+        as bos_token. Returns the paths written. Refuses (FileExistsError) to replace a tokenizer of ours
+        (tokenizer.json in our format, tokenizer.pkl) or files that an earlier export did not write."""
+        out_dir = os.path.expanduser(os.fspath(out_dir))
+        _check_hf_export_dir(out_dir)
+        os.makedirs(out_dir, exist_ok=True)
+        config = {
+            "tokenizer_class": "PreTrainedTokenizerFast",
+            "bos_token": self.bos_token,
+            # transformers would otherwise (4.x) drop the space before punctuation when decoding
+            "clean_up_tokenization_spaces": False,
+            HF_EXPORT_MARK: "python -m nanochat.tokenizer export-hf",
+        }
+        tokenizer_json = json.dumps(self.to_hf_json(), ensure_ascii=False, indent=2).encode("utf-8")
+        # the config first: a tokenizer.json in out_dir always has the mark beside it, so a new export may replace it
+        paths = [os.path.join(out_dir, HF_CONFIG_FILENAME), os.path.join(out_dir, TOKENIZER_FILENAME)]
+        _write_atomic(paths[0], lambda f: f.write(json.dumps(config, indent=2).encode("utf-8") + b"\n"))
+        _write_atomic(paths[1], lambda f: f.write(tokenizer_json))
+        logger.info("exported the tokenizer (vocab size %d) for Hugging Face tools to %s",
+                    self.get_vocab_size(), out_dir)
+        return paths
 
     # -------------------------------------------------------------------------
     # Encoding and decoding
@@ -554,6 +636,75 @@ def _check_tables(name, pattern, mergeable_ranks, special_tokens, bos_token) -> 
                          f"(at most {MAX_ID_GAP} unused ids)")
 
 
+def _byte_level_alphabet() -> list[str]:
+    """The character that stands for each byte (the list's index) in a byte-level BPE vocab: GPT-2's
+    convention, which Hugging Face's ByteLevel pre-tokenizer and decoder use. The 188 printable Latin-1
+    bytes stand for themselves; the other 68 (controls, space, DEL, no-break space, soft hyphen) for
+    U+0100, U+0101, ... in byte order, so the space byte is U+0120 'Ġ'."""
+    printable = set(range(0x21, 0x7F)) | set(range(0xA1, 0xAD)) | set(range(0xAE, 0x100))
+    alphabet, shifted = [], 0
+    for b in range(256):
+        if b in printable:
+            alphabet.append(chr(b))
+        else:
+            alphabet.append(chr(0x100 + shifted))
+            shifted += 1
+    return alphabet
+
+
+def _hf_merges(mergeable_ranks: dict[bytes, int]) -> list[tuple[bytes, bytes]]:
+    """The merge list of a Hugging Face BPE model that encodes as tiktoken does with these ranks.
+    tiktoken merges, among adjacent parts of a piece, the pair whose concatenation has the lowest rank;
+    Hugging Face merges the pair listed first. So every way to build a token from two tokens is listed,
+    token by token in rank order: each pair comes where its concatenation's rank puts it, and every pair
+    tiktoken could merge is there. The pairs of one token go by their parts' ranks. That order decides only
+    when two adjacent pairs make the same token at once (Hugging Face merges the one listed first, tiktoken
+    the left one); with trained vocabs we found no text where it does (tests/test_export_hf.py)."""
+    merges = []
+    for token, _ in sorted(mergeable_ranks.items(), key=lambda kv: kv[1]):
+        pairs = [(token[:i], token[i:]) for i in range(1, len(token))
+                 if token[:i] in mergeable_ranks and token[i:] in mergeable_ranks]
+        pairs.sort(key=lambda pair: (mergeable_ranks[pair[0]], mergeable_ranks[pair[1]]))
+        merges.extend(pairs)
+    return merges
+
+
+def _read_json_object(path: str) -> dict | None:
+    """The JSON object in path, or None when the file is not one (not JSON, not UTF-8, not a dict)."""
+    try:
+        with open(path, "rb") as f:
+            data = json.loads(f.read().decode("utf-8"))
+    except (ValueError, RecursionError):
+        return None
+    return data if isinstance(data, dict) else None
+
+
+def _check_hf_export_dir(out_dir: str) -> None:
+    """Raise FileExistsError unless export_hf may write into out_dir: nothing of a nanochat tokenizer is
+    there, and a tokenizer.json or tokenizer_config.json there came from an earlier export."""
+    json_path = os.path.join(out_dir, TOKENIZER_FILENAME)
+    config_path = os.path.join(out_dir, HF_CONFIG_FILENAME)
+    pkl_path = os.path.join(out_dir, PICKLE_FILENAME)
+    fix = "export into another directory (a new or empty one)"
+    if os.path.exists(pkl_path):
+        # a Hugging Face tokenizer.json beside it would be loaded instead of the pickle, and fail
+        raise FileExistsError(f"{out_dir} holds nanochat's {PICKLE_FILENAME}; export-hf writes no "
+                              f"{TOKENIZER_FILENAME} beside it: {fix}")
+    config = _read_json_object(config_path) if os.path.exists(config_path) else None
+    earlier_export = config is not None and HF_EXPORT_MARK in config
+    if os.path.exists(json_path):
+        existing = _read_json_object(json_path)
+        if existing is not None and existing.get("format") == FORMAT_NAME:
+            raise FileExistsError(f"{json_path} is a nanochat tokenizer (our own format); export-hf never "
+                                  f"replaces it: {fix}")
+        if not earlier_export or existing is None or "model" not in existing:
+            raise FileExistsError(f"{json_path} exists and was not written by export-hf (no {HF_CONFIG_FILENAME} "
+                                  f"with {HF_EXPORT_MARK!r} beside it); export-hf never replaces it: {fix}")
+    if os.path.exists(config_path) and not earlier_export:
+        raise FileExistsError(f"{config_path} exists and was not written by export-hf (it has no "
+                              f"{HF_EXPORT_MARK!r}); export-hf never replaces it: {fix}")
+
+
 def _write_atomic(path: str, write) -> None:
     """Call write(f) on a temporary file next to path, then rename it to path; on failure remove it."""
     tmp_path = f"{path}.tmp{os.getpid()}"
@@ -623,7 +774,9 @@ def get_token_bytes(device="cpu", tokenizer_dir: str | None = None):
 
 def main(argv: list[str] | None = None) -> int:
     """`python -m nanochat.tokenizer convert DIR`: write tokenizer.json and token_bytes.npy next to
-    upstream nanochat's tokenizer.pkl in DIR. The pickle is read without running it and left as it is."""
+    upstream nanochat's tokenizer.pkl in DIR. The pickle is read without running it and left as it is.
+    `python -m nanochat.tokenizer export-hf DIR [--tokenizer-dir SRC]`: write our tokenizer (from SRC,
+    default <base_dir>/tokenizer) as a Hugging Face tokenizer.json, plus tokenizer_config.json, into DIR."""
     parser = argparse.ArgumentParser(prog="python -m nanochat.tokenizer", description="Tokenizer utilities")
     commands = parser.add_subparsers(dest="command", required=True)
     convert = commands.add_parser("convert", help="turn nanochat's tokenizer.pkl into tokenizer.json",
@@ -632,7 +785,16 @@ def main(argv: list[str] | None = None) -> int:
     convert.add_argument("tokenizer_dir", metavar="DIR", help="directory holding tokenizer.pkl, "
                                                               "e.g. ~/.cache/nanochat/tokenizer")
     convert.add_argument("--force", action="store_true", help="replace a tokenizer.json that holds another tokenizer")
+    export = commands.add_parser("export-hf", help="write our tokenizer as a Hugging Face tokenizer.json",
+                                 description="Write DIR/tokenizer.json in the Hugging Face tokenizers format "
+                                             "(it encodes as ours does) and DIR/tokenizer_config.json for "
+                                             "transformers. Never replaces a tokenizer of ours.")
+    export.add_argument("out_dir", metavar="DIR", help="directory to write into (created if needed); not SRC")
+    export.add_argument("--tokenizer-dir", metavar="SRC", default=None,
+                        help="our tokenizer's directory (default: <base_dir>/tokenizer)")
     args = parser.parse_args(argv)
+    if args.command == "export-hf":
+        return _export_hf_command(args.out_dir, args.tokenizer_dir)
     print(f"command={args.command} tokenizer_dir={args.tokenizer_dir} force={args.force}")
     pkl_path = os.path.join(args.tokenizer_dir, PICKLE_FILENAME)
     if not os.path.exists(pkl_path):
@@ -653,6 +815,22 @@ def main(argv: list[str] | None = None) -> int:
     print(f"read {pkl_path}: vocab size {tokenizer.get_vocab_size():,}, bos id {tokenizer.get_bos_token_id()}")
     for filename in (TOKENIZER_FILENAME, TOKEN_BYTES_FILENAME):
         print(f"wrote {os.path.join(args.tokenizer_dir, filename)}")
+    return 0
+
+
+def _export_hf_command(out_dir: str, tokenizer_dir: str | None) -> int:
+    out_dir = os.path.expanduser(out_dir)
+    tokenizer_dir = get_tokenizer_dir() if tokenizer_dir is None else os.path.expanduser(tokenizer_dir)
+    print(f"command=export-hf out_dir={out_dir} tokenizer_dir={tokenizer_dir}")
+    if os.path.isdir(out_dir) and os.path.isdir(tokenizer_dir) and os.path.samefile(out_dir, tokenizer_dir):
+        raise ValueError(f"DIR {out_dir} is the tokenizer's own directory; a Hugging Face tokenizer.json there "
+                         "would replace ours: export into another directory")
+    tokenizer = RustBPETokenizer.from_directory(tokenizer_dir)
+    paths = tokenizer.export_hf(out_dir)
+    print(f"read {tokenizer_dir}: vocab size {tokenizer.get_vocab_size():,}, bos {tokenizer.bos_token} "
+          f"(id {tokenizer.get_bos_token_id()})")
+    for path in paths:
+        print(f"wrote {path}")
     return 0
 
 
