@@ -190,6 +190,9 @@ class RustBPETokenizer:
         try:
             with open(path, "rb") as f:
                 data = json.loads(f.read().decode("utf-8"))
+            if isinstance(data, dict) and "model" in data and "format" not in data:
+                raise FileNotFoundError(f"{path} is a Hugging Face tokenizer.json (export-hf writes these), not "
+                                        "ours: load our tokenizer from the directory it was exported from")
             if data.get("format") != FORMAT_NAME:
                 raise ValueError(f"'format' is {data.get('format')!r}, expected {FORMAT_NAME!r}")
             if data.get("version") != FORMAT_VERSION:

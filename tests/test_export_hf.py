@@ -220,6 +220,13 @@ def test_cli_loads_in_tokenizers(tok, hf_lib, tmp_path):
         assert loaded.encode(text).ids == ours_with_specials(tok, text)
 
 
+def test_our_loader_names_an_export_for_what_it_is(tok, tmp_path):
+    tok.export_hf(tmp_path / "hf")
+    with pytest.raises(FileNotFoundError, match="is a Hugging Face tokenizer.json .export-hf writes these.*directory "
+                                                "it was exported from"):
+        RustBPETokenizer.from_directory(str(tmp_path / "hf"))
+
+
 def test_cli_refuses_the_tokenizer_dir_itself(tok, tmp_path):
     src = tmp_path / "src"
     tok.save(str(src))
