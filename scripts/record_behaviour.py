@@ -344,6 +344,13 @@ def tokenizing_configurations(inputs: dict):
            take(bestfit(split="train", resume_state_dict=seeds_state, **kw), 8)[0])
     yield from run_elastic("bestfit", bestfit, "train", dict(small, trace_documents=True), 5, 16, inputs["parquet"])
     yield from run_elastic("bestfit", bestfit, "train", dict(small, **split), 5, 16, inputs["parquet"])
+    # shuffled: the order, a resume mid-window, an elastic merge
+    shuffled = dict(shuffle=True, seed=1, shuffle_window=3)
+    yield from run_all("bestfit", bestfit, "train", dict(traced, **one, **shuffled), 16, attention=True)
+    yield from run_all("bestfit", bestfit, "train", dict(small, **shuffled, rank=1, world_size=3), 24)
+    yield from run_resumed("bestfit", bestfit, "train", dict(small, **split, **shuffled, rank=2, world_size=3), 5, 16)
+    yield from run_elastic("bestfit", bestfit, "train", dict(small, **shuffled, trace_documents=True), 5, 16,
+                           inputs["parquet"])
     # the concatenating loader
     concat_kw = dict(common, B=2, T=32, tokenizer_batch_size=4)
     yield from run_all("concat", concat, "train", dict(concat_kw, **one), 16)
@@ -353,6 +360,7 @@ def tokenizing_configurations(inputs: dict):
     yield from run_all("concat_stateless", concat_stateless, "train", dict(concat_kw, **one), 6, with_state=False)
     yield from run_resumed("concat", concat, "train", dict(concat_kw, **one), 5, 16)
     yield from run_elastic("concat", concat, "train", concat_kw, 5, 16, inputs["parquet"])
+    yield from run_resumed("concat", concat, "train", dict(concat_kw, **one, **shuffled), 5, 16)
 
 
 def pretokenized_configurations(inputs: dict):
@@ -373,6 +381,11 @@ def pretokenized_configurations(inputs: dict):
                        dict(whole, **one), 6, with_state=False)
     yield from run_resumed("pretokenized", make, "train", dict(windowed, **split, **one), 5, 16)
     yield from run_elastic("pretokenized", make, "train", dict(whole, trace_documents=True), 5, 16, inputs["whole"])
+    shuffled = dict(shuffle=True, seed=2, shuffle_window=2)
+    yield from run_all("pretokenized", make, "train", dict(windowed, **traced, **one, **shuffled), 16, attention=True)
+    yield from run_resumed("pretokenized", make, "train", dict(windowed, **split, **one, **shuffled), 5, 16)
+    yield from run_elastic("pretokenized", make, "train", dict(whole, trace_documents=True, **shuffled), 5, 16,
+                           inputs["whole"])
 
 
 CURRICULA = {
@@ -412,6 +425,8 @@ def mixture_configurations(inputs: dict):
     for k in (10, 29):  # mid-phase; one step before phase 2, so the resumed loader crosses into it
         yield from run_resumed("mixture", mixture, "train", dict(kw, **one), k, 60)
     yield from run_elastic("mixture", mixture, "train", kw, 5, 60, inputs["mixture"])
+    yield from run_resumed("mixture", mixture, "train", dict(kw, **one, shuffle=True, shuffle_window=2), 10, 60)
+    yield from run_elastic("mixture", mixture, "train", dict(kw, shuffle=True), 5, 60, inputs["mixture"])
 
 
 def record(work: str) -> dict:
