@@ -374,6 +374,7 @@ def pretokenized_mixture_loader_with_state_bos_bestfit(
     if isinstance(seed, bool) or not isinstance(seed, int):
         raise ValueError(f"seed must be an integer, got {seed!r}")
     rank, world_size = resolve_rank(rank, world_size)
+    data_dir = os.path.expanduser(os.fspath(data_dir))
     paths = list_buckets(data_dir, split)
     phases = load_curriculum(curriculum, paths)
     # the vocabulary: vocab_size, or pretokenize.json in data_dir or in a bucket's directory (all agree)
