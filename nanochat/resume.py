@@ -34,7 +34,8 @@ def merge_states(states: list[dict], world_size: int, *, data_dir: str | None = 
     if not isinstance(states, (list, tuple)) or not states:
         raise ValueError("merge_states needs the list of every rank's state")
     data_dir = None if data_dir is None else os.path.expanduser(os.fspath(data_dir))
-    if isinstance(states[0], dict) and states[0].get("loader") == "mixture":
+    # any state saying "mixture": one damaged state (its 'loader' field edited) is then named by the mixture's checks
+    if any(isinstance(s, dict) and s.get("loader") == "mixture" for s in states):
         if data_dir is None:
             raise ValueError("data_dir: give the mixture's data directory (holding <split>/<bucket>/)")
         return merge_mixture_states(states, world_size, data_dir=data_dir)

@@ -318,3 +318,18 @@ def test_pretokenize_refuses_an_output_of_another_kind(root, monkeypatch):
     assert error("--output", os.path.join("DATA", "val", "code")) == (
         f"--output {os.path.join('DATA', 'val', 'code')} is the directory of bucket 'code' in the mixture data DATA: "
         "pass --output DATA --bucket code")
+
+
+def test_readme_pretokenized_snippets_with_tilde(tmp_path, monkeypatch):
+    """The README's pretokenize command and loader call, as written but for one worker process and the loader
+    on the CPU with a short T, under a HOME of our own: no shell expands the "~" of either."""
+    monkeypatch.setenv("HOME", str(tmp_path))
+    write_shards(tmp_path / ".cache" / "nanochat" / "base_data_climbmix", [_texts(seed, 30) for seed in range(3)],
+                 row_group_size=8)
+    RustBPETokenizer.train_from_iterator(iter(_texts(0, 60)), 300).save(os.environ["NANOCHAT_BASE_DIR"] + "/tokenizer")
+    assert pretokenize(["--input", "~/.cache/nanochat/base_data_climbmix", "--output", "~/.cache/nanochat/base_tokens",
+                        "--max-length", "2049", "--overlap-size", "256", "--num-workers", "1"]) == 0
+    kw = dict(B=2, T=64, split="train", device="cpu", attention_info=True, max_docs_per_row=64)
+    got = _first_batch(PRETOKENIZED(data_dir="~/.cache/nanochat/base_tokens", **kw))
+    _same(got[:3], _first_batch(PRETOKENIZED(data_dir=str(tmp_path / ".cache/nanochat/base_tokens"), **kw))[:3])
+    assert got[0].shape == (2, 64) and set(got[3]) >= {"doc_ids", "position_ids", "cu_seqlens"}
