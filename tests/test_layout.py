@@ -20,6 +20,7 @@ import pathlib
 import re
 import threading
 
+import numpy as np
 import pytest
 import torch
 
@@ -37,6 +38,7 @@ from nanochat.mixture import merge_mixture_states
 from nanochat.mixture import pretokenized_mixture_loader_with_state_bos_bestfit as MIX
 from nanochat.pretokenize import main as pretokenize
 from nanochat.resume import merge_states
+from nanochat.token_shards import write_token_shard
 from nanochat.tokenizer import RustBPETokenizer
 
 WORDS = "the loader reads shards of tokens from a directory given as a path 12 é".split()
@@ -220,7 +222,7 @@ LOADER = "nanochat.dataloader.pretokenized_distributed_data_loader_with_state_bo
 MIXER = "nanochat.mixture.pretokenized_mixture_loader_with_state_bos_bestfit"
 
 
-def test_pretokenized_loader_given_other_data(root):
+def test_pretokenized_loader_given_other_data(root, tmp_path):
     parquet, data, tokens = root / "parquet", root / "DATA", root / "tokens"
 
     def error(directory) -> str:
@@ -238,6 +240,12 @@ def test_pretokenized_loader_given_other_data(root):
     assert error(data / "train" / "web") == (
         f"{data / 'train' / 'web'} is the directory of bucket 'web' in the mixture data {data}: {data} holds "
         f"{BUCKETS}, not {PLAIN}: read them with {MIXER} (a curriculum of one bucket reads that bucket alone)")
+    # pairs in a directory of their own (GPT-Simple's tokenize writes them so): where the loaders look for them
+    (tmp_path / "flat").mkdir()
+    write_token_shard(str(tmp_path / "flat" / "part_0"), [np.array([1, 2, 3])], [0], np.uint16)
+    assert error(tmp_path / "flat") == (
+        f"{tmp_path / 'flat'} holds .bin/.idx pairs itself, but the loaders read them from DIR/train/ and DIR/val/ "
+        "(a pretokenize output) or DIR/train/<bucket>/ (mixture buckets): pass such a directory DIR")
 
 
 def test_parquet_readers_given_token_shards(root):
