@@ -7,7 +7,7 @@ bucket each row of each rank comes from. `python -m nanochat.mixture validate` i
 
 The mixture loader itself is nanochat/mixture.py.
 
-May import: nanochat.token_shards, nanochat.shuffle, pyyaml, numpy.
+May import: nanochat.token_shards, nanochat.shuffle, nanochat.layout, pyyaml, numpy.
 """
 
 import argparse
@@ -22,6 +22,7 @@ from typing import NamedTuple
 import numpy as np
 import yaml
 
+from nanochat.layout import describe_mismatch
 from nanochat.shuffle import Shuffle
 from nanochat.token_shards import TokenShard, list_token_shards
 
@@ -38,20 +39,28 @@ class Phase(NamedTuple):
 
 
 def list_buckets(data_dir: str, split: str) -> dict[str, list[str]]:
-    """bucket name -> its .bin paths, for every subdirectory of data_dir/split holding .bin/.idx pairs."""
+    """bucket name -> its .bin paths, for every subdirectory of data_dir/split holding .bin/.idx pairs.
+    When there is none: ValueError if data_dir holds another kind of data (parquet shards, a plain
+    pretokenize output, ...), else FileNotFoundError."""
+    data_dir = os.path.expanduser(os.fspath(data_dir))
     split_dir = os.path.join(data_dir, split)
-    if not os.path.isdir(split_dir):
-        raise FileNotFoundError(f"{split_dir} does not exist: buckets are subdirectories {split_dir}/<bucket>/ of "
-                                "pretokenized shards (python -m nanochat.pretokenize --output ...)")
     buckets = {}
-    for name in sorted(os.listdir(split_dir)):
+    for name in sorted(os.listdir(split_dir)) if os.path.isdir(split_dir) else []:
         if os.path.isdir(os.path.join(split_dir, name)):
             paths = [prefix + ".bin" for prefix in list_token_shards(os.path.join(split_dir, name))]
             if paths:
                 buckets[name] = paths
-    if not buckets:
-        raise FileNotFoundError(f"no bucket in {split_dir}: expected subdirectories with .bin/.idx pairs")
-    return buckets
+    if buckets:
+        return buckets
+    mismatch = describe_mismatch(data_dir, "buckets")
+    if mismatch:
+        raise ValueError(mismatch)
+    command = f"python -m nanochat.pretokenize --input ... --output {data_dir} --bucket NAME"
+    if not os.path.isdir(split_dir):
+        raise FileNotFoundError(f"{split_dir} does not exist: buckets are subdirectories {split_dir}/<bucket>/ of "
+                                f".bin/.idx pairs; write each with {command}")
+    raise FileNotFoundError(f"no bucket in {split_dir}: expected subdirectories with .bin/.idx pairs; write each "
+                            f"with {command}")
 
 
 def load_curriculum(spec, buckets=None) -> list[Phase]:
@@ -61,7 +70,7 @@ def load_curriculum(spec, buckets=None) -> list[Phase]:
     given), a negative weight, an empty mix or a bad token count is a ValueError naming the phase."""
     source = "curriculum"
     if isinstance(spec, (str, os.PathLike)):
-        path = source = os.fspath(spec)
+        path = source = os.path.expanduser(os.fspath(spec))
         if not os.path.isfile(path):
             raise FileNotFoundError(f"curriculum file {path} does not exist")
         with open(path) as f:

@@ -32,6 +32,8 @@ May import: the stage modules (nanochat.readers, nanochat.stream, nanochat.token
 nanochat.packing, nanochat.state, nanochat.prefetch, nanochat.device), nanochat.options, nanochat.dataset.
 """
 
+import os
+
 from nanochat.dataset import split_parquet_files
 from nanochat.device import DataLoader, DeviceBatches, row_split
 from nanochat.options import check_options, check_positive, check_shuffle, resolve_rank
@@ -205,6 +207,7 @@ def pretokenized_distributed_data_loader_with_state_bos_bestfit(
     check_long_doc_policy(long_doc_policy, split_overlap, T)
     order = check_shuffle(shuffle, seed, shuffle_window)
     rank, world_size = resolve_rank(rank, world_size)
+    data_dir = os.path.expanduser(os.fspath(data_dir))
     paths = shard_paths(data_dir, split)
     vocab = shard_vocab(paths[0], bos_token, vocab_size, [data_dir])
     bos_token = vocab[0]

@@ -13,7 +13,7 @@ states it) and parquet structure check out. Shards already there are checked bef
 `--verify` checks them all offline. `python -m nanochat.dataset repackage ...` turns
 your own .txt/.jsonl/.jsonl.gz/.parquet text into shards of the same format (all in memory).
 
-May import: nanochat.common, nanochat.download.
+May import: nanochat.common, nanochat.download, nanochat.layout.
 """
 
 import argparse
@@ -38,6 +38,7 @@ from nanochat.download import (  # the constants, check_disk_space, HostNotFound
     RETRY_AFTER_CAP, SHARD_BYTES_ESTIMATE, DownloadError, HostNotFoundError, Limits, Report, check_disk_space,
     check_files, check_url, download_file, download_files, record_path, summarize,
 )
+from nanochat.layout import describe_mismatch
 
 logger = logging.getLogger(__name__)
 
@@ -137,13 +138,17 @@ def _check_split(split: str) -> None:
 
 def list_parquet_files(data_dir: str | None = None) -> list[str]:
     """Sorted full paths of the `*.parquet` files in data_dir (default: find_data_dir()).
-    Partial downloads live under other names (`*.parquet.tmp`, ...) and are never listed."""
-    data_dir = find_data_dir() if data_dir is None else data_dir
+    Partial downloads live under other names (`*.parquet.tmp`, ...) and are never listed. A directory of
+    pretokenized shards or buckets is a ValueError that says so (an empty one lists nothing)."""
+    data_dir = find_data_dir() if data_dir is None else os.path.expanduser(os.fspath(data_dir))
     if not os.path.isdir(data_dir):
         raise FileNotFoundError(
             f"data directory {data_dir} does not exist; download some shards first: "
             "python -m nanochat.dataset -n 8")
     names = sorted(f for f in os.listdir(data_dir) if f.endswith(".parquet"))
+    mismatch = None if names else describe_mismatch(data_dir, "parquet")
+    if mismatch:
+        raise ValueError(mismatch)
     return [os.path.join(data_dir, f) for f in names]
 
 
@@ -159,7 +164,7 @@ def split_parquet_files(split: str, data_dir: str | None = None) -> list[str]:
     many train shards were fetched; if it is not (your own shards there), one warning says which file is
     val and how to fetch the dataset's. Raises when the split would be empty."""
     _check_split(split)
-    data_dir = find_data_dir() if data_dir is None else data_dir
+    data_dir = find_data_dir() if data_dir is None else os.path.expanduser(os.fspath(data_dir))
     paths = list_parquet_files(data_dir)
     if not paths:
         raise FileNotFoundError(
@@ -264,7 +269,7 @@ def download_single_file(index: int, data_dir: str | None = None, base_url: str 
     if index < 0:
         raise ValueError(f"shard index must be >= 0, got {index}")
     limits = Limits(max_attempts, backoff_base, timeout, min_rate, rate_window, deadline)
-    data_dir = get_data_dir(dataset) if data_dir is None else data_dir
+    data_dir = get_data_dir(dataset) if data_dir is None else os.path.expanduser(os.fspath(data_dir))
     base_url = get_base_url(dataset) if base_url is None else base_url
     check_url(base_url)
     try:
@@ -297,7 +302,7 @@ def download_shards(indices, data_dir: str | None = None, base_url: str | None =
     as the host does not resolve (the whole run stops: no retry can help)."""
     limits = Limits(max_attempts, backoff_base, timeout, min_rate, rate_window, deadline)
     indices = sorted(set(indices))
-    data_dir = get_data_dir(dataset) if data_dir is None else data_dir
+    data_dir = get_data_dir(dataset) if data_dir is None else os.path.expanduser(os.fspath(data_dir))
     base_url = get_base_url(dataset) if base_url is None else base_url
     report = _fetch_shards(indices, data_dir, base_url, num_workers, limits, progress, check_disk)
     return [i for i in indices if index_to_filename(i) in report.failed]
@@ -511,7 +516,7 @@ def _download_main(argv: list[str]) -> int:
             parser.error(f"{flag} must be > 0 seconds, got {value:g}")
 
     spec = get_dataset(args.dataset)
-    data_dir = args.data_dir or get_data_dir(spec.name)
+    data_dir = os.path.expanduser(args.data_dir) if args.data_dir else get_data_dir(spec.name)
     if args.verify:
         return _verify_main(spec, data_dir, args.num_workers)
     base_url = args.base_url or get_base_url(spec.name)

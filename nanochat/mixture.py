@@ -1,7 +1,7 @@
 """
 Data mixtures and curricula over pretokenized buckets (seed 003's layout and rules).
 
-    <data_dir>/train/<bucket>/*.bin *.idx      one `python -m nanochat.pretokenize` output per bucket
+    <data_dir>/train/<bucket>/*.bin *.idx      python -m nanochat.pretokenize --output <data_dir> --bucket <bucket>
     <data_dir>/val/<bucket>/...
 
 A curriculum is an ordered list of phases, each a token budget and a mix of bucket weights, as a
@@ -368,13 +368,14 @@ def pretokenized_mixture_loader_with_state_bos_bestfit(
     mixed by the curriculum (see the module docstring). buffer_size is per bucket. seed picks the mix's
     sequence. total_tokens: tokens the run will train (all ranks), checked against the curriculum.
     vocab_size: as for the pretokenized loader; pretokenize.json is looked for in data_dir and in each
-    bucket's directory. shuffle, shuffle_window: each bucket's chunks and entries in a seeded order, as the
-    pretokenized loader's (seeded by seed and the bucket's name).
+    bucket's directory (where `pretokenize --bucket` writes it). shuffle, shuffle_window: each bucket's chunks
+    and entries in a seeded order, as the pretokenized loader's (seeded by seed and the bucket's name).
     Raises BucketExhausted / CurriculumComplete (with .state, the last good state) where it must stop."""
     check_options(B, T, split, prefetch, buffer_size=buffer_size, chunk_size=chunk_size, batch_size=batch_size)
     check_long_doc_policy(long_doc_policy, split_overlap, T)
     order = check_shuffle(shuffle, seed, shuffle_window)
     rank, world_size = resolve_rank(rank, world_size)
+    data_dir = os.path.expanduser(os.fspath(data_dir))
     paths = list_buckets(data_dir, split)
     phases = load_curriculum(curriculum, paths)
     # the vocabulary: vocab_size, or pretokenize.json in data_dir or in a bucket's directory (all agree)

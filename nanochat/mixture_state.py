@@ -7,6 +7,7 @@ merged by nanochat/elastic.py's merge_stream_states.
 May import: nanochat.state, nanochat.state_checks, nanochat.elastic.
 """
 
+import os
 import reprlib
 
 from nanochat.elastic import merge_stream_states
@@ -111,6 +112,7 @@ def merge_mixture_states(states: list[dict], world_size: int, *, data_dir: str) 
         raise ValueError(f"world_size must be an integer >= 1, got {world_size!r}")
     if not isinstance(states, (list, tuple)) or not states:
         raise ValueError("merge_mixture_states needs the list of every rank's state")
+    data_dir = os.path.expanduser(os.fspath(data_dir))
     for i, s in enumerate(states):
         if not isinstance(s, dict) or s.get("loader") != "mixture" or s.get("version") != VERSION:
             raise ValueError(f"states[{i}] is not a mixture loader state (version 2, loader 'mixture')")

@@ -19,6 +19,22 @@ turns each input shard into one pair of files named after it, train and val kept
     <output>/.pretokenize.lock      held while a run writes (names its pid)
     <output>/train/.shard_00000.lock  held while that pair is written (empty; never listed)
 
+With `--bucket NAME` the run writes one bucket of a mixture's data directory instead (see *Mixtures and
+curricula*); each bucket keeps its settings and lock in its own directories:
+
+    <output>/train/NAME/shard_00000.bin  shard_00000.idx  ...   pretokenize.json   .pretokenize.lock
+    <output>/val/NAME/shard_06542.bin    shard_06542.idx        pretokenize.json
+
+so buckets made by separate runs, windowed differently or at the same time, share one output; the mixture
+loader finds each bucket's vocabulary beside its shards. A rerun of a bucket with other settings is refused,
+and so is a bucket made with another tokenizer than the buckets already there. Paths may start with `~`.
+
+`--output` never goes into a directory that holds another kind of data: a directory of parquet shards (the
+error suggests `--output DIR_tokens`), a `train/` or bucket directory of an output (it names the data
+directory, and the `--output DATA --bucket NAME` to pass), a plain output for a bucket, or buckets for a plain
+run. The loaders do the same when given the wrong kind of directory: the message says what it holds (parquet
+shards, a pretokenize output, mixture buckets, one split's or one bucket's pairs) and what to pass instead.
+
 `--input` is a parquet dataset directory (its last shard is val, as for the parquet loader), or
 `.jsonl` / `.jsonl.gz` files (or directories of them) with one `{"text": ...}` object per line
 (`--text-field` picks another field); jsonl inputs all go to `train/`, and `--val-input` names the
@@ -76,8 +92,8 @@ listed. A rerun with a different tokenizer, dtype or windowing into the same `--
 the main one, however it ends (kill -9 included): on Linux the kernel kills them with it
 (`PR_SET_PDEATHSIG`), elsewhere each checks every 0.2 s that its parent lives. On Linux a rerun
 started right after a kill -9 thus writes the same bytes as an uninterrupted run (elsewhere, wait a
-second). Two runs of one rank on one `--output` at once (two plain runs, or two with the same
-`--rank` and `--world-size`) are refused: a run holds `.pretokenize.lock` (`.pretokenize.rankR-of-N.lock`
+second). Two runs of one rank on one `--output` (or one bucket of it) at once (two plain runs, or two
+with the same `--rank` and `--world-size`) are refused: a run holds `.pretokenize.lock` (`.pretokenize.rankR-of-N.lock`
 with `--world-size N`; a file lock, which ends with its process), and the second, after waiting
 `--lock-timeout` seconds (default 10) for it, stops with an error that names the output and the pid of
 the run holding it. Other runs on one output at once (the ranks of one job, or a plain run beside a
@@ -90,7 +106,8 @@ longer) than its header says, offsets that do not start at 0 or that decrease, a
 the end of the `.bin`, a `.bin` whose size is not `offsets[N] * itemsize`, or an overlap prefix
 longer than its entry.
 
-May import: nanochat.common, nanochat.dataset, nanochat.tokenizer, nanochat.packing, nanochat.token_shards.
+May import: nanochat.common, nanochat.dataset, nanochat.tokenizer, nanochat.packing, nanochat.token_shards,
+nanochat.layout.
 """
 
 import argparse
@@ -115,6 +132,7 @@ from tqdm import tqdm
 
 from nanochat.common import get_dist_info
 from nanochat.dataset import open_parquet, read_jsonl_texts, read_row_group_texts, split_parquet_files
+from nanochat.layout import describe_mismatch
 from nanochat.packing import next_cut
 from nanochat.tokenizer import TOKENIZER_FILENAME, RustBPETokenizer, get_tokenizer_dir
 # TokenShard, list_token_shards, recorded_vocab_size and write_token_shard: importable from here too, as before
@@ -197,10 +215,12 @@ def _expand_jsonl(paths: list[str], flag: str) -> list[str]:
     return files
 
 
-def plan_jobs(inputs: list[str], output: str, val_inputs: list[str] | None = None) -> list[tuple[str, str]]:
-    """[(input_path, output_prefix), ...]: train inputs, then val inputs. One --input directory of
-    parquet shards is split by split_parquet_files (its last shard is val); otherwise the inputs are
-    jsonl files or directories of them, all train, with val_inputs going to val."""
+def plan_jobs(inputs: list[str], output: str, val_inputs: list[str] | None = None,
+              bucket: str | None = None) -> list[tuple[str, str]]:
+    """[(input_path, output_prefix), ...]: train inputs, then val inputs, to output/<split>/ (with a bucket:
+    output/<split>/<bucket>/). One --input directory of parquet shards is split by split_parquet_files (its
+    last shard is val); otherwise the inputs are jsonl files or directories of them, all train, with
+    val_inputs going to val."""
     if len(inputs) == 1 and os.path.isdir(inputs[0]) and any(
             f.endswith(".parquet") for f in os.listdir(inputs[0])):
         if val_inputs:
@@ -216,7 +236,8 @@ def plan_jobs(inputs: list[str], output: str, val_inputs: list[str] | None = Non
         dupes = sorted({n for n in names if names.count(n) > 1})
         if dupes:
             raise ValueError(f"{split} inputs {dupes} would write the same output pair; rename or drop one")
-        jobs += [(p, os.path.join(output, split, n)) for p, n in zip(paths, names)]
+        directory = os.path.join(output, split) if bucket is None else os.path.join(output, split, bucket)
+        jobs += [(p, os.path.join(directory, n)) for p, n in zip(paths, names)]
     return jobs
 
 
@@ -322,24 +343,61 @@ def _settings(tokenizer, tokenizer_dir: str, max_length: int | None, overlap: in
     }
 
 
-def _check_or_write_settings(output: str, settings: dict) -> None:
-    """Write output/pretokenize.json, or refuse to add shards made with other settings to output."""
-    path = os.path.join(output, META_FILENAME)
-    if os.path.exists(path):
+def _read_settings(path: str) -> dict:
+    try:
         with open(path, encoding="utf-8") as f:
-            old = json.load(f)
+            settings = json.load(f)
+    except ValueError as e:  # not JSON, not UTF-8
+        raise ValueError(f"{path} (pretokenize's settings) is not valid JSON: {e}; restore it, or remove it "
+                         "together with the shards beside it and run again") from None
+    if not isinstance(settings, dict):
+        raise ValueError(f"{path} holds a JSON {type(settings).__name__}, not pretokenize's settings")
+    return settings
+
+
+def _check_or_write_settings(directories: list[str], settings: dict, instead: str) -> None:
+    """Write pretokenize.json into each directory (the output, or a bucket's directory in each split), or
+    refuse to add shards made with other settings to one of them (instead: where else to write them)."""
+    for directory in directories:
+        path = os.path.join(directory, META_FILENAME)
+        if not os.path.exists(path):
+            continue
+        old = _read_settings(path)
         changed = {k: (old.get(k), v) for k, v in settings.items() if old.get(k) != v}
         if changed:
             what = ", ".join(f"{k} {a!r} -> {b!r}" for k, (a, b) in changed.items())
             raise ValueError(f"{path} records other settings than this run's ({what}); the shards there "
-                             "would mix, so use a new --output directory or the same settings")
-        return
-    os.makedirs(output, exist_ok=True)
-    tmp = f"{path}.tmp{os.getpid()}"  # several ranks may write it at once, all with the same content
-    with open(tmp, "w", encoding="utf-8") as f:
-        json.dump(settings, f, indent=2)
-        f.write("\n")
-    os.replace(tmp, path)
+                             f"would mix, so use {instead} or the same settings")
+    for directory in directories:
+        path = os.path.join(directory, META_FILENAME)
+        if os.path.exists(path):
+            continue
+        os.makedirs(directory, exist_ok=True)
+        tmp = f"{path}.tmp{os.getpid()}"  # several ranks may write it at once, all with the same content
+        with open(tmp, "w", encoding="utf-8") as f:
+            json.dump(settings, f, indent=2)
+            f.write("\n")
+        os.replace(tmp, path)
+
+
+TOKENIZER_KEYS = ("tokenizer_sha256", "vocab_size", "bos_token_id", "dtype")
+
+
+def _check_other_buckets(output: str, bucket: str, settings: dict) -> None:
+    """Refuse a bucket made with another tokenizer than the buckets already in output: a mixture reads
+    all of its buckets' ids as one vocabulary. (Windowing may differ from bucket to bucket.)"""
+    for split in ("train", "val"):
+        split_dir = os.path.join(output, split)
+        for name in sorted(os.listdir(split_dir)) if os.path.isdir(split_dir) else []:
+            path = os.path.join(split_dir, name, META_FILENAME)
+            if name == bucket or not os.path.isfile(path):
+                continue
+            old = _read_settings(path)
+            changed = [f"{k} {old.get(k)!r} -> {settings[k]!r}" for k in TOKENIZER_KEYS if old.get(k) != settings[k]]
+            if changed:
+                raise ValueError(f"{path} records another tokenizer than this run's ({', '.join(changed)}); the "
+                                 "buckets of one mixture are read as one vocabulary, so pretokenize with the "
+                                 "tokenizer of the others, or into a new --output directory")
 
 
 def _results(tokenizer, tokenizer_dir: str, options: dict, jobs: list, num_workers: int):
@@ -425,6 +483,9 @@ def main(argv: list[str] | None = None) -> int:
                              "or directories of them (all train)")
     parser.add_argument("--val-input", nargs="+", default=None, help="jsonl files or directories for val/")
     parser.add_argument("--output", required=True, help="output directory (train/ and val/ go under it)")
+    parser.add_argument("--bucket", default=None,
+                        help="write a mixture bucket: OUTPUT/train/BUCKET/ and OUTPUT/val/BUCKET/ (default: none, "
+                             "OUTPUT/train/ and OUTPUT/val/)")
     parser.add_argument("--tokenizer-dir", default=None, help="default: <base dir>/tokenizer")
     parser.add_argument("--text-field", default="text", help="the jsonl field holding the text")
     parser.add_argument("--max-length", type=int, default=None,
@@ -452,27 +513,47 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--num-workers must be >= 1, got {args.num_workers}")
     if not args.lock_timeout >= 0:
         parser.error(f"--lock-timeout must be >= 0 seconds, got {args.lock_timeout}")
+    if args.bucket is not None and (args.bucket in ("", ".", "..") or "/" in args.bucket or os.sep in args.bucket):
+        parser.error(f"--bucket must be a directory name (no '/'), got {args.bucket!r}")
+    # "~" works in every path, also where no shell expanded it (--output=~/x, a subprocess's argument list)
+    args.input = [os.path.expanduser(p) for p in args.input]
+    args.val_input = None if args.val_input is None else [os.path.expanduser(p) for p in args.val_input]
+    args.output = os.path.expanduser(args.output)
+    args.tokenizer_dir = None if args.tokenizer_dir is None else os.path.expanduser(args.tokenizer_dir)
     _, env_rank, _, env_world_size = get_dist_info()
     rank = env_rank if args.rank is None else args.rank
     world_size = env_world_size if args.world_size is None else args.world_size
     if world_size < 1 or not 0 <= rank < world_size:
         parser.error(f"need 0 <= --rank < --world-size, got rank {rank}, world size {world_size}")
     tokenizer_dir = args.tokenizer_dir or get_tokenizer_dir()
-    print(f"input={args.input} val_input={args.val_input} output={args.output} tokenizer_dir={tokenizer_dir} "
-          f"text_field={args.text_field} max_length={args.max_length} overlap_size={args.overlap_size} "
-          f"num_workers={args.num_workers} rank={rank} world_size={world_size}")
+    print(f"input={args.input} val_input={args.val_input} output={args.output} bucket={args.bucket} "
+          f"tokenizer_dir={tokenizer_dir} text_field={args.text_field} max_length={args.max_length} "
+          f"overlap_size={args.overlap_size} num_workers={args.num_workers} rank={rank} world_size={world_size}")
 
     tokenizer = RustBPETokenizer.from_directory(tokenizer_dir)
     settings = _settings(tokenizer, tokenizer_dir, args.max_length, args.overlap_size)
-    all_jobs = plan_jobs(args.input, args.output, args.val_input)
+    all_jobs = plan_jobs(args.input, args.output, args.val_input, args.bucket)
     mine = all_jobs[rank::world_size]
+    # never into a directory of another kind of data (parquet shards, a split's or bucket's own pairs,
+    # buckets for a plain run, a plain output for a bucket)
+    mismatch = describe_mismatch(args.output, "output" if args.bucket is None else "bucket output")
+    if mismatch:
+        raise ValueError(mismatch)
+    # A plain output keeps its settings and locks at its top. A bucket keeps them in its own directories
+    # (the lock in train/<bucket>/, the settings in each split's), so that buckets made by separate runs,
+    # windowed differently, share one output, and the mixture loader finds each bucket's vocabulary.
+    home = args.output if args.bucket is None else os.path.join(args.output, "train", args.bucket)
+    settings_dirs = [args.output] if args.bucket is None else sorted({os.path.dirname(p) for _, p in all_jobs})
+    if args.bucket is not None:
+        _check_other_buckets(args.output, args.bucket, settings)
     # a second run of this rank would write the same pairs: refused (the lock is taken after every check,
     # so a mistyped command never waits for it). Other runs on this output (a plain run beside ranks) may
     # still share a pair: _pair_lock keeps its writers apart
-    with _output_lock(args.output, rank, world_size, args.lock_timeout):
+    with _output_lock(home, rank, world_size, args.lock_timeout):
         todo = [job for job in mine if not os.path.exists(job[1] + ".idx")]
         skipped = len(mine) - len(todo)
-        _check_or_write_settings(args.output, settings)
+        _check_or_write_settings(settings_dirs, settings, "a new --output directory" if args.bucket is None
+                                 else "another --bucket name (or a new --output directory)")
         print(f"{len(all_jobs)} inputs, {len(mine)} for rank {rank}/{world_size}; {skipped} already done "
               f"(their .idx exists), skipped; {len(todo)} to write; dtype {settings['dtype']}")
 
@@ -498,7 +579,8 @@ def main(argv: list[str] | None = None) -> int:
                 bar.set_postfix(tokens=f"{totals['tokens']:,}")
 
         seconds = time.time() - t0
-        print(f"wrote {written}/{len(todo)} shards to {args.output} in {seconds:.1f}s: "
+        where = args.output if args.bucket is None else f"{args.output} (bucket {args.bucket})"
+        print(f"wrote {written}/{len(todo)} shards to {where} in {seconds:.1f}s: "
               f"{totals['documents']:,} documents -> {totals['entries']:,} entries, {totals['tokens']:,} tokens; "
               f"{totals['windowed']:,} documents cut into windows; {skipped} skipped (already done)")
         if failed:

@@ -14,7 +14,7 @@ later). ShardReader: pretokenized .bin/.idx shards, whose units are chunks of ch
 whose documents are (tokens, overlap) views into the memory map, each chunk's ids checked against
 the vocabulary as it is read.
 
-May import: nanochat.dataset, nanochat.token_shards, nanochat.options.
+May import: nanochat.dataset, nanochat.token_shards, nanochat.options, nanochat.layout.
 """
 
 import bisect
@@ -25,6 +25,7 @@ from collections import OrderedDict
 import numpy as np
 
 from nanochat.dataset import open_parquet, read_row_group_column
+from nanochat.layout import describe_mismatch
 from nanochat.options import check_positive
 from nanochat.token_shards import META_FILENAME, TokenShard, entry_count, list_token_shards, recorded_vocab_size
 
@@ -235,13 +236,17 @@ class ShardReader:
 
 
 def shard_paths(data_dir: str, split: str) -> list[str]:
-    """The .bin paths of the complete pairs in data_dir/split, sorted; FileNotFoundError when there are none."""
+    """The .bin paths of the complete pairs in data_dir/split, sorted. When there are none: ValueError if
+    data_dir holds another kind of data (parquet shards, buckets, ...), else FileNotFoundError."""
     split_dir = os.path.join(data_dir, split)
+    paths = [prefix + ".bin" for prefix in list_token_shards(split_dir)] if os.path.isdir(split_dir) else []
+    if paths:
+        return paths
+    mismatch = describe_mismatch(data_dir, "pretokenized")
+    if mismatch:
+        raise ValueError(mismatch)
+    command = f"python -m nanochat.pretokenize --input <parquet dir, or jsonl files> --output {data_dir}"
     if not os.path.isdir(split_dir):
-        raise FileNotFoundError(f"{split_dir} does not exist; pretokenize shards first: "
-                                f"python -m nanochat.pretokenize --input <parquet dir> --output {data_dir}")
-    paths = [prefix + ".bin" for prefix in list_token_shards(split_dir)]
-    if not paths:
-        raise FileNotFoundError(f"no .bin/.idx pairs in {split_dir}; pretokenize shards first: "
-                                f"python -m nanochat.pretokenize --input <parquet dir> --output {data_dir}")
-    return paths
+        raise FileNotFoundError(f"{split_dir} does not exist; pretokenize shards first: {command}")
+    raise FileNotFoundError(f"no .bin/.idx pairs in {split_dir}; pretokenize shards first: {command}"
+                            + (" (jsonl files for val/ go to --val-input)" if split == "val" else ""))

@@ -13,6 +13,8 @@ nanochat/state_checks.py.
 May import: nanochat.elastic, nanochat.mixture_state.
 """
 
+import os
+
 from nanochat.elastic import merge_stream_states
 from nanochat.mixture_state import merge_mixture_states
 
@@ -31,6 +33,7 @@ def merge_states(states: list[dict], world_size: int, *, data_dir: str | None = 
         raise ValueError(f"world_size must be an integer >= 1, got {world_size!r}")
     if not isinstance(states, (list, tuple)) or not states:
         raise ValueError("merge_states needs the list of every rank's state")
+    data_dir = None if data_dir is None else os.path.expanduser(os.fspath(data_dir))
     # a mixture's states (one of them is enough to tell: a damaged one is then refused by the mixture's checks)
     if any(isinstance(s, dict) and (s.get("loader") == "mixture" or "buckets" in s) for s in states):
         if data_dir is None:
