@@ -12,12 +12,10 @@ piece of a split document is dealt as that piece alone, and so is the unconsumed
 the concatenating loader had started (from its first token not yet consumed: the last target of the
 last batch, if it fell there), so that loader skips no token across an elastic restart either.
 
-May import: numpy, nanochat.state, nanochat.state_checks, nanochat.readers, nanochat.dataset, nanochat.token_shards.
+May import: nanochat.state, nanochat.state_checks, nanochat.readers, nanochat.dataset, nanochat.token_shards.
 """
 
 import os
-
-import numpy as np
 
 from nanochat.dataset import split_parquet_files
 from nanochat.readers import RowGroupIndex
@@ -86,7 +84,7 @@ def merge_stream_states(states: list, world_size: int, data_dir: str | None, epo
     docs: list[Key] = []
     whole: dict[int, set[int]] = {}
     for s in states:
-        buffered = decode_keys(s["buffer"])
+        buffered = _places(decode_keys(s["buffer"]), index, shuffle, s["config"]["rank"], n_old)
         starts = decode_pieces(s.get("pieces", []), len(buffered))
         buffered = [key if start is None else (*key, start) for key, start in zip(buffered, starts)]
         if s["loader"] == "concat" and s["offset"] > 0:  # partly consumed: deal the rest
@@ -161,12 +159,22 @@ def _window_rest(index: RowGroupIndex, shuffle, epoch: int, rank: int, world_siz
     """The documents of a shuffled rank's begun window that it has not read yet, in its order."""
     if row == 0:
         return []
-    units = shuffle.units(epoch, index.total, rank, world_size)[window * shuffle.window:(window + 1) * shuffle.window]
-    places = [index.locate(int(g)) for g in units]
-    bounds = np.cumsum([0] + [index.rows(*place) for place in places])
-    order = shuffle.entries(epoch, rank, world_size, window, int(bounds[-1]))[row:]
-    which = np.searchsorted(bounds, order, side="right") - 1
-    return [(epoch, *places[u], int(i - bounds[u])) for u, i in zip(which, order)]
+    table = shuffle.window_table(index, epoch, rank, world_size, window)
+    return [(epoch, *shuffle.entry(table, i)) for i in range(row, int(table[1][-1]))]
+
+
+def _places(keys: list, index: RowGroupIndex, shuffle, rank: int, world_size: int) -> list[Key]:
+    """Where buffered documents are: a shuffled stream keys those of its windows by position, (epoch, window, i)."""
+    tables: dict = {}
+    places = []
+    for key in keys:
+        if len(key) == 3:
+            epoch, window, i = key
+            if (epoch, window) not in tables:
+                tables[epoch, window] = shuffle.window_table(index, epoch, rank, world_size, window)
+            key = (epoch, *shuffle.entry(tables[epoch, window], i))
+        places.append(key)
+    return places
 
 
 def _coalesce(units: list[Unit]) -> list[Unit]:

@@ -258,8 +258,9 @@ class _Mixture:
                 row_buckets.append(name)
                 masked += [(i, start, end) for _, start, end in bucket.packer.masked]
                 if bucket.trace:
-                    trace += [[(name, *key) if start is None else (name, *key, start) for key, start in row]
-                              for row in bucket.packer.trace]
+                    place = bucket.stream.place
+                    trace += [[(name, *place(key)) if start is None else (name, *place(key), start)
+                               for key, start in row] for row in bucket.packer.trace]
             self.tokens_done += B * T * self.world_size
             self.phase_tokens_done += B * T * self.world_size
             self.batches += 1

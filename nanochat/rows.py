@@ -23,13 +23,15 @@ class Source:
 
     def __init__(self, token_batches, stream: Stream, position: Position):
         self.token_batches = token_batches
+        self.stream = stream
         self.after = stream.first_position
         self.position = position  # the seeds' keys of the last batch pulled
         self.where = stream.where
 
     def __call__(self):
         docs, keys, self.after, overlaps = next(self.token_batches)
-        self.position = (keys[-1][1], keys[-1][2], keys[-1][0])
+        epoch, pq_idx, rg_idx, _ = self.stream.place(keys[-1])
+        self.position = (pq_idx, rg_idx, epoch)
         if self.after[0] == "plan":  # an elastic plan may deal single pieces of split documents
             for doc, key in zip(docs, keys):
                 if len(key) == 5 and key[4] >= len(doc):
@@ -144,8 +146,10 @@ def bestfit_batches(token_batches, tracker: Tracker, position: Position, B: int,
         packer.trace = [] if trace else None
         packer.fill(rows, source, buffer_size)
         extras = {"trace": None, "masked": packer.masked}
-        if trace:  # a document's key, or (*key, start) for a piece of a split document
-            extras["trace"] = [[key if start is None else (*key, start) for key, start in row] for row in packer.trace]
+        if trace:  # where a document is, or (*where, start) for a piece of a split document
+            place = tracker.stream.place
+            extras["trace"] = [[place(key) if start is None else (*place(key), start) for key, start in row]
+                               for row in packer.trace]
         if max_docs_per_row is not None:
             extras["info"] = attention_info(packer.starts, T, max_docs_per_row)
         yield rows, tracker.state(packer, source, rows), packer.stats(), extras

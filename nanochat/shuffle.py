@@ -4,8 +4,9 @@ Seeded shuffling without stored lists: keyed permutations of [0, n) computed fro
 A loader with shuffle=True walks, in each epoch, the split's units (parquet row groups, or chunks of
 pretokenized shards) in a permuted order dealt round-robin to the ranks, and reads the entries of each
 `window` consecutive units of its share in a permuted order too. Both permutations are functions of
-(seed, epoch, ...) evaluated on the spot, so a resume state stores a position (epoch, window, row), never a
-list, and every rank computes any other rank's order (the elastic merge needs that).
+(seed, epoch, ...) evaluated on the spot, so a resume state stores positions (epoch, window, i: the i-th
+entry of that window's order), never a list, and every rank computes any other rank's order (the elastic
+merge needs that).
 
 The permutation is a 4-round Feistel network over the smallest even number of bits that covers n, with
 cycle-walking (an output >= n is permuted again until it falls in [0, n)): a bijection of [0, n) for any n,
@@ -80,6 +81,22 @@ class Shuffle:
     def entries(self, epoch: int, rank: int, world_size: int, window: int, n: int) -> np.ndarray:
         """The order of the n entries of one window (the window-th of rank's share in this epoch)."""
         return permutation(n, round_keys(self.seed, self.name, "entries", epoch, world_size, rank, window))
+
+    def window_table(self, index, epoch: int, rank: int, world_size: int, window: int):
+        """One window of rank's share of an epoch: (places [(pq_idx, rg_idx)] of its units, bounds (where each
+        unit's entries start in the window, and the total at the end), order (the window's permutation)).
+        index: the split's units (nanochat.readers.RowGroupIndex: total, locate, rows)."""
+        units = self.units(epoch, index.total, rank, world_size)[window * self.window:(window + 1) * self.window]
+        places = [index.locate(int(g)) for g in units]
+        bounds = np.cumsum([0] + [index.rows(*place) for place in places])
+        return places, bounds, self.entries(epoch, rank, world_size, window, int(bounds[-1]))
+
+    @staticmethod
+    def entry(table, i: int) -> tuple[int, int, int]:
+        """(pq_idx, rg_idx, row) of the i-th entry of a window's order; table: what window_table() returns."""
+        places, bounds, order = table
+        u = int(np.searchsorted(bounds, order[i], side="right")) - 1
+        return (*places[u], int(order[i] - bounds[u]))
 
     def plan_order(self, epoch: int, units: np.ndarray, total: int) -> np.ndarray:
         """A sort key for whole units dealt by an elastic merge: their order never depends on which others

@@ -15,7 +15,8 @@ stays a few KB at buffer_size=1000 (the buffered documents are re-read and re-to
       "next": [epoch, pq_idx, rg_idx, row],    # where the regular stream continues (shuffled:
                                  # [epoch, window, row], the row-th entry of that window's order)
       "buffer": [[epoch, pq_idx, rg_idx, rows], ...],  # buffered documents, arrival order
-                                 # rows: [3, -2, 9] = rows 3, 4, 5 and 9 (-k: the k rows after)
+                                 # rows: [3, -2, 9] = rows 3, 4, 5 and 9 (-k: the k rows after);
+                                 # shuffled, by position: [epoch, window, rows] (rows of its order)
       "pieces": [[i, start], ...],  # buffer entries i that are one piece of their document, from
                                  # token `start` (long_doc_policy "split"/"split_reuse"; concat: the
                                  # rest of a document an elastic merge dealt; else empty)
@@ -91,15 +92,20 @@ def decode_rows(runs) -> list[int]:
 
 def encode_keys(keys) -> list[list]:
     """Document keys in order -> [[epoch, pq_idx, rg_idx, rows], ...]: consecutive keys of one unit
-    grouped, their rows as encode_rows writes them (~0.15 ms per batch for a 1,000-document buffer)."""
-    return [[*unit, encode_rows(map(_ROW, group))] for unit, group in itertools.groupby(keys, key=_UNIT)]
+    grouped, their rows as encode_rows writes them (~0.15 ms per batch for a 1,000-document buffer).
+    A shuffled stream's documents are keyed by position, (epoch, window, i): they group as [epoch, window, rows]."""
+    return [[*head, encode_rows(map(_last, group))] for head, group in itertools.groupby(keys, key=_head)]
 
 
-_UNIT, _ROW = itemgetter(0, 1, 2), itemgetter(3)
+def _head(key: tuple) -> tuple:
+    return key[:-1]
+
+
+_last = itemgetter(-1)
 
 
 def decode_keys(groups) -> list[Key]:
-    return [(epoch, pq_idx, rg_idx, row) for epoch, pq_idx, rg_idx, runs in groups for row in decode_rows(runs)]
+    return [(*group[:-1], row) for group in groups for row in decode_rows(group[-1])]
 
 
 def decode_pieces(pieces, n: int) -> list:

@@ -203,13 +203,15 @@ def check_fields(state: dict, where: str = "resume_state_dict", loader_config: d
                          f", got {reprlib.repr(cursor)}")
 
     # the buffer: [[epoch, pq_idx, rg_idx, rows], ...], its pieces, and (concat) the consumed start of its first
-    buffered = 0
+    # (a shuffled stream names the documents of its windows by position: [epoch, window, rows])
+    buffered, heads = 0, (2, 3) if "shuffle" in config else (3,)
     for i, group in enumerate(check_list(state["buffer"], f"{where}['buffer']")):
-        if not (isinstance(group, list) and len(group) == 4 and all(is_int(v) and v >= 0 for v in group[:3])
-                and group[0] >= 1):
-            raise ValueError(f"{where}['buffer'][{i}] must be [epoch >= 1, pq_idx, rg_idx, rows], got "
-                             f"{reprlib.repr(group)}")
-        buffered += _runs(group[3], f"{where}['buffer'][{i}]")[0]
+        head = len(group) - 1 if isinstance(group, list) else 0
+        if not (head in heads and all(is_int(v) and v >= 0 for v in group[:head]) and group[0] >= 1):
+            raise ValueError(f"{where}['buffer'][{i}] must be [epoch >= 1, pq_idx, rg_idx, rows]" +
+                             (" or [epoch >= 1, window, rows]" if len(heads) == 2 else "") +
+                             f", got {reprlib.repr(group)}")
+        buffered += _runs(group[-1], f"{where}['buffer'][{i}]")[0]
     pieces = _pieces(state.get("pieces", []), buffered, f"{where}['pieces']")
     limit = buffer_limit(config, loader)
     if loader_config is not None and loader_config["loader"] == loader:
@@ -263,17 +265,22 @@ def check_data(state: dict, index, where: str = "resume_state_dict") -> None:
                          f"({files} files)")
     rank, world_size = state["config"]["rank"], state["config"]["world_size"]
     shuffle = config_shuffle(state["config"])
+
+    def window_rows(epoch: int, window: int) -> int | None:
+        """Entries in a window of this rank's shuffled share of an epoch (None: no such window; -1: just past the
+        last one)."""
+        windows = -(-len(shuffle.units(epoch, index.total, rank, world_size)) // shuffle.window)
+        if window >= windows:
+            return -1 if window == windows else None
+        return int(shuffle.window_table(index, epoch, rank, world_size, window)[1][-1])
+
     if shuffle:
         epoch, window, row = state["next"]
         # a window of this rank's share of the epoch, or just past the last one; at a row of it only if it exists
-        units = shuffle.units(epoch, index.total, rank, world_size)
-        windows = -(-len(units) // shuffle.window)
-        rows = 0 if window >= windows else sum(index.rows(*index.locate(int(g))) for g in
-                                               units[window * shuffle.window:(window + 1) * shuffle.window])
-        if window > windows or (row > 0 and row >= rows):
+        rows = window_rows(epoch, window)
+        if rows is None or (row > 0 and row >= rows):
             raise ValueError(f"{where}['next'] = {state['next']} is not a place where rank {rank} of {world_size} "
-                             f"reads ({windows} windows in its share of the epoch): the state does not match the "
-                             "data")
+                             "reads: the state does not match the data")
     else:
         _, pq_idx, rg_idx, row = state["next"]
         # the regular stream continues at one of this rank's units (rank, rank + world_size, ...), or just past a
@@ -282,8 +289,15 @@ def check_data(state: dict, index, where: str = "resume_state_dict") -> None:
                 and (row == 0 or (rg_idx < index.count(pq_idx) and row < index.rows(pq_idx, rg_idx)))):
             raise ValueError(f"{where}['next'] = {state['next']} is not a place where rank {rank} of {world_size} "
                              f"reads (the data has {files} files): the state does not match the data")
-    for i, (_, pq_idx, rg_idx, runs) in enumerate(state["buffer"]):
-        rows_in(pq_idx, rg_idx, runs, f"{where}['buffer'][{i}]")
+    for i, group in enumerate(state["buffer"]):
+        if len(group) == 4:
+            rows_in(group[1], group[2], group[3], f"{where}['buffer'][{i}]")
+            continue
+        epoch, window, runs = group
+        rows, largest = window_rows(epoch, window), _runs(runs, f"{where}['buffer'][{i}]")[1]
+        if rows is None or largest >= rows:
+            raise ValueError(f"{where}['buffer'][{i}] refers to entry {largest} of window {window} of epoch {epoch}, "
+                             f"which rank {rank} of {world_size} does not read: the state does not match the data")
     for i, item in enumerate(state["plan"]):
         at = f"{where}['plan'][{i}]"
         if "row_groups" in item:

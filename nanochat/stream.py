@@ -13,7 +13,8 @@ after the saved unit, as nanochat's loader resumes.
 
 With shuffle (nanochat/shuffle.py), an epoch deals the units in a permuted order instead, positions rank,
 rank + W, ... of the permutation, and the rank reads the entries of each `window` consecutive units of its
-share in a permuted order; its cursor is then (epoch, window, row): the row-th entry of that order. A plan
+share in a permuted order; its cursor is then (epoch, window, row): the row-th entry of that order, and
+its documents are keyed by position, (epoch, window, i), which place() turns into where they are. A plan
 (after an elastic merge) is read in a shuffled order too: its single documents as dealt, then its whole
 units in a keyed order, each unit's entries permuted.
 
@@ -23,6 +24,7 @@ May import: numpy, nanochat.state, nanochat.state_checks, nanochat.shuffle.
 """
 
 import logging
+import threading
 from collections import OrderedDict
 
 import numpy as np
@@ -59,6 +61,10 @@ class Stream:
         self.start = start
         self.first_position = ("plan", 0, 0, None) if self.plan else ("regular", *self.start)
         self._units: OrderedDict = OrderedDict()  # the last units read for a plan or a buffer, by (pq_idx, rg_idx)
+        # shuffled: the last windows' (places, bounds, order), by (epoch, window); the reading thread and the
+        # packing thread (which names documents by place: place()) both use them
+        self._windows: OrderedDict = OrderedDict()
+        self._windows_lock = threading.Lock()
 
     def _unit(self, pq_idx: int, rg_idx: int, where: str):
         if not (0 <= pq_idx < len(self.paths) and 0 <= rg_idx < self.index.count(pq_idx)):
@@ -78,11 +84,32 @@ class Stream:
             raise ValueError(f"{where} refers to row {max(rows)} of {self.paths[pq_idx]} {self.reader.unit_name} "
                              f"{rg_idx}, which has {n} rows: the state does not match the data")
 
+    def _window(self, epoch: int, window: int):
+        """(places, bounds, order) of one window of this rank's shuffled share (Shuffle.window_table), kept for a while."""
+        with self._windows_lock:
+            table = self._windows.get((epoch, window))
+        if table is None:
+            table = self.shuffle.window_table(self.index, epoch, self.rank, self.world_size, window)
+            with self._windows_lock:
+                self._windows[epoch, window] = table
+                if len(self._windows) > 4:
+                    self._windows.popitem(last=False)
+        return table
+
+    def place(self, key) -> Key:
+        """Where a document is, (epoch, pq_idx, rg_idx, row), from its key: a shuffled stream keys the documents
+        of its windows by position, (epoch, window, i), the i-th of the window's order; others are places."""
+        if len(key) != 3:
+            return tuple(key[:4])
+        epoch, window, i = key
+        return (epoch, *Shuffle.entry(self._window(epoch, window), i))
+
     def read_documents(self, keys: list[Key], where: str) -> list:
         """The items of the given documents (for rebuilding a buffer), in order, reading each unit once."""
         rows: dict = {}  # (pq_idx, rg_idx) -> [(position in keys, row)]
         for i, key in enumerate(keys):
-            rows.setdefault((key[1], key[2]), []).append((i, key[3]))
+            _, pq_idx, rg_idx, row = self.place(key)
+            rows.setdefault((pq_idx, rg_idx), []).append((i, row))
         items = [None] * len(keys)
         for (pq_idx, rg_idx), wanted in rows.items():
             unit = self._unit(pq_idx, rg_idx, where)
@@ -95,8 +122,8 @@ class Stream:
 
     def batches(self):
         """Yield (texts, keys, after): the keys (epoch, pq_idx, rg_idx, row) of the texts (a plan's
-        pieces: (epoch, pq_idx, rg_idx, row, start)), and where the stream continues after them,
-        ("plan", unit, offset, n) or ("regular", *cursor)."""
+        pieces: (epoch, pq_idx, rg_idx, row, start); shuffled windows: (epoch, window, i)), and where the
+        stream continues after them, ("plan", unit, offset, n) or ("regular", *cursor)."""
         tbs = self.tokenizer_batch_size
         for u, (epoch, pq_idx, rg_idx, rows, starts) in enumerate(self.plan):
             unit = self._unit(pq_idx, rg_idx, f"{self.where}['plan']")
@@ -157,22 +184,20 @@ class Stream:
             units = self.shuffle.units(epoch, self.index.total, self.rank, self.world_size)
             docs_this_pass, full_pass = 0, (window, row) == (0, 0)
             for w in range(window, -(-len(units) // size)):
-                places = [self.index.locate(int(g)) for g in units[w * size:(w + 1) * size]]
+                places, bounds, order = self._window(epoch, w)
                 read = [self.reader.read(pq_idx, rg_idx) for pq_idx, rg_idx in places]
-                bounds = np.cumsum([0] + [self.reader.size(unit) for unit in read])
                 n = int(bounds[-1])
                 if row > n:
                     raise ValueError(f"{self.where}['next'] points at entry {row} of window {w} of epoch {epoch}, "
                                      f"which has {n}: the state does not match the data")
                 docs_this_pass += n
-                order = self.shuffle.entries(epoch, self.rank, self.world_size, w, n)
                 for i in range(row, n, tbs):
                     j = min(i + tbs, n)
                     which = np.searchsorted(bounds, order[i:j], side="right") - 1
                     rows = order[i:j] - bounds[which]
-                    keys = [(epoch, *places[u], int(r)) for u, r in zip(which, rows)]
                     after = (epoch, w, j) if j < n else (epoch, w + 1, 0)
-                    yield self._pick_scattered(read, which, rows), keys, ("regular", *after)
+                    yield (self._pick_scattered(read, which, rows), [(epoch, w, k) for k in range(i, j)],
+                           ("regular", *after))
                 row = 0
             if full_pass and docs_this_pass == 0 and self.epochs is None:
                 raise self._no_documents()
