@@ -118,8 +118,9 @@ from nanochat.dataset import open_parquet, read_jsonl_texts, read_row_group_text
 from nanochat.packing import next_cut
 from nanochat.tokenizer import TOKENIZER_FILENAME, RustBPETokenizer, get_tokenizer_dir
 # TokenShard, list_token_shards, recorded_vocab_size and write_token_shard: importable from here too, as before
-from nanochat.token_shards import (MAGIC, MAX_OVERLAP, META_FILENAME, VERSION, TokenShard,  # noqa: F401
-                                   list_token_shards, recorded_vocab_size, write_token_pairs, write_token_shard)
+from nanochat.token_shards import (CONVENTIONS, MAGIC, MAX_OVERLAP, META_FILENAME, VERSION,  # noqa: F401
+                                   TokenShard, list_token_shards, recorded_vocab_size, write_token_pairs,
+                                   write_token_shard)
 
 logger = logging.getLogger(__name__)
 
@@ -164,6 +165,21 @@ def window_document(tokens: np.ndarray, max_length: int, overlap: int) -> list[t
         windows.append((tokens[:end], 0) if start == 0 else
                        (np.concatenate((tokens[:1], tokens[start - overlap:end])), overlap))
         start = end
+    return windows
+
+
+def window_gpt_simple(tokens: np.ndarray, max_length: int, overlap: int) -> list[tuple[np.ndarray, int]]:
+    """GPT-Simple's convention: cut one document, its tokens followed by EOD and no BOS, into entries of
+    at most max_length tokens: [(entry_tokens, overlap_prefix), ...], all views into tokens. Window k
+    starts at k * (max_length - overlap); every window after the first repeats the overlap tokens before
+    its new ones, and its overlap prefix counts them (from the entry's start: there is no BOS). Only the
+    last window holds the EOD, and each window brings at least one new token."""
+    check_window_args(max_length, overlap)
+    if tokens.ndim != 1 or len(tokens) == 0:
+        raise ValueError(f"a document is a 1-D array that ends with EOD, got shape {tokens.shape}")
+    windows = [(tokens[:max_length], 0)]
+    for start in range(max_length, len(tokens), max_length - overlap):  # start: the window's first new token
+        windows.append((tokens[start - overlap:start - overlap + max_length], overlap))
     return windows
 
 
@@ -238,17 +254,27 @@ def _read_text_batches(path: str, text_field: str):
 
 
 def pretokenize_file(tokenizer, path: str, prefix: str, *, max_length: int | None = None,
-                     overlap: int = 0, text_field: str = "text", num_threads: int = 4) -> dict:
+                     overlap: int = 0, text_field: str = "text", num_threads: int = 4,
+                     convention: str = "nanochat") -> dict:
     """Tokenize one input shard into the pair at prefix; returns counts {documents, entries, tokens,
-    windowed} (windowed: documents longer than max_length, cut into windows)."""
+    windowed} (windowed: documents longer than max_length, cut into windows). convention "nanochat":
+    an entry is [BOS] + the document; "gpt-simple": the document + EOD, where EOD is the tokenizer's
+    BOS id (nanochat has no end-of-text token: <|bos|> is its document delimiter)."""
+    if convention not in CONVENTIONS:
+        raise ValueError(f"convention must be one of {list(CONVENTIONS)}, got {convention!r}")
     dtype = np.uint16 if tokenizer.get_vocab_size() <= 2**16 else np.uint32
     bos = tokenizer.get_bos_token_id()
+    gpt_simple = convention == "gpt-simple"
+    eod = np.array([bos], dtype=dtype)
+    window = window_gpt_simple if gpt_simple else window_document
     stats = {"documents": 0, "entries": 0, "tokens": 0, "windowed": 0}
 
     def pairs():
         for texts in _read_text_batches(path, text_field):
-            for doc in tokenizer.encode_to_arrays(texts, prepend=bos, num_threads=num_threads):
-                windows = [(doc, 0)] if max_length is None else window_document(doc, max_length, overlap)
+            for doc in tokenizer.encode_to_arrays(texts, prepend=None if gpt_simple else bos, num_threads=num_threads):
+                if gpt_simple:
+                    doc = np.concatenate((doc, eod))
+                windows = [(doc, 0)] if max_length is None else window(doc, max_length, overlap)
                 stats["documents"] += 1
                 stats["windowed"] += int(len(windows) > 1)
                 for entry, overlap_prefix in windows:
@@ -310,7 +336,8 @@ def _try_job(tokenizer, options: dict, job: tuple[str, str]) -> tuple[str, dict 
         return path, None, f"{type(e).__name__}: {e}"
 
 
-def _settings(tokenizer, tokenizer_dir: str, max_length: int | None, overlap: int) -> dict:
+def _settings(tokenizer, tokenizer_dir: str, max_length: int | None, overlap: int,
+              convention: str = "nanochat") -> dict:
     with open(os.path.join(tokenizer_dir, TOKENIZER_FILENAME), "rb") as f:
         tokenizer_sha256 = hashlib.sha256(f.read()).hexdigest()
     return {
@@ -319,6 +346,9 @@ def _settings(tokenizer, tokenizer_dir: str, max_length: int | None, overlap: in
         "vocab_size": tokenizer.get_vocab_size(), "bos_token_id": tokenizer.get_bos_token_id(),
         "tokenizer_sha256": tokenizer_sha256,
         "max_length": max_length, "overlap_size": overlap if max_length is not None else 0,
+        # the loaders take the BOS to prepend from here: the BOS, or for gpt-simple the EOD (the same id)
+        "convention": convention,
+        "eod_token_id": tokenizer.get_bos_token_id() if convention == "gpt-simple" else None,
     }
 
 
@@ -328,6 +358,7 @@ def _check_or_write_settings(output: str, settings: dict) -> None:
     if os.path.exists(path):
         with open(path, encoding="utf-8") as f:
             old = json.load(f)
+        old = {"convention": "nanochat", **old}  # written before there was a choice
         changed = {k: (old.get(k), v) for k, v in settings.items() if old.get(k) != v}
         if changed:
             what = ", ".join(f"{k} {a!r} -> {b!r}" for k, (a, b) in changed.items())
@@ -432,6 +463,9 @@ def main(argv: list[str] | None = None) -> int:
                              "(default: no windowing)")
     parser.add_argument("--overlap-size", type=int, default=0,
                         help="document tokens each window repeats from the previous one (<= max_length // 2)")
+    parser.add_argument("--convention", choices=CONVENTIONS, default="nanochat",
+                        help="nanochat: an entry is BOS + the document (default); gpt-simple: the document + EOD, "
+                             "no BOS, as GPT-Simple's loader expects (EOD = the tokenizer's <|bos|> id)")
     parser.add_argument("--num-workers", type=int, default=min(8, os.cpu_count() or 1),
                         help="processes tokenizing input shards in parallel (1: this process)")
     parser.add_argument("--rank", type=int, default=None, help="this process's share: inputs rank, "
@@ -460,10 +494,10 @@ def main(argv: list[str] | None = None) -> int:
     tokenizer_dir = args.tokenizer_dir or get_tokenizer_dir()
     print(f"input={args.input} val_input={args.val_input} output={args.output} tokenizer_dir={tokenizer_dir} "
           f"text_field={args.text_field} max_length={args.max_length} overlap_size={args.overlap_size} "
-          f"num_workers={args.num_workers} rank={rank} world_size={world_size}")
+          f"num_workers={args.num_workers} rank={rank} world_size={world_size} convention={args.convention}")
 
     tokenizer = RustBPETokenizer.from_directory(tokenizer_dir)
-    settings = _settings(tokenizer, tokenizer_dir, args.max_length, args.overlap_size)
+    settings = _settings(tokenizer, tokenizer_dir, args.max_length, args.overlap_size, args.convention)
     all_jobs = plan_jobs(args.input, args.output, args.val_input)
     mine = all_jobs[rank::world_size]
     # a second run of this rank would write the same pairs: refused (the lock is taken after every check,
@@ -479,7 +513,8 @@ def main(argv: list[str] | None = None) -> int:
         num_workers = min(args.num_workers, len(todo))
         # spread the CPU between processes; each process's tokenizer encodes a batch on this many threads
         options = {"max_length": args.max_length, "overlap": args.overlap_size, "text_field": args.text_field,
-                   "num_threads": max(1, (os.cpu_count() or 1) // max(1, num_workers))}
+                   "num_threads": max(1, (os.cpu_count() or 1) // max(1, num_workers)),
+                   "convention": args.convention}
         totals = {"documents": 0, "entries": 0, "tokens": 0, "windowed": 0}
         failed, written = [], 0
         t0 = time.time()

@@ -287,17 +287,19 @@ def test_flipped_bin_bytes_name_the_shard_and_entry(corpus, tmp_path):
 
 
 def test_ids_are_checked_up_to_the_last_id_of_the_vocabulary(tmp_path):
-    """vocab_size given as an argument (no pretokenize.json): id vocab_size - 1 passes, vocab_size fails."""
+    """vocab_size (and bos_token) given as arguments (no pretokenize.json): id vocab_size - 1 passes,
+    vocab_size fails."""
     for split in ("train", "val"):
         (tmp_path / split).mkdir()
     entries = [np.array([7, 99, 1, 2]), np.array([7, 4, 5]), np.array([7, 6])] * 3
     write_token_shard(str(tmp_path / "train" / "shard_00000"), entries, [0] * 9, np.uint16)
-    loader = PRETOKENIZED(1, 5, "train", device="cpu", buffer_size=2, data_dir=str(tmp_path), vocab_size=100)
+    kw = dict(device="cpu", buffer_size=2, data_dir=str(tmp_path), vocab_size=100, bos_token=7)
+    loader = PRETOKENIZED(1, 5, "train", **kw)
     x, y, _ = next(loader)
     assert rows_of(x, y)[0].tolist() == [7, 99, 1, 2, 7, 6]  # best fit: the longest first
     entries[4] = np.array([7, 100, 5])
     write_token_shard(str(tmp_path / "train" / "shard_00000"), entries, [0] * 9, np.uint16)
-    loader = PRETOKENIZED(1, 5, "train", device="cpu", buffer_size=2, data_dir=str(tmp_path), vocab_size=100)
+    loader = PRETOKENIZED(1, 5, "train", **kw)
     with pytest.raises(ValueError) as info:
         next(loader)
     assert str(info.value).startswith(f"{tmp_path / 'train' / 'shard_00000.bin'}: entry 4 holds token id 100 "
