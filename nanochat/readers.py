@@ -243,10 +243,9 @@ def check_starts(shard, start: int, stop: int, bos_token: int, record: str) -> N
     entry = next(i for i in range(start, stop) if shard.offsets[i + 1] == shard.offsets[i]
                  or shard.tokens[shard.offsets[i]] != bos_token)
     raise ValueError(f"{shard.bin_path}: entry {entry} does not start with the BOS {bos_token} that {record} "
-                     "records (nanochat's convention: every entry starts with it), so these shards were not all "
-                     "written under that file. If they are GPT-Simple's shards (no BOS), pass bos_token=, their "
-                     "EOD id; else the shard is damaged: delete the pair and rerun python -m nanochat.pretokenize. "
-                     f"{first_ids(shard, entry)}")
+                     "records (nanochat's convention: every entry starts with it); the shard is damaged or was "
+                     "written with other settings: delete the pair and rerun python -m nanochat.pretokenize (for "
+                     f"GPT-Simple's shards, which have no BOS, pass bos_token=, their EOD id). {first_ids(shard, entry)}")
 
 
 class ShardReader:

@@ -241,6 +241,31 @@ def test_token_ids_are_checked_against_the_vocabulary(tmp_path):
         MIX(4, 99, "train", TINY_CUR, **kw)
 
 
+def test_bos_token_comes_from_pretokenize_json_never_a_guess(tmp_path):
+    """Buckets with no pretokenize.json: a ValueError up front that says to pass bos_token= and shows the
+    first ids; with one in each bucket's directory, their BOS is the default (and entries are checked to
+    start with it); buckets that record different BOS ids are refused."""
+    data = tiny_buckets(tmp_path)
+    kw = dict(device="cpu", buffer_size=4, chunk_size=8, batch_size=4, data_dir=data, allow_bucket_exhaustion=True)
+    with pytest.raises(ValueError) as info:
+        MIX(4, 99, "train", TINY_CUR, **kw)
+    first = os.path.join(data, "train", "tiny", "shard_000.bin")  # the first bucket, by name
+    assert str(info.value).startswith(f"no pretokenize.json records the BOS of the shards of {first} (looked in "
+                                      f"{data}, {os.path.join(data, 'train', 'tiny')}, ")
+    assert "pass bos_token=" in str(info.value)
+    assert str(info.value).endswith(f"Entries 0 to 7 of {first} start with the ids 1, 1, 1, 1, 1, 1, 1, 1.")
+    for name in ("tiny", "web"):
+        with open(os.path.join(data, "train", name, "pretokenize.json"), "w") as f:
+            json.dump({"vocab_size": 5000, "bos_token_id": BOS, "convention": "nanochat"}, f)
+    expected = next(MIX(4, 99, "train", TINY_CUR, bos_token=BOS, **kw))[0].clone()
+    assert torch.equal(next(MIX(4, 99, "train", TINY_CUR, **kw))[0], expected)
+    with open(os.path.join(data, "train", "web", "pretokenize.json"), "w") as f:
+        json.dump({"vocab_size": 5000, "bos_token_id": 2}, f)
+    with pytest.raises(ValueError, match=r"tiny/pretokenize.json records the nanochat convention with bos_token_id 1, "
+                                         r"but .*web/pretokenize.json the nanochat convention with bos_token_id 2"):
+        MIX(4, 99, "train", TINY_CUR, **kw)
+
+
 def test_predicted_shortfall_blocks_the_start(tmp_path):
     data = tiny_buckets(tmp_path)
     greedy = [{"tokens": 60_000, "mix": {"web": 0.5, "tiny": 0.5}}]  # 30,000 tokens of tiny: 8,000 exist
