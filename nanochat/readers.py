@@ -245,7 +245,8 @@ def check_starts(shard, start: int, stop: int, bos_token: int, record: str) -> N
     raise ValueError(f"{shard.bin_path}: entry {entry} does not start with the BOS {bos_token} that {record} "
                      "records (nanochat's convention: every entry starts with it); the shard is damaged or was "
                      "written with other settings: delete the pair and rerun python -m nanochat.pretokenize (for "
-                     f"GPT-Simple's shards, which have no BOS, pass bos_token=, their EOD id). {first_ids(shard, entry)}")
+                     "GPT-Simple's shards, which have no BOS, pass bos_token=, their EOD id). "
+                     + first_ids(shard, entry))
 
 
 class ShardReader:

@@ -332,7 +332,8 @@ def pretokenized_section(tokenizer, data_dir, tmp, docs_np, args, B, T, tbs) -> 
     for prefetch in (4, 0):
         loaders = {check: pretokenized_distributed_data_loader_with_state_bos_bestfit(
             B, T, "train", device=args.device, data_dir=out, batch_size=tbs, rank=0, world_size=1,
-            prefetch=prefetch, vocab_size=vocab_size if check else None) for check in (False, True)}
+            prefetch=prefetch, vocab_size=vocab_size if check else None, bos_token=tokenizer.get_bos_token_id())
+            for check in (False, True)}
         seconds = {check: 0.0 for check in loaders}
         for loader in loaders.values():
             next(loader)
