@@ -15,7 +15,8 @@ turns each input shard into one pair of files named after it, train and val kept
 
     <output>/train/shard_00000.bin  shard_00000.idx  ...
     <output>/val/shard_06542.bin    shard_06542.idx
-    <output>/pretokenize.json       the settings (tokenizer hash, vocab size, dtype, BOS, --max-length, --overlap-size)
+    <output>/pretokenize.json       the settings (tokenizer hash, vocab size, dtype, BOS, --max-length, --overlap-size,
+                                    --convention and its EOD)
     <output>/.pretokenize.lock      held while a run writes (names its pid)
     <output>/train/.shard_00000.lock  held while that pair is written (empty; never listed)
 
@@ -36,9 +37,12 @@ Reading shards back:
 index of offsets and overlap prefixes, a `.bin` of the tokens back to back), its writer and its reader.
 Tokens are uint16 when the tokenizer has at most 65,536 ids (2 bytes per token), else uint32.
 
-**Entries, as our writer makes them.** An entry is `[BOS] + the document's tokens` (nanochat's
-convention: `<|bos|>` starts every document and doubles as the delimiter; there is no end-of-document
-token). Without `--max-length` every document is one entry with overlap prefix 0.
+**Entries, as our writer makes them.** With `--convention nanochat` (the default) an entry is
+`[BOS] + the document's tokens` (nanochat's convention: `<|bos|>` starts every document and doubles as
+the delimiter; there is no end-of-document token). With `--convention gpt-simple` it is the document's
+tokens + EOD, no BOS, as GPT-Simple's writer makes them; our tokenizer has no end-of-text token, so
+the EOD is the `<|bos|>` id, nanochat's delimiter. Without `--max-length` every document is one entry
+with overlap prefix 0. `pretokenize.json` records the convention (and `eod_token_id`).
 
 **Windows.** With `--max-length L --overlap-size O` (L counts every token of an entry, its BOS
 included; L >= 2 and 0 <= O <= L // 2, and each window must bring a new token, so L = 2 needs O = 0),
@@ -60,19 +64,37 @@ O = 2, a document of 10 tokens d0..d9 (its entry would be 11 tokens > 6), 3 new 
 Dropping each window's BOS and its overlap prefix and concatenating gives back d0..d9 exactly.
 A sensible L is the loader's row length T + 1, so that a window fills one row and is never cropped.
 
-**GPT-Simple shards** use the same format with the opposite convention: no BOS, each document (or
-the last window of one) ends with an end-of-document token, and the overlap prefix counts the
-entry's leading tokens. `TokenShard` opens them unchanged (nothing in the format depends on the
-convention); the loader prepends BOS to an entry that does not start with it, which puts the
-overlapping tokens right after the BOS, as in ours; the EOD stays in the entry as an ordinary token.
+Under `--convention gpt-simple` the document's tokens and its EOD are cut the same way with no BOS, so
+`--max-length` means what GPT-Simple's `max_length` means: each entry is at most L tokens, EOD included,
+and GPT-Simple's loader at that `max_length` crops none. Window k holds the tokens from k(L-O) on; the
+overlap prefix, O for every window after the first, counts the entry's leading tokens; only the last
+window has the EOD; and no window is written that brings nothing new (GPT-Simple's own writer can make
+a last window of L+1 tokens, and trailing windows of repeated tokens only). The example again:
+
+    window 0: d0 d1 d2 d3 d4 d5      overlap prefix 0
+    window 1: d4 d5 d6 d7 d8 d9      overlap prefix 2  (d4 d5 repeat the end of window 0)
+    window 2: d8 d9 EOD              overlap prefix 2
+
+GPT-Simple's loader sets the labels of each entry's first O tokens, and the label right after each
+EOD, to -100: on these entries, packed in order, it trains each document's tokens after its first once,
+and its EOD
+(tests/test_pretokenize.py checks the rule on random documents; GPT-Simple's own `PreTokenizedDataset`
+masked exactly the repeated tokens and cropped nothing when tried by hand).
+
+**Reading both conventions.** `TokenShard` opens either unchanged (nothing in the format depends on
+the convention), GPT-Simple's own shards included. The loader prepends its `bos_token` to an entry that
+does not start with it (to every entry of a gpt-simple-convention shard of ours), which puts the
+overlapping tokens right after the BOS, as in ours; the EOD stays in the entry as an ordinary token, a
+target the model learns to predict. So both conventions train every document token once, and the EOD
+under gpt-simple (tests/test_pretokenized_loader.py checks it document by document over an epoch).
 Train with the tokenizer the shard was made with: the ids mean nothing otherwise.
 
 **Crash safety and resuming.** A pair is written as `name.bin.tmp` and `name.idx.tmp`, fsynced, and
 renamed `.bin` first and `.idx` last, so an `.idx` always means a complete pair. A rerun with the
 same arguments skips every input whose `.idx` exists (it prints how many) and rewrites the rest;
 temporary files and a `.bin` without its `.idx`, left by a killed run, are overwritten and never
-listed. A rerun with a different tokenizer, dtype or windowing into the same `--output` is refused
-(`pretokenize.json` disagrees) instead of mixing two kinds of shards. The worker processes end with
+listed. A rerun with a different tokenizer, dtype, windowing or convention into the same `--output` is
+refused (`pretokenize.json` disagrees) instead of mixing two kinds of shards. The worker processes end with
 the main one, however it ends (kill -9 included): on Linux the kernel kills them with it
 (`PR_SET_PDEATHSIG`), elsewhere each checks every 0.2 s that its parent lives. On Linux a rerun
 started right after a kill -9 thus writes the same bytes as an uninterrupted run (elsewhere, wait a
