@@ -182,8 +182,9 @@ def pretokenized_distributed_data_loader_with_state_bos_bestfit(
     bos_token: the id every document starts with, prepended to each entry that does not start with it
     (default: what data_dir/pretokenize.json records, the BOS, or the EOD of --convention gpt-simple
     shards, prepended to every entry; with no such file a ValueError: pass it, for GPT-Simple's own
-    EOD-terminated shards their EOD id). chunk_size: entries per unit dealt to ranks (1024 = the parquet shards'
-    row group size, so that with windowing off this yields the parquet loader's batches).
+    EOD-terminated shards their EOD id).
+    chunk_size: entries per unit dealt to ranks (1024 = the parquet shards' row group size, so that
+    with windowing off this yields the parquet loader's batches).
     batch_size: entries added to the buffer per refill (the parquet loader's tokenizer_batch_size).
     Targets that predict a window's overlap with the previous window are -100.
     long_doc_policy, split_overlap: as for the parquet loader (windows longer than a row are split).

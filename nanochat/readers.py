@@ -161,12 +161,12 @@ def shard_vocab(first_path: str, bos_token, vocab_size, settings_dirs: list[str]
             raise ValueError(f"vocab_size {vocab_size:,} ({where}) disagrees with {size:,} ({other}); pass the "
                              "vocab_size of the tokenizer that wrote the shards, and keep shards of different "
                              "tokenizers apart")
-    for other in records[1:]:
-        if other[0] != records[0][0] or other[2] != records[0][2]:
-            raise ValueError(f"{records[0][3]} records the {records[0][0]} convention with {records[0][1]} "
-                             f"{records[0][2]}, but {other[3]} the {other[0]} convention with {other[1]} {other[2]}; "
-                             "keep shards written with other conventions or tokenizers apart")
     convention, key, recorded, record = records[0] if records else (None, None, None, None)
+    for other_convention, other_key, other_id, other_record in records[1:]:
+        if (other_convention, other_id) != (convention, recorded):
+            raise ValueError(f"{record} records the {convention} convention with {key} {recorded}, but "
+                             f"{other_record} the {other_convention} convention with {other_key} {other_id}; "
+                             "keep shards written with other conventions or tokenizers apart")
     first = TokenShard(first_path)
     given = bos_token is not None
     if not given:
