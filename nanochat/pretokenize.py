@@ -75,9 +75,9 @@ a last window of L+1 tokens, and trailing windows of repeated tokens only). The 
     window 1: d4 d5 d6 d7 d8 d9      overlap prefix 2  (d4 d5 repeat the end of window 0)
     window 2: d8 d9 EOD              overlap prefix 2
 
-GPT-Simple's loader sets the labels of each entry's first O tokens, and the label right after each
-EOD, to -100: on these entries, packed in order, it trains each document's tokens after its first once,
-and its EOD
+GPT-Simple's loader (given the `<|bos|>` id as its `eod_token_id`; `pretokenize.json` records it) sets
+the labels of each entry's first O tokens, and the label right after each EOD, to -100: on these entries,
+packed in order, it trains each document's tokens after its first once, and its EOD
 (tests/test_pretokenize.py checks the rule on random documents; GPT-Simple's own `PreTokenizedDataset`
 masked exactly the repeated tokens and cropped nothing when tried by hand).
 
