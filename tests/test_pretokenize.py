@@ -1,9 +1,9 @@
 """
 Tests for nanochat/pretokenize.py: the .bin/.idx bytes field by field, the round trip through
-TokenShard (uint16 and uint32), crash-safe writing, windowing (a hypothesis property test plus the
-docstring's worked example), a clear error naming the file for every kind of damaged pair, and the
-CLI end to end: parquet and jsonl inputs, 2 worker processes, rerun-skips, resume after a killed
-run, and --rank/--world-size. Hermetic: tiny shards and a 300-token tokenizer trained in-process,
+TokenShard (uint16 and uint32), crash-safe writing, windowing in both conventions (hypothesis property
+tests plus the docstring's worked examples; GPT-Simple's labelling rule on gpt-simple entries), a clear
+error naming the file for every kind of damaged pair, and the CLI end to end: parquet and jsonl inputs,
+2 worker processes, --convention, rerun-skips, resume after a killed run, and --rank/--world-size. Hermetic: tiny shards and a 300-token tokenizer trained in-process,
 all under tmp_path. Run:
     python -m pytest tests/test_pretokenize.py -q
 """

@@ -2,7 +2,8 @@
 The best-fit loader over pretokenized .bin/.idx shards: with windowing off it yields the parquet
 loader's batches token for token (same documents, same tokenizer, several ranks); exact and elastic
 resume; targets masked exactly at window overlaps; the attention outputs (doc_ids, position_ids,
-cu_seqlens) agree with the rows; GPT-Simple's EOD-terminated shards; bad input.
+cu_seqlens) agree with the rows; GPT-Simple's EOD-terminated shards; both conventions of our writer train
+every document token once; bos_token from pretokenize.json, never guessed; bad input.
 Run: python -m pytest tests/test_pretokenized_loader.py -q
 """
 
@@ -261,7 +262,7 @@ def trained_positions(data_dir, convention: str, documents: list[list[int]], B: 
                           buffer_size=5, trace_documents=True, long_doc_policy="split_reuse")
     trained = {d: [] for d in range(len(documents))}
     pieces = 0
-    while True:
+    for _ in range(2000):  # an epoch is ~150 batches here (8,357 tokens and the windows' repeats)
         x, y, state = next(loader)
         rows = rows_of(x, y)
         for r, keys in enumerate(loader.documents):
@@ -285,6 +286,8 @@ def trained_positions(data_dir, convention: str, documents: list[list[int]], B: 
         if any(k[0] > 1 for keys in loader.documents for k in keys) and \
                 not any(k[0] == 1 for k in decode_keys(state["buffer"])):
             break  # epoch 2 has begun and nothing of epoch 1 waits in the buffer
+    else:
+        pytest.fail("epoch 1 was not done within 2000 batches")
     loader.close()
     assert pieces > 0  # guard: some documents were cut across rows
     return trained
