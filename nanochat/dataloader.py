@@ -188,10 +188,12 @@ def pretokenized_distributed_data_loader_with_state_bos_bestfit(
     rows, rules, state and resume (exact and elastic) as the parquet loader, with no tokenizer.
 
     data_dir: the pretokenize output, holding train/ and val/ with .bin/.idx pairs.
-    bos_token: the id every document starts with (default: the first token of the first entry, which
-    is BOS in shards our writer made; for GPT-Simple's EOD-terminated shards, pass the EOD id and it is
-    prepended to each entry). chunk_size: entries per unit dealt to ranks (1024 = the parquet shards'
-    row group size, so that with windowing off this yields the parquet loader's batches).
+    bos_token: the id every document starts with, prepended to each entry that does not start with it
+    (default: what data_dir/pretokenize.json records, the BOS, or the EOD of --convention gpt-simple
+    shards, prepended to every entry; with no such file a ValueError: pass it, for GPT-Simple's own
+    EOD-terminated shards their EOD id).
+    chunk_size: entries per unit dealt to ranks (1024 = the parquet shards' row group size, so that
+    with windowing off this yields the parquet loader's batches).
     batch_size: entries added to the buffer per refill (the parquet loader's tokenizer_batch_size).
     Targets that predict a window's overlap with the previous window are -100.
     long_doc_policy, split_overlap: as for the parquet loader (windows longer than a row are split).
@@ -210,9 +212,9 @@ def pretokenized_distributed_data_loader_with_state_bos_bestfit(
     data_dir = os.path.expanduser(os.fspath(data_dir))
     paths = shard_paths(data_dir, split)
     vocab = shard_vocab(paths[0], bos_token, vocab_size, [data_dir])
-    bos_token = vocab[0]
+    bos_token = vocab.bos_token
     reader = ShardReader(paths, chunk_size, vocab)
-    encoder = ShardDocs(bos_token)
+    encoder = ShardDocs(bos_token, always=vocab.convention == "gpt-simple")
     config = stream_config("bestfit", "pretokenized", split, paths, B, T, buffer_size, batch_size, f"bos:{bos_token}",
                            rank, world_size, chunk_size=chunk_size, policy=(long_doc_policy, split_overlap),
                            shuffle=order)

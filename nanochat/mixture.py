@@ -368,9 +368,10 @@ def pretokenized_mixture_loader_with_state_bos_bestfit(
     """Yield (inputs, targets, state_dict): best-fit rows, each from one bucket of data_dir/split/<bucket>/,
     mixed by the curriculum (see the module docstring). buffer_size is per bucket. seed picks the mix's
     sequence. total_tokens: tokens the run will train (all ranks), checked against the curriculum.
-    vocab_size: as for the pretokenized loader; pretokenize.json is looked for in data_dir and in each
-    bucket's directory (where `pretokenize --bucket` writes it). shuffle, shuffle_window: each bucket's chunks
-    and entries in a seeded order, as the pretokenized loader's (seeded by seed and the bucket's name).
+    vocab_size, bos_token: as for the pretokenized loader; pretokenize.json is looked for in data_dir and in
+    each bucket's directory (where `pretokenize --bucket` writes it; all that record a BOS must agree on it and
+    on the convention). shuffle, shuffle_window: each bucket's chunks and entries in a seeded order, as the
+    pretokenized loader's (seeded by seed and the bucket's name).
     Raises BucketExhausted / CurriculumComplete (with .state, the last good state) where it must stop."""
     check_options(B, T, split, prefetch, buffer_size=buffer_size, chunk_size=chunk_size, batch_size=batch_size)
     check_long_doc_policy(long_doc_policy, split_overlap, T)
@@ -379,10 +380,10 @@ def pretokenized_mixture_loader_with_state_bos_bestfit(
     data_dir = os.path.expanduser(os.fspath(data_dir))
     paths = list_buckets(data_dir, split)
     phases = load_curriculum(curriculum, paths)
-    # the vocabulary: vocab_size, or pretokenize.json in data_dir or in a bucket's directory (all agree)
+    # the vocabulary and the BOS: the arguments, or pretokenize.json in data_dir or in a bucket's directory (all agree)
     vocab = shard_vocab(next(iter(paths.values()))[0], bos_token, vocab_size,
                          [data_dir] + [os.path.join(data_dir, split, name) for name in paths])
-    bos_token = vocab[0]
+    bos_token = vocab.bos_token
     used = sorted({name for p in phases for name in p.mix})
     config = {"loader": "mixture", "source": "pretokenized", "split": split,
               "buckets": {name: files_fingerprint(paths[name]) for name in used},
@@ -405,7 +406,7 @@ def pretokenized_mixture_loader_with_state_bos_bestfit(
           and not allow_budget_mismatch):
         raise ValueError(f"budget mismatch: the curriculum totals {sum(p.tokens for p in phases):,} tokens, "
                          f"the run will train {total_tokens:,}; pass allow_budget_mismatch=True to accept it")
-    encoder = ShardDocs(bos_token)
+    encoder = ShardDocs(bos_token, always=vocab.convention == "gpt-simple")
     buckets = {}
     for name in used:
         sub_config = stream_config("bestfit", "pretokenized", f"{split}/{name}", paths[name], B, T, buffer_size,

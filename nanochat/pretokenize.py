@@ -15,7 +15,8 @@ turns each input shard into one pair of files named after it, train and val kept
 
     <output>/train/shard_00000.bin  shard_00000.idx  ...
     <output>/val/shard_06542.bin    shard_06542.idx
-    <output>/pretokenize.json       the settings (tokenizer hash, vocab size, dtype, BOS, --max-length, --overlap-size)
+    <output>/pretokenize.json       the settings (tokenizer hash, vocab size, dtype, BOS, --max-length, --overlap-size,
+                                    --convention and its EOD)
     <output>/.pretokenize.lock      held while a run writes (names its pid)
     <output>/train/.shard_00000.lock  held while that pair is written (empty; never listed)
 
@@ -52,9 +53,12 @@ Reading shards back:
 index of offsets and overlap prefixes, a `.bin` of the tokens back to back), its writer and its reader.
 Tokens are uint16 when the tokenizer has at most 65,536 ids (2 bytes per token), else uint32.
 
-**Entries, as our writer makes them.** An entry is `[BOS] + the document's tokens` (nanochat's
-convention: `<|bos|>` starts every document and doubles as the delimiter; there is no end-of-document
-token). Without `--max-length` every document is one entry with overlap prefix 0.
+**Entries, as our writer makes them.** With `--convention nanochat` (the default) an entry is
+`[BOS] + the document's tokens` (nanochat's convention: `<|bos|>` starts every document and doubles as
+the delimiter; there is no end-of-document token). With `--convention gpt-simple` it is the document's
+tokens + EOD, no BOS, as GPT-Simple's writer makes them; our tokenizer has no end-of-text token, so
+the EOD is the `<|bos|>` id, nanochat's delimiter. Without `--max-length` every document is one entry
+with overlap prefix 0. `pretokenize.json` records the convention (and `eod_token_id`).
 
 **Windows.** With `--max-length L --overlap-size O` (L counts every token of an entry, its BOS
 included; L >= 2 and 0 <= O <= L // 2, and each window must bring a new token, so L = 2 needs O = 0),
@@ -76,19 +80,37 @@ O = 2, a document of 10 tokens d0..d9 (its entry would be 11 tokens > 6), 3 new 
 Dropping each window's BOS and its overlap prefix and concatenating gives back d0..d9 exactly.
 A sensible L is the loader's row length T + 1, so that a window fills one row and is never cropped.
 
-**GPT-Simple shards** use the same format with the opposite convention: no BOS, each document (or
-the last window of one) ends with an end-of-document token, and the overlap prefix counts the
-entry's leading tokens. `TokenShard` opens them unchanged (nothing in the format depends on the
-convention); the loader prepends BOS to an entry that does not start with it, which puts the
-overlapping tokens right after the BOS, as in ours; the EOD stays in the entry as an ordinary token.
+Under `--convention gpt-simple` the document's tokens and its EOD are cut the same way with no BOS, so
+`--max-length` means what GPT-Simple's `max_length` means: each entry is at most L tokens, EOD included,
+and GPT-Simple's loader at that `max_length` crops none. Window k holds the tokens from k(L-O) on; the
+overlap prefix, O for every window after the first, counts the entry's leading tokens; only the last
+window has the EOD; and no window is written that brings nothing new (GPT-Simple's own writer can make
+a last window of L+1 tokens, and trailing windows of repeated tokens only). The example again:
+
+    window 0: d0 d1 d2 d3 d4 d5      overlap prefix 0
+    window 1: d4 d5 d6 d7 d8 d9      overlap prefix 2  (d4 d5 repeat the end of window 0)
+    window 2: d8 d9 EOD              overlap prefix 2
+
+GPT-Simple's loader (given the `<|bos|>` id as its `eod_token_id`; `pretokenize.json` records it) sets
+the labels of each entry's first O tokens, and the label right after each EOD, to -100: on these entries,
+packed in order, it trains each document's tokens after its first once, and its EOD
+(tests/test_pretokenize.py checks the rule on random documents; GPT-Simple's own `PreTokenizedDataset`
+masked exactly the repeated tokens and cropped nothing when tried by hand).
+
+**Reading both conventions.** `TokenShard` opens either unchanged (nothing in the format depends on
+the convention), GPT-Simple's own shards included. The loader prepends its `bos_token` to an entry that
+does not start with it (to every entry of a gpt-simple-convention shard of ours), which puts the
+overlapping tokens right after the BOS, as in ours; the EOD stays in the entry as an ordinary token, a
+target the model learns to predict. So both conventions train every document token once, and the EOD
+under gpt-simple (tests/test_pretokenized_loader.py checks it document by document over an epoch).
 Train with the tokenizer the shard was made with: the ids mean nothing otherwise.
 
 **Crash safety and resuming.** A pair is written as `name.bin.tmp` and `name.idx.tmp`, fsynced, and
 renamed `.bin` first and `.idx` last, so an `.idx` always means a complete pair. A rerun with the
 same arguments skips every input whose `.idx` exists (it prints how many) and rewrites the rest;
 temporary files and a `.bin` without its `.idx`, left by a killed run, are overwritten and never
-listed. A rerun with a different tokenizer, dtype or windowing into the same `--output` is refused
-(`pretokenize.json` disagrees) instead of mixing two kinds of shards. The worker processes end with
+listed. A rerun with a different tokenizer, dtype, windowing or convention into the same `--output` is
+refused (`pretokenize.json` disagrees) instead of mixing two kinds of shards. The worker processes end with
 the main one, however it ends (kill -9 included): on Linux the kernel kills them with it
 (`PR_SET_PDEATHSIG`), elsewhere each checks every 0.2 s that its parent lives. On Linux a rerun
 started right after a kill -9 thus writes the same bytes as an uninterrupted run (elsewhere, wait a
@@ -136,8 +158,9 @@ from nanochat.layout import describe_mismatch
 from nanochat.packing import next_cut
 from nanochat.tokenizer import TOKENIZER_FILENAME, RustBPETokenizer, get_tokenizer_dir
 # TokenShard, list_token_shards, recorded_vocab_size and write_token_shard: importable from here too, as before
-from nanochat.token_shards import (MAGIC, MAX_OVERLAP, META_FILENAME, VERSION, TokenShard,  # noqa: F401
-                                   list_token_shards, recorded_vocab_size, write_token_pairs, write_token_shard)
+from nanochat.token_shards import (CONVENTIONS, MAGIC, MAX_OVERLAP, META_FILENAME, VERSION,  # noqa: F401
+                                   TokenShard, list_token_shards, recorded_vocab_size, write_token_pairs,
+                                   write_token_shard)
 
 logger = logging.getLogger(__name__)
 
@@ -182,6 +205,21 @@ def window_document(tokens: np.ndarray, max_length: int, overlap: int) -> list[t
         windows.append((tokens[:end], 0) if start == 0 else
                        (np.concatenate((tokens[:1], tokens[start - overlap:end])), overlap))
         start = end
+    return windows
+
+
+def window_gpt_simple(tokens: np.ndarray, max_length: int, overlap: int) -> list[tuple[np.ndarray, int]]:
+    """GPT-Simple's convention: cut one document, its tokens followed by EOD and no BOS, into entries of
+    at most max_length tokens: [(entry_tokens, overlap_prefix), ...], all views into tokens. Window k
+    starts at k * (max_length - overlap); every window after the first repeats the overlap tokens before
+    its new ones, and its overlap prefix counts them (from the entry's start: there is no BOS). Only the
+    last window holds the EOD, and each window brings at least one new token."""
+    check_window_args(max_length, overlap)
+    if tokens.ndim != 1 or len(tokens) == 0:
+        raise ValueError(f"a document is a 1-D array that ends with EOD, got shape {tokens.shape}")
+    windows = [(tokens[:max_length], 0)]
+    for start in range(max_length, len(tokens), max_length - overlap):  # start: the window's first new token
+        windows.append((tokens[start - overlap:start - overlap + max_length], overlap))
     return windows
 
 
@@ -259,17 +297,27 @@ def _read_text_batches(path: str, text_field: str):
 
 
 def pretokenize_file(tokenizer, path: str, prefix: str, *, max_length: int | None = None,
-                     overlap: int = 0, text_field: str = "text", num_threads: int = 4) -> dict:
+                     overlap: int = 0, text_field: str = "text", num_threads: int = 4,
+                     convention: str = "nanochat") -> dict:
     """Tokenize one input shard into the pair at prefix; returns counts {documents, entries, tokens,
-    windowed} (windowed: documents longer than max_length, cut into windows)."""
+    windowed} (windowed: documents longer than max_length, cut into windows). convention "nanochat":
+    an entry is [BOS] + the document; "gpt-simple": the document + EOD, where EOD is the tokenizer's
+    BOS id (nanochat has no end-of-text token: <|bos|> is its document delimiter)."""
+    if convention not in CONVENTIONS:
+        raise ValueError(f"convention must be one of {list(CONVENTIONS)}, got {convention!r}")
     dtype = np.uint16 if tokenizer.get_vocab_size() <= 2**16 else np.uint32
     bos = tokenizer.get_bos_token_id()
+    gpt_simple = convention == "gpt-simple"
+    eod = np.array([bos], dtype=dtype)
+    window = window_gpt_simple if gpt_simple else window_document
     stats = {"documents": 0, "entries": 0, "tokens": 0, "windowed": 0}
 
     def pairs():
         for texts in _read_text_batches(path, text_field):
-            for doc in tokenizer.encode_to_arrays(texts, prepend=bos, num_threads=num_threads):
-                windows = [(doc, 0)] if max_length is None else window_document(doc, max_length, overlap)
+            for doc in tokenizer.encode_to_arrays(texts, prepend=None if gpt_simple else bos, num_threads=num_threads):
+                if gpt_simple:
+                    doc = np.concatenate((doc, eod))
+                windows = [(doc, 0)] if max_length is None else window(doc, max_length, overlap)
                 stats["documents"] += 1
                 stats["windowed"] += int(len(windows) > 1)
                 for entry, overlap_prefix in windows:
@@ -331,7 +379,8 @@ def _try_job(tokenizer, options: dict, job: tuple[str, str]) -> tuple[str, dict 
         return path, None, f"{type(e).__name__}: {e}"
 
 
-def _settings(tokenizer, tokenizer_dir: str, max_length: int | None, overlap: int) -> dict:
+def _settings(tokenizer, tokenizer_dir: str, max_length: int | None, overlap: int,
+              convention: str = "nanochat") -> dict:
     with open(os.path.join(tokenizer_dir, TOKENIZER_FILENAME), "rb") as f:
         tokenizer_sha256 = hashlib.sha256(f.read()).hexdigest()
     return {
@@ -340,6 +389,9 @@ def _settings(tokenizer, tokenizer_dir: str, max_length: int | None, overlap: in
         "vocab_size": tokenizer.get_vocab_size(), "bos_token_id": tokenizer.get_bos_token_id(),
         "tokenizer_sha256": tokenizer_sha256,
         "max_length": max_length, "overlap_size": overlap if max_length is not None else 0,
+        # the loaders take the BOS to prepend from here: the BOS, or for gpt-simple the EOD (the same id)
+        "convention": convention,
+        "eod_token_id": tokenizer.get_bos_token_id() if convention == "gpt-simple" else None,
     }
 
 
@@ -352,7 +404,7 @@ def _read_settings(path: str) -> dict:
                          "together with the shards beside it and run again") from None
     if not isinstance(settings, dict):
         raise ValueError(f"{path} holds a JSON {type(settings).__name__}, not pretokenize's settings")
-    return settings
+    return {"convention": "nanochat", **settings}  # written before there was a choice
 
 
 def _check_or_write_settings(directories: list[str], settings: dict, instead: str) -> None:
@@ -380,7 +432,7 @@ def _check_or_write_settings(directories: list[str], settings: dict, instead: st
         os.replace(tmp, path)
 
 
-TOKENIZER_KEYS = ("tokenizer_sha256", "vocab_size", "bos_token_id", "dtype")
+SHARED_KEYS = ("tokenizer_sha256", "vocab_size", "bos_token_id", "dtype", "convention")  # what a mixture's buckets share
 
 
 def _check_other_buckets(output: str, bucket: str, settings: dict) -> None:
@@ -393,7 +445,7 @@ def _check_other_buckets(output: str, bucket: str, settings: dict) -> None:
             if name == bucket or not os.path.isfile(path):
                 continue
             old = _read_settings(path)
-            changed = [f"{k} {old.get(k)!r} -> {settings[k]!r}" for k in TOKENIZER_KEYS if old.get(k) != settings[k]]
+            changed = [f"{k} {old.get(k)!r} -> {settings[k]!r}" for k in SHARED_KEYS if old.get(k) != settings[k]]
             if changed:
                 raise ValueError(f"{path} records another tokenizer than this run's ({', '.join(changed)}); the "
                                  "buckets of one mixture are read as one vocabulary, so pretokenize with the "
@@ -493,6 +545,9 @@ def main(argv: list[str] | None = None) -> int:
                              "(default: no windowing)")
     parser.add_argument("--overlap-size", type=int, default=0,
                         help="document tokens each window repeats from the previous one (<= max_length // 2)")
+    parser.add_argument("--convention", choices=CONVENTIONS, default="nanochat",
+                        help="nanochat: an entry is BOS + the document (default); gpt-simple: the document + EOD, "
+                             "no BOS, as GPT-Simple's loader expects (EOD = the tokenizer's <|bos|> id)")
     parser.add_argument("--num-workers", type=int, default=min(8, os.cpu_count() or 1),
                         help="processes tokenizing input shards in parallel (1: this process)")
     parser.add_argument("--rank", type=int, default=None, help="this process's share: inputs rank, "
@@ -528,10 +583,11 @@ def main(argv: list[str] | None = None) -> int:
     tokenizer_dir = args.tokenizer_dir or get_tokenizer_dir()
     print(f"input={args.input} val_input={args.val_input} output={args.output} bucket={args.bucket} "
           f"tokenizer_dir={tokenizer_dir} text_field={args.text_field} max_length={args.max_length} "
-          f"overlap_size={args.overlap_size} num_workers={args.num_workers} rank={rank} world_size={world_size}")
+          f"overlap_size={args.overlap_size} num_workers={args.num_workers} rank={rank} world_size={world_size} "
+          f"convention={args.convention}")
 
     tokenizer = RustBPETokenizer.from_directory(tokenizer_dir)
-    settings = _settings(tokenizer, tokenizer_dir, args.max_length, args.overlap_size)
+    settings = _settings(tokenizer, tokenizer_dir, args.max_length, args.overlap_size, args.convention)
     all_jobs = plan_jobs(args.input, args.output, args.val_input, args.bucket)
     mine = all_jobs[rank::world_size]
     # never into a directory of another kind of data (parquet shards, a split's or bucket's own pairs,
@@ -560,7 +616,8 @@ def main(argv: list[str] | None = None) -> int:
         num_workers = min(args.num_workers, len(todo))
         # spread the CPU between processes; each process's tokenizer encodes a batch on this many threads
         options = {"max_length": args.max_length, "overlap": args.overlap_size, "text_field": args.text_field,
-                   "num_threads": max(1, (os.cpu_count() or 1) // max(1, num_workers))}
+                   "num_threads": max(1, (os.cpu_count() or 1) // max(1, num_workers)),
+                   "convention": args.convention}
         totals = {"documents": 0, "entries": 0, "tokens": 0, "windowed": 0}
         failed, written = [], 0
         t0 = time.time()

@@ -12,7 +12,8 @@ interface that the rank's stream (nanochat/stream.py) reads through:
 ParquetReader: parquet shards, whose units are row groups and whose documents are texts (tokenized
 later). ShardReader: pretokenized .bin/.idx shards, whose units are chunks of chunk_size entries and
 whose documents are (tokens, overlap) views into the memory map, each chunk's ids checked against
-the vocabulary as it is read.
+the vocabulary as it is read. shard_vocab settles their BOS up front, from the caller or from the
+pretokenize.json our writer leaves: it never guesses one from the data.
 
 May import: nanochat.dataset, nanochat.token_shards, nanochat.options, nanochat.layout.
 """
@@ -21,13 +22,14 @@ import bisect
 import logging
 import os
 from collections import OrderedDict
+from typing import NamedTuple
 
 import numpy as np
 
 from nanochat.dataset import open_parquet, read_row_group_column
 from nanochat.layout import describe_mismatch
 from nanochat.options import check_positive
-from nanochat.token_shards import META_FILENAME, TokenShard, entry_count, list_token_shards, recorded_vocab_size
+from nanochat.token_shards import META_FILENAME, TokenShard, entry_count, list_token_shards, recorded_settings
 
 logger = logging.getLogger("nanochat.dataloader.readers")  # child of its old logger
 
@@ -121,42 +123,78 @@ class ParquetReader:
 
 
 _WARNED_NO_VOCAB: set = set()  # directories warned about once already
+UPFRONT_ENTRIES = 1024  # entries of the first shard whose first token is checked before the loader starts
 
 
-def shard_vocab(first_path: str, bos_token, vocab_size, settings_dirs: list[str]) -> tuple[int, int | None, str]:
-    """(bos_token, vocab_size or None, where vocab_size comes from), checked up front. The vocabulary
-    comes from the vocab_size argument and from pretokenize.json in settings_dirs, which must all agree;
-    bos_token (default: the first token of the first shard) must be an id in it, and one that the first
-    shard's dtype can hold. With no vocabulary known, ids are bounded only by the shards' dtype (a
-    warning, once per directory)."""
-    known = []
+class ShardVocab(NamedTuple):
+    """What the pretokenized loaders know of their shards' ids, checked up front by shard_vocab."""
+    bos_token: int  # prepended to an entry that does not start with it
+    vocab_size: int | None  # every id is below it; None: unknown (the dtype bounds them)
+    where: str  # where vocab_size comes from, for messages
+    convention: str | None  # what pretokenize.json records ("nanochat", "gpt-simple"); None: no record
+    bos_record: str | None  # the pretokenize.json bos_token came from, when every entry must start with it
+
+
+def shard_vocab(first_path: str, bos_token, vocab_size, settings_dirs: list[str]) -> ShardVocab:
+    """The shards' BOS and vocabulary, checked up front. The vocabulary comes from the vocab_size
+    argument and from pretokenize.json in settings_dirs, which must all agree; with none, ids are bounded
+    only by the shards' dtype (a warning, once per directory). bos_token defaults to what pretokenize.json
+    records: for the nanochat convention the BOS, which every entry must then start with (checked here for
+    the first shard's first entries, and chunk by chunk as they are read); for the gpt-simple convention
+    the EOD, prepended to every entry. With no record, bos_token must be passed: a ValueError shows the
+    first ids of the first shard. It must be an id in the vocabulary that the first shard's dtype can hold."""
+    known, records = [], []
     if vocab_size is not None:
         check_positive(vocab_size=vocab_size)
         known.append((vocab_size, "the vocab_size argument"))
     for directory in settings_dirs:
-        size = recorded_vocab_size(directory)
-        if size is not None:
-            known.append((size, os.path.join(directory, META_FILENAME)))
+        settings = recorded_settings(directory)
+        if settings is None:
+            continue
+        path = os.path.join(directory, META_FILENAME)
+        if settings["vocab_size"] is not None:
+            known.append((settings["vocab_size"], path))
+        key = "eod_token_id" if settings["convention"] == "gpt-simple" else "bos_token_id"
+        if settings[key] is not None:
+            records.append((settings["convention"], key, settings[key], path))
     vocab_size, where = known[0] if known else (None, "")
     for size, other in known[1:]:
         if size != vocab_size:
             raise ValueError(f"vocab_size {vocab_size:,} ({where}) disagrees with {size:,} ({other}); pass the "
                              "vocab_size of the tokenizer that wrote the shards, and keep shards of different "
                              "tokenizers apart")
+    convention, key, recorded, record = records[0] if records else (None, None, None, None)
+    for other_convention, other_key, other_id, other_record in records[1:]:
+        if (other_convention, other_id) != (convention, recorded):
+            raise ValueError(f"{record} records the {convention} convention with {key} {recorded}, but "
+                             f"{other_record} the {other_convention} convention with {other_key} {other_id}; "
+                             "keep shards written with other conventions or tokenizers apart")
     first = TokenShard(first_path)
-    if bos_token is None:
-        if not len(first) or not len(first.entry(0)):
-            raise ValueError(f"{first.prefix} starts with an empty entry; pass bos_token explicitly")
-        bos_token, what = int(first.entry(0)[0]), f"bos_token (the first token of {first.bin_path})"
+    given = bos_token is not None
+    if not given:
+        if recorded is None:
+            raise ValueError(f"no pretokenize.json records the BOS of the shards of {first.bin_path} (looked in "
+                             f"{', '.join(settings_dirs)}), and the loader does not guess it: pass bos_token=, "
+                             "the BOS id of the tokenizer that wrote them (for GPT-Simple's shards, which have no "
+                             f"BOS, their EOD id: it is prepended to every entry). {first_ids(first, 0)}")
+        bos_token, what = recorded, f"bos_token (the {key} that {record} records)"
     elif isinstance(bos_token, bool) or not isinstance(bos_token, (int, np.integer)):
         raise TypeError(f"bos_token must be an int token id, got {bos_token!r}")
     else:
         bos_token, what = int(bos_token), "bos_token"
+        if recorded is not None and bos_token != recorded:
+            logger.warning("bos_token %d is not the %s %d that %s records; it is prepended to every entry that "
+                           "does not start with it", bos_token, key, recorded, record)
     if bos_token < 0:
         raise ValueError(f"{what} is {bos_token}; token ids are >= 0")
     if vocab_size is not None and bos_token >= vocab_size:
         raise ValueError(f"{what} is {bos_token}, outside the vocabulary [0, {vocab_size:,}) ({where})")
     check_bos_fits(bos_token, first)
+    # our writer's nanochat-convention entries all start with the recorded BOS; a caller who passes
+    # bos_token vouches for the shards instead (GPT-Simple's own shards start with no fixed id)
+    bos_record = record if not given and convention == "nanochat" else None
+    if bos_record is not None:
+        check_starts(first, 0, min(len(first), UPFRONT_ENTRIES), bos_token, bos_record)
     directory = os.path.dirname(os.path.abspath(first_path))
     if vocab_size is None and directory not in _WARNED_NO_VOCAB:
         _WARNED_NO_VOCAB.add(directory)
@@ -164,7 +202,17 @@ def shard_vocab(first_path: str, bos_token, vocab_size, settings_dirs: list[str]
                        "them, no vocab_size argument): their token ids are checked only against their dtype "
                        "(%s); pass vocab_size to catch a damaged shard before the model sees its ids",
                        directory, first.dtype.name)
-    return bos_token, vocab_size, where
+    return ShardVocab(bos_token, vocab_size, where, convention, bos_record)
+
+
+def first_ids(shard, start: int, count: int = 8) -> str:
+    """The first token of entries start, start + 1, ... of shard, for a message."""
+    stop = min(len(shard), start + count)
+    if start >= stop:
+        return f"{shard.bin_path} has no entries from {start} on."
+    ids = [str(int(shard.tokens[shard.offsets[i]])) if shard.offsets[i + 1] > shard.offsets[i] else "(empty)"
+           for i in range(start, stop)]
+    return f"Entries {start} to {stop - 1} of {shard.bin_path} start with the ids {', '.join(ids)}."
 
 
 def check_bos_fits(bos_token: int, shard) -> None:
@@ -186,18 +234,36 @@ def check_ids(shard, start: int, stop: int, vocab_size: int, where: str) -> None
                          "tokenizer: delete the pair and rerun python -m nanochat.pretokenize")
 
 
+def check_starts(shard, start: int, stop: int, bos_token: int, record: str) -> None:
+    """ValueError naming the shard and the entry unless each of entries [start, stop) starts with
+    bos_token, as record (a nanochat-convention pretokenize.json) says they do: one gather of their first
+    tokens and one comparison (the bench prints its cost)."""
+    firsts = shard.offsets[start:stop]
+    lengths = shard.offsets[start + 1:stop + 1] - firsts
+    if (lengths > 0).all() and (shard.tokens[firsts] == bos_token).all():
+        return
+    entry = next(i for i in range(start, stop) if shard.offsets[i + 1] == shard.offsets[i]
+                 or shard.tokens[shard.offsets[i]] != bos_token)
+    raise ValueError(f"{shard.bin_path}: entry {entry} does not start with the BOS {bos_token} that {record} "
+                     "records (nanochat's convention: every entry starts with it); the shard is damaged or was "
+                     "written with other settings: delete the pair and rerun python -m nanochat.pretokenize (for "
+                     "GPT-Simple's shards, which have no BOS, pass bos_token=, their EOD id). "
+                     + first_ids(shard, entry))
+
+
 class ShardReader:
     """The stream's view of pretokenized shards: units are chunks of `chunk_size` entries (the DDP
     sharding deals chunks out as the parquet loader deals row groups), items are (tokens, overlap),
     the tokens a view into the memory-mapped .bin: shards larger than RAM stream in constant memory.
     The last 16 shards read stay open.
-    vocab is shard_vocab's result: each chunk's ids are checked against it as the chunk is read."""
+    vocab is shard_vocab's result: each chunk's ids are checked against it as the chunk is read (and
+    their first tokens against the BOS, when it came from a nanochat-convention pretokenize.json)."""
 
     unit_name = "chunk"
 
-    def __init__(self, paths: list[str], chunk_size: int, vocab: tuple[int, int | None, str]):
+    def __init__(self, paths: list[str], chunk_size: int, vocab: ShardVocab):
         self.paths, self.chunk_size = paths, chunk_size
-        self.bos_token, self.vocab_size, self.vocab_where = vocab
+        self.vocab = vocab
         self.index = RowGroupIndex(paths, chunk_size)
         # the last few shards stay mapped (a shuffled window reads chunks of several); thousands would exhaust
         # file handles
@@ -206,7 +272,7 @@ class ShardReader:
     def shard(self, pq_idx: int):
         if pq_idx not in self._open:
             shard = TokenShard(self.paths[pq_idx])
-            check_bos_fits(self.bos_token, shard)
+            check_bos_fits(self.vocab.bos_token, shard)
             self._open[pq_idx] = shard
             if len(self._open) > 16:
                 self._open.popitem(last=False)
@@ -217,8 +283,10 @@ class ShardReader:
         shard = self.shard(pq_idx)
         start = rg_idx * self.chunk_size
         stop = min(start + self.chunk_size, len(shard))
-        if self.vocab_size is not None:  # (else the dtype bounds the ids, by construction)
-            check_ids(shard, start, stop, self.vocab_size, self.vocab_where)
+        if self.vocab.vocab_size is not None:  # (else the dtype bounds the ids, by construction)
+            check_ids(shard, start, stop, self.vocab.vocab_size, self.vocab.where)
+        if self.vocab.bos_record is not None:
+            check_starts(shard, start, stop, self.vocab.bos_token, self.vocab.bos_record)
         return shard, start, stop
 
     @staticmethod

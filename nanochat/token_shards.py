@@ -46,6 +46,9 @@ HEADER = struct.Struct("<4sIII")  # magic, version, dtype code, entry count: 16 
 MAX_OVERLAP = np.iinfo(np.uint16).max  # the overlap prefix is stored as uint16
 TMP_SUFFIX = ".tmp"  # prefix.bin.tmp / prefix.idx.tmp: never end in .idx, so never listed
 META_FILENAME = "pretokenize.json"
+# how documents become entries (pretokenize --convention; recorded in pretokenize.json): "nanochat", [BOS] +
+# the document; "gpt-simple", the document + EOD, no BOS. The format itself is the same for both
+CONVENTIONS = ("nanochat", "gpt-simple")
 
 # -----------------------------------------------------------------------------
 # Reading a shard
@@ -190,13 +193,14 @@ def list_token_shards(data_dir: str) -> list[str]:
     return prefixes
 
 
-def recorded_vocab_size(directory: str) -> int | None:
-    """The vocabulary size that directory/pretokenize.json records (every id the shards' tokenizer makes
-    is below it), or None: no such file, or one written before the field existed."""
+def recorded_settings(directory: str) -> dict | None:
+    """directory/pretokenize.json, the settings pretokenize wrote, with the fields the loaders use checked;
+    None when there is no such file. A file written before a field existed lacks it: vocab_size,
+    bos_token_id and eod_token_id are then None, and convention is "nanochat" (the only one written then)."""
     path = os.path.join(directory, META_FILENAME)
     if not os.path.isfile(path):
         return None
-    fix = "restore the file, or remove it and pass the tokenizer's vocab_size to the loader"
+    fix = "restore the file, or remove it and pass the tokenizer's vocab_size and bos_token to the loader"
     try:
         with open(path, encoding="utf-8") as f:
             settings = json.load(f)
@@ -204,10 +208,23 @@ def recorded_vocab_size(directory: str) -> int | None:
         raise ValueError(f"{path} (pretokenize's settings) is not valid JSON: {e}; {fix}") from None
     if not isinstance(settings, dict):
         raise ValueError(f"{path} holds a JSON {type(settings).__name__}, not pretokenize's settings; {fix}")
-    size = settings.get("vocab_size")
-    if size is not None and (isinstance(size, bool) or not isinstance(size, int) or size < 1):
-        raise ValueError(f"{path}: vocab_size must be a positive integer, got {size!r}; {fix}")
-    return size
+    settings = {"vocab_size": None, "bos_token_id": None, "eod_token_id": None, "convention": "nanochat", **settings}
+    for key, least, what in (("vocab_size", 1, "a positive"), ("bos_token_id", 0, "a non-negative"),
+                             ("eod_token_id", 0, "a non-negative")):
+        value = settings[key]
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < least):
+            raise ValueError(f"{path}: {key} must be {what} integer, got {value!r}; {fix}")
+    if settings["convention"] not in CONVENTIONS:
+        raise ValueError(f"{path}: convention must be one of {list(CONVENTIONS)}, "
+                         f"got {settings['convention']!r}; {fix}")
+    return settings
+
+
+def recorded_vocab_size(directory: str) -> int | None:
+    """The vocabulary size that directory/pretokenize.json records (every id the shards' tokenizer makes
+    is below it), or None: no such file, or one written before the field existed."""
+    settings = recorded_settings(directory)
+    return None if settings is None else settings["vocab_size"]
 
 
 # -----------------------------------------------------------------------------

@@ -120,14 +120,18 @@ def token_batches(doc_batches, encoder, overlap_calls: bool = False):
 
 class ShardDocs:
     """(tokens, overlap) items -> documents that start with BOS (GPT-Simple's EOD-terminated entries
-    get one prepended) and their overlaps. Rows are uint32: shards may mix uint16 and uint32."""
+    get one prepended) and their overlaps. Rows are uint32: shards may mix uint16 and uint32.
+    always: prepend BOS to every entry, also to one that starts with that id: for shards known to be
+    in GPT-Simple's convention, whose EOD is our BOS id, so an entry that is a lone EOD (an empty
+    document, or the last window of one) still trains its EOD."""
 
     dtype = np.dtype(np.uint32)
 
-    def __init__(self, bos: int):
+    def __init__(self, bos: int, always: bool = False):
         self.bos = bos
+        self.always = always
 
     def __call__(self, items: list) -> tuple[list[np.ndarray], list[int]]:
-        docs = [tokens if len(tokens) and tokens[0] == self.bos else np.concatenate(([self.bos], tokens))
-                for tokens, _ in items]
+        docs = [tokens if not self.always and len(tokens) and tokens[0] == self.bos
+                else np.concatenate(([self.bos], tokens)) for tokens, _ in items]
         return docs, [overlap for _, overlap in items]

@@ -333,7 +333,8 @@ def pretokenized_section(tokenizer, data_dir, tmp, docs_np, args, B, T, tbs) -> 
     for prefetch in (4, 0):
         loaders = {(check, shuffle): pretokenized_distributed_data_loader_with_state_bos_bestfit(
             B, T, "train", device=args.device, data_dir=out, batch_size=tbs, rank=0, world_size=1,
-            prefetch=prefetch, vocab_size=vocab_size if check else None, shuffle=shuffle)
+            prefetch=prefetch, vocab_size=vocab_size if check else None, shuffle=shuffle,
+            bos_token=tokenizer.get_bos_token_id())
             for check, shuffle in ((False, False), (True, False), (True, True))}
         seconds = {key: 0.0 for key in loaders}
         for loader in loaders.values():
@@ -403,7 +404,7 @@ def window_spread(tokenizer, data_dir, tmp, args, tbs, L=257, overlap=32, B=16, 
     for shuffle in (False, True):
         loader = pretokenized_distributed_data_loader_with_state_bos_bestfit(
             B, L - 1, "train", device="cpu", data_dir=out, batch_size=tbs, rank=0, world_size=1, prefetch=0,
-            trace_documents=True, shuffle=shuffle)
+            trace_documents=True, shuffle=shuffle, bos_token=tokenizer.get_bos_token_id())
         seen, distances = {}, []
         for step in range(batches):
             next(loader)

@@ -66,7 +66,7 @@ def main(argv=None):
         print(f"wrote 3 buckets of ~{args.tokens:,} tokens in {time.perf_counter() - t0:.1f}s")
         phases = [{"tokens": 24_000_000, "mix": {"web": 0.6, "code": 0.25, "math": 0.15}},
                   {"tokens": 16_000_000, "mix": {"web": 0.2, "code": 0.5, "math": 0.3}}]
-        kw = dict(device="cpu", data_dir=root, rank=0, world_size=1, allow_budget_mismatch=True)
+        kw = dict(device="cpu", data_dir=root, rank=0, world_size=1, allow_budget_mismatch=True, bos_token=BOS)
         # plain pretokenized directories to compare with: the web bucket alone, and all three buckets' shards
         plain = {"web": os.path.join(root, "plain_web"), "all": os.path.join(root, "plain_all")}
         os.makedirs(plain["web"])
@@ -77,9 +77,9 @@ def main(argv=None):
                 os.symlink(os.path.join(root, "train", name, f), os.path.join(plain["all"], "train", f"{name}_{f}"))
         runs = {
             "pretokenized loader, web alone": lambda: pretokenized_distributed_data_loader_with_state_bos_bestfit(
-                B, T, "train", device="cpu", data_dir=plain["web"], rank=0, world_size=1),
+                B, T, "train", device="cpu", data_dir=plain["web"], rank=0, world_size=1, bos_token=BOS),
             "pretokenized loader, 3 buckets' shards": lambda: pretokenized_distributed_data_loader_with_state_bos_bestfit(
-                B, T, "train", device="cpu", data_dir=plain["all"], rank=0, world_size=1),
+                B, T, "train", device="cpu", data_dir=plain["all"], rank=0, world_size=1, bos_token=BOS),
             "mixture loader, web alone": lambda: pretokenized_mixture_loader_with_state_bos_bestfit(
                 B, T, "train", [{"tokens": 10_000_000, "mix": {"web": 1}}], **kw),  # then it goes on
             "mixture loader, 3 buckets": lambda: pretokenized_mixture_loader_with_state_bos_bestfit(

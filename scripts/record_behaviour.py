@@ -402,11 +402,15 @@ CURRICULA = {
 
 
 def mixture_configurations(inputs: dict):
+    # the buckets, written by pretokenize_file, have no pretokenize.json: their BOS is passed (outside the
+    # labels, which name the configurations as before)
+    bos = inputs["tokenizer"].get_bos_token_id()
+
     def mixture(curriculum: str, **kw):  # the curriculum by its name in CURRICULA (a short label)
-        return pretokenized_mixture_loader_with_state_bos_bestfit(curriculum=CURRICULA[curriculum], **kw)
+        return pretokenized_mixture_loader_with_state_bos_bestfit(curriculum=CURRICULA[curriculum], bos_token=bos, **kw)
 
     def mixture_stateless(curriculum: str, **kw):
-        return pretokenized_mixture_loader_bos_bestfit(curriculum=CURRICULA[curriculum], **kw)
+        return pretokenized_mixture_loader_bos_bestfit(curriculum=CURRICULA[curriculum], bos_token=bos, **kw)
 
     kw = dict(device="cpu", data_dir=inputs["mixture"], B=2, T=32, buffer_size=8, chunk_size=BUCKET_CHUNK,
               batch_size=4, curriculum="two_phases")

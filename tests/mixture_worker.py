@@ -34,7 +34,7 @@ def main():
     curriculum = [{"tokens": 60_000, "mix": {"web": 0.9, "tiny": 0.1}}]
     loader = pretokenized_mixture_loader_with_state_bos_bestfit(
         4, 99, "train", curriculum, device="cpu", data_dir=data_dir, buffer_size=4, chunk_size=4, batch_size=4,
-        allow_bucket_exhaustion=False)
+        allow_bucket_exhaustion=False, bos_token=1)  # test_mixture.py's BOS (its shards have no pretokenize.json)
     step, last = 0, None
     report = {"rank": rank, "step": None, "bucket": None, "state_is_last": False, "error": None}
     try:

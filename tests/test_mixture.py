@@ -64,7 +64,7 @@ def buckets(tmp_path_factory):
 
 CURRICULUM = [{"tokens": 2_500_000, "mix": {"web": 0.5, "code": 0.3, "math": 0.2}},
               {"tokens": 1_500_000, "mix": {"web": 0.2, "code": 0.5, "math": 0.3}}]
-KW = dict(device="cpu", buffer_size=64, chunk_size=128, batch_size=32)
+KW = dict(device="cpu", buffer_size=64, chunk_size=128, batch_size=32, bos_token=BOS)  # no pretokenize.json
 
 
 @pytest.mark.parametrize("world_size", [1, 2])
@@ -183,7 +183,7 @@ TINY_CUR = [{"tokens": 60_000, "mix": {"web": 0.9, "tiny": 0.1}}]
 
 def test_bucket_runs_dry_then_resumes_with_it_dropped(tmp_path):
     data = tiny_buckets(tmp_path)
-    kw = dict(device="cpu", buffer_size=4, chunk_size=8, batch_size=4, data_dir=data)
+    kw = dict(device="cpu", buffer_size=4, chunk_size=8, batch_size=4, data_dir=data, bos_token=BOS)
     # validation predicts no shortfall (6,000 tokens of tiny demanded, 8,000 available) ...
     rows, problems, _ = validate(TINY_CUR, data, T=99)
     assert not problems and [r["status"] for r in rows] == ["ok", "ok"]
@@ -224,7 +224,8 @@ def test_token_ids_are_checked_against_the_vocabulary(tmp_path):
         old = struct.unpack("<H", f.read(2))[0]
         f.seek(2 * at)
         f.write(struct.pack("<H", old ^ 0xFFFF))
-    kw = dict(device="cpu", buffer_size=4, chunk_size=8, batch_size=4, data_dir=data, allow_bucket_exhaustion=True)
+    kw = dict(device="cpu", buffer_size=4, chunk_size=8, batch_size=4, data_dir=data, bos_token=BOS,
+              allow_bucket_exhaustion=True)
     loader = MIX(4, 99, "train", TINY_CUR, **kw)
     with pytest.raises(ValueError) as info:
         for _ in range(200):
@@ -240,12 +241,37 @@ def test_token_ids_are_checked_against_the_vocabulary(tmp_path):
         MIX(4, 99, "train", TINY_CUR, **kw)
 
 
+def test_bos_token_comes_from_pretokenize_json_never_a_guess(tmp_path):
+    """Buckets with no pretokenize.json: a ValueError up front that says to pass bos_token= and shows the
+    first ids; with one in each bucket's directory, their BOS is the default (and entries are checked to
+    start with it); buckets that record different BOS ids are refused."""
+    data = tiny_buckets(tmp_path)
+    kw = dict(device="cpu", buffer_size=4, chunk_size=8, batch_size=4, data_dir=data, allow_bucket_exhaustion=True)
+    with pytest.raises(ValueError) as info:
+        MIX(4, 99, "train", TINY_CUR, **kw)
+    first = os.path.join(data, "train", "tiny", "shard_000.bin")  # the first bucket, by name
+    assert str(info.value).startswith(f"no pretokenize.json records the BOS of the shards of {first} (looked in "
+                                      f"{data}, {os.path.join(data, 'train', 'tiny')}, ")
+    assert "pass bos_token=" in str(info.value)
+    assert str(info.value).endswith(f"Entries 0 to 7 of {first} start with the ids 1, 1, 1, 1, 1, 1, 1, 1.")
+    for name in ("tiny", "web"):
+        with open(os.path.join(data, "train", name, "pretokenize.json"), "w") as f:
+            json.dump({"vocab_size": 5000, "bos_token_id": BOS, "convention": "nanochat"}, f)
+    expected = next(MIX(4, 99, "train", TINY_CUR, bos_token=BOS, **kw))[0].clone()
+    assert torch.equal(next(MIX(4, 99, "train", TINY_CUR, **kw))[0], expected)
+    with open(os.path.join(data, "train", "web", "pretokenize.json"), "w") as f:
+        json.dump({"vocab_size": 5000, "bos_token_id": 2}, f)
+    with pytest.raises(ValueError, match=r"tiny/pretokenize.json records the nanochat convention with bos_token_id 1, "
+                                         r"but .*web/pretokenize.json the nanochat convention with bos_token_id 2"):
+        MIX(4, 99, "train", TINY_CUR, **kw)
+
+
 def test_predicted_shortfall_blocks_the_start(tmp_path):
     data = tiny_buckets(tmp_path)
     greedy = [{"tokens": 60_000, "mix": {"web": 0.5, "tiny": 0.5}}]  # 30,000 tokens of tiny: 8,000 exist
     with pytest.raises(ValueError, match="phase 1: bucket 'tiny' runs dry: 30,303 tokens demanded"):  # x 100/99
-        MIX(4, 99, "train", greedy, device="cpu", data_dir=data)
-    loader = MIX(4, 99, "train", greedy, device="cpu", data_dir=data, allow_bucket_exhaustion=True,
+        MIX(4, 99, "train", greedy, device="cpu", data_dir=data, bos_token=BOS)
+    loader = MIX(4, 99, "train", greedy, device="cpu", data_dir=data, bos_token=BOS, allow_bucket_exhaustion=True,
                  buffer_size=4, chunk_size=8, batch_size=4)
     for _ in range(60):
         next(loader)
@@ -394,8 +420,8 @@ def test_every_bucket_of_a_phase_dry(tmp_path):
     # a phase whose only bucket runs dry, with exhaustion allowed: a BucketExhausted stop, not an error
     data = tiny_buckets(tmp_path)
     only_tiny = [{"tokens": 100_000, "mix": {"tiny": 1}}]
-    loader = MIX(4, 99, "train", only_tiny, device="cpu", data_dir=data, buffer_size=4, chunk_size=8, batch_size=4,
-                 allow_bucket_exhaustion=True)
+    loader = MIX(4, 99, "train", only_tiny, device="cpu", data_dir=data, bos_token=BOS, buffer_size=4, chunk_size=8,
+                 batch_size=4, allow_bucket_exhaustion=True)
     states = []
     with pytest.raises(BucketExhausted, match="every bucket of the current phase ran dry on this rank") as stop:
         for _ in range(1000):
@@ -424,7 +450,7 @@ def test_validate_counts_rank_shares_and_a_longer_run(tmp_path):
     assert problems == ["phase 1: bucket 'tiny' runs dry: 4,000 tokens demanded by the end of the phase, 8,000 "
                         "available, the smallest of 2 ranks' shares is 1,600"]
     with pytest.raises(ValueError, match="the smallest of 2 ranks' shares is 1,600"):
-        MIX(4, 99, "train", cur, device="cpu", data_dir=data, rank=0, world_size=2, chunk_size=32)
+        MIX(4, 99, "train", cur, device="cpu", data_dir=data, bos_token=BOS, rank=0, world_size=2, chunk_size=32)
     # a longer run than the curriculum, accepted: the last phase goes on, and its demand counts
     rows, problems, notes = validate(cur, data, total_tokens=60_000, allow_budget_mismatch=True)
     assert notes[0].startswith("budget mismatch") and "runs dry: 12,000 tokens demanded" in problems[0]

@@ -1,9 +1,9 @@
 """
 Tests for nanochat/pretokenize.py: the .bin/.idx bytes field by field, the round trip through
-TokenShard (uint16 and uint32), crash-safe writing, windowing (a hypothesis property test plus the
-docstring's worked example), a clear error naming the file for every kind of damaged pair, and the
-CLI end to end: parquet and jsonl inputs, 2 worker processes, rerun-skips, resume after a killed
-run, and --rank/--world-size. Hermetic: tiny shards and a 300-token tokenizer trained in-process,
+TokenShard (uint16 and uint32), crash-safe writing, windowing in both conventions (hypothesis property
+tests plus the docstring's worked examples; GPT-Simple's labelling rule on gpt-simple entries), a clear
+error naming the file for every kind of damaged pair, and the CLI end to end: parquet and jsonl inputs,
+2 worker processes, --convention, rerun-skips, resume after a killed run, and --rank/--world-size. Hermetic: tiny shards and a 300-token tokenizer trained in-process,
 all under tmp_path. Run:
     python -m pytest tests/test_pretokenize.py -q
 """
@@ -29,7 +29,7 @@ from hypothesis import strategies as st
 from conftest import write_shards
 from nanochat import pretokenize
 from nanochat.pretokenize import (
-    MAGIC, VERSION, TokenShard, list_token_shards, main, window_document, write_token_shard,
+    MAGIC, VERSION, TokenShard, list_token_shards, main, window_document, window_gpt_simple, write_token_shard,
 )
 from nanochat.tokenizer import RustBPETokenizer
 
@@ -264,6 +264,88 @@ def test_window_arguments_are_checked():
         window_document(doc, 2, 1)
 
 
+# GPT-Simple's convention: the document + EOD, no BOS; the overlap prefix counts the entry's leading tokens
+
+EOD = 9  # the stand-in BOS, which --convention gpt-simple writes as EOD
+
+
+def gpt_simple_windows(tokens: list[int], max_length: int, overlap: int) -> list[tuple[list[int], int]]:
+    """The reference, from the definition with plain lists: window k holds tokens [k * step, k * step + L)
+    (step = L - O), and a window is written only if it holds a token that no earlier one had."""
+    windows, k = [], 0
+    while True:
+        first = k * (max_length - overlap)
+        windows.append((tokens[first:first + max_length], overlap if k else 0))
+        if first + max_length >= len(tokens):
+            return windows
+        k += 1
+
+
+def test_gpt_simple_window_worked_example():
+    doc = np.array(list(range(100, 110)) + [EOD], np.uint16)  # d0..d9 EOD: 11 tokens
+    windows = window_gpt_simple(doc, 6, 2)
+    assert [(w.tolist(), o) for w, o in windows] == [
+        ([100, 101, 102, 103, 104, 105], 0),
+        ([104, 105, 106, 107, 108, 109], 2),  # 104 105 repeat window 0's end: the entry's first 2 tokens
+        ([108, 109, EOD], 2),  # only the last window holds the EOD; no window of repeated tokens alone
+    ]
+    assert all(w.dtype == np.uint16 and w.base is doc for w, _ in windows)  # views, no copies
+    # the tokens and EOD fit: one entry
+    assert [(w.tolist(), o) for w, o in window_gpt_simple(doc, 11, 2)] == [(doc.tolist(), 0)]
+    # a document of exactly L tokens: its EOD is a window alone (GPT-Simple's writer would make it L + 1 long)
+    assert [(w.tolist(), o) for w, o in window_gpt_simple(doc[-7:], 6, 0)] == [
+        ([104, 105, 106, 107, 108, 109], 0), ([EOD], 0)]
+    assert [(w.tolist(), o) for w, o in window_gpt_simple(np.array([EOD], np.uint16), 6, 2)] == [([EOD], 0)]
+    with pytest.raises(ValueError, match=r"overlap_size 4 .* max_length // 2 = 3"):
+        window_gpt_simple(doc, 6, 4)
+
+
+@settings(max_examples=300, deadline=None)
+@given(doc_len=st.integers(0, 200), max_length=st.integers(2, 40), data=st.data())
+def test_gpt_simple_windows_property(doc_len, max_length, data):
+    overlap = data.draw(st.integers(0, max(0, min(max_length // 2, max_length - 2))))
+    tokens = np.arange(1000, 1000 + doc_len + 1, dtype=np.uint32)
+    tokens[-1] = EOD
+    windows = window_gpt_simple(tokens, max_length, overlap)
+    assert [(w.tolist(), o) for w, o in windows] == gpt_simple_windows(tokens.tolist(), max_length, overlap)
+    rebuilt = []
+    for k, (w, o) in enumerate(windows):
+        assert 1 <= len(w) <= max_length and w.dtype == np.uint32
+        assert o == (overlap if k else 0) and len(w) > o  # each window brings a new token
+        assert w[:o].tolist() == rebuilt[len(rebuilt) - o:]  # the leading O tokens repeat the previous window
+        assert (w == EOD).sum() == (k == len(windows) - 1)  # the EOD, in the last window only
+        rebuilt += w[o:].tolist()
+    assert rebuilt == tokens.tolist()
+    assert all(len(w) == max_length for w, _ in windows[:-1])
+
+
+@settings(max_examples=300, deadline=None)
+@given(lengths=st.lists(st.integers(0, 60), min_size=1, max_size=8), max_length=st.integers(2, 24), data=st.data())
+def test_gpt_simple_labels_train_each_token_once(lengths, max_length, data):
+    """GPT-Simple's documented labelling rule (its loader's; written here in a few lines), applied to our
+    gpt-simple entries of several documents packed in order: labels are the input ids (the model shifts
+    them, so labels[0] trains nothing), labels[pos:pos+O] = -100 for an entry with overlap prefix O at
+    position pos, and the label right after each EOD is -100. What is trained is each document's tokens
+    after its first (which follows the previous EOD), then its EOD: every token once, none twice, none
+    lost. And no entry is longer than max_length, so GPT-Simple's loader at that max_length crops none."""
+    overlap = data.draw(st.integers(0, max(0, min(max_length // 2, max_length - 2))))
+    documents, entries, next_id = [], [], 1000
+    for n in lengths:
+        documents.append(list(range(next_id, next_id + n)))  # distinct ids, so a misplaced one shows
+        next_id += n
+        entries += window_gpt_simple(np.array(documents[-1] + [EOD], np.uint32), max_length, overlap)
+    assert all(len(entry) <= max_length for entry, _ in entries)
+    inputs = [int(t) for entry, _ in entries for t in entry]
+    labels, pos = list(inputs), 0
+    for entry, o in entries:
+        labels[pos:pos + o] = [-100] * o
+        pos += len(entry)
+    for i in range(1, len(inputs)):
+        if inputs[i - 1] == EOD:
+            labels[i] = -100
+    assert [t for t in labels[1:] if t != -100] == [t for doc in documents for t in (doc + [EOD])[1:]]
+
+
 # -----------------------------------------------------------------------------
 # Damaged pairs
 
@@ -414,6 +496,52 @@ def test_cli_parquet_unwindowed(parquet_dir, tokenizer_dir, tokenizer, tmp_path)
     _check_outputs(out, _parquet_inputs(parquet_dir), tokenizer)
     shard = TokenShard(os.path.join(out, "train", "shard_00000"))
     assert not shard.overlaps.any() and shard.lengths().max() > 24  # nothing was cut
+
+
+def test_cli_gpt_simple_convention(parquet_dir, tokenizer_dir, tokenizer, tmp_path, capsys):
+    """--convention gpt-simple, in 2 worker processes: each document's tokens + EOD (the tokenizer's BOS
+    id), no BOS, windowed as the reference says, every entry within --max-length; recorded in
+    pretokenize.json, and a rerun with the other convention is refused."""
+    out = str(tmp_path / "tokens")
+    argv = ["--input", parquet_dir, "--output", out, "--tokenizer-dir", tokenizer_dir, "--max-length", "16",
+            "--overlap-size", "4", "--num-workers", "2", "--convention", "gpt-simple"]
+    assert main(argv) == 0
+    assert "world_size=1 convention=gpt-simple" in capsys.readouterr().out
+    eod = tokenizer.get_bos_token_id()
+    windowed = 0
+    for split, items in _parquet_inputs(parquet_dir).items():
+        for name, texts in items:
+            shard = TokenShard(os.path.join(out, split, name))
+            expected = [window for ids in tokenizer.encode(texts, num_threads=1)
+                        for window in gpt_simple_windows(ids + [eod], 16, 4)]
+            assert [(shard.entry(i).tolist(), int(shard.overlaps[i])) for i in range(len(shard))] == expected
+            assert shard.lengths().max() == 16 and shard.dtype == np.uint16
+            windowed += sum(o > 0 for _, o in expected)
+    assert windowed > 10  # guard: long documents were cut
+    with open(os.path.join(out, "pretokenize.json")) as f:
+        meta = json.load(f)
+    assert (meta["convention"], meta["eod_token_id"], meta["bos_token_id"]) == ("gpt-simple", eod, eod)
+    with pytest.raises(ValueError, match=f"records other settings .*convention 'gpt-simple' -> 'nanochat', "
+                                         f"eod_token_id {eod} -> None"):
+        main(argv[:-2])
+
+
+def test_cli_settings_written_before_conventions(parquet_dir, tokenizer_dir, tmp_path, capsys):
+    """A pretokenize.json without the convention fields (written before they existed) is the nanochat
+    convention's: a rerun with the same arguments goes on; one with --convention gpt-simple is refused."""
+    out = tmp_path / "tokens"
+    argv = ["--input", parquet_dir, "--output", str(out), "--tokenizer-dir", tokenizer_dir, "--num-workers", "1"]
+    assert main(argv) == 0
+    meta = json.loads((out / "pretokenize.json").read_text())
+    assert (meta["convention"], meta["eod_token_id"]) == ("nanochat", None)
+    del meta["convention"], meta["eod_token_id"]
+    (out / "pretokenize.json").write_text(json.dumps(meta))
+    os.remove(out / "train" / "shard_00001.idx")
+    capsys.readouterr()
+    assert main(argv) == 0
+    assert "3 already done" in capsys.readouterr().out
+    with pytest.raises(ValueError, match="convention 'nanochat' -> 'gpt-simple'"):
+        main(argv + ["--convention", "gpt-simple"])
 
 
 def test_cli_resumes_a_killed_run(parquet_dir, tokenizer_dir, tokenizer, tmp_path, capsys):

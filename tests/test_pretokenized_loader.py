@@ -2,7 +2,8 @@
 The best-fit loader over pretokenized .bin/.idx shards: with windowing off it yields the parquet
 loader's batches token for token (same documents, same tokenizer, several ranks); exact and elastic
 resume; targets masked exactly at window overlaps; the attention outputs (doc_ids, position_ids,
-cu_seqlens) agree with the rows; GPT-Simple's EOD-terminated shards; bad input.
+cu_seqlens) agree with the rows; GPT-Simple's EOD-terminated shards; both conventions of our writer train
+every document token once; bos_token from pretokenize.json, never guessed; bad input.
 Run: python -m pytest tests/test_pretokenized_loader.py -q
 """
 
@@ -234,6 +235,92 @@ def test_gpt_simple_eod_shards(tmp_path):
     assert row == [eod, 1, 2, 3, eod, eod, 6, eod]
 
 
+def trained_positions(data_dir, convention: str, documents: list[list[int]], B: int, T: int) -> dict:
+    """{document: [indices of its tokens that a target trains]}, read off the rows, targets and traces of
+    one epoch of the pretokenized loader on data_dir (train; its bos_token from pretokenize.json), with
+    long_doc_policy="split_reuse" so that nothing is cropped away. A document is its tokens, plus EOD
+    under gpt-simple; a target that predicts the BOS starting a document or piece trains none of them."""
+    from nanochat.pretokenize import TokenShard, list_token_shards
+    shards = [TokenShard(p) for p in list_token_shards(str(data_dir / "train"))]
+    # each entry: its document, and where its body (the tokens after its BOS: all of them under
+    # gpt-simple, where the loader prepends one) starts in the document; checked against the document
+    where, d = {}, 0
+    for f, shard in enumerate(shards):
+        covered = 0
+        for i in range(len(shard)):
+            entry, overlap = shard.entry(i).tolist(), int(shard.overlaps[i])
+            body = entry if convention == "gpt-simple" else entry[1:]
+            start = covered - overlap
+            assert body == documents[d][start:start + len(body)]
+            where[(f, i)] = (d, start)
+            covered = start + len(body)
+            if covered == len(documents[d]):
+                d, covered = d + 1, 0
+    assert d == len(documents)
+    bos = shards[0].entry(0)[0] if convention == "nanochat" else documents[0][-1]
+    loader = PRETOKENIZED(B, T, "train", device="cpu", data_dir=str(data_dir), chunk_size=ROW_GROUP, batch_size=4,
+                          buffer_size=5, trace_documents=True, long_doc_policy="split_reuse")
+    trained = {d: [] for d in range(len(documents))}
+    pieces = 0
+    for _ in range(2000):  # an epoch is ~150 batches here (8,357 tokens and the windows' repeats)
+        x, y, state = next(loader)
+        rows = rows_of(x, y)
+        for r, keys in enumerate(loader.documents):
+            pos = 0
+            for key in keys:
+                epoch, f, chunk, row, start = (*key, None) if len(key) == 4 else key
+                tokens = shards[f].entry(chunk * ROW_GROUP + row).tolist()
+                doc = [bos] + tokens if convention == "gpt-simple" else tokens  # what the loader packs
+                length = len(doc) if not start else 1 + len(doc) - start  # a piece: BOS + doc[start:]
+                m = min(length, T + 1 - pos)  # placed whole, or cropped at the row's end (the rest comes back)
+                placed = doc[:m] if not start else [doc[0]] + doc[start:start + m - 1]
+                assert rows[r, pos:pos + m].tolist() == placed
+                d, body_start = where[(f, chunk * ROW_GROUP + row)]
+                for p in range(pos + 1, pos + m):  # the target at p - 1 predicts the token at p
+                    j = p - pos if not start else start + p - pos - 1  # its index in doc
+                    if epoch == 1 and y[r, p - 1] != -100:
+                        trained[d].append(body_start + j - 1)
+                pieces += start is not None
+                pos += m
+            assert pos == T + 1  # the trace accounts for every token of the row
+        if any(k[0] > 1 for keys in loader.documents for k in keys) and \
+                not any(k[0] == 1 for k in decode_keys(state["buffer"])):
+            break  # epoch 2 has begun and nothing of epoch 1 waits in the buffer
+    else:
+        pytest.fail("epoch 1 was not done within 2000 batches")
+    loader.close()
+    assert pieces > 0  # guard: some documents were cut across rows
+    return trained
+
+
+@pytest.mark.parametrize("max_length,overlap", [(17, 5), (9, 0)])
+def test_both_conventions_train_the_same_targets(corpus, tmp_path, max_length, overlap):
+    """The same corpus pretokenized in both conventions, windowed, and read by our loader with bos_token
+    from pretokenize.json: every document's tokens are trained exactly once each, none twice (the windows'
+    overlaps are masked), none lost; under gpt-simple its EOD (our BOS id, after the last token) is
+    trained once too, also where an entry is that EOD alone (an empty document, or a last window)."""
+    import pyarrow.parquet as pq
+    root, tokenizer = corpus
+    bos = tokenizer.get_bos_token_id()
+    texts = [t for name in ("shard_00000", "shard_00001")  # the train shards
+             for t in pq.read_table(root / "parquet" / f"{name}.parquet").column("text").to_pylist()]
+    documents = tokenizer.encode(texts, num_threads=1)
+    trained = {}
+    for convention in ("nanochat", "gpt-simple"):
+        out = tmp_path / convention
+        assert pretokenize_main(["--input", str(root / "parquet"), "--tokenizer-dir", str(root / "tokenizer"),
+                                 "--num-workers", "1", "--output", str(out), "--max-length", str(max_length),
+                                 "--overlap-size", str(overlap), "--convention", convention]) == 0
+        with_eod = [doc + [bos] for doc in documents] if convention == "gpt-simple" else documents
+        trained[convention] = trained_positions(out, convention, with_eod, 4, 15)
+    lone_eod = [d for d, doc in enumerate(documents) if len(doc) % max_length == 0]
+    assert lone_eod  # guard: some entries are EOD alone (the empty documents, at least)
+    for d, doc in enumerate(documents):
+        assert sorted(trained["nanochat"][d]) == list(range(len(doc)))  # each token once
+        assert sorted(trained["gpt-simple"][d]) == list(range(len(doc) + 1))  # and the EOD
+    assert any(len(doc) > max_length for doc in documents)  # guard: documents were cut into windows
+
+
 def test_missing_data_names_the_command(tmp_path):
     with pytest.raises(FileNotFoundError, match="python -m nanochat.pretokenize"):
         PRETOKENIZED(2, 8, "train", device="cpu", data_dir=str(tmp_path))
@@ -287,17 +374,19 @@ def test_flipped_bin_bytes_name_the_shard_and_entry(corpus, tmp_path):
 
 
 def test_ids_are_checked_up_to_the_last_id_of_the_vocabulary(tmp_path):
-    """vocab_size given as an argument (no pretokenize.json): id vocab_size - 1 passes, vocab_size fails."""
+    """vocab_size (and bos_token) given as arguments (no pretokenize.json): id vocab_size - 1 passes,
+    vocab_size fails."""
     for split in ("train", "val"):
         (tmp_path / split).mkdir()
     entries = [np.array([7, 99, 1, 2]), np.array([7, 4, 5]), np.array([7, 6])] * 3
     write_token_shard(str(tmp_path / "train" / "shard_00000"), entries, [0] * 9, np.uint16)
-    loader = PRETOKENIZED(1, 5, "train", device="cpu", buffer_size=2, data_dir=str(tmp_path), vocab_size=100)
+    kw = dict(device="cpu", buffer_size=2, data_dir=str(tmp_path), vocab_size=100, bos_token=7)
+    loader = PRETOKENIZED(1, 5, "train", **kw)
     x, y, _ = next(loader)
     assert rows_of(x, y)[0].tolist() == [7, 99, 1, 2, 7, 6]  # best fit: the longest first
     entries[4] = np.array([7, 100, 5])
     write_token_shard(str(tmp_path / "train" / "shard_00000"), entries, [0] * 9, np.uint16)
-    loader = PRETOKENIZED(1, 5, "train", device="cpu", buffer_size=2, data_dir=str(tmp_path), vocab_size=100)
+    loader = PRETOKENIZED(1, 5, "train", **kw)
     with pytest.raises(ValueError) as info:
         next(loader)
     assert str(info.value).startswith(f"{tmp_path / 'train' / 'shard_00000.bin'}: entry 4 holds token id 100 "
@@ -330,14 +419,71 @@ def test_bos_token_outside_the_vocabulary(corpus, tmp_path):
     PRETOKENIZED(2, 8, "train", device="cpu", data_dir=str(tmp_path), bos_token=65535)  # fits: accepted
 
 
-def test_default_bos_is_checked_too(tmp_path):
-    """The default BOS is the first token of the first shard: a damaged one is named as such."""
+def test_no_bos_is_guessed(tmp_path):
+    """Shards with no pretokenize.json (GPT-Simple's: no BOS, EOD last): without bos_token, a ValueError at
+    the call, before any batch, that says to pass it and shows the first ids; no id is taken for BOS."""
+    eod = 9
     (tmp_path / "train").mkdir()
-    write_token_shard(str(tmp_path / "train" / "a"), [np.array([400, 1, 2])], [0], np.uint16)
+    entries = [np.array([5, 1, 2, eod]), np.array([5, 3, eod]), np.array([6, eod]), np.array([], np.int64)]
+    write_token_shard(str(tmp_path / "train" / "a"), entries, [0] * 4, np.uint16)
+    bin_path = tmp_path / "train" / "a.bin"
     with pytest.raises(ValueError) as info:
         PRETOKENIZED(2, 8, "train", device="cpu", data_dir=str(tmp_path), vocab_size=300)
-    assert str(info.value) == (f"bos_token (the first token of {tmp_path / 'train' / 'a.bin'}) is 400, outside the "
-                               "vocabulary [0, 300) (the vocab_size argument)")
+    assert str(info.value) == (
+        f"no pretokenize.json records the BOS of the shards of {bin_path} (looked in {tmp_path}), and the loader "
+        "does not guess it: pass bos_token=, the BOS id of the tokenizer that wrote them (for GPT-Simple's shards, "
+        "which have no BOS, their EOD id: it is prepended to every entry). Entries 0 to 3 of "
+        f"{bin_path} start with the ids 5, 5, 6, (empty).")
+    x, y, _ = next(PRETOKENIZED(1, 5, "train", device="cpu", data_dir=str(tmp_path), bos_token=eod, buffer_size=2))
+    assert rows_of(x, y)[0].tolist() == [eod, 5, 1, 2, eod, eod]  # best fit: [EOD 5 1 2 EOD], then the empty [EOD]
+
+
+def test_the_recorded_bos_and_the_check_of_every_entry(corpus, tmp_path, caplog):
+    """bos_token defaults to the BOS that pretokenize.json records, and every entry must start with it:
+    in the first chunk of the first shard, at the call; elsewhere, when its chunk is read, before any of
+    its tokens reach a batch. A caller who passes bos_token vouches for the shards: no such check."""
+    from nanochat.pretokenize import TokenShard
+    root, tokenizer = corpus
+    bos = tokenizer.get_bos_token_id()
+    data = _copy_whole(corpus, tmp_path)
+    settings = data / "pretokenize.json"
+    kw = dict(device="cpu", buffer_size=4, data_dir=str(data), chunk_size=ROW_GROUP, batch_size=4)
+    assert all(torch.equal(a, b) for a, b in zip(_rows(PRETOKENIZED(2, 16, "train", **kw), 8),
+                                                  _rows(PRETOKENIZED(2, 16, "train", bos_token=bos, **kw), 8)))
+
+    def set_first_token(name, entry, token):
+        at = int(TokenShard(data / "train" / name).offsets[entry])
+        with open(data / "train" / f"{name}.bin", "r+b") as f:
+            f.seek(2 * at)
+            f.write(struct.pack("<H", token))
+
+    def message(name, entry, ids):
+        return (f"{data / 'train' / name}.bin: entry {entry} does not start with the BOS {bos} that {settings} records "
+                "(nanochat's convention: every entry starts with it); the shard is damaged or was written with "
+                "other settings: delete the pair and rerun python -m nanochat.pretokenize (for GPT-Simple's shards, "
+                f"which have no BOS, pass bos_token=, their EOD id). Entries {entry} to {entry + 7} of "
+                f"{data / 'train' / name}.bin start with the ids {ids}.")
+
+    set_first_token("shard_00000", 3, 7)
+    with pytest.raises(ValueError) as info:
+        PRETOKENIZED(2, 16, "train", **kw)
+    assert str(info.value) == message("shard_00000", 3, f"7, {', '.join([str(bos)] * 7)}")
+    set_first_token("shard_00000", 3, bos)
+    set_first_token("shard_00001", 12, 7)  # in the second chunk of 8 of the second shard
+    batches = []
+    loader = PRETOKENIZED(2, 16, "train", **kw)
+    with pytest.raises(ValueError) as info:
+        for _ in range(200):
+            batches.append(rows_of(*next(loader)[:2]).clone())
+    assert str(info.value) == message("shard_00001", 12, f"7, {', '.join([str(bos)] * 7)}")
+    assert len(batches) >= 3  # the chunks before it were read and trained
+    with caplog.at_level("WARNING", logger="nanochat.dataloader"):
+        next(PRETOKENIZED(2, 16, "train", bos_token=bos, **kw))  # passed: the caller's word, unchecked
+        assert not caplog.records
+        next(PRETOKENIZED(2, 16, "train", bos_token=5, **kw))
+    assert [r.getMessage() for r in caplog.records] == [
+        f"bos_token 5 is not the bos_token_id {bos} that {settings} records; it is prepended to every entry that "
+        "does not start with it"]
 
 
 def test_vocab_size_must_agree_with_pretokenize_json(corpus):
@@ -357,12 +503,13 @@ def test_vocab_size_must_agree_with_pretokenize_json(corpus):
 
 
 def test_pretokenize_json_old_or_damaged(corpus, tmp_path, caplog):
-    """An older pretokenize.json without vocab_size is read (no vocabulary known: a warning, once per
-    directory); one that is not JSON is a ValueError naming it."""
+    """An older pretokenize.json, without vocab_size and the convention fields, is read (no vocabulary
+    known: a warning, once per directory; the nanochat convention); one that is not JSON, or holds a bad
+    field, is a ValueError naming it."""
     import json
     data = _copy_whole(corpus, tmp_path)
     settings = json.loads((data / "pretokenize.json").read_text())
-    del settings["vocab_size"]
+    del settings["vocab_size"], settings["convention"], settings["eod_token_id"]
     (data / "pretokenize.json").write_text(json.dumps(settings))
     kw = dict(device="cpu", buffer_size=5, data_dir=str(data), chunk_size=ROW_GROUP, batch_size=4)
     with caplog.at_level("WARNING", logger="nanochat.dataloader"):
@@ -377,14 +524,21 @@ def test_pretokenize_json_old_or_damaged(corpus, tmp_path, caplog):
     (data / "pretokenize.json").write_text("{not json")
     with pytest.raises(ValueError) as info:
         PRETOKENIZED(2, 16, "train", **kw)
+    fix = "restore the file, or remove it and pass the tokenizer's vocab_size and bos_token to the loader"
     assert str(info.value) == (f"{data / 'pretokenize.json'} (pretokenize's settings) is not valid JSON: Expecting "
-                               "property name enclosed in double quotes: line 1 column 2 (char 1); restore the file, "
-                               "or remove it and pass the tokenizer's vocab_size to the loader")
-    fix = "restore the file, or remove it and pass the tokenizer's vocab_size to the loader"
+                               f"property name enclosed in double quotes: line 1 column 2 (char 1); {fix}")
     for text, problem in (("[300]", " holds a JSON list, not pretokenize's settings"),
                           ('{"vocab_size": "300"}', ": vocab_size must be a positive integer, got '300'"),
-                          ('{"vocab_size": 0}', ": vocab_size must be a positive integer, got 0")):
+                          ('{"vocab_size": 0}', ": vocab_size must be a positive integer, got 0"),
+                          ('{"bos_token_id": -1}', ": bos_token_id must be a non-negative integer, got -1"),
+                          ('{"eod_token_id": 2.0}', ": eod_token_id must be a non-negative integer, got 2.0"),
+                          ('{"convention": "megatron"}',
+                           ": convention must be one of ['nanochat', 'gpt-simple'], got 'megatron'")):
         (data / "pretokenize.json").write_text(text)
         with pytest.raises(ValueError) as info:
             PRETOKENIZED(2, 16, "train", **kw)
         assert str(info.value) == f"{data / 'pretokenize.json'}{problem}; {fix}"
+    # a file that records no BOS is no help: bos_token must be passed
+    (data / "pretokenize.json").write_text('{"vocab_size": 300}')
+    with pytest.raises(ValueError, match="no pretokenize.json records the BOS .* pass bos_token="):
+        PRETOKENIZED(2, 16, "train", **kw)

@@ -906,7 +906,7 @@ def saved(tmp_path_factory):
         write_token_dir(root / "tokens" / split_name, seed)
         for bucket, bucket_seed in (("web", 3), ("code", 4)):
             write_token_dir(root / "mix" / split_name / bucket, seed * 10 + bucket_seed)
-    tok = dict(device="cpu", buffer_size=4, chunk_size=8, batch_size=3, prefetch=0)
+    tok = dict(device="cpu", buffer_size=4, chunk_size=8, batch_size=3, prefetch=0, bos_token=BOS)
     curriculum = [{"tokens": 600, "mix": {"web": 0.5, "code": 0.5}}, {"tokens": 600, "mix": {"code": 1.0}}]
 
     def pretokenized(state, allow=False, **over):

@@ -332,7 +332,8 @@ def mixture_dir(root):
 
 
 CURRICULUM = [{"tokens": 4000, "mix": {"web": 0.5, "code": 0.5}}]
-MIX_KW = dict(device="cpu", buffer_size=4, chunk_size=8, batch_size=3, prefetch=0, allow_bucket_exhaustion=True)
+MIX_KW = dict(device="cpu", buffer_size=4, chunk_size=8, batch_size=3, prefetch=0, allow_bucket_exhaustion=True,
+              bos_token=BOS)
 
 
 def test_mixture_buckets_shuffle_and_resume_exactly(tmp_path):
