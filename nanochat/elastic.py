@@ -105,11 +105,12 @@ def merge_stream_states(states: list, world_size: int, data_dir: str | None, epo
         epoch, rest = s["next"][0], s["next"][1:]
         # the rest of this rank's share of its current epoch, then all of its share of later ones
         if shuffle:
-            docs += _window_rest(index, shuffle, epoch, rank, n_old, *rest)
-            window = rest[0] + (rest[1] > 0)  # a window begun is dealt document by document
-            for g in _share(index, shuffle, epoch, rank, n_old)[window * shuffle.window:]:
-                whole.setdefault(epoch, set()).add(int(g))
-            later = [(e, g) for e in range(epoch + 1, last_epoch + 1) for g in _share(index, shuffle, e, rank, n_old)]
+            later = []
+            if epoch <= last_epoch:  # (a finished one-pass stream, a mixture's bucket, is past its last epoch)
+                docs += _window_rest(index, shuffle, epoch, rank, n_old, *rest)
+                window = rest[0] + (rest[1] > 0)  # a window begun is dealt document by document
+                later = [(epoch, g) for g in _share(index, shuffle, epoch, rank, n_old)[window * shuffle.window:]]
+            later += [(e, g) for e in range(epoch + 1, last_epoch + 1) for g in _share(index, shuffle, e, rank, n_old)]
         else:
             pq_idx, rg_idx, row = rest
             later = []

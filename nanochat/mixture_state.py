@@ -56,10 +56,14 @@ def mixture_start(state, config, rank, world_size, allow_mismatch) -> tuple[dict
     fields = dict.fromkeys([*config, *saved])  # a field only one of them has (shuffle) differs too
     differ = [f"{k}: state {saved.get(k)!r}, loader {config.get(k)!r}" for k in fields if saved.get(k) != config.get(k)]
     stream_fields = ("source", "split", "buckets", "chunk_size", "tokenizer", "rank", "world_size", "shuffle")
-    if differ and (not allow_mismatch or any(saved.get(k) != config.get(k) for k in stream_fields)):
+    if "shuffle" in config or "shuffle" in saved:  # the seed orders the buckets' documents too
+        stream_fields += ("seed",)
+    stream_changed = any(saved.get(k) != config.get(k) for k in stream_fields)
+    if differ and (not allow_mismatch or stream_changed):
         raise ValueError(f"{where} was taken on another configuration (" + "; ".join(differ) + ")" +
-                         ("" if allow_mismatch else "; pass allow_state_mismatch=True to go on with a changed "
-                          "curriculum, seed, B, T or buffer size"))
+                         ("" if allow_mismatch or stream_changed else "; pass allow_state_mismatch=True to go on "
+                          "with a changed curriculum, " + ("" if "seed" in stream_fields else "seed, ") +
+                          "B, T or buffer size"))
     return state, where
 
 

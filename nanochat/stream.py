@@ -31,7 +31,7 @@ import numpy as np
 
 from nanochat.shuffle import Shuffle
 from nanochat.state import Key, Unit, decode_plan
-from nanochat.state_checks import REQUIRED, check_state, rank_state
+from nanochat.state_checks import REQUIRED, STREAM_FIELDS, check_state, rank_state
 
 logger = logging.getLogger("nanochat.dataloader.stream")  # child of its old logger
 
@@ -307,12 +307,14 @@ def start_stream(reader, rank, world_size, batch_size, state, config, allow_stat
         return stream, state, (state["pq_idx"], state["rg_idx"], state["epoch"])
     position = (state.get("pq_idx"), state.get("rg_idx"), state.get("epoch"))
     if shuffle:
-        if "version" not in state or state["config"].get("shuffle") != config["shuffle"]:
-            raise ValueError(f"{where} is not a state of this shuffled stream (" +
-                             ("the seeds' form" if "version" not in state else
-                              f"shuffle {state['config'].get('shuffle')!r}, this loader's {config['shuffle']!r}") +
-                             "), and a shuffled loader cannot tell which documents another order has read; resume "
-                             "with the settings the state was taken with, or start afresh")
+        # another rank's state of this run (nanochat's base_train) is all a shuffled stream can resume approximately
+        other = ["the seeds' form"] if "version" not in state else [
+            f"{k}: state {state['config'].get(k)!r}, loader {config.get(k)!r}" for k in STREAM_FIELDS
+            if k not in ("rank", "world_size") and state["config"].get(k) != config.get(k)]
+        if other:
+            raise ValueError(f"{where} is not a state of this shuffled stream ({'; '.join(other)}), and a shuffled "
+                             "loader cannot tell which documents were read under another order or on other data; "
+                             "resume with the data and settings the state was taken with, or start afresh")
         epoch, window, _ = state["next"]
         logger.warning("%s is another rank's state: resuming approximately, after its window %d of epoch %d",
                        where, window, epoch)

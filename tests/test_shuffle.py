@@ -349,10 +349,13 @@ def test_mixture_buckets_shuffle_and_resume_exactly(tmp_path):
 
 
 def test_mixture_merges_deal_nothing_twice(tmp_path):
+    # 2 ranks -> 3 -> 2 -> 2: a bucket is read once, however often its readers are merged (a merged bucket's
+    # cursor points past its one epoch: nothing more is dealt); each document is placed at most once
     data = mixture_dir(tmp_path)
     kw = dict(MIX_KW, data_dir=data, trace_documents=True, shuffle=True, seed=2, shuffle_window=2)
     placed, resume_from = [], None
-    for world_size, steps in [(2, 5), (3, 4), (2, 4)]:
+    chain = [(2, 5), (3, 4), (2, 4), (2, 4)]
+    for n, (world_size, steps) in enumerate(chain):
         states = []
         for rank in range(world_size):
             loader = MIX(2, 16, "train", CURRICULUM, rank=rank, world_size=world_size, resume_state_dict=resume_from,
@@ -361,8 +364,18 @@ def test_mixture_merges_deal_nothing_twice(tmp_path):
                 state = next(loader)[2]
                 placed += [key for row in loader.documents for key in row]
             states.append(state)
-        resume_from = merge_states(states, 3 if world_size == 2 else 2, data_dir=data)
-    assert len(placed) > 100 and len(placed) == len(set(placed)), "a document was dealt twice"
+        resume_from = merge_states(states, chain[n + 1][0] if n + 1 < len(chain) else 3, data_dir=data)
+        assert all(item["epoch"] == 1 for s in resume_from["states"] for b in s["buckets"].values()
+                   for item in b["plan"]), "only the buckets' one pass is dealt"
+    assert len(placed) > 100 and {key[1] for key in placed} == {1}
+    assert len(placed) == len(set(placed)), "a document was dealt twice"
+
+
+def test_a_changed_seed_is_refused_for_a_shuffled_mixture(tmp_path):
+    data = mixture_dir(tmp_path)
+    state = take(MIX(2, 16, "train", CURRICULUM, data_dir=data, shuffle=True, seed=3, **MIX_KW), 3)[-1][2]
+    with pytest.raises(ValueError, match=r"seed: state 3, loader 4\)$"):  # no allow_state_mismatch offered
+        MIX(2, 16, "train", CURRICULUM, data_dir=data, shuffle=True, seed=4, resume_state_dict=state, **MIX_KW)
 
 # -----------------------------------------------------------------------------
 # 6. what a shuffled loader refuses, and what it resumes approximately
@@ -378,8 +391,14 @@ def test_refusals_and_another_ranks_state(tmp_path, caplog):
         open_loader("bestfit", cfg, rank=0, world_size=2, shuffle=False, resume_state_dict=state)
     with pytest.raises(ValueError, match="not a state of this shuffled stream .the seeds' form."):
         open_loader("bestfit", cfg, rank=0, world_size=2, resume_state_dict={"pq_idx": 0, "rg_idx": 0, "epoch": 1})
-    with pytest.raises(ValueError, match="cannot tell which documents another order has read"):
+    with pytest.raises(ValueError, match="cannot tell which documents were read under another order"):
         open_loader("bestfit", cfg, rank=0, world_size=2, seed=6, allow_state_mismatch=True, resume_state_dict=state)
+    # nor on other data, even with the same order's settings
+    (tmp_path / "other").mkdir()
+    elastic_corpus(tmp_path / "other", seed=4)
+    with pytest.raises(ValueError, match=r"not a state of this shuffled stream \(files: state"):
+        open_loader("bestfit", cfg, rank=1, world_size=2, data_dir=str(tmp_path / "other"), allow_state_mismatch=True,
+                    resume_state_dict=state)
     for bad, match in ((dict(shuffle=1), "shuffle must be True or False"), (dict(seed=1.5), "seed must be an integer"),
                        (dict(shuffle_window=0), "shuffle_window must be an integer >= 1")):
         with pytest.raises(ValueError, match=match):
