@@ -440,3 +440,27 @@ def test_windows_of_one_document_rarely_share_a_batch(windowed):
           f"{same[1]:.0%} shuffled; median distance {np.median(plain):.0f} vs {np.median(shuffled):.0f} batches")
     assert len(plain) > 50 and len(shuffled) > 50
     assert same[0] > 0.5 and same[1] < same[0] / 3
+
+
+def test_validate_counts_each_ranks_shuffled_share(tmp_path, capsys):
+    # a shuffled rank reads the chunks at its positions of the bucket's permutation: validate (the CLI and
+    # the loader's start-up check) counts those, not chunks rank, rank + W, ... of every file
+    from nanochat.curriculum import rank_shares
+    from nanochat.mixture import main as mixture_main
+    data = mixture_dir(tmp_path)
+    paths = [p + ".bin" for p in list_token_shards(str(tmp_path / "train" / "web"))]
+    chunks = []  # tokens of every chunk of 8 entries, file by file
+    for path in paths:
+        offsets = TokenShard(path).offsets
+        chunks += [int(offsets[min(i + 8, len(offsets) - 1)] - offsets[i]) for i in range(0, len(offsets) - 1, 8)]
+    order = Shuffle(3, 8, "web").units(1, len(chunks), 0, 1).tolist()
+    expected = [sum(chunks[g] for g in order[r::3]) for r in range(3)]
+    shuffled = rank_shares(paths, 8, 3, Shuffle(3, 8, "web"))
+    assert shuffled == expected and sum(shuffled) == sum(chunks)
+    assert shuffled != rank_shares(paths, 8, 3)  # (for this seed) other chunks than file order deals
+    config = tmp_path / "cur.json"
+    config.write_text(json.dumps(CURRICULUM))
+    args = ["validate", str(config), "--data", data, "--world-size", "3", "--chunk-size", "8"]
+    assert mixture_main(args + ["--shuffle", "--seed", "3", "--allow-bucket-exhaustion"]) == 0
+    web = [line for line in capsys.readouterr().out.splitlines() if " web " in line]
+    assert web and web[0].split()[6].replace(",", "") == str(min(shuffled)), web
