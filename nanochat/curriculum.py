@@ -22,7 +22,7 @@ from typing import NamedTuple
 import numpy as np
 import yaml
 
-from nanochat.layout import describe_mismatch
+from nanochat.layout import check_kind
 from nanochat.shuffle import Shuffle
 from nanochat.token_shards import TokenShard, list_token_shards
 
@@ -52,9 +52,7 @@ def list_buckets(data_dir: str, split: str) -> dict[str, list[str]]:
                 buckets[name] = paths
     if buckets:
         return buckets
-    mismatch = describe_mismatch(data_dir, "buckets")
-    if mismatch:
-        raise ValueError(mismatch)
+    check_kind(data_dir, "buckets")
     command = f"python -m nanochat.pretokenize --input ... --output {data_dir} --bucket NAME"
     if not os.path.isdir(split_dir):
         raise FileNotFoundError(f"{split_dir} does not exist: buckets are subdirectories {split_dir}/<bucket>/ of "

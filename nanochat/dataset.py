@@ -38,7 +38,7 @@ from nanochat.download import (  # the constants, check_disk_space, HostNotFound
     RETRY_AFTER_CAP, SHARD_BYTES_ESTIMATE, DownloadError, HostNotFoundError, Limits, Report, check_disk_space,
     check_files, check_url, download_file, download_files, record_path, summarize,
 )
-from nanochat.layout import describe_mismatch
+from nanochat.layout import check_kind
 
 logger = logging.getLogger(__name__)
 
@@ -146,9 +146,8 @@ def list_parquet_files(data_dir: str | None = None) -> list[str]:
             f"data directory {data_dir} does not exist; download some shards first: "
             "python -m nanochat.dataset -n 8")
     names = sorted(f for f in os.listdir(data_dir) if f.endswith(".parquet"))
-    mismatch = None if names else describe_mismatch(data_dir, "parquet")
-    if mismatch:
-        raise ValueError(mismatch)
+    if not names:
+        check_kind(data_dir, "parquet")
     return [os.path.join(data_dir, f) for f in names]
 
 

@@ -94,6 +94,13 @@ def _enclosing(directory: str) -> tuple[str, str, str | None] | None:
     return None
 
 
+def check_kind(directory: str, wanted: str) -> None:
+    """ValueError (describe_mismatch's message) when directory holds another kind of data than wanted."""
+    mismatch = describe_mismatch(directory, wanted)
+    if mismatch:
+        raise ValueError(mismatch)
+
+
 def describe_mismatch(directory: str, wanted: str) -> str | None:
     """A message for a directory that holds another kind of data than the caller reads or writes: what it
     holds, and what to pass instead. wanted: "parquet" (the parquet loader, the dataset listing),

@@ -154,7 +154,7 @@ from tqdm import tqdm
 
 from nanochat.common import get_dist_info
 from nanochat.dataset import open_parquet, read_jsonl_texts, read_row_group_texts, split_parquet_files
-from nanochat.layout import describe_mismatch
+from nanochat.layout import check_kind
 from nanochat.packing import next_cut
 from nanochat.tokenizer import TOKENIZER_FILENAME, RustBPETokenizer, get_tokenizer_dir
 # TokenShard, list_token_shards, recorded_vocab_size and write_token_shard: importable from here too, as before
@@ -592,9 +592,7 @@ def main(argv: list[str] | None = None) -> int:
     mine = all_jobs[rank::world_size]
     # never into a directory of another kind of data (parquet shards, a split's or bucket's own pairs,
     # buckets for a plain run, a plain output for a bucket)
-    mismatch = describe_mismatch(args.output, "output" if args.bucket is None else "bucket output")
-    if mismatch:
-        raise ValueError(mismatch)
+    check_kind(args.output, "output" if args.bucket is None else "bucket output")
     # A plain output keeps its settings and locks at its top. A bucket keeps them in its own directories
     # (the lock in train/<bucket>/, the settings in each split's), so that buckets made by separate runs,
     # windowed differently, share one output, and the mixture loader finds each bucket's vocabulary.

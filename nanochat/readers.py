@@ -27,7 +27,7 @@ from typing import NamedTuple
 import numpy as np
 
 from nanochat.dataset import open_parquet, read_row_group_column
-from nanochat.layout import describe_mismatch
+from nanochat.layout import check_kind
 from nanochat.options import check_positive
 from nanochat.token_shards import META_FILENAME, TokenShard, entry_count, list_token_shards, recorded_settings
 
@@ -310,9 +310,7 @@ def shard_paths(data_dir: str, split: str) -> list[str]:
     paths = [prefix + ".bin" for prefix in list_token_shards(split_dir)] if os.path.isdir(split_dir) else []
     if paths:
         return paths
-    mismatch = describe_mismatch(data_dir, "pretokenized")
-    if mismatch:
-        raise ValueError(mismatch)
+    check_kind(data_dir, "pretokenized")
     command = f"python -m nanochat.pretokenize --input <parquet dir, or jsonl files> --output {data_dir}"
     if not os.path.isdir(split_dir):
         raise FileNotFoundError(f"{split_dir} does not exist; pretokenize shards first: {command}")
