@@ -1,10 +1,15 @@
-"""Shared fixtures: tiny parquet shards written with pyarrow into tmp dirs, and a byte-level tokenizer."""
+"""Shared fixtures: tiny parquet shards written with pyarrow into tmp dirs, a byte-level tokenizer, and where a
+state's buffered documents are."""
 
 import os
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+
+from nanochat.readers import RowGroupIndex
+from nanochat.state import decode_keys
+from nanochat.state_checks import config_shuffle
 
 
 def write_shard(path, texts, row_group_size):
@@ -71,3 +76,17 @@ def _isolated_base_dir(tmp_path, monkeypatch):
     monkeypatch.delenv("NANOCHAT_DATA_URL", raising=False)
     for var in ("RANK", "LOCAL_RANK", "WORLD_SIZE"):
         monkeypatch.delenv(var, raising=False)
+
+
+def buffered_places(state, paths, chunk_size=None) -> list[tuple]:
+    """Where a state's buffered documents are: (epoch, pq_idx, rg_idx, row). A shuffled stream names those of its
+    windows by position, (epoch, window, i): the i-th entry of that window's order."""
+    config, index = state["config"], RowGroupIndex(paths, chunk_size)
+    shuffle = config_shuffle(config)
+    places = []
+    for key in decode_keys(state["buffer"]):
+        if len(key) == 3:
+            table = shuffle.window_table(index, key[0], config["rank"], config["world_size"], key[1])
+            key = (key[0], *shuffle.entry(table, key[2]))
+        places.append(key)
+    return places

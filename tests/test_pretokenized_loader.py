@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import oracle
-from conftest import write_shards
+from conftest import buffered_places, write_shards
 from nanochat.dataloader import (
     pretokenized_distributed_data_loader_with_state_bos_bestfit as PRETOKENIZED,
     tokenizing_distributed_data_loader_with_state_bos_bestfit as PARQUET,
@@ -24,6 +24,7 @@ from nanochat.pretokenize import main as pretokenize_main
 from nanochat.pretokenize import write_token_shard
 from nanochat.resume import merge_states
 from nanochat.state import decode_keys
+from nanochat.token_shards import TokenShard, list_token_shards
 from nanochat.tokenizer import RustBPETokenizer
 
 WORDS = "the data loader packs rows of tokens into batches while windows overlap 12 345 é".split()
@@ -95,7 +96,6 @@ def test_window_overlaps_are_masked_exactly(corpus):
     """Every -100 target predicts a token that repeats the previous window, and every such target
     that made it into a row is -100; nothing else is masked."""
     root, _ = corpus
-    from nanochat.pretokenize import TokenShard, list_token_shards
     shards = [TokenShard(p) for p in list_token_shards(str(root / "windowed" / "train"))]
     assert any(s.overlaps.any() for s in shards)
     loader = PRETOKENIZED(4, 20, "train", device="cpu", buffer_size=5, data_dir=str(root / "windowed"),
@@ -127,7 +127,6 @@ def test_windows_split_by_a_policy_match_the_oracle(corpus, policy, overlap):
     """Windows of 17 tokens (overlap 5) in rows of 13: a window's own overlap and a piece's overlap are
     both masked, exactly where the token-tagged oracle says (tests/oracle.py), one rank."""
     root, _ = corpus
-    from nanochat.pretokenize import TokenShard, list_token_shards
     B, T, chunk, batch = 3, 12, 6, 4
     entries = []  # (tokens, window overlap) in the order one rank reads them, in batches of `batch`
     for prefix in list_token_shards(str(root / "windowed" / "train")):
@@ -191,10 +190,11 @@ def test_max_docs_per_row_is_enforced(corpus):
             next(loader)
 
 
-def test_elastic_resume_in_process(corpus):
+@pytest.mark.parametrize("shuffle", [False, True])
+def test_elastic_resume_in_process(corpus, shuffle):
     root, _ = corpus
     kw = dict(device="cpu", buffer_size=5, data_dir=str(root / "whole"), chunk_size=4, batch_size=3,
-              trace_documents=True)
+              trace_documents=True, shuffle=shuffle, seed=1, shuffle_window=3)
     placed, states = [], []
     for rank in range(2):
         loader = PRETOKENIZED(2, 16, "train", rank=rank, world_size=2, **kw)
@@ -204,6 +204,7 @@ def test_elastic_resume_in_process(corpus):
         states.append(state)
     merged = merge_states(states, 3, data_dir=str(root / "whole"))
     last_epoch = max(s["next"][0] for s in states)
+    paths = [prefix + ".bin" for prefix in list_token_shards(str(root / "whole" / "train"))]
     waiting = []
     for rank in range(3):
         loader = PRETOKENIZED(2, 16, "train", rank=rank, world_size=3, resume_state_dict=merged, **kw)
@@ -211,10 +212,9 @@ def test_elastic_resume_in_process(corpus):
         while state["plan"]:
             _, _, state = next(loader)
             placed += [tuple(k) for row in loader.documents for k in row]
-        waiting += decode_keys(state["buffer"])
+        waiting += buffered_places(state, paths, chunk_size=4)  # (a shuffled state names them by position)
     done = [k for k in placed if k[0] <= last_epoch] + [k for k in waiting if k[0] <= last_epoch]
-    from nanochat.pretokenize import TokenShard, list_token_shards
-    lengths = [len(TokenShard(p)) for p in list_token_shards(str(root / "whole" / "train"))]
+    lengths = [len(TokenShard(p)) for p in paths]
     expected = {(e, f, i // 4, i % 4) for e in range(1, last_epoch + 1) for f, n in enumerate(lengths)
                 for i in range(n)}
     assert len(done) == len(set(done)) and set(done) == expected
@@ -240,7 +240,6 @@ def trained_positions(data_dir, convention: str, documents: list[list[int]], B: 
     one epoch of the pretokenized loader on data_dir (train; its bos_token from pretokenize.json), with
     long_doc_policy="split_reuse" so that nothing is cropped away. A document is its tokens, plus EOD
     under gpt-simple; a target that predicts the BOS starting a document or piece trains none of them."""
-    from nanochat.pretokenize import TokenShard, list_token_shards
     shards = [TokenShard(p) for p in list_token_shards(str(data_dir / "train"))]
     # each entry: its document, and where its body (the tokens after its BOS: all of them under
     # gpt-simple, where the loader prepends one) starts in the document; checked against the document

@@ -3,7 +3,8 @@ Seeded shuffling (shuffle=True, seed=, shuffle_window=), tested as the unshuffle
 - the keyed permutation: a bijection for any n, the same values on every machine (pinned);
 - the shuffled stream token for token against a slow oracle (tests/oracle.py), both parquet loaders;
 - exact resume after every batch (parquet best-fit, split_reuse, concatenating; pretokenized);
-- elastic restarts in one process that place every document once, a chained merge, exact resume mid-plan;
+- elastic restarts in one process that place every document once, a chained merge, exact resume mid-plan
+  (the pretokenized loader's: tests/test_pretokenized_loader.py);
 - mixture buckets: exact resume, and merges that deal nothing twice;
 - what a shuffled loader refuses, and the state's size;
 - how far apart the windows of one document land, shuffled and not.
@@ -16,39 +17,23 @@ from collections import Counter
 
 import numpy as np
 import pytest
-import torch
 from hypothesis import given, settings, strategies as st
 
 import oracle
-from conftest import ByteTokenizer, write_shards
+from conftest import ByteTokenizer, buffered_places, write_shards
 from nanochat.dataloader import pretokenized_distributed_data_loader_with_state_bos_bestfit as PRETOKENIZED
 from nanochat.dataset import split_parquet_files
 from nanochat.mixture import pretokenized_mixture_loader_with_state_bos_bestfit as MIX
 from nanochat.pretokenize import main as pretokenize_main
 from nanochat.resume import merge_states
 from nanochat.shuffle import Shuffle, permutation, permute, round_keys
-from nanochat.readers import RowGroupIndex
 from nanochat.state import decode_keys
-from nanochat.state_checks import config_shuffle
 from nanochat.token_shards import TokenShard, list_token_shards
-from test_resume import (BOS, check_rows_against_trace, elastic_corpus, open_loader, random_corpus, rows_of, take,
+from test_resume import (BOS, check_rows_against_trace, elastic_corpus, open_loader, random_corpus, take,
                          texts_by_key, write_token_dir)
 
 SHUFFLED = dict(shuffle=True, seed=5, shuffle_window=2)
 
-
-def buffered_places(state, paths, chunk_size=None) -> list[tuple]:
-    """Where a state's buffered documents are: (epoch, pq_idx, rg_idx, row). A shuffled stream names those of its
-    windows by position, (epoch, window, i): the i-th entry of that window's order."""
-    config, index = state["config"], RowGroupIndex(paths, chunk_size)
-    shuffle = config_shuffle(config)
-    places = []
-    for key in decode_keys(state["buffer"]):
-        if len(key) == 3:
-            table = shuffle.window_table(index, key[0], config["rank"], config["world_size"], key[1])
-            key = (key[0], *shuffle.entry(table, key[2]))
-        places.append(key)
-    return places
 
 # -----------------------------------------------------------------------------
 # 1. the permutation
@@ -293,32 +278,6 @@ def test_chained_merges_and_exact_resume_mid_plan(tmp_path):
     assert set(counts) == {(e, *key) for e in range(1, last_epoch + 1) for key in texts}
     assert [key for key, c in counts.items() if c != 1] == []
 
-
-def test_pretokenized_elastic_restart(windowed):
-    kw = dict(device="cpu", buffer_size=5, data_dir=str(windowed / "tokens"), chunk_size=4, batch_size=3,
-              trace_documents=True, prefetch=0, shuffle=True, seed=1, shuffle_window=3)
-    placed, states = [], []
-    for rank in range(2):
-        loader = PRETOKENIZED(2, 16, "train", rank=rank, world_size=2, **kw)
-        for _ in range(6):
-            state = next(loader)[2]
-            placed += [tuple(k[:4]) for row in loader.documents for k in row]
-        states.append(state)
-    merged = merge_states(states, 3, data_dir=str(windowed / "tokens"))
-    last_epoch = max(s["next"][0] for s in states)
-    waiting = []
-    for rank in range(3):
-        loader = PRETOKENIZED(2, 16, "train", rank=rank, world_size=3, resume_state_dict=merged, **kw)
-        state = merged["states"][rank]
-        while state["plan"]:
-            state = next(loader)[2]
-            placed += [tuple(k[:4]) for row in loader.documents for k in row]
-        waiting += buffered_places(state, [p + ".bin" for p in list_token_shards(str(windowed / "tokens" / "train"))], 4)
-    done = [k for k in placed if k[0] <= last_epoch] + [k for k in waiting if k[0] <= last_epoch]
-    lengths = [len(TokenShard(p)) for p in list_token_shards(str(windowed / "tokens" / "train"))]
-    expected = {(e, f, i // 4, i % 4) for e in range(1, last_epoch + 1) for f, n in enumerate(lengths)
-                for i in range(n)}
-    assert len(done) == len(set(done)) and set(done) == expected
 
 # -----------------------------------------------------------------------------
 # 5. mixture buckets
