@@ -28,20 +28,23 @@ loader yield the very batches the uninterrupted run would have. It keeps nanocha
 "rg_idx", "epoch"} (the last document batch consumed), and a dict with only those keys still resumes
 approximately, after that row group, as nanochat does.
 
-May import: the stage modules (nanochat.readers, nanochat.stream, nanochat.tokens, nanochat.rows,
-nanochat.packing, nanochat.state, nanochat.prefetch, nanochat.device), nanochat.options, nanochat.dataset.
+May import: the stage modules (nanochat.readers, nanochat.shard_cache, nanochat.stream, nanochat.tokens,
+nanochat.rows, nanochat.packing, nanochat.state, nanochat.prefetch, nanochat.device), nanochat.options,
+nanochat.dataset, nanochat.download.
 """
 
 import os
 
-from nanochat.dataset import split_parquet_files
+from nanochat.dataset import split_parquet_files, streamed_split
 from nanochat.device import DataLoader, DeviceBatches, row_split
-from nanochat.options import check_options, check_positive, check_shuffle, resolve_rank
+from nanochat.download import Limits
+from nanochat.options import check_options, check_positive, check_shuffle, check_stream, resolve_rank
 from nanochat.packing import check_long_doc_policy
 from nanochat.prefetch import EXIT_TIMEOUT, maybe_prefetch  # noqa: F401 (EXIT_TIMEOUT: the README shows it here)
 from nanochat.readers import ParquetReader, ShardReader, shard_paths, shard_vocab
 from nanochat.rows import Tracker, bestfit_batches, concat_batches
-from nanochat.state import stream_config, tokenizer_fingerprint
+from nanochat.shard_cache import ShardCache, read_catalog
+from nanochat.state import decode_keys, stream_config, tokenizer_fingerprint
 from nanochat.stream import start_stream
 from nanochat.tokens import Encoder, ShardDocs, token_batches
 
@@ -64,11 +67,27 @@ def _pipeline(doc_batches, encoder, prefetch: int, pack, tokenizing: bool = True
             stage.close()
 
 
+def _parquet_reader(split, data_dir, streaming, base_url, download_limits):
+    """(reader, shard cache or None) of a split's parquet shards: those on disk, or (streaming) the dataset's,
+    each fetched just before it is read (nanochat/shard_cache.py)."""
+    if streaming is None:
+        return ParquetReader(split_parquet_files(split, data_dir)), None
+    data_dir, paths, urls, val_name = streamed_split(split, data_dir, streaming.num_shards, base_url)
+    limits = Limits() if download_limits is None else download_limits
+    names = [os.path.basename(path) for path in paths]
+    catalog = read_catalog(data_dir, names, urls, limits)
+    cache = ShardCache(data_dir, names, urls, [entry["size"] for entry in catalog], limits=limits, keep=(val_name,),
+                       prefetch_shards=streaming.prefetch_shards, cache_limit=streaming.cache_limit)
+    return ParquetReader(paths, catalog, cache), cache
+
+
 def _setup(kind, tokenizer, B, T, split, tokenizer_threads, tokenizer_batch_size, resume_state_dict,
-           data_dir, rank, world_size, prefetch, allow_state_mismatch, shuffle, buffer_size=None, policy=None):
+           data_dir, rank, world_size, prefetch, allow_state_mismatch, shuffle, streaming, buffer_size=None,
+           policy=None):
     """Validate everything up front (so bad input fails at the call, not deep in a thread), then
-    build the document stream and the state tracker, resuming if asked.
-    Returns (document batches, tracker, seeds position)."""
+    build the document stream and the state tracker, resuming if asked; streaming (settings, base_url,
+    download limits): start fetching what the stream reads first, the buffered documents' shards first.
+    Returns (document batches, tracker, seeds position, shard cache or None)."""
     check_options(B, T, split, prefetch, tokenizer_threads=tokenizer_threads,
                   tokenizer_batch_size=tokenizer_batch_size, buffer_size=buffer_size)
     if buffer_size is None and kind == "bestfit":
@@ -79,13 +98,16 @@ def _setup(kind, tokenizer, B, T, split, tokenizer_threads, tokenizer_batch_size
         if not callable(getattr(tokenizer, method, None)):
             raise TypeError(f"tokenizer must have a {method}() method, got {type(tokenizer).__name__}")
     rank, world_size = resolve_rank(rank, world_size)
-    reader = ParquetReader(split_parquet_files(split, data_dir))
+    reader, cache = _parquet_reader(split, data_dir, *streaming)
     encoder = Encoder(tokenizer, tokenizer_threads)
     config = stream_config(kind, "parquet", split, reader.paths, B, T, buffer_size, tokenizer_batch_size,
-                           tokenizer_fingerprint(tokenizer), rank, world_size, policy=policy, shuffle=shuffle)
+                           tokenizer_fingerprint(tokenizer), rank, world_size, policy=policy, shuffle=shuffle,
+                           sizes=reader.sizes)
     stream, start, position = start_stream(reader, rank, world_size, tokenizer_batch_size, resume_state_dict,
                                            config, allow_state_mismatch, shuffle=shuffle)
-    return stream.batches(), Tracker(kind, stream, encoder, config, start), position
+    if cache is not None:
+        cache.start(stream.file_order(decode_keys(start["buffer"]) if start else ()))
+    return stream.batches(), Tracker(kind, stream, encoder, config, start, cache and cache.hold), position, cache
 
 
 def _max_docs(attention_info: bool, max_docs_per_row: int | None, T: int) -> int | None:
@@ -104,7 +126,9 @@ def tokenizing_distributed_data_loader_with_state_bos_bestfit(
         prefetch: int = 4, with_state: bool = True, allow_state_mismatch: bool = False,
         trace_documents: bool = False, attention_info: bool = False, max_docs_per_row: int | None = None,
         long_doc_policy: str = "crop", split_overlap: int = 0, shuffle: bool = False, seed: int = 0,
-        shuffle_window: int = 8) -> DataLoader:
+        shuffle_window: int = 8, stream: bool | None = None, cache_limit: int | str | None = None,
+        prefetch_shards: int = 2, num_shards: int | None = None, base_url: str | None = None,
+        download_limits: Limits | None = None) -> DataLoader:
     """Yield (inputs, targets, state_dict) forever: (B, T) int64 batches of BOS-aligned best-fit rows.
 
     tokenizer: anything with get_bos_token_id() and encode(list_of_str, prepend=bos, num_threads=n)
@@ -125,16 +149,23 @@ def tokenizing_distributed_data_loader_with_state_bos_bestfit(
     shuffle: read each epoch's row groups in a seeded order (a permutation dealt to the ranks), and the
     documents of every shuffle_window row groups of a rank's share in a seeded order (default: file order,
     as the seeds; for shards that are not shuffled already). seed: picks both orders.
+    stream: fetch the dataset's shards while training, each just before it is read, through the downloader
+    (default: NANOCHAT_STREAM=1; not with shuffle). data_dir is then the cache; cache_limit (bytes or e.g.
+    "20GB", default NANOCHAT_CACHE_LIMIT, else none) bounds its shards; prefetch_shards are fetched ahead;
+    num_shards (default NANOCHAT_STREAM_SHARDS, else all) train shards make the split; base_url (default
+    NANOCHAT_DATA_URL, else the hub) serves them; download_limits: the downloader's retries and time bounds.
+    Batches and states are those of a loader over the same shards on disk (see nanochat/shard_cache.py).
     """
-    doc_batches, tracker, position = _setup(
+    order = check_shuffle(shuffle, seed, shuffle_window)
+    streaming = (check_stream(stream, cache_limit, prefetch_shards, num_shards, order), base_url, download_limits)
+    doc_batches, tracker, position, cache = _setup(
         "bestfit", tokenizer, B, T, split, tokenizer_threads, tokenizer_batch_size, resume_state_dict, data_dir,
-        rank, world_size, prefetch, allow_state_mismatch, check_shuffle(shuffle, seed, shuffle_window),
-        buffer_size=buffer_size,
+        rank, world_size, prefetch, allow_state_mismatch, order, streaming, buffer_size=buffer_size,
         policy=(long_doc_policy, split_overlap))
     max_docs = _max_docs(attention_info, max_docs_per_row, T)
     batches = _pipeline(doc_batches, tracker.encoder, prefetch, lambda tokens: bestfit_batches(
         tokens, tracker, position, B, T, buffer_size, trace_documents, max_docs))
-    return DataLoader(batches, DeviceBatches(B, T, device), row_split, prefetch, with_state, attention_info)
+    return DataLoader(batches, DeviceBatches(B, T, device), row_split, prefetch, with_state, attention_info, cache)
 
 
 def tokenizing_distributed_data_loader_bos_bestfit(*args, **kwargs):
@@ -147,7 +178,9 @@ def tokenizing_distributed_data_loader_with_state(
         device="cuda", resume_state_dict: dict | None = None, *, data_dir: str | None = None,
         rank: int | None = None, world_size: int | None = None, prefetch: int = 4,
         with_state: bool = True, allow_state_mismatch: bool = False, shuffle: bool = False, seed: int = 0,
-        shuffle_window: int = 8) -> DataLoader:
+        shuffle_window: int = 8, stream: bool | None = None, cache_limit: int | str | None = None,
+        prefetch_shards: int = 2, num_shards: int | None = None, base_url: str | None = None,
+        download_limits: Limits | None = None) -> DataLoader:
     """The older concatenating loader: documents back to back (each after its BOS), each batch the
     next B*T+1 tokens of the stream (inputs the first B*T, targets the last B*T), advancing by B*T: the
     last target of a batch is the first input of the next, and no token is skipped. Wastes nothing,
@@ -157,14 +190,18 @@ def tokenizing_distributed_data_loader_with_state(
     stats: tokens_emitted counts tokens consumed, B*T per batch (each token of the stream once, as an
     input); buffer_tokens those tokenized and not yet consumed (a batch's last target among them), so
     tokens_tokenized == tokens_emitted + buffer_tokens. The state's emitted["tokens"] counts the
-    B*T+1 tokens of every batch that its hash covers. shuffle, seed, shuffle_window: as for the best-fit loader."""
-    doc_batches, tracker, position = _setup(
+    B*T+1 tokens of every batch that its hash covers. shuffle, seed, shuffle_window, stream, cache_limit,
+    prefetch_shards, num_shards, base_url, download_limits: as for the best-fit loader."""
+    order = check_shuffle(shuffle, seed, shuffle_window)
+    streaming = (check_stream(stream, cache_limit, prefetch_shards, num_shards, order), base_url, download_limits)
+    doc_batches, tracker, position, cache = _setup(
         "concat", tokenizer, B, T, split, tokenizer_threads, tokenizer_batch_size, resume_state_dict, data_dir,
-        rank, world_size, prefetch, allow_state_mismatch, check_shuffle(shuffle, seed, shuffle_window))
+        rank, world_size, prefetch, allow_state_mismatch, order, streaming)
     batches = _pipeline(doc_batches, tracker.encoder, prefetch,
                         lambda tokens: concat_batches(tokens, tracker, position, B, T, False))
     return DataLoader(batches, DeviceBatches(B, T, device),
-                      lambda flat: (flat[:-1].reshape(B, T), flat[1:].reshape(B, T)), prefetch, with_state)
+                      lambda flat: (flat[:-1].reshape(B, T), flat[1:].reshape(B, T)), prefetch, with_state,
+                      also_close=cache)
 
 
 def tokenizing_distributed_data_loader(*args, **kwargs):

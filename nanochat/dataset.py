@@ -187,6 +187,27 @@ def split_parquet_files(split: str, data_dir: str | None = None) -> list[str]:
     return train
 
 
+def streamed_split(split: str, data_dir: str | None = None, num_shards: int | None = None,
+                   base_url: str | None = None) -> tuple[str, list[str], list[str], str]:
+    """A split of a dataset read while it streams in (a loader's stream=True), whether its files are on disk
+    or not: val is the dataset's last index, train its first num_shards (default: all of them). The dataset
+    is the one data_dir is the directory of, else find_dataset()'s. Returns (data_dir, paths, URLs, the val
+    shard's name)."""
+    _check_split(split)
+    data_dir = find_data_dir() if data_dir is None else os.path.expanduser(os.fspath(data_dir))
+    spec = _dataset_of(data_dir) or find_dataset()
+    if num_shards is None:
+        num_shards = spec.max_shard
+    if isinstance(num_shards, bool) or not isinstance(num_shards, int) or not 1 <= num_shards <= spec.max_shard:
+        raise ValueError(f"num_shards (or NANOCHAT_STREAM_SHARDS) must be an integer in [1, {spec.max_shard}], the "
+                         f"train shards of {spec.name}; got {num_shards!r}")
+    base_url = get_base_url(spec.name) if base_url is None else base_url
+    check_url(base_url)
+    indices = [spec.max_shard] if split == "val" else range(num_shards)
+    return (data_dir, [os.path.join(data_dir, index_to_filename(i)) for i in indices],
+            [shard_url(i, base_url) for i in indices], spec.val_filename)
+
+
 # -----------------------------------------------------------------------------
 # Reading
 

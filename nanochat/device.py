@@ -84,8 +84,9 @@ class DataLoader:
     """
 
     def __init__(self, batches, transfer: DeviceBatches, split_rows, prefetch: int, with_state: bool,
-                 attention_info: bool = False):
+                 attention_info: bool = False, also_close=None):
         self._batches = batches  # generator of (packed, state_dict, stats, extras)
+        self._also_close = also_close  # closed first by close(): a streaming loader's shard cache
         self._attention_info = attention_info
         self._transfer = transfer
         self._split_rows = split_rows
@@ -141,6 +142,8 @@ class DataLoader:
         loader. Idempotent; returns within a second: a thread inside a long call (one tokenizer call)
         ends when that call returns, and starts no other."""
         self._closed = True
+        if getattr(self, "_also_close", None) is not None:  # first: it wakes a reader waiting for a shard
+            self._also_close.close()
         lock = getattr(self, "_lock", None)  # (None: __del__ of an object whose __init__ failed)
         with lock or contextlib.nullcontext():
             source = self._source if self._source is not None else getattr(self, "_batches", None)

@@ -627,6 +627,10 @@ def _download_locked(url: str, path: str, limits: Limits, progress: bool | None,
         except DownloadError as e:
             error, wait = e, None
         except (requests.RequestException, urllib3.exceptions.HTTPError, OSError) as e:
+            if getattr(e, "errno", None) == errno.ENOSPC:  # no retry can help: say so at once
+                raise OSError(errno.ENOSPC, f"{name}: the disk of {os.path.dirname(os.path.abspath(path))} is full "
+                                            f"({_size(tmp)} bytes kept in {tmp}); free some space, or fetch fewer "
+                                            "shards (or pass a smaller cache_limit to a streaming loader)") from None
             failed_url = _failed_url(e, url)  # after a redirect, the host that did not resolve is the target's
             if _dns_failure(e) and urllib.parse.urlsplit(failed_url).hostname not in _ANSWERED_HOSTS:
                 raise _host_not_found(failed_url, _dns_failure(e)) from None
@@ -687,6 +691,56 @@ def _problem_with(path: str) -> BadFileError | str | None:
     except BadFileError as e:
         return e
     return None
+
+
+# -----------------------------------------------------------------------------
+# A file's last bytes: the footer of a shard that is not fetched yet (a streaming loader's catalog)
+
+TAIL_BYTES = 64 * 1024  # one request holds the footer of a ~100MB hosted shard (~20 KB) with room to spare
+
+
+def fetch_tail(url: str, nbytes: int, limits: Limits | None = None) -> tuple[int, bytes]:
+    """(the file's size, its last min(nbytes, size) bytes) by one HTTP Range request, retried by the rules
+    of a file (limits: attempts, backoff, timeout, deadline). Raises DownloadError naming the URL when it
+    keeps failing or the server ignores Range, HostNotFoundError when the host does not resolve."""
+    check_url(url)
+    limits = Limits() if limits is None else limits
+    deadline = time.monotonic() + limits.deadline
+    headers = {"Range": f"bytes=-{nbytes}", "Accept-Encoding": "identity"}
+    attempt = 1
+    while True:
+        wait = limits.backoff_base * 2 ** (attempt - 1)
+        try:
+            with _session() as session, session.get(url, headers=headers, timeout=limits.timeout) as response:
+                _ANSWERED_HOSTS.update(urllib.parse.urlsplit(r.url).hostname for r in [*response.history, response])
+                _check_status(response, url)
+                if response.status_code != 206:
+                    raise _GiveUp("no Range support", f"{url}: HTTP {response.status_code} to a Range request; "
+                                  "a streaming loader reads each shard's footer before fetching the shard, so the "
+                                  "server must honour Range requests (the Hugging Face hub does)")
+                first, total = _parse_content_range(response.headers.get("Content-Range"))
+                body = response.content
+                if total is None or first + len(body) != total:
+                    raise BadFileError("bad Content-Range", f"{url}: {len(body)} bytes from byte {first} are not the "
+                                                            f"end of a file of {total} bytes")
+                return total, body
+        except _GiveUp:
+            raise
+        except _RetryLater as e:
+            error, wait = e, e.seconds
+        except DownloadError as e:
+            error = e
+        except (requests.RequestException, urllib3.exceptions.HTTPError, OSError) as e:
+            if _dns_failure(e) and urllib.parse.urlsplit(_failed_url(e, url)).hostname not in _ANSWERED_HOSTS:
+                raise _host_not_found(_failed_url(e, url), _dns_failure(e)) from None
+            error = DownloadError(_reason_of(e), f"{url}: {e}")
+        if attempt == limits.max_attempts or time.monotonic() + wait > deadline:
+            raise DownloadError(error.reason, f"{error}; gave up reading the end of {url} after {attempt} "
+                                              f"attempt{'s' if attempt > 1 else ''}")
+        logger.warning("reading the end of %s, attempt %d/%d: %s; retrying in %gs", url, attempt,
+                       limits.max_attempts, error, wait)
+        time.sleep(wait)
+        attempt += 1
 
 
 # -----------------------------------------------------------------------------

@@ -5,6 +5,10 @@ names the argument, not later inside a background thread.
 May import: nanochat.common, nanochat.dataset, nanochat.shuffle.
 """
 
+import os
+import re
+from typing import NamedTuple
+
 from nanochat.common import get_dist_info
 from nanochat.dataset import SPLITS
 from nanochat.shuffle import Shuffle
@@ -50,3 +54,65 @@ def check_shuffle(shuffle, seed, shuffle_window, bucket: str = "") -> Shuffle | 
     check_seed(seed)
     check_positive(shuffle_window=shuffle_window)
     return Shuffle(seed, shuffle_window, bucket) if shuffle else None
+
+
+# -----------------------------------------------------------------------------
+# Streaming from the hub (stream=True): the settings, from the arguments or the environment
+
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def parse_bytes(value, name: str = "cache_limit") -> int:
+    """Bytes from an int or a string such as "20GB", "500 MB", "1.5TiB" (GB = 10**9 bytes, GiB = 2**30)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float, str)):
+        raise ValueError(f"{name} must be a number of bytes or a string like '20GB', got {value!r}")
+    if isinstance(value, str):
+        match = re.fullmatch(r"\s*(\d+(?:\.\d*)?)\s*([a-zA-Z]*)\s*", value)
+        if not match or match.group(2).lower() not in _UNITS:
+            raise ValueError(f"{name}={value!r}: expected bytes or a size like '20GB', '500MB', '1.5TiB'")
+        value = float(match.group(1)) * _UNITS[match.group(2).lower()]
+    if value <= 0:
+        raise ValueError(f"{name} must be > 0 bytes, got {value!r}")
+    return int(value)
+
+
+class Streaming(NamedTuple):
+    cache_limit: int | None  # bytes; None: no limit
+    prefetch_shards: int
+    num_shards: int | None  # train shards of the dataset; None: all
+
+
+def _env(name: str) -> str | None:
+    return os.environ.get(name) or None
+
+
+def check_stream(stream, cache_limit, prefetch_shards, num_shards, shuffle) -> Streaming | None:
+    """A parquet loader's streaming settings (None: it reads the shards on disk). stream=None reads
+    NANOCHAT_STREAM (1 or 0), cache_limit=None NANOCHAT_CACHE_LIMIT, num_shards=None NANOCHAT_STREAM_SHARDS."""
+    if stream is None:
+        value = _env("NANOCHAT_STREAM") or "0"
+        if value not in ("0", "1"):
+            raise ValueError(f"NANOCHAT_STREAM must be 1 (stream the shards) or 0, got {value!r}")
+        stream = value == "1"
+    if not isinstance(stream, bool):
+        raise ValueError(f"stream must be True, False or None (NANOCHAT_STREAM), got {stream!r}")
+    if not stream:
+        return None
+    if shuffle:
+        raise ValueError("stream=True reads the shards in file order, fetching each just before it is read; "
+                         "shuffle=True reads a row group of every shard in turn, which needs them all on disk. "
+                         "The hosted shards are shuffled already: pass shuffle=False, or fetch the shards first "
+                         "(python -m nanochat.dataset -n N) and read them without stream")
+    if cache_limit is None and _env("NANOCHAT_CACHE_LIMIT"):
+        cache_limit = parse_bytes(_env("NANOCHAT_CACHE_LIMIT"), "NANOCHAT_CACHE_LIMIT")
+    elif cache_limit is not None:
+        cache_limit = parse_bytes(cache_limit)
+    if isinstance(prefetch_shards, bool) or not isinstance(prefetch_shards, int) or prefetch_shards < 0:
+        raise ValueError(f"prefetch_shards must be an integer >= 0 (shards fetched ahead), got {prefetch_shards!r}")
+    if num_shards is None and _env("NANOCHAT_STREAM_SHARDS"):
+        value = _env("NANOCHAT_STREAM_SHARDS")
+        if not value.isdigit():
+            raise ValueError(f"NANOCHAT_STREAM_SHARDS must be a number of train shards, got {value!r}")
+        num_shards = int(value)
+    return Streaming(cache_limit, prefetch_shards, num_shards)

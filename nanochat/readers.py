@@ -42,10 +42,11 @@ class RowGroupIndex:
     of a pretokenized shard (chunk_size set). Counted lazily, a file's footer or index when that
     file is first asked about; only a plan's bitmaps (after an elastic merge) need them all."""
 
-    def __init__(self, paths: list[str], chunk_size: int | None = None):
+    def __init__(self, paths: list[str], chunk_size: int | None = None, rows: list[list[int]] | None = None):
         self.paths = paths
         self.chunk_size = chunk_size
-        self._sizes: dict[int, list[int]] = {}  # pq_idx -> documents in each of its units
+        # pq_idx -> documents in each of its units; given (rows) for shards a streaming loader has not fetched yet
+        self._sizes: dict[int, list[int]] = dict(enumerate(rows)) if rows is not None else {}
         self._bases: list[int] | None = None  # cumulative counts: where each file starts
 
     def sizes(self, pq_idx: int) -> list[int]:
@@ -93,16 +94,19 @@ class RowGroupIndex:
 
 
 class ParquetReader:
-    """The stream's view of parquet shards: units are row groups, items are texts to tokenize."""
+    """The stream's view of parquet shards: units are row groups, items are texts to tokenize.
+    Streaming (nanochat/shard_cache.py): `catalog` gives each shard's size and row-group counts before it is
+    fetched, and `cache.need(pq_idx)` waits for a shard to be on disk before it is read."""
 
     unit_name = "row group"
 
-    def __init__(self, paths: list[str]):
-        self.paths = paths
-        self.index = RowGroupIndex(paths)
+    def __init__(self, paths: list[str], catalog: list[dict] | None = None, cache=None):
+        self.paths, self.cache = paths, cache
+        self.sizes = [entry["size"] for entry in catalog] if catalog else None  # None: from the files
+        self.index = RowGroupIndex(paths, rows=[entry["rows"] for entry in catalog] if catalog else None)
 
     def read(self, pq_idx: int, rg_idx: int):
-        path = self.paths[pq_idx]
+        path = self.cache.need(pq_idx) if self.cache else self.paths[pq_idx]
         return read_row_group_column(open_parquet(path), rg_idx, path)
 
     @staticmethod

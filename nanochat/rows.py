@@ -45,8 +45,9 @@ class Source:
 class Tracker:
     """Builds the state yielded with each batch, and restores a packer from one."""
 
-    def __init__(self, kind: str, stream: Stream, encoder, config: dict, start: dict | None):
+    def __init__(self, kind: str, stream: Stream, encoder, config: dict, start: dict | None, watch=None):
         self.kind, self.stream, self.encoder, self.config = kind, stream, encoder, config
+        self.watch = watch  # called with each state's buffered keys (a streaming loader keeps their shards)
         self.start = start  # a version-2 state that continues this stream, or None
         emitted = start["emitted"] if start else {"batches": 0, "tokens": 0, "hash": EMPTY_HASH}
         self.batches, self.tokens, self.hash = emitted["batches"], emitted["tokens"], emitted["hash"]
@@ -96,11 +97,14 @@ class Tracker:
         units, cursor = self.stream.remaining_plan(source.after)
         pq_idx, rg_idx, epoch = source.position
         counters = {name: getattr(packer, name) for name in packer.COUNTERS}
+        keys = packer.buffered_keys()
+        if self.watch is not None:
+            self.watch(keys)
         return seal({
             "version": VERSION, "loader": self.kind,
             "pq_idx": pq_idx, "rg_idx": rg_idx, "epoch": epoch,
             "plan": self._plan_items(units) if units else [], "next": list(cursor),
-            "buffer": encode_keys(packer.buffered_keys()), "pieces": packer.buffered_pieces(),
+            "buffer": encode_keys(keys), "pieces": packer.buffered_pieces(),
             "offset": packer.offset if self.kind == "concat" else 0,
             "config": self.config,
             "emitted": {"batches": self.batches, "tokens": self.tokens, "hash": self.hash},

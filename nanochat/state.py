@@ -174,11 +174,13 @@ def decode_plan(items, index) -> list[Unit]:
 # Fingerprints and checksums
 
 
-def files_fingerprint(paths: list[str]) -> str:
-    """Names and sizes of the split's files: a resume on other data is caught without reading them."""
+def files_fingerprint(paths: list[str], sizes: list[int] | None = None) -> str:
+    """Names and sizes of the split's files: a resume on other data is caught without reading them.
+    sizes: theirs when they are not on disk yet (a streaming loader's catalog); the same fingerprint."""
     h = hashlib.sha256()
-    for path in paths:
-        h.update(f"{os.path.basename(path)}:{os.path.getsize(path)}\n".encode())
+    for i, path in enumerate(paths):
+        size = os.path.getsize(path) if sizes is None else sizes[i]
+        h.update(f"{os.path.basename(path)}:{size}\n".encode())
     return h.hexdigest()[:32]
 
 
@@ -197,10 +199,11 @@ def tokenizer_fingerprint(tokenizer) -> str:
 
 def stream_config(loader: str, source: str, split: str, paths: list[str], B: int, T: int, buffer_size: int | None,
                   batch_size: int, tokenizer: str, rank: int, world_size: int, chunk_size: int | None = None,
-                  policy: tuple[str, int] | None = None, shuffle=None) -> dict:
+                  policy: tuple[str, int] | None = None, shuffle=None, sizes: list[int] | None = None) -> dict:
     """The "config" a loader's states record: what they were taken on (see the module docstring).
-    shuffle: a nanochat.shuffle.Shuffle, recorded only when there is one (unshuffled states stay as they were)."""
-    config = {"loader": loader, "source": source, "split": split, "files": files_fingerprint(paths),
+    shuffle: a nanochat.shuffle.Shuffle, recorded only when there is one (unshuffled states stay as they were).
+    sizes: the files' sizes, when they are not all on disk (streaming)."""
+    config = {"loader": loader, "source": source, "split": split, "files": files_fingerprint(paths, sizes),
               "num_files": len(paths)}
     if chunk_size is not None:
         config["chunk_size"] = chunk_size

@@ -138,6 +138,25 @@ class Stream:
         self._units.clear()
         yield from self._shuffled() if self.shuffle else self._regular()
 
+    def file_order(self, keys=()):
+        """The files this (unshuffled) stream will read, in order, a file once per visit: those of the given
+        documents first (a buffer to restore), then its plan's, then its regular stream's, epoch after epoch.
+        What a streaming loader fetches ahead (nanochat/shard_cache.py)."""
+        for key in keys:
+            yield key[1]
+        for unit in self.plan:
+            yield unit[1]
+        epoch, pq_idx, rg_idx, _ = self.start
+        while self.epochs is None or epoch <= self.epochs:
+            visited = False
+            for p in range(pq_idx, len(self.paths)):
+                if (rg_idx if p == pq_idx else self.rank) < self.index.count(p):
+                    visited = True
+                    yield p
+            if not visited and pq_idx == 0 and rg_idx == self.rank:
+                return  # nothing for this rank in a whole pass (the reader raises _no_documents)
+            epoch, pq_idx, rg_idx = epoch + 1, 0, self.rank
+
     def _no_documents(self) -> ValueError:
         # the reference loops here forever; a rank with nothing to read is a configuration error
         return ValueError(

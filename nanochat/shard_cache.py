@@ -1,0 +1,448 @@
+"""
+Shards fetched just ahead of the reader (a loader's stream=True): training starts once the first shard is on
+disk, not after all of them, and the data directory stays within a disk budget (cache_limit).
+
+    catalog = read_catalog(data_dir, names, urls, limits)   # name -> (size, documents per row group)
+    cache = ShardCache(data_dir, names, urls, sizes, prefetch_shards=2, cache_limit=20e9, limits=limits)
+    cache.start(order)     # order: the shards the reader will read, in order (Stream.file_order)
+    cache.need(pq_idx)     # its path, once it is on disk: waits, bounded
+    cache.hold(keys)       # the documents a state just yielded still buffers
+    cache.close()
+
+The catalog. A stream needs each shard's row-group counts (its index) and size (the state's fingerprint of
+the files) before it reads the shard. Both come from the shard's end, one HTTP Range request each, and are
+kept in data_dir/.stream/catalog.json, so a restart reads nothing over the network for them.
+
+Fetching. One background thread per loader fetches, through nanochat.download (the retries, time bounds,
+verification and per-file lock of the CLI), the shard the reader needs now, then the next prefetch_shards
+of its order. Every local rank reads the same shards in the same order (each its own row groups), so the
+per-file lock makes one of them download a shard and the others find it there: once per machine. A shard
+that arrives is checked against its catalog entry.
+
+The budget. Before a download, shards are evicted until the data directory's shards, with every download
+in flight counted whole, fit in cache_limit. Only shards a streaming loader fetched (listed in
+.stream/fetched.json) are evicted, never the val shard, and never one that a loader of this machine still
+needs: each records, in .stream/needs-<host>-<pid>-<n>.json, the shard it reads, the next prefetch_shards
+of its order (its plan's, after an elastic resume) and those its recent states' buffers refer to (a resume
+from them re-reads those documents). A record whose process is gone is ignored. A budget below what must be
+held at once is a ValueError at the start.
+
+May import: nanochat.dataset, nanochat.download, nanochat.files, pyarrow, filelock.
+"""
+
+import errno
+import itertools
+import json
+import logging
+import os
+import shutil
+import socket
+import threading
+import time
+from collections import deque
+from concurrent.futures import ThreadPoolExecutor
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+from filelock import FileLock
+
+from nanochat.dataset import open_parquet
+from nanochat.download import MAGIC, TAIL_BYTES, DownloadError, Limits, download_file, fetch_tail, record_path
+from nanochat.files import remove_if_exists
+
+logger = logging.getLogger("nanochat.dataloader.shard_cache")
+
+STREAM_DIR = ".stream"  # in the data directory: the catalog, the fetched list, each loader's needs
+LOOKAHEAD = 64  # distinct shards of the order searched for the one the reader asks for
+HELD_STATES = 8  # recent states whose buffers are protected (a DataLoader yields a few behind its packer)
+NEED_MARGIN = 120.0  # seconds need() waits past the downloader's deadline (another rank's download, room)
+ROOM_WAIT = 600.0  # seconds the shard the reader waits for may find no room before that is an error
+def _gb(nbytes: float) -> str:
+    return f"{nbytes / 1e9:.2f} GB"
+
+
+def _write_json(path: str, value) -> None:
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "w") as f:
+        json.dump(value, f)
+    os.replace(tmp, path)
+
+
+def _read_json(path: str, default):
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except FileNotFoundError:
+        return default
+    except (OSError, ValueError) as e:
+        logger.warning("%s is unreadable (%s); starting it afresh", path, e)
+        return default
+
+
+# -----------------------------------------------------------------------------
+# The catalog: sizes and row-group counts before the shards are fetched
+
+
+def footer_rows(tail: bytes, url: str) -> list[int] | None:
+    """Documents per row group from a parquet file's last bytes; None when they do not hold the whole footer."""
+    if len(tail) < 12 or tail[-4:] != MAGIC:
+        raise ValueError(f"{url} does not end with {MAGIC!r}: not a parquet file")
+    length = int.from_bytes(tail[-8:-4], "little")
+    if length + 8 > len(tail):
+        return None
+    try:
+        meta = pq.read_metadata(pa.BufferReader(MAGIC + tail[-(length + 8):]))
+    except (pa.ArrowException, OSError) as e:
+        raise ValueError(f"{url}: its parquet footer cannot be read ({e})") from None
+    return [meta.row_group(g).num_rows for g in range(meta.num_row_groups)]
+
+
+def _entry(path: str, url: str, limits: Limits) -> dict:
+    """One shard's catalog entry: from the file when it is on disk (complete: only verified files have final
+    names), else from its footer on the server."""
+    if os.path.exists(path):
+        meta = open_parquet(path).metadata
+        rows = [meta.row_group(g).num_rows for g in range(meta.num_row_groups)]
+        return {"url": url, "size": os.path.getsize(path), "rows": rows}
+    size, tail = fetch_tail(url, TAIL_BYTES, limits)
+    rows = footer_rows(tail, url)
+    if rows is None:  # a footer longer than one request: ask for exactly it
+        size, tail = fetch_tail(url, int.from_bytes(tail[-8:-4], "little") + 8, limits)
+        rows = footer_rows(tail, url)
+    return {"url": url, "size": size, "rows": rows}
+
+
+def read_catalog(data_dir: str, names: list[str], urls: list[str], limits: Limits, workers: int = 8) -> list[dict]:
+    """The catalog entries {"url", "size", "rows"} of the given shards, in order: from .stream/catalog.json, or
+    read (8 at a time) and added to it. Raises ConnectionError naming the shard and URL when a footer cannot
+    be fetched."""
+    directory = os.path.join(data_dir, STREAM_DIR)
+    os.makedirs(directory, exist_ok=True)
+    path = os.path.join(directory, "catalog.json")
+    known = _read_json(path, {})
+    missing = [(name, url) for name, url in zip(names, urls) if known.get(name, {}).get("url") != url]
+    if missing:
+        logger.info("reading the footers of %d shards from %s (kept in %s)", len(missing),
+                    missing[0][1].rsplit("/", 1)[0], path)
+
+        def one(item):
+            name, url = item
+            try:
+                return name, _entry(os.path.join(data_dir, name), url, limits)
+            except DownloadError as e:
+                raise ConnectionError(f"could not read the footer of shard {name} from {url}: {e}") from None
+
+        with ThreadPoolExecutor(max(1, min(workers, len(missing)))) as pool:
+            found = dict(pool.map(one, missing))
+        with FileLock(os.path.join(directory, "lock")):
+            known = _read_json(path, {}) | found
+            _write_json(path, known)
+    return [known[name] for name in names]
+
+
+# -----------------------------------------------------------------------------
+# The cache
+
+
+class ShardCache:
+    """Fetches one split's shards just ahead of its reader, within a budget (see the module docstring)."""
+
+    _count = itertools.count()
+
+    def __init__(self, data_dir: str, names: list[str], urls: list[str], sizes: list[int], *, prefetch_shards: int,
+                 cache_limit: int | None, limits: Limits, keep: tuple[str, ...] = ()):
+        self.data_dir, self.names, self.urls, self.sizes = data_dir, names, urls, sizes
+        self.prefetch_shards, self.limit, self.limits = prefetch_shards, cache_limit, limits
+        self.keep = set(keep)  # never evicted: the val shard
+        self.directory = os.path.join(data_dir, STREAM_DIR)
+        self.lock_file = FileLock(os.path.join(self.directory, "lock"))
+        self.me = f"needs-{socket.gethostname()}-{os.getpid()}-{next(self._count)}.json"
+        self._cond = threading.Condition()
+        self._order = iter(())
+        self._current: int | None = None
+        self._ahead: list[int] = []  # the next distinct shards of the order after the current one
+        self._ready: set[int] = set()
+        self._failed: dict[int, BaseException] = {}
+        self._held: deque = deque(maxlen=HELD_STATES)
+        self._fetching: str | None = None
+        self._published = None
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.room_wait = ROOM_WAIT
+        self._short_since: float | None = None
+        self.fetched_bytes = 0  # what this cache downloaded (for the benchmark)
+        self.peak_bytes = 0  # the most the data directory's shards took at once, as this cache measured it
+        self._check_budget()
+
+    # -- the budget ------------------------------------------------------------------
+
+    def _shard_files(self) -> dict[str, int]:
+        """name -> bytes of every shard in the data directory, partial downloads (.tmp) under the shard's name."""
+        sizes: dict[str, int] = {}
+        with os.scandir(self.data_dir) as entries:
+            for entry in entries:
+                if entry.name.endswith(".parquet") or entry.name.endswith(".parquet.tmp"):
+                    try:
+                        size = entry.stat().st_size
+                    except FileNotFoundError:
+                        continue
+                    name = entry.name.removesuffix(".tmp")
+                    sizes[name] = sizes.get(name, 0) + size
+        return sizes
+
+    def _check_budget(self) -> None:
+        if self.limit is None:
+            return
+        fetched = set(_read_json(os.path.join(self.directory, "fetched.json"), []))
+        fixed = {name: size for name, size in self._shard_files().items() if name not in fetched or name in self.keep}
+        largest = max(self.sizes)
+        least = sum(fixed.values()) + (self.prefetch_shards + 2) * largest  # +2: the one read now, a rank out of step
+        if self.limit < least:
+            raise ValueError(
+                f"cache_limit={_gb(self.limit)} is below what this streaming loader must hold at once, {_gb(least)}: "
+                f"the shard it reads, prefetch_shards={self.prefetch_shards} ahead and one for a local rank out of "
+                f"step, {self.prefetch_shards + 2} x {largest / 1e6:.1f} MB (the largest shard), plus "
+                f"{_gb(sum(fixed.values()))} of shards in {self.data_dir} that it may not evict ({len(fixed)}: the val "
+                "shard and those it did not fetch); raise cache_limit, lower prefetch_shards, or use another data_dir")
+
+    def _records(self) -> list[dict]:
+        """The needs of every live loader of this machine (self included), dropping those of gone processes."""
+        records = []
+        host = socket.gethostname()
+        for name in os.listdir(self.directory):
+            if not (name.startswith("needs-") and name.endswith(".json")):
+                continue
+            record = _read_json(os.path.join(self.directory, name), None)
+            if not isinstance(record, dict):
+                continue
+            if record.get("host") == host and not _alive(record.get("pid")):
+                remove_if_exists(os.path.join(self.directory, name))
+                continue
+            records.append(record)
+        return records
+
+    def _make_room(self, name: str, now: bool) -> bool:
+        """Evict until `name` fits (under the directory lock); False when it cannot yet. Shards no loader reads
+        or buffers go first; those only buffered (a resume from a recent state would re-read them) only for the
+        shard a reader waits for: the buffer cannot move on until it arrives."""
+        fetched_path = os.path.join(self.directory, "fetched.json")
+        fetched = _read_json(fetched_path, [])
+        on_disk = self._shard_files()
+        records = self._records()
+        reading = set(self.keep).union(*(r.get("reading", []) for r in records))
+        buffered = set().union(*(r.get("buffered", []) for r in records))
+        in_flight = {n for r in records for n in r.get("fetching", [])} | {name}
+        size_of = dict(zip(self.names, self.sizes))
+        used = sum(on_disk.values()) + sum(size_of.get(n, 0) - on_disk.get(n, 0) for n in in_flight
+                                           if n in size_of and on_disk.get(n, 0) < size_of[n])
+        if self.limit is not None:
+            victims = sorted((n for n in fetched if n in on_disk and n not in reading and n not in in_flight
+                              and (now or n not in buffered)),
+                             key=lambda n: (n in buffered, _mtime(os.path.join(self.data_dir, n))))
+            while used > self.limit and victims:
+                victim = victims.pop(0)
+                path = os.path.join(self.data_dir, victim)
+                remove_if_exists(path)
+                remove_if_exists(record_path(path))
+                used -= on_disk.pop(victim)
+                fetched.remove(victim)
+                logger.debug("evicted %s", victim)
+            _write_json(fetched_path, fetched)
+            if used > self.limit:
+                return False
+        self.peak_bytes = max(self.peak_bytes, used)
+        missing = size_of.get(name, 0) - on_disk.get(name, 0)
+        free = shutil.disk_usage(self.data_dir).free
+        if missing > free:
+            raise OSError(errno.ENOSPC, f"{name} needs {missing / 1e6:.1f} MB more but {self.data_dir} has "
+                                        f"{free / 1e6:.1f} MB free (the disk is full); free some space, pass a "
+                                        "smaller cache_limit, or a data_dir on a bigger disk")
+        return True
+
+    # -- what this loader needs --------------------------------------------------------
+
+    def _fill(self, count: int) -> None:
+        """Extend _ahead to `count` shards (or the order's end); consecutive repeats are one visit."""
+        while len(self._ahead) < count:
+            last = self._ahead[-1] if self._ahead else self._current
+            nxt = next((p for p in self._order if p != last), None)
+            if nxt is None:
+                return
+            self._ahead.append(nxt)
+
+    def _publish(self) -> None:
+        """Write this loader's needs when they changed (the caller holds _cond)."""
+        reading = [] if self._current is None else [self._current]
+        reading = sorted({self.names[p] for p in reading + self._ahead[:self.prefetch_shards]})
+        buffered = sorted({self.names[p] for p in set().union(*self._held)})
+        fetching = [self._fetching] if self._fetching else []
+        if (reading, buffered, fetching) == self._published:
+            return
+        with self.lock_file:
+            _write_json(os.path.join(self.directory, self.me), {"host": socket.gethostname(), "pid": os.getpid(),
+                                                                 "reading": reading, "buffered": buffered,
+                                                                 "fetching": fetching})
+        self._published = (reading, buffered, fetching)
+
+    def hold(self, keys) -> None:
+        """The documents a state just built still buffers, by key (epoch, pq_idx, ...): their shards stay."""
+        held = {key[1] for key in keys}
+        with self._cond:
+            if not self._held or held != self._held[-1]:
+                self._held.append(held)
+                self._publish()
+            else:
+                self._held.append(held)
+
+    # -- the fetching thread -------------------------------------------------------------
+
+    def start(self, order) -> None:
+        """Begin fetching along `order`, the shards the reader will read (pq_idx, in order)."""
+        with self._cond:
+            self._order = iter(order)
+            self._fill(self.prefetch_shards + 1)
+            if self._ahead:
+                self._current = self._ahead.pop(0)
+            self._publish()
+        self._thread = threading.Thread(target=self._run, name="nanochat-shards", daemon=True)
+        self._thread.start()
+
+    def _next_target(self) -> int | None:
+        wanted = ([] if self._current is None else [self._current]) + self._ahead[:self.prefetch_shards]
+        return next((p for p in wanted if p not in self._ready and p not in self._failed), None)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            with self._cond:
+                target = self._next_target()
+                if target is None:
+                    self._cond.wait(1.0)
+                    continue
+                now = target == self._current
+            try:
+                if self._fetch(target, now):
+                    with self._cond:
+                        self._ready.add(target)
+                        self._cond.notify_all()
+                else:
+                    with self._cond:
+                        self._cond.wait(0.5)  # no room yet: other loaders of this machine still hold it
+            except BaseException as e:  # handed to the reader, which raises it
+                if self._stop.is_set():
+                    return
+                with self._cond:
+                    self._failed[target] = e
+                    self._cond.notify_all()
+
+    def _fetch(self, p: int, now: bool) -> bool:
+        name, url = self.names[p], self.urls[p]
+        path = os.path.join(self.data_dir, name)
+        with self._cond:  # (lock order: _cond, then the directory lock; never the other way round)
+            self._fetching = name
+            self._publish()
+        with self.lock_file:
+            room = self._make_room(name, now)
+        if not room:
+            with self._cond:
+                self._fetching = None
+                self._publish()
+            if not now:
+                return False
+            # the shard the reader waits for: the other loaders of this machine may still be reading what fills the
+            # budget, and move on within seconds (ranks train in step); past ROOM_WAIT they will not
+            self._short_since = self._short_since or time.monotonic()
+            if time.monotonic() - self._short_since > self.room_wait:
+                raise ValueError(f"cache_limit={_gb(self.limit)} has had no room for {name} for {self.room_wait:g}s: "
+                                 f"the shards that the loaders of this machine still need fill it (.stream/needs-*.json "
+                                 f"in {self.data_dir}); raise cache_limit or lower prefetch_shards")
+            return False
+        self._short_since = None
+        try:
+            replaced = download_file(url, path, self.limits, stop=self._stop)
+        except DownloadError as e:
+            raise ConnectionError(f"could not fetch shard {name} from {url}: {e}") from None
+        finally:
+            with self._cond:
+                self._fetching = None
+                self._publish()
+        meta = open_parquet(path).metadata
+        rows = [meta.row_group(g).num_rows for g in range(meta.num_row_groups)]
+        expected = read_catalog(self.data_dir, [name], [url], self.limits)[0]
+        if (os.path.getsize(path), rows) != (expected["size"], expected["rows"]):
+            raise ValueError(f"{path} ({url}) is not the shard the stream was planned on: {os.path.getsize(path)} "
+                             f"bytes and {len(rows)} row groups, the catalog {os.path.join(self.directory, 'catalog.json')} "
+                             f"says {expected['size']} and {len(expected['rows'])}; the file changed on the server. "
+                             "Remove the catalog to start over (states taken on the old files will be refused)")
+        if replaced is not None:  # this loader downloaded it: it may evict it
+            self.fetched_bytes += os.path.getsize(path)
+            with self.lock_file:
+                fetched_path = os.path.join(self.directory, "fetched.json")
+                _write_json(fetched_path, sorted(set(_read_json(fetched_path, [])) | {name}))
+        return True
+
+    # -- the reader's side ---------------------------------------------------------------
+
+    def need(self, p: int) -> str:
+        """The path of shard p once it is on disk; moves this loader's place in its order to p. Waits at most
+        the downloader's deadline plus NEED_MARGIN, then raises; a failed fetch raises its error."""
+        with self._cond:
+            if p != self._current:
+                self._fill(LOOKAHEAD)
+                if p in self._ahead:
+                    del self._ahead[:self._ahead.index(p) + 1]
+                    self._current = p
+                    self._fill(self.prefetch_shards)
+                    self._publish()
+                    self._cond.notify_all()
+                else:  # not where the order said: fetched all the same
+                    logger.debug("shard %s read out of the expected order", self.names[p])
+                    self._current = p
+                    self._publish()
+                    self._cond.notify_all()
+            deadline = time.monotonic() + self.limits.deadline + self.room_wait + NEED_MARGIN
+            while p not in self._ready:
+                if p in self._failed:
+                    raise self._failed.pop(p)
+                if self._stop.is_set():
+                    raise RuntimeError("the shard cache is closed")
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TimeoutError(f"shard {self.names[p]} ({self.urls[p]}) is not on disk after "
+                                       f"{self.limits.deadline + self.room_wait + NEED_MARGIN:g}s")
+                self._cond.wait(min(left, 1.0))
+        path = os.path.join(self.data_dir, self.names[p])
+        if not os.path.exists(path):  # evicted by another loader between two visits: fetch it again
+            with self._cond:
+                self._ready.discard(p)
+                self._cond.notify_all()
+            return self.need(p)
+        return path
+
+    def close(self) -> None:
+        """Stop fetching (a download in flight stops at its next read) and withdraw this loader's needs."""
+        self._stop.set()
+        with self._cond:
+            self._cond.notify_all()
+        if self._thread is not None:
+            self._thread.join(timeout=5.0)
+        with self.lock_file:
+            remove_if_exists(os.path.join(self.directory, self.me))
+
+
+def _alive(pid) -> bool:
+    if not isinstance(pid, int):
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _mtime(path: str) -> float:
+    try:
+        return os.path.getmtime(path)
+    except FileNotFoundError:
+        return 0.0
