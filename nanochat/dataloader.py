@@ -35,7 +35,7 @@ nanochat.dataset, nanochat.download.
 
 import os
 
-from nanochat.dataset import split_parquet_files, streamed_split
+from nanochat.dataset import split_parquet_files
 from nanochat.device import DataLoader, DeviceBatches, row_split
 from nanochat.download import Limits
 from nanochat.options import check_options, check_positive, check_shuffle, check_stream, resolve_rank
@@ -43,7 +43,7 @@ from nanochat.packing import check_long_doc_policy
 from nanochat.prefetch import EXIT_TIMEOUT, maybe_prefetch  # noqa: F401 (EXIT_TIMEOUT: the README shows it here)
 from nanochat.readers import ParquetReader, ShardReader, shard_paths, shard_vocab
 from nanochat.rows import Tracker, bestfit_batches, concat_batches
-from nanochat.shard_cache import ShardCache, read_catalog
+from nanochat.shard_cache import ShardCache, streamed_files
 from nanochat.state import decode_keys, stream_config, tokenizer_fingerprint
 from nanochat.stream import start_stream
 from nanochat.tokens import Encoder, ShardDocs, token_batches
@@ -72,12 +72,11 @@ def _parquet_reader(split, data_dir, streaming, base_url, download_limits):
     each fetched just before it is read (nanochat/shard_cache.py)."""
     if streaming is None:
         return ParquetReader(split_parquet_files(split, data_dir)), None
-    data_dir, paths, urls, val_name = streamed_split(split, data_dir, streaming.num_shards, base_url)
     limits = Limits() if download_limits is None else download_limits
-    names = [os.path.basename(path) for path in paths]
-    catalog = read_catalog(data_dir, names, urls, limits)
-    cache = ShardCache(data_dir, names, urls, [entry["size"] for entry in catalog], limits=limits, keep=(val_name,),
-                       prefetch_shards=streaming.prefetch_shards, cache_limit=streaming.cache_limit)
+    data_dir, paths, urls, val_name, catalog = streamed_files(split, data_dir, streaming.num_shards, base_url, limits)
+    cache = ShardCache(data_dir, [os.path.basename(path) for path in paths], urls, [entry["size"] for entry in catalog],
+                       limits=limits, keep=(val_name,), prefetch_shards=streaming.prefetch_shards,
+                       cache_limit=streaming.cache_limit)
     return ParquetReader(paths, catalog, cache), cache
 
 

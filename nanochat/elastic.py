@@ -12,13 +12,15 @@ piece of a split document is dealt as that piece alone, and so is the unconsumed
 the concatenating loader had started (from its first token not yet consumed: the last target of the
 last batch, if it fell there), so that loader skips no token across an elastic restart either.
 
-May import: nanochat.state, nanochat.state_checks, nanochat.readers, nanochat.dataset, nanochat.token_shards.
+May import: nanochat.state, nanochat.state_checks, nanochat.readers, nanochat.shard_cache, nanochat.dataset,
+nanochat.token_shards.
 """
 
 import os
 
 from nanochat.dataset import split_parquet_files
 from nanochat.readers import RowGroupIndex
+from nanochat.shard_cache import streamed_files
 from nanochat.state import (EMPTY_HASH, VERSION, Key, Unit, decode_keys, decode_pieces, decode_plan, encode_plan,
                             files_fingerprint, intact, seal)
 from nanochat.state_checks import buffer_limit, check_data, check_fields, config_shuffle
@@ -26,9 +28,10 @@ from nanochat.token_shards import list_token_shards
 
 
 def merge_stream_states(states: list, world_size: int, data_dir: str | None, epochs: int | None,
-                        names: list[str]) -> dict:
+                        names: list[str], stream: tuple | None = None) -> dict:
     """merge_states of best-fit or concatenating states (a mixture merges its buckets' with it);
-    names: what messages call each state."""
+    names: what messages call each state; stream: (base_url, download limits) for states of a streaming
+    loader, whose shards need not be on disk (their catalog says their sizes and row groups)."""
     for s, name in zip(states, names):
         if not isinstance(s, dict) or s.get("version") != VERSION:
             raise ValueError(f"{name} is not a version-{VERSION} loader state (field 'version')")
@@ -54,15 +57,21 @@ def merge_stream_states(states: list, world_size: int, data_dir: str | None, epo
     if ranks != list(range(n_old)):
         raise ValueError(f"config.rank: need each of ranks 0..{n_old - 1} once, got {ranks}")
     chunk_size = first["config"].get("chunk_size")
-    if chunk_size is None:
+    rows = sizes = None
+    if chunk_size is None and stream is not None:
+        split = first["config"]["split"]
+        num_shards = first["config"]["num_files"] if split == "train" else None
+        _, paths, _, _, catalog = streamed_files(split, data_dir, num_shards, *stream)
+        rows, sizes = [entry["rows"] for entry in catalog], [entry["size"] for entry in catalog]
+    elif chunk_size is None:
         paths = split_parquet_files(first["config"]["split"], data_dir)
     else:
         if data_dir is None:
             raise ValueError("data_dir: give the pretokenized directory the states were taken on")
         paths = [prefix + ".bin" for prefix in list_token_shards(os.path.join(data_dir, first["config"]["split"]))]
-    if files_fingerprint(paths) != first["config"]["files"]:
+    if files_fingerprint(paths, sizes) != first["config"]["files"]:
         raise ValueError("config.files: the shards on disk are not the ones the states were taken on")
-    index = RowGroupIndex(paths, chunk_size)
+    index = RowGroupIndex(paths, chunk_size, rows)
     shuffle = config_shuffle(first["config"])
     low = min(s["next"][0] for s in states)
     for s, name in zip(states, names):

@@ -10,17 +10,20 @@ pretokenized) are merged by nanochat/elastic.py, a mixture's by nanochat/mixture
 it belongs; this module only tells them apart. The state's format is nanochat/state.py and its checks
 nanochat/state_checks.py.
 
-May import: nanochat.elastic, nanochat.mixture_state.
+May import: nanochat.elastic, nanochat.mixture_state, nanochat.options, nanochat.download.
 """
 
 import os
 
+from nanochat.download import Limits
 from nanochat.elastic import merge_stream_states
 from nanochat.mixture_state import merge_mixture_states
+from nanochat.options import check_stream
 
 
 def merge_states(states: list[dict], world_size: int, *, data_dir: str | None = None,
-                 epochs: int | None = None) -> dict:
+                 epochs: int | None = None, stream: bool | None = None, base_url: str | None = None,
+                 download_limits: Limits | None = None) -> dict:
     """Merge the states of all N ranks, taken at the same step, into the resume state of M ranks.
 
     Each rank saves its own state with its checkpoint; to restart on M ranks, load all N, call
@@ -28,7 +31,9 @@ def merge_states(states: list[dict], world_size: int, *, data_dir: str | None = 
     picks its part). data_dir: where the shards are, as given to the loader (default: the dataset
     directory; for the pretokenized loader, its directory holding train/ and val/; for a mixture, its
     data directory, required). epochs: the streams read their data this many times and then end (a
-    mixture's buckets: once); nothing past it is dealt."""
+    mixture's buckets: once); nothing past it is dealt. stream (default: NANOCHAT_STREAM=1): the states are
+    a streaming loader's, whose shards need not be on disk (data_dir is its cache; base_url and
+    download_limits as given to the loader): their sizes and row groups come from its catalog."""
     if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
         raise ValueError(f"world_size must be an integer >= 1, got {world_size!r}")
     if not isinstance(states, (list, tuple)) or not states:
@@ -42,4 +47,8 @@ def merge_states(states: list[dict], world_size: int, *, data_dir: str | None = 
     # the merge of one rank, given as that rank's state
     states = [s["states"][0] if isinstance(s, dict) and "merged" in s and isinstance(s.get("states"), list)
               and len(s["states"]) == 1 else s for s in states]
-    return merge_stream_states(states, world_size, data_dir, epochs, [f"states[{i}]" for i in range(len(states))])
+    streaming = None  # or (base_url, limits): the shards' catalog, for states of a streaming loader
+    if check_stream(stream, None, 0, None, None) is not None:
+        streaming = (base_url, Limits() if download_limits is None else download_limits)
+    return merge_stream_states(states, world_size, data_dir, epochs, [f"states[{i}]" for i in range(len(states))],
+                               streaming)

@@ -46,7 +46,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 from filelock import FileLock
 
-from nanochat.dataset import open_parquet
+from nanochat.dataset import open_parquet, streamed_split
 from nanochat.download import MAGIC, TAIL_BYTES, DownloadError, Limits, download_file, fetch_tail, record_path
 from nanochat.files import remove_if_exists
 
@@ -58,7 +58,11 @@ HELD_STATES = 8  # recent states whose buffers are protected (a DataLoader yield
 NEED_MARGIN = 120.0  # seconds need() waits past the downloader's deadline (another rank's download, room)
 ROOM_WAIT = 600.0  # seconds the shard the reader waits for may find no room before that is an error
 def _gb(nbytes: float) -> str:
-    return f"{nbytes / 1e9:.2f} GB"
+    """A size in words: 20.00 GB, 95.3 MB, 8.6 KB."""
+    for unit, scale, digits in (("GB", 1e9, 2), ("MB", 1e6, 1), ("KB", 1e3, 1)):
+        if nbytes >= scale:
+            return f"{nbytes / scale:.{digits}f} {unit}"
+    return f"{nbytes:.0f} bytes"
 
 
 def _write_json(path: str, value) -> None:
@@ -140,6 +144,14 @@ def read_catalog(data_dir: str, names: list[str], urls: list[str], limits: Limit
     return [known[name] for name in names]
 
 
+def streamed_files(split: str, data_dir: str | None, num_shards: int | None, base_url: str | None,
+                   limits: Limits) -> tuple[str, list[str], list[str], str, list[dict]]:
+    """A streamed split (nanochat.dataset.streamed_split) with its catalog entries:
+    (data_dir, paths, URLs, the val shard's name, catalog entries)."""
+    data_dir, paths, urls, val_name = streamed_split(split, data_dir, num_shards, base_url)
+    return data_dir, paths, urls, val_name, read_catalog(data_dir, [os.path.basename(p) for p in paths], urls, limits)
+
+
 # -----------------------------------------------------------------------------
 # The cache
 
@@ -201,7 +213,7 @@ class ShardCache:
             raise ValueError(
                 f"cache_limit={_gb(self.limit)} is below what this streaming loader must hold at once, {_gb(least)}: "
                 f"the shard it reads, prefetch_shards={self.prefetch_shards} ahead and one for a local rank out of "
-                f"step, {self.prefetch_shards + 2} x {largest / 1e6:.1f} MB (the largest shard), plus "
+                f"step, {self.prefetch_shards + 2} x {_gb(largest)} (the largest shard), plus "
                 f"{_gb(sum(fixed.values()))} of shards in {self.data_dir} that it may not evict ({len(fixed)}: the val "
                 "shard and those it did not fetch); raise cache_limit, lower prefetch_shards, or use another data_dir")
 
@@ -254,21 +266,16 @@ class ShardCache:
         missing = size_of.get(name, 0) - on_disk.get(name, 0)
         free = shutil.disk_usage(self.data_dir).free
         if missing > free:
-            raise OSError(errno.ENOSPC, f"{name} needs {missing / 1e6:.1f} MB more but {self.data_dir} has "
-                                        f"{free / 1e6:.1f} MB free (the disk is full); free some space, pass a "
+            raise OSError(errno.ENOSPC, f"{name} needs {_gb(missing)} more but {self.data_dir} has "
+                                        f"{_gb(free)} free (the disk is full); free some space, pass a "
                                         "smaller cache_limit, or a data_dir on a bigger disk")
         return True
 
     # -- what this loader needs --------------------------------------------------------
 
     def _fill(self, count: int) -> None:
-        """Extend _ahead to `count` shards (or the order's end); consecutive repeats are one visit."""
-        while len(self._ahead) < count:
-            last = self._ahead[-1] if self._ahead else self._current
-            nxt = next((p for p in self._order if p != last), None)
-            if nxt is None:
-                return
-            self._ahead.append(nxt)
+        """Extend _ahead to `count` visits (or the order's end)."""
+        self._ahead += itertools.islice(self._order, max(count - len(self._ahead), 0))
 
     def _publish(self) -> None:
         """Write this loader's needs when they changed (the caller holds _cond)."""

@@ -23,6 +23,7 @@ Documents are read through a reader (nanochat/readers.py); nothing here tokenize
 May import: numpy, nanochat.state, nanochat.state_checks, nanochat.shuffle.
 """
 
+import itertools
 import logging
 import threading
 from collections import OrderedDict
@@ -142,10 +143,10 @@ class Stream:
         """The files this (unshuffled) stream will read, in order, a file once per visit: those of the given
         documents first (a buffer to restore), then its plan's, then its regular stream's, epoch after epoch.
         What a streaming loader fetches ahead (nanochat/shard_cache.py)."""
-        for key in keys:
-            yield key[1]
-        for unit in self.plan:
-            yield unit[1]
+        for pq_idx, _ in itertools.groupby(key[1] for key in keys):
+            yield pq_idx
+        for pq_idx, _ in itertools.groupby(unit[1] for unit in self.plan):
+            yield pq_idx
         epoch, pq_idx, rg_idx, _ = self.start
         while self.epochs is None or epoch <= self.epochs:
             visited = False

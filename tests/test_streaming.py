@@ -1,0 +1,306 @@
+"""
+Streaming (stream=True, nanochat/shard_cache.py) in one process: the shards are served by a real HTTP server on
+127.0.0.1 (scripts/shard_server.py), and every streamed batch and state is checked against the same loader over
+the served files on disk, the oracle here (tests/test_dataloader.py checks that one against tests/oracle.py).
+Also: the budget (peak disk use, the val shard and the shards still read never evicted), resume (exact, and the
+buffered documents' shards fetched first), the elastic merge of streamed states, the catalog, the footer request,
+and the argument and environment checks. Processes, faults and torchrun: tests/test_streaming_processes.py.
+"""
+
+import json
+import os
+import random
+import threading
+import time
+from http.server import SimpleHTTPRequestHandler, ThreadingHTTPServer
+from functools import partial
+
+import pytest
+import torch
+
+from conftest import ByteTokenizer, write_shard
+from nanochat import download
+from nanochat.dataloader import (tokenizing_distributed_data_loader_with_state,
+                                 tokenizing_distributed_data_loader_with_state_bos_bestfit)
+from nanochat.dataset import index_to_filename
+from nanochat.download import DownloadError, Limits
+from nanochat.options import parse_bytes
+from nanochat.resume import merge_states
+from nanochat.shard_cache import STREAM_DIR, footer_rows
+from nanochat.state import decode_keys
+from scripts.shard_server import ShardServer
+
+VAL = index_to_filename(6542)  # the default dataset's (ClimbMix's) val shard
+FAST = Limits(max_attempts=2, backoff_base=0.01, timeout=5, deadline=30)
+LOADERS = {"bestfit": tokenizing_distributed_data_loader_with_state_bos_bestfit,
+           "concat": tokenizing_distributed_data_loader_with_state}
+
+
+def _write_hosted(directory, num_train: int, docs: int = 300, seed: int = 0) -> list[int]:
+    """num_train train shards and the val shard, named as the dataset's, of documents of random lengths."""
+    rng = random.Random(seed)
+    os.makedirs(directory, exist_ok=True)
+    for i in list(range(num_train)) + [6542]:
+        texts = [f"shard {i} doc {j}: " + "".join(rng.choice("abcdefgh ") for _ in range(rng.randint(1, 60)))
+                 for j in range(docs)]
+        write_shard(os.path.join(directory, index_to_filename(i)), texts, 32)
+    return sorted(os.path.getsize(os.path.join(directory, name)) for name in os.listdir(directory))
+
+
+@pytest.fixture
+def hosted(tmp_path):
+    directory = tmp_path / "hosted"
+    sizes = _write_hosted(directory, 5)
+    server = ShardServer(str(directory))
+    yield str(directory), server, sizes
+    server.close()
+
+
+def _batches(loader, n: int) -> list:
+    out = []
+    for inputs, targets, state in loader:
+        out.append((inputs.clone(), targets.clone(), json.loads(json.dumps(state))))
+        if len(out) == n:
+            break
+    loader.close()
+    return out
+
+
+def _same(streamed: list, expected: list) -> None:
+    assert len(streamed) == len(expected)
+    for i, ((a, b, s), (x, y, t)) in enumerate(zip(streamed, expected)):
+        assert torch.equal(a, x) and torch.equal(b, y), f"batch {i}"
+        assert s == t, f"state {i}"
+
+
+def _streaming(kind, server, cache, **kwargs):
+    kwargs = dict(B=4, T=64, split="train", device="cpu", stream=True, num_shards=5, base_url=server.url,
+                  download_limits=FAST) | kwargs
+    return LOADERS[kind](ByteTokenizer(), data_dir=str(cache), **kwargs)
+
+
+def _on_disk(kind, hosted_dir, **kwargs):
+    kwargs = dict(B=4, T=64, split="train", device="cpu") | kwargs
+    return LOADERS[kind](ByteTokenizer(), data_dir=hosted_dir, **kwargs)
+
+
+def _shard_bytes(directory) -> int:
+    return sum(os.path.getsize(os.path.join(directory, name)) for name in os.listdir(directory)
+               if name.endswith(".parquet") or name.endswith(".parquet.tmp"))
+
+
+# -----------------------------------------------------------------------------
+# Streamed batches are the on-disk loader's, within the budget
+
+
+@pytest.mark.parametrize("kind, world_size, prefetch, prefetch_shards, limit_shards", [
+    ("bestfit", 1, 4, 2, 4), ("bestfit", 3, 0, 0, 2), ("concat", 2, 4, 1, 3), ("bestfit", 2, 1, 3, None)])
+def test_streamed_batches_equal_on_disk_across_epochs(hosted, tmp_path, kind, world_size, prefetch, prefetch_shards,
+                                                      limit_shards):
+    hosted_dir, server, sizes = hosted
+    limit = None if limit_shards is None else limit_shards * sizes[-1]  # the least it accepts: prefetch_shards + 2
+    extra = {"buffer_size": 20} if kind == "bestfit" else {}
+    for rank in range(world_size):
+        cache = tmp_path / f"cache{rank}"
+        n = 350 // world_size  # past the end of the first epoch
+        expected = _batches(_on_disk(kind, hosted_dir, rank=rank, world_size=world_size, prefetch=prefetch, **extra), n)
+        peak, stop = [0], threading.Event()
+
+        def watch():
+            while not stop.is_set():
+                try:
+                    peak[0] = max(peak[0], _shard_bytes(cache))
+                except FileNotFoundError:
+                    pass
+                time.sleep(0.001)
+
+        watcher = threading.Thread(target=watch)
+        watcher.start()
+        try:
+            streamed = _batches(_streaming(kind, server, cache, rank=rank, world_size=world_size, prefetch=prefetch,
+                                           prefetch_shards=prefetch_shards, cache_limit=limit, **extra), n)
+        finally:
+            stop.set()
+            watcher.join()
+        _same(streamed, expected)
+        assert streamed[-1][2]["next"][0] == 2  # the second epoch began
+        if limit is not None:
+            assert peak[0] <= limit
+            assert len([f for f in os.listdir(cache) if f.endswith(".parquet")]) < 5  # it evicted
+
+
+def test_first_batch_needs_only_the_first_shard(hosted, tmp_path):
+    """Training starts once the shard it reads first is there: with prefetch_shards=0 nothing else is fetched."""
+    hosted_dir, server, _ = hosted
+    loader = _streaming("bestfit", server, tmp_path / "cache", prefetch_shards=0, prefetch=0, buffer_size=4)
+    next(loader)
+    assert server.fetched() == [index_to_filename(0)]
+    assert sorted(f for f in os.listdir(tmp_path / "cache") if f.endswith(".parquet")) == [index_to_filename(0)]
+    loader.close()
+
+
+def test_val_shard_and_files_it_did_not_fetch_are_never_evicted(hosted, tmp_path):
+    hosted_dir, server, sizes = hosted
+    cache = tmp_path / "cache"
+    val = _streaming("bestfit", server, cache, split="val")
+    _batches(val, 2)
+    os.makedirs(cache, exist_ok=True)
+    mine = os.path.join(hosted_dir, index_to_filename(3))
+    with open(mine, "rb") as src, open(cache / index_to_filename(3), "wb") as dst:  # "the user's own copy"
+        dst.write(src.read())
+    limit = 2 * sizes[-1] + 4 * sizes[-1]  # val + shard 3 + (prefetch_shards=2) + 2
+    _batches(_streaming("bestfit", server, cache, cache_limit=limit, buffer_size=8), 400)
+    assert (cache / VAL).exists() and (cache / index_to_filename(3)).exists()
+    assert index_to_filename(3) not in server.fetched()
+    assert json.loads((cache / STREAM_DIR / "fetched.json").read_text()) != []
+    assert index_to_filename(3) not in json.loads((cache / STREAM_DIR / "fetched.json").read_text())
+
+
+def test_budget_too_small_is_an_error_at_the_call(hosted, tmp_path):
+    _, server, sizes = hosted
+    with pytest.raises(ValueError, match=r"cache_limit=.* is below what this streaming loader must hold.*"
+                                         r"prefetch_shards=2"):
+        _streaming("bestfit", server, tmp_path / "cache", cache_limit=3 * sizes[-1])
+
+
+def test_shuffle_with_stream_is_refused(hosted, tmp_path):
+    _, server, _ = hosted
+    with pytest.raises(ValueError, match="shuffle=True"):
+        _streaming("bestfit", server, tmp_path / "cache", shuffle=True)
+
+
+# -----------------------------------------------------------------------------
+# Resume and elastic merge
+
+
+@pytest.mark.parametrize("kind", ["bestfit", "concat"])
+def test_resume_exact_into_an_empty_cache_fetches_the_buffer_first(hosted, tmp_path, kind):
+    hosted_dir, server, sizes = hosted
+    extra = {"buffer_size": 40} if kind == "bestfit" else {}
+    expected = _batches(_on_disk(kind, hosted_dir, **extra), 260)
+    first = _batches(_streaming(kind, server, tmp_path / "a", cache_limit=5 * sizes[-1], **extra), 200)
+    _same(first, expected[:200])
+    state = first[-1][2]
+    buffered = list(dict.fromkeys(index_to_filename(key[1]) for key in decode_keys(state["buffer"])))
+    assert buffered  # the test is about them
+    before = len(server.fetched())
+    resumed = _batches(_streaming(kind, server, tmp_path / "b", resume_state_dict=state, prefetch_shards=0,
+                                  **extra), 60)
+    _same(resumed, expected[200:])
+    assert server.fetched()[before:before + len(buffered)] == buffered
+
+
+def test_elastic_merge_of_streamed_states(hosted, tmp_path, monkeypatch):
+    """2 streaming ranks -> merge_states(stream=True) on a cache without the shards -> 3 streaming ranks: the
+    same batches as the merge of the on-disk loaders' states resumed on disk."""
+    hosted_dir, server, _ = hosted
+    states = [_batches(_streaming("bestfit", server, tmp_path / f"old{r}", rank=r, world_size=2, buffer_size=10),
+                       70)[-1][2] for r in range(2)]
+    disk_states = [_batches(_on_disk("bestfit", hosted_dir, rank=r, world_size=2, buffer_size=10), 70)[-1][2]
+                   for r in range(2)]
+    assert states == disk_states
+    merged = merge_states(states, 3, data_dir=str(tmp_path / "new"), stream=True, base_url=server.url,
+                          download_limits=FAST)
+    assert merged == merge_states(disk_states, 3, data_dir=hosted_dir)
+    assert not [f for f in os.listdir(tmp_path / "new") if f.endswith(".parquet")]  # footers only
+    for r in range(3):
+        expected = _batches(_on_disk("bestfit", hosted_dir, rank=r, world_size=3, buffer_size=10,
+                                     resume_state_dict=merged), 80)
+        _same(_batches(_streaming("bestfit", server, tmp_path / "new", rank=r, world_size=3, buffer_size=10,
+                                  resume_state_dict=merged), 80), expected)
+    monkeypatch.setenv("NANOCHAT_STREAM", "1")  # merge_states reads it as the loaders do
+    monkeypatch.setenv("NANOCHAT_DATA_URL", server.url)
+    assert merge_states(states, 3, data_dir=str(tmp_path / "new")) == merged
+
+
+# -----------------------------------------------------------------------------
+# The environment: what nanochat's scripts, which pass none of the arguments, get
+
+
+def test_environment_turns_streaming_on(hosted, tmp_path, monkeypatch):
+    hosted_dir, server, sizes = hosted
+    expected = _batches(_on_disk("bestfit", hosted_dir), 100)
+    base = tmp_path / "base"
+    monkeypatch.setenv("NANOCHAT_BASE_DIR", str(base))
+    monkeypatch.setenv("NANOCHAT_STREAM", "1")
+    monkeypatch.setenv("NANOCHAT_DATA_URL", server.url)
+    monkeypatch.setenv("NANOCHAT_STREAM_SHARDS", "5")
+    monkeypatch.setenv("NANOCHAT_CACHE_LIMIT", f"{4 * sizes[-1] / 1e3:.3f}KB")
+    loader = tokenizing_distributed_data_loader_with_state_bos_bestfit(ByteTokenizer(), 4, 64, "train", device="cpu")
+    _same(_batches(loader, 100), expected)
+    assert server.fetched()[0] == index_to_filename(0)  # into the dataset's directory, the cache
+    assert (base / "base_data_climbmix" / STREAM_DIR / "catalog.json").exists()
+    monkeypatch.setenv("NANOCHAT_CACHE_LIMIT", "lots")
+    with pytest.raises(ValueError, match="NANOCHAT_CACHE_LIMIT='lots'"):
+        tokenizing_distributed_data_loader_with_state_bos_bestfit(ByteTokenizer(), 2, 32, "train", device="cpu")
+    monkeypatch.setenv("NANOCHAT_STREAM", "yes")
+    with pytest.raises(ValueError, match="NANOCHAT_STREAM must be 1"):
+        tokenizing_distributed_data_loader_with_state_bos_bestfit(ByteTokenizer(), 2, 32, "train", device="cpu")
+
+
+def test_arguments_are_checked(hosted, tmp_path):
+    _, server, _ = hosted
+    for kwargs, message in [({"num_shards": 0}, "num_shards"), ({"num_shards": 6543}, "num_shards"),
+                            ({"prefetch_shards": -1}, "prefetch_shards"), ({"cache_limit": "20 parsecs"}, "cache_limit"),
+                            ({"cache_limit": 0}, "cache_limit"), ({"stream": "yes"}, "stream must be"),
+                            ({"base_url": "ftp://x"}, "must start with http")]:
+        with pytest.raises(ValueError, match=message):
+            _streaming("bestfit", server, tmp_path / "cache", **kwargs)
+
+
+def test_parse_bytes():
+    assert parse_bytes("20GB") == 20 * 10**9
+    assert parse_bytes("1.5 TiB") == int(1.5 * 2**40)
+    assert parse_bytes("500mb") == 500 * 10**6
+    assert parse_bytes(12345) == 12345
+    for bad in ("", "GB", "-1GB", "1 GBs", True, None, [1]):
+        with pytest.raises(ValueError):
+            parse_bytes(bad)
+
+
+# -----------------------------------------------------------------------------
+# The catalog and the footer request
+
+
+def test_catalog_is_read_once_and_reused(hosted, tmp_path):
+    hosted_dir, server, _ = hosted
+    _batches(_streaming("bestfit", server, tmp_path / "cache"), 1)
+    footers = [name for name, wanted in server.gets if wanted and wanted.startswith("bytes=-")]  # the file's end
+    assert sorted(footers) == [index_to_filename(i) for i in range(5)]
+    catalog = json.loads((tmp_path / "cache" / STREAM_DIR / "catalog.json").read_text())
+    for i in range(5):
+        path = os.path.join(hosted_dir, index_to_filename(i))
+        entry = catalog[index_to_filename(i)]
+        assert entry["size"] == os.path.getsize(path)
+        assert sum(entry["rows"]) == 300 and entry["rows"][0] == 32
+    before = len(server.gets)
+    _batches(_streaming("bestfit", server, tmp_path / "cache"), 1)
+    assert not [name for name, wanted in server.gets[before:] if wanted and wanted.startswith("bytes=-")]
+
+
+def test_fetch_tail_and_footer_rows(hosted):
+    hosted_dir, server, _ = hosted
+    path = os.path.join(hosted_dir, index_to_filename(1))
+    body = open(path, "rb").read()
+    size, tail = download.fetch_tail(f"{server.url}/{index_to_filename(1)}", 100, FAST)
+    assert (size, tail) == (len(body), body[-100:])
+    size, tail = download.fetch_tail(f"{server.url}/{index_to_filename(1)}", 10 * len(body), FAST)
+    assert tail == body
+    assert footer_rows(body[-100:], "x") is None  # too short for the footer: ask again for it whole
+    assert footer_rows(body, "x") == [32] * 9 + [12]
+    with pytest.raises(ValueError, match="not a parquet file"):
+        footer_rows(b"x" * 100, "http://h/shard_00000.parquet")
+    with pytest.raises(DownloadError, match="HTTP 404"):
+        download.fetch_tail(f"{server.url}/missing.parquet", 100, FAST)
+
+
+def test_fetch_tail_needs_range_support(tmp_path):
+    (tmp_path / "f.parquet").write_bytes(b"PAR1" + b"x" * 100 + b"PAR1")
+    server = ThreadingHTTPServer(("127.0.0.1", 0), partial(SimpleHTTPRequestHandler, directory=str(tmp_path)))
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        with pytest.raises(DownloadError, match="must honour Range requests"):
+            download.fetch_tail(f"http://127.0.0.1:{server.server_address[1]}/f.parquet", 10, FAST)
+    finally:
+        server.shutdown()
+        server.server_close()
