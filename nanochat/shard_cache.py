@@ -27,7 +27,7 @@ of its order (its plan's, after an elastic resume) and those its recent states' 
 from them re-reads those documents). A record whose process is gone is ignored. A budget below what must be
 held at once is a ValueError at the start.
 
-May import: nanochat.dataset, nanochat.download, nanochat.files, pyarrow, filelock.
+May import: nanochat.dataset, nanochat.download, nanochat.files, pyarrow, filelock, tqdm.
 """
 
 import errno
@@ -45,6 +45,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pyarrow as pa
 import pyarrow.parquet as pq
 from filelock import FileLock
+from tqdm import tqdm
 
 from nanochat.dataset import open_parquet, streamed_split
 from nanochat.download import MAGIC, TAIL_BYTES, DownloadError, Limits, download_file, fetch_tail, record_path
@@ -116,10 +117,10 @@ def _entry(path: str, url: str, limits: Limits) -> dict:
     return {"url": url, "size": size, "rows": rows}
 
 
-def read_catalog(data_dir: str, names: list[str], urls: list[str], limits: Limits, workers: int = 8) -> list[dict]:
+def read_catalog(data_dir: str, names: list[str], urls: list[str], limits: Limits, workers: int = 16) -> list[dict]:
     """The catalog entries {"url", "size", "rows"} of the given shards, in order: from .stream/catalog.json, or
-    read (8 at a time) and added to it. Raises ConnectionError naming the shard and URL when a footer cannot
-    be fetched."""
+    read (16 requests at a time, once: later starts read the file) and added to it. Raises ConnectionError
+    naming the shard and URL when a footer cannot be fetched."""
     directory = os.path.join(data_dir, STREAM_DIR)
     os.makedirs(directory, exist_ok=True)
     path = os.path.join(directory, "catalog.json")
@@ -137,7 +138,8 @@ def read_catalog(data_dir: str, names: list[str], urls: list[str], limits: Limit
                 raise ConnectionError(f"could not read the footer of shard {name} from {url}: {e}") from None
 
         with ThreadPoolExecutor(max(1, min(workers, len(missing)))) as pool:
-            found = dict(pool.map(one, missing))
+            found = dict(tqdm(pool.map(one, missing), total=len(missing), unit="footer", desc="catalog",
+                              disable=None, leave=False))  # (a bar on a terminal only)
         with FileLock(os.path.join(directory, "lock")):
             known = _read_json(path, {}) | found
             _write_json(path, known)
@@ -206,14 +208,19 @@ class ShardCache:
         if self.limit is None:
             return
         fetched = set(_read_json(os.path.join(self.directory, "fetched.json"), []))
-        fixed = {name: size for name, size in self._shard_files().items() if name not in fetched or name in self.keep}
+        on_disk = self._shard_files()
+        fixed = {name: size for name, size in on_disk.items() if name not in fetched or name in self.keep}
         largest = max(self.sizes)
-        least = sum(fixed.values()) + (self.prefetch_shards + 2) * largest  # +2: the one read now, a rank out of step
+        # the shard read now, prefetch_shards ahead, one for a local rank out of step, and the val shard when a val
+        # loader (an eval during training) has yet to fetch it
+        count = self.prefetch_shards + 2 + len(self.keep - set(on_disk) - set(self.names))
+        least = sum(fixed.values()) + count * largest
+        val = " and the val shard" if count > self.prefetch_shards + 2 else ""
         if self.limit < least:
             raise ValueError(
                 f"cache_limit={_gb(self.limit)} is below what this streaming loader must hold at once, {_gb(least)}: "
-                f"the shard it reads, prefetch_shards={self.prefetch_shards} ahead and one for a local rank out of "
-                f"step, {self.prefetch_shards + 2} x {_gb(largest)} (the largest shard), plus "
+                f"{count} x {_gb(largest)} (the largest shard) for the shard it reads, prefetch_shards="
+                f"{self.prefetch_shards} ahead, one for a local rank out of step{val}, plus "
                 f"{_gb(sum(fixed.values()))} of shards in {self.data_dir} that it may not evict ({len(fixed)}: the val "
                 "shard and those it did not fetch); raise cache_limit, lower prefetch_shards, or use another data_dir")
 
@@ -278,7 +285,9 @@ class ShardCache:
         self._ahead += itertools.islice(self._order, max(count - len(self._ahead), 0))
 
     def _publish(self) -> None:
-        """Write this loader's needs when they changed (the caller holds _cond)."""
+        """Write this loader's needs when they changed (the caller holds _cond); nothing once closed."""
+        if self._stop.is_set():
+            return
         reading = [] if self._current is None else [self._current]
         reading = sorted({self.names[p] for p in reading + self._ahead[:self.prefetch_shards]})
         buffered = sorted({self.names[p] for p in set().union(*self._held)})
@@ -431,7 +440,7 @@ class ShardCache:
         with self._cond:
             self._cond.notify_all()
         if self._thread is not None:
-            self._thread.join(timeout=5.0)
+            self._thread.join(timeout=1.0)  # a download blocked in a read ends at its timeout, on a daemon thread
         with self.lock_file:
             remove_if_exists(os.path.join(self.directory, self.me))
 

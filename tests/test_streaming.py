@@ -50,7 +50,7 @@ def _write_hosted(directory, num_train: int, docs: int = 300, seed: int = 0) -> 
 @pytest.fixture
 def hosted(tmp_path):
     directory = tmp_path / "hosted"
-    sizes = _write_hosted(directory, 5)
+    sizes = _write_hosted(directory, 7)
     server = ShardServer(str(directory))
     yield str(directory), server, sizes
     server.close()
@@ -74,7 +74,7 @@ def _same(streamed: list, expected: list) -> None:
 
 
 def _streaming(kind, server, cache, **kwargs):
-    kwargs = dict(B=4, T=64, split="train", device="cpu", stream=True, num_shards=5, base_url=server.url,
+    kwargs = dict(B=4, T=64, split="train", device="cpu", stream=True, num_shards=7, base_url=server.url,
                   download_limits=FAST) | kwargs
     return LOADERS[kind](ByteTokenizer(), data_dir=str(cache), **kwargs)
 
@@ -94,15 +94,15 @@ def _shard_bytes(directory) -> int:
 
 
 @pytest.mark.parametrize("kind, world_size, prefetch, prefetch_shards, limit_shards", [
-    ("bestfit", 1, 4, 2, 4), ("bestfit", 3, 0, 0, 2), ("concat", 2, 4, 1, 3), ("bestfit", 2, 1, 3, None)])
+    ("bestfit", 1, 4, 2, 5), ("bestfit", 3, 0, 0, 3), ("concat", 2, 4, 1, 4), ("bestfit", 2, 1, 3, None)])
 def test_streamed_batches_equal_on_disk_across_epochs(hosted, tmp_path, kind, world_size, prefetch, prefetch_shards,
                                                       limit_shards):
     hosted_dir, server, sizes = hosted
-    limit = None if limit_shards is None else limit_shards * sizes[-1]  # the least it accepts: prefetch_shards + 2
+    limit = None if limit_shards is None else limit_shards * sizes[-1]  # the least it accepts: prefetch_shards + 3 (val)
     extra = {"buffer_size": 20} if kind == "bestfit" else {}
     for rank in range(world_size):
         cache = tmp_path / f"cache{rank}"
-        n = 350 // world_size  # past the end of the first epoch
+        n = 500 // world_size  # past the end of the first epoch
         expected = _batches(_on_disk(kind, hosted_dir, rank=rank, world_size=world_size, prefetch=prefetch, **extra), n)
         peak, stop = [0], threading.Event()
 
@@ -126,7 +126,7 @@ def test_streamed_batches_equal_on_disk_across_epochs(hosted, tmp_path, kind, wo
         assert streamed[-1][2]["next"][0] == 2  # the second epoch began
         if limit is not None:
             assert peak[0] <= limit
-            assert len([f for f in os.listdir(cache) if f.endswith(".parquet")]) < 5  # it evicted
+            assert len([f for f in os.listdir(cache) if f.endswith(".parquet")]) < 7  # it evicted
 
 
 def test_first_batch_needs_only_the_first_shard(hosted, tmp_path):
@@ -224,8 +224,8 @@ def test_environment_turns_streaming_on(hosted, tmp_path, monkeypatch):
     monkeypatch.setenv("NANOCHAT_BASE_DIR", str(base))
     monkeypatch.setenv("NANOCHAT_STREAM", "1")
     monkeypatch.setenv("NANOCHAT_DATA_URL", server.url)
-    monkeypatch.setenv("NANOCHAT_STREAM_SHARDS", "5")
-    monkeypatch.setenv("NANOCHAT_CACHE_LIMIT", f"{4 * sizes[-1] / 1e3:.3f}KB")
+    monkeypatch.setenv("NANOCHAT_STREAM_SHARDS", "7")
+    monkeypatch.setenv("NANOCHAT_CACHE_LIMIT", f"{5 * sizes[-1] / 1e3:.3f}KB")
     loader = tokenizing_distributed_data_loader_with_state_bos_bestfit(ByteTokenizer(), 4, 64, "train", device="cpu")
     _same(_batches(loader, 100), expected)
     assert server.fetched()[0] == index_to_filename(0)  # into the dataset's directory, the cache
@@ -266,9 +266,9 @@ def test_catalog_is_read_once_and_reused(hosted, tmp_path):
     hosted_dir, server, _ = hosted
     _batches(_streaming("bestfit", server, tmp_path / "cache"), 1)
     footers = [name for name, wanted in server.gets if wanted and wanted.startswith("bytes=-")]  # the file's end
-    assert sorted(footers) == [index_to_filename(i) for i in range(5)]
+    assert sorted(footers) == [index_to_filename(i) for i in range(7)]
     catalog = json.loads((tmp_path / "cache" / STREAM_DIR / "catalog.json").read_text())
-    for i in range(5):
+    for i in range(7):
         path = os.path.join(hosted_dir, index_to_filename(i))
         entry = catalog[index_to_filename(i)]
         assert entry["size"] == os.path.getsize(path)
