@@ -251,9 +251,11 @@ class ShardCache:
         reading = set(self.keep).union(*(r.get("reading", []) for r in records))
         buffered = set().union(*(r.get("buffered", []) for r in records))
         in_flight = {n for r in records for n in r.get("fetching", [])} | {name}
-        size_of = dict(zip(self.names, self.sizes))
-        used = sum(on_disk.values()) + sum(size_of.get(n, 0) - on_disk.get(n, 0) for n in in_flight
-                                           if n in size_of and on_disk.get(n, 0) < size_of[n])
+        # a download in flight counts whole: its size from the catalog (another split's loader's entries too)
+        catalog = _read_json(os.path.join(self.directory, "catalog.json"), {})
+        size_of = {n: entry.get("size", 0) for n, entry in catalog.items() if isinstance(entry, dict)}
+        size_of |= dict(zip(self.names, self.sizes))
+        used = sum(on_disk.values()) + sum(max(size_of.get(n, 0) - on_disk.get(n, 0), 0) for n in in_flight)
         if self.limit is not None:
             victims = sorted((n for n in fetched if n in on_disk and n not in reading and n not in in_flight
                               and (now or n not in buffered)),
