@@ -74,8 +74,9 @@ class DataLoader:
     """What the loader functions return: an iterator of (inputs, targets, state_dict) (or of
     (inputs, targets) without state), with `stats` and `close()`.
 
-    Background threads start at the first `next()` and stop on `close()`, on garbage collection,
-    or when the loader fails; a failure is raised again by every later `next()`.
+    Background threads start at the first `next()` (a streaming loader's shard fetching at the call, so
+    that the first shard is on its way) and stop on `close()`, on garbage collection, or when the loader
+    fails; a failure is raised again by every later `next()`.
     `stats` describes the batches yielded so far (not the read-ahead): tokens tokenized, emitted
     and cropped, crop_share (cropped / (emitted + cropped)), documents per row, buffer occupancy,
     masked targets, and wait_seconds, the time `next()` spent waiting for a batch (the stall a GPU

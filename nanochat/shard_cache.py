@@ -174,7 +174,7 @@ class ShardCache:
         self._cond = threading.Condition()
         self._order = iter(())
         self._current: int | None = None
-        self._ahead: list[int] = []  # the next distinct shards of the order after the current one
+        self._ahead: list[int] = []  # the next visits of the order after the current one (pq_idx)
         self._ready: set[int] = set()
         self._failed: dict[int, BaseException] = {}
         self._held: deque = deque(maxlen=HELD_STATES)
