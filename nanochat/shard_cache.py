@@ -176,7 +176,7 @@ class ShardCache:
         self._current: int | None = None
         self._ahead: list[int] = []  # the next visits of the order after the current one (pq_idx)
         self._ready: set[int] = set()
-        self._failed: dict[int, BaseException] = {}
+        self._failed: dict[int, tuple[BaseException, bool]] = {}  # pq_idx -> (error, whether the reader waited)
         self._held: deque = deque(maxlen=HELD_STATES)
         self._fetching: str | None = None
         self._published = None
@@ -349,7 +349,7 @@ class ShardCache:
                 if self._stop.is_set():
                     return
                 with self._cond:
-                    self._failed[target] = e
+                    self._failed[target] = (e, now)
                     self._cond.notify_all()
 
     def _fetch(self, p: int, now: bool) -> bool:
@@ -420,7 +420,10 @@ class ShardCache:
             deadline = time.monotonic() + self.limits.deadline + self.room_wait + NEED_MARGIN
             while p not in self._ready:
                 if p in self._failed:
-                    raise self._failed.pop(p)
+                    error, waited = self._failed.pop(p)
+                    if waited:
+                        raise error
+                    self._cond.notify_all()  # a fetch ahead failed (an outage since?): once more, now it is needed
                 if self._stop.is_set():
                     raise RuntimeError("the shard cache is closed")
                 left = deadline - time.monotonic()
