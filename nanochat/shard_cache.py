@@ -190,12 +190,13 @@ class ShardCache:
 
     # -- the budget ------------------------------------------------------------------
 
-    def _shard_files(self) -> dict[str, int]:
-        """name -> bytes of every shard in the data directory, partial downloads (.tmp) under the shard's name."""
+    def _shard_files(self, partial: bool = True) -> dict[str, int]:
+        """name -> bytes of every shard in the data directory, partial downloads (.tmp) under the shard's name
+        (unless partial=False: complete shards only)."""
         sizes: dict[str, int] = {}
         with os.scandir(self.data_dir) as entries:
             for entry in entries:
-                if entry.name.endswith(".parquet") or entry.name.endswith(".parquet.tmp"):
+                if entry.name.endswith(".parquet") or (partial and entry.name.endswith(".parquet.tmp")):
                     try:
                         size = entry.stat().st_size
                     except FileNotFoundError:
@@ -208,7 +209,8 @@ class ShardCache:
         if self.limit is None:
             return
         fetched = set(_read_json(os.path.join(self.directory, "fetched.json"), []))
-        on_disk = self._shard_files()
+        # (a partial download is not fixed: it becomes a fetched shard, or this loader resumes it)
+        on_disk = self._shard_files(partial=False)
         fixed = {name: size for name, size in on_disk.items() if name not in fetched or name in self.keep}
         largest = max(self.sizes)
         # the shard read now, prefetch_shards ahead, one for a local rank out of step, and the val shard when a val
