@@ -362,6 +362,9 @@ class ShardCache:
             self._publish()
         with self.lock_file:
             room = self._make_room(name, now)
+            if room and not os.path.exists(path):  # listed before it exists: a kill mid-way leaves nothing unlisted
+                fetched_path = os.path.join(self.directory, "fetched.json")
+                _write_json(fetched_path, sorted(set(_read_json(fetched_path, [])) | {name}))
         if not room:
             with self._cond:
                 self._fetching = None
@@ -393,11 +396,8 @@ class ShardCache:
                              f"bytes and {len(rows)} row groups, the catalog {os.path.join(self.directory, 'catalog.json')} "
                              f"says {expected['size']} and {len(expected['rows'])}; the file changed on the server. "
                              "Remove the catalog to start over (states taken on the old files will be refused)")
-        if replaced is not None:  # this loader downloaded it: it may evict it
+        if replaced is not None:
             self.fetched_bytes += os.path.getsize(path)
-            with self.lock_file:
-                fetched_path = os.path.join(self.directory, "fetched.json")
-                _write_json(fetched_path, sorted(set(_read_json(fetched_path, [])) | {name}))
         return True
 
     # -- the reader's side ---------------------------------------------------------------
