@@ -105,7 +105,7 @@ def _setup(kind, tokenizer, B, T, split, tokenizer_threads, tokenizer_batch_size
     stream, start, position = start_stream(reader, rank, world_size, tokenizer_batch_size, resume_state_dict,
                                            config, allow_state_mismatch, shuffle=shuffle)
     if cache is not None:
-        cache.start(stream.file_order(decode_keys(start["buffer"]) if start else ()))
+        cache.start(stream.file_order(), first=[key[1] for key in decode_keys(start["buffer"])] if start else ())
     return stream.batches(), Tracker(kind, stream, encoder, config, start, cache and cache.hold), position, cache
 
 

@@ -21,11 +21,12 @@ that arrives is checked against its catalog entry.
 
 The budget. Before a download, shards are evicted until the data directory's shards, with every download
 in flight counted whole, fit in cache_limit. Only shards a streaming loader fetched (listed in
-.stream/fetched.json) are evicted, never the val shard, and never one that a loader of this machine still
-needs: each records, in .stream/needs-<host>-<pid>-<n>.json, the shard it reads, the next prefetch_shards
-of its order (its plan's, after an elastic resume) and those its recent states' buffers refer to (a resume
-from them re-reads those documents). A record whose process is gone is ignored. A budget below what must be
-held at once is a ValueError at the start.
+.stream/fetched.json) are evicted, never the val shard, and never one that a loader of this machine reads
+or reads next: each records, in .stream/needs-<host>-<pid>-<n>.json, the shard it reads and the next
+prefetch_shards of its order (its plan's, after an elastic resume). It also records the shards its recent
+states' buffers refer to: those are evicted last, when nothing else can go (a long document can stay
+buffered for many shards; a resume from such a state fetches them again, first). A record whose process is
+gone is ignored. A budget below what must be held at once is a ValueError at the start.
 
 May import: nanochat.dataset, nanochat.download, nanochat.files, pyarrow, filelock, tqdm.
 """
@@ -55,7 +56,7 @@ logger = logging.getLogger("nanochat.dataloader.shard_cache")
 
 STREAM_DIR = ".stream"  # in the data directory: the catalog, the fetched list, each loader's needs
 LOOKAHEAD = 64  # distinct shards of the order searched for the one the reader asks for
-HELD_STATES = 8  # recent states whose buffers are protected (a DataLoader yields a few behind its packer)
+HELD_STATES = 8  # recent states whose buffers' shards are evicted last (a DataLoader yields a few behind its packer)
 NEED_MARGIN = 120.0  # seconds need() waits past the downloader's deadline (another rank's download, room)
 ROOM_WAIT = 600.0  # seconds the shard the reader waits for may find no room before that is an error
 def _gb(nbytes: float) -> str:
@@ -176,6 +177,11 @@ class ShardCache:
         self._current: int | None = None
         self._ahead: list[int] = []  # the next visits of the order after the current one (pq_idx)
         self._ready: set[int] = set()
+        self._waiting: dict[int, int] = {}  # pq_idx -> readers waiting for it (the packing thread restores a buffer
+        # while the reading thread starts the stream: two readers)
+        self._first_seen: dict[int, int] = {}  # pq_idx -> where the order first names it: what waits is fetched in order
+        self._seen = 0
+        self._first: list[int] = []  # shards to fetch before anything else, each until it is first read
         self._failed: dict[int, tuple[BaseException, bool]] = {}  # pq_idx -> (error, whether the reader waited)
         self._held: deque = deque(maxlen=HELD_STATES)
         self._fetching: str | None = None
@@ -243,14 +249,18 @@ class ShardCache:
         return records
 
     def _make_room(self, name: str, now: bool) -> bool:
-        """Evict until `name` fits (under the directory lock); False when it cannot yet. Shards no loader reads
-        or buffers go first; those only buffered (a resume from a recent state would re-read them) only for the
-        shard a reader waits for: the buffer cannot move on until it arrives."""
+        """Evict until `name` fits (under the directory lock); False when it cannot yet. Never a shard a loader
+        reads or waits for. Shards no loader reads or buffers go first, oldest first; then those a recent state's
+        buffer still refers to (a resume from that state fetches them again, first): a long document can stay
+        buffered for many shards, and holding every shard it came from would leave no room to fetch ahead; and
+        for a shard a reader waits for (now), last, the shards loaders fetched ahead (local ranks can drift a
+        few shards apart, and the reader that waits must not wait on another's read-ahead)."""
         fetched_path = os.path.join(self.directory, "fetched.json")
         fetched = _read_json(fetched_path, [])
         on_disk = self._shard_files()
         records = self._records()
         reading = set(self.keep).union(*(r.get("reading", []) for r in records))
+        ahead = set().union(*(r.get("ahead", []) for r in records))
         buffered = set().union(*(r.get("buffered", []) for r in records))
         in_flight = {n for r in records for n in r.get("fetching", [])} | {name}
         # a download in flight counts whole: its size from the catalog (another split's loader's entries too)
@@ -260,8 +270,8 @@ class ShardCache:
         used = sum(on_disk.values()) + sum(max(size_of.get(n, 0) - on_disk.get(n, 0), 0) for n in in_flight)
         if self.limit is not None:
             victims = sorted((n for n in fetched if n in on_disk and n not in reading and n not in in_flight
-                              and (now or n not in buffered)),
-                             key=lambda n: (n in buffered, _mtime(os.path.join(self.data_dir, n))))
+                              and (now or n not in ahead)),
+                             key=lambda n: (n in ahead, n in buffered, _mtime(os.path.join(self.data_dir, n))))
             while used > self.limit and victims:
                 victim = victims.pop(0)
                 path = os.path.join(self.data_dir, victim)
@@ -286,26 +296,30 @@ class ShardCache:
 
     def _fill(self, count: int) -> None:
         """Extend _ahead to `count` visits (or the order's end)."""
-        self._ahead += itertools.islice(self._order, max(count - len(self._ahead), 0))
+        for p in itertools.islice(self._order, max(count - len(self._ahead), 0)):
+            self._ahead.append(p)
+            self._first_seen.setdefault(p, self._seen)
+            self._seen += 1
 
     def _publish(self) -> None:
         """Write this loader's needs when they changed (the caller holds _cond); nothing once closed."""
         if self._stop.is_set():
             return
-        reading = [] if self._current is None else [self._current]
-        reading = sorted({self.names[p] for p in reading + self._ahead[:self.prefetch_shards]})
+        reading = ([] if self._current is None else [self._current]) + list(self._waiting) + self._first
+        reading = sorted({self.names[p] for p in reading})
+        ahead = sorted({self.names[p] for p in self._ahead[:self.prefetch_shards]})
         buffered = sorted({self.names[p] for p in set().union(*self._held)})
         fetching = [self._fetching] if self._fetching else []
-        if (reading, buffered, fetching) == self._published:
+        if (reading, ahead, buffered, fetching) == self._published:
             return
         with self.lock_file:
             _write_json(os.path.join(self.directory, self.me), {"host": socket.gethostname(), "pid": os.getpid(),
-                                                                 "reading": reading, "buffered": buffered,
-                                                                 "fetching": fetching})
-        self._published = (reading, buffered, fetching)
+                                                                 "reading": reading, "ahead": ahead,
+                                                                 "buffered": buffered, "fetching": fetching})
+        self._published = (reading, ahead, buffered, fetching)
 
     def hold(self, keys) -> None:
-        """The documents a state just built still buffers, by key (epoch, pq_idx, ...): their shards stay."""
+        """The documents a state just built still buffers, by key (epoch, pq_idx, ...): their shards go last."""
         held = {key[1] for key in keys}
         with self._cond:
             if not self._held or held != self._held[-1]:
@@ -316,11 +330,13 @@ class ShardCache:
 
     # -- the fetching thread -------------------------------------------------------------
 
-    def start(self, order) -> None:
-        """Begin fetching along `order`, the shards the reader will read (pq_idx, in order)."""
+    def start(self, order, first=()) -> None:
+        """Begin fetching: the shards `first` (a resumed state's buffered documents', which the loader reads before
+        anything else), then along `order`, the shards the stream will read (pq_idx, in order)."""
         with self._cond:
+            self._first = list(dict.fromkeys(first))
             self._order = iter(order)
-            self._fill(self.prefetch_shards + 1)
+            self._fill(max(self.prefetch_shards, 1) + 1)
             if self._ahead:
                 self._current = self._ahead.pop(0)
             self._publish()
@@ -328,7 +344,10 @@ class ShardCache:
         self._thread.start()
 
     def _next_target(self) -> int | None:
-        wanted = ([] if self._current is None else [self._current]) + self._ahead[:self.prefetch_shards]
+        """The buffer's shards, what readers wait for (earliest in the order first), the current shard, then the
+        next prefetch_shards."""
+        wanted = self._first + sorted(self._waiting, key=lambda p: self._first_seen.get(p, self._seen))
+        wanted += ([] if self._current is None else [self._current]) + self._ahead[:self.prefetch_shards]
         return next((p for p in wanted if p not in self._ready and p not in self._failed), None)
 
     def _run(self) -> None:
@@ -338,7 +357,7 @@ class ShardCache:
                 if target is None:
                     self._cond.wait(1.0)
                     continue
-                now = target == self._current
+                now = target == self._current or target in self._waiting or target in self._first
             try:
                 if self._fetch(target, now):
                     with self._cond:
@@ -403,36 +422,30 @@ class ShardCache:
     # -- the reader's side ---------------------------------------------------------------
 
     def need(self, p: int) -> str:
-        """The path of shard p once it is on disk; moves this loader's place in its order to p. Waits at most
-        the downloader's deadline plus NEED_MARGIN, then raises; a failed fetch raises its error."""
+        """The path of shard p once it is on disk. Moves this loader's place in its order to p when p is among its
+        next visits (else it is fetched all the same). Waits at most the downloader's deadline plus ROOM_WAIT and
+        NEED_MARGIN, then raises; a fetch that failed while the reader waited raises its error."""
         with self._cond:
-            if p != self._current:
+            if p in self._first:
+                self._first.remove(p)
+            elif p != self._current:
                 self._fill(LOOKAHEAD)
                 if p in self._ahead:
                     del self._ahead[:self._ahead.index(p) + 1]
                     self._current = p
                     self._fill(self.prefetch_shards)
-                    self._publish()
-                    self._cond.notify_all()
-                else:  # not where the order said: fetched all the same
+                else:  # not where the order said (a buffer restored while the stream starts): fetched all the same
                     logger.debug("shard %s read out of the expected order", self.names[p])
-                    self._current = p
-                    self._publish()
-                    self._cond.notify_all()
-            deadline = time.monotonic() + self.limits.deadline + self.room_wait + NEED_MARGIN
-            while p not in self._ready:
-                if p in self._failed:
-                    error, waited = self._failed.pop(p)
-                    if waited:
-                        raise error
-                    self._cond.notify_all()  # a fetch ahead failed (an outage since?): once more, now it is needed
-                if self._stop.is_set():
-                    raise RuntimeError("the shard cache is closed")
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise TimeoutError(f"shard {self.names[p]} ({self.urls[p]}) is not on disk after "
-                                       f"{self.limits.deadline + self.room_wait + NEED_MARGIN:g}s")
-                self._cond.wait(min(left, 1.0))
+            self._waiting[p] = self._waiting.get(p, 0) + 1
+            self._publish()
+            self._cond.notify_all()
+            try:
+                self._wait_ready(p)
+            finally:
+                self._waiting[p] -= 1
+                if not self._waiting[p]:
+                    del self._waiting[p]
+                self._publish()
         path = os.path.join(self.data_dir, self.names[p])
         if not os.path.exists(path):  # evicted by another loader between two visits: fetch it again
             with self._cond:
@@ -440,6 +453,22 @@ class ShardCache:
                 self._cond.notify_all()
             return self.need(p)
         return path
+
+    def _wait_ready(self, p: int) -> None:
+        deadline = time.monotonic() + self.limits.deadline + self.room_wait + NEED_MARGIN
+        while p not in self._ready:
+            if p in self._failed:
+                error, waited = self._failed.pop(p)
+                if waited:
+                    raise error
+                self._cond.notify_all()  # a fetch ahead failed (an outage since?): once more, now it is needed
+            if self._stop.is_set():
+                raise RuntimeError("the shard cache is closed")
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError(f"shard {self.names[p]} ({self.urls[p]}) is not on disk after "
+                                   f"{self.limits.deadline + self.room_wait + NEED_MARGIN:g}s")
+            self._cond.wait(min(left, 1.0))
 
     def close(self) -> None:
         """Stop fetching (a download in flight stops at its next read) and withdraw this loader's needs."""

@@ -139,12 +139,9 @@ class Stream:
         self._units.clear()
         yield from self._shuffled() if self.shuffle else self._regular()
 
-    def file_order(self, keys=()):
-        """The files this (unshuffled) stream will read, in order, a file once per visit: those of the given
-        documents first (a buffer to restore), then its plan's, then its regular stream's, epoch after epoch.
-        What a streaming loader fetches ahead (nanochat/shard_cache.py)."""
-        for pq_idx, _ in itertools.groupby(key[1] for key in keys):
-            yield pq_idx
+    def file_order(self):
+        """The files this (unshuffled) stream will read, in order, a file once per visit: its plan's, then its
+        regular stream's, epoch after epoch. What a streaming loader fetches ahead (nanochat/shard_cache.py)."""
         for pq_idx, _ in itertools.groupby(unit[1] for unit in self.plan):
             yield pq_idx
         epoch, pq_idx, rg_idx, _ = self.start
