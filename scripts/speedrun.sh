@@ -59,7 +59,8 @@ NANOCHAT_STREAM=1 NANOCHAT_STREAM_SHARDS=240 NANOCHAT_CACHE_LIMIT=20GB \
     torchrun --standalone --nproc_per_node="$NPROC" -m scripts.base_train \
     --B 16 --T 2048 --steps 40000 --eval-every 1000 --save-every 1000 --log-json "$NANOCHAT_BASE_DIR/base_train.json"
 # Killed? Run the same line with --resume-from-step S (a saved step): the loaders fetch the shards of the
-# documents the state buffered first, then carry on with exactly the batches of the uninterrupted run.
+# documents the state buffered first, then carry on with exactly the batches of the uninterrupted run (with
+# another NPROC, base_train merges the saved loader states for the new number of ranks).
 
 DATA_DIR="$NANOCHAT_BASE_DIR/base_data_climbmix"
 echo "trained on shards streamed into $DATA_DIR (it holds $(du -sh "$DATA_DIR" | cut -f1) now)"
