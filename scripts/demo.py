@@ -9,18 +9,20 @@ Stages, each the real code that speedrun.sh runs on ClimbMix-400B:
   1. write a seeded English-like corpus (Zipf word frequencies, log-normal document lengths) as
      shards with `nanochat.dataset.repackage`, named like the hosted dataset: shard_00000.parquet, ...
      and the val shard under the default dataset's last index (shard_06542.parquet);
-  2. serve them from an HTTP server on 127.0.0.1;
+  2. serve them on 127.0.0.1 with scripts/shard_server.py (Range requests and sha256 ETags, as the hub);
   3. download them with the real CLI: `python -m nanochat.dataset -n N --base-url ... --data-dir ...`;
   4. train a tokenizer with `python -m scripts.tok_train`, measure it with `python -m scripts.tok_eval`;
-  5. stream best-fit packed batches with the loader on the CPU and print what they look like.
+  5. stream best-fit packed batches with the loader on the CPU and print what they look like;
+  6. stream the same train and val batches straight from the server (stream=True) into an empty cache
+     directory whose cache_limit is smaller than the shards, and check they equal step 5's.
 
 --out is laid out like $NANOCHAT_BASE_DIR (base_data_climbmix/, tokenizer/) plus hosted/ (what the server
-served), so afterwards `NANOCHAT_BASE_DIR=<out> python -m scripts.tok_eval` works too. Nothing
-under ~/.cache/nanochat is read or written.
+served) and stream_cache/ (step 6's cache), so afterwards `NANOCHAT_BASE_DIR=<out> python -m scripts.tok_eval`
+works too. Nothing under ~/.cache/nanochat is read or written.
 """
 
 import argparse
-import functools
+import hashlib
 import json
 import math
 import os
@@ -28,9 +30,7 @@ import random
 import subprocess
 import sys
 import tempfile
-import threading
 import time
-from http.server import SimpleHTTPRequestHandler, ThreadingHTTPServer
 
 import pyarrow.parquet as pq
 
@@ -38,6 +38,7 @@ from nanochat.dataloader import tokenizing_distributed_data_loader_with_state_bo
 from nanochat.dataset import get_dataset, index_to_filename, repackage
 from nanochat.state import decode_keys
 from nanochat.tokenizer import RustBPETokenizer
+from scripts.shard_server import ShardServer
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -142,23 +143,6 @@ def write_hosted_shards(docs: list[str], hosted_dir: str, num_train: int, row_gr
 
 
 # -----------------------------------------------------------------------------
-# 2. A local "Hugging Face"
-
-
-class _QuietHandler(SimpleHTTPRequestHandler):
-    def log_message(self, format, *args):
-        pass  # one line per request would drown the downloader's own report
-
-
-def serve(directory: str) -> tuple[ThreadingHTTPServer, str]:
-    """Serve directory over HTTP on 127.0.0.1 (a free port) from a daemon thread; returns (server, url)."""
-    handler = functools.partial(_QuietHandler, directory=directory)
-    server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
-    threading.Thread(target=server.serve_forever, name="demo-http", daemon=True).start()
-    return server, f"http://127.0.0.1:{server.server_address[1]}"
-
-
-# -----------------------------------------------------------------------------
 # 3-4. The real command-line tools
 
 
@@ -174,16 +158,20 @@ def run_cli(args: list[str], env: dict) -> None:
 # 5. Packed batches
 
 
-def stream_batches(tokenizer, B: int, T: int, split: str, num_batches: int, data_dir: str) -> dict:
-    """Pull num_batches batches from the best-fit loader on the CPU and measure them."""
+def stream_batches(tokenizer, B: int, T: int, split: str, num_batches: int, data_dir: str, **loader_kwargs) -> dict:
+    """Pull num_batches batches from the best-fit loader on the CPU (loader_kwargs: e.g. stream=True and
+    its settings) and measure them; a sha256 of all of them tells two runs' batches apart."""
     bos = tokenizer.get_bos_token_id()
-    loader = tokenizing_distributed_data_loader_with_state_bos_bestfit(
-        tokenizer, B, T, split, tokenizer_threads=2, device="cpu", data_dir=data_dir)
-    docs_per_row, bos_rows, first_row, state_dict = [], 0, None, None
     t0 = time.perf_counter()
+    loader = tokenizing_distributed_data_loader_with_state_bos_bestfit(
+        tokenizer, B, T, split, tokenizer_threads=2, device="cpu", data_dir=data_dir, **loader_kwargs)
+    docs_per_row, bos_rows, first_row, state_dict, digest = [], 0, None, None, hashlib.sha256()
     try:
         for step, (inputs, targets, state_dict) in enumerate(loader):
             # the tensors are views that the next batch overwrites: measure now, copy what we keep
+            if step == 0:
+                first_s = time.perf_counter() - t0
+            digest.update(inputs.numpy().tobytes() + targets.numpy().tobytes())
             if not (inputs[:, 1:] == targets[:, :-1]).all():
                 raise AssertionError(f"{split} batch {step}: targets are not inputs shifted by one")
             bos_rows += int((inputs[:, 0] == bos).sum())
@@ -194,15 +182,17 @@ def stream_batches(tokenizer, B: int, T: int, split: str, num_batches: int, data
             if step + 1 == num_batches:
                 break
         seconds = time.perf_counter() - t0
+        cache = loader._also_close  # a streaming loader's shard cache (it has no public name yet), else None
     finally:
         loader.close()
     rows = num_batches * B
     return {
-        "batches": num_batches, "rows": rows, "tokens": rows * T, "seconds": seconds,
+        "batches": num_batches, "rows": rows, "tokens": rows * T, "seconds": seconds, "first_s": first_s,
         "bos_row_pct": 100.0 * bos_rows / rows,
         "docs_per_row_mean": sum(docs_per_row) / rows, "docs_per_row_max": max(docs_per_row),
-        "state_dict": state_dict, "first_row": first_row,
+        "state_dict": state_dict, "first_row": first_row, "digest": digest.hexdigest(),
         "loader_stats": getattr(loader, "stats", None),  # newer loaders count tokens, crops, waits
+        "peak_bytes": cache and cache.peak_bytes,
     }
 
 
@@ -231,12 +221,34 @@ def print_batch_stats(name: str, s: dict) -> None:
 
 
 # -----------------------------------------------------------------------------
+# 6. Training straight from the server
+
+
+def stream_from_server(tokenizer, args, hosted: list[str], cache_dir: str) -> tuple[dict, dict, int, list[str]]:
+    """Step 5's train batches, then its val batch, again: each shard fetched from a server on 127.0.0.1
+    just before it is read (stream=True), into cache_dir, within a cache_limit of 4 shards: the least
+    that prefetch_shards=1 allows (the shard read, the next one, one for a rank out of step, and the
+    val shard), less than the train and val shards together from 4 train shards on. Returns the train
+    and val results of stream_batches, cache_limit and the shards downloaded, in order."""
+    cache_limit = 4 * max(os.path.getsize(path) for path in hosted)
+    server = ShardServer(os.path.dirname(hosted[0]))
+    kwargs = dict(stream=True, cache_limit=cache_limit, prefetch_shards=1, num_shards=args.shards, base_url=server.url)
+    try:
+        train = stream_batches(tokenizer, args.B, args.T, "train", args.batches, cache_dir, **kwargs)
+        val = stream_batches(tokenizer, args.B, args.T, "val", 1, cache_dir, **kwargs)
+    finally:
+        server.close()
+    return train, val, cache_limit, server.fetched()
+
+
+# -----------------------------------------------------------------------------
 
 
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description="Run the data pipeline end to end on a built-in sample, offline")
     parser.add_argument("--out", default=None,
-                        help="empty or new directory for hosted/, base_data_climbmix/, tokenizer/ (default: a fresh temp dir)")
+                        help="empty or new directory for hosted/, base_data_climbmix/, tokenizer/, stream_cache/ "
+                             "(default: a fresh temp dir)")
     parser.add_argument("--num-docs", type=int, default=4000, help="documents in the sample (default: 4000)")
     parser.add_argument("--shards", type=int, default=4, help="train shards; one val shard is added (default: 4)")
     parser.add_argument("--row-group-size", type=int, default=256,
@@ -284,14 +296,14 @@ def main(argv=None) -> int:
               f"{os.path.getsize(path) / 1e3:.0f} KB")
 
     print("\n== 2-3. serve them on 127.0.0.1 and download with the real CLI")
-    server, url = serve(hosted_dir)
+    server = ShardServer(hosted_dir)
+    url = server.url
     try:
         print(f"serving {hosted_dir} at {url}")
         run_cli(["nanochat.dataset", "-n", str(args.shards), "-w", "2", "--base-url", url,
                  "--data-dir", data_dir, "--backoff-base", "0.1"], env)
     finally:
-        server.shutdown()
-        server.server_close()
+        server.close()
     for path in hosted:
         with open(path, "rb") as a, open(os.path.join(data_dir, os.path.basename(path)), "rb") as b:
             if a.read() != b.read():
@@ -315,6 +327,21 @@ def main(argv=None) -> int:
     if train["bos_row_pct"] != 100.0 or val["bos_row_pct"] != 100.0:
         raise AssertionError("a row does not start with BOS; best-fit rows must always start with one")
 
+    print("\n== 6. the same batches, streamed from the server within a cache_limit (stream=True)")
+    cache_dir = os.path.join(out, "stream_cache", get_dataset().subdir)
+    streamed_train, streamed_val, cache_limit, downloads = stream_from_server(tokenizer, args, hosted, cache_dir)
+    for split, streamed, on_disk in (("train", streamed_train, train), ("val", streamed_val, val)):
+        if (streamed["digest"], streamed["state_dict"]) != (on_disk["digest"], on_disk["state_dict"]):
+            raise AssertionError(f"the {split} batches streamed into {cache_dir} differ from step 5's")
+    peak = max(streamed_train["peak_bytes"], streamed_val["peak_bytes"])
+    if peak > cache_limit:
+        raise AssertionError(f"the shards in {cache_dir} took {peak:,} bytes, over cache_limit={cache_limit:,}")
+    print(f"stream=True: {args.batches} train batches and 1 val batch equal to step 5's (batches and states); first "
+          f"train batch after {streamed_train['first_s']:.2f}s (on disk: {train['first_s']:.2f}s); peak cache "
+          f"{peak:,} bytes <= cache_limit {cache_limit:,} bytes (the {len(hosted)} shards: "
+          f"{sum(os.path.getsize(path) for path in hosted):,} bytes); shards downloaded, in order: "
+          f"{', '.join(name.removesuffix('.parquet') for name in downloads)}")
+
     print("\n== summary")
     print(f"sample: {len(docs):,} documents, {chars:,} characters -> {len(hosted)} shards served at {url}")
     print(f"downloaded: {len(hosted)}/{len(hosted)} shards to {data_dir}, byte-identical")
@@ -322,6 +349,8 @@ def main(argv=None) -> int:
     print(f"loader: {train['batches']} train batches of {args.B}x{args.T}, "
           f"{train['tokens'] / max(train['seconds'], 1e-9):,.0f} tokens/s, 100% BOS rows, "
           f"{train['docs_per_row_mean']:.2f} documents per row")
+    print(f"streamed: the same batches straight from the server into {cache_dir}, within cache_limit="
+          f"{cache_limit:,} bytes")
     print(f"done in {time.perf_counter() - t_start:.1f}s; everything is under {out}")
     return 0
 

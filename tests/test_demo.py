@@ -1,14 +1,18 @@
 """
-The end-to-end demo (scripts/demo.py) and the speedrun recipe. The demo runs in a subprocess, as a
+The end-to-end demo (scripts/demo.py) and the speedrun recipes. The demo runs in a subprocess, as a
 user runs it, with small sizes (a few seconds): it serves its own shards on 127.0.0.1, so no
-network and no ~/.cache are touched.
+network and no ~/.cache are touched; it downloads them, and streams them (stream=True) within a
+cache_limit smaller than the shards.
 
     python -m pytest tests/test_demo.py -q
 """
 
 import os
+import re
 import subprocess
 import sys
+
+import pytest
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -22,13 +26,13 @@ def test_demo_end_to_end(tmp_path):
     out = tmp_path / "demo"
     # conftest points NANOCHAT_BASE_DIR at tmp_path; the demo must not write there, only to --out
     base_dir = os.environ["NANOCHAT_BASE_DIR"]
-    result = run_demo("--out", str(out), "--num-docs", "600", "--shards", "2", "--row-group-size", "64",
+    result = run_demo("--out", str(out), "--num-docs", "600", "--shards", "4", "--row-group-size", "64",
                       "--vocab-size", "512", "--batches", "6", "--B", "4", "--T", "128")
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
 
     # what was downloaded is exactly what was served, under the real dataset's names
     served = sorted(os.listdir(out / "hosted"))
-    assert served == ["shard_00000.parquet", "shard_00001.parquet", "shard_06542.parquet"]
+    assert served == [f"shard_{i:05d}.parquet" for i in range(4)] + ["shard_06542.parquet"]
     downloaded = sorted(f for f in os.listdir(out / "base_data_climbmix") if f.endswith(".parquet"))
     assert downloaded == served
     for name in served:
@@ -43,6 +47,24 @@ def test_demo_end_to_end(tmp_path):
     assert "val: rows starting with BOS: 100.0%" in stdout
     assert "train: 6 batches, 24 rows, 3,072 tokens" in stdout
     assert "state_dict of the last batch: {'pq_idx'" in stdout
+
+    # step 6: the same batches streamed from the server (the demo exits 1 if they differ), within a cache_limit
+    # of 4 shards, less than the 5 shards: all 5 were fetched, so some were evicted
+    line = re.search(r"stream=True: 6 train batches and 1 val batch equal to step 5's \(batches and states\); first "
+                     r"train batch after [\d.]+s \(on disk: [\d.]+s\); peak cache ([\d,]+) bytes <= cache_limit "
+                     r"([\d,]+) bytes \(the 5 shards: ([\d,]+) bytes\); shards downloaded, in order: (.*)", stdout)
+    assert line, stdout[-3000:]
+    peak, limit, total = (int(g.replace(",", "")) for g in line.groups()[:3])
+    sizes = [(out / "hosted" / name).stat().st_size for name in served]
+    assert (limit, total) == (4 * max(sizes), sum(sizes))
+    assert 0 < peak <= limit < total
+    assert set(line.group(4).split(", ")) == {name.removesuffix(".parquet") for name in served}
+    cache = out / "stream_cache" / "base_data_climbmix"
+    cached = sorted(f for f in os.listdir(cache) if f.endswith(".parquet"))
+    assert "shard_06542.parquet" in cached and sum((cache / f).stat().st_size for f in cached) <= limit
+    for name in cached:
+        assert (cache / name).read_bytes() == (out / "hosted" / name).read_bytes(), name
+    assert not [f for f in os.listdir(cache) if f.endswith(".tmp")]
     assert "== summary" in stdout
     assert not os.path.exists(base_dir)
 
@@ -55,7 +77,7 @@ def test_demo_refuses_a_non_empty_out(tmp_path):
     assert os.listdir(tmp_path) == ["keep.txt"]
 
 
-def test_speedrun_is_valid_bash():
-    result = subprocess.run(["bash", "-n", os.path.join(REPO_ROOT, "speedrun.sh")],
-                            capture_output=True, text=True)
+@pytest.mark.parametrize("script", ["speedrun.sh", "scripts/speedrun.sh"])
+def test_speedrun_is_valid_bash(script):
+    result = subprocess.run(["bash", "-n", os.path.join(REPO_ROOT, script)], capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
