@@ -1,0 +1,399 @@
+"""
+Streaming (stream=True) with real processes and real failures, against a ShardServer on 127.0.0.1: many ranks of
+one machine share one cache and download each shard once; two torchrun "nodes" each fill their own cache; a
+streaming run killed mid-download resumes exactly; a server that goes away, a missing shard and a full disk are
+clear errors, never a hang. Every streamed batch and state is compared with the same loader over the hosted
+shards on disk. Run: python -m pytest tests/test_streaming_processes.py -q   (~30 s)
+"""
+
+import errno
+import json
+import os
+import random
+import shutil
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections import Counter
+from itertools import islice
+
+import pytest
+
+from conftest import ByteTokenizer, worker_env, write_shard
+from nanochat import shard_cache
+from nanochat.dataloader import tokenizing_distributed_data_loader_with_state_bos_bestfit
+from nanochat.dataset import get_dataset, index_to_filename
+from nanochat.download import Limits
+from nanochat.state import decode_keys
+from scripts.shard_server import BLOCK, ShardServer
+from stream_worker import LOADER, rows_of
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
+
+
+# -----------------------------------------------------------------------------
+# Hosted shards, the on-disk oracle, the workers
+
+
+def host_shards(directory, num_shards: int, docs_of, row_group_size: int) -> list[str]:
+    """Train shards shard_00000.parquet, ... with docs_of(i)'s texts, and the dataset's val shard, as the hub
+    names them. Returns the train shards' names."""
+    os.makedirs(directory, exist_ok=True)
+    names = [index_to_filename(i) for i in range(num_shards)]
+    for i, name in enumerate(names):
+        write_shard(os.path.join(directory, name), docs_of(i), row_group_size)
+    write_shard(os.path.join(directory, get_dataset().val_filename), ["val"], 1)
+    return names
+
+
+def letters(rng: random.Random, n: int) -> str:
+    return "".join(rng.choices("abcdefghijklmnopqrstuvwxyz", k=n))
+
+
+def equal_docs(num: int, length: int):
+    """docs_of for shards whose documents all have one length: every rank then takes the same number of
+    documents per batch, so ranks that step together stay on the same shard."""
+    return lambda i: [letters(random.Random(f"{i}-{j}"), length) for j in range(num)]
+
+
+def on_disk(hosted, num_batches: int, rank: int = 0, world_size: int = 1, resume=None) -> list[dict]:
+    """The oracle: the same loader over the hosted shards on disk, each batch as a worker writes it."""
+    loader = tokenizing_distributed_data_loader_with_state_bos_bestfit(
+        ByteTokenizer(), data_dir=str(hosted), rank=rank, world_size=world_size, resume_state_dict=resume, **LOADER)
+    batches = take(loader, num_batches)
+    loader.close()
+    return batches
+
+
+def take(loader, num_batches: int) -> list[dict]:
+    """The next batches of a loader as a worker writes them, and reads them back (tuples become lists)."""
+    return [json.loads(json.dumps({"rows": rows_of(inputs, targets), "state": state}))
+            for inputs, targets, state in islice(loader, num_batches)]
+
+
+def read_lines(path) -> list[dict]:
+    """A worker's complete lines (a killed worker may have left half of one)."""
+    with open(path) as f:
+        return [json.loads(line) for line in f.read().split("\n")[:-1]]
+
+
+def stream_env(base_dir, url: str, num_shards: int, cache_limit: int | None = None) -> dict:
+    """A worker's environment: stream num_shards train shards from url into base_dir's dataset directory."""
+    env = dict(worker_env(), NANOCHAT_STREAM="1", NANOCHAT_BASE_DIR=str(base_dir), NANOCHAT_DATA_URL=url,
+               NANOCHAT_STREAM_SHARDS=str(num_shards))
+    if cache_limit is not None:
+        env["NANOCHAT_CACHE_LIMIT"] = str(cache_limit)
+    return env
+
+
+def cache_dir(base_dir) -> str:
+    return os.path.join(base_dir, get_dataset().subdir)
+
+
+def shards_in(directory) -> dict[str, int]:
+    """name -> bytes of the complete shards in a directory."""
+    return {name: os.path.getsize(os.path.join(directory, name)) for name in os.listdir(directory)
+            if name.endswith(".parquet")}
+
+
+def file_bytes(path) -> bytes:
+    with open(path, "rb") as f:
+        return f.read()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# -----------------------------------------------------------------------------
+# Many ranks, one machine; many machines, a disk each
+
+
+def test_ranks_of_one_machine_download_each_shard_once_within_the_budget(tmp_path):
+    # 8 shards of 48 equal documents in row groups of 2: 24 documents (6 batches) per rank per shard
+    hosted, out = tmp_path / "hosted", tmp_path / "out"
+    names = host_shards(hosted, 8, equal_docs(48, 20), row_group_size=2)
+    out.mkdir()
+    largest = max(shards_in(hosted)[name] for name in names)
+    limit = 5 * largest  # room for 5 of the 8: the run must evict (the least it accepts is 4 = prefetch_shards + 2)
+    # 96 documents per rank, and 8 more in the buffer: shards 0-4 are read, 5 and 6 fetched ahead; nothing of the
+    # next epoch is, so every shard's one visit is its only one
+    num_batches = 24
+    server = ShardServer(str(hosted))
+    try:
+        cmd = [*TORCHRUN, "--standalone", "--nproc-per-node=2", os.path.join(HERE, "stream_worker.py"), str(out),
+               str(num_batches)]
+        result = subprocess.run(cmd, capture_output=True, text=True, timeout=120,
+                                env=stream_env(tmp_path / "base", server.url, len(names), limit))
+        assert result.returncode == 0, result.stdout + result.stderr
+        fetched = server.fetched()
+    finally:
+        server.close()
+    for rank in range(2):
+        assert read_lines(out / f"rank{rank}.jsonl") == on_disk(hosted, num_batches, rank, 2)
+    # one download per shard for the machine, not one per rank, in the order they are read
+    last_read = read_lines(out / "rank0.jsonl")[-1]["state"]["pq_idx"]
+    assert last_read == 4
+    assert fetched == names[:len(fetched)] and len(fetched) >= last_read + 1
+    # the budget held: shards were evicted (each then had been read by both ranks: none was fetched twice)
+    kept = shards_in(cache_dir(tmp_path / "base"))
+    assert len(kept) < len(fetched) and sum(kept.values()) <= limit
+
+
+def test_two_nodes_each_fill_their_own_cache(tmp_path):
+    # torchrun --nnodes 2 on one machine: node 0 and node 1 are two launches with a base dir (a local disk) each
+    hosted, out = tmp_path / "hosted", tmp_path / "out"
+    names = host_shards(hosted, 4, equal_docs(24, 20), row_group_size=2)
+    out.mkdir()
+    num_batches = 16  # 3 batches per rank per shard: past the first epoch (12 batches), no limit
+    server = ShardServer(str(hosted))
+    port, nodes = free_port(), []
+    try:
+        nodes += [subprocess.Popen([*TORCHRUN, "--nnodes=2", f"--node-rank={node}", "--nproc-per-node=1",
+                                   "--master-addr=127.0.0.1", f"--master-port={port}",
+                                   os.path.join(HERE, "stream_worker.py"), str(out), str(num_batches)],
+                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                  env=stream_env(tmp_path / f"node{node}", server.url, len(names)))
+                 for node in range(2)]
+        for node in nodes:
+            output = node.communicate(timeout=120)[0]
+            assert node.returncode == 0, output
+        fetched = server.fetched()
+    finally:
+        for node in nodes:
+            if node.poll() is None:
+                node.kill()
+        server.close()
+    for rank in range(2):  # node_rank x nproc_per_node + local rank
+        assert read_lines(out / f"rank{rank}.jsonl") == on_disk(hosted, num_batches, rank, 2)
+    # each node downloaded each shard once, into its own directory, byte for byte the hosted one
+    assert Counter(fetched) == {name: 2 for name in names}
+    for node in range(2):
+        directory = cache_dir(tmp_path / f"node{node}")
+        assert sorted(shards_in(directory)) == names
+        for name in names:
+            assert file_bytes(os.path.join(directory, name)) == file_bytes(hosted / name)
+
+
+# -----------------------------------------------------------------------------
+# Kill and resume
+
+
+def mixed_docs(i: int) -> list[str]:
+    """4 long documents (60 KB of random text: the shard is ~4 of the server's 64 KB blocks, so a download is
+    seen half done) among 12 short ones, which best-fit keeps in its buffer while the long ones fill rows."""
+    rng = random.Random(i)
+    docs = [letters(rng, 60_000) for _ in range(4)] + [letters(rng, rng.randint(5, 40)) for _ in range(12)]
+    rng.shuffle(docs)
+    return docs
+
+
+def buffered_shards(state) -> list[int]:
+    """The shards of a state's buffered documents, in the order a resume re-reads them."""
+    shards = [key[1] for key in decode_keys(state["buffer"])]
+    return [p for i, p in enumerate(shards) if i == 0 or p != shards[i - 1]]
+
+
+def test_a_killed_streaming_run_resumes_exactly(tmp_path):
+    hosted, base = tmp_path / "hosted", tmp_path / "base"
+    names = host_shards(hosted, 10, mixed_docs, row_group_size=2)
+    sizes = shards_in(hosted)
+    limit = 5 * max(sizes.values())
+    directory = cache_dir(base)
+    # a link of 1 MB/s: a 64 KB block every 64 ms, so a download in flight can be caught with blocks still to come
+    server = ShardServer(str(hosted), rate=1e6)
+    env = stream_env(base, server.url, len(names), limit)
+    killed, resumed = tmp_path / "killed", tmp_path / "resumed"
+    killed.mkdir(), resumed.mkdir()
+    try:
+        worker = subprocess.Popen([sys.executable, os.path.join(HERE, "stream_worker.py"), str(killed), "1000"],
+                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env)
+        try:
+            partial = wait_for_partial_download(worker, killed / "rank0.jsonl", directory, sizes, min_batches=13)
+        finally:
+            worker.kill()  # SIGKILL: no cleanup of any kind
+            worker.wait()
+        server.throttle.rate = None
+        before = read_lines(killed / "rank0.jsonl")
+        k = len(before)
+        have = os.path.getsize(os.path.join(directory, partial + ".tmp"))
+        stale = [name for name in os.listdir(os.path.join(directory, ".stream")) if f"-{worker.pid}-" in name]
+        assert len(stale) == 1  # the killed loader's needs record is left behind
+
+        num_after = 25  # about 5 more shards: the budget must evict the shards the dead loader listed
+        expected = on_disk(hosted, k + num_after)
+        assert before == expected[:k]
+        with open(tmp_path / "state.json", "w") as f:
+            json.dump(before[-1]["state"], f)
+        mark = len(server.gets)
+        result = subprocess.run([sys.executable, os.path.join(HERE, "stream_worker.py"), str(resumed),
+                                 str(num_after), str(tmp_path / "state.json")],
+                                capture_output=True, text=True, timeout=60, env=env)
+        assert result.returncode == 0, result.stdout + result.stderr
+        after = server.gets[mark:]
+        # the same state resumed on another machine (an empty cache): the buffered documents' shards come first
+        state = before[12]["state"]
+        assert buffered_shards(state) == [1, 2, 3] and state["next"][1] == 3  # 2 shards before the stream's own
+        mark = len(server.fetched())
+        loader = tokenizing_distributed_data_loader_with_state_bos_bestfit(
+            ByteTokenizer(), data_dir=str(tmp_path / "elsewhere"), resume_state_dict=state, stream=True,
+            num_shards=len(names), base_url=server.url, download_limits=Limits(backoff_base=0.01), **LOADER)
+        elsewhere = take(loader, 10)
+        loader.close()
+        fetched = server.fetched()[mark:]
+    finally:
+        server.close()
+    assert elsewhere == expected[13:23]
+    assert fetched == names[1:1 + len(fetched)] and len(fetched) >= 5  # 1, 2 (buffered), 3, 4, 5 (read); never 0
+    assert read_lines(resumed / "rank0.jsonl") == expected[k:]
+    # the half-downloaded shard is resumed from the bytes it kept, not fetched again from byte 0
+    assert next(wanted for name, wanted in after if name == partial) == f"bytes={have}-"
+    # the dead loader's record pinned nothing: it is gone, and the resumed run stayed within the budget
+    assert not os.path.exists(os.path.join(directory, ".stream", stale[0]))
+    assert sum(shards_in(directory).values()) <= limit
+
+
+def wait_for_partial_download(worker, lines_path, directory, sizes, min_batches: int) -> str:
+    """Once the worker has written min_batches batches, wait for a download with at least one more block to come
+    (at the server's rate, 64 ms away: time enough to kill the worker before it completes); its shard's name."""
+    for _ in range(2000):  # 10 s
+        assert worker.poll() is None, worker.stdout.read().decode()
+        if os.path.exists(lines_path) and len(read_lines(lines_path)) >= min_batches:
+            for name in os.listdir(directory):
+                if name.endswith(".parquet.tmp"):
+                    have = os.path.getsize(os.path.join(directory, name))
+                    if 0 < have < sizes[name.removesuffix(".tmp")] - BLOCK:
+                        return name.removesuffix(".tmp")
+        time.sleep(0.005)
+    raise AssertionError("no download was seen half done")
+
+
+# -----------------------------------------------------------------------------
+# Failures: a server that goes away, a missing shard, a full disk, a budget too small
+
+# two attempts 10 ms apart, each silent for at most 2 s, 10 s for a file: an error within seconds
+LIMITS = Limits(max_attempts=2, backoff_base=0.01, timeout=2, deadline=10)
+
+
+def streaming(cache, url: str, num_shards: int, **kwargs):
+    """The loader of the tests above, streaming into cache; shards are fetched only as they are read
+    (prefetch_shards=0), so the test knows which shard a failure hits."""
+    return tokenizing_distributed_data_loader_with_state_bos_bestfit(
+        ByteTokenizer(), data_dir=str(cache), stream=True, num_shards=num_shards, base_url=url,
+        download_limits=LIMITS, **{"prefetch_shards": 0, **LOADER, **kwargs})
+
+
+def batches_until_error(loader, max_batches: int, seconds: float = 60.0) -> tuple[list[dict], Exception]:
+    """The batches next() gives, then the error it raises; fails if it gives more than max_batches or neither
+    returns nor raises for `seconds` (a hang)."""
+    got, raised = [], []
+
+    def drain():
+        try:
+            for _ in range(max_batches + 1):
+                got.extend(take(loader, 1))
+        except Exception as e:
+            raised.append(e)
+
+    thread = threading.Thread(target=drain, daemon=True)
+    thread.start()
+    thread.join(seconds)
+    assert not thread.is_alive(), f"next() hangs: no batch and no error for {seconds:g}s after {len(got)} batches"
+    assert raised, f"{len(got)} batches and no error"
+    return got, raised[0]
+
+
+def test_a_server_gone_mid_run_is_an_error_naming_the_shard_and_its_url(tmp_path):
+    hosted = tmp_path / "hosted"
+    names = host_shards(hosted, 3, equal_docs(48, 20), row_group_size=2)  # 12 batches a shard
+    expected = on_disk(hosted, 36)
+    server = ShardServer(str(hosted))
+    loader = streaming(tmp_path / "cache", server.url, len(names))
+    try:
+        got = take(loader, 1)  # shard 0 arrived
+        server.close()
+        more, error = batches_until_error(loader, 36)
+    finally:
+        loader.close()
+    assert got + more == expected[:len(got + more)] and len(more) >= 9  # the rest of shard 0
+    assert isinstance(error, ConnectionError)
+    url = f"{server.url}/{names[1]}"
+    assert str(error).startswith(f"could not fetch shard {names[1]} from {url}: "), error
+    assert "gave up after 2 attempts" in str(error)
+
+
+def test_a_shard_missing_on_the_server_is_an_error_naming_it(tmp_path):
+    hosted = tmp_path / "hosted"
+    names = host_shards(hosted, 3, equal_docs(48, 20), row_group_size=2)
+    expected = on_disk(hosted, 36)
+    server = ShardServer(str(hosted))
+    try:
+        loader = streaming(tmp_path / "cache", server.url, len(names))  # reads every footer
+        os.remove(hosted / names[1])  # gone from the server since: a 404
+        try:
+            got, error = batches_until_error(loader, 36)
+        finally:
+            loader.close()
+    finally:
+        server.close()
+    assert got == expected[:len(got)] and len(got) >= 10
+    assert isinstance(error, ConnectionError)
+    assert str(error).startswith(f"could not fetch shard {names[1]} from {server.url}/{names[1]}: "), error
+    assert "404" in str(error)
+
+
+def test_a_server_down_at_the_start_is_an_error_at_the_call(tmp_path):
+    hosted = tmp_path / "hosted"
+    names = host_shards(hosted, 3, equal_docs(48, 20), row_group_size=2)
+    server = ShardServer(str(hosted))
+    server.close()
+    raised = []
+    thread = threading.Thread(target=lambda: raised.append(pytest.raises(
+        ConnectionError, streaming, tmp_path / "cache", server.url, len(names))), daemon=True)
+    thread.start()
+    thread.join(60)
+    assert not thread.is_alive(), "the loader call hangs on a server that is down"
+    message = str(raised[0].value)
+    assert message.startswith(f"could not read the footer of shard {names[0]} from {server.url}/{names[0]}: ")
+
+
+def test_a_full_disk_is_an_enospc_error_naming_the_directory(tmp_path, monkeypatch):
+    hosted, cache = tmp_path / "hosted", tmp_path / "cache"
+    names = host_shards(hosted, 3, equal_docs(48, 20), row_group_size=2)
+    expected = on_disk(hosted, 36)
+    server = ShardServer(str(hosted))
+    loader = streaming(cache, server.url, len(names))
+    try:
+        got = take(loader, 1)
+        # the disk fills up while shard 0 is read: 1 KB left (shards are ~3 KB)
+        monkeypatch.setattr(shard_cache.shutil, "disk_usage", lambda path: shutil._ntuple_diskusage(10**9, 10**9, 1000))
+        more, error = batches_until_error(loader, 36)
+    finally:
+        loader.close()
+        server.close()
+    assert got + more == expected[:len(got + more)] and len(more) >= 9
+    assert isinstance(error, OSError) and error.errno == errno.ENOSPC
+    assert names[1] in str(error) and f"{cache} has 0.0 MB free" in str(error), error
+    assert not os.path.exists(cache / names[1]) and server.fetched() == names[:1]
+
+
+def test_a_budget_below_what_must_be_held_is_refused_at_the_call(tmp_path):
+    hosted = tmp_path / "hosted"
+    names = host_shards(hosted, 3, mixed_docs, row_group_size=2)
+    largest = max(shards_in(hosted)[name] for name in names)
+    server = ShardServer(str(hosted))
+    try:
+        # the shard read, prefetch_shards=2 ahead and one for a rank out of step: 4 shards; 3.5 is too few
+        with pytest.raises(ValueError) as raised:
+            streaming(tmp_path / "cache", server.url, len(names), prefetch_shards=2, cache_limit=int(3.5 * largest))
+        streaming(tmp_path / "cache", server.url, len(names), prefetch_shards=2, cache_limit=4 * largest).close()
+    finally:
+        server.close()
+    message = str(raised.value)
+    assert message.startswith("cache_limit=") and "prefetch_shards=2" in message, message
+    assert f"4 x {largest / 1e6:.1f} MB (the largest shard)" in message and str(tmp_path / "cache") in message
