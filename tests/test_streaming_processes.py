@@ -10,7 +10,6 @@ import errno
 import json
 import os
 import random
-import shutil
 import socket
 import subprocess
 import sys
@@ -18,6 +17,7 @@ import threading
 import time
 from collections import Counter
 from itertools import islice
+from types import SimpleNamespace
 
 import pytest
 
@@ -27,6 +27,7 @@ from nanochat.dataloader import tokenizing_distributed_data_loader_with_state_bo
 from nanochat.dataset import get_dataset, index_to_filename
 from nanochat.download import Limits
 from nanochat.state import decode_keys
+from scripts import shard_server
 from scripts.shard_server import BLOCK, ShardServer
 from stream_worker import LOADER, rows_of
 
@@ -225,7 +226,7 @@ def test_a_killed_streaming_run_resumes_exactly(tmp_path):
         stale = [name for name in os.listdir(os.path.join(directory, ".stream")) if f"-{worker.pid}-" in name]
         assert len(stale) == 1  # the killed loader's needs record is left behind
 
-        num_after = 25  # about 5 more shards: the budget must evict the shards the dead loader listed
+        num_after = 25  # about 5 more shards, past those the dead loader was reading
         expected = on_disk(hosted, k + num_after)
         assert before == expected[:k]
         with open(tmp_path / "state.json", "w") as f:
@@ -236,24 +237,12 @@ def test_a_killed_streaming_run_resumes_exactly(tmp_path):
                                 capture_output=True, text=True, timeout=60, env=env)
         assert result.returncode == 0, result.stdout + result.stderr
         after = server.gets[mark:]
-        # the same state resumed on another machine (an empty cache): the buffered documents' shards come first
-        state = before[12]["state"]
-        assert buffered_shards(state) == [1, 2, 3] and state["next"][1] == 3  # 2 shards before the stream's own
-        mark = len(server.fetched())
-        loader = tokenizing_distributed_data_loader_with_state_bos_bestfit(
-            ByteTokenizer(), data_dir=str(tmp_path / "elsewhere"), resume_state_dict=state, stream=True,
-            num_shards=len(names), base_url=server.url, download_limits=Limits(backoff_base=0.01), **LOADER)
-        elsewhere = take(loader, 10)
-        loader.close()
-        fetched = server.fetched()[mark:]
     finally:
         server.close()
-    assert elsewhere == expected[13:23]
-    assert fetched == names[1:1 + len(fetched)] and len(fetched) >= 5  # 1, 2 (buffered), 3, 4, 5 (read); never 0
     assert read_lines(resumed / "rank0.jsonl") == expected[k:]
     # the half-downloaded shard is resumed from the bytes it kept, not fetched again from byte 0
     assert next(wanted for name, wanted in after if name == partial) == f"bytes={have}-"
-    # the dead loader's record pinned nothing: it is gone, and the resumed run stayed within the budget
+    # the dead loader's record pins nothing: the resumed run dropped it (its process is gone), and kept the budget
     assert not os.path.exists(os.path.join(directory, ".stream", stale[0]))
     assert sum(shards_in(directory).values()) <= limit
 
@@ -273,6 +262,24 @@ def wait_for_partial_download(worker, lines_path, directory, sizes, min_batches:
     raise AssertionError("no download was seen half done")
 
 
+def test_a_resume_elsewhere_fetches_the_buffered_documents_shards_first(tmp_path):
+    hosted = tmp_path / "hosted"
+    names = host_shards(hosted, 10, mixed_docs, row_group_size=2)
+    expected = on_disk(hosted, 23)
+    state = expected[12]["state"]  # one the killed run above wrote too
+    assert buffered_shards(state) == [1, 2, 3] and state["next"][1] == 3  # two shards before the stream's own
+    server = ShardServer(str(hosted))
+    try:  # on another machine: an empty cache
+        loader = streaming(tmp_path / "cache", server.url, len(names), prefetch_shards=2, resume_state_dict=state)
+        resumed = take(loader, 10)
+        loader.close()
+    finally:
+        server.close()
+    assert resumed == expected[13:]
+    fetched = server.fetched()
+    assert fetched == names[1:1 + len(fetched)] and len(fetched) >= 5  # 1, 2 (buffered), 3, 4, 5 (read); never 0
+
+
 # -----------------------------------------------------------------------------
 # Failures: a server that goes away, a missing shard, a full disk, a budget too small
 
@@ -288,24 +295,30 @@ def streaming(cache, url: str, num_shards: int, **kwargs):
         download_limits=LIMITS, **{"prefetch_shards": 0, **LOADER, **kwargs})
 
 
-def batches_until_error(loader, max_batches: int, seconds: float = 60.0) -> tuple[list[dict], Exception]:
-    """The batches next() gives, then the error it raises; fails if it gives more than max_batches or neither
-    returns nor raises for `seconds` (a hang)."""
-    got, raised = [], []
+def outcome(call, seconds: float = 60.0):
+    """What call() returns or raises, run on a thread; fails if it has done neither after `seconds` (a hang)."""
+    result = []
 
-    def drain():
+    def run():
         try:
-            for _ in range(max_batches + 1):
-                got.extend(take(loader, 1))
+            result.append(call())
         except Exception as e:
-            raised.append(e)
+            result.append(e)
 
-    thread = threading.Thread(target=drain, daemon=True)
-    thread.start()
-    thread.join(seconds)
-    assert not thread.is_alive(), f"next() hangs: no batch and no error for {seconds:g}s after {len(got)} batches"
-    assert raised, f"{len(got)} batches and no error"
-    return got, raised[0]
+    threading.Thread(target=run, daemon=True).start()
+    for _ in range(int(seconds * 100)):
+        if result:
+            return result[0]
+        time.sleep(0.01)
+    raise AssertionError(f"neither returned nor raised in {seconds:g}s: a hang")
+
+
+def batches_until_error(loader, max_batches: int) -> tuple[list[dict], Exception]:
+    """The batches next() gives, then the error it raises (within a minute); fails after max_batches."""
+    got = []
+    error = outcome(lambda: [got.extend(take(loader, 1)) for _ in range(max_batches + 1)])
+    assert isinstance(error, Exception), f"{len(got)} batches and no error"
+    return got, error
 
 
 def test_a_server_gone_mid_run_is_an_error_naming_the_shard_and_its_url(tmp_path):
@@ -325,6 +338,46 @@ def test_a_server_gone_mid_run_is_an_error_naming_the_shard_and_its_url(tmp_path
     url = f"{server.url}/{names[1]}"
     assert str(error).startswith(f"could not fetch shard {names[1]} from {url}: "), error
     assert "gave up after 2 attempts" in str(error)
+
+
+# BUG (nanochat/shard_cache.py, reported, not fixed here): ShardCache._run records a background fetch's failure in
+# _failed for good, and need() raises it when the reader reaches that shard, however long ago it failed. A short
+# outage while a shard is fetched ahead therefore ends the run minutes later, when the server is long back, where
+# without prefetching (prefetch_shards=0) the same outage would have passed unnoticed. Remove the mark once fixed.
+@pytest.mark.xfail(strict=True, raises=ConnectionError, reason="BUG: a prefetched shard's failure is final")
+def test_an_outage_over_before_its_shard_is_read_does_not_end_the_run(tmp_path, monkeypatch):
+    hosted = tmp_path / "hosted"
+    names = host_shards(hosted, 4, equal_docs(48, 20), row_group_size=2)  # 12 batches a shard
+    expected = on_disk(hosted, 40)
+    outage, refused = threading.Event(), []
+    serve = shard_server._Handler.do_GET
+
+    def do_get(handler):  # during the outage, a whole-file GET of shard 2 is answered 503 (its footer is served)
+        if outage.is_set() and handler.path.endswith(names[2]) and "Range" not in handler.headers:
+            refused.append(handler.path)
+            handler.send_error(503)
+        else:
+            serve(handler)
+
+    monkeypatch.setattr(shard_server._Handler, "do_GET", do_get)
+    server = ShardServer(str(hosted))
+    outage.set()
+    try:
+        loader = streaming(tmp_path / "cache", server.url, len(names), prefetch_shards=2)
+        try:
+            got = take(loader, 1)  # shard 0 is read; shards 1 and 2 are fetched ahead
+            for _ in range(1000):
+                if len(refused) == LIMITS.max_attempts:
+                    break
+                time.sleep(0.01)
+            assert len(refused) == LIMITS.max_attempts  # the fetch of shard 2 gave up, long before it is read
+            outage.clear()
+            got += take(loader, 39)  # shard 2 is read from about batch 24 on
+        finally:
+            loader.close()
+    finally:
+        server.close()
+    assert got == expected
 
 
 def test_a_shard_missing_on_the_server_is_an_error_naming_it(tmp_path):
@@ -352,14 +405,9 @@ def test_a_server_down_at_the_start_is_an_error_at_the_call(tmp_path):
     names = host_shards(hosted, 3, equal_docs(48, 20), row_group_size=2)
     server = ShardServer(str(hosted))
     server.close()
-    raised = []
-    thread = threading.Thread(target=lambda: raised.append(pytest.raises(
-        ConnectionError, streaming, tmp_path / "cache", server.url, len(names))), daemon=True)
-    thread.start()
-    thread.join(60)
-    assert not thread.is_alive(), "the loader call hangs on a server that is down"
-    message = str(raised[0].value)
-    assert message.startswith(f"could not read the footer of shard {names[0]} from {server.url}/{names[0]}: ")
+    error = outcome(lambda: streaming(tmp_path / "cache", server.url, len(names)))
+    assert isinstance(error, ConnectionError), error
+    assert str(error).startswith(f"could not read the footer of shard {names[0]} from {server.url}/{names[0]}: ")
 
 
 def test_a_full_disk_is_an_enospc_error_naming_the_directory(tmp_path, monkeypatch):
@@ -371,7 +419,7 @@ def test_a_full_disk_is_an_enospc_error_naming_the_directory(tmp_path, monkeypat
     try:
         got = take(loader, 1)
         # the disk fills up while shard 0 is read: 1 KB left (shards are ~3 KB)
-        monkeypatch.setattr(shard_cache.shutil, "disk_usage", lambda path: shutil._ntuple_diskusage(10**9, 10**9, 1000))
+        monkeypatch.setattr(shard_cache.shutil, "disk_usage", lambda path: SimpleNamespace(free=1000))
         more, error = batches_until_error(loader, 36)
     finally:
         loader.close()
@@ -391,6 +439,7 @@ def test_a_budget_below_what_must_be_held_is_refused_at_the_call(tmp_path):
         # the shard read, prefetch_shards=2 ahead and one for a rank out of step: 4 shards; 3.5 is too few
         with pytest.raises(ValueError) as raised:
             streaming(tmp_path / "cache", server.url, len(names), prefetch_shards=2, cache_limit=int(3.5 * largest))
+        assert server.fetched() == []  # refused before any download
         streaming(tmp_path / "cache", server.url, len(names), prefetch_shards=2, cache_limit=4 * largest).close()
     finally:
         server.close()
