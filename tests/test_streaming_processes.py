@@ -1,8 +1,8 @@
 """
 Streaming (stream=True) with real processes and real failures, against a ShardServer on 127.0.0.1: many ranks of
 one machine share one cache and download each shard once; two torchrun "nodes" each fill their own cache; a
-streaming run killed mid-download resumes exactly; a server that goes away, a missing shard and a full disk are
-clear errors, never a hang. Every streamed batch and state is compared with the same loader over the hosted
+streaming run killed mid-download resumes exactly; a server that goes away or falls silent, a missing shard and a
+full disk are clear errors, never a hang. Every streamed batch and state is compared with the same loader over the hosted
 shards on disk. Run: python -m pytest tests/test_streaming_processes.py -q   (~30 s)
 """
 
@@ -292,7 +292,7 @@ def streaming(cache, url: str, num_shards: int, **kwargs):
     (prefetch_shards=0), so the test knows which shard a failure hits."""
     return tokenizing_distributed_data_loader_with_state_bos_bestfit(
         ByteTokenizer(), data_dir=str(cache), stream=True, num_shards=num_shards, base_url=url,
-        download_limits=LIMITS, **{"prefetch_shards": 0, **LOADER, **kwargs})
+        **{"prefetch_shards": 0, "download_limits": LIMITS, **LOADER, **kwargs})
 
 
 def outcome(call, seconds: float = 60.0):
@@ -338,6 +338,24 @@ def test_a_server_gone_mid_run_is_an_error_naming_the_shard_and_its_url(tmp_path
     url = f"{server.url}/{names[1]}"
     assert str(error).startswith(f"could not fetch shard {names[1]} from {url}: "), error
     assert "gave up after 2 attempts" in str(error)
+
+
+def test_a_server_gone_silent_mid_download_is_an_error_not_a_hang(tmp_path):
+    hosted = tmp_path / "hosted"
+    names = host_shards(hosted, 3, mixed_docs, row_group_size=2)  # ~150 KB shards: 3 of the server's blocks
+    server = ShardServer(str(hosted))
+    loader = streaming(tmp_path / "cache", server.url, len(names),
+                       download_limits=Limits(max_attempts=2, backoff_base=0.01, timeout=0.5, deadline=10))
+    try:
+        take(loader, 1)
+        server.throttle.rate = 1.0  # the connection stays open, and after the block in flight nothing more comes
+        _, error = batches_until_error(loader, 20)
+    finally:
+        loader.close()
+        server.close()
+    assert isinstance(error, ConnectionError)
+    assert str(error).startswith(f"could not fetch shard {names[1]} from {server.url}/{names[1]}: "), error
+    assert "timed out" in str(error)
 
 
 # BUG (nanochat/shard_cache.py, reported, not fixed here): ShardCache._run records a background fetch's failure in
