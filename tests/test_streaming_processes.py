@@ -10,6 +10,7 @@ import errno
 import json
 import os
 import random
+import signal
 import socket
 import subprocess
 import sys
@@ -28,7 +29,7 @@ from nanochat.dataset import get_dataset, index_to_filename
 from nanochat.download import Limits
 from nanochat.state import decode_keys
 from scripts import shard_server
-from scripts.shard_server import BLOCK, ShardServer
+from scripts.shard_server import ShardServer
 from stream_worker import LOADER, rows_of
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -186,8 +187,8 @@ def test_two_nodes_each_fill_their_own_cache(tmp_path):
 
 
 def mixed_docs(i: int) -> list[str]:
-    """4 long documents (60 KB of random text: the shard is ~4 of the server's 64 KB blocks, so a download is
-    seen half done) among 12 short ones, which best-fit keeps in its buffer while the long ones fill rows."""
+    """4 long documents (60 KB of random text: a shard is ~150 KB, which a throttled server sends in 64 KB steps)
+    among 12 short ones, which best-fit keeps in its buffer while the long ones fill rows."""
     rng = random.Random(i)
     docs = [letters(rng, 60_000) for _ in range(4)] + [letters(rng, rng.randint(5, 40)) for _ in range(12)]
     rng.shuffle(docs)
@@ -203,21 +204,21 @@ def buffered_shards(state) -> list[int]:
 def test_a_killed_streaming_run_resumes_exactly(tmp_path):
     hosted, base = tmp_path / "hosted", tmp_path / "base"
     names = host_shards(hosted, 10, mixed_docs, row_group_size=2)
-    sizes = shards_in(hosted)
-    limit = 5 * max(sizes.values())
+    limit = 5 * max(shards_in(hosted).values())
     directory = cache_dir(base)
-    # a link of 1 MB/s: a 64 KB block every 64 ms, so a download in flight can be caught with blocks still to come
+    # a link of 1 MB/s: a shard takes ~0.15 s, so a download is under way most of the time
     server = ShardServer(str(hosted), rate=1e6)
     env = stream_env(base, server.url, len(names), limit)
     killed, resumed = tmp_path / "killed", tmp_path / "resumed"
     killed.mkdir(), resumed.mkdir()
     try:
-        worker = subprocess.Popen([sys.executable, os.path.join(HERE, "stream_worker.py"), str(killed), "1000"],
-                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env)
+        with open(killed / "log", "w") as log:
+            worker = subprocess.Popen([sys.executable, os.path.join(HERE, "stream_worker.py"), str(killed), "1000"],
+                                      stdout=log, stderr=subprocess.STDOUT, env=env)
         try:
-            partial = wait_for_partial_download(worker, killed / "rank0.jsonl", directory, sizes, min_batches=13)
+            partial = kill_mid_download(worker, killed, directory, min_batches=13)
         finally:
-            worker.kill()  # SIGKILL: no cleanup of any kind
+            worker.kill()  # (already, unless that failed)
             worker.wait()
         server.throttle.rate = None
         before = read_lines(killed / "rank0.jsonl")
@@ -247,19 +248,22 @@ def test_a_killed_streaming_run_resumes_exactly(tmp_path):
     assert sum(shards_in(directory).values()) <= limit
 
 
-def wait_for_partial_download(worker, lines_path, directory, sizes, min_batches: int) -> str:
-    """Once the worker has written min_batches batches, wait for a download with at least one more block to come
-    (at the server's rate, 64 ms away: time enough to kill the worker before it completes); its shard's name."""
+def kill_mid_download(worker, out, directory, min_batches: int) -> str:
+    """SIGKILL the worker (no cleanup of any kind) once it has written min_batches batches and a shard is partly
+    downloaded; that shard's name. The worker is stopped (SIGSTOP) while the directory is looked at, so what the
+    test sees is what the kill leaves."""
     for _ in range(2000):  # 10 s
-        assert worker.poll() is None, worker.stdout.read().decode()
-        if os.path.exists(lines_path) and len(read_lines(lines_path)) >= min_batches:
-            for name in os.listdir(directory):
-                if name.endswith(".parquet.tmp"):
-                    have = os.path.getsize(os.path.join(directory, name))
-                    if 0 < have < sizes[name.removesuffix(".tmp")] - BLOCK:
-                        return name.removesuffix(".tmp")
+        assert worker.poll() is None, (out / "log").read_text()
+        if os.path.exists(out / "rank0.jsonl") and len(read_lines(out / "rank0.jsonl")) >= min_batches:
+            worker.send_signal(signal.SIGSTOP)
+            partial = [name.removesuffix(".tmp") for name in os.listdir(directory)
+                       if name.endswith(".parquet.tmp") and os.path.getsize(os.path.join(directory, name)) > 0]
+            if partial:
+                worker.kill()
+                return partial[0]
+            worker.send_signal(signal.SIGCONT)
         time.sleep(0.005)
-    raise AssertionError("no download was seen half done")
+    raise AssertionError("no download was seen under way")
 
 
 def test_a_resume_elsewhere_fetches_the_buffered_documents_shards_first(tmp_path):
