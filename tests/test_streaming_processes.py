@@ -440,7 +440,7 @@ def test_a_full_disk_is_an_enospc_error_naming_the_directory(tmp_path, monkeypat
     loader = streaming(cache, server.url, len(names))
     try:
         got = take(loader, 1)
-        # the disk fills up while shard 0 is read: 1 KB left (shards are ~3 KB)
+        # the disk fills up while shard 0 is read: 1 KB left (a shard is ~7 KB)
         monkeypatch.setattr(shard_cache.shutil, "disk_usage", lambda path: SimpleNamespace(free=1000))
         more, error = batches_until_error(loader, 36)
     finally:
@@ -448,7 +448,8 @@ def test_a_full_disk_is_an_enospc_error_naming_the_directory(tmp_path, monkeypat
         server.close()
     assert got + more == expected[:len(got + more)] and len(more) >= 9
     assert isinstance(error, OSError) and error.errno == errno.ENOSPC
-    assert names[1] in str(error) and f"{cache} has 0.0 MB free" in str(error), error
+    assert str(error).startswith(f"[Errno {errno.ENOSPC}] {names[1]} needs "), error
+    assert f"{cache} has 1.0 KB free" in str(error)
     assert not os.path.exists(cache / names[1]) and server.fetched() == names[:1]
 
 
@@ -459,12 +460,15 @@ def test_a_budget_below_what_must_be_held_is_refused_at_the_call(tmp_path):
     server = ShardServer(str(hosted))
     try:
         # the shard read, prefetch_shards=2 ahead and one for a rank out of step: 4 shards; 3.5 is too few
+        small = int(3.5 * largest)
         with pytest.raises(ValueError) as raised:
-            streaming(tmp_path / "cache", server.url, len(names), prefetch_shards=2, cache_limit=int(3.5 * largest))
+            streaming(tmp_path / "cache", server.url, len(names), prefetch_shards=2, cache_limit=small)
         assert server.fetched() == []  # refused before any download
         streaming(tmp_path / "cache", server.url, len(names), prefetch_shards=2, cache_limit=4 * largest).close()
     finally:
         server.close()
-    message = str(raised.value)
-    assert message.startswith("cache_limit=") and "prefetch_shards=2" in message, message
-    assert f"4 x {largest / 1e6:.1f} MB (the largest shard)" in message and str(tmp_path / "cache") in message
+    message = str(raised.value)  # the shards are ~150 KB
+    assert message.startswith(f"cache_limit={small / 1e3:.1f} KB is below what this streaming loader must hold "
+                              f"at once, {4 * largest / 1e3:.1f} KB"), message
+    assert "prefetch_shards=2 ahead" in message and f"4 x {largest / 1e3:.1f} KB (the largest shard)" in message
+    assert str(tmp_path / "cache") in message
