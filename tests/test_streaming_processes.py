@@ -27,9 +27,10 @@ from nanochat import shard_cache
 from nanochat.dataloader import tokenizing_distributed_data_loader_with_state_bos_bestfit
 from nanochat.dataset import get_dataset, index_to_filename
 from nanochat.download import Limits
+from nanochat.shard_cache import read_catalog
 from nanochat.state import decode_keys
 from scripts import shard_server
-from scripts.shard_server import ShardServer
+from scripts.shard_server import BLOCK, ShardServer
 from stream_worker import LOADER, rows_of
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -117,15 +118,17 @@ def free_port() -> int:
 
 
 def test_ranks_of_one_machine_download_each_shard_once_within_the_budget(tmp_path):
-    # 8 shards of 48 equal documents in row groups of 2: 24 documents (6 batches) per rank per shard
+    # 10 shards of 48 equal documents in row groups of 2: 24 documents (6 batches) per rank per shard
     hosted, out = tmp_path / "hosted", tmp_path / "out"
-    names = host_shards(hosted, 8, equal_docs(48, 20), row_group_size=2)
+    names = host_shards(hosted, 10, equal_docs(48, 20), row_group_size=2)
     out.mkdir()
     largest = max(shards_in(hosted)[name] for name in names)
-    limit = 5 * largest  # room for 5 of the 8: the run must evict (the least it accepts is 4 = prefetch_shards + 2)
-    # 96 documents per rank, and 8 more in the buffer: shards 0-4 are read, 5 and 6 fetched ahead; nothing of the
-    # next epoch is, so every shard's one visit is its only one
-    num_batches = 24
+    # room for 6 shards, one more than the least it accepts (the shard read, prefetch_shards=2 ahead, one for a rank
+    # out of step, the val shard): the test below shows why the least itself is not enough
+    limit = 6 * largest
+    # 144 documents per rank, and 8 more in the buffer: shards 0-6 are read (the run must evict), 7 and 8 fetched
+    # ahead; nothing of the next epoch is, so every shard's one visit is its only one
+    num_batches = 36
     server = ShardServer(str(hosted))
     try:
         cmd = [*TORCHRUN, "--standalone", "--nproc-per-node=2", os.path.join(HERE, "stream_worker.py"), str(out),
@@ -140,7 +143,7 @@ def test_ranks_of_one_machine_download_each_shard_once_within_the_budget(tmp_pat
         assert read_lines(out / f"rank{rank}.jsonl") == on_disk(hosted, num_batches, rank, 2)
     # one download per shard for the machine, not one per rank, in the order they are read
     last_read = read_lines(out / "rank0.jsonl")[-1]["state"]["pq_idx"]
-    assert last_read == 4
+    assert last_read == 6
     assert fetched == names[:len(fetched)] and len(fetched) >= last_read + 1
     # the budget held: shards were evicted (each then had been read by both ranks: none was fetched twice)
     kept = shards_in(cache_dir(tmp_path / "base"))
@@ -204,7 +207,7 @@ def buffered_shards(state) -> list[int]:
 def test_a_killed_streaming_run_resumes_exactly(tmp_path):
     hosted, base = tmp_path / "hosted", tmp_path / "base"
     names = host_shards(hosted, 10, mixed_docs, row_group_size=2)
-    limit = 5 * max(shards_in(hosted).values())
+    limit = 6 * max(shards_in(hosted).values())  # room for 6 of the 10 (see the first test)
     directory = cache_dir(base)
     # a link of 1 MB/s: a shard takes ~0.15 s, so a download is under way most of the time
     server = ShardServer(str(hosted), rate=1e6)
@@ -224,7 +227,8 @@ def test_a_killed_streaming_run_resumes_exactly(tmp_path):
         before = read_lines(killed / "rank0.jsonl")
         k = len(before)
         have = os.path.getsize(os.path.join(directory, partial + ".tmp"))
-        stale = [name for name in os.listdir(os.path.join(directory, ".stream")) if f"-{worker.pid}-" in name]
+        stale = [name for name in os.listdir(os.path.join(directory, ".stream"))
+                 if name.startswith("needs-") and name.endswith(f"-{worker.pid}-0.json")]
         assert len(stale) == 1  # the killed loader's needs record is left behind
 
         num_after = 25  # about 5 more shards, past those the dead loader was reading
@@ -459,16 +463,81 @@ def test_a_budget_below_what_must_be_held_is_refused_at_the_call(tmp_path):
     largest = max(shards_in(hosted)[name] for name in names)
     server = ShardServer(str(hosted))
     try:
-        # the shard read, prefetch_shards=2 ahead and one for a rank out of step: 4 shards; 3.5 is too few
-        small = int(3.5 * largest)
+        # the shard read, prefetch_shards=2 ahead, one for a rank out of step and the val shard: 5; 4.5 is too few
+        small = int(4.5 * largest)
         with pytest.raises(ValueError) as raised:
             streaming(tmp_path / "cache", server.url, len(names), prefetch_shards=2, cache_limit=small)
         assert server.fetched() == []  # refused before any download
-        streaming(tmp_path / "cache", server.url, len(names), prefetch_shards=2, cache_limit=4 * largest).close()
+        streaming(tmp_path / "cache", server.url, len(names), prefetch_shards=2, cache_limit=5 * largest).close()
     finally:
         server.close()
     message = str(raised.value)  # the shards are ~150 KB
     assert message.startswith(f"cache_limit={small / 1e3:.1f} KB is below what this streaming loader must hold "
-                              f"at once, {4 * largest / 1e3:.1f} KB"), message
-    assert "prefetch_shards=2 ahead" in message and f"4 x {largest / 1e3:.1f} KB (the largest shard)" in message
+                              f"at once, {5 * largest / 1e3:.1f} KB"), message
+    assert f"5 x {largest / 1e3:.1f} KB (the largest shard)" in message and "prefetch_shards=2 ahead" in message
     assert str(tmp_path / "cache") in message
+
+
+# BUG (nanochat/shard_cache.py, ShardCache._check_budget; reported, not fixed here): the start-up check counts a
+# partial download of the stream's own shards (<name>.tmp, under the shard's name) among the "shards in DATA that it
+# may not evict", on top of the room it already keeps for the shard read. So a loader is refused at the least
+# cache_limit it accepts when another local rank of the job is downloading at that moment (ranks start a few
+# seconds apart), and a run interrupted mid-download (closed, or SIGKILLed as above) cannot restart with the
+# cache_limit it ran with: the message blames "the val shard and those it did not fetch". Remove the marks once fixed.
+
+
+def stall_after_one_block(cache, server, names) -> None:
+    """The footers are read into cache's catalog at full speed; then the server sends one more 64 KB block and
+    nothing after it (the next waits 18 hours), so the first shard a loader fetches stays half downloaded."""
+    read_catalog(str(cache), names, [f"{server.url}/{name}" for name in names], LIMITS)
+    server.throttle.rate = 1.0
+
+
+def wait_for_partial(path) -> None:
+    for _ in range(1000):  # 10 s
+        if os.path.exists(path) and os.path.getsize(path) == BLOCK:
+            return
+        time.sleep(0.01)
+    raise AssertionError(f"{path} did not appear")
+
+
+@pytest.mark.xfail(strict=True, raises=ValueError, reason="BUG: a partial download counts as a shard never evicted")
+def test_a_local_rank_starting_while_another_downloads_is_accepted(tmp_path):
+    hosted, cache = tmp_path / "hosted", tmp_path / "cache"
+    names = host_shards(hosted, 3, mixed_docs, row_group_size=2)
+    expected = on_disk(hosted, 6, rank=1, world_size=2)
+    limit = 5 * max(shards_in(hosted)[name] for name in names)  # the least it accepts (see the budget test)
+    server = ShardServer(str(hosted))
+    stall_after_one_block(cache, server, names)
+    rank0 = streaming(cache, server.url, len(names), prefetch_shards=2, cache_limit=limit, rank=0, world_size=2)
+    try:
+        wait_for_partial(cache / f"{names[0]}.tmp")
+        rank1 = streaming(cache, server.url, len(names), prefetch_shards=2, cache_limit=limit, rank=1, world_size=2)
+        server.throttle.rate = None
+        got = take(rank1, 6)  # once rank 0's attempt has timed out and resumed its download
+        rank1.close()
+    finally:
+        rank0.close()
+        server.close()
+    assert got == expected
+
+
+@pytest.mark.xfail(strict=True, raises=ValueError, reason="BUG: a partial download counts as a shard never evicted")
+def test_a_run_interrupted_mid_download_restarts_with_its_cache_limit(tmp_path):
+    hosted, cache = tmp_path / "hosted", tmp_path / "cache"
+    names = host_shards(hosted, 3, mixed_docs, row_group_size=2)
+    expected = on_disk(hosted, 6)
+    limit = 5 * max(shards_in(hosted)[name] for name in names)  # the least it accepts (see the budget test)
+    server = ShardServer(str(hosted))
+    stall_after_one_block(cache, server, names)
+    try:
+        interrupted = streaming(cache, server.url, len(names), prefetch_shards=2, cache_limit=limit)
+        wait_for_partial(cache / f"{names[0]}.tmp")
+        interrupted.close()  # what it leaves: its download of shard 0, half done
+        server.throttle.rate = None
+        again = streaming(cache, server.url, len(names), prefetch_shards=2, cache_limit=limit)
+        got = take(again, 6)
+        again.close()
+    finally:
+        server.close()
+    assert got == expected
