@@ -366,12 +366,9 @@ def test_a_server_gone_silent_mid_download_is_an_error_not_a_hang(tmp_path):
     assert "timed out" in str(error)
 
 
-# BUG (nanochat/shard_cache.py, reported, not fixed here): ShardCache._run records a background fetch's failure in
-# _failed for good, and need() raises it when the reader reaches that shard, however long ago it failed. A short
-# outage while a shard is fetched ahead therefore ends the run minutes later, when the server is long back, where
-# without prefetching (prefetch_shards=0) the same outage would have passed unnoticed. Remove the mark once fixed.
-@pytest.mark.xfail(strict=True, raises=ConnectionError, reason="BUG: a prefetched shard's failure is final")
 def test_an_outage_over_before_its_shard_is_read_does_not_end_the_run(tmp_path, monkeypatch):
+    # a fetch ahead that fails is tried again when the reader needs the shard: without prefetching the same short
+    # outage would pass unnoticed, so prefetching must not turn it into the end of the run minutes later
     hosted = tmp_path / "hosted"
     names = host_shards(hosted, 4, equal_docs(48, 20), row_group_size=2)  # 12 batches a shard
     expected = on_disk(hosted, 40)
