@@ -123,8 +123,9 @@ def test_ranks_of_one_machine_download_each_shard_once_within_the_budget(tmp_pat
     names = host_shards(hosted, 10, equal_docs(48, 20), row_group_size=2)
     out.mkdir()
     largest = max(shards_in(hosted)[name] for name in names)
-    # room for 6 shards, one more than the least it accepts (the shard read, prefetch_shards=2 ahead, one for a rank
-    # out of step, the val shard): the test below shows why the least itself is not enough
+    # room for 6 shards, one above the least it accepts (the shard read, prefetch_shards=2 ahead, one for a rank out
+    # of step, the val shard): a rank that starts just as the other's download completes counts that shard among
+    # those it may not evict, until it is listed as fetched (see the last test)
     limit = 6 * largest
     # 144 documents per rank, and 8 more in the buffer: shards 0-6 are read (the run must evict), 7 and 8 fetched
     # ahead; nothing of the next epoch is, so every shard's one visit is its only one
@@ -207,7 +208,9 @@ def buffered_shards(state) -> list[int]:
 def test_a_killed_streaming_run_resumes_exactly(tmp_path):
     hosted, base = tmp_path / "hosted", tmp_path / "base"
     names = host_shards(hosted, 10, mixed_docs, row_group_size=2)
-    limit = 6 * max(shards_in(hosted).values())  # room for 6 of the 10 (see the first test)
+    # the least it accepts: 5 of the 10 (the shard read, prefetch_shards=2 ahead, one for a rank out of step, the val
+    # shard); the resume below starts at it too, with the killed run's partial download in the directory
+    limit = 5 * max(shards_in(hosted).values())
     directory = cache_dir(base)
     # a link of 1 MB/s: a shard takes ~0.15 s, so a download is under way most of the time
     server = ShardServer(str(hosted), rate=1e6)
@@ -475,12 +478,9 @@ def test_a_budget_below_what_must_be_held_is_refused_at_the_call(tmp_path):
     assert str(tmp_path / "cache") in message
 
 
-# BUG (nanochat/shard_cache.py, ShardCache._check_budget; reported, not fixed here): the start-up check counts a
-# partial download of the stream's own shards (<name>.tmp, under the shard's name) among the "shards in DATA that it
-# may not evict", on top of the room it already keeps for the shard read. So a loader is refused at the least
-# cache_limit it accepts when another local rank of the job is downloading at that moment (ranks start a few
-# seconds apart), and a run interrupted mid-download (closed, or SIGKILLed as above) cannot restart with the
-# cache_limit it ran with: the message blames "the val shard and those it did not fetch". Remove the marks once fixed.
+# -----------------------------------------------------------------------------
+# The least cache_limit, while another loader of the machine downloads or after one was interrupted: a partial
+# download is not a shard the cache may never evict (it becomes a fetched shard, or the next loader resumes it)
 
 
 def stall_after_one_block(cache, server, names) -> None:
@@ -498,7 +498,6 @@ def wait_for_partial(path) -> None:
     raise AssertionError(f"{path} did not appear")
 
 
-@pytest.mark.xfail(strict=True, raises=ValueError, reason="BUG: a partial download counts as a shard never evicted")
 def test_a_local_rank_starting_while_another_downloads_is_accepted(tmp_path):
     hosted, cache = tmp_path / "hosted", tmp_path / "cache"
     names = host_shards(hosted, 3, mixed_docs, row_group_size=2)
@@ -519,7 +518,6 @@ def test_a_local_rank_starting_while_another_downloads_is_accepted(tmp_path):
     assert got == expected
 
 
-@pytest.mark.xfail(strict=True, raises=ValueError, reason="BUG: a partial download counts as a shard never evicted")
 def test_a_run_interrupted_mid_download_restarts_with_its_cache_limit(tmp_path):
     hosted, cache = tmp_path / "hosted", tmp_path / "cache"
     names = host_shards(hosted, 3, mixed_docs, row_group_size=2)
@@ -536,5 +534,46 @@ def test_a_run_interrupted_mid_download_restarts_with_its_cache_limit(tmp_path):
         got = take(again, 6)
         again.close()
     finally:
+        server.close()
+    assert got == expected
+
+
+# BUG (nanochat/shard_cache.py, ShardCache._fetch; reported, not fixed here): a downloaded shard is renamed into
+# place first and added to .stream/fetched.json only after its catalog check, and this loader's record stops
+# listing it as fetching in between. In that moment it looks like a shard the user put there: a local rank starting
+# then counts it among those it may not evict and is refused at the least cache_limit (below, the moment is held open
+# by pausing the check); a process killed then leaves a shard that no loader will ever evict. Remove the mark once
+# fixed (e.g. list the shard as fetched before renaming it into place, or keep it in the record until it is listed).
+@pytest.mark.xfail(strict=True, raises=ValueError, reason="BUG: a shard just downloaded counts as one never evicted")
+def test_a_local_rank_starting_as_another_download_completes_is_accepted(tmp_path, monkeypatch):
+    hosted, cache = tmp_path / "hosted", tmp_path / "cache"
+    names = host_shards(hosted, 3, mixed_docs, row_group_size=2)
+    expected = on_disk(hosted, 6, rank=1, world_size=2)
+    limit = 5 * max(shards_in(hosted)[name] for name in names)  # the least it accepts (see the budget test)
+    paused, resume = threading.Event(), threading.Event()
+    check = shard_cache.read_catalog
+
+    def held_check(*args, **kwargs):  # a fetching thread's catalog check of the shard it just downloaded waits
+        if threading.current_thread().name == "nanochat-shards":
+            paused.set()
+            resume.wait(10)
+        return check(*args, **kwargs)
+
+    monkeypatch.setattr(shard_cache, "read_catalog", held_check)
+    server = ShardServer(str(hosted))
+    rank0 = streaming(cache, server.url, len(names), prefetch_shards=2, cache_limit=limit, rank=0, world_size=2)
+    try:
+        assert paused.wait(10)
+        assert shards_in(cache) == {names[0]: shards_in(hosted)[names[0]]}  # downloaded, its check not done
+        try:
+            rank1 = streaming(cache, server.url, len(names), prefetch_shards=2, cache_limit=limit, rank=1,
+                              world_size=2)
+        finally:
+            resume.set()
+        got = take(rank1, 6)
+        rank1.close()
+    finally:
+        resume.set()
+        rank0.close()
         server.close()
     assert got == expected
