@@ -545,7 +545,6 @@ def test_a_run_interrupted_mid_download_restarts_with_its_cache_limit(tmp_path):
 # then counts it among those it may not evict and is refused at the least cache_limit (below, the moment is held open
 # by pausing the check); a process killed then leaves a shard that no loader will ever evict. Remove the mark once
 # fixed (e.g. list the shard as fetched before renaming it into place, or keep it in the record until it is listed).
-@pytest.mark.xfail(strict=True, raises=ValueError, reason="BUG: a shard just downloaded counts as one never evicted")
 def test_a_local_rank_starting_as_another_download_completes_is_accepted(tmp_path, monkeypatch):
     hosted, cache = tmp_path / "hosted", tmp_path / "cache"
     names = host_shards(hosted, 3, mixed_docs, row_group_size=2)
