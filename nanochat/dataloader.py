@@ -73,9 +73,9 @@ def _parquet_reader(split, data_dir, streaming, base_url, download_limits):
     if streaming is None:
         return ParquetReader(split_parquet_files(split, data_dir)), None
     limits = Limits() if download_limits is None else download_limits
-    data_dir, paths, urls, val_name, catalog = streamed_files(split, data_dir, streaming.num_shards, base_url, limits)
+    data_dir, paths, urls, val, catalog = streamed_files(split, data_dir, streaming.num_shards, base_url, limits)
     cache = ShardCache(data_dir, [os.path.basename(path) for path in paths], urls, [entry["size"] for entry in catalog],
-                       limits=limits, keep=(val_name,), prefetch_shards=streaming.prefetch_shards,
+                       limits=limits, keep=val, prefetch_shards=streaming.prefetch_shards,
                        cache_limit=streaming.cache_limit)
     return ParquetReader(paths, catalog, cache), cache
 
@@ -157,11 +157,11 @@ def tokenizing_distributed_data_loader_with_state_bos_bestfit(
     """
     order = check_shuffle(shuffle, seed, shuffle_window)
     streaming = (check_stream(stream, cache_limit, prefetch_shards, num_shards, order), base_url, download_limits)
+    max_docs = _max_docs(attention_info, max_docs_per_row, T)  # (every check before _setup starts fetching)
     doc_batches, tracker, position, cache = _setup(
         "bestfit", tokenizer, B, T, split, tokenizer_threads, tokenizer_batch_size, resume_state_dict, data_dir,
         rank, world_size, prefetch, allow_state_mismatch, order, streaming, buffer_size=buffer_size,
         policy=(long_doc_policy, split_overlap))
-    max_docs = _max_docs(attention_info, max_docs_per_row, T)
     batches = _pipeline(doc_batches, tracker.encoder, prefetch, lambda tokens: bestfit_batches(
         tokens, tracker, position, B, T, buffer_size, trace_documents, max_docs))
     return DataLoader(batches, DeviceBatches(B, T, device), row_split, prefetch, with_state, attention_info, cache)

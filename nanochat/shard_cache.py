@@ -20,13 +20,14 @@ per-file lock makes one of them download a shard and the others find it there: o
 that arrives is checked against its catalog entry.
 
 The budget. Before a download, shards are evicted until the data directory's shards, with every download
-in flight counted whole, fit in cache_limit. Only shards a streaming loader fetched (listed in
-.stream/fetched.json) are evicted, never the val shard, and never one that a loader of this machine reads
-or reads next: each records, in .stream/needs-<host>-<pid>-<n>.json, the shard it reads and the next
-prefetch_shards of its order (its plan's, after an elastic resume). It also records the shards its recent
-states' buffers refer to: those are evicted last, when nothing else can go (a long document can stay
-buffered for many shards; a resume from such a state fetches them again, first). A record whose process is
-gone is ignored. A budget below what must be held at once is a ValueError at the start.
+in flight counted whole, fit in cache_limit. Only complete shards a streaming loader fetched (listed in
+.stream/fetched.json) are evicted, never the val shard, and never one that a loader of this machine reads,
+waits for or has just been handed: each records them in .stream/needs-<host>-<pid>-<n>.json, with the next
+prefetch_shards of its order (its plan's, after an elastic resume) and the shards its recent states' buffers
+refer to. Those go after the shards no loader needs (a long document can stay buffered for many shards; a
+resume from such a state fetches them again, first), and the shards fetched ahead go last, only for a shard
+a reader waits for. A record whose process is gone is ignored. A budget below what must be held at once is a
+ValueError at the start.
 
 May import: nanochat.dataset, nanochat.download, nanochat.files, pyarrow, filelock, tqdm.
 """
@@ -148,11 +149,15 @@ def read_catalog(data_dir: str, names: list[str], urls: list[str], limits: Limit
 
 
 def streamed_files(split: str, data_dir: str | None, num_shards: int | None, base_url: str | None,
-                   limits: Limits) -> tuple[str, list[str], list[str], str, list[dict]]:
+                   limits: Limits) -> tuple[str, list[str], list[str], dict[str, int], list[dict]]:
     """A streamed split (nanochat.dataset.streamed_split) with its catalog entries:
-    (data_dir, paths, URLs, the val shard's name, catalog entries)."""
+    (data_dir, paths, URLs, {the val shard's name: its size}, catalog entries)."""
     data_dir, paths, urls, val_name = streamed_split(split, data_dir, num_shards, base_url)
-    return data_dir, paths, urls, val_name, read_catalog(data_dir, [os.path.basename(p) for p in paths], urls, limits)
+    _, _, val_urls, _ = streamed_split("val", data_dir, num_shards, base_url)
+    names = [os.path.basename(p) for p in paths]
+    entries = read_catalog(data_dir, list(dict.fromkeys(names + [val_name])), list(dict.fromkeys(urls + val_urls)),
+                           limits)
+    return data_dir, paths, urls, {val_name: entries[-1]["size"]}, entries[:len(names)]
 
 
 # -----------------------------------------------------------------------------
@@ -165,10 +170,10 @@ class ShardCache:
     _count = itertools.count()
 
     def __init__(self, data_dir: str, names: list[str], urls: list[str], sizes: list[int], *, prefetch_shards: int,
-                 cache_limit: int | None, limits: Limits, keep: tuple[str, ...] = ()):
+                 cache_limit: int | None, limits: Limits, keep: dict[str, int] | None = None):
         self.data_dir, self.names, self.urls, self.sizes = data_dir, names, urls, sizes
         self.prefetch_shards, self.limit, self.limits = prefetch_shards, cache_limit, limits
-        self.keep = set(keep)  # never evicted: the val shard
+        self.keep = dict(keep or {})  # name -> size: never evicted (the val shard)
         self.directory = os.path.join(data_dir, STREAM_DIR)
         self.lock_file = FileLock(os.path.join(self.directory, "lock"))
         self.me = f"needs-{socket.gethostname()}-{os.getpid()}-{next(self._count)}.json"
@@ -179,9 +184,10 @@ class ShardCache:
         self._ready: set[int] = set()
         self._waiting: dict[int, int] = {}  # pq_idx -> readers waiting for it (the packing thread restores a buffer
         # while the reading thread starts the stream: two readers)
-        self._first_seen: dict[int, int] = {}  # pq_idx -> where the order first names it: what waits is fetched in order
+        self._first_seen: dict[int, int] = {}  # pq_idx -> where the order first names it (what waits goes in order)
         self._seen = 0
         self._first: list[int] = []  # shards to fetch before anything else, each until it is first read
+        self._just_read: dict[int, int] = {}  # reading thread -> the shard need() last returned to it: it is opening it
         self._failed: dict[int, tuple[BaseException, bool]] = {}  # pq_idx -> (error, whether the reader waited)
         self._held: deque = deque(maxlen=HELD_STATES)
         self._fetching: str | None = None
@@ -219,11 +225,12 @@ class ShardCache:
         on_disk = self._shard_files(partial=False)
         fixed = {name: size for name, size in on_disk.items() if name not in fetched or name in self.keep}
         largest = max(self.sizes)
-        # the shard read now, prefetch_shards ahead, one for a local rank out of step, and the val shard when a val
-        # loader (an eval during training) has yet to fetch it
-        count = self.prefetch_shards + 2 + len(self.keep - set(on_disk) - set(self.names))
-        least = sum(fixed.values()) + count * largest
-        val = " and the val shard" if count > self.prefetch_shards + 2 else ""
+        # the shard read now, prefetch_shards ahead and one for a local rank out of step (a split has no more), and
+        # the val shard when a val loader (an eval during training) has yet to fetch it
+        count = min(self.prefetch_shards + 2, len(self.names))
+        later = sum(size for name, size in self.keep.items() if name not in on_disk and name not in self.names)
+        least = sum(fixed.values()) + count * largest + later
+        val = f" and the val shard ({_gb(later)})" if later else ""
         if self.limit < least:
             raise ValueError(
                 f"cache_limit={_gb(self.limit)} is below what this streaming loader must hold at once, {_gb(least)}: "
@@ -259,7 +266,7 @@ class ShardCache:
         fetched = _read_json(fetched_path, [])
         on_disk = self._shard_files()
         records = self._records()
-        reading = set(self.keep).union(*(r.get("reading", []) for r in records))
+        reading = set(self.keep).union(*(r.get("reading", []) for r in records))  # (and what readers just read)
         ahead = set().union(*(r.get("ahead", []) for r in records))
         buffered = set().union(*(r.get("buffered", []) for r in records))
         in_flight = {n for r in records for n in r.get("fetching", [])} | {name}
@@ -269,7 +276,8 @@ class ShardCache:
         size_of |= dict(zip(self.names, self.sizes))
         used = sum(on_disk.values()) + sum(max(size_of.get(n, 0) - on_disk.get(n, 0), 0) for n in in_flight)
         if self.limit is not None:
-            victims = sorted((n for n in fetched if n in on_disk and n not in reading and n not in in_flight
+            complete = self._shard_files(partial=False)  # (a partial download stays: its own fetch resumes it)
+            victims = sorted((n for n in fetched if n in complete and n not in reading and n not in in_flight
                               and (now or n not in ahead)),
                              key=lambda n: (n in ahead, n in buffered, _mtime(os.path.join(self.data_dir, n))))
             while used > self.limit and victims:
@@ -277,7 +285,7 @@ class ShardCache:
                 path = os.path.join(self.data_dir, victim)
                 remove_if_exists(path)
                 remove_if_exists(record_path(path))
-                used -= on_disk.pop(victim)
+                used -= complete[victim]
                 fetched.remove(victim)
                 logger.debug("evicted %s", victim)
             _write_json(fetched_path, fetched)
@@ -306,6 +314,7 @@ class ShardCache:
         if self._stop.is_set():
             return
         reading = ([] if self._current is None else [self._current]) + list(self._waiting) + self._first
+        reading += list(self._just_read.values())
         reading = sorted({self.names[p] for p in reading})
         ahead = sorted({self.names[p] for p in self._ahead[:self.prefetch_shards]})
         buffered = sorted({self.names[p] for p in set().union(*self._held)})
@@ -348,7 +357,12 @@ class ShardCache:
         next prefetch_shards."""
         wanted = self._first + sorted(self._waiting, key=lambda p: self._first_seen.get(p, self._seen))
         wanted += ([] if self._current is None else [self._current]) + self._ahead[:self.prefetch_shards]
-        return next((p for p in wanted if p not in self._ready and p not in self._failed), None)
+        for p in wanted:
+            if p in self._ready and not os.path.exists(os.path.join(self.data_dir, self.names[p])):
+                self._ready.discard(p)  # evicted since (by any loader of the machine): fetch it again, ahead
+            if p not in self._ready and p not in self._failed:
+                return p
+        return None
 
     def _run(self) -> None:
         while not self._stop.is_set():
@@ -395,8 +409,8 @@ class ShardCache:
             self._short_since = self._short_since or time.monotonic()
             if time.monotonic() - self._short_since > self.room_wait:
                 raise ValueError(f"cache_limit={_gb(self.limit)} has had no room for {name} for {self.room_wait:g}s: "
-                                 f"the shards that the loaders of this machine still need fill it (.stream/needs-*.json "
-                                 f"in {self.data_dir}); raise cache_limit or lower prefetch_shards")
+                                 "the shards that the loaders of this machine still need fill it "
+                                 f"(.stream/needs-*.json in {self.data_dir}); raise cache_limit or lower prefetch_shards")
             return False
         self._short_since = None
         try:
@@ -411,8 +425,9 @@ class ShardCache:
         rows = [meta.row_group(g).num_rows for g in range(meta.num_row_groups)]
         expected = read_catalog(self.data_dir, [name], [url], self.limits)[0]
         if (os.path.getsize(path), rows) != (expected["size"], expected["rows"]):
+            catalog = os.path.join(self.directory, "catalog.json")
             raise ValueError(f"{path} ({url}) is not the shard the stream was planned on: {os.path.getsize(path)} "
-                             f"bytes and {len(rows)} row groups, the catalog {os.path.join(self.directory, 'catalog.json')} "
+                             f"bytes and {len(rows)} row groups, the catalog {catalog} "
                              f"says {expected['size']} and {len(expected['rows'])}; the file changed on the server. "
                              "Remove the catalog to start over (states taken on the old files will be refused)")
         if replaced is not None:
@@ -441,6 +456,7 @@ class ShardCache:
             self._cond.notify_all()
             try:
                 self._wait_ready(p)
+                self._just_read[threading.get_ident()] = p  # kept until this thread asks for another shard
             finally:
                 self._waiting[p] -= 1
                 if not self._waiting[p]:

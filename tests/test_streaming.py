@@ -98,7 +98,8 @@ def _shard_bytes(directory) -> int:
 def test_streamed_batches_equal_on_disk_across_epochs(hosted, tmp_path, kind, world_size, prefetch, prefetch_shards,
                                                       limit_shards):
     hosted_dir, server, sizes = hosted
-    limit = None if limit_shards is None else limit_shards * sizes[-1]  # the least it accepts: prefetch_shards + 3 (val)
+    # the least it accepts: (prefetch_shards + 2) x the largest shard, + the val shard
+    limit = None if limit_shards is None else limit_shards * sizes[-1]
     extra = {"buffer_size": 20} if kind == "bestfit" else {}
     for rank in range(world_size):
         cache = tmp_path / f"cache{rank}"
@@ -241,7 +242,8 @@ def test_environment_turns_streaming_on(hosted, tmp_path, monkeypatch):
 def test_arguments_are_checked(hosted, tmp_path):
     _, server, _ = hosted
     for kwargs, message in [({"num_shards": 0}, "num_shards"), ({"num_shards": 6543}, "num_shards"),
-                            ({"prefetch_shards": -1}, "prefetch_shards"), ({"cache_limit": "20 parsecs"}, "cache_limit"),
+                            ({"prefetch_shards": -1}, "prefetch_shards"),
+                            ({"cache_limit": "20 parsecs"}, "cache_limit"),
                             ({"cache_limit": 0}, "cache_limit"), ({"stream": "yes"}, "stream must be"),
                             ({"base_url": "ftp://x"}, "must start with http")]:
         with pytest.raises(ValueError, match=message):
@@ -266,7 +268,7 @@ def test_catalog_is_read_once_and_reused(hosted, tmp_path):
     hosted_dir, server, _ = hosted
     _batches(_streaming("bestfit", server, tmp_path / "cache"), 1)
     footers = [name for name, wanted in server.gets if wanted and wanted.startswith("bytes=-")]  # the file's end
-    assert sorted(footers) == [index_to_filename(i) for i in range(7)]
+    assert sorted(footers) == [index_to_filename(i) for i in range(7)] + [VAL]  # val's too: the budget counts it
     catalog = json.loads((tmp_path / "cache" / STREAM_DIR / "catalog.json").read_text())
     for i in range(7):
         path = os.path.join(hosted_dir, index_to_filename(i))

@@ -462,18 +462,21 @@ def test_a_budget_below_what_must_be_held_is_refused_at_the_call(tmp_path):
     largest = max(shards_in(hosted)[name] for name in names)
     server = ShardServer(str(hosted))
     try:
-        # the shard read, prefetch_shards=2 ahead, one for a rank out of step and the val shard: 5; 4.5 is too few
-        small = int(4.5 * largest)
+        # the shard read, prefetch_shards=2 ahead and one for a rank out of step (but a split of 3 shards has no
+        # more: 3), and the val shard at its size
+        least = 3 * largest + shards_in(hosted)[get_dataset().val_filename]
+        small = least - 1
         with pytest.raises(ValueError) as raised:
             streaming(tmp_path / "cache", server.url, len(names), prefetch_shards=2, cache_limit=small)
         assert server.fetched() == []  # refused before any download
-        streaming(tmp_path / "cache", server.url, len(names), prefetch_shards=2, cache_limit=5 * largest).close()
+        streaming(tmp_path / "cache", server.url, len(names), prefetch_shards=2, cache_limit=least).close()
     finally:
         server.close()
     message = str(raised.value)  # the shards are ~150 KB
     assert message.startswith(f"cache_limit={small / 1e3:.1f} KB is below what this streaming loader must hold "
-                              f"at once, {5 * largest / 1e3:.1f} KB"), message
-    assert f"5 x {largest / 1e3:.1f} KB (the largest shard)" in message and "prefetch_shards=2 ahead" in message
+                              f"at once, {least / 1e3:.1f} KB"), message
+    assert f"3 x {largest / 1e3:.1f} KB (the largest shard)" in message and "prefetch_shards=2 ahead" in message
+    assert "and the val shard" in message
     assert str(tmp_path / "cache") in message
 
 
@@ -485,6 +488,7 @@ def test_a_budget_below_what_must_be_held_is_refused_at_the_call(tmp_path):
 def stall_after_one_block(cache, server, names) -> None:
     """The footers are read into cache's catalog at full speed; then the server sends one more 64 KB block and
     nothing after it (the next waits 18 hours), so the first shard a loader fetches stays half downloaded."""
+    names = names + [get_dataset().val_filename]  # (a train loader reads the val shard's footer too: its budget)
     read_catalog(str(cache), names, [f"{server.url}/{name}" for name in names], LIMITS)
     server.throttle.rate = 1.0
 
@@ -501,7 +505,7 @@ def test_a_local_rank_starting_while_another_downloads_is_accepted(tmp_path):
     hosted, cache = tmp_path / "hosted", tmp_path / "cache"
     names = host_shards(hosted, 3, mixed_docs, row_group_size=2)
     expected = on_disk(hosted, 6, rank=1, world_size=2)
-    limit = 5 * max(shards_in(hosted)[name] for name in names)  # the least it accepts (see the budget test)
+    limit = 3 * max(shards_in(hosted)[name] for name in names) + shards_in(hosted)[get_dataset().val_filename]  # least
     server = ShardServer(str(hosted))
     stall_after_one_block(cache, server, names)
     rank0 = streaming(cache, server.url, len(names), prefetch_shards=2, cache_limit=limit, rank=0, world_size=2)
@@ -521,7 +525,7 @@ def test_a_run_interrupted_mid_download_restarts_with_its_cache_limit(tmp_path):
     hosted, cache = tmp_path / "hosted", tmp_path / "cache"
     names = host_shards(hosted, 3, mixed_docs, row_group_size=2)
     expected = on_disk(hosted, 6)
-    limit = 5 * max(shards_in(hosted)[name] for name in names)  # the least it accepts (see the budget test)
+    limit = 3 * max(shards_in(hosted)[name] for name in names) + shards_in(hosted)[get_dataset().val_filename]  # least
     server = ShardServer(str(hosted))
     stall_after_one_block(cache, server, names)
     try:
@@ -543,7 +547,7 @@ def test_a_local_rank_starting_as_another_download_completes_is_accepted(tmp_pat
     hosted, cache = tmp_path / "hosted", tmp_path / "cache"
     names = host_shards(hosted, 3, mixed_docs, row_group_size=2)
     expected = on_disk(hosted, 6, rank=1, world_size=2)
-    limit = 5 * max(shards_in(hosted)[name] for name in names)  # the least it accepts (see the budget test)
+    limit = 3 * max(shards_in(hosted)[name] for name in names) + shards_in(hosted)[get_dataset().val_filename]  # least
     paused, resume = threading.Event(), threading.Event()
     check = shard_cache.read_catalog
 
