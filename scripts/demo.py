@@ -226,9 +226,9 @@ def print_batch_stats(name: str, s: dict) -> None:
 
 def stream_from_server(tokenizer, args, hosted: list[str], cache_dir: str) -> tuple[dict, dict, int, list[str]]:
     """Step 5's train batches, then its val batch, again: each shard fetched from a server on 127.0.0.1
-    just before it is read (stream=True), into cache_dir, within a cache_limit of 4 shards: the least
-    that prefetch_shards=1 allows (the shard read, the next one, one for a rank out of step, and the
-    val shard), less than the train and val shards together from 4 train shards on. Returns the train
+    just before it is read (stream=True), into cache_dir, within a cache_limit of 4 shards: at
+    least what prefetch_shards=1 needs (the shard read, the next one, one for a rank out of step, and the
+    val shard at its size), less than the train and val shards together from 4 train shards on. Returns the train
     and val results of stream_batches, cache_limit and the shards downloaded, in order."""
     cache_limit = 4 * max(os.path.getsize(path) for path in hosted)
     server = ShardServer(os.path.dirname(hosted[0]))
