@@ -43,7 +43,7 @@ from nanochat.packing import check_long_doc_policy
 from nanochat.prefetch import EXIT_TIMEOUT, maybe_prefetch  # noqa: F401 (EXIT_TIMEOUT: the README shows it here)
 from nanochat.readers import ParquetReader, ShardReader, shard_paths, shard_vocab
 from nanochat.rows import Tracker, bestfit_batches, concat_batches
-from nanochat.shard_cache import ShardCache, streamed_files
+from nanochat.shard_cache import ShardCache, copies_estimate, streamed_files
 from nanochat.state import decode_keys, stream_config, tokenizer_fingerprint
 from nanochat.stream import start_stream
 from nanochat.tokens import Encoder, ShardDocs, token_batches
@@ -67,7 +67,7 @@ def _pipeline(doc_batches, encoder, prefetch: int, pack, tokenizing: bool = True
             stage.close()
 
 
-def _parquet_reader(split, data_dir, streaming, base_url, download_limits):
+def _parquet_reader(split, data_dir, prefetch, buffer_docs, streaming, base_url, download_limits):
     """(reader, shard cache or None) of a split's parquet shards: those on disk, or (streaming) the dataset's,
     each fetched just before it is read (nanochat/shard_cache.py)."""
     if streaming is None:
@@ -76,7 +76,8 @@ def _parquet_reader(split, data_dir, streaming, base_url, download_limits):
     data_dir, paths, urls, val, catalog = streamed_files(split, data_dir, streaming.num_shards, base_url, limits)
     cache = ShardCache(data_dir, [os.path.basename(path) for path in paths], urls, [entry["size"] for entry in catalog],
                        limits=limits, keep=val, prefetch_shards=streaming.prefetch_shards,
-                       cache_limit=streaming.cache_limit)
+                       cache_limit=streaming.cache_limit, prefetch=prefetch,
+                       copies=copies_estimate(catalog, buffer_docs))
     return ParquetReader(paths, catalog, cache), cache
 
 
@@ -97,7 +98,8 @@ def _setup(kind, tokenizer, B, T, split, tokenizer_threads, tokenizer_batch_size
         if not callable(getattr(tokenizer, method, None)):
             raise TypeError(f"tokenizer must have a {method}() method, got {type(tokenizer).__name__}")
     rank, world_size = resolve_rank(rank, world_size)
-    reader, cache = _parquet_reader(split, data_dir, *streaming)
+    buffer_docs = buffer_size if kind == "bestfit" else tokenizer_batch_size  # (what a state's buffer holds)
+    reader, cache = _parquet_reader(split, data_dir, prefetch, buffer_docs, *streaming)
     encoder = Encoder(tokenizer, tokenizer_threads)
     config = stream_config(kind, "parquet", split, reader.paths, B, T, buffer_size, tokenizer_batch_size,
                            tokenizer_fingerprint(tokenizer), rank, world_size, policy=policy, shuffle=shuffle,
@@ -105,7 +107,7 @@ def _setup(kind, tokenizer, B, T, split, tokenizer_threads, tokenizer_batch_size
     stream, start, position = start_stream(reader, rank, world_size, tokenizer_batch_size, resume_state_dict,
                                            config, allow_state_mismatch, shuffle=shuffle)
     if cache is not None:
-        cache.start(stream.file_order(), first=[key[1] for key in decode_keys(start["buffer"])] if start else ())
+        cache.start(stream.file_order(), buffered=decode_keys(start["buffer"]) if start else ())
     return stream.batches(), Tracker(kind, stream, encoder, config, start, cache and cache.hold), position, cache
 
 

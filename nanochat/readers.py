@@ -4,7 +4,7 @@ interface that the rank's stream (nanochat/stream.py) reads through:
 
     reader.paths, reader.index       the split's files; a RowGroupIndex of their units
     reader.unit_name                 what a unit is called in messages ("row group", "chunk")
-    reader.read(pq_idx, rg_idx)      one unit of one file
+    reader.read(pq_idx, rg_idx[, rows])   one unit of one file (rows: only those documents are wanted)
     reader.size(unit)                the documents in it
     reader.take(unit, start, stop)   documents [start, stop) of it, in order
     reader.pick(unit, rows)          the given documents of it
@@ -96,7 +96,8 @@ class RowGroupIndex:
 class ParquetReader:
     """The stream's view of parquet shards: units are row groups, items are texts to tokenize.
     Streaming (nanochat/shard_cache.py): `catalog` gives each shard's size and row-group counts before it is
-    fetched, and `cache.need(pq_idx)` waits for a shard to be on disk before it is read."""
+    fetched, and `cache.need(pq_idx)` waits for a shard to be on disk before it is read; a resumed buffer's
+    documents (rows given) may come from the copies the cache kept of them, the other entries None."""
 
     unit_name = "row group"
 
@@ -105,8 +106,15 @@ class ParquetReader:
         self.sizes = [entry["size"] for entry in catalog] if catalog else None  # None: from the files
         self.index = RowGroupIndex(paths, rows=[entry["rows"] for entry in catalog] if catalog else None)
 
-    def read(self, pq_idx: int, rg_idx: int):
-        path = self.cache.need(pq_idx) if self.cache else self.paths[pq_idx]
+    def read(self, pq_idx: int, rg_idx: int, rows=None):
+        if self.cache is None:
+            path = self.paths[pq_idx]
+        else:
+            if rows is not None:
+                unit = self.cache.kept_unit(pq_idx, rg_idx, rows, self.index.rows(pq_idx, rg_idx))
+                if unit is not None:
+                    return unit
+            path = self.cache.need(pq_idx, in_order=rows is None)
         return read_row_group_column(open_parquet(path), rg_idx, path)
 
     @staticmethod
@@ -283,7 +291,7 @@ class ShardReader:
         self._open.move_to_end(pq_idx)
         return self._open[pq_idx]
 
-    def read(self, pq_idx: int, rg_idx: int):
+    def read(self, pq_idx: int, rg_idx: int, rows=None):
         shard = self.shard(pq_idx)
         start = rg_idx * self.chunk_size
         stop = min(start + self.chunk_size, len(shard))

@@ -47,7 +47,8 @@ class Tracker:
 
     def __init__(self, kind: str, stream: Stream, encoder, config: dict, start: dict | None, watch=None):
         self.kind, self.stream, self.encoder, self.config = kind, stream, encoder, config
-        self.watch = watch  # called with each state's buffered keys (a streaming loader keeps their shards)
+        self.watch = watch  # called with each state's buffered keys and the file (epoch, pq_idx) its stream goes on
+        # in (a streaming loader keeps what a resume from it reads)
         self.start = start  # a version-2 state that continues this stream, or None
         emitted = start["emitted"] if start else {"batches": 0, "tokens": 0, "hash": EMPTY_HASH}
         self.batches, self.tokens, self.hash = emitted["batches"], emitted["tokens"], emitted["hash"]
@@ -99,7 +100,7 @@ class Tracker:
         counters = {name: getattr(packer, name) for name in packer.COUNTERS}
         keys = packer.buffered_keys()
         if self.watch is not None:
-            self.watch(keys)
+            self.watch(keys, (units[0][0], units[0][1]) if units else (cursor[0], cursor[1]))
         return seal({
             "version": VERSION, "loader": self.kind,
             "pq_idx": pq_idx, "rg_idx": rg_idx, "epoch": epoch,

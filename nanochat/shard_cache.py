@@ -3,10 +3,12 @@ Shards fetched just ahead of the reader (a loader's stream=True): training start
 disk, not after all of them, and the data directory stays within a disk budget (cache_limit).
 
     catalog = read_catalog(data_dir, names, urls, limits)   # name -> (size, documents per row group)
-    cache = ShardCache(data_dir, names, urls, sizes, prefetch_shards=2, cache_limit=20e9, limits=limits)
+    cache = ShardCache(data_dir, names, urls, sizes, prefetch_shards=2, cache_limit=20e9, limits=limits, prefetch=4,
+                       copies=copies_estimate(catalog, buffer_docs))
     cache.start(order)     # order: the shards the reader will read, in order (Stream.file_order)
     cache.need(pq_idx)     # its path, once it is on disk: waits, bounded
-    cache.hold(keys)       # the documents a state just yielded still buffers
+    cache.hold(keys, at)   # the documents a state just built still buffers, and the file its stream goes on in
+    cache.kept_unit(pq_idx, rg_idx, rows, n)   # a resumed buffer's documents, from kept copies (or None)
     cache.close()
 
 The catalog. A stream needs each shard's row-group counts (its index) and size (the state's fingerprint of
@@ -19,20 +21,30 @@ of its order. Every local rank reads the same shards in the same order (each its
 per-file lock makes one of them download a shard and the others find it there: once per machine. A shard
 that arrives is checked against its catalog entry.
 
-The budget. Before a download, shards are evicted until the data directory's shards, with every download
-in flight counted whole, fit in cache_limit. Only complete shards a streaming loader fetched (listed in
-.stream/fetched.json) are evicted, never the val shard, and never one that a loader of this machine reads,
-waits for or has just been handed: each records them in .stream/needs-<host>-<pid>-<n>.json, with the next
-prefetch_shards of its order (its plan's, after an elastic resume) and the shards its recent states' buffers
-refer to. Those go after the shards no loader needs (a long document can stay buffered for many shards; a
-resume from such a state fetches them again, first), and the shards fetched ahead go last, only for a shard
-a reader waits for. A record whose process is gone is ignored. A budget below what must be held at once is a
-ValueError at the start.
+The budget. Before a download, shards are evicted until the data directory's shards (with every download in
+flight counted whole) and the documents kept for buffers fit in cache_limit. Only complete shards a streaming
+loader fetched (listed in .stream/fetched.json) are evicted, oldest first, and never one that a loader of this
+machine still needs: each records in .stream/needs-<host>-<pid>-<n>.json the shards it reads, waits for or was
+just handed, those whose documents it is still packing, its next prefetch_shards (its plan's, after an elastic
+resume), and those its recent states' buffers refer to. Never the val shard either, nor one it did not fetch. A
+record whose process is gone is ignored. A budget below what must be held at once, with an estimate of the
+copies below (copies_estimate), is a ValueError at the start.
+
+Kept documents. A long document can stay in the best-fit buffer for many shards, and a resume from a state
+re-reads its buffered documents: holding every shard they came from would let the buffer, not cache_limit,
+decide the disk used. So once a shard's documents are all packed (the states have moved past it), a loader
+copies the few its recent states still buffer into .stream/kept/<host>-<pid>-<n>/<shard>.json.gz ([[row group,
+row, text], ...]), in the shard's place when no other loader needs it, and from then on the buffers no longer
+need the shard. A resume on this machine reads its buffered documents from there (any loader's copies: they
+are the same texts) and fetches first only the shards it still lacks. A loader drops a copy when no recent
+state buffers its documents; a gone loader's copies stay for a resume until a live loader makes room while
+none is resuming.
 
 May import: nanochat.dataset, nanochat.download, nanochat.files, pyarrow, filelock, tqdm.
 """
 
 import errno
+import gzip
 import itertools
 import json
 import logging
@@ -49,7 +61,7 @@ import pyarrow.parquet as pq
 from filelock import FileLock
 from tqdm import tqdm
 
-from nanochat.dataset import open_parquet, streamed_split
+from nanochat.dataset import open_parquet, read_row_group_column, streamed_split
 from nanochat.download import MAGIC, TAIL_BYTES, DownloadError, Limits, download_file, fetch_tail, record_path
 from nanochat.files import remove_if_exists
 
@@ -57,7 +69,9 @@ logger = logging.getLogger("nanochat.dataloader.shard_cache")
 
 STREAM_DIR = ".stream"  # in the data directory: the catalog, the fetched list, each loader's needs
 LOOKAHEAD = 64  # distinct shards of the order searched for the one the reader asks for
-HELD_STATES = 8  # recent states whose buffers' shards are evicted last (a DataLoader yields a few behind its packer)
+HELD_STATES = 4  # states whose buffered documents are kept, past the prefetched ones (the last few yielded)
+KEPT_DIR = "kept"  # in STREAM_DIR: a directory per loader, a file of kept documents per shard
+KEPT_SUFFIX = ".json.gz"  # [[rg_idx, row, text], ...]
 NEED_MARGIN = 120.0  # seconds need() waits past the downloader's deadline (another rank's download, room)
 ROOM_WAIT = 600.0  # seconds the shard the reader waits for may find no room before that is an error
 def _gb(nbytes: float) -> str:
@@ -160,6 +174,12 @@ def streamed_files(split: str, data_dir: str | None, num_shards: int | None, bas
     return data_dir, paths, urls, {val_name: entries[-1]["size"]}, entries[:len(names)]
 
 
+def copies_estimate(entries: list[dict], buffer_docs: int) -> int:
+    """What the copies of `buffer_docs` buffered documents may take, an estimate: twice their bytes at the split's
+    most bytes per document of a shard (best-fit keeps long documents waiting)."""
+    return int(2 * buffer_docs * max(entry["size"] / max(sum(entry["rows"]), 1) for entry in entries))
+
+
 # -----------------------------------------------------------------------------
 # The cache
 
@@ -170,34 +190,46 @@ class ShardCache:
     _count = itertools.count()
 
     def __init__(self, data_dir: str, names: list[str], urls: list[str], sizes: list[int], *, prefetch_shards: int,
-                 cache_limit: int | None, limits: Limits, keep: dict[str, int] | None = None):
+                 cache_limit: int | None, limits: Limits, keep: dict[str, int] | None = None, prefetch: int = 4,
+                 copies: int = 0):
         self.data_dir, self.names, self.urls, self.sizes = data_dir, names, urls, sizes
         self.prefetch_shards, self.limit, self.limits = prefetch_shards, cache_limit, limits
         self.keep = dict(keep or {})  # name -> size: never evicted (the val shard)
+        self.copies = copies  # bytes the copies of a buffer's documents may take (copies_estimate), for the budget
         self.directory = os.path.join(data_dir, STREAM_DIR)
         self.lock_file = FileLock(os.path.join(self.directory, "lock"))
-        self.me = f"needs-{socket.gethostname()}-{os.getpid()}-{next(self._count)}.json"
+        self.owner = f"{socket.gethostname()}-{os.getpid()}-{next(self._count)}"
+        self.me = f"needs-{self.owner}.json"
+        self.kept_root = os.path.join(self.directory, KEPT_DIR)
         self._cond = threading.Condition()
         self._order = iter(())
-        self._current: int | None = None
-        self._ahead: list[int] = []  # the next visits of the order after the current one (pq_idx)
+        self._visits: list[tuple[int, int]] = []  # (epoch, pq_idx) of each visit of the order looked at so far
+        self._at: int | None = None  # the visit the reader is at
+        self._dealt = 0  # the visit the last state's stream goes on in: the packer has every document before it
         self._ready: set[int] = set()
         self._waiting: dict[int, int] = {}  # pq_idx -> readers waiting for it (the packing thread restores a buffer
         # while the reading thread starts the stream: two readers)
         self._first_seen: dict[int, int] = {}  # pq_idx -> where the order first names it (what waits goes in order)
-        self._seen = 0
         self._first: list[int] = []  # shards to fetch before anything else, each until it is first read
         self._just_read: dict[int, int] = {}  # reading thread -> the shard need() last returned to it: it is opening it
         self._failed: dict[int, tuple[BaseException, bool]] = {}  # pq_idx -> (error, whether the reader waited)
-        self._held: deque = deque(maxlen=HELD_STATES)
+        # the buffered documents {pq_idx: {(rg_idx, row)}} of the states built last: a DataLoader yields them
+        # `prefetch` batches behind its packer
+        self._held: deque = deque(maxlen=prefetch + HELD_STATES)
+        self._kept: dict[int, frozenset] = {}  # pq_idx -> the (rg_idx, row) of it this loader's copy holds
+        self._unkept: set[int] = set()  # shards recent states buffer documents of that no copy of ours holds yet
+        self._keep_pending = False
+        self._restoring = False  # a resumed buffer is read (perhaps from other loaders' copies): they stay till then
+        self._restore_texts: dict[str, dict] = {}  # shard name -> {(rg_idx, row): text} of the copies, while restoring
         self._fetching: str | None = None
+        self._broken: BaseException | None = None  # why the fetching thread stopped, if it did
         self._published = None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.room_wait = ROOM_WAIT
         self._short_since: float | None = None
         self.fetched_bytes = 0  # what this cache downloaded (for the benchmark)
-        self.peak_bytes = 0  # the most the data directory's shards took at once, as this cache measured it
+        self.peak_bytes = 0  # the most the data directory's shards and kept documents took at once, as measured here
         self._check_budget()
 
     # -- the budget ------------------------------------------------------------------
@@ -217,6 +249,16 @@ class ShardCache:
                     sizes[name] = sizes.get(name, 0) + size
         return sizes
 
+    def _kept_bytes(self) -> int:
+        total = 0
+        for owner in _listdir(self.kept_root):
+            for name in _listdir(os.path.join(self.kept_root, owner)):
+                try:
+                    total += os.path.getsize(os.path.join(self.kept_root, owner, name))
+                except FileNotFoundError:
+                    continue
+        return total
+
     def _check_budget(self) -> None:
         if self.limit is None:
             return
@@ -225,19 +267,22 @@ class ShardCache:
         on_disk = self._shard_files(partial=False)
         fixed = {name: size for name, size in on_disk.items() if name not in fetched or name in self.keep}
         largest = max(self.sizes)
-        # the shard read now, prefetch_shards ahead and one for a local rank out of step (a split has no more), and
-        # the val shard when a val loader (an eval during training) has yet to fetch it
-        count = min(self.prefetch_shards + 2, len(self.names))
+        # the shard read now, the one before it (its documents may still be on their way to the packer),
+        # prefetch_shards ahead and one for a local rank out of step (a split has no more), and the val shard when a
+        # val loader (an eval during training) has yet to fetch it
+        count = min(self.prefetch_shards + 3, len(self.names))
         later = sum(size for name, size in self.keep.items() if name not in on_disk and name not in self.names)
-        least = sum(fixed.values()) + count * largest + later
+        least = sum(fixed.values()) + count * largest + later + self.copies
         val = f" and the val shard ({_gb(later)})" if later else ""
         if self.limit < least:
             raise ValueError(
                 f"cache_limit={_gb(self.limit)} is below what this streaming loader must hold at once, {_gb(least)}: "
-                f"{count} x {_gb(largest)} (the largest shard) for the shard it reads, prefetch_shards="
-                f"{self.prefetch_shards} ahead, one for a local rank out of step{val}, plus "
+                f"{count} x {_gb(largest)} (the largest shard) for the shard it reads, the one it is still packing, "
+                f"prefetch_shards={self.prefetch_shards} ahead, one for a local rank out of step{val}, about "
+                f"{_gb(self.copies)} for copies of a buffer's documents, plus "
                 f"{_gb(sum(fixed.values()))} of shards in {self.data_dir} that it may not evict ({len(fixed)}: the val "
-                "shard and those it did not fetch); raise cache_limit, lower prefetch_shards, or use another data_dir")
+                "shard and those it did not fetch); raise cache_limit, lower prefetch_shards or buffer_size, or use "
+                "another data_dir")
 
     def _records(self) -> list[dict]:
         """The needs of every live loader of this machine (self included), dropping those of gone processes."""
@@ -255,31 +300,38 @@ class ShardCache:
             records.append(record)
         return records
 
-    def _make_room(self, name: str, now: bool) -> bool:
-        """Evict until `name` fits (under the directory lock); False when it cannot yet. Never a shard a loader
-        reads or waits for. Shards no loader reads or buffers go first, oldest first; then those a recent state's
-        buffer still refers to (a resume from that state fetches them again, first): a long document can stay
-        buffered for many shards, and holding every shard it came from would leave no room to fetch ahead; and
-        for a shard a reader waits for (now), last, the shards loaders fetched ahead (local ranks can drift a
-        few shards apart, and the reader that waits must not wait on another's read-ahead)."""
+    def _make_room(self, name: str | None, extra: int = 0, release: str | None = None) -> bool:
+        """Evict until shard `name` (or `extra` bytes of kept documents) fits (under the directory lock); False
+        when it cannot yet. `release`: a shard this loader's buffers no longer need once the copy is written (it
+        goes first, if no one else needs it: its copy takes its place). Shards no loader needs
+        go, oldest first; never one that a loader reads, waits for, was just handed, still packs documents of,
+        fetched ahead, or whose buffered documents it has not kept yet. Kept documents of loaders that are gone
+        go first, unless a loader is resuming (it may read them)."""
         fetched_path = os.path.join(self.directory, "fetched.json")
         fetched = _read_json(fetched_path, [])
         on_disk = self._shard_files()
         records = self._records()
-        reading = set(self.keep).union(*(r.get("reading", []) for r in records))  # (and what readers just read)
-        ahead = set().union(*(r.get("ahead", []) for r in records))
-        buffered = set().union(*(r.get("buffered", []) for r in records))
-        in_flight = {n for r in records for n in r.get("fetching", [])} | {name}
+        if not any(r.get("restoring") for r in records):
+            live = {r.get("owner") for r in records}
+            for owner in _listdir(self.kept_root):
+                if owner not in live:
+                    shutil.rmtree(os.path.join(self.kept_root, owner), ignore_errors=True)
+        needed = set(self.keep)
+        for r in records:
+            for field in ("reading", "ahead", "buffered"):
+                mine = field == "buffered" and r.get("owner") == self.owner
+                needed.update(n for n in r.get(field, []) if not (mine and n == release))
+        in_flight = {n for r in records for n in r.get("fetching", [])} | ({name} if name else set())
         # a download in flight counts whole: its size from the catalog (another split's loader's entries too)
         catalog = _read_json(os.path.join(self.directory, "catalog.json"), {})
         size_of = {n: entry.get("size", 0) for n, entry in catalog.items() if isinstance(entry, dict)}
         size_of |= dict(zip(self.names, self.sizes))
         used = sum(on_disk.values()) + sum(max(size_of.get(n, 0) - on_disk.get(n, 0), 0) for n in in_flight)
+        used += self._kept_bytes() + extra
         if self.limit is not None:
             complete = self._shard_files(partial=False)  # (a partial download stays: its own fetch resumes it)
-            victims = sorted((n for n in fetched if n in complete and n not in reading and n not in in_flight
-                              and (now or n not in ahead)),
-                             key=lambda n: (n in ahead, n in buffered, _mtime(os.path.join(self.data_dir, n))))
+            victims = sorted((n for n in fetched if n in complete and n not in needed and n not in in_flight),
+                             key=lambda n: (n != release, _mtime(os.path.join(self.data_dir, n))))
             while used > self.limit and victims:
                 victim = victims.pop(0)
                 path = os.path.join(self.data_dir, victim)
@@ -292,10 +344,11 @@ class ShardCache:
             if used > self.limit:
                 return False
         self.peak_bytes = max(self.peak_bytes, used)
-        missing = size_of.get(name, 0) - on_disk.get(name, 0)
+        missing = size_of.get(name, 0) - on_disk.get(name, 0) if name else extra
         free = shutil.disk_usage(self.data_dir).free
         if missing > free:
-            raise OSError(errno.ENOSPC, f"{name} needs {_gb(missing)} more but {self.data_dir} has "
+            what = f"{name} needs" if name else "a copy of buffered documents needs"
+            raise OSError(errno.ENOSPC, f"{what} {_gb(missing)} more but {self.data_dir} has "
                                         f"{_gb(free)} free (the disk is full); free some space, pass a "
                                         "smaller cache_limit, or a data_dir on a bigger disk")
         return True
@@ -303,51 +356,190 @@ class ShardCache:
     # -- what this loader needs --------------------------------------------------------
 
     def _fill(self, count: int) -> None:
-        """Extend _ahead to `count` visits (or the order's end)."""
-        for p in itertools.islice(self._order, max(count - len(self._ahead), 0)):
-            self._ahead.append(p)
-            self._first_seen.setdefault(p, self._seen)
-            self._seen += 1
+        """Look `count` visits past the reader's (or to the order's end)."""
+        wanted = (-1 if self._at is None else self._at) + 1 + count - len(self._visits)
+        for visit in itertools.islice(self._order, max(wanted, 0)):
+            self._first_seen.setdefault(visit[1], len(self._visits))
+            self._visits.append(visit)
+
+    def _current(self) -> int | None:
+        return None if self._at is None else self._visits[self._at][1]
+
+    def _ahead(self) -> list[int]:
+        """The next prefetch_shards visits' shards."""
+        if self._at is None:
+            return []
+        return [p for _, p in self._visits[self._at + 1:self._at + 1 + self.prefetch_shards]]
+
+    def _packing(self) -> set[int]:
+        """The shards from where the last state's stream goes on to the reader's: documents read and not yet
+        packed come from them (so a later state's buffer may hold some)."""
+        if self._at is None:
+            return set()
+        return {p for _, p in self._visits[min(self._dealt, self._at):self._at + 1]}
 
     def _publish(self) -> None:
         """Write this loader's needs when they changed (the caller holds _cond); nothing once closed."""
         if self._stop.is_set():
             return
-        reading = ([] if self._current is None else [self._current]) + list(self._waiting) + self._first
-        reading += list(self._just_read.values())
+        reading = ([] if self._at is None else [self._current()]) + list(self._waiting) + self._first
+        reading += list(self._just_read.values()) + sorted(self._packing())
         reading = sorted({self.names[p] for p in reading})
-        ahead = sorted({self.names[p] for p in self._ahead[:self.prefetch_shards]})
-        buffered = sorted({self.names[p] for p in set().union(*self._held)})
+        ahead = sorted({self.names[p] for p in self._ahead()})
+        buffered = sorted({self.names[p] for p in self._unkept})
         fetching = [self._fetching] if self._fetching else []
-        if (reading, ahead, buffered, fetching) == self._published:
+        record = (reading, ahead, buffered, fetching, self._restoring)
+        if record == self._published:
             return
         with self.lock_file:
-            _write_json(os.path.join(self.directory, self.me), {"host": socket.gethostname(), "pid": os.getpid(),
-                                                                 "reading": reading, "ahead": ahead,
-                                                                 "buffered": buffered, "fetching": fetching})
-        self._published = (reading, ahead, buffered, fetching)
+            _write_json(os.path.join(self.directory, self.me), {
+                "host": socket.gethostname(), "pid": os.getpid(), "owner": self.owner, "reading": reading,
+                "ahead": ahead, "buffered": buffered, "fetching": fetching, "restoring": self._restoring})
+        self._published = record
 
-    def hold(self, keys) -> None:
-        """The documents a state just built still buffers, by key (epoch, pq_idx, ...): their shards go last."""
-        held = {key[1] for key in keys}
+    def hold(self, keys, at) -> None:
+        """A state was just built: `keys` (epoch, pq_idx, rg_idx, row, ...) are the documents its buffer holds,
+        and its stream goes on in file `at` (epoch, pq_idx). Their shards stay until those documents are kept."""
+        held: dict[int, set] = {}
+        for key in keys:
+            held.setdefault(key[1], set()).add((key[2], key[3]))
         with self._cond:
-            if not self._held or held != self._held[-1]:
-                self._held.append(held)
+            for v in range(self._dealt, len(self._visits)):
+                if self._visits[v] == tuple(at):
+                    self._dealt = v
+                    break
+            self._held.append({p: frozenset(rows) for p, rows in held.items()})
+            self._unkept = self._find_unkept()
+            self._keep_pending = True
+            self._publish()
+            self._cond.notify_all()
+
+    def _find_unkept(self) -> set[int]:
+        kept = self._kept
+        return {p for held in self._held for p, rows in held.items() if not rows <= kept.get(p, frozenset())}
+
+    # -- kept documents --------------------------------------------------------------------
+
+    def _kept_texts(self, name: str) -> dict[tuple[int, int], str]:
+        """{(rg_idx, row): text} of every loader's kept copies of one shard's documents."""
+        texts = {}
+        for owner in _listdir(self.kept_root):
+            path = os.path.join(self.kept_root, owner, name + KEPT_SUFFIX)
+            try:
+                with gzip.open(path, "rt", encoding="utf-8") as f:
+                    kept = json.load(f)
+            except FileNotFoundError:
+                continue
+            except (OSError, ValueError) as e:  # (written whole and renamed: only a damaged disk gets here)
+                logger.warning("kept documents %s are unreadable (%s); not used", path, e)
+                continue
+            texts.update(((rg_idx, row), text) for rg_idx, row, text in kept)
+        return texts
+
+    def _texts(self, p: int, rows: frozenset) -> dict | None:
+        """{(rg_idx, row): text} for the given documents of shard p, from the shard when it is on disk, else from
+        kept copies; None when some cannot be found."""
+        path = os.path.join(self.data_dir, self.names[p])
+        try:
+            pf = open_parquet(path)
+        except FileNotFoundError:
+            texts = self._kept_texts(self.names[p])
+            return {key: texts[key] for key in rows} if rows <= texts.keys() else None
+        texts = {}
+        for rg_idx in sorted({rg for rg, _ in rows}):
+            wanted = sorted(row for rg, row in rows if rg == rg_idx)
+            texts.update(zip(((rg_idx, row) for row in wanted),
+                             read_row_group_column(pf, rg_idx, path).take(wanted).to_pylist()))
+        return texts
+
+    def _keep_documents(self) -> None:
+        """Copy the documents recent states buffer from shards this loader is done packing (the module docstring);
+        drop the copies no recent state needs."""
+        with self._cond:
+            if not self._keep_pending:
+                return
+            self._keep_pending = False
+            wanted: dict[int, set] = {}
+            for held in self._held:
+                for p, rows in held.items():
+                    wanted.setdefault(p, set()).update(rows)
+            packing = self._packing()
+            todo = [(p, frozenset(wanted[p])) for p in sorted(self._unkept)
+                    if p not in packing and self.names[p] not in self.keep]
+            drop = [p for p in self._kept if p not in wanted]
+        directory = os.path.join(self.kept_root, self.owner)
+        for p in drop:
+            remove_if_exists(os.path.join(directory, self.names[p] + KEPT_SUFFIX))
+            with self._cond:
+                del self._kept[p]
+        for p, rows in todo:
+            texts = self._texts(p, rows)
+            if texts is None:  # (only a shard read from copies that are gone since: a resume fetches it)
+                logger.debug("the buffered documents of %s are neither on disk nor kept", self.names[p])
+                continue
+            data = gzip.compress(json.dumps([[*key, texts[key]] for key in sorted(texts)]).encode(), mtime=0)
+            path = os.path.join(directory, self.names[p] + KEPT_SUFFIX)
+            with self.lock_file:  # room first, as for a download: the budget holds the copies too
+                room = self._make_room(None, len(data), release=self.names[p])  # (old copy and new, for a moment)
+                if room:
+                    os.makedirs(directory, exist_ok=True)
+                    with open(f"{path}.tmp", "wb") as f:
+                        f.write(data)
+                    os.replace(f"{path}.tmp", path)
+            with self._cond:
+                if room:
+                    self._kept[p] = rows
+                else:  # once the other loaders of this machine move on (then this shard can go)
+                    self._keep_pending = True
+        with self._cond:
+            self._unkept = self._find_unkept()
+            if self._held:  # the restored buffer is in a state now, and kept: other loaders' copies may go
+                self._restoring = False
+                self._restore_texts.clear()
+            self._publish()
+
+    def kept_unit(self, p: int, rg_idx: int, rows, n: int):
+        """Documents `rows` of shard p's row group rg_idx (n documents) as the reader's unit, the other entries
+        None, from kept copies: when the shard is not on disk and the copies hold all of them; else None."""
+        name = self.names[p]
+        if os.path.exists(os.path.join(self.data_dir, name)):
+            return None
+        if name not in self._restore_texts:
+            self._restore_texts[name] = self._kept_texts(name)
+        texts = self._restore_texts[name]
+        if any((rg_idx, row) not in texts for row in rows):
+            return None
+        with self._cond:
+            if p in self._first:  # (it was on disk when the loader started)
+                self._first.remove(p)
                 self._publish()
-            else:
-                self._held.append(held)
+        return pa.array([texts.get((rg_idx, row)) for row in range(n)], pa.large_string())
 
     # -- the fetching thread -------------------------------------------------------------
 
-    def start(self, order, first=()) -> None:
-        """Begin fetching: the shards `first` (a resumed state's buffered documents', which the loader reads before
-        anything else), then along `order`, the shards the stream will read (pq_idx, in order)."""
+    def start(self, order, buffered=()) -> None:
+        """Begin fetching, along `order`, the visits (epoch, pq_idx) of the files the stream will read: first the
+        shards of `buffered`, a resumed state's buffered documents (keys), unless copies kept on this machine
+        hold them all."""
+        rows: dict[int, set] = {}
+        for key in buffered:
+            rows.setdefault(key[1], set()).add((key[2], key[3]))
+        first = []
+        for p, wanted in rows.items():
+            name = self.names[p]
+            if not os.path.exists(os.path.join(self.data_dir, name)):
+                self._restore_texts[name] = self._kept_texts(name)
+                if wanted <= self._restore_texts[name].keys():
+                    continue
+            first.append(p)
         with self._cond:
-            self._first = list(dict.fromkeys(first))
+            self._first = first
+            self._restoring = bool(rows)
             self._order = iter(order)
-            self._fill(max(self.prefetch_shards, 1) + 1)
-            if self._ahead:
-                self._current = self._ahead.pop(0)
+            self._fill(1)
+            if self._visits:
+                self._at = 0
+            self._fill(self.prefetch_shards)
             self._publish()
         self._thread = threading.Thread(target=self._run, name="nanochat-shards", daemon=True)
         self._thread.start()
@@ -355,8 +547,8 @@ class ShardCache:
     def _next_target(self) -> int | None:
         """The buffer's shards, what readers wait for (earliest in the order first), the current shard, then the
         next prefetch_shards."""
-        wanted = self._first + sorted(self._waiting, key=lambda p: self._first_seen.get(p, self._seen))
-        wanted += ([] if self._current is None else [self._current]) + self._ahead[:self.prefetch_shards]
+        wanted = self._first + sorted(self._waiting, key=lambda p: self._first_seen.get(p, len(self._visits)))
+        wanted += ([] if self._at is None else [self._current()]) + self._ahead()
         for p in wanted:
             if p in self._ready and not os.path.exists(os.path.join(self.data_dir, self.names[p])):
                 self._ready.discard(p)  # evicted since (by any loader of the machine): fetch it again, ahead
@@ -366,12 +558,19 @@ class ShardCache:
 
     def _run(self) -> None:
         while not self._stop.is_set():
+            try:
+                self._keep_documents()
+            except BaseException as e:  # (a full disk): handed to the reader, which raises it at its next shard
+                with self._cond:
+                    self._broken = e
+                    self._cond.notify_all()
+                return
             with self._cond:
                 target = self._next_target()
                 if target is None:
                     self._cond.wait(1.0)
                     continue
-                now = target == self._current or target in self._waiting or target in self._first
+                now = target == self._current() or target in self._waiting or target in self._first
             try:
                 if self._fetch(target, now):
                     with self._cond:
@@ -394,7 +593,7 @@ class ShardCache:
             self._fetching = name
             self._publish()
         with self.lock_file:
-            room = self._make_room(name, now)
+            room = self._make_room(name)
             if room and not os.path.exists(path):  # listed before it exists: a kill mid-way leaves nothing unlisted
                 fetched_path = os.path.join(self.directory, "fetched.json")
                 _write_json(fetched_path, sorted(set(_read_json(fetched_path, [])) | {name}))
@@ -409,8 +608,10 @@ class ShardCache:
             self._short_since = self._short_since or time.monotonic()
             if time.monotonic() - self._short_since > self.room_wait:
                 raise ValueError(f"cache_limit={_gb(self.limit)} has had no room for {name} for {self.room_wait:g}s: "
-                                 "the shards that the loaders of this machine still need fill it "
-                                 f"(.stream/needs-*.json in {self.data_dir}); raise cache_limit or lower prefetch_shards")
+                                 "the shards that the loaders of this machine still need and the copies of their "
+                                 f"buffered documents ({_gb(self._kept_bytes())}) fill it (.stream/needs-*.json and "
+                                 f".stream/kept in {self.data_dir}); raise cache_limit, or lower prefetch_shards or "
+                                 "buffer_size")
             return False
         self._short_since = None
         try:
@@ -436,18 +637,20 @@ class ShardCache:
 
     # -- the reader's side ---------------------------------------------------------------
 
-    def need(self, p: int) -> str:
+    def need(self, p: int, in_order: bool = True) -> str:
         """The path of shard p once it is on disk. Moves this loader's place in its order to p when p is among its
-        next visits (else it is fetched all the same). Waits at most the downloader's deadline plus ROOM_WAIT and
-        NEED_MARGIN, then raises; a fetch that failed while the reader waited raises its error."""
+        next visits and read in_order (not for a buffer's documents); else it is fetched all the same. Waits at
+        most the downloader's deadline plus ROOM_WAIT and NEED_MARGIN, then raises; a fetch that failed while the
+        reader waited raises its error."""
         with self._cond:
             if p in self._first:
                 self._first.remove(p)
-            elif p != self._current:
+            elif in_order and p != self._current():
                 self._fill(LOOKAHEAD)
-                if p in self._ahead:
-                    del self._ahead[:self._ahead.index(p) + 1]
-                    self._current = p
+                base = 0 if self._at is None else self._at + 1
+                later = [q for _, q in self._visits[base:base + LOOKAHEAD]]
+                if p in later:
+                    self._at = base + later.index(p)
                     self._fill(self.prefetch_shards)
                 else:  # not where the order said (a buffer restored while the stream starts): fetched all the same
                     logger.debug("shard %s read out of the expected order", self.names[p])
@@ -467,12 +670,14 @@ class ShardCache:
             with self._cond:
                 self._ready.discard(p)
                 self._cond.notify_all()
-            return self.need(p)
+            return self.need(p, in_order)
         return path
 
     def _wait_ready(self, p: int) -> None:
         deadline = time.monotonic() + self.limits.deadline + self.room_wait + NEED_MARGIN
         while p not in self._ready:
+            if self._broken is not None:  # keeping documents failed: fetching has stopped
+                raise self._broken
             if p in self._failed:
                 error, waited = self._failed.pop(p)
                 if waited:
@@ -487,7 +692,8 @@ class ShardCache:
             self._cond.wait(min(left, 1.0))
 
     def close(self) -> None:
-        """Stop fetching (a download in flight stops at its next read) and withdraw this loader's needs."""
+        """Stop fetching (a download in flight stops at its next read) and withdraw this loader's needs (its kept
+        documents stay for a resume, until a live loader makes room while none is resuming)."""
         self._stop.set()
         with self._cond:
             self._cond.notify_all()
@@ -495,6 +701,13 @@ class ShardCache:
             self._thread.join(timeout=1.0)  # a download blocked in a read ends at its timeout, on a daemon thread
         with self.lock_file:
             remove_if_exists(os.path.join(self.directory, self.me))
+
+
+def _listdir(path: str) -> list[str]:
+    try:
+        return os.listdir(path)
+    except FileNotFoundError:
+        return []
 
 
 def _alive(pid) -> bool:

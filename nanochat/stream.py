@@ -67,10 +67,14 @@ class Stream:
         self._windows: OrderedDict = OrderedDict()
         self._windows_lock = threading.Lock()
 
-    def _unit(self, pq_idx: int, rg_idx: int, where: str):
+    def _unit(self, pq_idx: int, rg_idx: int, where: str, rows=None):
+        """One unit, checked to exist; rows: only those of its documents are wanted (a buffer's), and the unit is
+        not kept for later (a streaming reader may give just those, from copies: nanochat/shard_cache.py)."""
         if not (0 <= pq_idx < len(self.paths) and 0 <= rg_idx < self.index.count(pq_idx)):
             raise ValueError(f"{where} refers to file {pq_idx}, {self.reader.unit_name} {rg_idx}, which this "
                              f"split does not have ({len(self.paths)} files): the state does not match the data")
+        if rows is not None:
+            return self.reader.read(pq_idx, rg_idx, rows)
         # documents dealt one by one (a plan, a buffer) come from a few units in turn: keep the last 16 read
         if (pq_idx, rg_idx) not in self._units:
             self._units[pq_idx, rg_idx] = self.reader.read(pq_idx, rg_idx)
@@ -113,8 +117,8 @@ class Stream:
             rows.setdefault((pq_idx, rg_idx), []).append((i, row))
         items = [None] * len(keys)
         for (pq_idx, rg_idx), wanted in rows.items():
-            unit = self._unit(pq_idx, rg_idx, where)
             at, unit_rows = zip(*wanted)
+            unit = self._unit(pq_idx, rg_idx, where, unit_rows)
             self._check_rows(unit_rows, unit, pq_idx, rg_idx, where)
             for i, item in zip(at, self.reader.pick(unit, unit_rows)):
                 items[i] = item
@@ -140,17 +144,18 @@ class Stream:
         yield from self._shuffled() if self.shuffle else self._regular()
 
     def file_order(self):
-        """The files this (unshuffled) stream will read, in order, a file once per visit: its plan's, then its
-        regular stream's, epoch after epoch. What a streaming loader fetches ahead (nanochat/shard_cache.py)."""
-        for pq_idx, _ in itertools.groupby(unit[1] for unit in self.plan):
-            yield pq_idx
+        """The files this (unshuffled) stream will read, in order, a file once per visit, as (epoch, pq_idx): its
+        plan's, then its regular stream's, epoch after epoch. What a streaming loader fetches ahead
+        (nanochat/shard_cache.py)."""
+        for visit, _ in itertools.groupby((unit[0], unit[1]) for unit in self.plan):
+            yield visit
         epoch, pq_idx, rg_idx, _ = self.start
         while self.epochs is None or epoch <= self.epochs:
             visited = False
             for p in range(pq_idx, len(self.paths)):
                 if (rg_idx if p == pq_idx else self.rank) < self.index.count(p):
                     visited = True
-                    yield p
+                    yield epoch, p
             if not visited and pq_idx == 0 and rg_idx == self.rank:
                 return  # nothing for this rank in a whole pass (the reader raises _no_documents)
             epoch, pq_idx, rg_idx = epoch + 1, 0, self.rank

@@ -21,6 +21,7 @@ from collections import Counter
 from itertools import islice
 from types import SimpleNamespace
 
+import pyarrow.parquet as pq
 import pytest
 
 from conftest import ByteTokenizer, worker_env, write_shard
@@ -28,7 +29,7 @@ from nanochat import shard_cache
 from nanochat.dataloader import tokenizing_distributed_data_loader_with_state_bos_bestfit
 from nanochat.dataset import get_dataset, index_to_filename
 from nanochat.download import Limits
-from nanochat.shard_cache import read_catalog
+from nanochat.shard_cache import copies_estimate, read_catalog
 from nanochat.state import decode_keys
 from scripts import shard_server
 from scripts.shard_server import BLOCK, ShardServer
@@ -93,6 +94,20 @@ def stream_env(base_dir, url: str, num_shards: int, cache_limit: int | None = No
     return env
 
 
+def copies(hosted, names) -> int:
+    """The room the loaders below (a buffer of 8) set aside for copies of buffered documents (copies_estimate)."""
+    entries = [{"size": os.path.getsize(os.path.join(hosted, name)), "rows": [pq.read_metadata(
+        os.path.join(hosted, name)).num_rows]} for name in names]
+    return copies_estimate(entries, LOADER["buffer_size"])
+
+
+def least_limit(hosted, names) -> int:
+    """The least cache_limit of a 3-shard split, prefetch_shards=2: its 3 shards, the val shard, the copies."""
+    assert len(names) == 3
+    return (3 * max(shards_in(hosted)[name] for name in names) + shards_in(hosted)[get_dataset().val_filename]
+            + copies(hosted, names))
+
+
 def cache_dir(base_dir) -> str:
     return os.path.join(base_dir, get_dataset().subdir)
 
@@ -124,8 +139,9 @@ def test_ranks_of_one_machine_download_each_shard_once_within_the_budget(tmp_pat
     names = host_shards(hosted, 10, equal_docs(48, 20), row_group_size=2)
     out.mkdir()
     largest = max(shards_in(hosted)[name] for name in names)
-    # the least it accepts: room for the shard read, prefetch_shards=2 ahead, a rank out of step and the val shard
-    limit = 5 * largest
+    # about the least it accepts: room for the shard read, the one still being packed, prefetch_shards=2 ahead, a
+    # rank out of step, the val shard and copies of the buffered documents (a few hundred bytes)
+    limit = 6 * largest + copies(hosted, names)
     # 144 documents per rank, and 8 more in the buffer: shards 0-6 are read (the run must evict), 7 and 8 fetched
     # ahead; nothing of the next epoch is, so every shard's one visit is its only one
     num_batches = 36
@@ -207,9 +223,10 @@ def buffered_shards(state) -> list[int]:
 def test_a_killed_streaming_run_resumes_exactly(tmp_path):
     hosted, base = tmp_path / "hosted", tmp_path / "base"
     names = host_shards(hosted, 10, mixed_docs, row_group_size=2)
-    # the least it accepts: 5 of the 10 (the shard read, prefetch_shards=2 ahead, one for a rank out of step, the val
-    # shard); the resume below starts at it too, with the killed run's partial download in the directory
-    limit = 5 * max(shards_in(hosted).values())
+    # the least it accepts: 6 of the 10 (the shard read, the one still being packed, prefetch_shards=2 ahead, one for
+    # a rank out of step, the val shard) and copies of the buffered documents (about one); the resume below starts
+    # at it too, with the killed run's partial download
+    limit = 6 * max(shards_in(hosted).values()) + copies(hosted, names)
     directory = cache_dir(base)
     # a link of 1 MB/s: a shard takes ~0.15 s, so a download is under way most of the time
     server = ShardServer(str(hosted), rate=1e6)
@@ -462,9 +479,9 @@ def test_a_budget_below_what_must_be_held_is_refused_at_the_call(tmp_path):
     largest = max(shards_in(hosted)[name] for name in names)
     server = ShardServer(str(hosted))
     try:
-        # the shard read, prefetch_shards=2 ahead and one for a rank out of step (but a split of 3 shards has no
-        # more: 3), and the val shard at its size
-        least = 3 * largest + shards_in(hosted)[get_dataset().val_filename]
+        # the shard read, the one still being packed, prefetch_shards=2 ahead and one for a rank out of step (but a
+        # split of 3 shards has no more: 3), the val shard at its size, and the copies of buffered documents
+        least = least_limit(hosted, names)
         small = least - 1
         with pytest.raises(ValueError) as raised:
             streaming(tmp_path / "cache", server.url, len(names), prefetch_shards=2, cache_limit=small)
@@ -505,7 +522,7 @@ def test_a_local_rank_starting_while_another_downloads_is_accepted(tmp_path):
     hosted, cache = tmp_path / "hosted", tmp_path / "cache"
     names = host_shards(hosted, 3, mixed_docs, row_group_size=2)
     expected = on_disk(hosted, 6, rank=1, world_size=2)
-    limit = 3 * max(shards_in(hosted)[name] for name in names) + shards_in(hosted)[get_dataset().val_filename]  # least
+    limit = least_limit(hosted, names)
     server = ShardServer(str(hosted))
     stall_after_one_block(cache, server, names)
     rank0 = streaming(cache, server.url, len(names), prefetch_shards=2, cache_limit=limit, rank=0, world_size=2)
@@ -525,7 +542,7 @@ def test_a_run_interrupted_mid_download_restarts_with_its_cache_limit(tmp_path):
     hosted, cache = tmp_path / "hosted", tmp_path / "cache"
     names = host_shards(hosted, 3, mixed_docs, row_group_size=2)
     expected = on_disk(hosted, 6)
-    limit = 3 * max(shards_in(hosted)[name] for name in names) + shards_in(hosted)[get_dataset().val_filename]  # least
+    limit = least_limit(hosted, names)
     server = ShardServer(str(hosted))
     stall_after_one_block(cache, server, names)
     try:
@@ -547,7 +564,7 @@ def test_a_local_rank_starting_as_another_download_completes_is_accepted(tmp_pat
     hosted, cache = tmp_path / "hosted", tmp_path / "cache"
     names = host_shards(hosted, 3, mixed_docs, row_group_size=2)
     expected = on_disk(hosted, 6, rank=1, world_size=2)
-    limit = 3 * max(shards_in(hosted)[name] for name in names) + shards_in(hosted)[get_dataset().val_filename]  # least
+    limit = least_limit(hosted, names)
     paused, resume = threading.Event(), threading.Event()
     check = shard_cache.read_catalog
 
