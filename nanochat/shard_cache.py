@@ -195,7 +195,8 @@ class ShardCache:
         self.data_dir, self.names, self.urls, self.sizes = data_dir, names, urls, sizes
         self.prefetch_shards, self.limit, self.limits = prefetch_shards, cache_limit, limits
         self.keep = dict(keep or {})  # name -> size: never evicted (the val shard)
-        self.copies = copies  # bytes the copies of a buffer's documents may take (copies_estimate), for the budget
+        # what copies of a buffer's documents may take (copies_estimate), for the budget: none of shards never evicted
+        self.copies = copies if set(names) - set(self.keep) else 0
         self.directory = os.path.join(data_dir, STREAM_DIR)
         self.lock_file = FileLock(os.path.join(self.directory, "lock"))
         self.owner = f"{socket.gethostname()}-{os.getpid()}-{next(self._count)}"

@@ -36,6 +36,7 @@ import pyarrow.parquet as pq
 
 from nanochat.dataloader import tokenizing_distributed_data_loader_with_state_bos_bestfit
 from nanochat.dataset import get_dataset, index_to_filename, repackage
+from nanochat.shard_cache import copies_estimate
 from nanochat.state import decode_keys
 from nanochat.tokenizer import RustBPETokenizer
 from scripts.shard_server import ShardServer
@@ -224,15 +225,27 @@ def print_batch_stats(name: str, s: dict) -> None:
 # 6. Training straight from the server
 
 
+def demo_buffer(args) -> int:
+    """Steps 5 and 6's best-fit buffer: an eighth of a shard's documents (the sample's shards hold few), so that
+    copies of the buffered documents (what a streaming loader keeps of shards it evicts) take a fraction of one."""
+    return max(8, args.num_docs // (args.shards + 1) // 8)
+
+
 def stream_from_server(tokenizer, args, hosted: list[str], cache_dir: str) -> tuple[dict, dict, int, list[str]]:
     """Step 5's train batches, then its val batch, again: each shard fetched from a server on 127.0.0.1
-    just before it is read (stream=True), into cache_dir, within a cache_limit of 4 shards: at
-    least what prefetch_shards=1 needs (the shard read, the next one, one for a rank out of step, and the
-    val shard at its size), less than the train and val shards together from 4 train shards on. Returns the train
-    and val results of stream_batches, cache_limit and the shards downloaded, in order."""
-    cache_limit = 4 * max(os.path.getsize(path) for path in hosted)
+    just before it is read (stream=True), into cache_dir, within the least cache_limit that prefetch_shards=0
+    accepts: 3 x the largest train shard (the one read, the one still being packed, one for a rank out of
+    step), the val shard at its size, and the room set aside for copies of buffered documents; less than the
+    train and val shards together from 4 train shards on. Returns the train and val results of stream_batches,
+    cache_limit and the shards downloaded, in order."""
+    val_path = [path for path in hosted if os.path.basename(path) == get_dataset().val_filename][0]
+    train_paths = [path for path in hosted if path != val_path]
+    entries = [{"size": os.path.getsize(path), "rows": [pq.read_metadata(path).num_rows]} for path in train_paths]
+    cache_limit = (3 * max(entry["size"] for entry in entries) + os.path.getsize(val_path)
+                   + copies_estimate(entries, demo_buffer(args)))
     server = ShardServer(os.path.dirname(hosted[0]))
-    kwargs = dict(stream=True, cache_limit=cache_limit, prefetch_shards=1, num_shards=args.shards, base_url=server.url)
+    kwargs = dict(stream=True, cache_limit=cache_limit, prefetch_shards=0, num_shards=args.shards, base_url=server.url,
+                  buffer_size=demo_buffer(args))
     try:
         train = stream_batches(tokenizer, args.B, args.T, "train", args.batches, cache_dir, **kwargs)
         val = stream_batches(tokenizer, args.B, args.T, "val", 1, cache_dir, **kwargs)
@@ -318,8 +331,8 @@ def main(argv=None) -> int:
     tokenizer = RustBPETokenizer.from_directory(tokenizer_dir)
 
     print("\n== 5. best-fit packed batches (device=cpu)")
-    train = stream_batches(tokenizer, args.B, args.T, "train", args.batches, data_dir)
-    val = stream_batches(tokenizer, args.B, args.T, "val", 1, data_dir)
+    train = stream_batches(tokenizer, args.B, args.T, "train", args.batches, data_dir, buffer_size=demo_buffer(args))
+    val = stream_batches(tokenizer, args.B, args.T, "val", 1, data_dir, buffer_size=demo_buffer(args))
     print_batch_stats("train", train)
     print_batch_stats("val", val)
     snippet = tokenizer.decode(train["first_row"][:60])

@@ -7,16 +7,20 @@ buffered documents' shards fetched first), the elastic merge of streamed states,
 and the argument and environment checks. Processes, faults and torchrun: tests/test_streaming_processes.py.
 """
 
+import gzip
 import json
 import os
 import random
+import socket
 import threading
 import time
 from http.server import SimpleHTTPRequestHandler, ThreadingHTTPServer
 from functools import partial
 
+import pyarrow.parquet as pq
 import pytest
 import torch
+from filelock import FileLock
 
 from conftest import ByteTokenizer, write_shard
 from nanochat import download
@@ -26,7 +30,7 @@ from nanochat.dataset import index_to_filename
 from nanochat.download import DownloadError, Limits
 from nanochat.options import parse_bytes
 from nanochat.resume import merge_states
-from nanochat.shard_cache import STREAM_DIR, footer_rows
+from nanochat.shard_cache import STREAM_DIR, ShardCache, footer_rows
 from nanochat.state import decode_keys
 from scripts.shard_server import ShardServer
 
@@ -202,6 +206,92 @@ def test_resume_exact_into_an_empty_cache_fetches_the_buffer_first(hosted, tmp_p
                                   **extra), 60)
     _same(resumed, expected[200:])
     assert server.fetched()[before:before + len(buffered)] == buffered
+
+
+def test_eviction_spares_what_any_loader_of_the_machine_needs(tmp_path):
+    """With another live loader's needs on record (it reads shard 0, fetched shard 1 ahead, and buffers documents
+    of shard 2 that it has not copied yet), making room evicts only the shards no one needs, oldest first, and
+    says there is no room rather than evict one of those."""
+    cache = tmp_path / "cache"
+    names = [index_to_filename(i) for i in range(6)]
+    (cache / STREAM_DIR).mkdir(parents=True)
+    for i, name in enumerate(names[:5]):  # 1,000 bytes each, fetched by a streaming loader, oldest first
+        (cache / name).write_bytes(b"x" * 1000)
+        os.utime(cache / name, (1e9 + i, 1e9 + i))
+    (cache / STREAM_DIR / "fetched.json").write_text(json.dumps(names[:5]))
+    (cache / STREAM_DIR / "needs-another.json").write_text(json.dumps({
+        "host": socket.gethostname(), "pid": os.getpid(), "owner": "another", "reading": [names[0]],
+        "ahead": [names[1]], "buffered": [names[2]], "fetching": [], "restoring": False}))
+    shards = ShardCache(str(cache), names, [f"http://127.0.0.1:9/{name}" for name in names], [1000] * 6,
+                        prefetch_shards=0, cache_limit=4000, limits=FAST)
+
+    def on_disk():
+        return sorted(name for name in os.listdir(cache) if name.endswith(".parquet"))
+
+    with shards.lock_file:
+        assert shards._make_room(names[5])  # 5 shards and the one to fetch: 6,000 bytes; 3 and 4 go
+    assert on_disk() == names[:3]
+    shards.limit = 2000
+    with shards.lock_file:
+        assert not shards._make_room(names[5])  # only what the other loader needs is left
+    assert on_disk() == names[:3]
+    (cache / STREAM_DIR / "needs-another.json").unlink()  # that loader is gone: its shards may go, oldest first
+    with shards.lock_file:
+        assert shards._make_room(names[5])
+    assert on_disk() == names[2:3]
+
+
+def _kept(cache, name: str) -> dict[tuple[int, int], str]:
+    """{(rg_idx, row): text} of the copies of shard `name`'s documents that the loaders kept for their buffers."""
+    texts = {}
+    kept = os.path.join(cache, STREAM_DIR, "kept")
+    for owner in os.listdir(kept) if os.path.isdir(kept) else []:
+        path = os.path.join(kept, owner, name + ".json.gz")
+        if os.path.exists(path):
+            with gzip.open(path, "rt") as f:
+                texts.update(((rg_idx, row), text) for rg_idx, row, text in json.load(f))
+    return texts
+
+
+def test_a_buffers_documents_are_on_disk_or_kept_and_a_resume_reads_the_copies(hosted, tmp_path):
+    """Documents longer than a row (T=64) wait in the best-fit buffer for many shards. After every batch, each
+    document the yielded state buffers is in its shard on disk or in a copy, with the shard's text; a resume in
+    the same cache reads the copies and fetches none of the shards they came from."""
+    hosted_dir, server, sizes = hosted
+    cache = tmp_path / "cache"
+    source = {}  # name -> {(rg_idx, row): text} of the hosted shards
+    for name in sorted(os.listdir(hosted_dir)):
+        pf = pq.ParquetFile(os.path.join(hosted_dir, name))
+        source[name] = {(g, r): text for g in range(pf.num_row_groups)
+                        for r, text in enumerate(pf.read_row_group(g).column("text").to_pylist())}
+    expected = _batches(_on_disk("bestfit", hosted_dir, buffer_size=20), 260)
+    loader = _streaming("bestfit", server, cache, cache_limit=7 * sizes[-1], buffer_size=20)
+    copied = set()  # shards of buffered documents seen evicted, their documents kept
+    streamed = []
+    for inputs, targets, state in loader:
+        streamed.append((inputs.clone(), targets.clone(), json.loads(json.dumps(state))))
+        wanted = {}
+        for key in decode_keys(state["buffer"]):
+            wanted.setdefault(index_to_filename(key[1]), set()).add((key[2], key[3]))
+        with FileLock(os.path.join(cache, STREAM_DIR, "lock")):  # (what evicts and copies holds it)
+            for name, rows in wanted.items():
+                if not (cache / name).exists():
+                    kept = _kept(cache, name)
+                    assert {row: kept.get(row) for row in rows} == {row: source[name][row] for row in rows}, name
+                    copied.add(name)
+        if len(streamed) == 200:
+            break
+    loader.close()
+    _same(streamed, expected[:200])
+    assert len(copied) >= 2  # not vacuous: shards went while documents of theirs were buffered
+    state = streamed[-1][2]
+    gone = {index_to_filename(key[1]) for key in decode_keys(state["buffer"])} - set(os.listdir(cache))
+    assert gone  # the resume needs documents of shards no longer on disk
+    before = len(server.fetched())
+    resumed = _batches(_streaming("bestfit", server, cache, cache_limit=7 * sizes[-1], buffer_size=20,
+                                  resume_state_dict=state), 60)
+    _same(resumed, expected[200:])
+    assert not gone & set(server.fetched()[before:])  # read from the copies
 
 
 def test_elastic_merge_of_streamed_states(hosted, tmp_path, monkeypatch):

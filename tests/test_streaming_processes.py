@@ -255,6 +255,7 @@ def test_a_killed_streaming_run_resumes_exactly(tmp_path):
         assert before == expected[:k]
         with open(tmp_path / "state.json", "w") as f:
             json.dump(before[-1]["state"], f)
+
         mark = len(server.gets)
         result = subprocess.run([sys.executable, os.path.join(HERE, "stream_worker.py"), str(resumed),
                                  str(num_after), str(tmp_path / "state.json")],
@@ -268,6 +269,59 @@ def test_a_killed_streaming_run_resumes_exactly(tmp_path):
     assert next(wanted for name, wanted in after if name == partial) == f"bytes={have}-"
     # the dead loader's record pins nothing: the resumed run dropped it (its process is gone), and kept the budget
     assert not os.path.exists(os.path.join(directory, ".stream", stale[0]))
+    assert sum(shards_in(directory).values()) <= limit
+
+
+def lingering_docs(i: int) -> list[str]:
+    """100 documents of 18-77 characters: those longer than a row (T=32) wait in the buffer for shards on end."""
+    rng = random.Random(i)
+    return [f"shard {i} doc {j}: " + letters(rng, rng.randint(1, 60)) for j in range(100)]
+
+
+def test_a_resume_after_a_kill_reads_the_buffered_documents_from_the_dead_loaders_copies(tmp_path):
+    hosted, base = tmp_path / "hosted", tmp_path / "base"
+    names = host_shards(hosted, 10, lingering_docs, row_group_size=16)
+    limit = 6 * max(shards_in(hosted).values()) + copies(hosted, names)  # the least it accepts, as above
+    directory = cache_dir(base)
+    server = ShardServer(str(hosted))
+    env = stream_env(base, server.url, len(names), limit)
+    killed, resumed = tmp_path / "killed", tmp_path / "resumed"
+    killed.mkdir(), resumed.mkdir()
+    try:
+        with open(killed / "log", "w") as log:
+            worker = subprocess.Popen([sys.executable, os.path.join(HERE, "stream_worker.py"), str(killed),
+                                       "100000"], stdout=log, stderr=subprocess.STDOUT, env=env)  # (epoch after epoch)
+        try:
+            for _ in range(4000):  # 20 s: until its last state buffers documents of a shard it evicted
+                assert worker.poll() is None, (killed / "log").read_text()
+                if os.path.exists(killed / "rank0.jsonl") and len(read_lines(killed / "rank0.jsonl")) > 100:
+                    worker.send_signal(signal.SIGSTOP)  # (what it wrote and what it evicted, at one moment)
+                    state = read_lines(killed / "rank0.jsonl")[-1]["state"]
+                    gone = {names[p] for p in buffered_shards(state)} - set(os.listdir(directory))
+                    if gone:
+                        break
+                    worker.send_signal(signal.SIGCONT)
+                time.sleep(0.005)
+            else:
+                raise AssertionError("no state was seen buffering documents of a shard that had been evicted")
+        finally:
+            worker.kill()
+            worker.wait()
+        before = read_lines(killed / "rank0.jsonl")
+        assert before[-1]["state"] == state
+        expected = on_disk(hosted, len(before) + 20)
+        assert before == expected[:len(before)]
+        with open(tmp_path / "state.json", "w") as f:
+            json.dump(state, f)
+        mark = len(server.gets)
+        result = subprocess.run([sys.executable, os.path.join(HERE, "stream_worker.py"), str(resumed), "20",
+                                 str(tmp_path / "state.json")], capture_output=True, text=True, timeout=60, env=env)
+        assert result.returncode == 0, result.stdout + result.stderr
+        after = {name for name, _ in server.gets[mark:]}
+    finally:
+        server.close()
+    assert read_lines(resumed / "rank0.jsonl") == expected[len(before):]
+    assert not gone & after  # read from the copies, not fetched again
     assert sum(shards_in(directory).values()) <= limit
 
 
