@@ -206,7 +206,7 @@ class ShardCache:
         self._order = iter(())
         self._visits: list[tuple[int, int]] = []  # (epoch, pq_idx) of each visit of the order looked at so far
         self._at: int | None = None  # the visit the reader is at
-        self._dealt = 0  # the visit the last state's stream goes on in: the packer has every document before it
+        self._dealt = 0  # the visit the newest state's stream goes on in: the packer has every document before it
         self._ready: set[int] = set()
         self._waiting: dict[int, int] = {}  # pq_idx -> readers waiting for it (the packing thread restores a buffer
         # while the reading thread starts the stream: two readers)
@@ -214,8 +214,8 @@ class ShardCache:
         self._first: list[int] = []  # shards to fetch before anything else, each until it is first read
         self._just_read: dict[int, int] = {}  # reading thread -> the shard need() last returned to it: it is opening it
         self._failed: dict[int, tuple[BaseException, bool]] = {}  # pq_idx -> (error, whether the reader waited)
-        # the buffered documents {pq_idx: {(rg_idx, row)}} of the states built last: a DataLoader yields them
-        # `prefetch` batches behind its packer
+        # (the visit its stream goes on in, its buffered documents {pq_idx: {(rg_idx, row)}}) of each state built
+        # last: a DataLoader yields them `prefetch` batches behind its packer, and a resume may start from any
         self._held: deque = deque(maxlen=prefetch + HELD_STATES)
         self._kept: dict[int, frozenset] = {}  # pq_idx -> the (rg_idx, row) of it this loader's copy holds
         self._unkept: set[int] = set()  # shards recent states buffer documents of that no copy of ours holds yet
@@ -313,7 +313,7 @@ class ShardCache:
         on_disk = self._shard_files()
         records = self._records()
         if not any(r.get("restoring") for r in records):
-            live = {r.get("owner") for r in records}
+            live = {r.get("owner") for r in records} | {self.owner}  # (its own stay while it runs, closed or not)
             for owner in _listdir(self.kept_root):
                 if owner not in live:
                     shutil.rmtree(os.path.join(self.kept_root, owner), ignore_errors=True)
@@ -373,11 +373,13 @@ class ShardCache:
         return [p for _, p in self._visits[self._at + 1:self._at + 1 + self.prefetch_shards]]
 
     def _packing(self) -> set[int]:
-        """The shards from where the last state's stream goes on to the reader's: documents read and not yet
-        packed come from them (so a later state's buffer may hold some)."""
+        """The shards from where the oldest recent state's stream goes on to the reader's: a resume from that
+        state reads on from there, and documents read and not yet packed come from them (a later state's buffer
+        may hold some)."""
         if self._at is None:
             return set()
-        return {p for _, p in self._visits[min(self._dealt, self._at):self._at + 1]}
+        start = self._held[0][0] if self._held else 0
+        return {p for _, p in self._visits[min(start, self._at):self._at + 1]}
 
     def _publish(self) -> None:
         """Write this loader's needs when they changed (the caller holds _cond); nothing once closed."""
@@ -409,7 +411,7 @@ class ShardCache:
                 if self._visits[v] == tuple(at):
                     self._dealt = v
                     break
-            self._held.append({p: frozenset(rows) for p, rows in held.items()})
+            self._held.append((self._dealt, {p: frozenset(rows) for p, rows in held.items()}))
             self._unkept = self._find_unkept()
             self._keep_pending = True
             self._publish()
@@ -417,7 +419,7 @@ class ShardCache:
 
     def _find_unkept(self) -> set[int]:
         kept = self._kept
-        return {p for held in self._held for p, rows in held.items() if not rows <= kept.get(p, frozenset())}
+        return {p for _, held in self._held for p, rows in held.items() if not rows <= kept.get(p, frozenset())}
 
     # -- kept documents --------------------------------------------------------------------
 
@@ -457,11 +459,11 @@ class ShardCache:
         """Copy the documents recent states buffer from shards this loader is done packing (the module docstring);
         drop the copies no recent state needs."""
         with self._cond:
-            if not self._keep_pending:
+            if not self._keep_pending or self._stop.is_set():
                 return
             self._keep_pending = False
             wanted: dict[int, set] = {}
-            for held in self._held:
+            for _, held in self._held:
                 for p, rows in held.items():
                     wanted.setdefault(p, set()).update(rows)
             packing = self._packing()
