@@ -43,7 +43,7 @@ from nanochat.packing import check_long_doc_policy
 from nanochat.prefetch import EXIT_TIMEOUT, maybe_prefetch  # noqa: F401 (EXIT_TIMEOUT: the README shows it here)
 from nanochat.readers import ParquetReader, ShardReader, shard_paths, shard_vocab
 from nanochat.rows import Tracker, bestfit_batches, concat_batches
-from nanochat.shard_cache import ShardCache, copies_estimate, streamed_files
+from nanochat.shard_cache import ShardCache, copies_estimate, packing_shards, streamed_files
 from nanochat.state import decode_keys, stream_config, tokenizer_fingerprint
 from nanochat.stream import start_stream
 from nanochat.tokens import Encoder, ShardDocs, token_batches
@@ -67,7 +67,8 @@ def _pipeline(doc_batches, encoder, prefetch: int, pack, tokenizing: bool = True
             stage.close()
 
 
-def _parquet_reader(split, data_dir, prefetch, buffer_docs, streaming, base_url, download_limits):
+def _parquet_reader(split, data_dir, rank, world_size, prefetch, buffer_docs, read_ahead, streaming, base_url,
+                    download_limits):
     """(reader, shard cache or None) of a split's parquet shards: those on disk, or (streaming) the dataset's,
     each fetched just before it is read (nanochat/shard_cache.py)."""
     if streaming is None:
@@ -77,7 +78,8 @@ def _parquet_reader(split, data_dir, prefetch, buffer_docs, streaming, base_url,
     cache = ShardCache(data_dir, [os.path.basename(path) for path in paths], urls, [entry["size"] for entry in catalog],
                        limits=limits, keep=val, prefetch_shards=streaming.prefetch_shards,
                        cache_limit=streaming.cache_limit, prefetch=prefetch,
-                       copies=copies_estimate(catalog, buffer_docs))
+                       copies=copies_estimate(catalog, buffer_docs),
+                       packing=packing_shards(catalog, rank, world_size, read_ahead))
     return ParquetReader(paths, catalog, cache), cache
 
 
@@ -99,7 +101,9 @@ def _setup(kind, tokenizer, B, T, split, tokenizer_threads, tokenizer_batch_size
             raise TypeError(f"tokenizer must have a {method}() method, got {type(tokenizer).__name__}")
     rank, world_size = resolve_rank(rank, world_size)
     buffer_docs = buffer_size if kind == "bestfit" else tokenizer_batch_size  # (what a state's buffer holds)
-    reader, cache = _parquet_reader(split, data_dir, prefetch, buffer_docs, *streaming)
+    # documents read and not yet packed, at most: the queues of _pipeline and one batch in each stage's hands
+    read_ahead = (5 * prefetch + 2) * tokenizer_batch_size
+    reader, cache = _parquet_reader(split, data_dir, rank, world_size, prefetch, buffer_docs, read_ahead, *streaming)
     encoder = Encoder(tokenizer, tokenizer_threads)
     config = stream_config(kind, "parquet", split, reader.paths, B, T, buffer_size, tokenizer_batch_size,
                            tokenizer_fingerprint(tokenizer), rank, world_size, policy=policy, shuffle=shuffle,

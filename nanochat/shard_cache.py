@@ -48,6 +48,7 @@ import gzip
 import itertools
 import json
 import logging
+import math
 import os
 import shutil
 import socket
@@ -69,7 +70,7 @@ logger = logging.getLogger("nanochat.dataloader.shard_cache")
 
 STREAM_DIR = ".stream"  # in the data directory: the catalog, the fetched list, each loader's needs
 LOOKAHEAD = 64  # distinct shards of the order searched for the one the reader asks for
-HELD_STATES = 4  # states whose buffered documents are kept, past the prefetched ones (the last few yielded)
+HELD_STATES = 4  # states whose buffered documents are kept, past 2 x prefetch (those yielded last, and a few more)
 KEPT_DIR = "kept"  # in STREAM_DIR: a directory per loader, a file of kept documents per shard
 KEPT_SUFFIX = ".json.gz"  # [[rg_idx, row, text], ...]
 NEED_MARGIN = 120.0  # seconds need() waits past the downloader's deadline (another rank's download, room)
@@ -174,6 +175,13 @@ def streamed_files(split: str, data_dir: str | None, num_shards: int | None, bas
     return data_dir, paths, urls, {val_name: entries[-1]["size"]}, entries[:len(names)]
 
 
+def packing_shards(entries: list[dict], rank: int, world_size: int, read_ahead: int) -> int:
+    """The most shards that `read_ahead` documents (read and not yet packed) and the one the reader has just opened
+    can span for this rank: one more than its fewest documents of a shard (its row groups of it) divide them into."""
+    shares = [sum(entry["rows"][rank::world_size]) for entry in entries]
+    return 1 + math.ceil(read_ahead / max(min((n for n in shares if n), default=1), 1))
+
+
 def copies_estimate(entries: list[dict], buffer_docs: int) -> int:
     """What the copies of `buffer_docs` buffered documents may take, an estimate: twice their bytes at the split's
     most bytes per document of a shard (best-fit keeps long documents waiting)."""
@@ -191,12 +199,14 @@ class ShardCache:
 
     def __init__(self, data_dir: str, names: list[str], urls: list[str], sizes: list[int], *, prefetch_shards: int,
                  cache_limit: int | None, limits: Limits, keep: dict[str, int] | None = None, prefetch: int = 4,
-                 copies: int = 0):
+                 copies: int = 0, packing: int = 2):
         self.data_dir, self.names, self.urls, self.sizes = data_dir, names, urls, sizes
         self.prefetch_shards, self.limit, self.limits = prefetch_shards, cache_limit, limits
         self.keep = dict(keep or {})  # name -> size: never evicted (the val shard)
         # what copies of a buffer's documents may take (copies_estimate), for the budget: none of shards never evicted
         self.copies = copies if set(names) - set(self.keep) else 0
+        self.packing = packing  # the most shards from the one the packer takes documents from to the one read
+        self.local_ranks = _local_ranks()
         self.directory = os.path.join(data_dir, STREAM_DIR)
         self.lock_file = FileLock(os.path.join(self.directory, "lock"))
         self.owner = f"{socket.gethostname()}-{os.getpid()}-{next(self._count)}"
@@ -206,7 +216,7 @@ class ShardCache:
         self._order = iter(())
         self._visits: list[tuple[int, int]] = []  # (epoch, pq_idx) of each visit of the order looked at so far
         self._at: int | None = None  # the visit the reader is at
-        self._dealt = 0  # the visit the newest state's stream goes on in: the packer has every document before it
+        self._dealt = 0  # the visit the last state's stream goes on in: the packer has every document before it
         self._ready: set[int] = set()
         self._waiting: dict[int, int] = {}  # pq_idx -> readers waiting for it (the packing thread restores a buffer
         # while the reading thread starts the stream: two readers)
@@ -214,9 +224,9 @@ class ShardCache:
         self._first: list[int] = []  # shards to fetch before anything else, each until it is first read
         self._just_read: dict[int, int] = {}  # reading thread -> the shard need() last returned to it: it is opening it
         self._failed: dict[int, tuple[BaseException, bool]] = {}  # pq_idx -> (error, whether the reader waited)
-        # (the visit its stream goes on in, its buffered documents {pq_idx: {(rg_idx, row)}}) of each state built
-        # last: a DataLoader yields them `prefetch` batches behind its packer, and a resume may start from any
-        self._held: deque = deque(maxlen=prefetch + HELD_STATES)
+        # the buffered documents {pq_idx: {(rg_idx, row)}} of the states built last: a DataLoader yields a state
+        # about prefetch + 1 states after it is built, and a resume may start from any of the last few yielded
+        self._held: deque = deque(maxlen=2 * prefetch + HELD_STATES)
         self._kept: dict[int, frozenset] = {}  # pq_idx -> the (rg_idx, row) of it this loader's copy holds
         self._unkept: set[int] = set()  # shards recent states buffer documents of that no copy of ours holds yet
         self._keep_pending = False
@@ -268,22 +278,25 @@ class ShardCache:
         on_disk = self._shard_files(partial=False)
         fixed = {name: size for name, size in on_disk.items() if name not in fetched or name in self.keep}
         largest = max(self.sizes)
-        # the shard read now, the one before it (its documents may still be on their way to the packer),
-        # prefetch_shards ahead and one for a local rank out of step (a split has no more), and the val shard when a
-        # val loader (an eval during training) has yet to fetch it
-        count = min(self.prefetch_shards + 3, len(self.names))
+        # the shards from the one it packs to the one it reads (packing_shards), prefetch_shards ahead and one for
+        # a local rank out of step (a split has no more); the val shard when a val loader (an eval during training)
+        # has yet to fetch it; the copies of every local rank's buffered documents
+        count = min(self.packing + self.prefetch_shards + 1, len(self.names))
         later = sum(size for name, size in self.keep.items() if name not in on_disk and name not in self.names)
-        least = sum(fixed.values()) + count * largest + later + self.copies
+        copies = self.copies * self.local_ranks
+        least = sum(fixed.values()) + count * largest + later + copies
         val = f" and the val shard ({_gb(later)})" if later else ""
         if self.limit < least:
             raise ValueError(
                 f"cache_limit={_gb(self.limit)} is below what this streaming loader must hold at once, {_gb(least)}: "
-                f"{count} x {_gb(largest)} (the largest shard) for the shard it reads, the one it is still packing, "
-                f"prefetch_shards={self.prefetch_shards} ahead, one for a local rank out of step{val}, about "
-                f"{_gb(self.copies)} for copies of a buffer's documents, plus "
+                f"{count} x {_gb(largest)} (the largest shard) for the shards from the one it packs to the one it reads "
+                f"({self.packing}: its read-ahead against its documents per shard), prefetch_shards="
+                f"{self.prefetch_shards} ahead and one for a local rank out of step (at most the split's "
+                f"{len(self.names)}){val}, about {_gb(copies)} for copies of buffered documents ({self.local_ranks} "
+                "local rank(s)), plus "
                 f"{_gb(sum(fixed.values()))} of shards in {self.data_dir} that it may not evict ({len(fixed)}: the val "
-                "shard and those it did not fetch); raise cache_limit, lower prefetch_shards or buffer_size, or use "
-                "another data_dir")
+                "shard and those it did not fetch); raise cache_limit, lower prefetch_shards, prefetch, "
+                "tokenizer_batch_size or buffer_size, or use another data_dir")
 
     def _records(self) -> list[dict]:
         """The needs of every live loader of this machine (self included), dropping those of gone processes."""
@@ -373,13 +386,11 @@ class ShardCache:
         return [p for _, p in self._visits[self._at + 1:self._at + 1 + self.prefetch_shards]]
 
     def _packing(self) -> set[int]:
-        """The shards from where the oldest recent state's stream goes on to the reader's: a resume from that
-        state reads on from there, and documents read and not yet packed come from them (a later state's buffer
-        may hold some)."""
+        """The shards from where the last state's stream goes on to the reader's: documents read and not yet
+        packed come from them (so a later state's buffer may hold some)."""
         if self._at is None:
             return set()
-        start = self._held[0][0] if self._held else 0
-        return {p for _, p in self._visits[min(start, self._at):self._at + 1]}
+        return {p for _, p in self._visits[min(self._dealt, self._at):self._at + 1]}
 
     def _publish(self) -> None:
         """Write this loader's needs when they changed (the caller holds _cond); nothing once closed."""
@@ -411,7 +422,7 @@ class ShardCache:
                 if self._visits[v] == tuple(at):
                     self._dealt = v
                     break
-            self._held.append((self._dealt, {p: frozenset(rows) for p, rows in held.items()}))
+            self._held.append({p: frozenset(rows) for p, rows in held.items()})
             self._unkept = self._find_unkept()
             self._keep_pending = True
             self._publish()
@@ -419,7 +430,7 @@ class ShardCache:
 
     def _find_unkept(self) -> set[int]:
         kept = self._kept
-        return {p for _, held in self._held for p, rows in held.items() if not rows <= kept.get(p, frozenset())}
+        return {p for held in self._held for p, rows in held.items() if not rows <= kept.get(p, frozenset())}
 
     # -- kept documents --------------------------------------------------------------------
 
@@ -463,12 +474,15 @@ class ShardCache:
                 return
             self._keep_pending = False
             wanted: dict[int, set] = {}
-            for _, held in self._held:
+            for held in self._held:
                 for p, rows in held.items():
                     wanted.setdefault(p, set()).update(rows)
             packing = self._packing()
             todo = [(p, frozenset(wanted[p])) for p in sorted(self._unkept)
                     if p not in packing and self.names[p] not in self.keep]
+            # a copy whose documents the buffers hold less than half of is written again, smaller
+            todo += [(p, frozenset(wanted[p])) for p, rows in self._kept.items()
+                     if p in wanted and p not in self._unkept and 2 * len(wanted[p]) <= len(rows)]
             drop = [p for p in self._kept if p not in wanted]
         directory = os.path.join(self.kept_root, self.owner)
         for p in drop:
@@ -496,7 +510,8 @@ class ShardCache:
                     self._keep_pending = True
         with self._cond:
             self._unkept = self._find_unkept()
-            if self._held:  # the restored buffer is in a state now, and kept: other loaders' copies may go
+            if self._held and not self._keep_pending:  # the restored buffer is in a state now, and kept: other
+                # loaders' copies may go
                 self._restoring = False
                 self._restore_texts.clear()
             self._publish()
@@ -704,6 +719,14 @@ class ShardCache:
             self._thread.join(timeout=1.0)  # a download blocked in a read ends at its timeout, on a daemon thread
         with self.lock_file:
             remove_if_exists(os.path.join(self.directory, self.me))
+
+
+def _local_ranks() -> int:
+    """The ranks of this machine (torchrun's LOCAL_WORLD_SIZE; 1 without it): each keeps copies of its buffer."""
+    value = os.environ.get("LOCAL_WORLD_SIZE", "1")
+    if not value.isdigit() or int(value) < 1:
+        raise ValueError(f"LOCAL_WORLD_SIZE={value!r} must be a positive integer (torchrun sets it)")
+    return int(value)
 
 
 def _listdir(path: str) -> list[str]:

@@ -225,10 +225,12 @@ def print_batch_stats(name: str, s: dict) -> None:
 # 6. Training straight from the server
 
 
-def demo_buffer(args) -> int:
-    """Steps 5 and 6's best-fit buffer: an eighth of a shard's documents (the sample's shards hold few), so that
-    copies of the buffered documents (what a streaming loader keeps of shards it evicts) take a fraction of one."""
-    return max(8, args.num_docs // (args.shards + 1) // 8)
+def demo_loader(args) -> dict:
+    """Steps 5 and 6's loader settings for the sample's small shards (a few hundred documents each): a best-fit
+    buffer of an eighth of a shard's documents, so that copies of the buffered documents (what a streaming loader
+    keeps of the shards it evicts) take a fraction of one; and a read-ahead (prefetch=1, tokenizer batches of
+    16) within a shard, so that at most 2 shards are between the one packed and the one read."""
+    return dict(buffer_size=max(8, args.num_docs // (args.shards + 1) // 8), prefetch=1, tokenizer_batch_size=16)
 
 
 def stream_from_server(tokenizer, args, hosted: list[str], cache_dir: str) -> tuple[dict, dict, int, list[str]]:
@@ -242,10 +244,10 @@ def stream_from_server(tokenizer, args, hosted: list[str], cache_dir: str) -> tu
     train_paths = [path for path in hosted if path != val_path]
     entries = [{"size": os.path.getsize(path), "rows": [pq.read_metadata(path).num_rows]} for path in train_paths]
     cache_limit = (3 * max(entry["size"] for entry in entries) + os.path.getsize(val_path)
-                   + copies_estimate(entries, demo_buffer(args)))
+                   + copies_estimate(entries, demo_loader(args)["buffer_size"]))
     server = ShardServer(os.path.dirname(hosted[0]))
     kwargs = dict(stream=True, cache_limit=cache_limit, prefetch_shards=0, num_shards=args.shards, base_url=server.url,
-                  buffer_size=demo_buffer(args))
+                  **demo_loader(args))
     try:
         train = stream_batches(tokenizer, args.B, args.T, "train", args.batches, cache_dir, **kwargs)
         val = stream_batches(tokenizer, args.B, args.T, "val", 1, cache_dir, **kwargs)
@@ -331,8 +333,8 @@ def main(argv=None) -> int:
     tokenizer = RustBPETokenizer.from_directory(tokenizer_dir)
 
     print("\n== 5. best-fit packed batches (device=cpu)")
-    train = stream_batches(tokenizer, args.B, args.T, "train", args.batches, data_dir, buffer_size=demo_buffer(args))
-    val = stream_batches(tokenizer, args.B, args.T, "val", 1, data_dir, buffer_size=demo_buffer(args))
+    train = stream_batches(tokenizer, args.B, args.T, "train", args.batches, data_dir, **demo_loader(args))
+    val = stream_batches(tokenizer, args.B, args.T, "val", 1, data_dir, **demo_loader(args))
     print_batch_stats("train", train)
     print_batch_stats("val", val)
     snippet = tokenizer.decode(train["first_row"][:60])

@@ -77,14 +77,16 @@ def _same(streamed: list, expected: list) -> None:
         assert s == t, f"state {i}"
 
 
+# tokenizer batches of 8: what a loader reads ahead stays within a shard of these small ones (300 documents), so
+# the least cache_limit is a few shards (shard_cache.packing_shards)
 def _streaming(kind, server, cache, **kwargs):
     kwargs = dict(B=4, T=64, split="train", device="cpu", stream=True, num_shards=7, base_url=server.url,
-                  download_limits=FAST) | kwargs
+                  download_limits=FAST, tokenizer_batch_size=8) | kwargs
     return LOADERS[kind](ByteTokenizer(), data_dir=str(cache), **kwargs)
 
 
 def _on_disk(kind, hosted_dir, **kwargs):
-    kwargs = dict(B=4, T=64, split="train", device="cpu") | kwargs
+    kwargs = dict(B=4, T=64, split="train", device="cpu", tokenizer_batch_size=8) | kwargs
     return LOADERS[kind](ByteTokenizer(), data_dir=hosted_dir, **kwargs)
 
 
@@ -110,13 +112,14 @@ def _shard_bytes(directory) -> int:
 
 
 @pytest.mark.parametrize("kind, world_size, prefetch, prefetch_shards, limit_shards", [
-    ("bestfit", 1, 4, 2, 7), ("bestfit", 3, 0, 0, 5), ("concat", 2, 4, 1, 6), ("bestfit", 2, 1, 3, None)])
+    ("bestfit", 1, 4, 2, 6.2), ("bestfit", 3, 0, 0, 4.2), ("concat", 2, 4, 1, 6.2), ("bestfit", 2, 1, 3, None)])
 def test_streamed_batches_equal_on_disk_across_epochs(hosted, tmp_path, kind, world_size, prefetch, prefetch_shards,
                                                       limit_shards):
     hosted_dir, server, sizes = hosted
-    # about the least it accepts: (prefetch_shards + 3) x the largest shard, + the val shard, + room for the copies
-    # of the buffered documents (copies_estimate: under a shard)
-    limit = None if limit_shards is None else limit_shards * sizes[-1]
+    # about the least it accepts: (packing_shards + prefetch_shards + 1) x the largest shard (packing_shards: 2, and
+    # 3 for concat's 2 ranks of 150 documents a shard), + the val shard, + room for the copies of the buffered
+    # documents (copies_estimate: under a shard)
+    limit = None if limit_shards is None else int(limit_shards * sizes[-1])
     extra = {"buffer_size": 20} if kind == "bestfit" else {}
     for rank in range(world_size):
         cache = tmp_path / f"cache{rank}"
@@ -289,8 +292,8 @@ def test_a_buffers_documents_are_on_disk_or_kept_and_a_resume_reads_the_copies(h
     gone = {index_to_filename(key[1]) for key in decode_keys(state["buffer"])} - set(os.listdir(cache))
     assert gone  # the resume needs documents of shards no longer on disk
     before = len(server.fetched())
-    # (prefetch=0: no reading ahead into the next epoch, where those shards are read again)
-    resumed = _batches(_streaming("bestfit", server, cache, cache_limit=limit, prefetch_shards=1, buffer_size=20,
+    # (prefetch=0, prefetch_shards=0: nothing read or fetched ahead into the next epoch, which reads them again)
+    resumed = _batches(_streaming("bestfit", server, cache, cache_limit=limit, prefetch_shards=0, buffer_size=20,
                                   resume_state_dict=state, prefetch=0), 60)
     _same(resumed, expected[200:])
     assert not gone & set(server.fetched()[before:])  # read from the copies
@@ -331,8 +334,10 @@ def test_environment_turns_streaming_on(hosted, tmp_path, monkeypatch):
     monkeypatch.setenv("NANOCHAT_STREAM", "1")
     monkeypatch.setenv("NANOCHAT_DATA_URL", server.url)
     monkeypatch.setenv("NANOCHAT_STREAM_SHARDS", "7")
-    monkeypatch.setenv("NANOCHAT_CACHE_LIMIT", f"{14 * sizes[-1] / 1e3:.3f}KB")  # (a buffer of 1,000: ~7 shards)
-    loader = tokenizing_distributed_data_loader_with_state_bos_bestfit(ByteTokenizer(), 4, 64, "train", device="cpu")
+    monkeypatch.setenv("NANOCHAT_CACHE_LIMIT", f"{16 * sizes[-1] / 1e3:.3f}KB")
+    # (the defaults on these small shards: all 7 (their read-ahead spans them), val, and a buffer of 1,000's copies)
+    loader = tokenizing_distributed_data_loader_with_state_bos_bestfit(ByteTokenizer(), 4, 64, "train", device="cpu",
+                                                                       tokenizer_batch_size=8)
     _same(_batches(loader, 100), expected)
     assert server.fetched()[0] == index_to_filename(0)  # into the dataset's directory, the cache
     assert (base / "base_data_climbmix" / STREAM_DIR / "catalog.json").exists()
