@@ -4,8 +4,10 @@ disk, not after all of them, and the data directory stays within a disk budget (
 
     catalog = read_catalog(data_dir, names, urls, limits)   # name -> (size, documents per row group)
     cache = ShardCache(data_dir, names, urls, sizes, prefetch_shards=2, cache_limit=20e9, limits=limits, prefetch=4,
-                       copies=copies_estimate(catalog, buffer_docs))
-    cache.start(order)     # order: the shards the reader will read, in order (Stream.file_order)
+                       copies=copies_estimate(catalog, buffer_docs),
+                       packing=packing_shards(catalog, rank, world_size, read_ahead_docs))
+    cache.start(order, buffered=keys)   # order: the visits (epoch, pq_idx) the reader will make (Stream.file_order);
+                                        # keys: a resumed state's buffered documents
     cache.need(pq_idx)     # its path, once it is on disk: waits, bounded
     cache.hold(keys, at)   # the documents a state just built still buffers, and the file its stream goes on in
     cache.kept_unit(pq_idx, rg_idx, rows, n)   # a resumed buffer's documents, from kept copies (or None)
@@ -27,8 +29,9 @@ loader fetched (listed in .stream/fetched.json) are evicted, oldest first, and n
 machine still needs: each records in .stream/needs-<host>-<pid>-<n>.json the shards it reads, waits for or was
 just handed, those whose documents it is still packing, its next prefetch_shards (its plan's, after an elastic
 resume), and those its recent states' buffers refer to. Never the val shard either, nor one it did not fetch. A
-record whose process is gone is ignored. A budget below what must be held at once, with an estimate of the
-copies below (copies_estimate), is a ValueError at the start.
+record whose process is gone is ignored. A budget below what must be held at once is a ValueError at the start:
+the shards from the one packed to the one read (packing_shards), prefetch_shards more, one for a local rank out
+of step, the val shard, and an estimate of the copies below for each local rank (copies_estimate).
 
 Kept documents. A long document can stay in the best-fit buffer for many shards, and a resume from a state
 re-reads its buffered documents: holding every shard they came from would let the buffer, not cache_limit,
@@ -37,8 +40,8 @@ copies the few its recent states still buffer into .stream/kept/<host>-<pid>-<n>
 row, text], ...]), in the shard's place when no other loader needs it, and from then on the buffers no longer
 need the shard. A resume on this machine reads its buffered documents from there (any loader's copies: they
 are the same texts) and fetches first only the shards it still lacks. A loader drops a copy when no recent
-state buffers its documents; a gone loader's copies stay for a resume until a live loader makes room while
-none is resuming.
+state buffers its documents (and writes it again, smaller, once they hold less than half of it); a gone
+loader's copies stay for a resume until a live loader makes room while none is resuming.
 
 May import: nanochat.dataset, nanochat.download, nanochat.files, pyarrow, filelock, tqdm.
 """

@@ -44,9 +44,9 @@ python -m scripts.tok_eval
 #   NANOCHAT_CACHE_LIMIT=20GB     the shards on disk stay under 20 GB: 240 shards do not fit, so shards are
 #                                 evicted, never the val shard or one a rank still reads, packs, fetched
 #                                 ahead or buffers documents of (those few are copied to .stream/kept first,
-#                                 then the shard may go). The least it may be: (2 + 3) x ~100 MB + the 9
-#                                 shards above + a few MB for the copies ~= 1.4 GB; less is an error at the
-#                                 start.
+#                                 then the shard may go). The least it may be: (2 + 2 + 1) x ~100 MB + the
+#                                 9 shards above + a few MB of copies per rank ~= 1.4 GB; less is an error
+#                                 at the start.
 # Arithmetic: at 8 GPUs a step is 8 x 16 x 2048 = 262,144 tokens, and a shard holds ~250M characters / ~4.8
 # per token ~= 52M tokens, so ~200 steps read a shard: 40,000 steps (~10.5B tokens) read ~200 of the 240
 # shards (~20 GB; some more, as best-fit packing crops tokens). B=16 as nanochat's d24: the logits alone are

@@ -268,7 +268,7 @@ def test_a_buffers_documents_are_on_disk_or_kept_and_a_resume_reads_the_copies(h
         source[name] = {(g, r): text for g in range(pf.num_row_groups)
                         for r, text in enumerate(pf.read_row_group(g).column("text").to_pylist())}
     expected = _batches(_on_disk("bestfit", hosted_dir, buffer_size=20), 260)
-    limit = int(5.2 * sizes[-1])  # about the least: (prefetch_shards=1 + 3) x the largest shard, val, the copies
+    limit = int(5.2 * sizes[-1])  # about the least: (packing 2 + prefetch_shards=1 + 1) x the largest, val, copies
     loader = _streaming("bestfit", server, cache, cache_limit=limit, prefetch_shards=1, buffer_size=20)
     copied = set()  # shards of buffered documents seen evicted, their documents kept
     streamed = []
