@@ -174,8 +174,8 @@ def parse_args(argv=None):
     parser.add_argument("--step-ms", type=float, default=None,
                         help="simulated training step after each batch, ms (default: 1.5x the on-disk loader's "
                              "time per batch; 0: none)")
-    parser.add_argument("--cache-shards", type=float, default=6.0,
-                        help="cache_limit in shards: this many times the largest (default: 6)")
+    parser.add_argument("--cache-shards", type=float, default=6.5,
+                        help="cache_limit in shards: this many times the largest (default: 6.5)")
     parser.add_argument("--prefetch-shards", type=int, default=2, help="the loader's prefetch_shards (default: 2)")
     parser.add_argument("--seed", type=int, default=0, help="corpus seed (default: 0)")
     args = parser.parse_args(argv)
