@@ -41,7 +41,8 @@ row, text], ...]), in the shard's place when no other loader needs it, and from 
 need the shard. A resume on this machine reads its buffered documents from there (any loader's copies: they
 are the same texts) and fetches first only the shards it still lacks. A loader drops a copy when no recent
 state buffers its documents (and writes it again, smaller, once they hold less than half of it); a gone
-loader's copies stay for a resume until a live loader makes room while none is resuming.
+loader's copies stay for a resume until a live loader makes room while none is resuming. A loader whose
+cache_limit holds its whole split and the val shard evicts nothing, and copies nothing.
 
 May import: nanochat.dataset, nanochat.download, nanochat.files, pyarrow, filelock, tqdm.
 """
@@ -206,8 +207,10 @@ class ShardCache:
         self.data_dir, self.names, self.urls, self.sizes = data_dir, names, urls, sizes
         self.prefetch_shards, self.limit, self.limits = prefetch_shards, cache_limit, limits
         self.keep = dict(keep or {})  # name -> size: never evicted (the val shard)
-        # what copies of a buffer's documents may take (copies_estimate), for the budget: none of shards never evicted
-        self.copies = copies if set(names) - set(self.keep) else 0
+        # copies of buffered documents are made only when the shards may not all fit (else none is ever evicted);
+        # what they may take (copies_estimate, at most the shards' own bytes) is in the budget
+        self.copying = cache_limit is not None and cache_limit < sum(sizes) + sum(self.keep.values())
+        self.copies = min(copies, sum(sizes)) if self.copying and set(names) - set(self.keep) else 0
         self.packing = packing  # the most shards from the one the packer takes documents from to the one read
         self.local_ranks = _local_ranks()
         self.directory = os.path.join(data_dir, STREAM_DIR)
@@ -428,6 +431,8 @@ class ShardCache:
             self._held.append({p: frozenset(rows) for p, rows in held.items()})
             self._unkept = self._find_unkept()
             self._keep_pending = True
+            if not self.copying:  # (the restored buffer is in a state now; no copies of its own to write first)
+                self._restoring = False
             self._publish()
             self._cond.notify_all()
 
@@ -473,7 +478,7 @@ class ShardCache:
         """Copy the documents recent states buffer from shards this loader is done packing (the module docstring);
         drop the copies no recent state needs."""
         with self._cond:
-            if not self._keep_pending or self._stop.is_set():
+            if not self._keep_pending or self._stop.is_set() or not self.copying:
                 return
             self._keep_pending = False
             wanted: dict[int, set] = {}
