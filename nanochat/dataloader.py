@@ -101,8 +101,9 @@ def _setup(kind, tokenizer, B, T, split, tokenizer_threads, tokenizer_batch_size
             raise TypeError(f"tokenizer must have a {method}() method, got {type(tokenizer).__name__}")
     rank, world_size = resolve_rank(rank, world_size)
     buffer_docs = buffer_size if kind == "bestfit" else tokenizer_batch_size  # (what a state's buffer holds)
-    # documents read and not yet packed, at most: the queues of _pipeline and one batch in each stage's hands
-    read_ahead = (5 * prefetch + 2) * tokenizer_batch_size
+    # documents read and not yet packed, at most: the queues of _pipeline, a batch in each stage's hands and one
+    # more in the tokenizer's (overlap_calls)
+    read_ahead = (5 * prefetch + 3) * tokenizer_batch_size
     reader, cache = _parquet_reader(split, data_dir, rank, world_size, prefetch, buffer_docs, read_ahead, *streaming)
     encoder = Encoder(tokenizer, tokenizer_threads)
     config = stream_config(kind, "parquet", split, reader.paths, B, T, buffer_size, tokenizer_batch_size,

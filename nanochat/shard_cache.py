@@ -42,7 +42,9 @@ need the shard. A resume on this machine reads its buffered documents from there
 are the same texts) and fetches first only the shards it still lacks. A loader drops a copy when no recent
 state buffers its documents (and writes it again, smaller, once they hold less than half of it); a gone
 loader's copies stay for a resume until a live loader makes room while none is resuming. A loader whose
-cache_limit holds its whole split and the val shard evicts nothing, and copies nothing.
+cache_limit holds its split, the val shard and the other shards in the directory copies nothing, until a
+loader of the machine has to evict (.stream/evicting). The copies' room in the budget is an estimate: if they
+outgrow it so that the shard a reader waits for has no room, the oldest of them go, with a warning (_last_resort).
 
 May import: nanochat.dataset, nanochat.download, nanochat.files, pyarrow, filelock, tqdm.
 """
@@ -77,6 +79,7 @@ LOOKAHEAD = 64  # distinct shards of the order searched for the one the reader a
 HELD_STATES = 4  # states whose buffered documents are kept, past 2 x prefetch (those yielded last, and a few more)
 KEPT_DIR = "kept"  # in STREAM_DIR: a directory per loader, a file of kept documents per shard
 KEPT_SUFFIX = ".json.gz"  # [[rg_idx, row, text], ...]
+EVICTING = "evicting"  # in STREAM_DIR: written the first time a loader of the machine must evict
 NEED_MARGIN = 120.0  # seconds need() waits past the downloader's deadline (another rank's download, room)
 ROOM_WAIT = 600.0  # seconds the shard the reader waits for may find no room before that is an error
 def _gb(nbytes: float) -> str:
@@ -207,10 +210,8 @@ class ShardCache:
         self.data_dir, self.names, self.urls, self.sizes = data_dir, names, urls, sizes
         self.prefetch_shards, self.limit, self.limits = prefetch_shards, cache_limit, limits
         self.keep = dict(keep or {})  # name -> size: never evicted (the val shard)
-        # copies of buffered documents are made only when the shards may not all fit (else none is ever evicted);
-        # what they may take (copies_estimate, at most the shards' own bytes) is in the budget
-        self.copying = cache_limit is not None and cache_limit < sum(sizes) + sum(self.keep.values())
-        self.copies = min(copies, sum(sizes)) if self.copying and set(names) - set(self.keep) else 0
+        self.copies = copies  # what copies of a buffer's documents may take (copies_estimate), for the budget
+        self.copying = False  # whether this loader copies them: set by _check_budget, or once a loader must evict
         self.packing = packing  # the most shards from the one the packer takes documents from to the one read
         self.local_ranks = _local_ranks()
         self.directory = os.path.join(data_dir, STREAM_DIR)
@@ -240,6 +241,7 @@ class ShardCache:
         self._restore_texts: dict[str, dict] = {}  # shard name -> {(rg_idx, row): text} of the copies, while restoring
         self._fetching: str | None = None
         self._broken: BaseException | None = None  # why the fetching thread stopped, if it did
+        self._warned = False  # (the last resort's warning, once)
         self._published = None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -278,12 +280,18 @@ class ShardCache:
 
     def _check_budget(self) -> None:
         if self.limit is None:
+            self.copies = 0
             return
         fetched = set(_read_json(os.path.join(self.directory, "fetched.json"), []))
         # (a partial download is not fixed: it becomes a fetched shard, or this loader resumes it)
         on_disk = self._shard_files(partial=False)
         fixed = {name: size for name, size in on_disk.items() if name not in fetched or name in self.keep}
         largest = max(self.sizes)
+        # copies of buffered documents are made only when the shards may not all fit (else none is ever evicted:
+        # until a loader of the machine has to, see _make_room); their room is at most the shards' own bytes
+        fits = sum(self.sizes) + sum(size for name, size in self.keep.items() if name not in fixed) + sum(fixed.values())
+        self.copying = self.limit < fits
+        self.copies = min(self.copies, sum(self.sizes)) if self.copying and set(self.names) - set(self.keep) else 0
         # the shards from the one it packs to the one it reads (packing_shards), prefetch_shards ahead and one for
         # a local rank out of step (a split has no more); the val shard when a val loader (an eval during training)
         # has yet to fetch it; the copies of every local rank's buffered documents
@@ -320,7 +328,37 @@ class ShardCache:
             records.append(record)
         return records
 
-    def _make_room(self, name: str | None, extra: int = 0, release: str | None = None) -> bool:
+    def _last_resort(self, name: str, used: int, fetched: list, complete: dict, must: set) -> int:
+        """The shard a reader waits for has no room, and only what the buffers keep stands in the way: copies of
+        their documents that outgrew the room the start check set aside for them (copies_estimate: long documents
+        can wait in a best-fit buffer for good), or shards whose documents are not copied yet. The oldest go, with
+        a warning: a resume from the states of now fetches their shards again, first (still exact)."""
+        spare = [(_mtime(os.path.join(self.data_dir, n)), os.path.join(self.data_dir, n), complete[n])
+                 for n in fetched if n in complete and n not in must]
+        for owner in _listdir(self.kept_root):
+            for kept in _listdir(os.path.join(self.kept_root, owner)):
+                path = os.path.join(self.kept_root, owner, kept)
+                spare.append((_mtime(path), path, _size(path)))
+        dropped = 0
+        for _, path, size in sorted(spare):
+            if used <= self.limit:
+                break
+            remove_if_exists(path)
+            remove_if_exists(record_path(path))
+            if os.path.basename(path) in fetched and os.path.dirname(path) == self.data_dir:
+                fetched.remove(os.path.basename(path))
+            used, dropped = used - size, dropped + size
+        if dropped and not self._warned:
+            self._warned = True
+            kept = self._kept_bytes() + dropped
+            logger.warning("cache_limit=%s had no room for %s: the documents the buffers keep (%s in copies in %s) "
+                           "filled it, beyond the %s set aside for them; dropped %s of them, oldest first. A resume "
+                           "from the states of now fetches their shards again. Raise cache_limit by about %s to keep "
+                           "them", _gb(self.limit), name, _gb(kept), self.kept_root, _gb(self.copies * self.local_ranks),
+                           _gb(dropped), _gb(max(kept - self.copies * self.local_ranks, dropped)))
+        return used
+
+    def _make_room(self, name: str | None, extra: int = 0, release: str | None = None, now: bool = False) -> bool:
         """Evict until shard `name` (or `extra` bytes of kept documents) fits (under the directory lock); False
         when it cannot yet. `release`: a shard this loader's buffers no longer need once the copy is written (it
         goes first, if no one else needs it: its copy takes its place). Shards no loader needs
@@ -336,11 +374,11 @@ class ShardCache:
             for owner in _listdir(self.kept_root):
                 if owner not in live:
                     shutil.rmtree(os.path.join(self.kept_root, owner), ignore_errors=True)
-        needed = set(self.keep)
+        must, buffered = set(self.keep), set()  # (buffered: shards whose buffered documents are not copied yet)
         for r in records:
-            for field in ("reading", "ahead", "buffered"):
-                mine = field == "buffered" and r.get("owner") == self.owner
-                needed.update(n for n in r.get(field, []) if not (mine and n == release))
+            must.update(r.get("reading", []), r.get("ahead", []))
+            buffered.update(n for n in r.get("buffered", []) if not (r.get("owner") == self.owner and n == release))
+        needed = must | buffered
         in_flight = {n for r in records for n in r.get("fetching", [])} | ({name} if name else set())
         # a download in flight counts whole: its size from the catalog (another split's loader's entries too)
         catalog = _read_json(os.path.join(self.directory, "catalog.json"), {})
@@ -352,6 +390,8 @@ class ShardCache:
             complete = self._shard_files(partial=False)  # (a partial download stays: its own fetch resumes it)
             victims = sorted((n for n in fetched if n in complete and n not in needed and n not in in_flight),
                              key=lambda n: (n != release, _mtime(os.path.join(self.data_dir, n))))
+            if used > self.limit and not os.path.exists(os.path.join(self.directory, EVICTING)):
+                _write_json(os.path.join(self.directory, EVICTING), True)  # (every loader of the machine copies now)
             while used > self.limit and victims:
                 victim = victims.pop(0)
                 path = os.path.join(self.data_dir, victim)
@@ -360,6 +400,8 @@ class ShardCache:
                 used -= complete[victim]
                 fetched.remove(victim)
                 logger.debug("evicted %s", victim)
+            if used > self.limit and now:
+                used = self._last_resort(name, used, fetched, complete, must | in_flight)
             _write_json(fetched_path, fetched)
             if used > self.limit:
                 return False
@@ -477,6 +519,8 @@ class ShardCache:
     def _keep_documents(self) -> None:
         """Copy the documents recent states buffer from shards this loader is done packing (the module docstring);
         drop the copies no recent state needs."""
+        if not self.copying and self.limit is not None and os.path.exists(os.path.join(self.directory, EVICTING)):
+            self.copying = True
         with self._cond:
             if not self._keep_pending or self._stop.is_set() or not self.copying:
                 return
@@ -619,7 +663,7 @@ class ShardCache:
             self._fetching = name
             self._publish()
         with self.lock_file:
-            room = self._make_room(name)
+            room = self._make_room(name, now=now)
             if room and not os.path.exists(path):  # listed before it exists: a kill mid-way leaves nothing unlisted
                 fetched_path = os.path.join(self.directory, "fetched.json")
                 _write_json(fetched_path, sorted(set(_read_json(fetched_path, [])) | {name}))
@@ -754,6 +798,13 @@ def _alive(pid) -> bool:
     except PermissionError:
         return True
     return True
+
+
+def _size(path: str) -> int:
+    try:
+        return os.path.getsize(path)
+    except FileNotFoundError:
+        return 0
 
 
 def _mtime(path: str) -> float:

@@ -229,8 +229,8 @@ def demo_loader(args) -> dict:
     """Steps 5 and 6's loader settings for the sample's small shards (a few hundred documents each): a best-fit
     buffer of an eighth of a shard's documents, so that copies of the buffered documents (what a streaming loader
     keeps of the shards it evicts) take a fraction of one; and a read-ahead (prefetch=1, tokenizer batches of
-    16) within a shard, so that at most 2 shards are between the one packed and the one read."""
-    return dict(buffer_size=max(8, args.num_docs // (args.shards + 1) // 8), prefetch=1, tokenizer_batch_size=16)
+    12) within a shard, so that at most 2 shards are between the one packed and the one read."""
+    return dict(buffer_size=max(8, args.num_docs // (args.shards + 1) // 8), prefetch=1, tokenizer_batch_size=12)
 
 
 def stream_from_server(tokenizer, args, hosted: list[str], cache_dir: str) -> tuple[dict, dict, int, list[str]]:

@@ -9,8 +9,10 @@ and the argument and environment checks. Processes, faults and torchrun: tests/t
 
 import gzip
 import json
+import logging
 import os
 import random
+import shutil
 import socket
 import threading
 import time
@@ -23,7 +25,7 @@ import torch
 from filelock import FileLock
 
 from conftest import ByteTokenizer, write_shard
-from nanochat import download
+from nanochat import download, shard_cache
 from nanochat.dataloader import (tokenizing_distributed_data_loader_with_state,
                                  tokenizing_distributed_data_loader_with_state_bos_bestfit)
 from nanochat.dataset import index_to_filename
@@ -242,6 +244,97 @@ def test_eviction_spares_what_any_loader_of_the_machine_needs(tmp_path):
     with shards.lock_file:
         assert shards._make_room(names[5])
     assert on_disk() == names[2:3]
+
+
+def _least_accepted(make) -> int:
+    """The least cache_limit that make(cache_limit) accepts (a loader: closed at once), by bisection."""
+    low, high = 1, 1 << 30
+    while low < high:
+        mid = (low + high) // 2
+        try:
+            make(mid).close()
+            high = mid
+        except ValueError as e:
+            assert "is below what this streaming loader must hold" in str(e)
+            low = mid + 1
+    return low
+
+
+def _split_dir(hosted_dir, directory, num_train: int) -> str:
+    """A directory with the first num_train hosted train shards and the val shard: the on-disk oracle's."""
+    os.makedirs(directory)
+    for name in [index_to_filename(i) for i in range(num_train)] + [VAL]:
+        shutil.copy(os.path.join(hosted_dir, name), directory)
+    return str(directory)
+
+
+def test_shards_outside_the_split_in_the_cache_do_not_stop_the_copies(tmp_path, monkeypatch):
+    """A cache_limit that holds the split and the val shard, but not the 3 shards already in the cache from
+    elsewhere (as after an earlier -n run): the loader must evict, so it copies buffered documents, and runs into
+    the next epoch with the on-disk loader's batches (without copies the shards of long documents would fill the
+    budget for good: a reader waiting for room, then an error)."""
+    monkeypatch.setattr(shard_cache, "ROOM_WAIT", 3.0)
+    hosted_dir = tmp_path / "hosted"
+    sizes = _write_hosted(hosted_dir, 12)
+    server = ShardServer(str(hosted_dir))
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    for i in (9, 10, 11):
+        shutil.copy(hosted_dir / index_to_filename(i), cache)
+    train = [os.path.getsize(hosted_dir / index_to_filename(i)) for i in range(9)]
+    limit = sum(train) + os.path.getsize(hosted_dir / VAL)
+    try:
+        expected = _batches(_on_disk("bestfit", _split_dir(hosted_dir, tmp_path / "split", 9), buffer_size=20), 420)
+        loader = _streaming("bestfit", server, cache, num_shards=9, cache_limit=limit, prefetch_shards=1,
+                            buffer_size=20)
+        assert loader._also_close.copying
+        _same(_batches(loader, 420), expected)
+    finally:
+        server.close()
+    assert expected[-1][2]["next"][0] == 2  # into the second epoch
+    assert os.listdir(cache / STREAM_DIR / "kept")  # it copied
+
+
+def test_copies_beyond_their_room_give_way_to_a_waiting_reader(tmp_path, monkeypatch, caplog):
+    """One document in 20 is 8,000 characters, far longer than a row: best-fit keeps them waiting, and their copies
+    outgrow the room the start check sets aside (copies_estimate, from the average document: ~55 KB here, against
+    ~250 KB). At the least cache_limit it accepts, the reader that finds no room has the oldest copies dropped,
+    with a warning, rather than wait: the batches are the on-disk loader's, and the disk stays within the limit."""
+    monkeypatch.setattr(shard_cache, "ROOM_WAIT", 3.0)
+    hosted_dir = tmp_path / "hosted"
+    hosted_dir.mkdir()
+    rng = random.Random(1)
+    for i in list(range(30)) + [6542]:
+        texts = [f"s{i} d{j}: " + "".join(rng.choice("abcdefgh ") for _ in range(
+            8000 if rng.random() < 0.05 else rng.choice([rng.randint(1, 40), rng.randint(1, 300)]))) for j in range(80)]
+        write_shard(os.path.join(hosted_dir, index_to_filename(i)), texts, 16)
+    server = ShardServer(str(hosted_dir))
+    settings = dict(num_shards=30, prefetch_shards=1, buffer_size=60)
+    try:
+        limit = _least_accepted(lambda limit: _streaming("bestfit", server, tmp_path / "cache", cache_limit=limit,
+                                                         **settings))
+        expected = _batches(_on_disk("bestfit", _split_dir(hosted_dir, tmp_path / "split", 30), buffer_size=60), 1500)
+        peak, stop = [0], threading.Event()
+
+        def watch():
+            while not stop.is_set():
+                peak[0] = max(peak[0], _shard_bytes(tmp_path / "cache"))
+                time.sleep(0.001)
+
+        watcher = threading.Thread(target=watch)
+        watcher.start()
+        try:
+            with caplog.at_level(logging.WARNING, logger="nanochat.dataloader.shard_cache"):
+                streamed = _batches(_streaming("bestfit", server, tmp_path / "cache", cache_limit=limit, **settings),
+                                    1500)
+        finally:
+            stop.set()
+            watcher.join()
+    finally:
+        server.close()
+    _same(streamed, expected)
+    assert peak[0] <= limit
+    assert any("the documents the buffers keep" in record.getMessage() for record in caplog.records)
 
 
 def _kept(cache, name: str) -> dict[tuple[int, int], str]:
