@@ -44,7 +44,7 @@ state buffers its documents (and writes it again, smaller, once they hold less t
 loader's copies stay for a resume until a live loader makes room while none is resuming. A loader whose
 cache_limit holds its split, the val shard and the other shards in the directory copies nothing, until a
 loader of the machine has to evict (.stream/evicting). The copies' room in the budget is an estimate: if they
-outgrow it so that the shard a reader waits for has no room, the oldest of them go, with a warning (_last_resort).
+outgrow it so that the shard a reader waits for has no room, the oldest copies go, with a warning (_last_resort).
 
 May import: nanochat.dataset, nanochat.download, nanochat.files, pyarrow, filelock, tqdm.
 """
@@ -328,13 +328,13 @@ class ShardCache:
             records.append(record)
         return records
 
-    def _last_resort(self, name: str, used: int, fetched: list, complete: dict, must: set) -> int:
-        """The shard a reader waits for has no room, and only what the buffers keep stands in the way: copies of
-        their documents that outgrew the room the start check set aside for them (copies_estimate: long documents
-        can wait in a best-fit buffer for good), or shards whose documents are not copied yet. The oldest go, with
-        a warning: a resume from the states of now fetches their shards again, first (still exact)."""
-        spare = [(_mtime(os.path.join(self.data_dir, n)), os.path.join(self.data_dir, n), complete[n])
-                 for n in fetched if n in complete and n not in must]
+    def _last_resort(self, name: str, used: int) -> int:
+        """The shard a reader waits for has no room, and the copies of the buffers' documents have outgrown the room
+        the start check set aside for them (copies_estimate: long documents can wait in a best-fit buffer for good).
+        The oldest copies go, with a warning, rather than the reader waiting (no shard: those a buffer still needs
+        stay until their copies are written): a resume from the states of now fetches their shards again, first
+        (still exact)."""
+        spare = []
         for owner in _listdir(self.kept_root):
             for kept in _listdir(os.path.join(self.kept_root, owner)):
                 path = os.path.join(self.kept_root, owner, kept)
@@ -344,9 +344,6 @@ class ShardCache:
             if used <= self.limit:
                 break
             remove_if_exists(path)
-            remove_if_exists(record_path(path))
-            if os.path.basename(path) in fetched and os.path.dirname(path) == self.data_dir:
-                fetched.remove(os.path.basename(path))
             used, dropped = used - size, dropped + size
         if dropped and not self._warned:
             self._warned = True
@@ -374,11 +371,11 @@ class ShardCache:
             for owner in _listdir(self.kept_root):
                 if owner not in live:
                     shutil.rmtree(os.path.join(self.kept_root, owner), ignore_errors=True)
-        must, buffered = set(self.keep), set()  # (buffered: shards whose buffered documents are not copied yet)
+        needed = set(self.keep)
         for r in records:
-            must.update(r.get("reading", []), r.get("ahead", []))
-            buffered.update(n for n in r.get("buffered", []) if not (r.get("owner") == self.owner and n == release))
-        needed = must | buffered
+            needed.update(r.get("reading", []), r.get("ahead", []))
+            # (buffered: shards whose buffered documents are not copied yet; `release` is being copied now)
+            needed.update(n for n in r.get("buffered", []) if not (r.get("owner") == self.owner and n == release))
         in_flight = {n for r in records for n in r.get("fetching", [])} | ({name} if name else set())
         # a download in flight counts whole: its size from the catalog (another split's loader's entries too)
         catalog = _read_json(os.path.join(self.directory, "catalog.json"), {})
@@ -401,7 +398,7 @@ class ShardCache:
                 fetched.remove(victim)
                 logger.debug("evicted %s", victim)
             if used > self.limit and now:
-                used = self._last_resort(name, used, fetched, complete, must | in_flight)
+                used = self._last_resort(name, used)
             _write_json(fetched_path, fetched)
             if used > self.limit:
                 return False
