@@ -348,11 +348,12 @@ class ShardCache:
         if dropped and not self._warned:
             self._warned = True
             kept = self._kept_bytes() + dropped
-            logger.warning("cache_limit=%s had no room for %s: the documents the buffers keep (%s in copies in %s) "
-                           "filled it, beyond the %s set aside for them; dropped %s of them, oldest first. A resume "
-                           "from the states of now fetches their shards again. Raise cache_limit by about %s to keep "
-                           "them", _gb(self.limit), name, _gb(kept), self.kept_root, _gb(self.copies * self.local_ranks),
-                           _gb(dropped), _gb(max(kept - self.copies * self.local_ranks, dropped)))
+            logger.warning("cache_limit=%s had no room for %s, which a reader waits for; the copies of buffered "
+                           "documents in %s took %s (the start check set aside %s for them): dropped %s of them, "
+                           "oldest first. A resume from the states of now fetches their shards again. Raise "
+                           "cache_limit by about %s to keep them", _gb(self.limit), name, self.kept_root, _gb(kept),
+                           _gb(self.copies * self.local_ranks), _gb(dropped),
+                           _gb(max(kept - self.copies * self.local_ranks, dropped)))
         return used
 
     def _make_room(self, name: str | None, extra: int = 0, release: str | None = None, now: bool = False) -> bool:
@@ -361,7 +362,8 @@ class ShardCache:
         goes first, if no one else needs it: its copy takes its place). Shards no loader needs
         go, oldest first; never one that a loader reads, waits for, was just handed, still packs documents of,
         fetched ahead, or whose buffered documents it has not kept yet. Kept documents of loaders that are gone
-        go first, unless a loader is resuming (it may read them)."""
+        go first, unless a loader is resuming (it may read them); for a shard a reader waits for (now), the other
+        copies last (_last_resort)."""
         fetched_path = os.path.join(self.directory, "fetched.json")
         fetched = _read_json(fetched_path, [])
         on_disk = self._shard_files()

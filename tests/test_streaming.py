@@ -334,7 +334,7 @@ def test_copies_beyond_their_room_give_way_to_a_waiting_reader(tmp_path, monkeyp
         server.close()
     _same(streamed, expected)
     assert peak[0] <= limit
-    assert any("the documents the buffers keep" in record.getMessage() for record in caplog.records)
+    assert any("the copies of buffered documents" in record.getMessage() for record in caplog.records)
 
 
 def _kept(cache, name: str) -> dict[tuple[int, int], str]:
