@@ -43,7 +43,7 @@ are the same texts) and fetches first only the shards it still lacks. A loader d
 state buffers its documents (and writes it again, smaller, once they hold less than half of it); a gone
 loader's copies stay for a resume until a live loader makes room while none is resuming. A loader whose
 cache_limit holds its split, the val shard and the other shards in the directory copies nothing, until a
-loader of the machine has to evict (.stream/evicting). The copies' room in the budget is an estimate: if they
+loader of the machine has to evict (.stream/evicting; it stays, and later loaders there copy and budget copies). The copies' room in the budget is an estimate: if they
 outgrow it so that the shard a reader waits for has no room, the oldest copies go, with a warning (_last_resort).
 
 May import: nanochat.dataset, nanochat.download, nanochat.files, pyarrow, filelock, tqdm.
@@ -290,7 +290,7 @@ class ShardCache:
         # copies of buffered documents are made only when the shards may not all fit (else none is ever evicted:
         # until a loader of the machine has to, see _make_room); their room is at most the shards' own bytes
         fits = sum(self.sizes) + sum(size for name, size in self.keep.items() if name not in fixed) + sum(fixed.values())
-        self.copying = self.limit < fits
+        self.copying = self.limit < fits or os.path.exists(os.path.join(self.directory, EVICTING))
         self.copies = min(self.copies, sum(self.sizes)) if self.copying and set(self.names) - set(self.keep) else 0
         # the shards from the one it packs to the one it reads (packing_shards), prefetch_shards ahead and one for
         # a local rank out of step (a split has no more); the val shard when a val loader (an eval during training)
@@ -334,6 +334,10 @@ class ShardCache:
         The oldest copies go, with a warning, rather than the reader waiting (no shard: those a buffer still needs
         stay until their copies are written): a resume from the states of now fetches their shards again, first
         (still exact)."""
+        kept_bytes = self._kept_bytes()
+        room = self.copies * self.local_ranks
+        if used - kept_bytes > self.limit or kept_bytes <= room:  # (dropping copies would not help, or they fit)
+            return used
         spare = []
         for owner in _listdir(self.kept_root):
             for kept in _listdir(os.path.join(self.kept_root, owner)):
@@ -341,7 +345,7 @@ class ShardCache:
                 spare.append((_mtime(path), path, _size(path)))
         dropped = 0
         for _, path, size in sorted(spare):
-            if used <= self.limit:
+            if used <= self.limit or kept_bytes - dropped <= room:
                 break
             remove_if_exists(path)
             used, dropped = used - size, dropped + size
@@ -662,7 +666,7 @@ class ShardCache:
             self._fetching = name
             self._publish()
         with self.lock_file:
-            room = self._make_room(name, now=now)
+            room = self._make_room(name, now=p in self._waiting)  # (the last resort only for a reader waiting)
             if room and not os.path.exists(path):  # listed before it exists: a kill mid-way leaves nothing unlisted
                 fetched_path = os.path.join(self.directory, "fetched.json")
                 _write_json(fetched_path, sorted(set(_read_json(fetched_path, [])) | {name}))
