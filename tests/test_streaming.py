@@ -275,7 +275,7 @@ def test_shards_outside_the_split_in_the_cache_do_not_stop_the_copies(tmp_path, 
     budget for good: a reader waiting for room, then an error)."""
     monkeypatch.setattr(shard_cache, "ROOM_WAIT", 3.0)
     hosted_dir = tmp_path / "hosted"
-    sizes = _write_hosted(hosted_dir, 12)
+    _write_hosted(hosted_dir, 12)
     server = ShardServer(str(hosted_dir))
     cache = tmp_path / "cache"
     cache.mkdir()
