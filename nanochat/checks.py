@@ -1,0 +1,33 @@
+"""
+The one integer check that every argument, field and setting goes through, so that bad input gets the
+same kind of message everywhere: the name, the range, the value and, where it helps, a hint.
+
+May import: nothing of ours.
+"""
+
+import reprlib
+
+import numpy as np
+
+
+def is_int(value) -> bool:
+    """An int or a numpy integer; a bool is not one (True == 1 would slip through as a count)."""
+    return isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
+
+
+def check_int(name: str, value, low: int | None = None, high: int | None = None, *, hint: str = "",
+              error: type[Exception] = ValueError) -> int:
+    """Return value as an int if it is one in [low, high] (either bound may be None), else raise `error`
+    naming `name`. hint: words put after the range, e.g. " (0 = no background threads)"."""
+    if is_int(value) and (low is None or value >= low) and (high is None or value <= high):
+        return int(value)
+    if low is not None and high is not None:
+        bounds = f" in [{low}, {high}]"
+    elif low is not None:
+        bounds = f" >= {low}"
+    elif high is not None:
+        bounds = f" <= {high}"
+    else:
+        bounds = ""
+    # reprlib: a state's field can be a long list; the message shows its start
+    raise error(f"{name} must be an integer{bounds}{hint}, got {reprlib.repr(value)}")
