@@ -1,119 +1,159 @@
 """
-Distributed data loaders: parquet shards -> token documents -> packed rows -> device.
+The loaders: parquet shards (or pretokenized ones) -> token documents -> packed rows -> the device.
+Read top to bottom, the main path is: a public loader function checks its arguments and fills a
+LoaderSpec; `assemble` starts the rank's walk (nanochat/order.py) and the state recorder
+(nanochat/rows.py); `build_loader` runs reading, tokenizing and packing ahead on background threads
+(nanochat/prefetch.py); DataLoader hands each batch to the device through one staging buffer.
+The mixture loader (nanochat/mixture.py) assembles each of its buckets with `assemble` too.
+Walk-through: docs/ARCHITECTURE.md. Resume and its states: docs/resume.md.
 
-    for inputs, targets, state_dict in tokenizing_distributed_data_loader_with_state_bos_bestfit(
-            tokenizer, B, T, "train", device="cuda"):
-        ...  # inputs, targets: (B, T) int64 on the device
-
-This module composes the stages; each lives in its own module:
-  1. documents (nanochat/readers.py, nanochat/stream.py): the split's shards, units (row groups, or
-     chunks of pretokenized shards) rank, rank+world_size, ... (DDP sharding), cut into batches of
-     `tokenizer_batch_size` documents, forever (epochs count from 1);
-  2. tokens (nanochat/tokens.py): `tokenizer.encode(texts, prepend=bos)` -> numpy documents (2
-     bytes/token when the vocabulary allows);
-  3. packed rows (nanochat/rows.py over the pure nanochat/packing.py): best-fit BOS-aligned rows (long
-     documents cropped as the seeds do, or split into BOS-led pieces: long_doc_policy), or the
-     concatenated stream, with the state of each batch (format: nanochat/state.py);
-  4. device (nanochat/device.py): one pinned `[inputs | targets]` staging buffer -> one non-blocking
-     copy to the device.
-Reading, tokenizing and packing each run ahead on a background thread (`prefetch`,
-nanochat/prefetch.py), so they overlap with each other and with the training step; the state yielded
-with a batch describes what that batch consumed, never what was read ahead.
-
-The yielded tensors are views into one device buffer that the next batch overwrites (in stream
-order on CUDA, so a training step that has already been queued is safe); clone them to keep them.
-
-`state_dict` is the exact position of the stream: passed back as `resume_state_dict`, it makes a new
-loader yield the very batches the uninterrupted run would have. It keeps nanochat's keys {"pq_idx",
-"rg_idx", "epoch"} (the last document batch consumed), and a dict with only those keys still resumes
-approximately, after that row group, as nanochat does.
-
-May import: the stage modules (nanochat.readers, nanochat.shard_cache, nanochat.stream, nanochat.tokens,
-nanochat.rows, nanochat.packing, nanochat.state, nanochat.prefetch, nanochat.device), nanochat.options,
-nanochat.dataset, nanochat.download.
+May import: torch, numpy, nanochat.order, nanochat.token_reader, nanochat.rows, nanochat.packing,
+nanochat.state, nanochat.prefetch, nanochat.options, nanochat.checks, nanochat.shuffle,
+nanochat.shard_cache, nanochat.dataset, nanochat.download.
 """
 
+import contextlib
 import os
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any, NamedTuple
 
+import numpy as np
+import torch
+
+from nanochat.checks import check_int
 from nanochat.dataset import split_parquet_files
-from nanochat.device import DataLoader, DeviceBatches, row_split
 from nanochat.download import Limits
-from nanochat.options import check_options, check_positive, check_shuffle, check_stream, resolve_rank
+from nanochat.options import check_options, check_shuffle, check_stream, resolve_rank
+from nanochat.order import ParquetReader, Position, RankOrder, start_order
 from nanochat.packing import check_long_doc_policy
-from nanochat.prefetch import EXIT_TIMEOUT, maybe_prefetch  # noqa: F401 (EXIT_TIMEOUT: the README shows it here)
-from nanochat.readers import ParquetReader, ShardReader, shard_paths, shard_vocab
-from nanochat.rows import Tracker, bestfit_batches, concat_batches
+from nanochat.prefetch import maybe_prefetch
+from nanochat.rows import (Encoder, EntryDocuments, RowBatch, StateRecorder, bestfit_batches,
+                           concat_batches, token_batches)
 from nanochat.shard_cache import ShardCache, copies_estimate, packing_shards, streamed_files
-from nanochat.state import decode_keys, stream_config, tokenizer_fingerprint
-from nanochat.stream import start_stream
-from nanochat.tokens import Encoder, ShardDocs, token_batches
+from nanochat.shuffle import Shuffle
+from nanochat.state import decode_keys, loader_config, tokenizer_fingerprint
+from nanochat.token_reader import TokenShardReader, shard_paths, shard_vocab
+
+# -----------------------------------------------------------------------------
+# The spec and the one builder
 
 
-def _pipeline(doc_batches, encoder, prefetch: int, pack, tokenizing: bool = True):
-    """Reading, tokenizing and packing, each on its own thread when prefetch > 0: reading runs a few
-    row groups ahead of the tokenizer (so its pool never waits on parquet), tokenizing `prefetch`
-    document batches ahead of packing. Yields what `pack(token_batches)` yields. Without a tokenizer
-    (pretokenized shards) reading is a slice of a memory map: it stays on the packing thread, since
-    handing each batch between threads would cost more than the work."""
-    depth = prefetch if tokenizing else 0
-    stages = []  # a prefetcher closes its source itself, on its thread (which may still be running it)
+@dataclass(frozen=True)
+class LoaderSpec:
+    """Everything that `assemble` and `build_loader` need to put one loader (or one bucket) together."""
+    kind: str  # "bestfit" (rows packed best-fit) or "concat" (the stream cut every B*T tokens)
+    reader: Any  # ParquetReader or TokenShardReader: the split's units and their documents
+    encoder: Any  # Encoder (texts -> documents) or EntryDocuments (pretokenized entries)
+    config: dict  # what every state records: nanochat.state.loader_config
+    rank: int
+    world_size: int
+    batch_size: int  # documents per document batch (tokenizer_batch_size)
+    B: int
+    T: int
+    buffer_size: int | None = None  # documents to choose from (best-fit only)
+    shuffle: Shuffle | None = None
+    allow_state_mismatch: bool = False
+    epochs: int | None = None  # None: forever; 1: one pass (a mixture's bucket)
+    where: str = "resume_state_dict"  # what messages call the state
+    cache: ShardCache | None = None  # streaming: fetches each shard just before the walk reads it
+    # what only a whole loader uses (build_loader)
+    device: Any = "cuda"
+    prefetch: int = 4  # batches prepared ahead on background threads (0: all in the caller)
+    with_state: bool = True
+    trace_documents: bool = False
+    max_docs_per_row: int | None = None  # attention_info's bound; None: no attention outputs
+
+
+class Assembled(NamedTuple):
+    order: RankOrder  # the rank's walk, fresh or resumed
+    recorder: StateRecorder  # builds each batch's state, restores a packer from the resumed one
+    position: Position  # nanochat's keys (pq_idx, rg_idx, epoch) of the last batch consumed
+
+
+def assemble(spec: LoaderSpec, resume_state_dict: dict | None) -> Assembled:
+    """Start the walk from the state (fresh when None) and the recorder of its states; a streaming
+    loader starts fetching what the walk reads first, the resumed buffer's shards first."""
+    order, start, position = start_order(
+        spec.reader, spec.rank, spec.world_size, spec.batch_size, resume_state_dict, spec.config,
+        allow_state_mismatch=spec.allow_state_mismatch, epochs=spec.epochs, where=spec.where,
+        shuffle=spec.shuffle)
+    watch = None
+    if spec.cache is not None:
+        spec.cache.start(order.file_order(), buffered=decode_keys(start["buffer"]) if start else ())
+        watch = spec.cache.hold  # keeps on disk what a resume from a yielded state reads
+    return Assembled(order, StateRecorder(spec.kind, order, spec.encoder, spec.config, start, watch),
+                     position)
+
+
+def build_loader(spec: LoaderSpec, resume_state_dict: dict | None) -> "DataLoader":
+    """A whole loader: the walk, then tokenizing and packing, each ahead of the next on its own
+    thread when prefetch > 0, then the device."""
+    order, recorder, position = assemble(spec, resume_state_dict)
+    B, T = spec.B, spec.T
+    if spec.kind == "bestfit":
+        def pack(tokens):
+            return bestfit_batches(tokens, recorder, position, B=B, T=T,
+                                   buffer_size=spec.buffer_size, trace=spec.trace_documents,
+                                   max_docs_per_row=spec.max_docs_per_row)
+        split_rows = row_split
+    else:
+        def pack(tokens):
+            return concat_batches(tokens, recorder, position, B, T)
+
+        def split_rows(flat):  # B*T+1 tokens: inputs the first B*T, targets the last B*T
+            return flat[:-1].reshape(B, T), flat[1:].reshape(B, T)
+    # pretokenized reading is a slice of a memory map: it stays on the packing thread, since handing
+    # each batch between threads would cost more than the work
+    tokenizing = isinstance(spec.encoder, Encoder)
+    batches = _pipeline(order.document_batches(), spec.encoder, spec.prefetch if tokenizing else 0,
+                        pack)
+    return DataLoader(batches, DeviceBatches(B, T, spec.device), split_rows, spec.prefetch,
+                      spec.with_state, attention_info=spec.max_docs_per_row is not None,
+                      also_close=spec.cache)
+
+
+def _pipeline(doc_batches, encoder, depth: int, pack):
+    """Yield what pack(token batches) yields, reading and tokenizing ahead on threads (depth > 0)."""
+    stages = []  # a prefetcher closes its source itself, on its thread (which may still run it)
     try:
+        # reading runs a few row groups ahead, so the tokenizer's pool never waits on parquet
         stages.append(maybe_prefetch(doc_batches, 4 * depth, "nanochat-read"))
+        # a second encode call starts before the first returns, so the pool never idles on a tail
         overlap_calls = depth > 0 and getattr(encoder, "thread_safe", False)
-        stages.append(maybe_prefetch(token_batches(stages[-1], encoder, overlap_calls), depth, "nanochat-tokenize"))
+        stages.append(maybe_prefetch(token_batches(stages[-1], encoder, overlap_calls), depth,
+                                     "nanochat-tokenize"))
         yield from pack(stages[-1])
     finally:
         for stage in reversed(stages):  # downstream first: it may be waiting on the one before
             stage.close()
 
 
-def _parquet_reader(split, data_dir, rank, world_size, prefetch, buffer_docs, read_ahead, streaming, base_url,
-                    download_limits):
-    """(reader, shard cache or None) of a split's parquet shards: those on disk, or (streaming) the dataset's,
-    each fetched just before it is read (nanochat/shard_cache.py)."""
-    if streaming is None:
+def _parquet_reader(split: str, data_dir, streaming, read_ahead: dict):
+    """(reader, shard cache or None) of a split's parquet shards: those on disk, or (streaming) the
+    dataset's, each fetched just before it is read (docs/streaming.md). read_ahead: rank, world_size,
+    prefetch and the documents a state's buffer and the read-ahead hold, for the cache's budget."""
+    if streaming.settings is None:
         return ParquetReader(split_parquet_files(split, data_dir)), None
-    limits = Limits() if download_limits is None else download_limits
-    data_dir, paths, urls, val, catalog = streamed_files(split, data_dir, streaming.num_shards, base_url, limits)
-    cache = ShardCache(data_dir, [os.path.basename(path) for path in paths], urls, [entry["size"] for entry in catalog],
-                       limits=limits, keep=val, prefetch_shards=streaming.prefetch_shards,
-                       cache_limit=streaming.cache_limit, prefetch=prefetch,
-                       copies=copies_estimate(catalog, buffer_docs),
-                       packing=packing_shards(catalog, rank, world_size, read_ahead))
+    limits = Limits() if streaming.limits is None else streaming.limits
+    data_dir, paths, urls, val, catalog = streamed_files(
+        split, data_dir, streaming.settings.num_shards, streaming.base_url, limits)
+    cache = ShardCache(
+        data_dir, [os.path.basename(path) for path in paths], urls,
+        [entry["size"] for entry in catalog], limits=limits, keep=val,
+        prefetch_shards=streaming.settings.prefetch_shards,
+        cache_limit=streaming.settings.cache_limit, prefetch=read_ahead["prefetch"],
+        copies=copies_estimate(catalog, read_ahead["buffer_docs"]),
+        packing=packing_shards(catalog, read_ahead["rank"], read_ahead["world_size"],
+                               read_ahead["docs"]))
     return ParquetReader(paths, catalog, cache), cache
 
 
-def _setup(kind, tokenizer, B, T, split, tokenizer_threads, tokenizer_batch_size, resume_state_dict,
-           data_dir, rank, world_size, prefetch, allow_state_mismatch, shuffle, streaming, buffer_size=None,
-           policy=None):
-    """Validate everything up front (so bad input fails at the call, not deep in a thread), then
-    build the document stream and the state tracker, resuming if asked; streaming (settings, base_url,
-    download limits): start fetching what the stream reads first, the buffered documents' shards first.
-    Returns (document batches, tracker, seeds position, shard cache or None)."""
-    check_options(B, T, split, prefetch, tokenizer_threads=tokenizer_threads,
-                  tokenizer_batch_size=tokenizer_batch_size, buffer_size=buffer_size)
-    if buffer_size is None and kind == "bestfit":
-        raise ValueError("buffer_size must be an integer >= 1")
-    if policy is not None:
-        check_long_doc_policy(*policy, T)
-    for method in ("get_bos_token_id", "encode"):
-        if not callable(getattr(tokenizer, method, None)):
-            raise TypeError(f"tokenizer must have a {method}() method, got {type(tokenizer).__name__}")
-    rank, world_size = resolve_rank(rank, world_size)
-    buffer_docs = buffer_size if kind == "bestfit" else tokenizer_batch_size  # (what a state's buffer holds)
-    # documents read and not yet packed, at most: the queues of _pipeline, a batch in each stage's hands and one
-    # more in the tokenizer's (overlap_calls)
-    read_ahead = (5 * prefetch + 3) * tokenizer_batch_size
-    reader, cache = _parquet_reader(split, data_dir, rank, world_size, prefetch, buffer_docs, read_ahead, *streaming)
-    encoder = Encoder(tokenizer, tokenizer_threads)
-    config = stream_config(kind, "parquet", split, reader.paths, B, T, buffer_size, tokenizer_batch_size,
-                           tokenizer_fingerprint(tokenizer), rank, world_size, policy=policy, shuffle=shuffle,
-                           sizes=reader.sizes)
-    stream, start, position = start_stream(reader, rank, world_size, tokenizer_batch_size, resume_state_dict,
-                                           config, allow_state_mismatch, shuffle=shuffle)
-    if cache is not None:
-        cache.start(stream.file_order(), buffered=decode_keys(start["buffer"]) if start else ())
-    return stream.batches(), Tracker(kind, stream, encoder, config, start, cache and cache.hold), position, cache
+class _Streaming(NamedTuple):
+    settings: Any  # nanochat.options.Streaming, or None: read the shards on disk
+    base_url: str | None
+    limits: Limits | None
 
 
 def _max_docs(attention_info: bool, max_docs_per_row: int | None, T: int) -> int | None:
@@ -121,93 +161,116 @@ def _max_docs(attention_info: bool, max_docs_per_row: int | None, T: int) -> int
         return None
     if max_docs_per_row is None:
         return T  # every document has at least its BOS in the inputs: never more than T per row
-    check_positive(max_docs_per_row=max_docs_per_row)
-    return max_docs_per_row
+    return check_int("max_docs_per_row", max_docs_per_row, 1)
+
+
+def _tokenizing_spec(kind: str, tokenizer, B: int, T: int, split: str, args: dict) -> LoaderSpec:
+    """The spec of a tokenizing loader (best-fit or concatenating), every argument checked first, so
+    that bad input fails at the call and not inside a thread or after fetching has started."""
+    buffer_size = args.get("buffer_size")
+    shuffle = check_shuffle(args["shuffle"], args["seed"], args["shuffle_window"])
+    streaming = _Streaming(check_stream(args["stream"], args["cache_limit"], args["prefetch_shards"],
+                                        args["num_shards"], shuffle),
+                           args["base_url"], args["download_limits"])
+    max_docs = _max_docs(args.get("attention_info", False), args.get("max_docs_per_row"), T)
+    check_options(B, T, split, args["prefetch"], tokenizer_threads=args["tokenizer_threads"],
+                  tokenizer_batch_size=args["tokenizer_batch_size"], buffer_size=buffer_size)
+    policy = None
+    if kind == "bestfit":
+        if buffer_size is None:
+            raise ValueError("buffer_size must be an integer >= 1")
+        policy = (args["long_doc_policy"], args["split_overlap"])
+        check_long_doc_policy(*policy, T)
+    for method in ("get_bos_token_id", "encode"):
+        if not callable(getattr(tokenizer, method, None)):
+            raise TypeError(f"tokenizer must have a {method}() method, got "
+                            f"{type(tokenizer).__name__}")
+    rank, world_size = resolve_rank(args["rank"], args["world_size"])
+    batch_size = args["tokenizer_batch_size"]
+    # documents read and not yet packed, at most: the pipeline's queues, a batch in each stage's
+    # hands and one more in the tokenizer's (overlap_calls)
+    read_ahead = {"rank": rank, "world_size": world_size, "prefetch": args["prefetch"],
+                  "buffer_docs": buffer_size if kind == "bestfit" else batch_size,
+                  "docs": (5 * args["prefetch"] + 3) * batch_size}
+    reader, cache = _parquet_reader(split, args["data_dir"], streaming, read_ahead)
+    config = loader_config(kind, "parquet", split, reader.paths, B, T, buffer_size, batch_size,
+                           tokenizer_fingerprint(tokenizer), rank, world_size, policy=policy,
+                           shuffle=shuffle, sizes=reader.sizes)
+    return LoaderSpec(kind, reader, Encoder(tokenizer, args["tokenizer_threads"]), config, rank,
+                      world_size, batch_size, B, T, buffer_size, shuffle=shuffle,
+                      allow_state_mismatch=args["allow_state_mismatch"], cache=cache,
+                      device=args["device"], prefetch=args["prefetch"],
+                      with_state=args["with_state"],
+                      trace_documents=args.get("trace_documents", False),
+                      max_docs_per_row=max_docs)
+
+
+# -----------------------------------------------------------------------------
+# The public loaders: nanochat's names and signatures
 
 
 def tokenizing_distributed_data_loader_with_state_bos_bestfit(
-        tokenizer, B: int, T: int, split: str, tokenizer_threads: int = 4, tokenizer_batch_size: int = 128,
-        device="cuda", resume_state_dict: dict | None = None, buffer_size: int = 1000, *,
-        data_dir: str | None = None, rank: int | None = None, world_size: int | None = None,
-        prefetch: int = 4, with_state: bool = True, allow_state_mismatch: bool = False,
-        trace_documents: bool = False, attention_info: bool = False, max_docs_per_row: int | None = None,
-        long_doc_policy: str = "crop", split_overlap: int = 0, shuffle: bool = False, seed: int = 0,
-        shuffle_window: int = 8, stream: bool | None = None, cache_limit: int | str | None = None,
-        prefetch_shards: int = 2, num_shards: int | None = None, base_url: str | None = None,
-        download_limits: Limits | None = None) -> DataLoader:
-    """Yield (inputs, targets, state_dict) forever: (B, T) int64 batches of BOS-aligned best-fit rows.
+        tokenizer, B: int, T: int, split: str, tokenizer_threads: int = 4,
+        tokenizer_batch_size: int = 128, device="cuda", resume_state_dict: dict | None = None,
+        buffer_size: int = 1000, *, data_dir: str | None = None, rank: int | None = None,
+        world_size: int | None = None, prefetch: int = 4, with_state: bool = True,
+        allow_state_mismatch: bool = False, trace_documents: bool = False,
+        attention_info: bool = False, max_docs_per_row: int | None = None,
+        long_doc_policy: str = "crop", split_overlap: int = 0, shuffle: bool = False,
+        seed: int = 0, shuffle_window: int = 8, stream: bool | None = None,
+        cache_limit: int | str | None = None, prefetch_shards: int = 2,
+        num_shards: int | None = None, base_url: str | None = None,
+        download_limits: Limits | None = None) -> "DataLoader":
+    """Yield (inputs, targets, state_dict) forever: (B, T) int64 batches of BOS-aligned best-fit
+    rows.
 
     tokenizer: anything with get_bos_token_id() and encode(list_of_str, prepend=bos, num_threads=n)
-    returning lists of ints (get_vocab_size(), when present, picks 2-byte storage; encode_to_arrays(),
-    when present, is used instead of encode and returns numpy arrays: nanochat's tokenizer has it).
+    returning lists of ints (get_vocab_size(), when present, picks 2-byte storage;
+    encode_to_arrays(), when present, is used instead and returns numpy arrays).
     buffer_size: documents kept to choose from (larger packs better, costs memory and start-up).
     data_dir: read shards from here instead of the dataset directory.
     rank/world_size: default to torchrun's RANK/WORLD_SIZE.
     prefetch: batches prepared ahead on background threads (0 runs everything in the caller).
-    attention_info: also yield, per batch, a dict of doc_ids, position_ids and cu_seqlens (padded to
-    B * max_docs_per_row + 1; default bound T, a row with more documents is an error).
-    long_doc_policy: what to do with tokens that do not fit a row. "crop" (the seeds'): discard them
-    (about a third of all tokens at T=2048 on FineWeb). "split": cut documents longer than a row
-    into pieces that each start with BOS and are packed like documents; later pieces repeat the
-    split_overlap tokens before them, with those targets set to -100. "split_reuse": also put the
-    cropped rest of a row's last document back into the buffer as a piece; nothing is discarded.
-    Every row starts with BOS under every policy; the bench prints each policy's waste.
-    shuffle: read each epoch's row groups in a seeded order (a permutation dealt to the ranks), and the
-    documents of every shuffle_window row groups of a rank's share in a seeded order (default: file order,
-    as the seeds; for shards that are not shuffled already). seed: picks both orders.
-    stream: fetch the dataset's shards while training, each just before it is read, through the downloader
-    (default: NANOCHAT_STREAM=1; not with shuffle). data_dir is then the cache; cache_limit (bytes or e.g.
-    "20GB", default NANOCHAT_CACHE_LIMIT, else none) bounds its shards; prefetch_shards are fetched ahead;
-    num_shards (default NANOCHAT_STREAM_SHARDS, else all) train shards make the split; base_url (default
-    NANOCHAT_DATA_URL, else the hub) serves them; download_limits: the downloader's retries and time bounds.
-    Batches and states are those of a loader over the same shards on disk (see nanochat/shard_cache.py).
+    attention_info: also yield a dict of doc_ids, position_ids and cu_seqlens (padded to
+    B * max_docs_per_row + 1; default bound T).
+    long_doc_policy: tokens that do not fit a row are "crop"ped (nanochat's way: about a third at
+    T=2048), "split" into BOS-led pieces (later pieces repeat split_overlap tokens, their targets
+    -100), or "split_reuse" (the cropped rest goes back into the buffer). Every row starts with BOS.
+    shuffle, seed, shuffle_window: read each epoch's row groups, and the documents of every window
+    of them, in a seeded order (default: file order, as nanochat).
+    stream: fetch the shards while training (default: NANOCHAT_STREAM=1); data_dir is then the
+    cache, bounded by cache_limit; prefetch_shards, num_shards, base_url, download_limits: see
+    docs/streaming.md. Batches and states equal those of the same shards on disk.
     """
-    order = check_shuffle(shuffle, seed, shuffle_window)
-    streaming = (check_stream(stream, cache_limit, prefetch_shards, num_shards, order), base_url, download_limits)
-    max_docs = _max_docs(attention_info, max_docs_per_row, T)  # (every check before _setup starts fetching)
-    doc_batches, tracker, position, cache = _setup(
-        "bestfit", tokenizer, B, T, split, tokenizer_threads, tokenizer_batch_size, resume_state_dict, data_dir,
-        rank, world_size, prefetch, allow_state_mismatch, order, streaming, buffer_size=buffer_size,
-        policy=(long_doc_policy, split_overlap))
-    batches = _pipeline(doc_batches, tracker.encoder, prefetch, lambda tokens: bestfit_batches(
-        tokens, tracker, position, B, T, buffer_size, trace_documents, max_docs))
-    return DataLoader(batches, DeviceBatches(B, T, device), row_split, prefetch, with_state, attention_info, cache)
+    args = dict(locals())
+    return build_loader(_tokenizing_spec("bestfit", tokenizer, B, T, split, args), resume_state_dict)
 
 
 def tokenizing_distributed_data_loader_bos_bestfit(*args, **kwargs):
     """Like tokenizing_distributed_data_loader_with_state_bos_bestfit, yielding (inputs, targets)."""
-    return tokenizing_distributed_data_loader_with_state_bos_bestfit(*args, with_state=False, **kwargs)
+    return tokenizing_distributed_data_loader_with_state_bos_bestfit(*args, with_state=False,
+                                                                     **kwargs)
 
 
 def tokenizing_distributed_data_loader_with_state(
-        tokenizer, B: int, T: int, split: str, tokenizer_threads: int = 4, tokenizer_batch_size: int = 128,
-        device="cuda", resume_state_dict: dict | None = None, *, data_dir: str | None = None,
-        rank: int | None = None, world_size: int | None = None, prefetch: int = 4,
-        with_state: bool = True, allow_state_mismatch: bool = False, shuffle: bool = False, seed: int = 0,
-        shuffle_window: int = 8, stream: bool | None = None, cache_limit: int | str | None = None,
+        tokenizer, B: int, T: int, split: str, tokenizer_threads: int = 4,
+        tokenizer_batch_size: int = 128, device="cuda", resume_state_dict: dict | None = None, *,
+        data_dir: str | None = None, rank: int | None = None, world_size: int | None = None,
+        prefetch: int = 4, with_state: bool = True, allow_state_mismatch: bool = False,
+        shuffle: bool = False, seed: int = 0, shuffle_window: int = 8,
+        stream: bool | None = None, cache_limit: int | str | None = None,
         prefetch_shards: int = 2, num_shards: int | None = None, base_url: str | None = None,
-        download_limits: Limits | None = None) -> DataLoader:
-    """The older concatenating loader: documents back to back (each after its BOS), each batch the
-    next B*T+1 tokens of the stream (inputs the first B*T, targets the last B*T), advancing by B*T: the
-    last target of a batch is the first input of the next, and no token is skipped. Wastes nothing,
-    but rows start mid-document and attend across unrelated documents; for small data or very long
-    documents. Yields (inputs, targets, state_dict).
+        download_limits: Limits | None = None) -> "DataLoader":
+    """The concatenating loader: documents back to back (each after its BOS), each batch the next
+    B*T+1 tokens of the stream, advancing by B*T, so no token is skipped. Wastes nothing, but rows
+    start mid-document. Yields (inputs, targets, state_dict).
 
-    stats: tokens_emitted counts tokens consumed, B*T per batch (each token of the stream once, as an
-    input); buffer_tokens those tokenized and not yet consumed (a batch's last target among them), so
-    tokens_tokenized == tokens_emitted + buffer_tokens. The state's emitted["tokens"] counts the
-    B*T+1 tokens of every batch that its hash covers. shuffle, seed, shuffle_window, stream, cache_limit,
-    prefetch_shards, num_shards, base_url, download_limits: as for the best-fit loader."""
-    order = check_shuffle(shuffle, seed, shuffle_window)
-    streaming = (check_stream(stream, cache_limit, prefetch_shards, num_shards, order), base_url, download_limits)
-    doc_batches, tracker, position, cache = _setup(
-        "concat", tokenizer, B, T, split, tokenizer_threads, tokenizer_batch_size, resume_state_dict, data_dir,
-        rank, world_size, prefetch, allow_state_mismatch, order, streaming)
-    batches = _pipeline(doc_batches, tracker.encoder, prefetch,
-                        lambda tokens: concat_batches(tokens, tracker, position, B, T, False))
-    return DataLoader(batches, DeviceBatches(B, T, device),
-                      lambda flat: (flat[:-1].reshape(B, T), flat[1:].reshape(B, T)), prefetch, with_state,
-                      also_close=cache)
+    stats: tokens_emitted counts B*T per batch; buffer_tokens those tokenized and not yet consumed,
+    so tokens_tokenized == tokens_emitted + buffer_tokens. The state's emitted["tokens"] counts the
+    B*T+1 tokens of every batch that its hash covers. The other arguments: as for the best-fit
+    loader."""
+    args = dict(locals())
+    return build_loader(_tokenizing_spec("concat", tokenizer, B, T, split, args), resume_state_dict)
 
 
 def tokenizing_distributed_data_loader(*args, **kwargs):
@@ -215,61 +278,191 @@ def tokenizing_distributed_data_loader(*args, **kwargs):
     return tokenizing_distributed_data_loader_with_state(*args, with_state=False, **kwargs)
 
 
-# -----------------------------------------------------------------------------
-# The pretokenized loader: .bin/.idx token shards (nanochat/token_shards.py), no tokenizer in the loop
-
-
 def pretokenized_distributed_data_loader_with_state_bos_bestfit(
         B: int, T: int, split: str, device="cuda", resume_state_dict: dict | None = None,
-        buffer_size: int = 1000, *, data_dir: str, bos_token: int | None = None, chunk_size: int = 1024,
-        batch_size: int = 128, rank: int | None = None, world_size: int | None = None, prefetch: int = 4,
-        with_state: bool = True, allow_state_mismatch: bool = False, trace_documents: bool = False,
-        attention_info: bool = False, max_docs_per_row: int | None = None, long_doc_policy: str = "crop",
-        split_overlap: int = 0, vocab_size: int | None = None, shuffle: bool = False, seed: int = 0,
-        shuffle_window: int = 8) -> DataLoader:
-    """The best-fit loader over pretokenized shards (`python -m nanochat.pretokenize`): the same
-    rows, rules, state and resume (exact and elastic) as the parquet loader, with no tokenizer.
+        buffer_size: int = 1000, *, data_dir: str, bos_token: int | None = None,
+        chunk_size: int = 1024, batch_size: int = 128, rank: int | None = None,
+        world_size: int | None = None, prefetch: int = 4, with_state: bool = True,
+        allow_state_mismatch: bool = False, trace_documents: bool = False,
+        attention_info: bool = False, max_docs_per_row: int | None = None,
+        long_doc_policy: str = "crop", split_overlap: int = 0, vocab_size: int | None = None,
+        shuffle: bool = False, seed: int = 0, shuffle_window: int = 8) -> "DataLoader":
+    """The best-fit loader over pretokenized shards (python -m nanochat.pretokenize): the same
+    rows, rules, state and resume as the parquet loader, with no tokenizer.
 
     data_dir: the pretokenize output, holding train/ and val/ with .bin/.idx pairs.
-    bos_token: the id every document starts with, prepended to each entry that does not start with it
-    (default: what data_dir/pretokenize.json records, the BOS, or the EOD of --convention gpt-simple
-    shards, prepended to every entry; with no such file a ValueError: pass it, for GPT-Simple's own
-    EOD-terminated shards their EOD id).
-    chunk_size: entries per unit dealt to ranks (1024 = the parquet shards' row group size, so that
-    with windowing off this yields the parquet loader's batches).
+    bos_token: the id every document starts with (default: what data_dir/pretokenize.json records;
+    for GPT-Simple's EOD-terminated shards, their EOD id).
+    chunk_size: entries per unit dealt to ranks (1024, the parquet row group size).
     batch_size: entries added to the buffer per refill (the parquet loader's tokenizer_batch_size).
+    vocab_size: every id read is checked to be below it (default: pretokenize.json's).
     Targets that predict a window's overlap with the previous window are -100.
-    long_doc_policy, split_overlap: as for the parquet loader (windows longer than a row are split).
-    vocab_size: the tokenizer's vocabulary size (default: what data_dir/pretokenize.json records; when
-    both are given they must agree). Every id read is checked to be below it, a chunk at a time, so a
-    damaged shard is a ValueError naming the shard and entry, not a device-side assert in the
-    embedding. With neither, a warning, and ids are only bounded by the shards' dtype.
-    shuffle: read each epoch's chunks in a seeded order (a permutation dealt to the ranks), and the entries
-    of every shuffle_window chunks of a rank's share in a seeded order, so that the windows of one long
-    document land far apart (default: file order). seed: picks both orders. The state stays a position.
+    The other arguments: as for the parquet loader. Details: docs/pretokenized.md.
     """
-    check_options(B, T, split, prefetch, buffer_size=buffer_size, chunk_size=chunk_size, batch_size=batch_size)
+    check_options(B, T, split, prefetch, buffer_size=buffer_size, chunk_size=chunk_size,
+                  batch_size=batch_size)
     check_long_doc_policy(long_doc_policy, split_overlap, T)
-    order = check_shuffle(shuffle, seed, shuffle_window)
+    shuffle_order = check_shuffle(shuffle, seed, shuffle_window)
     rank, world_size = resolve_rank(rank, world_size)
     data_dir = os.path.expanduser(os.fspath(data_dir))
     paths = shard_paths(data_dir, split)
     vocab = shard_vocab(paths[0], bos_token, vocab_size, [data_dir])
-    bos_token = vocab.bos_token
-    reader = ShardReader(paths, chunk_size, vocab)
-    encoder = ShardDocs(bos_token, always=vocab.convention == "gpt-simple")
-    config = stream_config("bestfit", "pretokenized", split, paths, B, T, buffer_size, batch_size, f"bos:{bos_token}",
-                           rank, world_size, chunk_size=chunk_size, policy=(long_doc_policy, split_overlap),
-                           shuffle=order)
-    stream, start, position = start_stream(reader, rank, world_size, batch_size, resume_state_dict, config,
-                                           allow_state_mismatch, shuffle=order)
-    tracker = Tracker("bestfit", stream, encoder, config, start)
+    config = loader_config("bestfit", "pretokenized", split, paths, B, T, buffer_size, batch_size,
+                           f"bos:{vocab.bos_token}", rank, world_size, chunk_size=chunk_size,
+                           policy=(long_doc_policy, split_overlap), shuffle=shuffle_order)
     max_docs = _max_docs(attention_info, max_docs_per_row, T)
-    batches = _pipeline(stream.batches(), encoder, prefetch, lambda tokens: bestfit_batches(
-        tokens, tracker, position, B, T, buffer_size, trace_documents, max_docs), tokenizing=False)
-    return DataLoader(batches, DeviceBatches(B, T, device), row_split, prefetch, with_state, attention_info)
+    encoder = EntryDocuments(vocab.bos_token, always=vocab.convention == "gpt-simple")
+    spec = LoaderSpec("bestfit", TokenShardReader(paths, chunk_size, vocab), encoder, config, rank,
+                      world_size, batch_size, B, T, buffer_size, shuffle=shuffle_order,
+                      allow_state_mismatch=allow_state_mismatch, device=device, prefetch=prefetch,
+                      with_state=with_state, trace_documents=trace_documents,
+                      max_docs_per_row=max_docs)
+    return build_loader(spec, resume_state_dict)
 
 
 def pretokenized_distributed_data_loader_bos_bestfit(*args, **kwargs):
     """Like pretokenized_distributed_data_loader_with_state_bos_bestfit, yielding (inputs, targets)."""
-    return pretokenized_distributed_data_loader_with_state_bos_bestfit(*args, with_state=False, **kwargs)
+    return pretokenized_distributed_data_loader_with_state_bos_bestfit(*args, with_state=False,
+                                                                       **kwargs)
+
+
+# -----------------------------------------------------------------------------
+# The device end: what every loader function returns
+
+IGNORE_INDEX = -100  # cross_entropy's default ignore_index
+
+
+class DeviceBatches:
+    """Copies packed batches to the device through preallocated `[inputs | targets]` buffers.
+
+    On CUDA: two pinned host staging buffers used alternately, one device buffer, exactly one
+    non-blocking host-to-device copy per batch. Before a staging buffer is rewritten we wait on the
+    event recorded after the copy that last read it (two batches ago), so an in-flight copy never
+    reads half-written data. On CPU the staging buffer is the yielded memory; on other devices
+    (MPS) nothing is pinned and one blocking copy lands the batch.
+    """
+
+    def __init__(self, B: int, T: int, device):
+        self.B, self.T = B, T
+        self.device = torch.device(device)
+        self.cuda = self.device.type == "cuda"
+        if self.cuda and not torch.cuda.is_available():
+            raise ValueError(f"device={device!r} but no CUDA GPU is available; pass device='cpu'")
+        n = 2 * B * T
+        num_staging = 2 if self.cuda else 1
+        self.staging = [torch.empty(n, dtype=torch.long, pin_memory=self.cuda) for _ in range(num_staging)]
+        self.copied: list = [None] * num_staging  # CUDA events: copy from staging[i] finished
+        if self.device.type == "cpu":
+            self.buffer = self.staging[0]
+        else:
+            self.buffer = torch.empty(n, dtype=torch.long, device=self.device)
+        self.count = 0
+
+    def __call__(self, inputs: np.ndarray, targets: np.ndarray, masked=()) -> tuple[torch.Tensor, torch.Tensor]:
+        BT = self.B * self.T
+        i = self.count % len(self.staging)
+        self.count += 1
+        if self.copied[i] is not None:
+            self.copied[i].synchronize()
+        host = self.staging[i].numpy()
+        np.copyto(host[:BT].reshape(self.B, self.T), inputs)
+        host_targets = host[BT:].reshape(self.B, self.T)
+        np.copyto(host_targets, targets)
+        for r, start, end in masked:  # targets that predict a window's repeated tokens: trained once
+            host_targets[r, start:end] = IGNORE_INDEX
+        if self.buffer is not self.staging[i]:
+            self.buffer.copy_(self.staging[i], non_blocking=self.cuda)
+            if self.cuda:
+                event = torch.cuda.Event()
+                event.record()
+                self.copied[i] = event
+        return self.buffer[:BT].view(self.B, self.T), self.buffer[BT:].view(self.B, self.T)
+
+
+def row_split(rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    return rows[:, :-1], rows[:, 1:]
+
+
+class DataLoader:
+    """What the loader functions return: an iterator of (inputs, targets, state_dict) (or of
+    (inputs, targets) without state), with `stats` and `close()`.
+
+    Background threads start at the first `next()` (a streaming loader's shard fetching at the call, so
+    that the first shard is on its way) and stop on `close()`, on garbage collection, or when the loader
+    fails; a failure is raised again by every later `next()`.
+    `stats` describes the batches yielded so far (not the read-ahead): tokens tokenized, emitted
+    and cropped, crop_share (cropped / (emitted + cropped)), documents per row, buffer occupancy,
+    masked targets, and wait_seconds, the time `next()` spent waiting for a batch (the stall a GPU
+    would feel). With attention_info, each batch has a fourth element: a dict of doc_ids,
+    position_ids and cu_seqlens on the device (see nanochat.rows.attention_info).
+    """
+
+    def __init__(self, batches, transfer: DeviceBatches, split_rows, prefetch: int, with_state: bool,
+                 *, attention_info: bool = False, also_close=None):
+        self._batches = batches  # generator of RowBatch
+        self._also_close = also_close  # closed first by close(): a streaming loader's shard cache
+        self._attention_info = attention_info
+        self._transfer = transfer
+        self._split_rows = split_rows
+        self._prefetch = prefetch
+        self._with_state = with_state
+        self._source = None
+        self._closed = False
+        # close() from another thread while next() starts the threads: it must see the prefetcher that owns the
+        # generator, not close the generator under it ("generator already executing")
+        self._lock = threading.Lock()
+        self._error: BaseException | None = None
+        self._wait_seconds = 0.0
+        self.stats: dict = {}
+        # with trace_documents=True: per row of the last batch, the (epoch, pq_idx, rg_idx, row) of
+        # every document placed in it, in order (a debugging aid: which documents did a step see?)
+        self.documents: list | None = None
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        if self._error is not None:
+            raise self._error
+        with self._lock:
+            if self._closed:
+                raise StopIteration  # as a closed generator: nothing comes out after close()
+            if self._source is None:
+                self._source = maybe_prefetch(self._batches, self._prefetch, "nanochat-packing")
+        t0 = time.perf_counter()
+        try:
+            batch = next(self._source)
+            self._check(batch)
+        except BaseException as e:
+            self._error = e
+            self.close()
+            raise
+        self._wait_seconds += time.perf_counter() - t0
+        self.documents = batch.trace
+        inputs, targets = self._transfer(*self._split_rows(batch.rows), batch.masked)
+        self.stats = batch.stats | {"wait_seconds": self._wait_seconds}
+        out = (inputs, targets, batch.state) if self._with_state else (inputs, targets)
+        if self._attention_info:
+            device = self._transfer.device
+            out += ({k: torch.from_numpy(v).to(device) for k, v in batch.info.items()},)
+        return out
+
+    def _check(self, batch: RowBatch) -> None:
+        """Called with every batch before it is yielded; raising stops the loader (see the mixture loader)."""
+
+    def close(self) -> None:
+        """Stop the background threads and end the iteration: every later next() raises StopIteration,
+        as for a closed generator (a batch already prepared is dropped), or the failure that stopped the
+        loader. Idempotent; returns within a second: a thread inside a long call (one tokenizer call)
+        ends when that call returns, and starts no other."""
+        self._closed = True
+        if getattr(self, "_also_close", None) is not None:  # first: it wakes a reader waiting for a shard
+            self._also_close.close()
+        lock = getattr(self, "_lock", None)  # (None: __del__ of an object whose __init__ failed)
+        with lock or contextlib.nullcontext():
+            source = self._source if self._source is not None else getattr(self, "_batches", None)
+        if source is not None:
+            source.close()
+
+    def __del__(self):
+        self.close()

@@ -12,17 +12,18 @@ piece of a split document is dealt as that piece alone, and so is the unconsumed
 the concatenating loader had started (from its first token not yet consumed: the last target of the
 last batch, if it fell there), so that loader skips no token across an elastic restart either.
 
-May import: nanochat.state, nanochat.state_checks, nanochat.readers, nanochat.shard_cache, nanochat.dataset,
+May import: nanochat.state, nanochat.state_checks, nanochat.order, nanochat.shard_cache, nanochat.dataset,
 nanochat.token_shards.
 """
 
 import os
 
 from nanochat.dataset import split_parquet_files
-from nanochat.readers import RowGroupIndex
+from nanochat.order import UnitIndex
 from nanochat.shard_cache import streamed_files
-from nanochat.state import (EMPTY_HASH, VERSION, Key, Unit, decode_keys, decode_pieces, decode_plan, encode_plan,
-                            files_fingerprint, intact, seal)
+from nanochat.state import (EMPTY_HASH, VERSION, DocKey, PieceKey, PlanUnit, WindowKey, add_checksum,
+                            checksum_matches, decode_keys, decode_pieces, decode_plan, encode_plan,
+                            files_fingerprint)
 from nanochat.state_checks import buffer_limit, check_data, check_fields, config_shuffle
 from nanochat.token_shards import list_token_shards
 
@@ -37,7 +38,7 @@ def merge_stream_states(states: list, world_size: int, data_dir: str | None, epo
             raise ValueError(f"{name} is not a version-{VERSION} loader state (field 'version')")
         if "merged" in s:
             raise ValueError(f"{name} is a merged state: give each rank's own state, not the merge")
-        if not intact(s, name):
+        if not checksum_matches(s, name):
             raise ValueError(f"{name}['checksum'] does not match its contents (edited or corrupted)")
         check_fields(s, name)
     first = states[0]
@@ -71,7 +72,7 @@ def merge_stream_states(states: list, world_size: int, data_dir: str | None, epo
         paths = [prefix + ".bin" for prefix in list_token_shards(os.path.join(data_dir, first["config"]["split"]))]
     if files_fingerprint(paths, sizes) != first["config"]["files"]:
         raise ValueError("config.files: the shards on disk are not the ones the states were taken on")
-    index = RowGroupIndex(paths, chunk_size, rows)
+    index = UnitIndex(paths, chunk_size, rows)
     shuffle = config_shuffle(first["config"])
     low = min(s["next"][0] for s in states)
     for s, name in zip(states, names):
@@ -90,23 +91,25 @@ def merge_stream_states(states: list, world_size: int, data_dir: str | None, epo
     states = sorted(states, key=lambda s: s["config"]["rank"])
 
     # everything not yet trained on: explicit documents, then whole row groups per epoch
-    docs: list[Key] = []
+    docs: list[DocKey | PieceKey] = []
     whole: dict[int, set[int]] = {}
     for s in states:
         buffered = _places(decode_keys(s["buffer"]), index, shuffle, s["config"]["rank"], n_old)
         starts = decode_pieces(s.get("pieces", []), len(buffered))
-        buffered = [key if start is None else (*key, start) for key, start in zip(buffered, starts)]
+        buffered = [key if start is None else PieceKey(*key, start)
+                    for key, start in zip(buffered, starts)]
         if s["loader"] == "concat" and s["offset"] > 0:  # partly consumed: deal the rest
             key = buffered[0]
-            buffered[0] = (*key[:4], (key[4] if len(key) == 5 else 0) + s["offset"])
+            start = key.start if isinstance(key, PieceKey) else 0
+            buffered[0] = PieceKey(*key[:4], start + s["offset"])
         docs += buffered
-        for epoch, pq_idx, rg_idx, rows, starts in decode_plan(s["plan"], index):
-            if rows is None:
-                whole.setdefault(epoch, set()).add(index.base(pq_idx) + rg_idx)
+        for unit in decode_plan(s["plan"], index):
+            if unit.rows is None:
+                whole.setdefault(unit.epoch, set()).add(index.base(unit.pq_idx) + unit.rg_idx)
             else:
-                starts = starts or (None,) * len(rows)
-                docs += [(epoch, pq_idx, rg_idx, r) if st is None else (epoch, pq_idx, rg_idx, r, st)
-                         for r, st in zip(rows, starts)]
+                starts = unit.starts or (None,) * len(unit.rows)
+                docs += [DocKey(*unit[:3], r) if st is None else PieceKey(*unit[:3], r, st)
+                         for r, st in zip(unit.rows, starts)]
     last_epoch = max(s["next"][0] for s in states)
     if epochs is not None:
         last_epoch = min(last_epoch, epochs)  # a finished stream's cursor points past its last epoch
@@ -129,20 +132,21 @@ def merge_stream_states(states: list, world_size: int, data_dir: str | None, epo
                         if e == epoch and (p, g) < (pq_idx, rg_idx):
                             continue
                         if e == epoch and (p, g) == (pq_idx, rg_idx) and row > 0:
-                            docs += [(e, p, g, r) for r in range(row, index.rows(p, g))]
+                            docs += [DocKey(e, p, g, r) for r in range(row, index.rows(p, g))]
                             continue
                         later.append((e, index.base(p) + g))
         for e, g in later:
             whole.setdefault(e, set()).add(int(g))
 
     # deal: documents one by one, then row groups one by one, round-robin over the new ranks
-    units: list[list[Unit]] = [[] for _ in range(world_size)]
+    units: list[list[PlanUnit]] = [[] for _ in range(world_size)]
     for i, key in enumerate(docs):
-        units[i % world_size].append((*key[:3], (key[3],), None if len(key) == 4 else (key[4],)))
+        piece = (key.start,) if isinstance(key, PieceKey) else None
+        units[i % world_size].append(PlanUnit(*key[:3], (key.row,), piece))
     dealt = 0
     for epoch in sorted(whole):
         for g in sorted(whole[epoch]):
-            units[dealt % world_size].append((epoch, *index.locate(g), None, None))
+            units[dealt % world_size].append(PlanUnit(epoch, *index.locate(g), None, None))
             dealt += 1
     merged = []
     for q in range(world_size):
@@ -153,50 +157,51 @@ def merge_stream_states(states: list, world_size: int, data_dir: str | None, epo
                  "next": [last_epoch + 1, 0, 0] if shuffle else [last_epoch + 1, 0, q, 0], "buffer": [], "pieces": [], "offset": 0, "config": config,
                  "emitted": {"batches": first["emitted"]["batches"], "tokens": 0, "hash": EMPTY_HASH},
                  "counters": {}}
-        merged.append(seal(state))
+        merged.append(add_checksum(state))
     return {"version": VERSION, "merged": {"from_world_size": n_old, "world_size": world_size}, "states": merged}
 
 
-def _share(index: RowGroupIndex, shuffle, epoch: int, rank: int, world_size: int):
+def _share(index: UnitIndex, shuffle, epoch: int, rank: int, world_size: int):
     """The global indices of the units a rank reads in an epoch, in its order."""
     if shuffle:
         return shuffle.units(epoch, index.total, rank, world_size)
     return [index.base(p) + g for p in range(len(index.paths)) for g in range(rank, index.count(p), world_size)]
 
 
-def _window_rest(index: RowGroupIndex, shuffle, epoch: int, rank: int, world_size: int, window: int,
-                 row: int) -> list[Key]:
+def _window_rest(index: UnitIndex, shuffle, epoch: int, rank: int, world_size: int, window: int,
+                 row: int) -> list[DocKey]:
     """The documents of a shuffled rank's begun window that it has not read yet, in its order."""
     if row == 0:
         return []
     table = shuffle.window_table(index, epoch, rank, world_size, window)
-    return [(epoch, *shuffle.entry(table, i)) for i in range(row, int(table[1][-1]))]
+    return [DocKey(epoch, *shuffle.entry(table, i)) for i in range(row, int(table[1][-1]))]
 
 
-def _places(keys: list, index: RowGroupIndex, shuffle, rank: int, world_size: int) -> list[Key]:
+def _places(keys: list, index: UnitIndex, shuffle, rank: int, world_size: int) -> list[DocKey]:
     """Where buffered documents are: a shuffled stream keys those of its windows by position, (epoch, window, i)."""
     tables: dict = {}
     places = []
     for key in keys:
-        if len(key) == 3:
+        if isinstance(key, WindowKey):
             epoch, window, i = key
             if (epoch, window) not in tables:
                 tables[epoch, window] = shuffle.window_table(index, epoch, rank, world_size, window)
-            key = (epoch, *shuffle.entry(tables[epoch, window], i))
+            key = DocKey(epoch, *shuffle.entry(tables[epoch, window], i))
         places.append(key)
     return places
 
 
-def _coalesce(units: list[Unit]) -> list[Unit]:
+def _coalesce(units: list[PlanUnit]) -> list[PlanUnit]:
     """Join consecutive single-document units of one row group (keeps a new rank's plan short)."""
-    out: list[Unit] = []
+    out: list[PlanUnit] = []
     for unit in units:
         last = out[-1] if out else None
-        if last and unit[3] is not None and last[3] is not None and last[:3] == unit[:3]:
+        if last and unit.rows is not None and last.rows is not None and last[:3] == unit[:3]:
             starts = None
-            if last[4] is not None or unit[4] is not None:
-                starts = (last[4] or (None,) * len(last[3])) + (unit[4] or (None,) * len(unit[3]))
-            out[-1] = (*unit[:3], last[3] + unit[3], starts)
+            if last.starts is not None or unit.starts is not None:
+                starts = ((last.starts or (None,) * len(last.rows))
+                          + (unit.starts or (None,) * len(unit.rows)))
+            out[-1] = unit._replace(rows=last.rows + unit.rows, starts=starts)
         else:
             out.append(unit)
     return out

@@ -1,63 +1,17 @@
 """
-Data mixtures and curricula over pretokenized buckets (seed 003's layout and rules).
-
-    <data_dir>/train/<bucket>/*.bin *.idx      python -m nanochat.pretokenize --output <data_dir> --bucket <bucket>
-    <data_dir>/val/<bucket>/...
-
-A curriculum is an ordered list of phases, each a token budget and a mix of bucket weights, as a
-YAML or JSON file or a Python list:
-
-    curriculum:
-      - tokens: 5_000_000_000               # (seed 003's name, duration_tokens, works too)
-        mix: {web: 0.6, code: 0.2, math: 0.1, wiki: 0.1}
-      - tokens: 5_000_000_000
-        mix: {web: 0.3, code: 0.3, math: 0.2, wiki: 0.2}
-
-How it mixes. Every row of a batch comes whole from one bucket, best-fit packed from that bucket's own
-buffer by the same packer as the other loaders (so every row starts with BOS, and long_doc_policy
-applies). Row n of rank r (of W) in phase p comes from the bucket whose slice of [0, 1) (the phase's
-weights, in bucket-name order) holds
-
-    u = frac(h(seed, p, generation) + (n * W + r) * (sqrt(5) - 1) / 2)
-
-a counter-based function of (seed, rank, position): no generator state, so a resume continues the
-sequence exactly. h is a hash (blake2b); the golden-ratio steps make the sequence low-discrepancy, and
-the job's rows of consecutive steps are one contiguous stretch of it, so over any N of them every
-bucket's count is within a few rows of N * weight. Rows are all T+1 tokens, so the realised token mix
-follows the weights whatever the buckets' document lengths: within 1 point over every 1M tokens of
-the job (whole steps) up to T=4096 (at T=2048 a row is 1/488 of the window; at T=8192 a single row is
-0.8 points, and the gap reaches 1.7).
-
-Phases. The phase of a batch is set by the tokens the whole job trained before it (B * T * world_size
-per step), so all ranks switch at the same step; a phase boundary falls on a step boundary (a phase
-shorter than one step is skipped, with a warning). The state counts phases from 1. Past the
-last phase the loader stops with CurriculumComplete, unless allow_budget_mismatch=True (then the last
-phase's mix goes on). Giving `total_tokens` (what the run will train) checks the curriculum's total
-against it up front.
-
-Exhaustion (seed 003). Each rank reads its own share of every bucket once (chunks rank, rank + W, ...).
-A phase that demands more of a bucket than exists is caught before the run: validate() (and the
-loader at start) treats it as a blocking error, or a warning with allow_bucket_exhaustion=True. If a
-bucket still runs dry on some rank (the estimate was off: cropping, uneven shares), then
-  - allow_bucket_exhaustion=False (default): the loader raises BucketExhausted carrying the last good
-    state (the batch before). Under torch.distributed, the ranks agree on it with one tiny all_reduce
-    per batch, so every rank raises at the same step and none is left hanging in a collective. The
-    training script saves a checkpoint with that state and stops; resuming from it with the flag set
-    continues with the bucket dropped.
-  - allow_bucket_exhaustion=True: the bucket is dropped on that rank (a warning) and the other
-    weights are renormalised.
-
-The state (version 2, plain data) holds the phase, the tokens done (in the phase and in all), this
-rank's position in the phase, the dropped buckets, and one best-fit loader state per bucket (so exact
-and elastic resume work as for the other loaders; merge_mixture_states merges mixture states). Its
-format, checks and merge are nanochat/mixture_state.py; curricula, buckets and the mix's sequence are
-nanochat/curriculum.py.
+Data mixtures and curricula over pretokenized buckets (GPT-Simple's layout and rules): every row of a
+batch comes whole from one bucket, best-fit packed from that bucket's own buffer; which bucket is a
+counter-based function of (seed, phase, rank, position), so a resume continues the mix exactly. The
+phase of a batch is set by the tokens the whole job has trained, so all ranks switch at one step. A
+bucket that runs dry stops every rank at the same step (BucketExhausted, with the last good state), or
+is dropped (allow_bucket_exhaustion=True). Each bucket is assembled by nanochat.dataloader.assemble.
+Curricula and validation: nanochat/curriculum.py; the state: nanochat/mixture_state.py.
+Design: docs/mixtures.md.
 
     python -m nanochat.mixture validate CONFIG --data DATA_DIR [--tokens N] [--split train]
 
-May import: nanochat.curriculum, nanochat.mixture_state, and the loaders' stage modules (nanochat.options,
-nanochat.readers, nanochat.stream, nanochat.tokens, nanochat.rows, nanochat.packing, nanochat.state,
-nanochat.device); never nanochat.dataloader, which it stands beside.
+May import: torch, numpy, nanochat.curriculum, nanochat.mixture_state, nanochat.dataloader,
+nanochat.options, nanochat.token_reader, nanochat.rows, nanochat.packing, nanochat.state.
 """
 
 import itertools
@@ -70,15 +24,13 @@ import torch.distributed as dist
 
 from nanochat.curriculum import (Phase, choose, list_buckets, load_curriculum, main,  # noqa: F401 (public here)
                                  row_unit, validate)
-from nanochat.device import DataLoader, DeviceBatches, row_split
-from nanochat.mixture_state import merge_mixture_states, mixture_start, seal_mixture  # noqa: F401 (public)
+from nanochat.dataloader import DataLoader, DeviceBatches, LoaderSpec, assemble, row_split
+from nanochat.mixture_state import merge_mixture_states, mixture_start, add_mixture_checksum  # noqa: F401 (public)
 from nanochat.options import check_options, check_shuffle, resolve_rank
 from nanochat.packing import BestFitPacker, check_long_doc_policy
-from nanochat.readers import ShardReader, shard_vocab
-from nanochat.rows import Source, Tracker
-from nanochat.state import EMPTY_HASH, VERSION, files_fingerprint, hash_tokens, stream_config
-from nanochat.stream import start_stream
-from nanochat.tokens import ShardDocs, token_batches
+from nanochat.rows import DocumentFeed, EntryDocuments, RowBatch, token_batches
+from nanochat.state import EMPTY_HASH, VERSION, files_fingerprint, hash_tokens, loader_config
+from nanochat.token_reader import TokenShardReader, shard_vocab
 
 logger = logging.getLogger(__name__)
 
@@ -133,17 +85,17 @@ class _Lookahead:
 
 
 class _Bucket:
-    """One bucket: its single-pass document stream, best-fit packer and state tracker."""
+    """One bucket: its single-pass document stream, best-fit packer and state recorder."""
 
-    def __init__(self, name, stream, tracker, packer, position, trace):
-        self.name, self.stream, self.tracker, self.packer = name, stream, tracker, packer
-        self.batches = _Lookahead(token_batches(stream.batches(), tracker.encoder))
-        self.source = Source(self.batches, stream, position)
+    def __init__(self, name, order, recorder, packer, position, trace):
+        self.name, self.order, self.recorder, self.packer = name, order, recorder, packer
+        self.batches = _Lookahead(token_batches(order.document_batches(), recorder.encoder))
+        self.feed = DocumentFeed(self.batches, order, position)
         self.trace = trace
-        tracker.restore(packer)
+        recorder.restore(packer)
 
     def _refill(self):
-        return self.source() if self.batches.more() else ()  # nothing: the bucket is drained
+        return self.feed() if self.batches.more() else ()  # nothing: the bucket is drained
 
     def _buffered_tokens(self) -> int:
         p = self.packer
@@ -153,7 +105,7 @@ class _Bucket:
         """Pack one row (shape (1, T+1)); False if the bucket cannot fill it any more (dry)."""
         capacity = row.shape[1]
         while self._buffered_tokens() < capacity and self.batches.more():  # enough left to finish the row?
-            for doc, key, overlap, start in self.source():
+            for doc, key, overlap, start in self.feed():
                 self.packer.add(doc, key, overlap, start)
         if self._buffered_tokens() < capacity:
             return False
@@ -191,11 +143,11 @@ class _Mixture:
         return None
 
     def state(self) -> dict:
-        return seal_mixture({
+        return add_mixture_checksum({
             "version": VERSION, "loader": "mixture", "phase": self.phase + 1,
             "phase_tokens_done": self.phase_tokens_done, "tokens_done": self.tokens_done,
             "position": self.position, "generation": self.generation, "dropped": sorted(self.dropped),
-            "buckets": {name: b.tracker.state(b.packer, b.source, np.empty(0, np.uint32))
+            "buckets": {name: b.recorder.state(b.packer, b.feed, np.empty(0, np.uint32))
                         for name, b in self.buckets.items()},
             "config": self.config,
             "emitted": {"batches": self.batches, "tokens": self.emitted_tokens, "hash": self.hash},
@@ -214,7 +166,7 @@ class _Mixture:
             "buckets": per,
         }
 
-    def batches_(self):
+    def mixed_batches(self):
         """Yield (rows, state, stats, extras) per batch; extras["stop"] is set (with the last good state
         as the state) when the loader must stop: ("bucket", name) or ("budget", None)."""
         B, T = self.B, self.T
@@ -223,7 +175,7 @@ class _Mixture:
             phase = self._phase_of(self.tokens_done)
             if phase is None:
                 if not self.allow_budget_mismatch:
-                    yield None, last_state, {}, {"stop": ("budget", None)}
+                    yield RowBatch(None, last_state, {}, stop=("budget", None))
                     return
                 phase = len(self.phases) - 1
                 if not self.past_end_warned:
@@ -241,7 +193,7 @@ class _Mixture:
                 while True:
                     weights = self._weights(phase)
                     if not weights:  # every bucket of the phase ran dry on this rank
-                        yield None, last_state, {}, {"stop": ("bucket", None)}
+                        yield RowBatch(None, last_state, {}, stop=("bucket", None))
                         return
                     u = row_unit(self.seed, phase, self.generation, self.position, self.rank, self.world_size)
                     self.position += 1
@@ -250,7 +202,7 @@ class _Mixture:
                     if bucket.fill_row(rows[i:i + 1], self.buffer_size):
                         break
                     if not self.allow_bucket_exhaustion:
-                        yield None, last_state, {}, {"stop": ("bucket", name)}
+                        yield RowBatch(None, last_state, {}, stop=("bucket", name))
                         return
                     self.dropped.add(name)
                     logger.warning("bucket %r ran dry on rank %d in phase %d; dropped, the other weights "
@@ -258,7 +210,7 @@ class _Mixture:
                 row_buckets.append(name)
                 masked += [(i, start, end) for _, start, end in bucket.packer.masked]
                 if bucket.trace:
-                    place = bucket.stream.place
+                    place = bucket.order.place
                     trace += [[(name, *place(key)) if start is None else (name, *place(key), start)
                                for key, start in row] for row in bucket.packer.trace]
             self.tokens_done += B * T * self.world_size
@@ -267,8 +219,7 @@ class _Mixture:
             self.emitted_tokens += rows.size
             self.hash = hash_tokens(self.hash, rows)
             last_state = self.state()
-            extras = {"trace": trace if trace else None, "masked": masked, "stop": None, "state": last_state}
-            yield rows, last_state, self.stats(row_buckets), extras
+            yield RowBatch(rows, last_state, self.stats(row_buckets), trace if trace else None, masked)
 
     def _weights(self, phase: int) -> list[tuple[str, float]]:
         """The phase's weights without the dropped buckets, renormalised (empty: all of them dropped)."""
@@ -333,11 +284,11 @@ class MixtureLoader(DataLoader):
                 _agree(self.FAILED, _flag_group(self._world_size))
             raise
 
-    def _check(self, extras: dict) -> None:
-        stop = extras.get("stop")
+    def _check(self, batch: RowBatch) -> None:
+        stop = batch.stop
         code = _agree(self.STOP_CODES[stop[0] if stop else None], _flag_group(self._world_size))
         if not code:
-            self.last_state = extras["state"]
+            self.last_state = batch.state
         if code == self.FAILED:
             self._told_failure = True
             raise RuntimeError("the mixture loader failed on another rank (see its error); stopping here too")
@@ -406,26 +357,26 @@ def pretokenized_mixture_loader_with_state_bos_bestfit(
           and not allow_budget_mismatch):
         raise ValueError(f"budget mismatch: the curriculum totals {sum(p.tokens for p in phases):,} tokens, "
                          f"the run will train {total_tokens:,}; pass allow_budget_mismatch=True to accept it")
-    encoder = ShardDocs(bos_token, always=vocab.convention == "gpt-simple")
+    encoder = EntryDocuments(bos_token, always=vocab.convention == "gpt-simple")
     buckets = {}
     for name in used:
-        sub_config = stream_config("bestfit", "pretokenized", f"{split}/{name}", paths[name], B, T, buffer_size,
-                                   batch_size, config["tokenizer"], rank, world_size, chunk_size=chunk_size,
-                                   policy=(long_doc_policy, split_overlap), shuffle=order and order.bucket(name))
-        sub_state = state["buckets"][name] if state else None
-        reader = ShardReader(paths[name], chunk_size, vocab)
-        stream, start, position = start_stream(reader, rank, world_size, batch_size, sub_state, sub_config,
-                                               allow_state_mismatch, epochs=1, where=f"{where}['buckets'][{name!r}]",
-                                               shuffle=order and order.bucket(name))
-        tracker = Tracker("bestfit", stream, encoder, sub_config, start)
-        packer = BestFitPacker(T + 1, long_doc_policy, split_overlap)
-        buckets[name] = (stream, tracker, packer, position)
+        bucket_order = order and order.bucket(name)
+        sub_config = loader_config("bestfit", "pretokenized", f"{split}/{name}", paths[name], B, T,
+                                   buffer_size, batch_size, config["tokenizer"], rank, world_size,
+                                   chunk_size=chunk_size, policy=(long_doc_policy, split_overlap),
+                                   shuffle=bucket_order)
+        spec = LoaderSpec("bestfit", TokenShardReader(paths[name], chunk_size, vocab), encoder,
+                          sub_config, rank, world_size, batch_size, B, T, buffer_size,
+                          shuffle=bucket_order, allow_state_mismatch=allow_state_mismatch,
+                          epochs=1, where=f"{where}['buckets'][{name!r}]")
+        walk, recorder, position = assemble(spec, state["buckets"][name] if state else None)
+        buckets[name] = (walk, recorder, BestFitPacker(T + 1, long_doc_policy, split_overlap), position)
 
     def batches():
         made = {name: _Bucket(name, *parts, trace_documents) for name, parts in buckets.items()}
         mixture = _Mixture(phases, made, B, T, world_size, rank, seed, buffer_size, allow_bucket_exhaustion,
                            allow_budget_mismatch, config, state)
-        yield from mixture.batches_()
+        yield from mixture.mixed_batches()
 
     return MixtureLoader(batches(), DeviceBatches(B, T, device), row_split, prefetch, with_state,
                          start_state=state, world_size=world_size)

@@ -11,7 +11,7 @@ import os
 import reprlib
 
 from nanochat.elastic import merge_stream_states
-from nanochat.state import EMPTY_HASH, VERSION, checksum, intact
+from nanochat.state import EMPTY_HASH, VERSION, checksum, checksum_matches
 from nanochat.state_checks import check_emitted, check_hex, check_int, check_keys, check_list, is_int, rank_state
 
 FIELDS = ("version", "loader", "phase", "phase_tokens_done", "tokens_done", "position", "generation", "dropped",
@@ -30,7 +30,7 @@ def mixture_checksum(state: dict) -> str:
     return checksum(dict(state, buckets={name: b.get("checksum") for name, b in buckets.items()}))
 
 
-def seal_mixture(state: dict) -> dict:
+def add_mixture_checksum(state: dict) -> dict:
     state["checksum"] = mixture_checksum(state)
     return state
 
@@ -48,7 +48,7 @@ def mixture_start(state, config, rank, world_size, allow_mismatch) -> tuple[dict
     if state.get("version") != VERSION or state.get("loader") != "mixture":
         raise ValueError(f"{where} is not a mixture loader state (version 2, loader 'mixture')")
     check_keys(state, where, FIELDS, ())
-    if not intact(state, where, mixture_checksum) and not allow_mismatch:
+    if not checksum_matches(state, where, mixture_checksum) and not allow_mismatch:
         raise ValueError(f"{where}['checksum'] does not match its contents: the state was edited or "
                          "corrupted; pass allow_state_mismatch=True to resume from it anyway")
     check_mixture_fields(state, where)
@@ -121,7 +121,7 @@ def merge_mixture_states(states: list[dict], world_size: int, *, data_dir: str) 
         if not isinstance(s, dict) or s.get("loader") != "mixture" or s.get("version") != VERSION:
             raise ValueError(f"states[{i}] is not a mixture loader state (version 2, loader 'mixture')")
         check_keys(s, f"states[{i}]", FIELDS, ())
-        if not intact(s, f"states[{i}]", mixture_checksum):
+        if not checksum_matches(s, f"states[{i}]", mixture_checksum):
             raise ValueError(f"states[{i}]['checksum'] does not match its contents (edited or corrupted)")
         check_mixture_fields(s, f"states[{i}]")
     first = states[0]
@@ -139,7 +139,7 @@ def merge_mixture_states(states: list[dict], world_size: int, *, data_dir: str) 
     dropped = sorted(set.intersection(*(set(s["dropped"]) for s in states)))
     merged = []
     for q in range(world_size):
-        merged.append(seal_mixture({
+        merged.append(add_mixture_checksum({
             "version": VERSION, "loader": "mixture", "phase": first["phase"],
             "phase_tokens_done": first["phase_tokens_done"], "tokens_done": first["tokens_done"], "position": 0,
             "generation": first["generation"] + 1, "dropped": dropped,

@@ -21,15 +21,20 @@ May import: numpy only (no I/O, no torch, no threads).
 
 import heapq
 from collections import deque
-from typing import Callable, Iterable
+from typing import Callable, Iterable, NamedTuple
 
 import numpy as np
 
-# refill() returns the next (document, key, overlap, start) of the stream (possibly none): keys name
-# documents for resume states and traces (or are None); overlap counts the tokens after BOS that
-# repeat the previous window of a windowed document (0 for whole documents); start is None for a
-# document, or the start of the one piece of it to buffer (a resumed buffer, an elastic plan)
-Refill = Callable[[], Iterable[tuple[np.ndarray, object, int, int | None]]]
+
+class Piece(NamedTuple):
+    """What a refill hands the packer: a document, or one piece of it."""
+    doc: np.ndarray  # token ids, BOS first
+    key: object  # names the document in states and traces (or None)
+    overlap: int  # tokens after BOS that repeat the window before (0 for a whole document)
+    start: int | None  # None: the whole document; else the one piece from this token on
+
+
+Refill = Callable[[], Iterable[Piece]]  # the next Pieces of the stream (possibly none)
 
 
 def token_dtype(vocab_size: int | None) -> np.dtype:

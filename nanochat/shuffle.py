@@ -85,7 +85,7 @@ class Shuffle:
     def window_table(self, index, epoch: int, rank: int, world_size: int, window: int):
         """One window of rank's share of an epoch: (places [(pq_idx, rg_idx)] of its units, bounds (where each
         unit's entries start in the window, and the total at the end), order (the window's permutation)).
-        index: the split's units (nanochat.readers.RowGroupIndex: total, locate, rows)."""
+        index: the split's units (nanochat.order.UnitIndex: total, locate, rows)."""
         units = self.units(epoch, index.total, rank, world_size)[window * self.window:(window + 1) * self.window]
         places = [index.locate(int(g)) for g in units]
         bounds = np.cumsum([0] + [index.rows(*place) for place in places])

@@ -49,15 +49,46 @@ import itertools
 import json
 import os
 from operator import itemgetter
+from typing import NamedTuple
 
 import numpy as np
 
 VERSION = 2
 EMPTY_HASH = "0" * 32
-Key = tuple  # (epoch, pq_idx, rg_idx, row): one document; (..., row, start): one piece of it
-# (epoch, pq_idx, rg_idx, rows, starts): some work. rows: a tuple, or None for the whole row group;
-# starts: None, or a tuple aligned with rows: None for a whole document, else the piece's start
-Unit = tuple
+
+
+class DocKey(NamedTuple):
+    """One document: where it was read (row: its index in the unit)."""
+    epoch: int
+    pq_idx: int
+    rg_idx: int
+    row: int
+
+
+class WindowKey(NamedTuple):
+    """One document of a shuffled walk, by position: the i-th entry of its window's order."""
+    epoch: int
+    window: int
+    i: int
+
+
+class PieceKey(NamedTuple):
+    """A document from token `start` on: one piece of a split document, dealt alone by a merge."""
+    epoch: int
+    pq_idx: int
+    rg_idx: int
+    row: int
+    start: int
+
+
+class PlanUnit(NamedTuple):
+    """Work a plan deals: some documents of a unit, or the whole unit."""
+    epoch: int
+    pq_idx: int
+    rg_idx: int
+    rows: tuple | None  # the unit's documents to read, in order; None: all of them
+    starts: tuple | None  # aligned with rows: None for a whole document, else its piece's start
+
 
 # -----------------------------------------------------------------------------
 # Compact encodings
@@ -104,8 +135,11 @@ def _head(key: tuple) -> tuple:
 _last = itemgetter(-1)
 
 
-def decode_keys(groups) -> list[Key]:
-    return [(*group[:-1], row) for group in groups for row in decode_rows(group[-1])]
+def decode_keys(groups) -> list:
+    """[[epoch, pq_idx, rg_idx, rows], ...] -> DocKeys. A shuffled walk's groups of window entries,
+    [epoch, window, rows] (three fields where a unit's have four), -> WindowKeys."""
+    return [(WindowKey if len(group) == 3 else DocKey)(*group[:-1], row)
+            for group in groups for row in decode_rows(group[-1])]
 
 
 def decode_pieces(pieces, n: int) -> list:
@@ -156,17 +190,17 @@ def encode_plan(units, index) -> list[dict]:
     return items
 
 
-def decode_plan(items, index) -> list[Unit]:
+def decode_plan(items, index) -> list[PlanUnit]:
     """State items (through check_fields and check_data) -> units."""
-    units: list[Unit] = []
+    units: list[PlanUnit] = []
     for item in items:
         if "row_groups" in item:
             groups = decode_bitmap(item["row_groups"], index.total)
-            units += [(item["epoch"], *index.locate(g), None, None) for g in groups]
+            units += [PlanUnit(item["epoch"], *index.locate(g), None, None) for g in groups]
         else:
             rows = tuple(decode_rows(item["rows"]))
             starts = tuple(decode_pieces(item["pieces"], len(rows))) if "pieces" in item else None
-            units.append((item["epoch"], item["pq_idx"], item["rg_idx"], rows, starts))
+            units.append(PlanUnit(item["epoch"], item["pq_idx"], item["rg_idx"], rows, starts))
     return units
 
 
@@ -197,7 +231,7 @@ def tokenizer_fingerprint(tokenizer) -> str:
     return hashlib.sha256(json.dumps([bos, vocab, ids]).encode()).hexdigest()[:16]
 
 
-def stream_config(loader: str, source: str, split: str, paths: list[str], B: int, T: int, buffer_size: int | None,
+def loader_config(loader: str, source: str, split: str, paths: list[str], B: int, T: int, buffer_size: int | None,
                   batch_size: int, tokenizer: str, rank: int, world_size: int, chunk_size: int | None = None,
                   policy: tuple[str, int] | None = None, shuffle=None, sizes: list[int] | None = None) -> dict:
     """The "config" a loader's states record: what they were taken on (see the module docstring).
@@ -222,12 +256,12 @@ def checksum(state: dict) -> str:
     return hashlib.sha256(json.dumps(body, sort_keys=True, separators=(",", ":")).encode()).hexdigest()[:32]
 
 
-def seal(state: dict) -> dict:
+def add_checksum(state: dict) -> dict:
     state["checksum"] = checksum(state)
     return state
 
 
-def intact(state: dict, where: str, digest=checksum) -> bool:
+def checksum_matches(state: dict, where: str, digest=checksum) -> bool:
     """Whether a state's "checksum" matches its contents (digest: how it is computed). A ValueError when it
     has none, or holds something JSON cannot write: no loader writes such a state."""
     if "checksum" not in state:

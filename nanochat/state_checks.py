@@ -19,14 +19,14 @@ import numpy as np
 
 from nanochat.packing import POLICIES, BestFitPacker, ConcatPacker
 from nanochat.shuffle import Shuffle
-from nanochat.state import VERSION, intact
+from nanochat.state import VERSION, checksum_matches
 
 logger = logging.getLogger("nanochat.resume.state_checks")  # child of its old logger
 
 # -----------------------------------------------------------------------------
 # Checking a state, field by field
 #
-# A state can come from anywhere (a checkpoint, a hand edit resealed with seal(), allow_state_mismatch=True),
+# A state can come from anywhere (a checkpoint, a hand edit resealed with add_checksum(), allow_state_mismatch=True),
 # so every field is checked before it is used: its shape and values (check_fields, from the state alone),
 # then, when the state continues this stream, its places in the data (check_data). Run-length rows and
 # bitmaps are measured before they are decoded, so a state cannot make a loader allocate more than its
@@ -337,7 +337,7 @@ def check_state(state: dict, config: dict, index, *, allow_mismatch: bool,
         raise ValueError(f"{where}['version'] is {reprlib.repr(state.get('version'))}; this loader reads "
                          f"version {VERSION} (and the seeds' {{pq_idx, rg_idx, epoch}} form)")
     check_keys(state, where, REQUIRED, ("pieces",))
-    if not intact(state, where) and not allow_mismatch:
+    if not checksum_matches(state, where) and not allow_mismatch:
         raise ValueError(f"{where}['checksum'] does not match its contents: the state was edited or corrupted; "
                          "pass allow_state_mismatch=True to resume from it anyway")
     check_fields(state, where, config)

@@ -7,7 +7,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from nanochat.readers import RowGroupIndex
+from nanochat.order import UnitIndex
 from nanochat.state import decode_keys
 from nanochat.state_checks import config_shuffle
 
@@ -81,7 +81,7 @@ def _isolated_base_dir(tmp_path, monkeypatch):
 def buffered_places(state, paths, chunk_size=None) -> list[tuple]:
     """Where a state's buffered documents are: (epoch, pq_idx, rg_idx, row). A shuffled stream names those of its
     windows by position, (epoch, window, i): the i-th entry of that window's order."""
-    config, index = state["config"], RowGroupIndex(paths, chunk_size)
+    config, index = state["config"], UnitIndex(paths, chunk_size)
     shuffle = config_shuffle(config)
     places = []
     for key in decode_keys(state["buffer"]):

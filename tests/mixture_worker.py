@@ -22,15 +22,15 @@ def main():
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     if mode == "fail" and rank == 1:  # a fault on one rank only: its shard reads fail after a while
-        import nanochat.readers as readers
-        pick, calls = readers.ShardReader.pick, [0]
+        import nanochat.token_reader as readers
+        pick, calls = readers.TokenShardReader.pick, [0]
 
         def failing_pick(unit, rows):
             calls[0] += 1
             if calls[0] > 12:
                 raise OSError("injected read error")
             return pick(unit, rows)
-        readers.ShardReader.pick = staticmethod(failing_pick)
+        readers.TokenShardReader.pick = staticmethod(failing_pick)
     curriculum = [{"tokens": 60_000, "mix": {"web": 0.9, "tiny": 0.1}}]
     loader = pretokenized_mixture_loader_with_state_bos_bestfit(
         4, 99, "train", curriculum, device="cpu", data_dir=data_dir, buffer_size=4, chunk_size=4, batch_size=4,

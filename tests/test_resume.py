@@ -44,10 +44,10 @@ from nanochat.dataset import split_parquet_files
 from nanochat.mixture import MixtureStop
 from nanochat.mixture import pretokenized_mixture_loader_with_state_bos_bestfit as MIX
 from nanochat.pretokenize import write_token_shard
-from nanochat.mixture_state import seal_mixture as mixture_seal
-from nanochat.readers import RowGroupIndex
+from nanochat.mixture_state import add_mixture_checksum as mixture_seal
+from nanochat.order import UnitIndex
 from nanochat.resume import merge_states
-from nanochat.state import decode_keys, decode_plan, seal
+from nanochat.state import decode_keys, decode_plan, add_checksum
 
 BESTFIT = tokenizing_distributed_data_loader_with_state_bos_bestfit
 CONCAT = tokenizing_distributed_data_loader_with_state
@@ -337,7 +337,7 @@ def test_refused_on_another_buffer_size_loader_or_tokenizer(small):
     # a state saved before the policies existed reads as "crop" (its config has neither field)
     old = {k: v for k, v in state.items() if k != "pieces"}
     old["config"] = {k: v for k, v in state["config"].items() if k not in ("long_doc_policy", "split_overlap")}
-    old = seal(old)
+    old = add_checksum(old)
     assert take(open_loader("bestfit", small, resume_state_dict=old), 2) == take(
         open_loader("bestfit", small, resume_state_dict=state), 2)
     with pytest.raises(ValueError, match="long_doc_policy: state 'crop', loader 'split'"):
@@ -561,11 +561,11 @@ def test_merge_errors(small):
     split1 = state_after("split", small, 3, rank=1, world_size=2)
     with pytest.raises(ValueError, match=r"config\.long_doc_policy: states\[1\] has 'split', states\[0\] has 'crop'"):
         merge_states([s0, split1], 3, data_dir=d)
-    bad_pieces = seal(dict(split1, pieces=[[10**6, 3]]))
+    bad_pieces = add_checksum(dict(split1, pieces=[[10**6, 3]]))
     with pytest.raises(ValueError, match=r"states\[1\]\['pieces'\]"):
         merge_states([state_after("split", small, 3, rank=0, world_size=2), bad_pieces], 3, data_dir=d)
     with pytest.raises(ValueError, match=r"resume_state_dict\['pieces'\]"):
-        open_loader("split", small, resume_state_dict=seal(dict(state_after("split", small, 3), pieces=[[0, -1]])))
+        open_loader("split", small, resume_state_dict=add_checksum(dict(state_after("split", small, 3), pieces=[[0, -1]])))
     edited = copy.deepcopy(s1)
     edited["next"][3] += 1
     with pytest.raises(ValueError, match=r"states\[1\]\['checksum'\]"):
@@ -726,7 +726,7 @@ def concat_entries(state, q: int, world_size: int, paths, texts, epochs: int) ->
     num_rows = Counter(key[:2] for key in texts)  # (pq_idx, rg_idx) -> rows
     entries = []
     if state is not None:
-        for e, p, g, rows, starts in decode_plan(state["plan"], RowGroupIndex(paths)):
+        for e, p, g, rows, starts in decode_plan(state["plan"], UnitIndex(paths)):
             rows = range(num_rows[p, g]) if rows is None else rows
             entries += [((e, p, g, r), start) for r, start in zip(rows, starts or [None] * len(rows))]
     cursor = (1, 0, q, 0) if state is None else tuple(state["next"])
@@ -1013,7 +1013,7 @@ def reseal(state) -> None:
             reseal(bucket)
         mixture_seal(state)
     else:
-        seal(state)
+        add_checksum(state)
 
 
 # fields an error may name instead of the edited one (a shorter buffer leaves its pieces or offset pointing

@@ -1,24 +1,13 @@
 """
-Where documents come from: the units a rank is dealt, and the documents in them, behind one small
-interface that the rank's stream (nanochat/stream.py) reads through:
+Reading pretokenized .bin/.idx shards for the walk (nanochat/order.py): TokenShardReader deals chunks of
+`chunk_size` entries as units, and its documents are (tokens, overlap) views into the memory map, each
+chunk's ids checked against the vocabulary as it is read. shard_vocab settles the shards' BOS and
+vocabulary up front, from the caller or from the pretokenize.json our writer leaves; it never guesses.
+Design: docs/pretokenized.md.
 
-    reader.paths, reader.index       the split's files; a RowGroupIndex of their units
-    reader.unit_name                 what a unit is called in messages ("row group", "chunk")
-    reader.read(pq_idx, rg_idx[, rows])   one unit of one file (rows: only those documents are wanted)
-    reader.size(unit)                the documents in it
-    reader.take(unit, start, stop)   documents [start, stop) of it, in order
-    reader.pick(unit, rows)          the given documents of it
-
-ParquetReader: parquet shards, whose units are row groups and whose documents are texts (tokenized
-later). ShardReader: pretokenized .bin/.idx shards, whose units are chunks of chunk_size entries and
-whose documents are (tokens, overlap) views into the memory map, each chunk's ids checked against
-the vocabulary as it is read. shard_vocab settles their BOS up front, from the caller or from the
-pretokenize.json our writer leaves: it never guesses one from the data.
-
-May import: nanochat.dataset, nanochat.token_shards, nanochat.options, nanochat.layout.
+May import: numpy, nanochat.order, nanochat.token_shards, nanochat.checks, nanochat.layout.
 """
 
-import bisect
 import logging
 import os
 from collections import OrderedDict
@@ -26,109 +15,12 @@ from typing import NamedTuple
 
 import numpy as np
 
-from nanochat.dataset import open_parquet, read_row_group_column
+from nanochat.checks import check_int, is_int
 from nanochat.layout import check_kind
-from nanochat.options import check_positive
-from nanochat.token_shards import META_FILENAME, TokenShard, entry_count, list_token_shards, recorded_settings
+from nanochat.order import UnitIndex
+from nanochat.token_shards import META_FILENAME, TokenShard, list_token_shards, recorded_settings
 
-logger = logging.getLogger("nanochat.dataloader.readers")  # child of its old logger
-
-# -----------------------------------------------------------------------------
-# Where the units are: a global index over the split's files, read lazily (footers and indexes only)
-
-
-class RowGroupIndex:
-    """The units a stream deals out, per file: parquet row groups, or chunks of `chunk_size` entries
-    of a pretokenized shard (chunk_size set). Counted lazily, a file's footer or index when that
-    file is first asked about; only a plan's bitmaps (after an elastic merge) need them all."""
-
-    def __init__(self, paths: list[str], chunk_size: int | None = None, rows: list[list[int]] | None = None):
-        self.paths = paths
-        self.chunk_size = chunk_size
-        # pq_idx -> documents in each of its units; given (rows) for shards a streaming loader has not fetched yet
-        self._sizes: dict[int, list[int]] = dict(enumerate(rows)) if rows is not None else {}
-        self._bases: list[int] | None = None  # cumulative counts: where each file starts
-
-    def sizes(self, pq_idx: int) -> list[int]:
-        """Documents in each unit of one file, from its footer (or its index), read once."""
-        if pq_idx not in self._sizes:
-            if self.chunk_size is None:
-                meta = open_parquet(self.paths[pq_idx]).metadata
-                self._sizes[pq_idx] = [meta.row_group(g).num_rows for g in range(meta.num_row_groups)]
-            else:
-                n = entry_count(self.paths[pq_idx])
-                self._sizes[pq_idx] = [min(self.chunk_size, n - start) for start in range(0, n, self.chunk_size)]
-        return self._sizes[pq_idx]
-
-    def count(self, pq_idx: int) -> int:
-        return len(self.sizes(pq_idx))
-
-    def rows(self, pq_idx: int, rg_idx: int) -> int:
-        """Documents in one unit."""
-        return self.sizes(pq_idx)[rg_idx]
-
-    @property
-    def bases(self) -> list[int]:
-        if self._bases is None:
-            self._bases = [0]
-            for pq_idx in range(len(self.paths)):
-                self._bases.append(self._bases[-1] + self.count(pq_idx))
-        return self._bases
-
-    @property
-    def total(self) -> int:
-        return self.bases[-1]
-
-    def base(self, pq_idx: int) -> int:
-        return self.bases[pq_idx]
-
-    def locate(self, index: int) -> tuple[int, int]:
-        if not 0 <= index < self.total:
-            raise ValueError("row group index past the end of the split")
-        pq_idx = bisect.bisect_right(self.bases, index) - 1
-        return pq_idx, index - self.bases[pq_idx]
-
-
-# -----------------------------------------------------------------------------
-# Parquet shards
-
-
-class ParquetReader:
-    """The stream's view of parquet shards: units are row groups, items are texts to tokenize.
-    Streaming (nanochat/shard_cache.py): `catalog` gives each shard's size and row-group counts before it is
-    fetched, and `cache.need(pq_idx)` waits for a shard to be on disk before it is read; a resumed buffer's
-    documents (rows given) may come from the copies the cache kept of them, the other entries None."""
-
-    unit_name = "row group"
-
-    def __init__(self, paths: list[str], catalog: list[dict] | None = None, cache=None):
-        self.paths, self.cache = paths, cache
-        self.sizes = [entry["size"] for entry in catalog] if catalog else None  # None: from the files
-        self.index = RowGroupIndex(paths, rows=[entry["rows"] for entry in catalog] if catalog else None)
-
-    def read(self, pq_idx: int, rg_idx: int, rows=None):
-        if self.cache is None:
-            path = self.paths[pq_idx]
-        else:
-            if rows is not None:
-                unit = self.cache.kept_unit(pq_idx, rg_idx, rows, self.index.rows(pq_idx, rg_idx))
-                if unit is not None:
-                    return unit
-            path = self.cache.need(pq_idx, in_order=rows is None)
-        return read_row_group_column(open_parquet(path), rg_idx, path)
-
-    @staticmethod
-    def size(unit) -> int:
-        return len(unit)
-
-    @staticmethod
-    def take(unit, start: int, stop: int) -> list[str]:
-        return unit.slice(start, stop - start).to_pylist()  # a slice at a time: see read_row_group_column
-
-    @staticmethod
-    def pick(unit, rows) -> list[str]:
-        return unit.take(list(rows)).to_pylist()
-
+logger = logging.getLogger(__name__)
 
 # -----------------------------------------------------------------------------
 # Pretokenized shards: .bin/.idx pairs (nanochat/token_shards.py), no tokenizer in the loop
@@ -157,7 +49,7 @@ def shard_vocab(first_path: str, bos_token, vocab_size, settings_dirs: list[str]
     first ids of the first shard. It must be an id in the vocabulary that the first shard's dtype can hold."""
     known, records = [], []
     if vocab_size is not None:
-        check_positive(vocab_size=vocab_size)
+        check_int("vocab_size", vocab_size, 1)
         known.append((vocab_size, "the vocab_size argument"))
     for directory in settings_dirs:
         settings = recorded_settings(directory)
@@ -190,7 +82,7 @@ def shard_vocab(first_path: str, bos_token, vocab_size, settings_dirs: list[str]
                              "the BOS id of the tokenizer that wrote them (for GPT-Simple's shards, which have no "
                              f"BOS, their EOD id: it is prepended to every entry). {first_ids(first, 0)}")
         bos_token, what = recorded, f"bos_token (the {key} that {record} records)"
-    elif isinstance(bos_token, bool) or not isinstance(bos_token, (int, np.integer)):
+    elif not is_int(bos_token):
         raise TypeError(f"bos_token must be an int token id, got {bos_token!r}")
     else:
         bos_token, what = int(bos_token), "bos_token"
@@ -263,7 +155,7 @@ def check_starts(shard, start: int, stop: int, bos_token: int, record: str) -> N
                      + first_ids(shard, entry))
 
 
-class ShardReader:
+class TokenShardReader:
     """The stream's view of pretokenized shards: units are chunks of `chunk_size` entries (the DDP
     sharding deals chunks out as the parquet loader deals row groups), items are (tokens, overlap),
     the tokens a view into the memory-mapped .bin: shards larger than RAM stream in constant memory.
@@ -276,7 +168,7 @@ class ShardReader:
     def __init__(self, paths: list[str], chunk_size: int, vocab: ShardVocab):
         self.paths, self.chunk_size = paths, chunk_size
         self.vocab = vocab
-        self.index = RowGroupIndex(paths, chunk_size)
+        self.index = UnitIndex(paths, chunk_size)
         # the last few shards stay mapped (a shuffled window reads chunks of several); thousands would exhaust
         # file handles
         self._open: OrderedDict = OrderedDict()
