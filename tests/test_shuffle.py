@@ -348,7 +348,7 @@ def test_refusals_and_another_ranks_state(tmp_path, caplog):
         open_loader("bestfit", cfg, rank=0, world_size=2, seed=6, resume_state_dict=state)
     with pytest.raises(ValueError, match="shuffle: state"):
         open_loader("bestfit", cfg, rank=0, world_size=2, shuffle=False, resume_state_dict=state)
-    with pytest.raises(ValueError, match="not a state of this shuffled stream .the seeds' form."):
+    with pytest.raises(ValueError, match="not a state of this shuffled stream .nanochat's form."):
         open_loader("bestfit", cfg, rank=0, world_size=2, resume_state_dict={"pq_idx": 0, "rg_idx": 0, "epoch": 1})
     with pytest.raises(ValueError, match="cannot tell which documents were read under another order"):
         open_loader("bestfit", cfg, rank=0, world_size=2, seed=6, allow_state_mismatch=True, resume_state_dict=state)
