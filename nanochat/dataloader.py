@@ -42,7 +42,7 @@ from nanochat.token_reader import TokenShardReader, shard_paths, shard_vocab
 
 @dataclass(frozen=True)
 class LoaderSpec:
-    """Everything that `assemble` and `build_loader` need to put one loader (or one bucket) together."""
+    """What `assemble` and `build_loader` need to put one loader (or one bucket) together."""
     kind: str  # "bestfit" (rows packed best-fit) or "concat" (the stream cut every B*T tokens)
     reader: Any  # ParquetReader or TokenShardReader: the split's units and their documents
     encoder: Any  # Encoder (texts -> documents) or EntryDocuments (pretokenized entries)
@@ -83,8 +83,8 @@ def assemble(spec: LoaderSpec, resume_state_dict: dict | None) -> Assembled:
     if spec.cache is not None:
         spec.cache.start(order.file_order(), buffered=decode_keys(start["buffer"]) if start else ())
         watch = spec.cache.hold  # keeps on disk what a resume from a yielded state reads
-    return Assembled(order, StateRecorder(spec.kind, order, spec.encoder, spec.config, start, watch),
-                     position)
+    recorder = StateRecorder(spec.kind, order, spec.encoder, spec.config, start, watch)
+    return Assembled(order, recorder, position)
 
 
 def build_loader(spec: LoaderSpec, resume_state_dict: dict | None) -> "DataLoader":
@@ -115,7 +115,8 @@ def build_loader(spec: LoaderSpec, resume_state_dict: dict | None) -> "DataLoade
 
 
 def _pipeline(doc_batches, encoder, depth: int, pack):
-    """Yield what pack(token batches) yields, reading and tokenizing ahead on threads (depth > 0)."""
+    """Yield what pack(token batches) yields, reading and tokenizing ahead on threads
+    (depth > 0)."""
     stages = []  # a prefetcher closes its source itself, on its thread (which may still run it)
     try:
         # reading runs a few row groups ahead, so the tokenizer's pool never waits on parquet
@@ -131,9 +132,10 @@ def _pipeline(doc_batches, encoder, depth: int, pack):
 
 
 def _parquet_reader(split: str, data_dir, streaming, read_ahead: dict):
-    """(reader, shard cache or None) of a split's parquet shards: those on disk, or (streaming) the
-    dataset's, each fetched just before it is read (docs/streaming.md). read_ahead: rank, world_size,
-    prefetch and the documents a state's buffer and the read-ahead hold, for the cache's budget."""
+    """(reader, shard cache or None) of a split's parquet shards: those on disk, or (streaming)
+    the dataset's, each fetched just before it is read (docs/streaming.md). read_ahead: rank,
+    world_size, prefetch, and the documents a buffer and the read-ahead hold (the cache's
+    budget)."""
     if streaming.settings is None:
         return ParquetReader(split_parquet_files(split, data_dir)), None
     limits = Limits() if streaming.limits is None else streaming.limits
@@ -169,9 +171,9 @@ def _tokenizing_spec(kind: str, tokenizer, B: int, T: int, split: str, args: dic
     that bad input fails at the call and not inside a thread or after fetching has started."""
     buffer_size = args.get("buffer_size")
     shuffle = check_shuffle(args["shuffle"], args["seed"], args["shuffle_window"])
-    streaming = _Streaming(check_stream(args["stream"], args["cache_limit"], args["prefetch_shards"],
-                                        args["num_shards"], shuffle),
-                           args["base_url"], args["download_limits"])
+    settings = check_stream(args["stream"], args["cache_limit"], args["prefetch_shards"],
+                            args["num_shards"], shuffle)
+    streaming = _Streaming(settings, args["base_url"], args["download_limits"])
     max_docs = _max_docs(args.get("attention_info", False), args.get("max_docs_per_row"), T)
     check_options(B, T, split, args["prefetch"], tokenizer_threads=args["tokenizer_threads"],
                   tokenizer_batch_size=args["tokenizer_batch_size"], buffer_size=buffer_size)
@@ -243,11 +245,13 @@ def tokenizing_distributed_data_loader_with_state_bos_bestfit(
     docs/streaming.md. Batches and states equal those of the same shards on disk.
     """
     args = dict(locals())
-    return build_loader(_tokenizing_spec("bestfit", tokenizer, B, T, split, args), resume_state_dict)
+    spec = _tokenizing_spec("bestfit", tokenizer, B, T, split, args)
+    return build_loader(spec, resume_state_dict)
 
 
 def tokenizing_distributed_data_loader_bos_bestfit(*args, **kwargs):
-    """Like tokenizing_distributed_data_loader_with_state_bos_bestfit, yielding (inputs, targets)."""
+    """Like tokenizing_distributed_data_loader_with_state_bos_bestfit, yielding (inputs,
+    targets)."""
     return tokenizing_distributed_data_loader_with_state_bos_bestfit(*args, with_state=False,
                                                                      **kwargs)
 
@@ -270,7 +274,8 @@ def tokenizing_distributed_data_loader_with_state(
     B*T+1 tokens of every batch that its hash covers. The other arguments: as for the best-fit
     loader."""
     args = dict(locals())
-    return build_loader(_tokenizing_spec("concat", tokenizer, B, T, split, args), resume_state_dict)
+    spec = _tokenizing_spec("concat", tokenizer, B, T, split, args)
+    return build_loader(spec, resume_state_dict)
 
 
 def tokenizing_distributed_data_loader(*args, **kwargs):
@@ -321,7 +326,8 @@ def pretokenized_distributed_data_loader_with_state_bos_bestfit(
 
 
 def pretokenized_distributed_data_loader_bos_bestfit(*args, **kwargs):
-    """Like pretokenized_distributed_data_loader_with_state_bos_bestfit, yielding (inputs, targets)."""
+    """Like pretokenized_distributed_data_loader_with_state_bos_bestfit, yielding (inputs,
+    targets)."""
     return pretokenized_distributed_data_loader_with_state_bos_bestfit(*args, with_state=False,
                                                                        **kwargs)
 
@@ -350,7 +356,8 @@ class DeviceBatches:
             raise ValueError(f"device={device!r} but no CUDA GPU is available; pass device='cpu'")
         n = 2 * B * T
         num_staging = 2 if self.cuda else 1
-        self.staging = [torch.empty(n, dtype=torch.long, pin_memory=self.cuda) for _ in range(num_staging)]
+        self.staging = [torch.empty(n, dtype=torch.long, pin_memory=self.cuda)
+                        for _ in range(num_staging)]
         self.copied: list = [None] * num_staging  # CUDA events: copy from staging[i] finished
         if self.device.type == "cpu":
             self.buffer = self.staging[0]
@@ -358,7 +365,8 @@ class DeviceBatches:
             self.buffer = torch.empty(n, dtype=torch.long, device=self.device)
         self.count = 0
 
-    def __call__(self, inputs: np.ndarray, targets: np.ndarray, masked=()) -> tuple[torch.Tensor, torch.Tensor]:
+    def __call__(self, inputs: np.ndarray, targets: np.ndarray,
+                 masked=()) -> tuple[torch.Tensor, torch.Tensor]:
         BT = self.B * self.T
         i = self.count % len(self.staging)
         self.count += 1
@@ -368,7 +376,8 @@ class DeviceBatches:
         np.copyto(host[:BT].reshape(self.B, self.T), inputs)
         host_targets = host[BT:].reshape(self.B, self.T)
         np.copyto(host_targets, targets)
-        for r, start, end in masked:  # targets that predict a window's repeated tokens: trained once
+        # targets that predict a window's repeated tokens: those tokens are trained once
+        for r, start, end in masked:
             host_targets[r, start:end] = IGNORE_INDEX
         if self.buffer is not self.staging[i]:
             self.buffer.copy_(self.staging[i], non_blocking=self.cuda)
@@ -387,9 +396,9 @@ class DataLoader:
     """What the loader functions return: an iterator of (inputs, targets, state_dict) (or of
     (inputs, targets) without state), with `stats` and `close()`.
 
-    Background threads start at the first `next()` (a streaming loader's shard fetching at the call, so
-    that the first shard is on its way) and stop on `close()`, on garbage collection, or when the loader
-    fails; a failure is raised again by every later `next()`.
+    Background threads start at the first `next()` (a streaming loader's shard fetching at the
+    call, so that the first shard is on its way) and stop on `close()`, on garbage collection, or
+    when the loader fails; a failure is raised again by every later `next()`.
     `stats` describes the batches yielded so far (not the read-ahead): tokens tokenized, emitted
     and cropped, crop_share (cropped / (emitted + cropped)), documents per row, buffer occupancy,
     masked targets, and wait_seconds, the time `next()` spent waiting for a batch (the stall a GPU
@@ -397,8 +406,8 @@ class DataLoader:
     position_ids and cu_seqlens on the device (see nanochat.rows.attention_info).
     """
 
-    def __init__(self, batches, transfer: DeviceBatches, split_rows, prefetch: int, with_state: bool,
-                 *, attention_info: bool = False, also_close=None):
+    def __init__(self, batches, transfer: DeviceBatches, split_rows, prefetch: int,
+                 with_state: bool, *, attention_info: bool = False, also_close=None):
         self._batches = batches  # generator of RowBatch
         self._also_close = also_close  # closed first by close(): a streaming loader's shard cache
         self._attention_info = attention_info
@@ -408,8 +417,8 @@ class DataLoader:
         self._with_state = with_state
         self._source = None
         self._closed = False
-        # close() from another thread while next() starts the threads: it must see the prefetcher that owns the
-        # generator, not close the generator under it ("generator already executing")
+        # close() from another thread while next() starts the threads: it must see the prefetcher
+        # that owns the generator, not close the generator under it ("generator already executing")
         self._lock = threading.Lock()
         self._error: BaseException | None = None
         self._wait_seconds = 0.0
@@ -448,15 +457,17 @@ class DataLoader:
         return out
 
     def _check(self, batch: RowBatch) -> None:
-        """Called with every batch before it is yielded; raising stops the loader (see the mixture loader)."""
+        """Called with every batch before it is yielded; raising stops the loader (the mixture
+        loader's way to stop every rank at one step)."""
 
     def close(self) -> None:
-        """Stop the background threads and end the iteration: every later next() raises StopIteration,
-        as for a closed generator (a batch already prepared is dropped), or the failure that stopped the
-        loader. Idempotent; returns within a second: a thread inside a long call (one tokenizer call)
-        ends when that call returns, and starts no other."""
+        """Stop the background threads and end the iteration: every later next() raises
+        StopIteration, as for a closed generator (a batch already prepared is dropped), or the
+        failure that stopped the loader. Idempotent; returns within a second: a thread inside a long
+        call (one tokenizer call) ends when that call returns, and starts no other."""
         self._closed = True
-        if getattr(self, "_also_close", None) is not None:  # first: it wakes a reader waiting for a shard
+        # the shard cache first: closing it wakes a reader waiting for a shard
+        if getattr(self, "_also_close", None) is not None:
             self._also_close.close()
         lock = getattr(self, "_lock", None)  # (None: __del__ of an object whose __init__ failed)
         with lock or contextlib.nullcontext():

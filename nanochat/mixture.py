@@ -1,10 +1,10 @@
 """
-Data mixtures and curricula over pretokenized buckets (GPT-Simple's layout and rules): every row of a
-batch comes whole from one bucket, best-fit packed from that bucket's own buffer; which bucket is a
-counter-based function of (seed, phase, rank, position), so a resume continues the mix exactly. The
-phase of a batch is set by the tokens the whole job has trained, so all ranks switch at one step. A
-bucket that runs dry stops every rank at the same step (BucketExhausted, with the last good state), or
-is dropped (allow_bucket_exhaustion=True). Each bucket is assembled by nanochat.dataloader.assemble.
+Data mixtures and curricula over pretokenized buckets (GPT-Simple's layout and rules). Every row
+of a batch comes whole from one bucket, best-fit packed from that bucket's own buffer. Which bucket
+is a counter-based function of (seed, phase, rank, position), so a resume continues the mix exactly.
+A batch's phase is set by the tokens the whole job has trained, so all ranks switch at one step. A
+bucket that runs dry stops every rank at the same step (BucketExhausted, with the last good state),
+or is dropped (allow_bucket_exhaustion=True). Each bucket is put together by dataloader.assemble.
 Curricula and validation: nanochat/curriculum.py; the state: nanochat/mixture_state.py.
 Design: docs/mixtures.md.
 
@@ -17,15 +17,16 @@ nanochat.options, nanochat.token_reader, nanochat.rows, nanochat.packing, nanoch
 import itertools
 import logging
 import os
+from typing import NamedTuple
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
-from nanochat.curriculum import (Phase, choose, list_buckets, load_curriculum, main,  # noqa: F401 (public here)
-                                 row_unit, validate)
+# main: `python -m nanochat.mixture validate ...` runs the curriculum's command line
+from nanochat.curriculum import choose, list_buckets, load_curriculum, main, row_unit, validate
 from nanochat.dataloader import DataLoader, DeviceBatches, LoaderSpec, assemble, row_split
-from nanochat.mixture_state import merge_mixture_states, mixture_start, add_mixture_checksum  # noqa: F401 (public)
+from nanochat.mixture_state import add_mixture_checksum, mixture_start
 from nanochat.options import check_options, check_shuffle, resolve_rank
 from nanochat.packing import BestFitPacker, check_long_doc_policy
 from nanochat.rows import DocumentFeed, EntryDocuments, RowBatch, token_batches
@@ -44,8 +45,8 @@ class MixtureStop(RuntimeError):
 
 
 class BucketExhausted(MixtureStop):
-    """A bucket ran dry on some rank (allow_bucket_exhaustion=False). Save a checkpoint with `.state`
-    and stop; resume with allow_bucket_exhaustion=True to go on without the bucket."""
+    """A bucket ran dry on some rank (allow_bucket_exhaustion=False). Save a checkpoint with
+    `.state` and stop; resume with allow_bucket_exhaustion=True to go on without the bucket."""
 
     def __init__(self, message: str, state: dict | None, bucket: str | None):
         super().__init__(message, state)
@@ -61,7 +62,7 @@ class CurriculumComplete(MixtureStop):
 
 
 class _Lookahead:
-    """An iterator that can tell whether it has another item (reading one ahead, on the same thread)."""
+    """An iterator that can tell whether it has another item (reading one ahead, same thread)."""
 
     def __init__(self, it):
         self._it, self._slot, self._done = it, None, False
@@ -99,12 +100,15 @@ class _Bucket:
 
     def _buffered_tokens(self) -> int:
         p = self.packer
-        return p.tokens_in - (p.tokens_out - p.tokens_bos_added - p.tokens_repeated) - p.tokens_cropped
+        # in, minus what left as document tokens (BOS added and repeats are not the buffer's)
+        out = p.tokens_out - p.tokens_bos_added - p.tokens_repeated
+        return p.tokens_in - out - p.tokens_cropped
 
     def fill_row(self, row: np.ndarray, buffer_size: int) -> bool:
         """Pack one row (shape (1, T+1)); False if the bucket cannot fill it any more (dry)."""
         capacity = row.shape[1]
-        while self._buffered_tokens() < capacity and self.batches.more():  # enough left to finish the row?
+        # read on until the buffer could finish the row: a bucket is dry only when it cannot
+        while self._buffered_tokens() < capacity and self.batches.more():
             for doc, key, overlap, start in self.feed():
                 self.packer.add(doc, key, overlap, start)
         if self._buffered_tokens() < capacity:
@@ -114,26 +118,41 @@ class _Bucket:
         return True
 
 
+class _MixRules(NamedTuple):
+    """What the draw of rows needs besides the phases and the buckets."""
+    B: int
+    T: int
+    rank: int
+    world_size: int
+    seed: int  # picks the mix's sequence
+    buffer_size: int  # per bucket
+    allow_bucket_exhaustion: bool
+    allow_budget_mismatch: bool
+
+
 class _Mixture:
     """The curriculum's position, and the rows it draws from the buckets."""
 
-    def __init__(self, phases, buckets, B, T, world_size, rank, seed, buffer_size, allow_bucket_exhaustion,
-                 allow_budget_mismatch, config, start):
-        self.phases, self.buckets = phases, buckets
-        self.B, self.T, self.world_size, self.rank, self.seed = B, T, world_size, rank, seed
-        self.buffer_size = buffer_size
-        self.allow_bucket_exhaustion, self.allow_budget_mismatch = allow_bucket_exhaustion, allow_budget_mismatch
-        self.config = config
-        self.ends = list(itertools.accumulate(p.tokens for p in phases))  # where each phase ends, in job tokens
+    def __init__(self, phases, buckets: dict, rules: _MixRules, config: dict, start: dict | None):
+        self.phases, self.buckets, self.config = phases, buckets, config
+        self.B, self.T, self.world_size, self.rank = rules.B, rules.T, rules.world_size, rules.rank
+        self.seed, self.buffer_size = rules.seed, rules.buffer_size
+        self.allow_bucket_exhaustion = rules.allow_bucket_exhaustion
+        self.allow_budget_mismatch = rules.allow_budget_mismatch
+        # where each phase ends, in tokens of the whole job
+        self.ends = list(itertools.accumulate(p.tokens for p in phases))
         s = start or {}
         self.tokens_done = s.get("tokens_done", 0)  # tokens the whole job has trained
         self.phase = s.get("phase", 1) - 1  # (the state counts phases from 1, as the messages do)
-        self.phase_tokens_done = s.get("phase_tokens_done", 0)  # job tokens trained in this phase's batches
+        # job tokens trained in this phase's batches
+        self.phase_tokens_done = s.get("phase_tokens_done", 0)
         self.position = s.get("position", 0)  # this rank's rows drawn in the phase
-        self.generation = s.get("generation", 0)  # elastic merges so far: a fresh sequence after each
+        # elastic merges so far: each starts a fresh sequence of draws
+        self.generation = s.get("generation", 0)
         self.dropped = set(s.get("dropped", []))
         emitted = s.get("emitted", {"batches": 0, "tokens": 0, "hash": EMPTY_HASH})
-        self.batches, self.emitted_tokens, self.hash = emitted["batches"], emitted["tokens"], emitted["hash"]
+        self.batches, self.emitted_tokens = emitted["batches"], emitted["tokens"]
+        self.hash = emitted["hash"]
         self.past_end_warned = False
 
     def _phase_of(self, tokens_done: int) -> int | None:
@@ -146,7 +165,8 @@ class _Mixture:
         return add_mixture_checksum({
             "version": VERSION, "loader": "mixture", "phase": self.phase + 1,
             "phase_tokens_done": self.phase_tokens_done, "tokens_done": self.tokens_done,
-            "position": self.position, "generation": self.generation, "dropped": sorted(self.dropped),
+            "position": self.position, "generation": self.generation,
+            "dropped": sorted(self.dropped),
             "buckets": {name: b.recorder.state(b.packer, b.feed, np.empty(0, np.uint32))
                         for name, b in self.buckets.items()},
             "config": self.config,
@@ -156,19 +176,21 @@ class _Mixture:
     def stats(self, row_buckets) -> dict:
         per = {name: b.packer.stats() for name, b in self.buckets.items()}
         total = {key: sum(s[key] for s in per.values()) for key in
-                 ("tokens_tokenized", "tokens_emitted", "tokens_cropped", "tokens_masked", "tokens_bos_added",
-                  "tokens_repeated", "docs_split", "buffer_docs", "buffer_tokens")}
+                 ("tokens_tokenized", "tokens_emitted", "tokens_cropped", "tokens_masked",
+                  "tokens_bos_added", "tokens_repeated", "docs_split", "buffer_docs",
+                  "buffer_tokens")}
         out_docs = total["tokens_emitted"] - total["tokens_bos_added"] - total["tokens_repeated"]
         return total | {
             "crop_share": total["tokens_cropped"] / max(1, out_docs + total["tokens_cropped"]),
-            "phase": self.phase + 1, "phase_tokens_done": self.phase_tokens_done, "tokens_done": self.tokens_done,
+            "phase": self.phase + 1, "phase_tokens_done": self.phase_tokens_done,
+            "tokens_done": self.tokens_done,
             "dropped": sorted(self.dropped), "row_buckets": row_buckets,
             "buckets": per,
         }
 
     def mixed_batches(self):
-        """Yield (rows, state, stats, extras) per batch; extras["stop"] is set (with the last good state
-        as the state) when the loader must stop: ("bucket", name) or ("budget", None)."""
+        """Yield a RowBatch per batch; its `stop` is set (with the last good state as its state)
+        when the loader must stop: ("bucket", name) or ("budget", None)."""
         B, T = self.B, self.T
         last_state = None
         while True:
@@ -180,12 +202,13 @@ class _Mixture:
                 phase = len(self.phases) - 1
                 if not self.past_end_warned:
                     self.past_end_warned = True
-                    logger.warning("the curriculum's %s tokens are done; going on with the last phase's mix "
-                                   "(allow_budget_mismatch=True)", f"{self.ends[-1]:,}")
+                    logger.warning("the curriculum's %s tokens are done; going on with the last "
+                                   "phase's mix (allow_budget_mismatch=True)", f"{self.ends[-1]:,}")
             if phase != self.phase:
                 if phase > self.phase + 1:
-                    logger.warning("curriculum phases %s are shorter than one step (%s tokens) and were skipped",
-                                   list(range(self.phase + 2, phase + 1)), f"{B * T * self.world_size:,}")
+                    logger.warning("curriculum phases %s are shorter than one step (%s tokens) and "
+                                   "were skipped", list(range(self.phase + 2, phase + 1)),
+                                   f"{B * T * self.world_size:,}")
                 self.phase, self.position, self.phase_tokens_done = phase, 0, 0
             rows = np.empty((B, T + 1), dtype=np.uint32)
             row_buckets, masked, trace = [], [], []
@@ -195,7 +218,8 @@ class _Mixture:
                     if not weights:  # every bucket of the phase ran dry on this rank
                         yield RowBatch(None, last_state, {}, stop=("bucket", None))
                         return
-                    u = row_unit(self.seed, phase, self.generation, self.position, self.rank, self.world_size)
+                    u = row_unit(self.seed, phase, self.generation, self.position, self.rank,
+                                 self.world_size)
                     self.position += 1
                     name = choose(weights, u)
                     bucket = self.buckets[name]
@@ -205,8 +229,9 @@ class _Mixture:
                         yield RowBatch(None, last_state, {}, stop=("bucket", name))
                         return
                     self.dropped.add(name)
-                    logger.warning("bucket %r ran dry on rank %d in phase %d; dropped, the other weights "
-                                   "renormalised (allow_bucket_exhaustion=True)", name, self.rank, phase + 1)
+                    logger.warning("bucket %r ran dry on rank %d in phase %d; dropped, the other "
+                                   "weights renormalised (allow_bucket_exhaustion=True)", name,
+                                   self.rank, phase + 1)
                 row_buckets.append(name)
                 masked += [(i, start, end) for _, start, end in bucket.packer.masked]
                 if bucket.trace:
@@ -219,10 +244,11 @@ class _Mixture:
             self.emitted_tokens += rows.size
             self.hash = hash_tokens(self.hash, rows)
             last_state = self.state()
-            yield RowBatch(rows, last_state, self.stats(row_buckets), trace if trace else None, masked)
+            yield RowBatch(rows, last_state, self.stats(row_buckets), trace if trace else None,
+                           masked)
 
     def _weights(self, phase: int) -> list[tuple[str, float]]:
-        """The phase's weights without the dropped buckets, renormalised (empty: all of them dropped)."""
+        """The phase's weights without the dropped buckets, renormalised (empty: all dropped)."""
         mix = {name: w for name, w in self.phases[phase].mix.items() if name not in self.dropped}
         total = sum(mix.values())
         return [(name, w / total) for name, w in sorted(mix.items())]
@@ -237,7 +263,9 @@ def _flag_group(world_size: int):
     CPU, so that reading the flag never waits for the GPU (an NCCL all_reduce + .item() would sync
     every step). Made at the first mixture loader's construction, which every rank reaches in the
     same order."""
-    if world_size == 1 or not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() != world_size:
+    if world_size == 1 or not (dist.is_available() and dist.is_initialized()):
+        return None
+    if dist.get_world_size() != world_size:  # a loader for a subset of the job (rank 0's eval)
         return None
     if dist.get_backend() == "gloo":
         return dist.group.WORLD
@@ -261,14 +289,15 @@ class MixtureLoader(DataLoader):
     per-bucket statistics, and `row_buckets` (each row's bucket in the last batch)."""
 
     STOP_CODES = {None: 0, "budget": 1, "bucket": 2}
-    FAILED = 3  # this rank's loader failed (a bad shard, ...): the others stop too instead of waiting
+    FAILED = 3  # this rank's loader failed (a bad shard, ...): the others stop too, not wait
 
     def __init__(self, *args, start_state=None, world_size=1, **kwargs):
         super().__init__(*args, **kwargs)
         self.last_state = start_state
-        # Looked up at each step, never kept: a loader held until the interpreter's exit (in a reference
-        # cycle, or never closed) would keep a gloo group alive after destroy_process_group(), and its worker
-        # thread then frees the flag tensors while Python is shutting down, which aborts the process.
+        # Looked up at each step, never kept: a loader held until the interpreter's exit (in a
+        # reference cycle, or never closed) would keep a gloo group alive after
+        # destroy_process_group(), and its worker thread then frees the flag tensors while Python
+        # is shutting down, which aborts the process.
         self._world_size = world_size
         _flag_group(world_size)  # made now, on every rank in the same order
         self._told_failure = False
@@ -291,7 +320,8 @@ class MixtureLoader(DataLoader):
             self.last_state = batch.state
         if code == self.FAILED:
             self._told_failure = True
-            raise RuntimeError("the mixture loader failed on another rank (see its error); stopping here too")
+            raise RuntimeError("the mixture loader failed on another rank (see its error); "
+                               "stopping here too")
         if code == 2:
             if stop and stop[1]:
                 where = f"bucket {stop[1]!r} ran dry on this rank"
@@ -299,64 +329,75 @@ class MixtureLoader(DataLoader):
                 where = "every bucket of the current phase ran dry on this rank"
             else:
                 where = "a bucket ran dry on another rank"
-            raise BucketExhausted(f"{where}; its `state` is the last good state: save a checkpoint with it and "
-                                  "stop, or resume with allow_bucket_exhaustion=True to drop the bucket",
+            raise BucketExhausted(f"{where}; its `state` is the last good state: save a checkpoint "
+                                  "with it and stop, or resume with allow_bucket_exhaustion=True "
+                                  "to drop the bucket",
                                   self.last_state, stop[1] if stop else None)
         if code == 1:
-            raise CurriculumComplete("every phase of the curriculum is done; its `state` is the last good state "
-                                     "(pass allow_budget_mismatch=True to go on with the last phase)", self.last_state)
+            raise CurriculumComplete("every phase of the curriculum is done; its `state` is the "
+                                     "last good state (pass allow_budget_mismatch=True to go on "
+                                     "with the last phase)", self.last_state)
 
 
 def pretokenized_mixture_loader_with_state_bos_bestfit(
-        B: int, T: int, split: str, curriculum, device="cuda", resume_state_dict: dict | None = None,
-        buffer_size: int = 1000, *, data_dir: str, seed: int = 0, bos_token: int | None = None,
-        chunk_size: int = 1024, batch_size: int = 128, rank: int | None = None, world_size: int | None = None,
+        B: int, T: int, split: str, curriculum, device="cuda",
+        resume_state_dict: dict | None = None, buffer_size: int = 1000, *, data_dir: str,
+        seed: int = 0, bos_token: int | None = None, chunk_size: int = 1024,
+        batch_size: int = 128, rank: int | None = None, world_size: int | None = None,
         prefetch: int = 4, with_state: bool = True, allow_state_mismatch: bool = False,
         allow_bucket_exhaustion: bool = False, allow_budget_mismatch: bool = False,
-        total_tokens: int | None = None, trace_documents: bool = False, long_doc_policy: str = "crop",
-        split_overlap: int = 0, vocab_size: int | None = None, shuffle: bool = False,
-        shuffle_window: int = 8) -> MixtureLoader:
-    """Yield (inputs, targets, state_dict): best-fit rows, each from one bucket of data_dir/split/<bucket>/,
-    mixed by the curriculum (see the module docstring). buffer_size is per bucket. seed picks the mix's
-    sequence. total_tokens: tokens the run will train (all ranks), checked against the curriculum.
-    vocab_size, bos_token: as for the pretokenized loader; pretokenize.json is looked for in data_dir and in
-    each bucket's directory (where `pretokenize --bucket` writes it; all that record a BOS must agree on it and
-    on the convention). shuffle, shuffle_window: each bucket's chunks and entries in a seeded order, as the
-    pretokenized loader's (seeded by seed and the bucket's name).
-    Raises BucketExhausted / CurriculumComplete (with .state, the last good state) where it must stop."""
-    check_options(B, T, split, prefetch, buffer_size=buffer_size, chunk_size=chunk_size, batch_size=batch_size)
+        total_tokens: int | None = None, trace_documents: bool = False,
+        long_doc_policy: str = "crop", split_overlap: int = 0, vocab_size: int | None = None,
+        shuffle: bool = False, shuffle_window: int = 8) -> MixtureLoader:
+    """Yield (inputs, targets, state_dict): best-fit rows, each from one bucket of
+    data_dir/split/<bucket>/, mixed by the curriculum. buffer_size is per bucket. seed picks the
+    mix's sequence. total_tokens: tokens the run will train (all ranks), checked against the
+    curriculum. vocab_size, bos_token: as for the pretokenized loader; pretokenize.json is looked
+    for in data_dir and in each bucket's directory (all that record a BOS must agree). shuffle,
+    shuffle_window: each bucket's chunks and entries in a seeded order (seed and the bucket's name).
+    Raises BucketExhausted / CurriculumComplete (with .state, the last good state) where it must
+    stop. Details: docs/mixtures.md."""
+    check_options(B, T, split, prefetch, buffer_size=buffer_size, chunk_size=chunk_size,
+                  batch_size=batch_size)
     check_long_doc_policy(long_doc_policy, split_overlap, T)
     order = check_shuffle(shuffle, seed, shuffle_window)
     rank, world_size = resolve_rank(rank, world_size)
     data_dir = os.path.expanduser(os.fspath(data_dir))
     paths = list_buckets(data_dir, split)
     phases = load_curriculum(curriculum, paths)
-    # the vocabulary and the BOS: the arguments, or pretokenize.json in data_dir or in a bucket's directory (all agree)
+    # the vocabulary and the BOS: the arguments, or pretokenize.json in data_dir or in a bucket's
+    # directory (all must agree)
     vocab = shard_vocab(next(iter(paths.values()))[0], bos_token, vocab_size,
-                         [data_dir] + [os.path.join(data_dir, split, name) for name in paths])
+                        [data_dir] + [os.path.join(data_dir, split, name) for name in paths])
     bos_token = vocab.bos_token
     used = sorted({name for p in phases for name in p.mix})
+    step_tokens = B * T * world_size  # tokens the whole job trains per step
     config = {"loader": "mixture", "source": "pretokenized", "split": split,
               "buckets": {name: files_fingerprint(paths[name]) for name in used},
-              "chunk_size": chunk_size, "B": B, "T": T, "buffer_size": buffer_size, "tokenizer_batch_size": batch_size,
-              "tokenizer": f"bos:{bos_token}", "seed": seed,
-              "curriculum": [[p.tokens, [[name, w] for name, w in sorted(p.mix.items())]] for p in phases],
+              "chunk_size": chunk_size, "B": B, "T": T, "buffer_size": buffer_size,
+              "tokenizer_batch_size": batch_size, "tokenizer": f"bos:{bos_token}", "seed": seed,
+              "curriculum": [[p.tokens, [[name, w] for name, w in sorted(p.mix.items())]]
+                             for p in phases],
               "rank": rank, "world_size": world_size, "long_doc_policy": long_doc_policy,
-              "split_overlap": split_overlap} | ({"shuffle": {"window": shuffle_window}} if shuffle else {})
+              "split_overlap": split_overlap}
+    if shuffle:  # (an unshuffled mixture's config has no "shuffle" key at all)
+        config["shuffle"] = {"window": shuffle_window}
     state, where = mixture_start(resume_state_dict, config, rank, world_size, allow_state_mismatch)
+    planned = sum(p.tokens for p in phases)
     if state is None:  # a fresh run: refuse a curriculum that is predicted to run dry
-        _, problems, notes = validate(phases, data_dir, split, total_tokens, allow_bucket_exhaustion,
-                                      allow_budget_mismatch, T, world_size, chunk_size, B * T * world_size, order)
+        _, problems, notes = validate(phases, data_dir, split, total_tokens,
+                                      allow_bucket_exhaustion, allow_budget_mismatch, T,
+                                      world_size, chunk_size, step_tokens, order)
         for note in notes:
             logger.warning("mixture: %s", note)
         if problems:
             raise ValueError("the curriculum does not fit the data: " + "; ".join(problems) +
                              " (python -m nanochat.mixture validate prints the whole table; "
                              "allow_bucket_exhaustion / allow_budget_mismatch accept it)")
-    elif (total_tokens is not None and abs(total_tokens - sum(p.tokens for p in phases)) >= B * T * world_size
+    elif (total_tokens is not None and abs(total_tokens - planned) >= step_tokens
           and not allow_budget_mismatch):
-        raise ValueError(f"budget mismatch: the curriculum totals {sum(p.tokens for p in phases):,} tokens, "
-                         f"the run will train {total_tokens:,}; pass allow_budget_mismatch=True to accept it")
+        raise ValueError(f"budget mismatch: the curriculum totals {planned:,} tokens, the run will "
+                         f"train {total_tokens:,}; pass allow_budget_mismatch=True to accept it")
     encoder = EntryDocuments(bos_token, always=vocab.convention == "gpt-simple")
     buckets = {}
     for name in used:
@@ -370,13 +411,14 @@ def pretokenized_mixture_loader_with_state_bos_bestfit(
                           shuffle=bucket_order, allow_state_mismatch=allow_state_mismatch,
                           epochs=1, where=f"{where}['buckets'][{name!r}]")
         walk, recorder, position = assemble(spec, state["buckets"][name] if state else None)
-        buckets[name] = (walk, recorder, BestFitPacker(T + 1, long_doc_policy, split_overlap), position)
+        packer = BestFitPacker(T + 1, long_doc_policy, split_overlap)
+        buckets[name] = (walk, recorder, packer, position)
+    rules = _MixRules(B, T, rank, world_size, seed, buffer_size, allow_bucket_exhaustion,
+                      allow_budget_mismatch)
 
     def batches():
         made = {name: _Bucket(name, *parts, trace_documents) for name, parts in buckets.items()}
-        mixture = _Mixture(phases, made, B, T, world_size, rank, seed, buffer_size, allow_bucket_exhaustion,
-                           allow_budget_mismatch, config, state)
-        yield from mixture.mixed_batches()
+        yield from _Mixture(phases, made, rules, config, state).mixed_batches()
 
     return MixtureLoader(batches(), DeviceBatches(B, T, device), row_split, prefetch, with_state,
                          start_state=state, world_size=world_size)

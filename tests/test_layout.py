@@ -34,7 +34,7 @@ from nanochat.dataset import (download_shards, download_single_file, list_parque
 from nanochat.dataset import main as dataset_main
 from nanochat.layout import data_kind, describe_mismatch
 from nanochat.mixture import main as mixture_main
-from nanochat.mixture import merge_mixture_states
+from nanochat.mixture_state import merge_mixture_states
 from nanochat.mixture import pretokenized_mixture_loader_with_state_bos_bestfit as MIX
 from nanochat.pretokenize import main as pretokenize
 from nanochat.resume import merge_states
