@@ -1,6 +1,7 @@
 """
-The one integer check that every argument, field and setting goes through, so that bad input gets the
-same kind of message everywhere: the name, the range, the value and, where it helps, a hint.
+The one integer check that every argument, field and setting goes through, so that bad input
+gets the same kind of message everywhere: the name, the range, the value and, where it helps, a
+hint.
 
 May import: nothing of ours.
 """
@@ -15,10 +16,10 @@ def is_int(value) -> bool:
     return isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
 
 
-def check_int(name: str, value, low: int | None = None, high: int | None = None, *, hint: str = "",
-              error: type[Exception] = ValueError) -> int:
-    """Return value as an int if it is one in [low, high] (either bound may be None), else raise `error`
-    naming `name`. hint: words put after the range, e.g. " (0 = no background threads)"."""
+def check_int(name: str, value, low: int | None = None, high: int | None = None, *,
+              hint: str = "", error: type[Exception] = ValueError) -> int:
+    """Return value as an int if it is one in [low, high] (either bound may be None), else raise
+    `error` naming `name`. hint: words put after the range, e.g. " (0 = no background threads)"."""
     if is_int(value) and (low is None or value >= low) and (high is None or value <= high):
         return int(value)
     if low is not None and high is not None:

@@ -1,15 +1,14 @@
 """
-The package's structure (issue 14), read from the source with ast, so that a change that breaks it
-fails here rather than in a reviewer's head:
-- every import is at the top of its file (none inside a function, a class or a branch), but for a
-  heavy third-party library that the docstring names as "Imported only when needed" (the tokenizer
-  loads torch and rustbpe only in the functions that use them: tests/test_tokenizer.py keeps its import
-  light); a nanochat module is never imported late;
-- no module imports another's underscore names, or reaches into one through an attribute;
-- the imports between nanochat's modules form no cycle, and common.py imports none of them;
-- each module's docstring says what it may import ("May import: ..."), and it imports no other
-  nanochat module than those;
-- dataloader.py composes stages and implements none: it defines no class, and stays short.
+The package's shape, read from the source with ast, so that a change that breaks it fails here and
+not in a reviewer's head:
+- imports: at the top of their file (a heavy library the docstring names as "Imported only when
+  needed" excepted), no underscore names across modules, no cycles, only what each module's
+  "May import: ..." line allows, the stages never reaching up to the modules that compose them;
+- the main path: at most 6 modules from the public loader to a yielded batch (7 with streaming),
+  each named in docs/ARCHITECTURE.md's walk;
+- habits: a README of at most 16 KB, module docstrings of at most 15 lines, lines of at most 100
+  columns, at most 6 positional parameters for internal functions, one integer validator, no name
+  imported only to be re-exported, and no project history in the README, docs/ or the code.
 
 Run: python -m pytest tests/test_architecture.py -q
 """
@@ -20,8 +19,20 @@ import re
 
 import pytest
 
-PACKAGE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "nanochat")
-MODULES = sorted(name[:-3] for name in os.listdir(PACKAGE) if name.endswith(".py") and name != "__init__.py")
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PACKAGE = os.path.join(ROOT, "nanochat")
+MODULES = sorted(name[:-3] for name in os.listdir(PACKAGE)
+                 if name.endswith(".py") and name != "__init__.py")
+
+# The main path, from tokenizing_distributed_data_loader_with_state_bos_bestfit to a yielded batch,
+# in the order a reader walks it: the loader and its builder, the walk, tokens to rows, the pure
+# packer, the state's format, the threads that run ahead
+MAIN_PATH = ["dataloader", "order", "rows", "packing", "state", "prefetch"]
+STREAMING = ["shard_cache"]  # what stream=True adds to the path
+# what the path calls without a reader having to follow it: argument checks, file listing, the
+# shuffled order, the resume checks, the pretokenized reader, streaming's helpers
+ASIDE = {"checks", "options", "dataset", "download", "shuffle", "state_checks", "token_reader",
+         "token_shards", "common", "files", "layout", "catalog", "kept"}
 
 
 def parse(module: str) -> ast.Module:
@@ -29,8 +40,13 @@ def parse(module: str) -> ast.Module:
         return ast.parse(f.read())
 
 
+def read(relative: str) -> str:
+    with open(os.path.join(ROOT, relative), encoding="utf-8") as f:
+        return f.read()
+
+
 def nanochat_imports(tree: ast.Module) -> dict[str, list[str]]:
-    """nanochat module -> the names imported from it (["*module*"] for the module itself), at any depth."""
+    """nanochat module -> the names imported from it (["*module*"] for the module itself)."""
     found: dict[str, list[str]] = {}
     for node in ast.walk(tree):
         if isinstance(node, ast.ImportFrom) and node.module == "nanochat":
@@ -45,9 +61,15 @@ def nanochat_imports(tree: ast.Module) -> dict[str, list[str]]:
     return found
 
 
+def names_imported_from_us(tree: ast.Module) -> set[str]:
+    """The names a module binds by `from nanochat.x import name`."""
+    return {alias.asname or alias.name for node in tree.body if isinstance(node, ast.ImportFrom)
+            and (node.module or "").startswith("nanochat.") for alias in node.names}
+
+
 def test_the_package_has_the_modules_this_test_reads():
-    assert {"dataloader", "readers", "stream", "tokens", "packing", "rows", "state", "state_checks", "elastic",
-            "resume", "prefetch", "device", "token_shards", "pretokenize", "mixture"} <= set(MODULES)
+    assert set(MAIN_PATH + STREAMING) | {"state_checks", "elastic", "resume", "token_reader",
+                                         "token_shards", "pretokenize", "mixture"} <= set(MODULES)
 
 
 @pytest.mark.parametrize("module", MODULES)
@@ -124,22 +146,25 @@ def test_the_loaders_never_reach_up():
     nothing of mixtures (the layering the docstrings state, checked once more as a whole)."""
     graph = {module: set(nanochat_imports(parse(module))) for module in MODULES}
     tops = {"dataloader", "mixture", "mixture_state", "curriculum", "pretokenize", "resume"}
-    for module in ("readers", "stream", "tokens", "rows", "packing", "state", "state_checks", "elastic", "prefetch",
-                   "device", "token_shards", "options", "files"):
+    for module in ("order", "token_reader", "rows", "packing", "state", "state_checks", "elastic",
+                   "prefetch", "token_shards", "options", "files", "checks"):
         assert not graph[module] & tops, f"{module}.py imports {sorted(graph[module] & tops)}"
     mixtures = {"mixture", "mixture_state", "curriculum"}
-    for module in ("state", "state_checks", "elastic"):  # the resume state knows nothing of mixtures
+    for module in ("state", "state_checks", "elastic", "dataloader"):  # they know nothing of mixtures
         assert not graph[module] & mixtures, f"{module}.py imports {sorted(graph[module] & mixtures)}"
-    assert "dataloader" not in graph["mixture"] | graph["mixture_state"] | graph["curriculum"]
 
 
-def test_dataloader_composes_and_stays_short():
-    tree = parse("dataloader")
-    classes = [node.name for node in tree.body if isinstance(node, ast.ClassDef)]
-    assert not classes, f"dataloader.py composes the stages; these classes belong in a stage module: {classes}"
-    with open(os.path.join(PACKAGE, "dataloader.py"), encoding="utf-8") as f:
-        lines = sum(1 for _ in f)
-    assert lines < 300, f"dataloader.py has {lines} lines: move what it implements into the stage modules"
+def test_the_main_path_is_a_few_rooms_named_in_the_walk():
+    assert len(MAIN_PATH) <= 6 and len(MAIN_PATH + STREAMING) <= 7
+    for module in MAIN_PATH:
+        others = set(nanochat_imports(parse(module))) - set(MAIN_PATH + STREAMING) - ASIDE - {module}
+        assert not others, (f"{module}.py takes the main path through {sorted(others)}: a new "
+                            "room on the path, or a helper to list in ASIDE")
+    text = read(os.path.join("docs", "ARCHITECTURE.md"))
+    assert "## The main path" in text, "docs/ARCHITECTURE.md has no '## The main path' section"
+    walk = text[text.index("## The main path"):]
+    unnamed = [module for module in MAIN_PATH + STREAMING if f"`{module}.py`" not in walk]
+    assert not unnamed, f"docs/ARCHITECTURE.md's walk of the main path does not name {unnamed}"
 
 
 def readme_names() -> set[tuple[str, str]]:
@@ -158,15 +183,83 @@ def readme_names() -> set[tuple[str, str]]:
 
 def test_the_public_names_stay_where_the_readme_shows_them():
     names = readme_names()
-    assert ("resume", "merge_states") in names and ("dataloader", "tokenizing_distributed_data_loader_with_state_bos_bestfit") in names
+    assert ("resume", "merge_states") in names
+    assert ("dataloader", "tokenizing_distributed_data_loader_with_state_bos_bestfit") in names
     missing = []
     for module, name in sorted(names):
         imported = __import__(f"nanochat.{module}", fromlist=[name])
         if not hasattr(imported, name):
             missing.append(f"nanochat.{module}.{name}")
     assert not missing, f"the README shows names that are not there: {missing}"
-    import nanochat.dataloader
-    import nanochat.pretokenize
-    import nanochat.token_shards
-    assert nanochat.pretokenize.TokenShard is nanochat.token_shards.TokenShard  # the README's older place for it
-    assert hasattr(nanochat.dataloader, "EXIT_TIMEOUT")  # the README showed it here before the move
+    # shown where they are defined, never at a module that only imports them
+    elsewhere = [f"nanochat.{module}.{name}" for module, name in sorted(names)
+                 if name in names_imported_from_us(parse(module))]
+    assert not elsewhere, f"the README shows these names where they are only imported: {elsewhere}"
+
+
+@pytest.mark.parametrize("module", MODULES)
+def test_no_name_is_imported_only_to_be_shown_here(module):
+    """A name imported from another module of ours is used here, not kept for the docs."""
+    tree = parse(module)
+    used = {node.id for node in ast.walk(tree) if isinstance(node, ast.Name)}
+    unused = sorted(names_imported_from_us(tree) - used)
+    assert not unused, f"{module}.py imports {unused} from our modules without using them"
+
+
+# -----------------------------------------------------------------------------
+# Habits a reader relies on
+
+SOURCES = sorted(os.path.join(folder, name) for folder in ("nanochat", "scripts")
+                 for name in os.listdir(os.path.join(ROOT, folder)) if name.endswith(".py"))
+HISTORY = re.compile(r"\bseeds'|\bthe seeds\b|\bseed 00\d|before that change|\bpreviously\b|"
+                     r"\bold (logger|module|name|place)|before the move|\bused to be\b", re.I)
+# public functions whose positional parameters are a documented contract
+PUBLIC_SIGNATURES = {"validate", "loader_config", "write_token_shard"}
+
+
+def test_the_readme_is_at_most_16_kb():
+    size = len(read("README.md").encode())
+    assert size <= 16 * 1024, f"README.md is {size:,} bytes: move the depth to a page in docs/"
+
+
+@pytest.mark.parametrize("module", MODULES)
+def test_module_docstrings_are_at_most_15_lines(module):
+    lines = (ast.get_docstring(parse(module)) or "").splitlines()
+    assert len(lines) <= 15, f"{module}.py's docstring has {len(lines)} lines: design goes to docs/"
+
+
+@pytest.mark.parametrize("path", SOURCES)
+def test_lines_are_at_most_100_columns(path):
+    long = [f"{path}:{n}" for n, line in enumerate(read(path).splitlines(), 1) if len(line) > 100]
+    assert not long, f"lines over 100 columns: {long[:10]} ({len(long)} in all)"
+
+
+@pytest.mark.parametrize("module", MODULES)
+def test_internal_functions_take_at_most_6_positional_parameters(module):
+    wide = []
+    for node in ast.walk(parse(module)):
+        if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            continue
+        if node.name.endswith("_bos_bestfit") or node.name.endswith("_data_loader_with_state") \
+                or node.name in PUBLIC_SIGNATURES:
+            continue  # nanochat's loader signatures, and the documented ones
+        names = [a.arg for a in node.args.posonlyargs + node.args.args if a.arg not in ("self", "cls")]
+        if len(names) > 6:
+            wide.append(f"{module}.py:{node.lineno} {node.name}({', '.join(names)})")
+    assert not wide, f"more than 6 positional parameters (pass a record, or keyword-only): {wide}"
+
+
+def test_one_integer_validator():
+    """Integer checks go through nanochat.checks (is_int, check_int): no module writes its own."""
+    own = re.compile(r"isinstance\([^)]*\bbool\b")
+    found = [f"nanochat/{module}.py:{n}" for module in MODULES if module != "checks"
+             for n, line in enumerate(read(f"nanochat/{module}.py").splitlines(), 1)
+             if own.search(line) and "int" in line]
+    assert not found, f"hand-written integer checks (use nanochat.checks): {found}"
+
+
+def test_no_project_history_in_the_readme_docs_or_code():
+    pages = [os.path.join("docs", name) for name in os.listdir(os.path.join(ROOT, "docs"))]
+    found = [f"{path}:{n}: {line.strip()[:80]}" for path in ["README.md"] + pages + SOURCES
+             for n, line in enumerate(read(path).splitlines(), 1) if HISTORY.search(line)]
+    assert not found, f"project history a reader cannot look up: {found[:10]}"
