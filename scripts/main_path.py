@@ -122,7 +122,8 @@ def main(argv=None) -> int:
         room = os.path.basename(path) in ROOMS
         rooms += lines if room else 0
         names = ", ".join(name for name, _, _ in outer)
-        print(f"{os.path.basename(path):16} {lines:5d} lines  {'room ' if room else 'aside'}  {names}")
+        kind = "room " if room else "aside"
+        print(f"{os.path.basename(path):16} {lines:5d} lines  {kind}  {names}")
     print(f"{'the rooms':16} {rooms:5d} lines")
     print(f"{'in all':16} {total:5d} lines in {len(ran)} modules")
     return 0
