@@ -45,7 +45,7 @@ def mixture_start(state, config, rank, world_size, allow_mismatch) -> tuple[dict
         return None, where
     if not isinstance(state, dict):
         raise TypeError(f"resume_state_dict must be a dict, got {type(state).__name__}")
-    if "merged" in state:
+    if "merged" in state:  # every new rank is given the whole merge and takes its own part
         state, where = rank_state(state, rank, world_size)
     if state.get("version") != VERSION or state.get("loader") != "mixture":
         raise ValueError(f"{where} is not a mixture loader state (version 2, loader 'mixture')")
@@ -111,6 +111,7 @@ def check_mixture_fields(state: dict, where: str) -> None:
             or len(set(dropped)) != len(dropped)):
         raise ValueError(f"{where}['dropped'] must list buckets of the mixture "
                          f"({', '.join(names)}) once each, got {reprlib.repr(dropped)}")
+    # one state per bucket of the config, no other
     buckets = check_keys(state["buckets"], f"{where}['buckets']", names, ())
     for name, bucket in buckets.items():
         check_keys(bucket, f"{where}['buckets'][{name!r}]", ())
@@ -151,6 +152,7 @@ def merge_mixture_states(states: list[dict], world_size: int, *, data_dir: str) 
                                             data_dir, 1, [f"states[{i}]['buckets'][{name!r}]"
                                                           for i in range(len(states))])
                   for name in first["buckets"]}
+    # a bucket one old rank still read has documents left, now dealt to every new rank
     dropped = sorted(set.intersection(*(set(s["dropped"]) for s in states)))
     merged = []
     for q in range(world_size):

@@ -68,12 +68,14 @@ def check_keys(value, where: str, required, optional=None) -> dict:
             raise ValueError(f"{where} is missing {key!r} (a truncated state?)")
     for key in value if optional is not None else ():
         if key not in required and key not in optional:
+            # reprlib: an edited state's key can be any size; the message shows its start
             raise ValueError(f"{where} has an unknown field {reprlib.repr(key)}")
     return value
 
 
 def _runs(runs, where: str) -> tuple[int, int]:
     """(how many rows, the largest) of encode_rows' output, measured without decoding it."""
+    # runs[0] >= 0: a run (-k) continues the row before it, so one must come first
     if not (isinstance(runs, list) and runs and all(is_int(v) for v in runs) and runs[0] >= 0):
         raise ValueError(f"{where} must be a non-empty list of rows (ints >= 0, a row followed by "
                          f"-k: the k rows after it too), got {reprlib.repr(runs)}")
@@ -89,6 +91,7 @@ def _pieces(pieces, n: int, where: str) -> int:
     """Check [[i, start], ...] (indices into n entries, increasing; starts >= 0); how many."""
     previous = -1
     for pair in check_list(pieces, where):
+        # increasing indices: each buffered entry is at most one piece, as buffered_pieces() writes
         if not (isinstance(pair, list) and len(pair) == 2 and all(is_int(v) for v in pair)
                 and previous < pair[0] < n and pair[1] >= 0):
             raise ValueError(f"{where}: {reprlib.repr(pair)} is not [index, start] (indices "
@@ -116,7 +119,7 @@ def _check_config(config, loader: str, where: str) -> dict:
     if config["loader"] != loader:
         raise ValueError(f"{where}['loader'] is {reprlib.repr(config['loader'])}, "
                          f"but the state is a {loader!r} state")
-    if config.get("source", "parquet") not in ("parquet", "pretokenized"):
+    if config.get("source", "parquet") not in ("parquet", "pretokenized"):  # absent: parquet
         raise ValueError(f"{where}['source'] must be 'parquet' or 'pretokenized', "
                          f"got {reprlib.repr(config['source'])}")
     for key in ("split", "tokenizer"):
@@ -224,6 +227,8 @@ def check_fields(state: dict, where: str = "resume_state_dict",
                              + f", got {reprlib.repr(group)}")
         buffered += _runs(group[-1], f"{where}['buffer'][{i}]")[0]
     pieces = _pieces(state.get("pieces", []), buffered, f"{where}['pieces']")
+    # measured from the runs, before a row is decoded: a state cannot make the loader allocate
+    # more than its buffer holds
     limit = buffer_limit(config, loader)
     if loader_config is not None and loader_config["loader"] == loader:
         # a loader resumed (allow_state_mismatch) from a state with a larger buffer drains it:
@@ -259,7 +264,7 @@ def check_fields(state: dict, where: str = "resume_state_dict",
 def check_data(state: dict, index, where: str = "resume_state_dict") -> None:
     """Check that every place a state (through check_fields) refers to is in the data: its files,
     their row groups (or chunks) and rows; and that `next` is in the share of the state's rank."""
-    unit = "row group" if index.chunk_size is None else "chunk"
+    unit = "row group" if index.chunk_size is None else "chunk"  # chunks: pretokenized shards
     files = len(index.paths)
 
     def rows_in(pq_idx: int, rg_idx: int, runs, at: str) -> int:
@@ -289,6 +294,7 @@ def check_data(state: dict, index, where: str = "resume_state_dict") -> None:
         windows = -(-units // shuffle.window)  # the last window may be short
         if window >= windows:
             return -1 if window == windows else None
+        # the table's bounds end with the window's entry count
         return int(shuffle.window_table(index, epoch, rank, world_size, window)[1][-1])
 
     if shuffle:
@@ -384,6 +390,8 @@ def check_state(state: dict, config: dict, index, *, allow_mismatch: bool,
     if differ and not allow_mismatch:
         raise ValueError(f"{where} was taken on another configuration (" + "; ".join(differ)
                          + "); pass allow_state_mismatch=True to resume as well as possible")
+    # only a state of this very stream names places in this data; an approximate resume reads
+    # just pq_idx, rg_idx and epoch
     exact = all(saved.get(k) == config.get(k) for k in STREAM_FIELDS)
     if exact:
         check_data(state, index, where)
