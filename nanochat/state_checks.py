@@ -39,7 +39,8 @@ REQUIRED = ("version", "loader", "pq_idx", "rg_idx", "epoch", "plan", "next", "b
 # other values cannot continue the same stream
 STREAM_FIELDS = ("loader", "source", "split", "files", "num_files", "chunk_size", "rank",
                  "world_size", "shuffle")
-# every version-2 config has these; a loader records the optional ones only when it uses them
+# every version-2 config has these; an absent optional one reads as parquet, no chunks, "crop",
+# unshuffled
 CONFIG_FIELDS = ("loader", "split", "files", "num_files", "B", "T", "buffer_size",
                  "tokenizer_batch_size", "tokenizer", "rank", "world_size")
 OPTIONAL_CONFIG_FIELDS = ("source", "chunk_size", "long_doc_policy", "split_overlap", "shuffle")
