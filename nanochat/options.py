@@ -1,33 +1,32 @@
 """
 Checking a loader's arguments up front, so that bad input fails at the call with a ValueError that
-names the argument, not later inside a background thread.
+names the argument, not later inside a background thread. Streaming's settings come from the
+arguments or the environment (NANOCHAT_STREAM, NANOCHAT_CACHE_LIMIT, NANOCHAT_STREAM_SHARDS).
 
-May import: nanochat.common, nanochat.dataset, nanochat.shuffle.
+May import: nanochat.checks, nanochat.common, nanochat.dataset, nanochat.shuffle.
 """
 
 import os
 import re
 from typing import NamedTuple
 
+from nanochat.checks import check_int
 from nanochat.common import get_dist_info
 from nanochat.dataset import SPLITS
 from nanochat.shuffle import Shuffle
 
 
-def check_positive(**kwargs) -> None:
-    """ValueError unless every value is an int >= 1 (a bool is not)."""
-    for name, value in kwargs.items():
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
-
-
 def check_options(B, T, split, prefetch, **more) -> None:
-    """The arguments every loader takes; `more`: other counts that must be >= 1 (None: not given)."""
+    """The arguments every loader takes; `more`: other counts that must be >= 1 (None: not
+    given)."""
     if split not in SPLITS:
         raise ValueError(f"split must be 'train' or 'val', got {split!r}")
-    check_positive(B=B, T=T, **{k: v for k, v in more.items() if v is not None})
-    if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 0:
-        raise ValueError(f"prefetch must be an integer >= 0 (0 = no background threads), got {prefetch!r}")
+    check_int("B", B, 1)
+    check_int("T", T, 1)
+    for name, value in more.items():
+        if value is not None:  # not given: the loader's default
+            check_int(name, value, 1)
+    check_int("prefetch", prefetch, 0, hint=" (0 = no background threads)")
 
 
 def resolve_rank(rank: int | None, world_size: int | None) -> tuple[int, int]:
@@ -35,42 +34,37 @@ def resolve_rank(rank: int | None, world_size: int | None) -> tuple[int, int]:
     _, env_rank, _, env_world_size = get_dist_info()
     rank = env_rank if rank is None else rank
     world_size = env_world_size if world_size is None else world_size
-    check_positive(world_size=world_size)
-    if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < world_size:
-        raise ValueError(f"rank must be an integer in [0, {world_size}), got {rank!r}")
-    return rank, world_size
-
-
-def check_seed(seed) -> int:
-    if isinstance(seed, bool) or not isinstance(seed, int):
-        raise ValueError(f"seed must be an integer, got {seed!r}")
-    return seed
+    world_size = check_int("world_size", world_size, 1)
+    return check_int("rank", rank, 0, world_size - 1), world_size
 
 
 def check_shuffle(shuffle, seed, shuffle_window, bucket: str = "") -> Shuffle | None:
     """The Shuffle of a loader's shuffle=, seed=, shuffle_window= arguments (None: not shuffled)."""
-    if not isinstance(shuffle, bool):
+    if not isinstance(shuffle, bool):  # "false" is truthy: only a bool says what was meant
         raise ValueError(f"shuffle must be True or False, got {shuffle!r}")
-    check_seed(seed)
-    check_positive(shuffle_window=shuffle_window)
+    seed = check_int("seed", seed)
+    shuffle_window = check_int("shuffle_window", shuffle_window, 1)
     return Shuffle(seed, shuffle_window, bucket) if shuffle else None
 
 
 # -----------------------------------------------------------------------------
 # Streaming from the hub (stream=True): the settings, from the arguments or the environment
 
+# decimal units are powers of 10 (a disk's "GB"), binary ones powers of 2
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
 
 
 def parse_bytes(value, name: str = "cache_limit") -> int:
-    """Bytes from an int or a string such as "20GB", "500 MB", "1.5TiB" (GB = 10**9 bytes, GiB = 2**30)."""
+    """Bytes from an int or a string such as "20GB", "500 MB", "1.5TiB"."""
     if isinstance(value, bool) or not isinstance(value, (int, float, str)):
         raise ValueError(f"{name} must be a number of bytes or a string like '20GB', got {value!r}")
     if isinstance(value, str):
+        # a number, an optional fraction, then a unit (case ignored); spaces anywhere between
         match = re.fullmatch(r"\s*(\d+(?:\.\d*)?)\s*([a-zA-Z]*)\s*", value)
         if not match or match.group(2).lower() not in _UNITS:
-            raise ValueError(f"{name}={value!r}: expected bytes or a size like '20GB', '500MB', '1.5TiB'")
+            raise ValueError(f"{name}={value!r}: expected bytes or a size like "
+                             "'20GB', '500MB', '1.5TiB'")
         value = float(match.group(1)) * _UNITS[match.group(2).lower()]
     if value <= 0:
         raise ValueError(f"{name} must be > 0 bytes, got {value!r}")
@@ -84,12 +78,13 @@ class Streaming(NamedTuple):
 
 
 def _env(name: str) -> str | None:
-    return os.environ.get(name) or None
+    return os.environ.get(name) or None  # an empty variable counts as unset
 
 
 def check_stream(stream, cache_limit, prefetch_shards, num_shards, shuffle) -> Streaming | None:
     """A parquet loader's streaming settings (None: it reads the shards on disk). stream=None reads
-    NANOCHAT_STREAM (1 or 0), cache_limit=None NANOCHAT_CACHE_LIMIT, num_shards=None NANOCHAT_STREAM_SHARDS."""
+    NANOCHAT_STREAM (1 or 0), cache_limit=None NANOCHAT_CACHE_LIMIT, num_shards=None
+    NANOCHAT_STREAM_SHARDS."""
     if stream is None:
         value = _env("NANOCHAT_STREAM") or "0"
         if value not in ("0", "1"):
@@ -100,19 +95,21 @@ def check_stream(stream, cache_limit, prefetch_shards, num_shards, shuffle) -> S
     if not stream:
         return None
     if shuffle:
-        raise ValueError("stream=True reads the shards in file order, fetching each just before it is read; "
-                         "shuffle=True reads a row group of every shard in turn, which needs them all on disk. "
-                         "The hosted shards are shuffled already: pass shuffle=False, or fetch the shards first "
+        raise ValueError("stream=True reads the shards in file order, fetching each just before "
+                         "it is read; shuffle=True reads a row group of every shard in turn, "
+                         "which needs them all on disk. The hosted shards are shuffled already: "
+                         "pass shuffle=False, or fetch the shards first "
                          "(python -m nanochat.dataset -n N) and read them without stream")
     if cache_limit is None and _env("NANOCHAT_CACHE_LIMIT"):
         cache_limit = parse_bytes(_env("NANOCHAT_CACHE_LIMIT"), "NANOCHAT_CACHE_LIMIT")
     elif cache_limit is not None:
         cache_limit = parse_bytes(cache_limit)
-    if isinstance(prefetch_shards, bool) or not isinstance(prefetch_shards, int) or prefetch_shards < 0:
-        raise ValueError(f"prefetch_shards must be an integer >= 0 (shards fetched ahead), got {prefetch_shards!r}")
+    prefetch_shards = check_int("prefetch_shards", prefetch_shards, 0,
+                                hint=" (shards fetched ahead)")
     if num_shards is None and _env("NANOCHAT_STREAM_SHARDS"):
         value = _env("NANOCHAT_STREAM_SHARDS")
-        if not value.isdigit():
-            raise ValueError(f"NANOCHAT_STREAM_SHARDS must be a number of train shards, got {value!r}")
+        if not value.isdigit():  # a count: no sign, no fraction, no unit
+            raise ValueError("NANOCHAT_STREAM_SHARDS must be a number of train shards, "
+                             f"got {value!r}")
         num_shards = int(value)
     return Streaming(cache_limit, prefetch_shards, num_shards)

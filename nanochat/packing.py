@@ -1,22 +1,18 @@
 """
 The pure packing core: tokenized documents in, full rows out. No files, no torch, no threads.
+Two packers share one contract (`add` documents, then fill rows, pulling more through a `refill`
+callable whenever the buffer runs low), so the parquet loader, the pretokenized loader and the
+benchmark all drive the same code:
+- BestFitPacker: nanochat's BOS-aligned best-fit. Its long_doc_policy "split" and "split_reuse"
+  cut long documents into BOS-led pieces instead of cropping them (docs/long-documents.md).
+- ConcatPacker: nanochat's concatenating loader's token stream: documents back to back, no
+  alignment, no waste.
 
-Two packers share one contract (`add` documents, then fill rows, pulling more documents through a
-`refill` callable whenever the buffer runs low), so the parquet loader, the pretokenized loader and
-the benchmark all drive the same code:
+Cost: documents are numpy arrays of the narrowest unsigned dtype the vocabulary allows, so the
+buffer costs 2-4 bytes per token plus ~150 bytes per document. A placement costs the same at any
+buffer size.
 
-- `BestFitPacker`: nanochat's BOS-aligned best-fit. Every row starts with BOS (every document does)
-  and has no padding; the price is cropping (about a third of tokens at T=2048 on FineWeb-like text).
-  Its `long_doc_policy` "split" / "split_reuse" cut long documents (and cropped rests) into
-  BOS-led pieces instead, so almost nothing is cropped (scripts/bench_dataloader.py measures each).
-- `ConcatPacker`: the older loader's token stream: documents back to back, no alignment, no waste;
-  consecutive windows share one token (the last target of a batch is the next one's first input).
-
-Documents are numpy arrays of the narrowest unsigned dtype the vocabulary allows (2 bytes per token
-for vocabularies up to 65,536), so the buffer costs 2-4 bytes per buffered token plus ~150 bytes per
-document.
-
-May import: numpy only (no I/O, no torch, no threads).
+May import: numpy and nanochat.checks (no I/O, no torch, no threads).
 """
 
 import heapq
@@ -24,6 +20,8 @@ from collections import deque
 from typing import Callable, Iterable, NamedTuple
 
 import numpy as np
+
+from nanochat.checks import check_int
 
 
 class Piece(NamedTuple):
@@ -40,7 +38,7 @@ Refill = Callable[[], Iterable[Piece]]  # the next Pieces of the stream (possibl
 def token_dtype(vocab_size: int | None) -> np.dtype:
     """The narrowest unsigned dtype that holds every id of a vocabulary (uint32 when unknown)."""
     if vocab_size is not None and vocab_size <= 2**16:
-        return np.dtype(np.uint16)
+        return np.dtype(np.uint16)  # half the buffer's bytes of uint32
     return np.dtype(np.uint32)
 
 
@@ -52,14 +50,14 @@ POLICIES = ("crop", "split", "split_reuse")
 
 
 def next_cut(start: int, capacity: int, overlap: int) -> int:
-    """Where the piece of a document that begins at token `start` ends (exclusive), on the fixed grid
-    of cuts capacity, capacity + step, capacity + 2 step, ... with step = capacity - 1 - overlap:
-    piece 0 is tokens [0, capacity) (its own BOS first); every later piece is BOS, the `overlap`
-    tokens before its start again, then step new tokens, so every piece is at most `capacity` long.
-    Seed 003's windowing (max_length = capacity) cuts at the same places."""
+    """Where the piece of a document that begins at token `start` ends (exclusive), on the fixed
+    grid of cuts capacity, capacity + step, capacity + 2 step, ... with step = capacity - 1 -
+    overlap: piece 0 is tokens [0, capacity) (its own BOS first); every later piece is BOS, the
+    `overlap` tokens before its start again, then step new tokens, so every piece is at most
+    `capacity` long. GPT-Simple's windowing (max_length = capacity) cuts at the same places."""
     if start < capacity:
         return capacity
-    step = capacity - 1 - overlap
+    step = capacity - 1 - overlap  # the BOS and the overlap take the rest of a piece
     return capacity + ((start - capacity) // step + 1) * step
 
 
@@ -67,11 +65,11 @@ def check_long_doc_policy(policy: str, overlap: int, T: int) -> None:
     """Raise ValueError unless (long_doc_policy, split_overlap) are valid for rows of T+1 tokens."""
     if policy not in POLICIES:
         raise ValueError(f"long_doc_policy must be one of {POLICIES}, got {policy!r}")
-    if isinstance(overlap, bool) or not isinstance(overlap, int) or not 0 <= overlap <= T - 1:
-        raise ValueError(f"split_overlap must be an integer in [0, T-1] = [0, {T - 1}] (each piece needs a "
-                         f"new token), got {overlap!r}")
+    check_int("split_overlap", overlap, 0, T - 1,
+              hint=" (at most T-1: each piece needs a new token)")
     if overlap and policy == "crop":
-        raise ValueError("split_overlap needs long_doc_policy='split' or 'split_reuse' (crop never splits)")
+        raise ValueError("split_overlap needs long_doc_policy='split' or 'split_reuse' "
+                         "(crop never splits)")
 
 
 def check_piece_start(start: int, n: int) -> None:
@@ -90,55 +88,49 @@ class BestFitPacker:
 
     Placement rule, per row of `row_capacity` tokens (T+1):
       - the largest buffered document with length <= remaining space is placed whole;
-      - if none fits, the shortest buffered document is cropped to fill the row exactly and its
-        rest is discarded;
+      - if none fits, the shortest buffered document is cropped to fill the row exactly;
       - ties on length go to the document that entered the buffer first.
-
-    long_doc_policy (what happens to tokens that do not fit):
-      - "crop" (the seeds'): as above; a document longer than a row can only ever be cropped.
-      - "split": a document longer than a row is cut into pieces on the next_cut() grid when it is
-        added; each piece starts with BOS (later pieces repeat the `overlap` tokens before their
-        start, whose targets are masked) and is best-fit like a document. Only the end-of-row crop
-        above still discards tokens.
-      - "split_reuse": "split", and the cropped rest of an end-of-row crop goes back into the buffer
-        as a piece (BOS, overlap, the rest) instead of being discarded: nothing is ever cropped.
-    A piece is (document, start): the document's tokens [start, end) after a BOS and the overlap
-    (start 0: the document's own first tokens); the buffer refers to it by (key, start).
-
-    Cost per placement: documents that fit a row sit in per-length FIFO queues, and a bitmask
-    (a Python int, bit L set <=> some document of length L is buffered) answers "largest length
-    <= remaining" with one mask and `bit_length()`, and "shortest" with the lowest set bit. Those
-    are C operations on T/64 machine words (32 words at T=2048): constant next to the interpreter's
-    own cost, independent of the buffer size. Documents longer than a row (only under "crop") can
-    only ever be cropped, so they wait in a heap keyed by (length, arrival).
+    What happens to the cropped rest is the long_doc_policy (docs/long-documents.md): "crop"
+    (nanochat's rule) and "split" discard it, "split_reuse" puts it back as a piece. "split" and
+    "split_reuse" also cut a document longer than a row into pieces on the next_cut() grid when it
+    is added.
+    A piece is (document, start): BOS, the `overlap` tokens before `start` (their targets masked),
+    then the document from `start`; the buffer refers to it by (key, start).
     """
 
     # the running totals a resume state carries, so statistics continue across a restart
-    COUNTERS = ("tokens_in", "tokens_out", "tokens_cropped", "rows", "docs_placed", "max_docs_per_row",
-                "tokens_masked", "tokens_bos_added", "tokens_repeated", "tokens_continued", "docs_split")
+    COUNTERS = ("tokens_in", "tokens_out", "tokens_cropped", "rows", "docs_placed",
+                "max_docs_per_row", "tokens_masked", "tokens_bos_added", "tokens_repeated",
+                "tokens_continued", "docs_split")
 
     def __init__(self, row_capacity: int, long_doc_policy: str = "crop", overlap: int = 0):
-        if row_capacity < 2:
-            raise ValueError(f"row_capacity must be >= 2 (T >= 1), got {row_capacity}")
+        check_int("row_capacity", row_capacity, 2, hint=" (T >= 1)")
         check_long_doc_policy(long_doc_policy, overlap, row_capacity - 1)
         self.row_capacity = row_capacity
         self.policy, self.overlap = long_doc_policy, overlap
+        # Documents that fit a row sit in per-length FIFO queues; _fit_mask (a Python int) has bit
+        # L set when some document of length L is buffered. "Largest length <= remaining" is then
+        # one mask and bit_length(), "shortest" the lowest set bit: C operations on T/64 machine
+        # words (32 at T=2048), so a placement costs the same at any buffer size.
         self._by_length: dict[int, deque] = {}  # length -> deque of (seq, doc), oldest first
         self._fit_mask = 0  # bit L set <=> self._by_length[L] is non-empty
-        self._long: list = []  # heap of (length, seq, doc) for documents longer than a row
+        # documents longer than a row (only under "crop") can only ever be cropped: a heap of
+        # (length, seq, doc) hands out the shortest, oldest first
+        self._long: list = []
         self._seq = 0  # arrival counter: the tie-break
         self._num_docs = 0
         # seq -> key of each buffered document, in arrival order (what a resume state refers to)
         self._keys: dict[int, object] = {}
-        self._overlaps: dict[int, int] = {}  # seq -> leading tokens (after BOS) that repeat a window
+        self._overlaps: dict[int, int] = {}  # seq -> tokens after BOS that repeat a window
         self._starts: dict[int, int] = {}  # seq -> start of a piece (absent: a whole document)
         # what the last fill() placed, per row: document start positions, and target ranges to mask
-        self.trace: list | None = None  # set to a list to record, per row, the (key, start) placed in it
+        self.trace: list | None = None  # set to a list to record, per row, the (key, start) placed
         self.starts: list[list[int]] = []
-        self.masked: list[tuple[int, int, int]] = []  # (row, start, end): targets[row, start:end] = -100
+        # (row, start, end): targets[row, start:end] = -100
+        self.masked: list[tuple[int, int, int]] = []
         # running totals, cheap to read at any step
         self.tokens_in = 0  # document tokens that entered (each once, however it is cut)
-        self.tokens_out = 0  # tokens placed in rows, including the BOS and overlap that start a piece
+        self.tokens_out = 0  # tokens placed in rows, with the BOS and overlap that start a piece
         self.tokens_cropped = 0  # document tokens discarded, never placed
         self.rows = 0
         self.docs_placed = 0  # documents and pieces (whole or cropped) that went into rows
@@ -154,6 +146,7 @@ class BestFitPacker:
 
     def stats(self) -> dict:
         """Running totals: what entered the buffer, what went out in rows, what was cropped away."""
+        # the BOS and overlap in front of a piece are placed but are no document's new tokens
         document_tokens_out = self.tokens_out - self.tokens_bos_added - self.tokens_repeated
         return {
             "tokens_tokenized": self.tokens_in,
@@ -183,16 +176,18 @@ class BestFitPacker:
         return list(self._keys.values())
 
     def buffered_pieces(self) -> list[list[int]]:
-        """[[index in buffered(), start], ...] for the buffered pieces (empty unless the policy splits)."""
-        if not self._starts:
+        """[[index in buffered(), start], ...] for the buffered pieces (empty unless the policy
+        splits)."""
+        if not self._starts:  # the common case, "crop": no walk over the buffer every batch
             return []
         return [[i, self._starts[seq]] for i, seq in enumerate(self._keys) if seq in self._starts]
 
     def add(self, doc: np.ndarray, key=None, overlap: int = 0, start: int | None = None) -> None:
         """Buffer a document, cut into pieces if the policy splits and it is longer than a row; or,
         with `start`, only its piece from that token (what buffered() reported: add_piece).
-        `key` names it (e.g. where it was read) in buffered() and traces; `overlap`: how many tokens
-        after its BOS repeat the previous window of the same document (their targets are masked)."""
+        `key` names it (e.g. where it was read) in buffered() and traces; `overlap`: how many
+        tokens after its BOS repeat the previous window of the same document (their targets are
+        masked)."""
         if start is not None:
             self.add_piece(doc, key, overlap, start)
             return
@@ -207,6 +202,7 @@ class BestFitPacker:
         start = 0
         while start < n:
             end = min(n, next_cut(start, self.row_capacity, self.overlap))
+            # a view up to the cut: the piece takes the BOS (token 0) and [start - overlap, end)
             self._push(doc[:end], key, overlap, start)
             start = end
 
@@ -214,12 +210,15 @@ class BestFitPacker:
         """Buffer the one piece of `doc` that begins at token `start` (what buffered() reported)."""
         n = len(doc)
         check_piece_start(start, n)
-        end = n if self.policy == "crop" else min(n, next_cut(start, self.row_capacity, self.overlap))
+        end = n  # "crop" never cuts: the piece runs to the document's end
+        if self.policy != "crop":  # a split policy cuts it on the grid, as add() does
+            end = min(n, next_cut(start, self.row_capacity, self.overlap))
         self.tokens_in += end - start
         self._push(doc[:end], key, overlap, start)
 
     def _push(self, doc: np.ndarray, key, overlap: int, start: int | None) -> None:
         """Buffer doc (a whole document, or the piece of it from `start` to its end)."""
+        # a piece's length in a row: its BOS, the overlap before `start`, then the rest
         n = len(doc) if not start else len(doc) - max(1, start - self.overlap) + 1
         if n <= self.row_capacity:
             bucket = self._by_length.get(n)
@@ -230,7 +229,7 @@ class BestFitPacker:
         else:
             heapq.heappush(self._long, (n, self._seq, doc))
         self._keys[self._seq] = key
-        if overlap:
+        if overlap:  # most documents have none: the dicts stay small
             self._overlaps[self._seq] = overlap
         if start is not None:
             self._starts[self._seq] = start
@@ -240,7 +239,7 @@ class BestFitPacker:
     def _pop_length(self, n: int) -> tuple[int, np.ndarray]:
         bucket = self._by_length[n]
         seq, doc = bucket.popleft()
-        if not bucket:
+        if not bucket:  # no document of length n left: its bit goes
             del self._by_length[n]
             self._fit_mask &= ~(1 << n)
         return seq, doc
@@ -258,9 +257,9 @@ class BestFitPacker:
             n = fits.bit_length() - 1  # the largest that fits
             seq, doc = self._pop_length(n)
             m = n
-        else:  # nothing fits: crop the shortest; every short document is shorter than every long one
+        else:  # nothing fits: crop the shortest (every short document is shorter than a long one)
             if self._fit_mask:
-                n = (self._fit_mask & -self._fit_mask).bit_length() - 1
+                n = (self._fit_mask & -self._fit_mask).bit_length() - 1  # the lowest set bit
                 seq, doc = self._pop_length(n)
             elif self._long:
                 n, seq, doc = heapq.heappop(self._long)
@@ -269,13 +268,13 @@ class BestFitPacker:
             m = remaining
         self._num_docs -= 1
         key, window = self._keys.pop(seq), self._overlaps.pop(seq, 0)
-        start = self._starts.pop(seq, None) if self._starts else None
+        start = self._starts.pop(seq, None) if self._starts else None  # skip the lookup under crop
         if not start:  # a whole document, or its first piece
             row[pos:pos + m] = doc[:m]
             masked = window
             placed_to = m  # the document's tokens [0, m) are placed
-        else:  # BOS, then the document from a = start - overlap (the repeated tokens, then new ones)
-            a = max(1, start - self.overlap)
+        else:  # BOS, then the document from a = start - overlap (the repeated tokens, then new)
+            a = max(1, start - self.overlap)  # never before token 1: token 0 is the BOS itself
             row[pos] = doc[0]
             row[pos + 1:pos + m] = doc[a:a + m - 1]
             self.tokens_bos_added += 1
@@ -287,7 +286,7 @@ class BestFitPacker:
         self.tokens_out += m
         if m < n:  # cropped: the document's tokens [placed_to, len(doc)) did not fit
             if self.policy == "split_reuse":  # they go back as a piece
-                self.docs_split += start is None
+                self.docs_split += start is None  # a whole document's first cut splits it
                 self._push(doc, key, window, placed_to)
             else:
                 self.tokens_cropped += len(doc) - placed_to
@@ -295,9 +294,9 @@ class BestFitPacker:
 
     def fill(self, rows: np.ndarray, refill: Refill, buffer_size: int) -> None:
         """Fill every row of `rows` (shape (n, row_capacity)), refilling the buffer to at least
-        `buffer_size` documents before each placement, as the seeds' loader does. A refill that
-        returns nothing means the stream has ended: the buffer is drained (the caller makes sure it
-        holds enough tokens to finish the rows)."""
+        `buffer_size` documents before each placement, as nanochat's loader does. A refill that
+        returns nothing means the stream has ended: the buffer is drained (the caller makes sure
+        it holds enough tokens to finish the rows)."""
         assert rows.shape[1] == self.row_capacity
         self.starts, self.masked = [], []
         for r, row in enumerate(rows):
@@ -318,8 +317,9 @@ class BestFitPacker:
                 if self.trace is not None:
                     self.trace[-1].append((key, piece))
                 if masked:
-                    # the targets that predict the repeated tokens (row positions start+1..start+masked,
-                    # so targets start..start+masked-1), as far as the document made it into the row
+                    # the targets that predict the repeated tokens (row positions
+                    # start+1..start+masked, so targets start..start+masked-1), as far as the
+                    # document made it into the row
                     end = min(start + masked, pos - 1)
                     if end > start:
                         self.masked.append((r, start, end))
@@ -335,12 +335,13 @@ class BestFitPacker:
 
 
 class ConcatPacker:
-    """Documents back to back as one token stream, read in windows that overlap by one token: `take`
-    copies the next len(out) tokens but consumes all but the last, which it only peeks (so the last
-    target of one batch is the first input of the next, and no token of the stream is skipped).
+    """Documents back to back as one token stream, read in windows that overlap by one token:
+    `take` copies the next len(out) tokens but consumes all but the last, which it only peeks (so
+    the last target of one batch is the first input of the next, and no token of the stream is
+    skipped).
 
-    Counters: tokens_in counts tokens that entered the stream, tokens_out tokens consumed (each once;
-    a peeked token counts when it is consumed), so tokens_in == tokens_out + len(self)."""
+    Counters: tokens_in counts tokens that entered the stream, tokens_out tokens consumed (each
+    once; a peeked token counts when it is consumed), so tokens_in == tokens_out + len(self)."""
 
     COUNTERS = ("tokens_in", "tokens_out")
 
@@ -359,11 +360,13 @@ class ConcatPacker:
                 "tokens_cropped": 0, "crop_share": 0.0, "buffer_tokens": self._num_tokens}
 
     def buffered_keys(self) -> list:
-        """Keys of the entries not yet fully consumed, in order; `offset` tokens of the first are."""
+        """Keys of the entries not yet fully consumed, in order (`offset` tokens of the first
+        are)."""
         return [key for _, key, _ in self._docs]
 
     def buffered_pieces(self) -> list[list[int]]:
-        """[[index in buffered_keys(), start], ...] for the entries that are the rest of a document."""
+        """[[index in buffered_keys(), start], ...] for the entries that are the rest of a
+        document."""
         return [[i, start] for i, (_, _, start) in enumerate(self._docs) if start is not None]
 
     @property
@@ -371,13 +374,13 @@ class ConcatPacker:
         return self._offset
 
     def add(self, doc: np.ndarray, key=None, overlap: int = 0, start: int | None = None) -> None:
-        """Append a document to the stream, or with `start` only its tokens from there on (the rest of
-        a document an elastic merge dealt out). A window's overlap is streamed as it is: the
+        """Append a document to the stream, or with `start` only its tokens from there on (the rest
+        of a document an elastic merge dealt out). A window's overlap is streamed as it is: the
         concatenating loader does not mask."""
         if start is not None:
             check_piece_start(start, len(doc))
             doc = doc[start:]
-        if len(doc):
+        if len(doc):  # an empty entry at the head could not be peeked (take's last token)
             self._docs.append((doc, key, start))
             self._num_tokens += len(doc)
             self.tokens_in += len(doc)
@@ -390,8 +393,8 @@ class ConcatPacker:
         self._num_tokens -= offset
 
     def take(self, out: np.ndarray, refill: Refill) -> None:
-        """Fill the 1-D array `out` with the next len(out) tokens of the stream, refilling while fewer
-        are buffered; consume len(out) - 1 of them: the last stays first in the stream."""
+        """Fill the 1-D array `out` with the next len(out) tokens of the stream, refilling while
+        fewer are buffered; consume len(out) - 1 of them: the last stays first in the stream."""
         needed = len(out)
         while self._num_tokens < needed:
             for doc, key, overlap, start in refill():
