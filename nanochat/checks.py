@@ -11,9 +11,12 @@ import reprlib
 import numpy as np
 
 
-def is_int(value) -> bool:
-    """An int or a numpy integer; a bool is not one (True == 1 would slip through as a count)."""
-    return isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
+def is_int(value, numpy: bool = False) -> bool:
+    """An int (numpy: or a numpy integer); a bool is not one (True == 1 would slip through as a
+    count). A numpy integer is refused by default: a loader's B or T of np.int64 would fail later,
+    deep inside (JSON cannot write it), instead of here."""
+    kinds = (int, np.integer) if numpy else int
+    return isinstance(value, kinds) and not isinstance(value, (bool, np.bool_))
 
 
 def check_int(name: str, value, low: int | None = None, high: int | None = None, *,

@@ -82,7 +82,7 @@ def shard_vocab(first_path: str, bos_token, vocab_size, settings_dirs: list[str]
                              "the BOS id of the tokenizer that wrote them (for GPT-Simple's shards, which have no "
                              f"BOS, their EOD id: it is prepended to every entry). {first_ids(first, 0)}")
         bos_token, what = recorded, f"bos_token (the {key} that {record} records)"
-    elif not is_int(bos_token):
+    elif not is_int(bos_token, numpy=True):  # an id read from an array is fine here
         raise TypeError(f"bos_token must be an int token id, got {bos_token!r}")
     else:
         bos_token, what = int(bos_token), "bos_token"
