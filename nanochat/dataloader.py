@@ -195,9 +195,11 @@ def _tokenizing_spec(kind: str, tokenizer, B: int, T: int, split: str, args: dic
                   "buffer_docs": buffer_size if kind == "bestfit" else batch_size,
                   "docs": (5 * args["prefetch"] + 3) * batch_size}
     reader, cache = _parquet_reader(split, args["data_dir"], streaming, read_ahead)
-    config = loader_config(kind, "parquet", split, reader.paths, B, T, buffer_size, batch_size,
-                           tokenizer_fingerprint(tokenizer), rank, world_size, policy=policy,
-                           shuffle=shuffle, sizes=reader.sizes)
+    config = loader_config(kind, "parquet", split, reader.paths, B=B, T=T,
+                           buffer_size=buffer_size, batch_size=batch_size,
+                           tokenizer=tokenizer_fingerprint(tokenizer), rank=rank,
+                           world_size=world_size, policy=policy, shuffle=shuffle,
+                           sizes=reader.sizes)
     return LoaderSpec(kind, reader, Encoder(tokenizer, args["tokenizer_threads"]), config, rank,
                       world_size, batch_size, B, T, buffer_size, shuffle=shuffle,
                       allow_state_mismatch=args["allow_state_mismatch"], cache=cache,
@@ -312,9 +314,11 @@ def pretokenized_distributed_data_loader_with_state_bos_bestfit(
     data_dir = os.path.expanduser(os.fspath(data_dir))
     paths = shard_paths(data_dir, split)
     vocab = shard_vocab(paths[0], bos_token, vocab_size, [data_dir])
-    config = loader_config("bestfit", "pretokenized", split, paths, B, T, buffer_size, batch_size,
-                           f"bos:{vocab.bos_token}", rank, world_size, chunk_size=chunk_size,
-                           policy=(long_doc_policy, split_overlap), shuffle=shuffle_order)
+    config = loader_config("bestfit", "pretokenized", split, paths, B=B, T=T,
+                           buffer_size=buffer_size, batch_size=batch_size,
+                           tokenizer=f"bos:{vocab.bos_token}", rank=rank, world_size=world_size,
+                           chunk_size=chunk_size, policy=(long_doc_policy, split_overlap),
+                           shuffle=shuffle_order)
     max_docs = _max_docs(attention_info, max_docs_per_row, T)
     encoder = EntryDocuments(vocab.bos_token, always=vocab.convention == "gpt-simple")
     spec = LoaderSpec("bestfit", TokenShardReader(paths, chunk_size, vocab), encoder, config, rank,

@@ -402,8 +402,9 @@ def pretokenized_mixture_loader_with_state_bos_bestfit(
     buckets = {}
     for name in used:
         bucket_order = order and order.bucket(name)
-        sub_config = loader_config("bestfit", "pretokenized", f"{split}/{name}", paths[name], B, T,
-                                   buffer_size, batch_size, config["tokenizer"], rank, world_size,
+        sub_config = loader_config("bestfit", "pretokenized", f"{split}/{name}", paths[name],
+                                   B=B, T=T, buffer_size=buffer_size, batch_size=batch_size,
+                                   tokenizer=config["tokenizer"], rank=rank, world_size=world_size,
                                    chunk_size=chunk_size, policy=(long_doc_policy, split_overlap),
                                    shuffle=bucket_order)
         spec = LoaderSpec("bestfit", TokenShardReader(paths[name], chunk_size, vocab), encoder,

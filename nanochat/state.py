@@ -208,7 +208,7 @@ def tokenizer_fingerprint(tokenizer) -> str:
     return hashlib.sha256(json.dumps([bos, vocab, ids]).encode()).hexdigest()[:16]
 
 
-def loader_config(loader: str, source: str, split: str, paths: list[str], B: int, T: int,
+def loader_config(loader: str, source: str, split: str, paths: list[str], *, B: int, T: int,
                   buffer_size: int | None, batch_size: int, tokenizer: str, rank: int,
                   world_size: int, chunk_size: int | None = None,
                   policy: tuple[str, int] | None = None, shuffle=None,
