@@ -265,7 +265,7 @@ class RankOrder:
         position (a WindowKey), which the window's order turns into a place."""
         if isinstance(key, WindowKey):
             return DocKey(key.epoch, *Shuffle.entry(self._window(key.epoch, key.window), key.i))
-        return DocKey(*key[:4])
+        return DocKey(key.epoch, key.pq_idx, key.rg_idx, key.row)  # (a PieceKey's document)
 
     def read_documents(self, keys: list, where: str) -> list:
         """The items of the given documents (to rebuild a buffer), in order, each unit read once."""
