@@ -252,7 +252,8 @@ class StateRecorder:
     def _plan_items(self, units: list[PlanUnit]) -> list[dict]:
         # the encoded tail of a long plan changes only when a unit is finished or begun (a shuffled
         # plan lists a begun unit first, the others in file order): cache it
-        key = (len(units), units[0][:3], units[0].rows is None)
+        first = units[0]
+        key = (len(units), (first.epoch, first.pq_idx, first.rg_idx), first.rows is None)
         if self._plan_cache[0] != key:
             self._plan_cache = (key, encode_plan(units[1:], self.order.index))
         return encode_plan(units[:1], self.order.index) + self._plan_cache[1]
@@ -267,7 +268,8 @@ class StateRecorder:
         counters = {name: getattr(packer, name) for name in packer.COUNTERS}
         keys = packer.buffered_keys()
         if self.watch is not None:  # the file the walk goes on in: its plan's first, else `next`
-            at = (units[0].epoch, units[0].pq_idx) if units else (cursor[0], cursor[1])
+            # (a Cursor: a streaming walk is never shuffled, options.check_stream)
+            at = (units[0].epoch, units[0].pq_idx) if units else (cursor.epoch, cursor.pq_idx)
             self.watch(keys, at)
         return add_checksum({
             "version": VERSION, "loader": self.kind,
