@@ -174,6 +174,13 @@ def check_starts(shard, start: int, stop: int, bos_token: int, record: str) -> N
                      + first_ids(shard, entry))
 
 
+class Chunk(NamedTuple):
+    """A unit of a pretokenized shard: its entries [start, stop)."""
+    shard: TokenShard
+    start: int
+    stop: int
+
+
 class TokenShardReader:
     """The walk's view of pretokenized shards: units are chunks of `chunk_size` entries (the DDP
     sharding deals chunks out as the parquet loader deals row groups), items are (tokens, overlap),
@@ -203,7 +210,9 @@ class TokenShardReader:
         self._open.move_to_end(pq_idx)
         return self._open[pq_idx]
 
-    def read(self, pq_idx: int, rg_idx: int, rows=None):
+    def read(self, pq_idx: int, rg_idx: int, rows=None) -> Chunk:
+        """Chunk rg_idx of shard pq_idx, its ids checked. rows: unused (the walk passes a buffer's
+        rows to any reader; a parquet reader may serve them from kept copies)."""
         shard = self.shard(pq_idx)
         start = rg_idx * self.chunk_size
         stop = min(start + self.chunk_size, len(shard))  # the last chunk may be short
@@ -211,18 +220,18 @@ class TokenShardReader:
             check_ids(shard, start, stop, self.vocab.vocab_size, self.vocab.where)
         if self.vocab.bos_record is not None:
             check_starts(shard, start, stop, self.vocab.bos_token, self.vocab.bos_record)
-        return shard, start, stop
+        return Chunk(shard, start, stop)
 
     @staticmethod
-    def size(unit) -> int:
-        return unit[2] - unit[1]
+    def size(unit: Chunk) -> int:
+        return unit.stop - unit.start
 
     @classmethod
-    def take(cls, unit, start: int, stop: int) -> list:
+    def take(cls, unit: Chunk, start: int, stop: int) -> list:
         return cls.pick(unit, range(start, stop))
 
     @staticmethod
-    def pick(unit, rows) -> list:
+    def pick(unit: Chunk, rows) -> list:
         shard, first, _ = unit
         return [(shard.entry(first + r), int(shard.overlaps[first + r])) for r in rows]
 
