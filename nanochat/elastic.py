@@ -3,8 +3,8 @@ Elastic resume for one loader's states: merge_stream_states deals the work that 
 yet trained on to M new ranks, as each new rank's plan; after its plan, new rank q goes on with
 the next epoch as rank q of M. nanochat/resume.py's merge_states is the front users call; a
 mixture merges each of its buckets with merge_stream_states (nanochat/mixture_state.py).
-Cost: every file's footer (or index) is read, and no document: states and plans name documents
-by place.
+Cost: every file's footer (index, or catalog entry) is read, and no document: states and plans
+name documents by place.
 Design: docs/resume.md (elastic resume).
 
 May import: nanochat.state, nanochat.state_checks, nanochat.order, nanochat.shard_cache,
@@ -14,7 +14,7 @@ nanochat.dataset, nanochat.token_shards.
 import os
 
 from nanochat.dataset import split_parquet_files
-from nanochat.order import UnitIndex
+from nanochat.order import UnitIndex, WindowCursor
 from nanochat.shard_cache import streamed_files
 from nanochat.state import (EMPTY_HASH, VERSION, DocKey, PieceKey, PlanUnit, WindowKey,
                             add_checksum, checksum_matches, decode_keys, decode_pieces,
@@ -118,34 +118,37 @@ def merge_stream_states(states: list, world_size: int, data_dir: str | None, epo
         if s["loader"] == "concat" and s["offset"] > 0:
             key = buffered[0]
             start = key.start if isinstance(key, PieceKey) else 0
-            buffered[0] = PieceKey(*key[:4], start + s["offset"])
+            buffered[0] = PieceKey(key.epoch, key.pq_idx, key.rg_idx, key.row, start + s["offset"])
         docs += buffered
         for unit in decode_plan(s["plan"], index):
             if unit.rows is None:
                 whole.setdefault(unit.epoch, set()).add(index.base(unit.pq_idx) + unit.rg_idx)
             else:
                 starts = unit.starts or (None,) * len(unit.rows)
-                docs += [DocKey(*unit[:3], r) if st is None else PieceKey(*unit[:3], r, st)
+                docs += [DocKey(*_unit_of(unit), r) if st is None
+                         else PieceKey(*_unit_of(unit), r, st)
                          for r, st in zip(unit.rows, starts)]
     last_epoch = max(s["next"][0] for s in states)  # nothing past the fastest rank's epoch
     if epochs is not None:
         # a finished walk's cursor points past its last epoch
         last_epoch = min(last_epoch, epochs)
     for rank, s in enumerate(states):
-        epoch, rest = s["next"][0], s["next"][1:]
+        epoch = s["next"][0]
         # the rest of this rank's share of its current epoch, then all of its share of later ones
         if shuffle:
             later = []
             # (a finished one-pass walk, a mixture's bucket, is past its last epoch)
             if epoch <= last_epoch:
-                docs += _window_rest(index, shuffle, epoch, rank, n_old, *rest)
-                window = rest[0] + (rest[1] > 0)  # a window begun is dealt document by document
+                cursor = WindowCursor(*s["next"])
+                docs += _window_rest(index, shuffle, rank, n_old, cursor)
+                # a window begun is dealt document by document, the windows after it unit by unit
+                window = cursor.window + (cursor.row > 0)
                 later = [(epoch, g) for g in
                          _share(index, shuffle, epoch, rank, n_old)[window * shuffle.window:]]
             later += [(e, g) for e in range(epoch + 1, last_epoch + 1)
                       for g in _share(index, shuffle, e, rank, n_old)]
         else:
-            pq_idx, rg_idx, row = rest
+            _, pq_idx, rg_idx, row = s["next"]
             later = []
             for e in range(epoch, last_epoch + 1):
                 for p in range(len(paths)):
@@ -165,7 +168,7 @@ def merge_stream_states(states: list, world_size: int, data_dir: str | None, epo
     units: list[list[PlanUnit]] = [[] for _ in range(world_size)]
     for i, key in enumerate(docs):
         piece = (key.start,) if isinstance(key, PieceKey) else None
-        units[i % world_size].append(PlanUnit(*key[:3], (key.row,), piece))
+        units[i % world_size].append(PlanUnit(*_unit_of(key), (key.row,), piece))
     dealt = 0
     for epoch in sorted(whole):
         for g in sorted(whole[epoch]):
@@ -197,13 +200,15 @@ def _share(index: UnitIndex, shuffle, epoch: int, rank: int, world_size: int):
             for g in range(rank, index.count(p), world_size)]
 
 
-def _window_rest(index: UnitIndex, shuffle, epoch: int, rank: int, world_size: int, window: int,
-                 row: int) -> list[DocKey]:
+def _window_rest(index: UnitIndex, shuffle, rank: int, world_size: int,
+                 cursor: WindowCursor) -> list[DocKey]:
     """The documents of a shuffled rank's begun window that it has not read yet, in its order."""
-    if row == 0:
+    if cursor.row == 0:  # not begun: it is dealt unit by unit, with the windows after it
         return []
-    table = shuffle.window_table(index, epoch, rank, world_size, window)
-    return [DocKey(epoch, *shuffle.entry(table, i)) for i in range(row, int(table[1][-1]))]
+    table = shuffle.window_table(index, cursor.epoch, rank, world_size, cursor.window)
+    _, bounds, _ = table
+    return [DocKey(cursor.epoch, *shuffle.entry(table, i))
+            for i in range(cursor.row, int(bounds[-1]))]
 
 
 def _places(keys: list, index: UnitIndex, shuffle, rank: int, world_size: int) -> list[DocKey]:
@@ -221,13 +226,18 @@ def _places(keys: list, index: UnitIndex, shuffle, rank: int, world_size: int) -
     return places
 
 
+def _unit_of(key) -> tuple[int, int, int]:
+    """(epoch, pq_idx, rg_idx): the unit of a DocKey, a PieceKey or a PlanUnit."""
+    return key.epoch, key.pq_idx, key.rg_idx
+
+
 def _coalesce(units: list[PlanUnit]) -> list[PlanUnit]:
-    """Join consecutive single-document units of one row group (keeps a new rank's plan
-    short)."""
+    """Join consecutive single-document units of one row group: a new rank's plan stays short."""
     out: list[PlanUnit] = []
     for unit in units:
         last = out[-1] if out else None
-        if last and unit.rows is not None and last.rows is not None and last[:3] == unit[:3]:
+        if (last and unit.rows is not None and last.rows is not None
+                and _unit_of(last) == _unit_of(unit)):
             starts = None  # pieces stay None when neither part has one: whole documents
             if last.starts is not None or unit.starts is not None:
                 starts = ((last.starts or (None,) * len(last.rows))
