@@ -88,8 +88,7 @@ def _out_of_range(dtype: np.dtype, limit: int) -> ValueError:
 
 
 class Encoder:
-    """texts -> checked numpy documents with BOS first, in the narrowest dtype the vocabulary
-    allows."""
+    """texts -> checked numpy documents, BOS first, in the narrowest dtype the vocabulary allows."""
 
     def __init__(self, tokenizer, tokenizer_threads: int):
         self.bos = tokenizer.get_bos_token_id()
@@ -178,7 +177,7 @@ class DocumentFeed:
         self.token_batches = token_batches
         self.order = order
         self.after = order.first_position
-        self.position = position  # nanochat's keys of the last batch pulled (the resumed state's)
+        self.position = position  # nanochat's keys of the last batch pulled
         self.where = order.where
 
     def __call__(self):
@@ -309,7 +308,7 @@ def attention_info(starts: list[list[int]], T: int, max_docs_per_row: int) -> di
             raise ValueError(f"a row holds {len(inside)} documents, more than max_docs_per_row="
                              f"{max_docs_per_row}; raise max_docs_per_row (the padded size of "
                              "cu_seqlens)")
-        marker[r, inside[1:]] = inside[1:]  # the first document starts at 0: the zeros
+        marker[r, inside[1:]] = inside[1:]  # the first document's start, 0, is the fill value
         bounds += [r * T + s for s in inside]
     # a running maximum carries each start forward to the end of its document
     segment_start = np.maximum.accumulate(marker, axis=1)

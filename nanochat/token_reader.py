@@ -57,7 +57,7 @@ def shard_vocab(first_path: str, bos_token, vocab_size, settings_dirs: list[str]
     if vocab_size is not None:
         check_int("vocab_size", vocab_size, 1)
         known.append((vocab_size, "the vocab_size argument"))
-    for directory in settings_dirs:
+    for directory in settings_dirs:  # a mixture's: its data directory and each bucket's
         settings = recorded_settings(directory)
         if settings is None:
             continue
@@ -81,7 +81,7 @@ def shard_vocab(first_path: str, bos_token, vocab_size, settings_dirs: list[str]
                              f"but {other_record} the {other_convention} convention with "
                              f"{other_key} {other_id}; keep shards written with other conventions "
                              "or tokenizers apart")
-    first = TokenShard(first_path)
+    first = TokenShard(first_path)  # the one shard opened up front: its dtype, its first entries
     given = bos_token is not None
     if not given:
         if recorded is None:
@@ -95,7 +95,7 @@ def shard_vocab(first_path: str, bos_token, vocab_size, settings_dirs: list[str]
     elif not is_int(bos_token):
         raise TypeError(f"bos_token must be an int token id, got {bos_token!r}")
     else:
-        bos_token, what = int(bos_token), "bos_token"
+        bos_token, what = int(bos_token), "bos_token"  # a numpy integer becomes a plain int
         if recorded is not None and bos_token != recorded:
             logger.warning("bos_token %d is not the %s %d that %s records; it is prepended to "
                            "every entry that does not start with it", bos_token, key, recorded,
