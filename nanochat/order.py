@@ -1,16 +1,18 @@
 """
 The rank's walk: which documents rank r of W reads, in what order, and where a resumed walk starts.
 
-Per epoch it reads units r, r+W, ... of every file (a unit is a parquet row group, or a chunk of a
-pretokenized shard), cut into batches of `batch_size` documents; epochs count from 1. After an elastic
-merge it first reads its plan, the work the merge dealt it. With shuffle, an epoch deals a permutation
-of the units, and the entries of each window of units are read in a permuted order. Every document
-batch carries where the walk goes on after it, so a state can name that place exactly.
-ParquetReader reads parquet units; nanochat/token_reader.py reads pretokenized ones.
+Per epoch it reads units r, r+W, ... of every file (a unit is a parquet row group, or a chunk of
+a pretokenized shard), cut into batches of `batch_size` documents; epochs count from 1. After an
+elastic merge it first reads its plan, the work the merge dealt it. With shuffle, an epoch deals a
+permutation of the units, and the entries of each window of units are read in a permuted order.
+Every document batch carries where the walk goes on after it, so a state can name that place
+exactly. ParquetReader reads parquet units; nanochat/token_reader.py reads pretokenized ones.
+Cost: each file's footer (or index header) when first asked about; at most 16 units and 4
+window tables held.
 Design: docs/ARCHITECTURE.md (the main path) and docs/resume.md (states and plans).
 
-May import: numpy, nanochat.checks, nanochat.state, nanochat.state_checks, nanochat.shuffle, nanochat.dataset,
-nanochat.token_shards.
+May import: numpy, nanochat.checks, nanochat.state, nanochat.state_checks, nanochat.shuffle,
+nanochat.dataset, nanochat.token_shards.
 """
 
 import bisect
@@ -37,14 +39,16 @@ logger = logging.getLogger(__name__)
 
 
 class UnitIndex:
-    """The units a stream deals out, per file: parquet row groups, or chunks of `chunk_size` entries
+    """The units a walk deals out, per file: parquet row groups, or chunks of `chunk_size` entries
     of a pretokenized shard (chunk_size set). Counted lazily, a file's footer or index when that
-    file is first asked about; only a plan's bitmaps (after an elastic merge) need them all."""
+    file is first asked about; only plans and shuffled walks need them all (their global index)."""
 
-    def __init__(self, paths: list[str], chunk_size: int | None = None, rows: list[list[int]] | None = None):
+    def __init__(self, paths: list[str], chunk_size: int | None = None,
+                 rows: list[list[int]] | None = None):
         self.paths = paths
         self.chunk_size = chunk_size
-        # pq_idx -> documents in each of its units; given (rows) for shards a streaming loader has not fetched yet
+        # pq_idx -> documents in each of its units; given (rows) for the shards a streaming
+        # loader has not fetched yet, which have no footer to read
         self._sizes: dict[int, list[int]] = dict(enumerate(rows)) if rows is not None else {}
         self._bases: list[int] | None = None  # cumulative counts: where each file starts
 
@@ -52,11 +56,14 @@ class UnitIndex:
         """Documents in each unit of one file, from its footer (or its index), read once."""
         if pq_idx not in self._sizes:
             if self.chunk_size is None:
-                meta = open_parquet(self.paths[pq_idx]).metadata
-                self._sizes[pq_idx] = [meta.row_group(g).num_rows for g in range(meta.num_row_groups)]
+                meta = open_parquet(self.paths[pq_idx]).metadata  # the footer: no row is read
+                self._sizes[pq_idx] = [meta.row_group(g).num_rows
+                                       for g in range(meta.num_row_groups)]
             else:
-                n = entry_count(self.paths[pq_idx])
-                self._sizes[pq_idx] = [min(self.chunk_size, n - start) for start in range(0, n, self.chunk_size)]
+                n = entry_count(self.paths[pq_idx])  # 16 bytes of the .idx header
+                # chunk_size entries a chunk, the last one holding the rest
+                self._sizes[pq_idx] = [min(self.chunk_size, n - start)
+                                       for start in range(0, n, self.chunk_size)]
         return self._sizes[pq_idx]
 
     def count(self, pq_idx: int) -> int:
@@ -68,7 +75,7 @@ class UnitIndex:
 
     @property
     def bases(self) -> list[int]:
-        if self._bases is None:
+        if self._bases is None:  # reads every file's footer (or index)
             self._bases = [0]
             for pq_idx in range(len(self.paths)):
                 self._bases.append(self._bases[-1] + self.count(pq_idx))
@@ -84,6 +91,7 @@ class UnitIndex:
     def locate(self, index: int) -> tuple[int, int]:
         if not 0 <= index < self.total:
             raise ValueError("row group index past the end of the split")
+        # bisect_right: past files with no units, which share their base with the next file
         pq_idx = bisect.bisect_right(self.bases, index) - 1
         return pq_idx, index - self.bases[pq_idx]
 
@@ -93,26 +101,30 @@ class UnitIndex:
 
 
 class ParquetReader:
-    """The stream's view of parquet shards: units are row groups, items are texts to tokenize.
-    Streaming (nanochat/shard_cache.py): `catalog` gives each shard's size and row-group counts before it is
-    fetched, and `cache.need(pq_idx)` waits for a shard to be on disk before it is read; a resumed buffer's
-    documents (rows given) may come from the copies the cache kept of them, the other entries None."""
+    """The walk's view of parquet shards: units are row groups, items are texts to tokenize.
+    Streaming (nanochat/shard_cache.py): `catalog` gives each shard's size and row-group counts
+    before it is fetched, and `cache.need(pq_idx)` waits for a shard to be on disk before it is
+    read; a resumed buffer's documents (rows given) may come from the copies the cache kept of
+    them, the other entries None."""
 
     unit_name = "row group"
 
     def __init__(self, paths: list[str], catalog: list[dict] | None = None, cache=None):
         self.paths, self.cache = paths, cache
-        self.sizes = [entry["size"] for entry in catalog] if catalog else None  # None: from the files
-        self.index = UnitIndex(paths, rows=[entry["rows"] for entry in catalog] if catalog else None)
+        # None: the files on disk say their sizes and row groups
+        self.sizes = [entry["size"] for entry in catalog] if catalog else None
+        self.index = UnitIndex(paths,
+                               rows=[entry["rows"] for entry in catalog] if catalog else None)
 
     def read(self, pq_idx: int, rg_idx: int, rows=None):
         if self.cache is None:
             path = self.paths[pq_idx]
         else:
-            if rows is not None:
+            if rows is not None:  # a resumed buffer's: its shard may be evicted, its copies kept
                 unit = self.cache.kept_unit(pq_idx, rg_idx, rows, self.index.rows(pq_idx, rg_idx))
                 if unit is not None:
                     return unit
+            # a buffer's documents do not move the cache's place in the file order
             path = self.cache.need(pq_idx, in_order=rows is None)
         return read_row_group_column(open_parquet(path), rg_idx, path)
 
@@ -122,7 +134,9 @@ class ParquetReader:
 
     @staticmethod
     def take(unit, start: int, stop: int) -> list[str]:
-        return unit.slice(start, stop - start).to_pylist()  # a slice at a time: see read_row_group_column
+        # a slice at a time: making Python strings holds the GIL (~5 ms per 1,024 FineWeb
+        # documents), and the tokenizer threads run in between (see read_row_group_column)
+        return unit.slice(start, stop - start).to_pylist()
 
     @staticmethod
     def pick(unit, rows) -> list[str]:
@@ -156,10 +170,10 @@ class WindowCursor(NamedTuple):
 
 
 class PlanPlace(NamedTuple):
-    """Where a walk still inside its plan goes on: unit `unit`, after `offset` of its n documents."""
-    unit: int
+    """Where a walk still in its plan goes on: unit `unit`, after `offset` of its n documents."""
+    unit: int  # an index into the walk's plan
     offset: int
-    n: int | None
+    n: int | None  # None before the plan's first batch (RankOrder.first_position)
 
 
 class DocBatch(NamedTuple):
@@ -171,7 +185,8 @@ class DocBatch(NamedTuple):
 
 
 NANOCHAT_KEYS = ("pq_idx", "rg_idx", "epoch")
-KEEP_UNITS = 16  # units dealt one document at a time (a plan, a buffer) come from a few units in turn
+# a plan deals single documents from a few units in turn: keep the last 16 read
+KEEP_UNITS = 16
 KEEP_WINDOWS = 4  # window tables kept: the reading and the packing thread look at a few at once
 
 
@@ -196,11 +211,12 @@ class RankOrder:
         self.batch_size = batch_size
         self.shuffle = shuffle
         self.plan = self._plan_order(list(plan)) if shuffle else list(plan)
-        if start is None:
+        if start is None:  # fresh: epoch 1, from the first window, or from file 0's unit `rank`
             start = WindowCursor(1, 0, 0) if shuffle else Cursor(1, 0, rank, 0)
         self.start = start
+        # what a state taken before the first batch says the walk goes on from
         self.first_position = PlanPlace(0, 0, None) if self.plan else self.start
-        self._units: OrderedDict = OrderedDict()  # the last units read for a plan or a buffer
+        self._units: OrderedDict = OrderedDict()  # the last units a plan read
         # shuffled: the last windows' (places, bounds, order), by (epoch, window); the reading
         # thread and the packing thread (which names documents by place: place()) both use them
         self._windows: OrderedDict = OrderedDict()
@@ -220,13 +236,13 @@ class RankOrder:
         if (pq_idx, rg_idx) not in self._units:
             self._units[pq_idx, rg_idx] = self.reader.read(pq_idx, rg_idx)
             if len(self._units) > KEEP_UNITS:
-                self._units.popitem(last=False)
+                self._units.popitem(last=False)  # the least recently used
         self._units.move_to_end((pq_idx, rg_idx))
         return self._units[pq_idx, rg_idx]
 
     def _check_rows(self, rows, unit, place: tuple[int, int], where: str) -> None:
         n = self.reader.size(unit)
-        if len(rows) and not 0 <= min(rows) <= max(rows) < n:
+        if len(rows) and not 0 <= min(rows) <= max(rows) < n:  # (min() of no rows would raise)
             pq_idx, rg_idx = place
             raise ValueError(f"{where} refers to row {max(rows)} of {self.paths[pq_idx]} "
                              f"{self.reader.unit_name} {rg_idx}, which has {n} rows: the state "
@@ -236,7 +252,7 @@ class RankOrder:
         """(places, bounds, order) of one window of this rank's shuffled share, kept a while."""
         with self._windows_lock:
             table = self._windows.get((epoch, window))
-        if table is None:
+        if table is None:  # built outside the lock; two threads that both miss build equal tables
             table = self.shuffle.window_table(self.index, epoch, self.rank, self.world_size, window)
             with self._windows_lock:
                 self._windows[epoch, window] = table
@@ -249,7 +265,7 @@ class RankOrder:
         position (a WindowKey), which the window's order turns into a place."""
         if isinstance(key, WindowKey):
             return DocKey(key.epoch, *Shuffle.entry(self._window(key.epoch, key.window), key.i))
-        return DocKey(*key[:4])
+        return DocKey(key.epoch, key.pq_idx, key.rg_idx, key.row)  # (a PieceKey's document)
 
     def read_documents(self, keys: list, where: str) -> list:
         """The items of the given documents (to rebuild a buffer), in order, each unit read once."""
@@ -258,7 +274,7 @@ class RankOrder:
             doc = self.place(key)
             rows.setdefault((doc.pq_idx, doc.rg_idx), []).append((i, doc.row))
         items = [None] * len(keys)
-        for (pq_idx, rg_idx), wanted in rows.items():
+        for (pq_idx, rg_idx), wanted in rows.items():  # a unit at a time: one pick for its rows
             at, unit_rows = zip(*wanted)
             unit = self._unit(pq_idx, rg_idx, where, unit_rows)
             self._check_rows(unit_rows, unit, (pq_idx, rg_idx), where)
@@ -277,27 +293,29 @@ class RankOrder:
             where = f"{self.where}['plan']"
             read = self._unit(unit.pq_idx, unit.rg_idx, where)
             rows = unit.rows
-            if rows is None:
+            if rows is None:  # a whole unit: every document, in the plan's order for it
                 rows = self._plan_rows(unit, self.reader.size(read))
-            starts = unit.starts or (None,) * len(rows)
+            starts = unit.starts or (None,) * len(rows)  # None: a whole document
             self._check_rows(rows, read, (unit.pq_idx, unit.rg_idx), where)
             for i in range(0, len(rows), size):
                 chunk = rows[i:i + size]
                 keys = [DocKey(unit.epoch, unit.pq_idx, unit.rg_idx, r) for r in chunk]
                 yield DocBatch(self.reader.pick(read, chunk), keys,
                                PlanPlace(u, i + len(chunk), len(rows)), starts[i:i + size])
-        self._units.clear()
+        self._units.clear()  # the regular walk reads each unit once and keeps none
         yield from self._shuffled() if self.shuffle else self._regular()
 
     def file_order(self):
         """The files this (unshuffled) walk reads, in order, once per visit, as (epoch, pq_idx):
         its plan's, then the regular walk's, epoch after epoch. What streaming fetches ahead."""
+        # a plan's units of one file in a row are one visit
         for visit, _ in itertools.groupby((unit.epoch, unit.pq_idx) for unit in self.plan):
             yield visit
         epoch, pq_idx, rg_idx, _ = self.start
         while self.epochs is None or epoch <= self.epochs:
             visited = False
             for p in range(pq_idx, len(self.paths)):
+                # does the file have a unit of this rank's at or after where the walk enters it?
                 if (rg_idx if p == pq_idx else self.rank) < self.index.count(p):
                     visited = True
                     yield epoch, p
@@ -319,10 +337,11 @@ class RankOrder:
         epoch, pq_idx, rg_idx, row = self.start
         while self.epochs is None or epoch <= self.epochs:  # one epoch per pass
             docs_this_pass = 0
+            # only a pass from the epoch's start can show that this rank receives nothing
             full_pass = (pq_idx, rg_idx, row) == (0, rank, 0)
             while pq_idx < len(self.paths):
                 while rg_idx < self.index.count(pq_idx):
-                    unit = self.reader.read(pq_idx, rg_idx)
+                    unit = self.reader.read(pq_idx, rg_idx)  # not kept: read once an epoch
                     n = self.reader.size(unit)
                     if row > n:
                         raise ValueError(f"{self.where}['next'] points at row {row} of "
@@ -336,10 +355,11 @@ class RankOrder:
                                  else Cursor(epoch, pq_idx, rg_idx + world_size, 0))
                         keys = [DocKey(epoch, pq_idx, rg_idx, r) for r in range(i, j)]
                         yield DocBatch(self.reader.take(unit, i, j), keys, after)
-                    rg_idx += world_size
+                    rg_idx += world_size  # the rank's next unit of this file
                     row = 0
                 pq_idx += 1
                 rg_idx = rank
+            # forever over no documents would hang the loader; a walk of `epochs` just ends
             if full_pass and docs_this_pass == 0 and self.epochs is None:
                 raise self._no_documents()
             epoch, pq_idx, rg_idx, row = epoch + 1, 0, rank, 0
@@ -352,10 +372,11 @@ class RankOrder:
         while self.epochs is None or epoch <= self.epochs:
             units = self.shuffle.units(epoch, self.index.total, self.rank, self.world_size)
             docs_this_pass, full_pass = 0, (window, row) == (0, 0)
-            for w in range(window, -(-len(units) // window_units)):
+            for w in range(window, -(-len(units) // window_units)):  # ceil: the last may be short
                 places, bounds, order = self._window(epoch, w)
+                # every unit of the window at once: any batch may take entries from each of them
                 read = [self.reader.read(pq_idx, rg_idx) for pq_idx, rg_idx in places]
-                n = int(bounds[-1])
+                n = int(bounds[-1])  # the window's entries
                 if row > n:
                     raise ValueError(f"{self.where}['next'] points at entry {row} of window {w} of "
                                      f"epoch {epoch}, which has {n}: the state does not match the "
@@ -363,6 +384,7 @@ class RankOrder:
                 docs_this_pass += n
                 for i in range(row, n, size):
                     j = min(i + size, n)
+                    # the unit each entry of the order falls in, then its row within that unit
                     which = np.searchsorted(bounds, order[i:j], side="right") - 1
                     rows = order[i:j] - bounds[which]
                     after = WindowCursor(epoch, w, j) if j < n else WindowCursor(epoch, w + 1, 0)
@@ -374,7 +396,7 @@ class RankOrder:
             epoch, window, row = epoch + 1, 0, 0
 
     def _pick_scattered(self, read: list, which: np.ndarray, rows: np.ndarray) -> list:
-        """The items at (read[which[k]], rows[k]) for every k, in order, picking from each unit once."""
+        """The items at (read[which[k]], rows[k]) for every k, in order, one pick per unit."""
         items = [None] * len(rows)
         for u in np.unique(which):
             at = np.flatnonzero(which == u)
@@ -388,8 +410,9 @@ class RankOrder:
         return self.index.base(unit.pq_idx) + unit.rg_idx
 
     def _plan_order(self, plan: list[PlanUnit]) -> list[PlanUnit]:
-        """A shuffled walk reads its plan's single documents as dealt (in a shuffled order already),
-        then its whole units sorted by a keyed order that does not depend on which others are left."""
+        """A shuffled walk reads its plan's single documents as dealt (in a shuffled order
+        already), then its whole units sorted by a keyed order that does not depend on which
+        others are left."""
         dealt = [unit for unit in plan if unit.rows is not None]
         by_epoch: dict[int, list[PlanUnit]] = {}
         for unit in plan:
@@ -413,10 +436,10 @@ class RankOrder:
         if not isinstance(position, PlanPlace):
             return [], position
         units = self.plan[position.unit:]
-        if position.offset:
+        if position.offset:  # a unit begun: only its unread documents are left
             first = units[0]
             rows = first.rows
-            if rows is None:
+            if rows is None:  # (a keyed order: the same n gives the same order again)
                 rows = self._plan_rows(first, position.n)
             rest = tuple(rows[position.offset:])
             starts = None if first.starts is None else first.starts[position.offset:]
@@ -474,6 +497,7 @@ def start_order(reader, rank: int, world_size: int, batch_size: int, state, conf
     elif "states" in state:
         raise ValueError(f"{where} has 'states' but no 'merged': not a whole merge_states result "
                          "(a truncated state?); pass what merge_states returned")
+    # (`-` binds before `&`: any key of this loader's states but nanochat's three)
     if "version" not in state and state.keys() & set(REQUIRED) - set(NANOCHAT_KEYS):
         raise ValueError(f"{where} is missing 'version' but has this loader's other keys "
                          f"({sorted(state.keys() & set(REQUIRED))}): a truncated state?")
@@ -489,16 +513,18 @@ def start_order(reader, rank: int, world_size: int, batch_size: int, state, conf
         # another rank's state of this run (nanochat's base_train) is all a shuffled walk can
         # resume approximately
         other = ["nanochat's form"] if "version" not in state else [
-            f"{k}: state {state['config'].get(k)!r}, loader {config.get(k)!r}" for k in STREAM_FIELDS
+            f"{k}: state {state['config'].get(k)!r}, loader {config.get(k)!r}"
+            for k in STREAM_FIELDS
             if k not in ("rank", "world_size") and state["config"].get(k) != config.get(k)]
         if other:
-            raise ValueError(f"{where} is not a state of this shuffled stream ({'; '.join(other)}), "
-                             "and a shuffled loader cannot tell which documents were read under "
-                             "another order or on other data; resume with the data and settings "
-                             "the state was taken with, or start afresh")
+            raise ValueError(f"{where} is not a state of this shuffled stream "
+                             f"({'; '.join(other)}), and a shuffled loader cannot tell which "
+                             "documents were read under another order or on other data; resume "
+                             "with the data and settings the state was taken with, or start afresh")
         epoch, window, _ = state["next"]
         logger.warning("%s is another rank's state: resuming approximately, after its window %d "
                        "of epoch %d", where, window, epoch)
+        # as nanochat does after the saved unit: from the next window on
         start = WindowCursor(epoch, window + 1, 0)
         return RankOrder(reader, rank, world_size, batch_size, start=start, **walk), None, position
     if "version" in state and allow_state_mismatch:  # (another rank's state has said so already)
@@ -507,6 +533,7 @@ def start_order(reader, rank: int, world_size: int, batch_size: int, state, conf
                        state.get("rg_idx"))
     # nanochat's form: approximate, after the saved unit
     pq_idx, rg_idx, epoch = check_nanochat_state(state, reader, where)
+    # as nanochat: this rank's unit in the round of world_size units after the saved one
     start = Cursor(epoch, pq_idx, (rg_idx // world_size + 1) * world_size + rank, 0)
     order = RankOrder(reader, rank, world_size, batch_size, start=start, epochs=epochs)
     return order, None, Position(pq_idx, rg_idx, epoch)

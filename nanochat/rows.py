@@ -1,9 +1,10 @@
 """
 Tokens to packed rows: the stage between the walk's document batches and the device. Texts are
-tokenized into numpy documents that start with BOS (2 bytes a token up to 65,536 ids); the pure packers
-of nanochat/packing.py fill best-fit BOS-aligned rows (or cut the concatenated stream); StateRecorder
-builds the state of each batch (what it consumed, never what was read ahead) and restores a packer
-from one. Pretokenized entries skip the tokenizer: EntryDocuments only prepends BOS where needed.
+tokenized into numpy documents that start with BOS (2 bytes a token up to 65,536 ids); the pure
+packers of nanochat/packing.py fill best-fit BOS-aligned rows (or cut the documents, concatenated,
+into rows); StateRecorder builds the state of each batch (what it consumed, never what was read
+ahead) and restores a packer from one. Pretokenized entries skip the tokenizer: EntryDocuments only
+prepends BOS where needed.
 
 May import: numpy, nanochat.packing, nanochat.state, nanochat.order.
 """
@@ -25,37 +26,44 @@ from nanochat.state import (EMPTY_HASH, VERSION, PlanUnit, add_checksum, decode_
 # -----------------------------------------------------------------------------
 # Texts to documents
 
-# A tokenizer that returns lists (nanochat's, any duck-typed one) costs the loader a conversion per token:
-# struct packs a document's Python ints into the storage dtype in one C loop, ~14 ns a token inside the
-# loader against ~33 for np.asarray to int64, a min/max and astype, and refuses, with struct.error, an id
-# that is not an int (a float, a str) or does not fit the dtype
+# A tokenizer that returns lists (nanochat's, any duck-typed one) costs the loader a conversion
+# per token: struct packs a document's Python ints into the storage dtype in one C loop, ~14 ns a
+# token inside the loader against ~33 for np.asarray to int64, a min/max and astype, and refuses,
+# with struct.error, an id that is not an int (a float, a str) or does not fit the dtype
 _FORMATS = {np.dtype(np.uint16): "H", np.dtype(np.uint32): "I"}
+# native struct sizes: packed bytes are read back as the dtype, so "H" must be 2 bytes and "I" 4
 assert all(struct.calcsize(code) == dtype.itemsize for dtype, code in _FORMATS.items())
 
 
 def to_documents(token_lists, bos: int, dtype: np.dtype) -> list[np.ndarray]:
     """Check the tokenizer's output and store each document compactly."""
     if not isinstance(token_lists, (list, tuple)):
-        raise TypeError(f"tokenizer.encode must return a list of token-id lists, got {type(token_lists).__name__}")
+        raise TypeError("tokenizer.encode must return a list of token-id lists, got "
+                        f"{type(token_lists).__name__}")
     limit = np.iinfo(dtype).max
     docs = []
     for ids in token_lists:
-        if isinstance(ids, np.ndarray) and ids.dtype == dtype and ids.ndim == 1 and ids.size and ids[0] == bos:
+        if (isinstance(ids, np.ndarray) and ids.dtype == dtype and ids.ndim == 1 and ids.size
+                and ids[0] == bos):
             docs.append(ids)  # already compact (encode_to_arrays): every value fits by its dtype
             continue
         if isinstance(ids, (list, tuple)):
             arr = _list_to_array(ids, dtype, limit)
         elif isinstance(ids, np.ndarray):
+            # (an empty array may have any dtype: numpy makes float64 of an empty list)
             if ids.ndim != 1 or (ids.size and ids.dtype.kind not in "iu"):
-                raise TypeError(f"tokenizer.encode must return lists of ints, got an array of {ids.dtype}")
+                raise TypeError("tokenizer.encode must return lists of ints, got an array of "
+                                f"{ids.dtype}")
             if ids.size and (ids.min() < 0 or ids.max() > limit):
                 raise _out_of_range(dtype, limit)
             arr = ids.astype(dtype)
         else:
-            raise TypeError(f"tokenizer.encode must return lists of ints, got an element of type {type(ids).__name__}")
+            raise TypeError("tokenizer.encode must return lists of ints, got an element of type "
+                            f"{type(ids).__name__}")
         if arr.size == 0 or arr[0] != bos:
-            raise ValueError("tokenizer.encode(texts, prepend=bos) returned a document that does not start "
-                             f"with the BOS token {bos}; every document must start with BOS")
+            raise ValueError("tokenizer.encode(texts, prepend=bos) returned a document that does "
+                             f"not start with the BOS token {bos}; every document must start with "
+                             "BOS")
         docs.append(arr)
     return docs
 
@@ -64,11 +72,14 @@ def _list_to_array(ids, dtype: np.dtype, limit: int) -> np.ndarray:
     try:
         packed = struct.Struct(f"{len(ids)}{_FORMATS[dtype]}").pack(*ids)
     except (struct.error, OverflowError, TypeError):
+        # struct says only that packing failed: a wrong type is a TypeError, a bad id a ValueError
         bad = next((type(i).__name__ for i in ids if not isinstance(i, (int, np.integer))), None)
         if bad is not None:
-            raise TypeError(f"tokenizer.encode must return lists of ints, got a list holding {bad}") from None
+            raise TypeError("tokenizer.encode must return lists of ints, got a list holding "
+                            f"{bad}") from None
         raise _out_of_range(dtype, limit) from None
-    return np.frombuffer(packed, dtype=dtype).copy()  # owns its memory and is writable, as astype's result was
+    # copy: frombuffer's array is read-only and borrows `packed`; astype's (above) owns its memory
+    return np.frombuffer(packed, dtype=dtype).copy()
 
 
 def _out_of_range(dtype: np.dtype, limit: int) -> ValueError:
@@ -77,25 +88,27 @@ def _out_of_range(dtype: np.dtype, limit: int) -> ValueError:
 
 
 class Encoder:
-    """texts -> checked numpy documents with BOS first, in the narrowest dtype the vocabulary allows."""
+    """texts -> checked numpy documents, BOS first, in the narrowest dtype the vocabulary allows."""
 
     def __init__(self, tokenizer, tokenizer_threads: int):
         self.bos = tokenizer.get_bos_token_id()
+        # a duck-typed tokenizer may not say its vocabulary: token_dtype then picks uint32
         vocab_size = tokenizer.get_vocab_size() if hasattr(tokenizer, "get_vocab_size") else None
         self.dtype = token_dtype(vocab_size)
-        # a tokenizer that can return numpy arrays (ours can) skips building a Python int per token;
-        # ours may also be called from two threads at once (its thread pool is shared and locked).
-        # One that returns lists is called one batch at a time, even where two calls would be safe
-        # (nanochat's RustBPETokenizer): tiktoken starts a thread pool per call, and two calls at once
-        # took 10-30% more CPU per token and lowered the loader's throughput (0.69-0.86 of the
-        # tokenizer alone, against 0.86-0.93 one at a time, on 2 cores)
+        # a tokenizer that can return numpy arrays (ours can) skips building a Python int per
+        # token; ours may also be called from two threads at once (its thread pool is shared and
+        # locked). One that returns lists is called one batch at a time, even where two calls
+        # would be safe (nanochat's RustBPETokenizer): tiktoken starts a thread pool per call, and
+        # two calls at once took 10-30% more CPU per token and lowered the loader's throughput
+        # (0.69-0.86 of the tokenizer alone, against 0.86-0.93 one at a time, on 2 cores)
         self.encode = getattr(tokenizer, "encode_to_arrays", None) or tokenizer.encode
         self.thread_safe = hasattr(tokenizer, "encode_to_arrays")
         self.threads = tokenizer_threads
 
     def __call__(self, texts: list[str]) -> tuple[list[np.ndarray], list[int]]:
         """(documents, overlaps): whole documents repeat nothing."""
-        docs = to_documents(self.encode(texts, prepend=self.bos, num_threads=self.threads), self.bos, self.dtype)
+        docs = to_documents(self.encode(texts, prepend=self.bos, num_threads=self.threads),
+                            self.bos, self.dtype)
         return docs, [0] * len(docs)
 
 
@@ -119,6 +132,7 @@ def token_batches(doc_batches, encoder, overlap_calls: bool = False):
         for batch in doc_batches:
             yield TokenBatch(*encoder(batch.items), batch.keys, batch.after, batch.starts)
         return
+    # 2 workers: the call whose result is awaited and the next, already running
     with ThreadPoolExecutor(2, thread_name_prefix="nanochat-encode-call") as calls:
         pending: deque = deque()
         for batch in doc_batches:
@@ -145,6 +159,7 @@ class EntryDocuments:
         self.always = always
 
     def __call__(self, items: list) -> tuple[list[np.ndarray], list[int]]:
+        # an entry that starts with BOS is used as it is: a view into the shard, no copy
         docs = [tokens if not self.always and len(tokens) and tokens[0] == self.bos
                 else np.concatenate(([self.bos], tokens)) for tokens, _ in items]
         return docs, [overlap for _, overlap in items]
@@ -168,9 +183,10 @@ class DocumentFeed:
     def __call__(self):
         batch = next(self.token_batches)
         self.after = batch.after
+        # nanochat's keys name the unit of the batch's last document (a shuffled key, its place)
         last = self.order.place(batch.keys[-1])
         self.position = Position(last.pq_idx, last.rg_idx, last.epoch)
-        if batch.starts is None:
+        if batch.starts is None:  # every document whole (start None), made as the packer pulls
             return map(Piece._make, zip(batch.docs, batch.keys, batch.overlaps,
                                         itertools.repeat(None)))
         # an elastic plan may deal single pieces of split documents
@@ -194,8 +210,9 @@ class StateRecorder:
         self.watch = watch
         self.start = start  # a version-2 state that continues this walk, or None
         emitted = start["emitted"] if start else {"batches": 0, "tokens": 0, "hash": EMPTY_HASH}
-        self.batches, self.tokens, self.hash = emitted["batches"], emitted["tokens"], emitted["hash"]
-        self._plan_cache: tuple = (None, None)
+        self.batches, self.tokens, self.hash = (emitted["batches"], emitted["tokens"],
+                                                emitted["hash"])
+        self._plan_cache: tuple = (None, None)  # (key, the plan's tail encoded): _plan_items
 
     def restore(self, packer) -> None:
         """Re-read and re-tokenize the buffered documents (each once, however many of its pieces are
@@ -206,6 +223,7 @@ class StateRecorder:
         # (the buffer's size was checked: state_checks.check_fields)
         keys = decode_keys(self.start["buffer"])
         starts = decode_pieces(self.start.get("pieces", []), len(keys))
+        # a split document may be buffered as several pieces: read and tokenize it once
         unique = list(dict.fromkeys(keys))
         items = self.order.read_documents(unique, f"{where}['buffer']")
         tokenized = {}
@@ -221,18 +239,20 @@ class StateRecorder:
             packer.add(doc, key, overlap, start)
         if self.kind == "concat" and keys:
             offset, first = self.start["offset"], len(tokenized[keys[0]][0]) - (starts[0] or 0)
-            if offset >= first:  # the first entry's last token is the next batch's first: unconsumed
+            # the first entry's last token is the next batch's first: never consumed
+            if offset >= first:
                 raise ValueError(f"{where}['offset'] is {offset}, but the first buffered entry has "
                                  f"{first} tokens: the state does not match the data or the "
                                  "tokenizer")
             packer.skip_consumed(offset)
-        for name, value in self.start["counters"].items():
+        for name, value in self.start["counters"].items():  # names checked: check_fields
             setattr(packer, name, value)
 
     def _plan_items(self, units: list[PlanUnit]) -> list[dict]:
         # the encoded tail of a long plan changes only when a unit is finished or begun (a shuffled
         # plan lists a begun unit first, the others in file order): cache it
-        key = (len(units), units[0][:3], units[0].rows is None)
+        first = units[0]
+        key = (len(units), (first.epoch, first.pq_idx, first.rg_idx), first.rows is None)
         if self._plan_cache[0] != key:
             self._plan_cache = (key, encode_plan(units[1:], self.order.index))
         return encode_plan(units[:1], self.order.index) + self._plan_cache[1]
@@ -246,8 +266,9 @@ class StateRecorder:
         pq_idx, rg_idx, epoch = feed.position
         counters = {name: getattr(packer, name) for name in packer.COUNTERS}
         keys = packer.buffered_keys()
-        if self.watch is not None:
-            at = (units[0].epoch, units[0].pq_idx) if units else (cursor[0], cursor[1])
+        if self.watch is not None:  # the file the walk goes on in: its plan's first, else `next`
+            # (a Cursor: a streaming walk is never shuffled, options.check_stream)
+            at = (units[0].epoch, units[0].pq_idx) if units else (cursor.epoch, cursor.pq_idx)
             self.watch(keys, at)
         return add_checksum({
             "version": VERSION, "loader": self.kind,
@@ -287,8 +308,9 @@ def attention_info(starts: list[list[int]], T: int, max_docs_per_row: int) -> di
             raise ValueError(f"a row holds {len(inside)} documents, more than max_docs_per_row="
                              f"{max_docs_per_row}; raise max_docs_per_row (the padded size of "
                              "cu_seqlens)")
-        marker[r, inside[1:]] = inside[1:]
+        marker[r, inside[1:]] = inside[1:]  # the first document's start, 0, is the fill value
         bounds += [r * T + s for s in inside]
+    # a running maximum carries each start forward to the end of its document
     segment_start = np.maximum.accumulate(marker, axis=1)
     doc_ids = np.cumsum(marker > 0, axis=1).astype(np.int32)
     position_ids = np.arange(T)[None, :] - segment_start
@@ -302,11 +324,14 @@ def bestfit_batches(token_batches, recorder: StateRecorder, position: Position, 
     """Yield a RowBatch of (B, T+1) rows packed best-fit, a fresh array each batch (trace: where
     each row's documents came from; max_docs_per_row: the attention outputs' bound, None: none)."""
     # T + 1 so that inputs and targets can both be sliced from one row
-    packer = BestFitPacker(T + 1, recorder.config["long_doc_policy"], recorder.config["split_overlap"])
+    packer = BestFitPacker(T + 1, recorder.config["long_doc_policy"],
+                           recorder.config["split_overlap"])
     recorder.restore(packer)
     feed = DocumentFeed(token_batches, recorder.order, position)
     while True:
-        rows = np.empty((B, T + 1), dtype=recorder.encoder.dtype)  # the transfer widens it
+        # fresh each batch: the ones before may still wait in the prefetch queue; the storage
+        # dtype (2 bytes a token up to 65,536 ids), which the transfer widens to int64
+        rows = np.empty((B, T + 1), dtype=recorder.encoder.dtype)
         packer.trace = [] if trace else None
         packer.fill(rows, feed, buffer_size)
         documents = None
@@ -321,8 +346,8 @@ def bestfit_batches(token_batches, recorder: StateRecorder, position: Position, 
 
 
 def concat_batches(token_batches, recorder: StateRecorder, position: Position, B: int, T: int):
-    """Yield a RowBatch of the next B*T+1 tokens of the concatenated stream, of which B*T are
-    consumed: the last (the last target) is the next batch's first token too."""
+    """Yield a RowBatch of the next B*T+1 tokens of the documents, concatenated, of which B*T
+    are consumed: the last (the last target) is the next batch's first token too."""
     packer = ConcatPacker()
     recorder.restore(packer)
     feed = DocumentFeed(token_batches, recorder.order, position)
