@@ -1,8 +1,8 @@
 """
-Elastic resume for one loader's states: merge_stream_states deals the work that N ranks had not
+Elastic resume for one loader's states: merge_walk_states deals the work that N ranks had not
 yet trained on to M new ranks, as each new rank's plan; after its plan, new rank q goes on with
 the next epoch as rank q of M. nanochat/resume.py's merge_states is the front users call; a
-mixture merges each of its buckets with merge_stream_states (nanochat/mixture_state.py).
+mixture merges each of its buckets with merge_walk_states (nanochat/mixture_state.py).
 Cost: every file's footer (index, or catalog entry) is read, and no document: states and plans
 name documents by place.
 Design: docs/resume.md (elastic resume).
@@ -23,7 +23,7 @@ from nanochat.state_checks import buffer_limit, check_data, check_fields, config
 from nanochat.token_shards import list_token_shards
 
 
-def merge_stream_states(states: list, world_size: int, data_dir: str | None, epochs: int | None,
+def merge_walk_states(states: list, world_size: int, data_dir: str | None, epochs: int | None,
                         names: list[str], stream: tuple | None = None) -> dict:
     """merge_states of best-fit or concatenating states (a mixture merges its buckets' with it);
     names: what messages call each state; stream: (base_url, download limits) for states of a

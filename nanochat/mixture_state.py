@@ -11,7 +11,7 @@ import os
 import reprlib
 
 from nanochat.checks import check_int, is_int
-from nanochat.elastic import merge_stream_states
+from nanochat.elastic import merge_walk_states
 from nanochat.state import EMPTY_HASH, VERSION, checksum, checksum_matches
 from nanochat.state_checks import check_emitted, check_hex, check_keys, check_list, rank_state
 
@@ -120,7 +120,7 @@ def check_mixture_fields(state: dict, where: str) -> None:
 
 def merge_mixture_states(states: list[dict], world_size: int, *, data_dir: str) -> dict:
     """Merge the mixture states of all N ranks at one step into the resume state of M ranks: every
-    bucket's remaining documents are dealt by elastic.merge_stream_states; the phase and tokens
+    bucket's remaining documents are dealt by elastic.merge_walk_states; the phase and tokens
     done carry over, and the new ranks start a fresh mix sequence (generation + 1). A bucket stays
     dropped only if every old rank had dropped it."""
     world_size = check_int("world_size", world_size, 1)
@@ -148,7 +148,7 @@ def merge_mixture_states(states: list[dict], world_size: int, *, data_dir: str) 
             raise ValueError(f"config: states[{i}] was taken on another configuration "
                              "than states[0]")
     # a mixture reads each bucket once (epochs=1): a bucket that runs dry is exhausted, not reread
-    per_bucket = {name: merge_stream_states([s["buckets"][name] for s in states], world_size,
+    per_bucket = {name: merge_walk_states([s["buckets"][name] for s in states], world_size,
                                             data_dir, 1, [f"states[{i}]['buckets'][{name!r}]"
                                                           for i in range(len(states))])
                   for name in first["buckets"]}

@@ -16,7 +16,7 @@ import os
 
 from nanochat.checks import check_int
 from nanochat.download import Limits
-from nanochat.elastic import merge_stream_states
+from nanochat.elastic import merge_walk_states
 from nanochat.mixture_state import merge_mixture_states
 from nanochat.options import check_stream
 
@@ -55,4 +55,4 @@ def merge_states(states: list[dict], world_size: int, *, data_dir: str | None = 
     if check_stream(stream, None, 0, None, None) is not None:  # only stream= is read here
         streaming = (base_url, Limits() if download_limits is None else download_limits)
     names = [f"states[{i}]" for i in range(len(states))]  # what messages call each state
-    return merge_stream_states(states, world_size, data_dir, epochs, names, streaming)
+    return merge_walk_states(states, world_size, data_dir, epochs, names, streaming)
