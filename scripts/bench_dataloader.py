@@ -312,7 +312,8 @@ def pretokenized_section(tokenizer, data_dir, tmp, docs_np, args, B, T, tbs) -> 
     (L = T+1, O = 0 and 128) next to the seeds' cropping."""
     from nanochat.dataloader import pretokenized_distributed_data_loader_with_state_bos_bestfit
     from nanochat.readers import check_ids
-    from nanochat.pretokenize import TokenShard, list_token_shards, pretokenize_file, window_document
+    from nanochat.pretokenize import pretokenize_file, window_document
+    from nanochat.token_shards import TokenShard, list_token_shards
     out = os.path.join(tmp, "tokens")
     t0 = time.perf_counter()
     for split in ("train", "val"):
@@ -391,7 +392,8 @@ def window_spread(tokenizer, data_dir, tmp, args, tbs, L=257, overlap=32, B=16, 
     T = L - 1 with trace_documents. Returns shuffle -> (share of pairs in the same batch, median distance in
     batches, pairs seen)."""
     from nanochat.dataloader import pretokenized_distributed_data_loader_with_state_bos_bestfit
-    from nanochat.pretokenize import TokenShard, list_token_shards, pretokenize_file
+    from nanochat.pretokenize import pretokenize_file
+    from nanochat.token_shards import TokenShard, list_token_shards
     out = os.path.join(tmp, "windows")
     for split in ("train", "val"):
         for path in split_parquet_files(split, data_dir):
