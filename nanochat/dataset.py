@@ -56,6 +56,7 @@ class DatasetSpec:
 
     @property
     def base_url(self) -> str:
+        # resolve/main: the file's bytes at the main branch, not its web page
         return f"https://huggingface.co/datasets/{self.repo}/resolve/main"
 
     @property
@@ -76,13 +77,13 @@ DEFAULT_DATASET = "climbmix-400b"  # what nanochat itself downloads and reads
 
 
 def index_to_filename(index: int) -> str:
-    return f"shard_{index:05d}.parquet"
+    return f"shard_{index:05d}.parquet"  # 5 digits: sorted names are index order
 
 
 def get_dataset(name: str | None = None) -> DatasetSpec:
     """The dataset named by `name`, else $NANOCHAT_DATASET, else ClimbMix-400B (what the downloader
     fetches)."""
-    name = name or os.environ.get("NANOCHAT_DATASET") or DEFAULT_DATASET
+    name = name or os.environ.get("NANOCHAT_DATASET") or DEFAULT_DATASET  # "" counts as unset
     if name not in DATASETS:
         raise ValueError(f"unknown dataset {name!r} (from --dataset or NANOCHAT_DATASET); "
                          f"choose one of {sorted(DATASETS)}")
@@ -165,7 +166,7 @@ def list_parquet_files(data_dir: str | None = None) -> list[str]:
 def _dataset_of(data_dir: str) -> DatasetSpec | None:
     """The known dataset whose directory this is (by its name, e.g. base_data_climbmix), or
     None."""
-    name = os.path.basename(os.path.normpath(data_dir))
+    name = os.path.basename(os.path.normpath(data_dir))  # normpath: "dir/" names "dir" too
     return next((spec for spec in DATASETS.values() if spec.subdir == name), None)
 
 
@@ -181,7 +182,7 @@ def split_parquet_files(split: str, data_dir: str | None = None) -> list[str]:
         raise FileNotFoundError(
             f"no parquet shards in {data_dir}; download some first: "
             "python -m nanochat.dataset -n 8")
-    val_path = paths[-1]
+    val_path = paths[-1]  # nanochat's rule, whatever the names: the loaders agree on val
     spec = _dataset_of(data_dir)
     if spec and os.path.basename(val_path) != spec.val_filename:
         if os.path.join(data_dir, spec.val_filename) in paths:
@@ -216,6 +217,7 @@ def streamed_split(split: str, data_dir: str | None = None, num_shards: int | No
               hint=f" (the train shards of {spec.name})")
     base_url = get_base_url(spec.name) if base_url is None else base_url
     check_url(base_url)
+    # val is the dataset's last index even when few train shards are streamed
     indices = [spec.max_shard] if split == "val" else range(num_shards)
     return (data_dir, [os.path.join(data_dir, index_to_filename(i)) for i in indices],
             [shard_url(i, base_url) for i in indices], spec.val_filename)
@@ -397,7 +399,7 @@ def read_jsonl_texts(path: str, text_field: str = "text"):
 
 def _read_parquet(path: str, text_field: str):
     pf = pq.ParquetFile(path)
-    names = pf.schema_arrow.names
+    names = pf.schema_arrow.names  # from the footer: a missing column fails before any read
     if text_field not in names:
         raise ValueError(f"{path} has no {text_field!r} column (columns: {names}); "
                          "pass the right one with --text-field")
