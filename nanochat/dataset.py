@@ -628,9 +628,8 @@ def _verify_main(spec: DatasetSpec, data_dir: str, num_workers: int) -> int:
     print(f"checked {len(paths)} shards in {data_dir}: {len(paths) - len(bad)} good, "
           f"{len(bad)} bad")
     if unrecorded:
-        print(f"{unrecorded} have no .json record (fetched by another tool or an older "
-              "downloader): for them only the parquet magic and metadata were checked, not size "
-              "and sha256")
+        print(f"{unrecorded} have no .json record (fetched by another tool, or copied in): for "
+              "them only the parquet magic and metadata were checked, not size and sha256")
     if not bad:
         return 0
     print("\n".join(summarize({os.path.basename(p): e.reason for p, e in bad.items()})))
