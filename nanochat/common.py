@@ -2,7 +2,8 @@
 Small shared helpers: where data lives, and who we are in a torchrun job.
 Nothing here touches the disk or the network at import time.
 
-May import: the standard library only (nanochat's own common.py takes its place in a nanochat checkout).
+May import: the standard library only (nanochat's own common.py takes its place in a nanochat
+checkout).
 """
 
 import os
@@ -33,12 +34,13 @@ def _env_int(name: str, default: int) -> int:
 def get_dist_info() -> tuple[bool, int, int, int]:
     """(ddp, rank, local_rank, world_size) from torchrun's RANK / LOCAL_RANK / WORLD_SIZE.
     Outside torchrun: (False, 0, 0, 1)."""
-    if all(k in os.environ for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE")):
+    if all(k in os.environ for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE")):  # torchrun sets all 3
         rank = _env_int("RANK", 0)
         local_rank = _env_int("LOCAL_RANK", 0)
         world_size = _env_int("WORLD_SIZE", 1)
         if world_size < 1 or not 0 <= rank < world_size:
-            raise ValueError(f"inconsistent torchrun variables: RANK={rank}, WORLD_SIZE={world_size}")
+            raise ValueError(f"inconsistent torchrun variables: RANK={rank}, "
+                             f"WORLD_SIZE={world_size}")
         return True, rank, local_rank, world_size
     return False, 0, 0, 1
 

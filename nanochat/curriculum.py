@@ -1,13 +1,15 @@
 """
-Curricula and buckets: what a mixture reads (seed 003's layout and rules). A curriculum is an ordered
-list of phases, each a token budget and a mix of bucket weights; buckets are the subdirectories of a
-pretokenized data directory; validate() sets the tokens each phase demands of each bucket against what
-the buckets (and each rank's share of them) hold. row_unit() and choose() are the mix's sequence: which
-bucket each row of each rank comes from. `python -m nanochat.mixture validate` is main() below.
+Curricula and buckets: what a mixture reads (GPT-Simple's layout and rules). A curriculum is an
+ordered list of phases, each a token budget and a mix of bucket weights; buckets are the
+subdirectories of a pretokenized data directory. validate() sets the tokens each phase demands of
+each bucket against what the buckets (and each rank's share of them) hold; row_unit() and choose()
+pick the bucket of each row of each rank. `python -m nanochat.mixture validate` is main() below;
+the loader itself is mixture.py.
 
-The mixture loader itself is nanochat/mixture.py.
+Design: docs/mixtures.md
 
-May import: nanochat.token_shards, nanochat.shuffle, nanochat.layout, pyyaml, numpy.
+May import: nanochat.checks, nanochat.token_shards, nanochat.shuffle, nanochat.layout, pyyaml,
+numpy.
 """
 
 import argparse
@@ -22,11 +24,13 @@ from typing import NamedTuple
 import numpy as np
 import yaml
 
+from nanochat.checks import is_int
 from nanochat.layout import check_kind
 from nanochat.shuffle import Shuffle
 from nanochat.token_shards import TokenShard, list_token_shards
 
-PHI = (math.sqrt(5) - 1) / 2  # the golden ratio's fractional part: the most evenly spread steps on [0, 1)
+# the golden ratio's fractional part: the most evenly spread steps on [0, 1)
+PHI = (math.sqrt(5) - 1) / 2
 
 
 class Phase(NamedTuple):
@@ -39,33 +43,35 @@ class Phase(NamedTuple):
 
 
 def list_buckets(data_dir: str, split: str) -> dict[str, list[str]]:
-    """bucket name -> its .bin paths, for every subdirectory of data_dir/split holding .bin/.idx pairs.
-    When there is none: ValueError if data_dir holds another kind of data (parquet shards, a plain
-    pretokenize output, ...), else FileNotFoundError."""
+    """bucket name -> its .bin paths, for every subdirectory of data_dir/split holding .bin/.idx
+    pairs. When there is none: ValueError if data_dir holds another kind of data (parquet shards, a
+    plain pretokenize output, ...), else FileNotFoundError."""
     data_dir = os.path.expanduser(os.fspath(data_dir))
     split_dir = os.path.join(data_dir, split)
     buckets = {}
     for name in sorted(os.listdir(split_dir)) if os.path.isdir(split_dir) else []:
         if os.path.isdir(os.path.join(split_dir, name)):
             paths = [prefix + ".bin" for prefix in list_token_shards(os.path.join(split_dir, name))]
-            if paths:
+            if paths:  # an empty directory is no bucket: a mix naming it fails by name
                 buckets[name] = paths
     if buckets:
         return buckets
-    check_kind(data_dir, "buckets")
+    check_kind(data_dir, "buckets")  # another kind of data: a ValueError that says which
     command = f"python -m nanochat.pretokenize --input ... --output {data_dir} --bucket NAME"
     if not os.path.isdir(split_dir):
-        raise FileNotFoundError(f"{split_dir} does not exist: buckets are subdirectories {split_dir}/<bucket>/ of "
-                                f".bin/.idx pairs; write each with {command}")
-    raise FileNotFoundError(f"no bucket in {split_dir}: expected subdirectories with .bin/.idx pairs; write each "
-                            f"with {command}")
+        raise FileNotFoundError(f"{split_dir} does not exist: buckets are subdirectories "
+                                f"{split_dir}/<bucket>/ of .bin/.idx pairs; write each with "
+                                f"{command}")
+    raise FileNotFoundError(f"no bucket in {split_dir}: expected subdirectories with .bin/.idx "
+                            f"pairs; write each with {command}")
 
 
 def load_curriculum(spec, buckets=None) -> list[Phase]:
     """A curriculum from a YAML/JSON file path, a list of phases, or a dict with a "curriculum" list
-    (seed 003's config shape, also under "data"). Each phase: {"tokens": n, "mix": {bucket: weight}}.
-    Weights that do not sum to 1 are normalised with a warning; an unknown bucket (when `buckets` is
-    given), a negative weight, an empty mix or a bad token count is a ValueError naming the phase."""
+    (GPT-Simple's config shape, also under "data"). Each phase: {"tokens": n, "mix": {bucket:
+    weight}}. Weights that do not sum to 1 are normalised with a warning; an unknown bucket (when
+    `buckets` is given), a negative weight, an empty mix or a bad token count is a ValueError naming
+    the phase."""
     source = "curriculum"
     if isinstance(spec, (str, os.PathLike)):
         path = source = os.path.expanduser(os.fspath(spec))
@@ -76,87 +82,107 @@ def load_curriculum(spec, buckets=None) -> list[Phase]:
         try:  # JSON is YAML too, but its own parser gives the better message for a .json file
             spec = json.loads(text) if path.endswith(".json") else yaml.safe_load(text)
         except (ValueError, yaml.YAMLError) as e:
-            raise ValueError(f"{path} is not valid {'JSON' if path.endswith('.json') else 'YAML'}: {e}") from None
+            kind = "JSON" if path.endswith(".json") else "YAML"
+            raise ValueError(f"{path} is not valid {kind}: {e}") from None
     if isinstance(spec, dict):
         if "curriculum" not in spec and isinstance(spec.get("data"), dict):
-            spec = spec["data"]  # seed 003's config: data: {curriculum: [...]}
+            spec = spec["data"]  # GPT-Simple's config: data: {curriculum: [...]}
         if "curriculum" not in spec:
-            raise ValueError(f"{source}: expected a list of phases, or a mapping with a 'curriculum' list")
+            raise ValueError(f"{source}: expected a list of phases, or a mapping with a "
+                             "'curriculum' list")
         spec = spec["curriculum"]
     if not isinstance(spec, (list, tuple)) or not spec:
-        raise ValueError(f"{source}: the curriculum must be a non-empty list of phases, got {spec!r}")
+        raise ValueError(f"{source}: the curriculum must be a non-empty list of phases, got "
+                         f"{spec!r}")
     phases = []
     for i, phase in enumerate(spec, 1):
-        where = f"curriculum phase {i}"
+        where = f"curriculum phase {i}"  # every message names the phase, counted from 1
         if not isinstance(phase, dict):
             raise ValueError(f"{where}: expected a mapping with 'tokens' and 'mix', got {phase!r}")
         unknown_keys = set(phase) - {"tokens", "duration_tokens", "mix"}
         if unknown_keys:
-            raise ValueError(f"{where}: unknown keys {sorted(unknown_keys)} (a phase has 'tokens' and 'mix')")
-        tokens = phase.get("tokens", phase.get("duration_tokens"))
-        if isinstance(tokens, float) and tokens.is_integer():
+            raise ValueError(f"{where}: unknown keys {sorted(unknown_keys)} (a phase has 'tokens' "
+                             "and 'mix')")
+        tokens = phase.get("tokens", phase.get("duration_tokens"))  # GPT-Simple's name too
+        if isinstance(tokens, float) and tokens.is_integer():  # YAML reads 5e9 as a float
             tokens = int(tokens)
-        if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 1:
+        # is_int, not check_int: the message names the phase and says "positive"
+        if not is_int(tokens) or tokens < 1:
             raise ValueError(f"{where}: 'tokens' must be a positive integer, got {tokens!r}")
         mix = phase.get("mix")
         if not isinstance(mix, dict) or not mix:
             raise ValueError(f"{where}: empty mix; give {{bucket: weight, ...}}")
         for name, weight in mix.items():
             if buckets is not None and name not in buckets:
-                raise ValueError(f"{where}: unknown bucket {name!r} (buckets: {', '.join(sorted(buckets))})")
-            if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not math.isfinite(weight):
+                raise ValueError(f"{where}: unknown bucket {name!r} (buckets: "
+                                 f"{', '.join(sorted(buckets))})")
+            # a weight is any finite number; True would slip through as 1
+            if (isinstance(weight, bool) or not isinstance(weight, (int, float))
+                    or not math.isfinite(weight)):
                 raise ValueError(f"{where}: weight of {name!r} must be a number, got {weight!r}")
             if weight < 0:
                 raise ValueError(f"{where}: weight of {name!r} is {weight}; weights must be >= 0")
         total = sum(mix.values())
         if total <= 0:
-            raise ValueError(f"{where}: every weight is 0; give at least one bucket a positive weight")
-        if abs(total - 1) > 1e-9:
+            raise ValueError(f"{where}: every weight is 0; give at least one bucket a positive "
+                             "weight")
+        if abs(total - 1) > 1e-9:  # 1e-9: 0.7 + 0.1 + 0.1 + 0.1 is not exactly 1 in floats
             warnings.warn(f"{where}: weights sum to {total:g}, normalised to 1", stacklevel=2)
-        phases.append(Phase(tokens, {name: mix[name] / total for name in sorted(mix) if mix[name] > 0}))
+        # sorted and without zero weights: the mix's order decides choose(), whatever the file's
+        phases.append(Phase(tokens, {name: mix[name] / total for name in sorted(mix)
+                                     if mix[name] > 0}))
     return phases
 
 
-def rank_shares(paths: list[str], chunk_size: int, world_size: int, shuffle: Shuffle | None = None) -> list[int]:
-    """Tokens each rank reads of a bucket (chunks rank, rank + W, ... of every file; shuffled: of the
-    first epoch's permutation of all chunks), from the .idx files only. With world_size 1: the bucket's size."""
+def rank_shares(paths: list[str], chunk_size: int, world_size: int,
+                shuffle: Shuffle | None = None) -> list[int]:
+    """Tokens each rank reads of a bucket (chunks rank, rank + W, ... of every file; shuffled: of
+    the first epoch's permutation of all chunks), from the .idx files only. With world_size 1: the
+    bucket's size."""
     chunks = []  # tokens per chunk, per file
     for path in paths:
-        offsets = TokenShard(path).offsets
+        offsets = TokenShard(path).offsets  # the index only: the tokens stay unread
         starts = np.arange(0, len(offsets) - 1, chunk_size)
+        # the last chunk of a file may be shorter: its end is the file's last offset
         chunks.append(offsets[np.minimum(starts + chunk_size, len(offsets) - 1)] - offsets[starts])
     if shuffle:
         tokens = np.concatenate(chunks) if chunks else np.zeros(0, dtype=np.int64)
-        return [int(tokens[shuffle.units(1, len(tokens), rank, world_size)].sum()) for rank in range(world_size)]
+        return [int(tokens[shuffle.units(1, len(tokens), rank, world_size)].sum())
+                for rank in range(world_size)]
     return [sum(int(c[rank::world_size].sum()) for c in chunks) for rank in range(world_size)]
 
 
 def validate(curriculum, data_dir: str, split: str = "train", total_tokens: int | None = None,
              allow_bucket_exhaustion: bool = False, allow_budget_mismatch: bool = False,
              T: int | None = None, world_size: int = 1, chunk_size: int = 1024,
-             step_tokens: int = 0, shuffle: Shuffle | None = None) -> tuple[list[dict], list[str], list[str]]:
+             step_tokens: int = 0,
+             shuffle: Shuffle | None = None) -> tuple[list[dict], list[str], list[str]]:
     """Tokens demanded versus available, per phase and bucket. Returns (rows, problems, warnings):
     problems block a run (a predicted shortfall, a budget mismatch), warnings do not (the same under
     their allow_* flag).
-    - Demand counts trained tokens; with T given, a row of T+1 tokens per T trained. Cropping consumes
-      more (long_doc_policy="split_reuse" does not), which the loader's run-time check catches.
-    - With world_size W, each rank reads only its chunks of a bucket and draws about 1/W of the demand:
-      the smallest rank share must cover demand / W.
+    - Demand counts trained tokens; with T given, a row of T+1 tokens per T trained. Cropping
+      consumes more (long_doc_policy="split_reuse" does not), which the loader's run-time check
+      catches.
+    - With world_size W, each rank reads only its chunks of a bucket and draws about 1/W of the
+      demand: the smallest rank share must cover demand / W.
     - total_tokens (what the run trains): a mismatch with the curriculum's total of one step
       (step_tokens) or more is a budget mismatch; accepted, a longer run extends the last phase, and
       its demand counts.
-    - shuffle: the loader's order (each bucket's own, by its name), which deals other chunks to each rank."""
+    - shuffle: the loader's order (each bucket's own, by its name), which deals other chunks to each
+      rank."""
     buckets = list_buckets(data_dir, split)
-    phases = curriculum if isinstance(curriculum, list) and all(isinstance(p, Phase) for p in curriculum) \
-        else load_curriculum(curriculum, buckets)
+    loaded = isinstance(curriculum, list) and all(isinstance(p, Phase) for p in curriculum)
+    phases = curriculum if loaded else load_curriculum(curriculum, buckets)
     shares = {name: rank_shares(paths, chunk_size, world_size, shuffle and shuffle.bucket(name))
               for name, paths in buckets.items()}
-    scale = (T + 1) / T if T else 1.0
+    scale = (T + 1) / T if T else 1.0  # a row of T + 1 tokens trains T: the last is a target only
     total = sum(p.tokens for p in phases)
     budgets = [p.tokens for p in phases]
     rows, problems, notes = [], [], []
+    # within one step is no mismatch: a run trains whole steps
     if total_tokens is not None and abs(total_tokens - total) >= max(1, step_tokens):
-        message = f"budget mismatch: the curriculum totals {total:,} tokens, the run will train {total_tokens:,}"
+        message = (f"budget mismatch: the curriculum totals {total:,} tokens, the run will train "
+                   f"{total_tokens:,}")
         (notes if allow_budget_mismatch else problems).append(message)
         if allow_budget_mismatch and total_tokens > total:
             budgets[-1] += total_tokens - total  # the last phase goes on
@@ -164,31 +190,37 @@ def validate(curriculum, data_dir: str, split: str = "train", total_tokens: int 
     for i, (phase, budget) in enumerate(zip(phases, budgets), 1):
         for name, weight in phase.mix.items():
             demand = budget * weight * scale
-            demanded[name] += demand
+            demanded[name] += demand  # a bucket is read once across phases: demand accumulates
             available, smallest = sum(shares[name]), min(shares[name])
+            # every rank draws about 1/W of the demand, so the smallest share runs dry first
             short = demanded[name] > available or demanded[name] / world_size > smallest
             rows.append({"phase": i, "bucket": name, "weight": weight, "demanded": round(demand),
                          "demanded_so_far": round(demanded[name]), "available": available,
                          "smallest_rank_share": smallest, "status": "SHORT" if short else "ok"})
             if short:
                 where = (f"{available:,} available" if world_size == 1 else
-                         f"{available:,} available, the smallest of {world_size} ranks' shares is {smallest:,}")
-                message = (f"phase {i}: bucket {name!r} runs dry: {demanded[name]:,.0f} tokens demanded by the end "
-                           f"of the phase, {where}")
+                         f"{available:,} available, the smallest of {world_size} ranks' shares is "
+                         f"{smallest:,}")
+                message = (f"phase {i}: bucket {name!r} runs dry: {demanded[name]:,.0f} tokens "
+                           f"demanded by the end of the phase, {where}")
                 (notes if allow_bucket_exhaustion else problems).append(message)
     return rows, problems, notes
 
 
 def _unit(seed: int, phase: int, generation: int) -> float:
-    """The job's pseudo-random starting point on [0, 1) for a phase (blake2b of the three numbers)."""
+    """The job's pseudo-random starting point on [0, 1) for a phase (blake2b of the three
+    numbers)."""
+    # blake2b, not hash(): the same on every rank and run (str hashes are salted per process)
     digest = hashlib.blake2b(f"{seed}:{phase}:{generation}".encode(), digest_size=8).digest()
     return int.from_bytes(digest, "little") / 2**64
 
 
-def row_unit(seed: int, phase: int, generation: int, position: int, rank: int, world_size: int) -> float:
-    """Where row `position` of `rank` in a phase falls on [0, 1): the job's rows share one golden-ratio
-    sequence, indexed position * world_size + rank, so the rows of any run of consecutive steps (all
-    ranks together) are one contiguous stretch of it, and the job's mix is as even as one rank's."""
+def row_unit(seed: int, phase: int, generation: int, position: int, rank: int,
+             world_size: int) -> float:
+    """Where row `position` of `rank` in a phase falls on [0, 1): the job's rows share one
+    golden-ratio sequence, indexed position * world_size + rank, so the rows of any run of
+    consecutive steps (all ranks together) are one contiguous stretch of it, and the job's mix is
+    as even as one rank's."""
     return (_unit(seed, phase, generation) + (position * world_size + rank) * PHI) % 1.0
 
 
@@ -207,49 +239,68 @@ def choose(weights: list[tuple[str, float]], u: float) -> str:
 
 
 def _positive(text: str) -> int:
-    value = int(text.replace("_", ""))
+    value = int(text.replace("_", ""))  # 5_000_000 reads as in Python and YAML
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
     return value
 
 
-def main(argv=None) -> int:
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m nanochat.mixture",
                                      description="Check a curriculum against the buckets on disk.")
     sub = parser.add_subparsers(dest="command", required=True)
-    check = sub.add_parser("validate", help="tokens demanded vs available per phase and bucket; exit 1 on a "
-                                            "blocking problem")
-    check.add_argument("config", help="curriculum file (.yaml/.yml/.json): a list of phases or {curriculum: [...]}")
-    check.add_argument("--data", required=True, help="the data directory holding <split>/<bucket>/ shards")
+    check = sub.add_parser("validate", help="tokens demanded vs available per phase and bucket; "
+                                            "exit 1 on a blocking problem")
+    check.add_argument("config", help="curriculum file (.yaml/.yml/.json): a list of phases or "
+                                      "{curriculum: [...]}")
+    check.add_argument("--data", required=True,
+                       help="the data directory holding <split>/<bucket>/ shards")
     check.add_argument("--split", default="train", choices=["train", "val"])
-    check.add_argument("--tokens", type=_positive, default=None, help="tokens the run will train (all ranks)")
-    check.add_argument("--T", type=_positive, default=None, help="the loader's T: a row of T+1 tokens trains T")
-    check.add_argument("--B", type=_positive, default=None, help="the loader's B (with --T: the step, the budget's "
-                                                                  "tolerance)")
-    check.add_argument("--world-size", type=_positive, default=1, help="ranks: each must hold its share (default 1)")
-    check.add_argument("--chunk-size", type=_positive, default=1024, help="the loader's chunk_size (default 1024)")
-    check.add_argument("--shuffle", action="store_true", help="the loader shuffles (shuffle=True): ranks get other "
-                                                              "chunks")
-    check.add_argument("--seed", type=int, default=0, help="the loader's seed (with --shuffle; default 0)")
-    check.add_argument("--shuffle-window", type=_positive, default=8, help="the loader's shuffle_window (default 8)")
-    check.add_argument("--allow-bucket-exhaustion", action="store_true", help="a predicted shortfall only warns")
-    check.add_argument("--allow-budget-mismatch", action="store_true", help="a budget mismatch only warns")
-    args = parser.parse_args(argv)
+    check.add_argument("--tokens", type=_positive, default=None,
+                       help="tokens the run will train (all ranks)")
+    check.add_argument("--T", type=_positive, default=None,
+                       help="the loader's T: a row of T+1 tokens trains T")
+    check.add_argument("--B", type=_positive, default=None,
+                       help="the loader's B (with --T: the step, the budget's tolerance)")
+    check.add_argument("--world-size", type=_positive, default=1,
+                       help="ranks: each must hold its share (default 1)")
+    check.add_argument("--chunk-size", type=_positive, default=1024,
+                       help="the loader's chunk_size (default 1024)")
+    check.add_argument("--shuffle", action="store_true",
+                       help="the loader shuffles (shuffle=True): ranks get other chunks")
+    check.add_argument("--seed", type=int, default=0,
+                       help="the loader's seed (with --shuffle; default 0)")
+    check.add_argument("--shuffle-window", type=_positive, default=8,
+                       help="the loader's shuffle_window (default 8)")
+    check.add_argument("--allow-bucket-exhaustion", action="store_true",
+                       help="a predicted shortfall only warns")
+    check.add_argument("--allow-budget-mismatch", action="store_true",
+                       help="a budget mismatch only warns")
+    return parser
+
+
+def main(argv=None) -> int:
+    args = _parser().parse_args(argv)
     try:
+        # one step of all ranks: the budget's tolerance (0 without --B and --T: exact)
         step = args.B * args.T * args.world_size if args.B and args.T else 0
-        rows, problems, notes = validate(args.config, args.data, args.split, args.tokens,
-                                         args.allow_bucket_exhaustion, args.allow_budget_mismatch, args.T,
-                                         args.world_size, args.chunk_size, step,
-                                         Shuffle(args.seed, args.shuffle_window) if args.shuffle else None)
+        rows, problems, notes = validate(
+            args.config, args.data, args.split, total_tokens=args.tokens,
+            allow_bucket_exhaustion=args.allow_bucket_exhaustion,
+            allow_budget_mismatch=args.allow_budget_mismatch, T=args.T,
+            world_size=args.world_size, chunk_size=args.chunk_size, step_tokens=step,
+            shuffle=Shuffle(args.seed, args.shuffle_window) if args.shuffle else None)
     except (ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    per_rank = args.world_size > 1
-    print(f"{'phase':>5s}  {'bucket':16s} {'weight':>7s} {'demanded':>16s} {'demanded so far':>16s} "
-          f"{'available':>16s}" + (f" {'smallest rank share':>20s}" if per_rank else "") + "  status")
+    per_rank = args.world_size > 1  # the column only means something with several ranks
+    print(f"{'phase':>5s}  {'bucket':16s} {'weight':>7s} {'demanded':>16s} "
+          f"{'demanded so far':>16s} {'available':>16s}"
+          + (f" {'smallest rank share':>20s}" if per_rank else "") + "  status")
     for r in rows:
-        print(f"{r['phase']:5d}  {r['bucket']:16s} {r['weight']:7.3f} {r['demanded']:16,d} {r['demanded_so_far']:16,d} "
-              f"{r['available']:16,d}" + (f" {r['smallest_rank_share']:20,d}" if per_rank else "") + f"  {r['status']}")
+        print(f"{r['phase']:5d}  {r['bucket']:16s} {r['weight']:7.3f} {r['demanded']:16,d} "
+              f"{r['demanded_so_far']:16,d} {r['available']:16,d}"
+              + (f" {r['smallest_rank_share']:20,d}" if per_rank else "") + f"  {r['status']}")
     for note in notes:
         print(f"warning: {note}")
     for problem in problems:

@@ -1,19 +1,16 @@
 """
 The pretraining shard store: which dataset, where its parquet shards live, reading, downloading
-and repackaging them.
+and repackaging them. A dataset is a numbered run of parquet shards (`shard_00000.parquet`, ...)
+with one `text` column in row groups of ~1024 documents; its last shard is val, the others train.
 
-A dataset is a numbered run of parquet shards (`shard_00000.parquet`, ...) with one `text` column,
-row groups of ~1024 documents. The last index of a dataset is its validation shard; everything
-else is train. Reading one row group costs one pyarrow call (a few ms for ~1024 documents).
+    python -m nanochat.dataset -n 240 -w 4     # fetch and verify ~100MB shards (download.py)
+    python -m nanochat.dataset --verify        # check the shards on disk, offline
+    python -m nanochat.dataset repackage a.jsonl b.txt --out DIR   # your own text, in memory
 
-Downloading (`python -m nanochat.dataset -n 240 -w 4`) fetches ~100MB per shard with nanochat/download.py:
-bounded retries, Range + If-Range resume, a per-shard file lock (several processes can fetch into one
-directory at once), and a shard appears under its name only once its size, sha256 (when the server
-states it) and parquet structure check out. Shards already there are checked before they are skipped;
-`--verify` checks them all offline. `python -m nanochat.dataset repackage ...` turns
-your own .txt/.jsonl/.jsonl.gz/.parquet text into shards of the same format (all in memory).
+Cost: reading a row group is one pyarrow call, a few ms for ~1024 documents.
+Design: docs/downloads.md
 
-May import: nanochat.common, nanochat.download, nanochat.layout.
+May import: nanochat.checks, nanochat.common, nanochat.download, nanochat.layout.
 """
 
 import argparse
@@ -32,11 +29,15 @@ import pyarrow.parquet as pq
 from tqdm import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
 
+from nanochat.checks import check_int
 from nanochat.common import get_base_dir
-from nanochat.download import (  # the constants, check_disk_space, HostNotFoundError: this module's API too
-    BACKOFF_BASE, CHUNK_SIZE, DEADLINE, DISK_MARGIN, MAX_ATTEMPTS, MIN_RATE, RATE_WINDOW, REQUEST_TIMEOUT,
-    RETRY_AFTER_CAP, SHARD_BYTES_ESTIMATE, DownloadError, HostNotFoundError, Limits, Report, check_disk_space,
-    check_files, check_url, download_file, download_files, record_path, summarize,
+# the constants, check_disk_space and HostNotFoundError are nanochat.dataset's names too: callers
+# of download_single_file and download_shards catch and tune them here
+from nanochat.download import (
+    BACKOFF_BASE, CHUNK_SIZE, DEADLINE, DISK_MARGIN, MAX_ATTEMPTS, MIN_RATE, RATE_WINDOW,
+    REQUEST_TIMEOUT, RETRY_AFTER_CAP, SHARD_BYTES_ESTIMATE, DownloadError, HostNotFoundError,
+    Limits, Report, check_disk_space, check_files, check_url, download_file, download_files,
+    record_path, summarize,
 )
 from nanochat.layout import check_kind
 
@@ -55,6 +56,7 @@ class DatasetSpec:
 
     @property
     def base_url(self) -> str:
+        # resolve/main: the file's bytes at the main branch, not its web page
         return f"https://huggingface.co/datasets/{self.repo}/resolve/main"
 
     @property
@@ -64,20 +66,24 @@ class DatasetSpec:
 
 DATASETS = {
     # nanochat's dataset since March 2026: 6543 shards of ~100MB (zstd), ~250M characters each
-    "climbmix-400b": DatasetSpec("climbmix-400b", "karpathy/climbmix-400b-shuffle", 6542, "base_data_climbmix"),
-    # the one before it: ~100B GPT-2 tokens of FineWeb-Edu, shuffled; 1823 shards of ~100MB (zstd)
-    "fineweb-edu-100b": DatasetSpec("fineweb-edu-100b", "karpathy/fineweb-edu-100b-shuffle", 1822, "base_data"),
+    "climbmix-400b": DatasetSpec("climbmix-400b", "karpathy/climbmix-400b-shuffle", 6542,
+                                 "base_data_climbmix"),
+    # nanochat's earlier dataset: ~100B GPT-2 tokens of FineWeb-Edu, shuffled; 1823 shards of
+    # ~100MB (zstd)
+    "fineweb-edu-100b": DatasetSpec("fineweb-edu-100b", "karpathy/fineweb-edu-100b-shuffle", 1822,
+                                    "base_data"),
 }
 DEFAULT_DATASET = "climbmix-400b"  # what nanochat itself downloads and reads
 
 
 def index_to_filename(index: int) -> str:
-    return f"shard_{index:05d}.parquet"
+    return f"shard_{index:05d}.parquet"  # 5 digits: sorted names are index order
 
 
 def get_dataset(name: str | None = None) -> DatasetSpec:
-    """The dataset named by `name`, else $NANOCHAT_DATASET, else ClimbMix-400B (what the downloader fetches)."""
-    name = name or os.environ.get("NANOCHAT_DATASET") or DEFAULT_DATASET
+    """The dataset named by `name`, else $NANOCHAT_DATASET, else ClimbMix-400B (what the downloader
+    fetches)."""
+    name = name or os.environ.get("NANOCHAT_DATASET") or DEFAULT_DATASET  # "" counts as unset
     if name not in DATASETS:
         raise ValueError(f"unknown dataset {name!r} (from --dataset or NANOCHAT_DATASET); "
                          f"choose one of {sorted(DATASETS)}")
@@ -90,23 +96,27 @@ def get_data_dir(dataset: str | None = None) -> str:
 
 
 def find_dataset() -> DatasetSpec:
-    """The dataset the readers use when given no data_dir: $NANOCHAT_DATASET when set; else the one whose
-    directory holds train shards (the downloader's names are nanochat's); when several do, the default one
-    (logged once); when none does, the default one."""
+    """The dataset the readers use when given no data_dir: $NANOCHAT_DATASET when set; else the one
+    whose directory holds train shards (the downloader's names are nanochat's); when several do, the
+    default one (logged once); when none does, the default one."""
     if os.environ.get("NANOCHAT_DATASET"):
         return get_dataset()
     # a directory with no train shard (a failed first download, `-n 0`) hides nothing
-    present = [spec for spec in DATASETS.values() if _has_train_shards(get_data_dir(spec.name), spec)]
+    present = [spec for spec in DATASETS.values()
+               if _has_train_shards(get_data_dir(spec.name), spec)]
     if len(present) == 1:
         return present[0]
     if len(present) > 1:
-        _log_once(logging.WARNING, "found %s; reading %s, the default (set NANOCHAT_DATASET to choose)",
-                  " and ".join(get_data_dir(spec.name) for spec in present), get_data_dir(DEFAULT_DATASET))
+        _log_once(logging.WARNING,
+                  "found %s; reading %s, the default (set NANOCHAT_DATASET to choose)",
+                  " and ".join(get_data_dir(spec.name) for spec in present),
+                  get_data_dir(DEFAULT_DATASET))
     return get_dataset(DEFAULT_DATASET)
 
 
 def _has_train_shards(data_dir: str, spec: DatasetSpec) -> bool:
-    return os.path.isdir(data_dir) and any(name.endswith(".parquet") and name != spec.val_filename
+    return os.path.isdir(data_dir) and any(name.endswith(".parquet")
+                                           and name != spec.val_filename
                                            for name in os.listdir(data_dir))
 
 
@@ -115,11 +125,12 @@ def find_data_dir() -> str:
     return get_data_dir(find_dataset().name)
 
 
-_LOGGED: set = set()
+_LOGGED: set = set()  # (message, args) already logged by _log_once
 
 
 def _log_once(level: int, message: str, *args) -> None:
-    """Log a message once per process: the loaders list the shards for every split and every rank."""
+    """Log a message once per process: the loaders list the shards for every split and every
+    rank."""
     if (message, args) not in _LOGGED:
         _LOGGED.add((message, args))
         logger.log(level, message, *args)
@@ -138,71 +149,75 @@ def _check_split(split: str) -> None:
 
 def list_parquet_files(data_dir: str | None = None) -> list[str]:
     """Sorted full paths of the `*.parquet` files in data_dir (default: find_data_dir()).
-    Partial downloads live under other names (`*.parquet.tmp`, ...) and are never listed. A directory of
-    pretokenized shards or buckets is a ValueError that says so (an empty one lists nothing)."""
+    Partial downloads live under other names (`*.parquet.tmp`, ...) and are never listed. A
+    directory of pretokenized shards or buckets is a ValueError that says so (an empty one lists
+    nothing)."""
     data_dir = find_data_dir() if data_dir is None else os.path.expanduser(os.fspath(data_dir))
     if not os.path.isdir(data_dir):
         raise FileNotFoundError(
             f"data directory {data_dir} does not exist; download some shards first: "
             "python -m nanochat.dataset -n 8")
     names = sorted(f for f in os.listdir(data_dir) if f.endswith(".parquet"))
-    if not names:
+    if not names:  # no parquet: say what the directory holds instead, if anything
         check_kind(data_dir, "parquet")
     return [os.path.join(data_dir, f) for f in names]
 
 
 def _dataset_of(data_dir: str) -> DatasetSpec | None:
-    """The known dataset whose directory this is (by its name, e.g. base_data_climbmix), or None."""
-    name = os.path.basename(os.path.normpath(data_dir))
+    """The known dataset whose directory this is (by its name, e.g. base_data_climbmix), or
+    None."""
+    name = os.path.basename(os.path.normpath(data_dir))  # normpath: "dir/" names "dir" too
     return next((spec for spec in DATASETS.values() if spec.subdir == name), None)
 
 
 def split_parquet_files(split: str, data_dir: str | None = None) -> list[str]:
-    """The files of one split: val is the last file in sorted order, train the others (the seeds' rule
-    and nanochat's). In a dataset's directory that is its last index, e.g. shard_06542.parquet, however
-    many train shards were fetched; if it is not (your own shards there), one warning says which file is
+    """The files of one split: val is the last file in sorted order, train the others (nanochat's
+    rule). In a dataset's directory that is its last index, e.g. shard_06542.parquet, however many
+    train shards were fetched; if it is not (your own shards there), one warning says which file is
     val and how to fetch the dataset's. Raises when the split would be empty."""
     _check_split(split)
     data_dir = find_data_dir() if data_dir is None else os.path.expanduser(os.fspath(data_dir))
     paths = list_parquet_files(data_dir)
     if not paths:
         raise FileNotFoundError(
-            f"no parquet shards in {data_dir}; download some first: python -m nanochat.dataset -n 8")
-    val_path = paths[-1]
+            f"no parquet shards in {data_dir}; download some first: "
+            "python -m nanochat.dataset -n 8")
+    val_path = paths[-1]  # nanochat's rule, whatever the names: the loaders agree on val
     spec = _dataset_of(data_dir)
     if spec and os.path.basename(val_path) != spec.val_filename:
         if os.path.join(data_dir, spec.val_filename) in paths:
             why = "sorts before it, so it is a train shard here"
         else:
             why = f"is missing (to fetch it: python -m nanochat.dataset --dataset {spec.name} -n 0)"
-        _log_once(logging.WARNING, "%s: the last file in sorted order, %s, is val; %s's validation shard %s %s",
+        _log_once(logging.WARNING,
+                  "%s: the last file in sorted order, %s, is val; %s's validation shard %s %s",
                   data_dir, os.path.basename(val_path), spec.name, spec.val_filename, why)
     if split == "val":
         return [val_path]
     train = [p for p in paths if p != val_path]
     if not train:
         raise FileNotFoundError(
-            f"{data_dir} holds only the validation shard {os.path.basename(val_path)}, so the train split "
-            "is empty; download train shards: python -m nanochat.dataset -n 8")
+            f"{data_dir} holds only the validation shard {os.path.basename(val_path)}, so the "
+            "train split is empty; download train shards: python -m nanochat.dataset -n 8")
     return train
 
 
 def streamed_split(split: str, data_dir: str | None = None, num_shards: int | None = None,
                    base_url: str | None = None) -> tuple[str, list[str], list[str], str]:
-    """A split of a dataset read while it streams in (a loader's stream=True), whether its files are on disk
-    or not: val is the dataset's last index, train its first num_shards (default: all of them). The dataset
-    is the one data_dir is the directory of, else find_dataset()'s. Returns (data_dir, paths, URLs, the val
-    shard's name)."""
+    """A split of a dataset read while it streams in (a loader's stream=True), whether its files are
+    on disk or not: val is the dataset's last index, train its first num_shards (default: all of
+    them). The dataset is the one data_dir is the directory of, else find_dataset()'s. Returns
+    (data_dir, paths, URLs, the val shard's name)."""
     _check_split(split)
     data_dir = find_data_dir() if data_dir is None else os.path.expanduser(os.fspath(data_dir))
     spec = _dataset_of(data_dir) or find_dataset()
     if num_shards is None:
-        num_shards = spec.max_shard
-    if isinstance(num_shards, bool) or not isinstance(num_shards, int) or not 1 <= num_shards <= spec.max_shard:
-        raise ValueError(f"num_shards (or NANOCHAT_STREAM_SHARDS) must be an integer in [1, {spec.max_shard}], the "
-                         f"train shards of {spec.name}; got {num_shards!r}")
+        num_shards = spec.max_shard  # every train shard: indices 0 .. max_shard - 1
+    check_int("num_shards (or NANOCHAT_STREAM_SHARDS)", num_shards, 1, spec.max_shard,
+              hint=f" (the train shards of {spec.name})")
     base_url = get_base_url(spec.name) if base_url is None else base_url
     check_url(base_url)
+    # val is the dataset's last index even when few train shards are streamed
     indices = [spec.max_shard] if split == "val" else range(num_shards)
     return (data_dir, [os.path.join(data_dir, index_to_filename(i)) for i in indices],
             [shard_url(i, base_url) for i in indices], spec.val_filename)
@@ -214,23 +229,26 @@ def streamed_split(split: str, data_dir: str | None = None, num_shards: int | No
 
 def verify_hint(path: str) -> str:
     """The fix for a shard that cannot be read: find every bad one, then fetch them again."""
-    return (f"to list every bad shard: python -m nanochat.dataset --verify --data-dir {os.path.dirname(path) or '.'} "
-            "(running the download again re-fetches the bad ones)")
+    return (f"to list every bad shard: python -m nanochat.dataset --verify --data-dir "
+            f"{os.path.dirname(path) or '.'} (running the download again re-fetches the bad ones)")
 
 
 def open_parquet(path: str) -> pq.ParquetFile:
-    """Open a shard, reading its footer; a 0-byte, truncated or non-parquet file is a ValueError that
-    names it and the fix, not pyarrow's message without the file name."""
+    """Open a shard, reading its footer; a 0-byte, truncated or non-parquet file is a ValueError
+    that names it and the fix, not pyarrow's message without the file name."""
     try:
         return pq.ParquetFile(path)
     except (pa.ArrowException, OSError) as e:
-        if isinstance(e, FileNotFoundError):
-            raise FileNotFoundError(f"shard {path} does not exist (it was there when the shards were listed)") from None
-        raise ValueError(f"{path} is not a readable parquet file ({e}); {verify_hint(path)}") from None
+        if isinstance(e, FileNotFoundError):  # removed since it was listed: say so, not "corrupt"
+            raise FileNotFoundError(f"shard {path} does not exist (it was there when the shards "
+                                    "were listed)") from None
+        raise ValueError(f"{path} is not a readable parquet file ({e}); "
+                         f"{verify_hint(path)}") from None
 
 
 def read_row_group_texts(pf: pq.ParquetFile, rg_idx: int, path: str) -> list[str]:
-    """The `text` column of one row group as a list of str, or a clear error naming file and row group."""
+    """The `text` column of one row group as a list of str, or a clear error naming file and row
+    group."""
     return read_row_group_column(pf, rg_idx, path).to_pylist()
 
 
@@ -244,19 +262,23 @@ def read_row_group_column(pf: pq.ParquetFile, rg_idx: int, path: str) -> pa.Chun
     try:
         column = pf.read_row_group(rg_idx, columns=["text"]).column("text")
     except (pa.ArrowException, OSError) as e:
-        raise ValueError(f"{path} row group {rg_idx} could not be read ({e}); {verify_hint(path)}") from None
+        raise ValueError(f"{path} row group {rg_idx} could not be read ({e}); "
+                         f"{verify_hint(path)}") from None
+    # large_string: what pyarrow writes for columns over 2 GB, the same text to us
     if not (pa.types.is_string(column.type) or pa.types.is_large_string(column.type)):
-        raise ValueError(f"{path} row group {rg_idx}: column 'text' has type {column.type}, expected string")
-    if column.null_count:
-        raise ValueError(f"{path} row group {rg_idx}: column 'text' has {column.null_count} null values")
+        raise ValueError(f"{path} row group {rg_idx}: column 'text' has type {column.type}, "
+                         "expected string")
+    if column.null_count:  # a None would reach the tokenizer and fail there, far from the file
+        raise ValueError(f"{path} row group {rg_idx}: column 'text' has {column.null_count} null "
+                         "values")
     return column
 
 
 def parquets_iter_batched(split: str, start: int = 0, step: int = 1, data_dir: str | None = None):
     """Yield the texts of row groups start, start+step, ... of each file of the split, in order.
     start/step shard across ranks (start=rank, step=world_size)."""
-    if start < 0 or step < 1:
-        raise ValueError(f"need start >= 0 and step >= 1, got start={start}, step={step}")
+    check_int("start", start, 0)
+    check_int("step", step, 1)
     for path in split_parquet_files(split, data_dir):
         pf = open_parquet(path)
         for rg_idx in range(start, pf.num_row_groups, step):
@@ -264,7 +286,7 @@ def parquets_iter_batched(split: str, start: int = 0, step: int = 1, data_dir: s
 
 
 # -----------------------------------------------------------------------------
-# Downloading: which shards, their names and URLs (the HTTP machinery is in nanochat/download.py)
+# Downloading: which shards, their names and URLs (the HTTP machinery is in download.py)
 
 
 def get_base_url(dataset: str | None = None) -> str:
@@ -281,31 +303,33 @@ def download_single_file(index: int, data_dir: str | None = None, base_url: str 
                          dataset: str | None = None, timeout: float = REQUEST_TIMEOUT,
                          progress: bool | None = None, min_rate: float = MIN_RATE,
                          rate_window: float = RATE_WINDOW, deadline: float = DEADLINE) -> bool:
-    """Fetch shard `index` into data_dir unless a sound copy is there; True when one is there afterwards.
-    A copy that fails its checks is fetched again. Safe to call from several threads or processes at
-    once. Raises HostNotFoundError when the host does not resolve (no retry can help).
+    """Fetch shard `index` into data_dir unless a sound copy is there; True when one is there
+    afterwards. A copy that fails its checks is fetched again. Safe to call from several threads or
+    processes at once. Raises HostNotFoundError when the host does not resolve (no retry can help).
     progress: bytes bar per shard (None: only on a terminal); timeout, min_rate (bytes/s over
-    rate_window seconds) and deadline (seconds for the shard) bound the time spent: see nanochat/download.py."""
-    if index < 0:
-        raise ValueError(f"shard index must be >= 0, got {index}")
+    rate_window seconds) and deadline (seconds for the shard) bound the time spent: see
+    nanochat/download.py."""
+    check_int("shard index", index, 0)
     limits = Limits(max_attempts, backoff_base, timeout, min_rate, rate_window, deadline)
-    data_dir = get_data_dir(dataset) if data_dir is None else os.path.expanduser(os.fspath(data_dir))
+    data_dir = (get_data_dir(dataset) if data_dir is None
+                else os.path.expanduser(os.fspath(data_dir)))
     base_url = get_base_url(dataset) if base_url is None else base_url
     check_url(base_url)
     try:
-        download_file(shard_url(index, base_url), os.path.join(data_dir, index_to_filename(index)), limits,
-                      progress=progress)
-    except DownloadError as e:
+        download_file(shard_url(index, base_url), os.path.join(data_dir, index_to_filename(index)),
+                      limits, progress=progress)
+    except DownloadError as e:  # nanochat's signature: False, not an exception
         logger.error("%s", e)
         return False
     return True
 
 
-def _fetch_shards(indices: list[int], data_dir: str, base_url: str, num_workers: int, limits: Limits,
-                  progress: bool | None, check_disk: bool) -> Report:
+def _fetch_shards(indices: list[int], data_dir: str, base_url: str, num_workers: int,
+                  limits: Limits, *, progress: bool | None, check_disk: bool) -> Report:
     """What fetching these shards did: the CLI prints it, download_shards returns its failures."""
     check_url(base_url)  # before the per-shard URLs, so that the error names what the user passed
-    files = [(shard_url(i, base_url), os.path.join(data_dir, index_to_filename(i))) for i in indices]
+    files = [(shard_url(i, base_url), os.path.join(data_dir, index_to_filename(i)))
+             for i in indices]
     return download_files(files, num_workers, limits, progress=progress, check_disk=check_disk)
 
 
@@ -313,18 +337,21 @@ def download_shards(indices, data_dir: str | None = None, base_url: str | None =
                     num_workers: int = 4, max_attempts: int = MAX_ATTEMPTS,
                     backoff_base: float = BACKOFF_BASE, *, dataset: str | None = None,
                     timeout: float = REQUEST_TIMEOUT, progress: bool | None = None,
-                    check_disk: bool = True, min_rate: float = MIN_RATE, rate_window: float = RATE_WINDOW,
-                    deadline: float = DEADLINE) -> list[int]:
-    """Fetch the given shard indices with num_workers threads (0: in this thread); shards already there
-    are checked and fetched again when bad. Returns the sorted indices that failed; empty means every
-    shard is now on disk and verified. Raises ValueError before any download when base_url is not
-    http(s)://, OSError when check_disk finds the missing shards won't fit, and HostNotFoundError as soon
-    as the host does not resolve (the whole run stops: no retry can help)."""
+                    check_disk: bool = True, min_rate: float = MIN_RATE,
+                    rate_window: float = RATE_WINDOW, deadline: float = DEADLINE) -> list[int]:
+    """Fetch the given shard indices with num_workers threads (0: in this thread); shards already
+    there are checked and fetched again when bad. Returns the sorted indices that failed; empty
+    means every shard is now on disk and verified. Raises ValueError before any download when
+    base_url is not http(s)://, OSError when check_disk finds the missing shards won't fit, and
+    HostNotFoundError as soon as the host does not resolve (the whole run stops: no retry can
+    help)."""
     limits = Limits(max_attempts, backoff_base, timeout, min_rate, rate_window, deadline)
-    indices = sorted(set(indices))
-    data_dir = get_data_dir(dataset) if data_dir is None else os.path.expanduser(os.fspath(data_dir))
+    indices = sorted(set(indices))  # a repeated index would fetch one file twice, in two threads
+    data_dir = (get_data_dir(dataset) if data_dir is None
+                else os.path.expanduser(os.fspath(data_dir)))
     base_url = get_base_url(dataset) if base_url is None else base_url
-    report = _fetch_shards(indices, data_dir, base_url, num_workers, limits, progress, check_disk)
+    report = _fetch_shards(indices, data_dir, base_url, num_workers, limits, progress=progress,
+                           check_disk=check_disk)
     return [i for i in indices if index_to_filename(i) in report.failed]
 
 
@@ -338,7 +365,8 @@ RATIO_SAMPLE_DOCS = 2048  # documents compressed up front to estimate the zstd r
 
 
 def _read_txt(path: str, text_field: str):
-    """One document per non-empty line (the usual layout of scraped text dumps)."""
+    """One document per non-empty line (the usual layout of scraped text dumps). text_field is
+    unused: every reader takes the same arguments."""
     with open(path, encoding="utf-8") as f:
         for line in f:
             line = line.rstrip("\r\n")
@@ -371,16 +399,18 @@ def read_jsonl_texts(path: str, text_field: str = "text"):
 
 def _read_parquet(path: str, text_field: str):
     pf = pq.ParquetFile(path)
-    names = pf.schema_arrow.names
+    names = pf.schema_arrow.names  # from the footer: a missing column fails before any read
     if text_field not in names:
         raise ValueError(f"{path} has no {text_field!r} column (columns: {names}); "
                          "pass the right one with --text-field")
     for rg_idx in range(pf.num_row_groups):
         column = pf.read_row_group(rg_idx, columns=[text_field]).column(text_field)
         if not (pa.types.is_string(column.type) or pa.types.is_large_string(column.type)):
-            raise ValueError(f"{path}: column {text_field!r} has type {column.type}, expected string")
+            raise ValueError(f"{path}: column {text_field!r} has type {column.type}, "
+                             "expected string")
         if column.null_count:
-            raise ValueError(f"{path} row group {rg_idx}: column {text_field!r} has {column.null_count} nulls")
+            raise ValueError(f"{path} row group {rg_idx}: column {text_field!r} has "
+                             f"{column.null_count} nulls")
         yield from column.to_pylist()
 
 
@@ -392,7 +422,8 @@ def _reader_for(path: str):
     raise ValueError(f"{path}: unsupported input type; use one of {', '.join(INPUT_SUFFIXES)}")
 
 
-def read_documents(paths: list[str], text_field: str = "text", *, progress: bool | None = None) -> list[str]:
+def read_documents(paths: list[str], text_field: str = "text", *,
+                   progress: bool | None = None) -> list[str]:
     """All non-empty documents of the input files, in order. Empty ones are dropped: they would
     train nothing but a BOS. Every path is checked before any is read."""
     if not paths:
@@ -402,9 +433,10 @@ def read_documents(paths: list[str], text_field: str = "text", *, progress: bool
             raise FileNotFoundError(f"input file {path} does not exist")
         if not os.path.isfile(path):
             raise ValueError(f"input {path} is not a file; pass the files inside it")
-        _reader_for(path)
+        _reader_for(path)  # an unsupported suffix fails now, not after an hour of reading
     docs = []
-    for path in tqdm(paths, unit="file", desc="reading", disable=None if progress is None else not progress):
+    bar_off = None if progress is None else not progress  # None: a bar only on a terminal
+    for path in tqdm(paths, unit="file", desc="reading", disable=bar_off):
         before = len(docs)
         try:
             docs.extend(t for t in _reader_for(path)(path, text_field) if t)
@@ -420,8 +452,9 @@ def _zstd_ratio(sample: list[str]) -> float:
     """UTF-8 bytes per byte of zstd parquet for a sample of this data (~3 for English prose)."""
     raw = sum(len(t.encode("utf-8")) for t in sample)
     sink = pa.BufferOutputStream()
-    pq.write_table(pa.table({"text": pa.array(sample, type=pa.string())}), sink, compression="zstd")
-    return max(raw / sink.getvalue().size, 1e-3)
+    pq.write_table(pa.table({"text": pa.array(sample, type=pa.string())}), sink,
+                   compression="zstd")
+    return max(raw / sink.getvalue().size, 1e-3)  # 1e-3: never a division by 0 below
 
 
 def plan_shard_sizes(docs: list[str], *, shard_size_mb: float | None = None,
@@ -434,8 +467,7 @@ def plan_shard_sizes(docs: list[str], *, shard_size_mb: float | None = None,
     if len(docs) < 2:
         raise ValueError(f"need at least 2 documents (one for train, one for val), got {len(docs)}")
     if docs_per_shard is not None:
-        if docs_per_shard < 1:
-            raise ValueError(f"docs_per_shard must be >= 1, got {docs_per_shard}")
+        check_int("docs_per_shard", docs_per_shard, 1)
         num_shards = math.ceil(len(docs) / docs_per_shard)
     else:
         shard_size_mb = SHARD_SIZE_MB if shard_size_mb is None else shard_size_mb
@@ -444,10 +476,10 @@ def plan_shard_sizes(docs: list[str], *, shard_size_mb: float | None = None,
         raw_bytes = sum(len(t.encode("utf-8")) for t in docs)
         compressed = raw_bytes / _zstd_ratio(docs[:RATIO_SAMPLE_DOCS])
         num_shards = math.ceil(compressed / (shard_size_mb * 1e6))
-    if num_shards < 2:
+    if num_shards < 2:  # one shard would leave train or val empty
         num_val = max(1, len(docs) // 10)
         return [len(docs) - num_val, num_val]
-    base, extra = divmod(len(docs), num_shards)
+    base, extra = divmod(len(docs), num_shards)  # the first `extra` shards get one more
     return [base + (i < extra) for i in range(num_shards)]
 
 
@@ -461,17 +493,16 @@ def _write_shard(path: str, texts: list[str], row_group_size: int) -> None:
 def repackage(inputs: list[str], out_dir: str, *, shard_size_mb: float | None = None,
               docs_per_shard: int | None = None, text_field: str = "text", seed: int = 42,
               row_group_size: int = ROW_GROUP_SIZE, progress: bool | None = None) -> list[str]:
-    """Shuffle the documents of the input files and write them to out_dir as shard_00000.parquet, ...
-    (one `text` column, zstd, row groups of row_group_size). The last shard is the validation split.
-    Holds every document in memory. Returns the shard paths."""
-    if row_group_size < 1:
-        raise ValueError(f"row_group_size must be >= 1, got {row_group_size}")
+    """Shuffle the documents of the input files and write them to out_dir as shard_00000.parquet,
+    ... (one `text` column, zstd, row groups of row_group_size). The last shard is the validation
+    split. Holds every document in memory. Returns the shard paths."""
+    check_int("row_group_size", row_group_size, 1)
     if os.path.isdir(out_dir) and any(f.endswith(".parquet") for f in os.listdir(out_dir)):
-        raise FileExistsError(f"{out_dir} already holds parquet files; mixing them with new shards would "
-                              "change the train/val split, so pick an empty --out directory")
+        raise FileExistsError(f"{out_dir} already holds parquet files; mixing them with new shards "
+                              "would change the train/val split, so pick an empty --out directory")
     docs = read_documents(list(inputs), text_field, progress=progress)
     sizes = plan_shard_sizes(docs, shard_size_mb=shard_size_mb, docs_per_shard=docs_per_shard)
-    random.Random(seed).shuffle(docs)  # neighbours in a file are often related; mix them across shards
+    random.Random(seed).shuffle(docs)  # neighbours in a file are often related: mix them
     os.makedirs(out_dir, exist_ok=True)
     paths, start = [], 0
     for index, size in enumerate(tqdm(sizes, unit="shard", desc="writing",
@@ -488,39 +519,55 @@ def repackage(inputs: list[str], out_dir: str, *, shard_size_mb: float | None = 
 # -----------------------------------------------------------------------------
 # Command line
 
-DOWNLOAD_HELP = ("Download pretraining shards (plus, always, the validation shard); shards already there are checked "
-                 "and fetched again when bad. To convert your own text instead: python -m nanochat.dataset repackage "
-                 "--help")
-REPACKAGE_HELP = ("Shuffle your own documents into nanochat shards (the last shard is val). .txt: one document per "
-                  "non-empty line; .jsonl/.jsonl.gz: one JSON object per line; .parquet: one row per document.")
+DOWNLOAD_HELP = ("Download pretraining shards (plus, always, the validation shard); shards already "
+                 "there are checked and fetched again when bad. To convert your own text instead: "
+                 "python -m nanochat.dataset repackage --help")
+REPACKAGE_HELP = ("Shuffle your own documents into nanochat shards (the last shard is val). .txt: "
+                  "one document per non-empty line; .jsonl/.jsonl.gz: one JSON object per line; "
+                  ".parquet: one row per document.")
 
 
-def _download_main(argv: list[str]) -> int:
+def _download_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m nanochat.dataset", description=DOWNLOAD_HELP)
     parser.add_argument("-n", "--num-files", type=int, default=-1,
-                        help="train shards to fetch, from shard 0 (default: -1, every shard; 0: only val)")
+                        help="train shards to fetch, from shard 0 (default: -1, every shard; 0: "
+                             "only val)")
     parser.add_argument("-w", "--num-workers", type=int, default=4,
                         help="parallel downloads or checks (default: 4; 0: one at a time)")
-    parser.add_argument("--dataset", default=None, help=f"one of {sorted(DATASETS)} (default: $NANOCHAT_DATASET, "
-                                                        f"else {DEFAULT_DATASET})")
-    parser.add_argument("--base-url", default=None, help="default: $NANOCHAT_DATA_URL, else the dataset's URL")
+    parser.add_argument("--dataset", default=None,
+                        help=f"one of {sorted(DATASETS)} (default: $NANOCHAT_DATASET, "
+                             f"else {DEFAULT_DATASET})")
+    parser.add_argument("--base-url", default=None,
+                        help="default: $NANOCHAT_DATA_URL, else the dataset's URL")
     parser.add_argument("--data-dir", default=None, help="default: <base dir>/<dataset subdir>")
     parser.add_argument("--verify", action="store_true",
-                        help="download nothing: check every shard in the data dir (size and sha256 against its "
-                             ".json record, PAR1 magic, parquet metadata) and exit 1 if any is bad")
+                        help="download nothing: check every shard in the data dir (size and "
+                             "sha256 against its .json record, PAR1 magic, parquet metadata) and "
+                             "exit 1 if any is bad")
     parser.add_argument("--max-attempts", type=int, default=MAX_ATTEMPTS,
-                        help=f"attempts in a row without progress, per shard (default: {MAX_ATTEMPTS})")
+                        help="attempts in a row without progress, per shard (default: "
+                             f"{MAX_ATTEMPTS})")
     parser.add_argument("--backoff-base", type=float, default=BACKOFF_BASE,
-                        help=f"seconds before the 2nd attempt; doubles after each failure (default: {BACKOFF_BASE:g})")
+                        help="seconds before the 2nd attempt; doubles after each failure "
+                             f"(default: {BACKOFF_BASE:g})")
     parser.add_argument("--timeout", type=float, default=REQUEST_TIMEOUT,
-                        help=f"seconds of silence before an attempt fails (default: {REQUEST_TIMEOUT:g})")
+                        help="seconds of silence before an attempt fails (default: "
+                             f"{REQUEST_TIMEOUT:g})")
     parser.add_argument("--min-rate", type=float, default=MIN_RATE / 1e3,
-                        help=f"KB/s: an attempt slower than this over --rate-window fails (default: {MIN_RATE / 1e3:g})")
+                        help="KB/s: an attempt slower than this over --rate-window fails "
+                             f"(default: {MIN_RATE / 1e3:g})")
     parser.add_argument("--rate-window", type=float, default=RATE_WINDOW,
                         help=f"seconds the rate is averaged over (default: {RATE_WINDOW:g})")
     parser.add_argument("--deadline", type=float, default=DEADLINE,
-                        help=f"seconds for one shard, all attempts together (default: {DEADLINE:g})")
+                        help="seconds for one shard, all attempts together (default: "
+                             f"{DEADLINE:g})")
+    return parser
+
+
+def _download_main(argv: list[str]) -> int:
+    parser = _download_parser()
     args = parser.parse_args(argv)
+    # each bad value is named before anything is fetched; argparse has made them numbers already
     if args.num_files < -1:
         parser.error(f"-n/--num-files must be >= -1 (-1 means all shards), got {args.num_files}")
     if args.num_workers < 0:
@@ -544,53 +591,64 @@ def _download_main(argv: list[str]) -> int:
     num_train = spec.max_shard  # train shards are 0 .. max_shard-1
     num_files = num_train if args.num_files == -1 else args.num_files
     if num_files > num_train:
-        print(f"-n {num_files} is past the last train shard of {spec.name}; clamping to {num_train}")
+        print(f"-n {num_files} is past the last train shard of {spec.name}; clamping to "
+              f"{num_train}")
         num_files = num_train
-    indices = list(range(num_files)) + [spec.max_shard]
-    limits = Limits(args.max_attempts, args.backoff_base, args.timeout, args.min_rate * 1e3, args.rate_window,
-                    args.deadline)
+    indices = list(range(num_files)) + [spec.max_shard]  # val always: every loader needs it
+    limits = Limits(args.max_attempts, args.backoff_base, args.timeout, args.min_rate * 1e3,
+                    args.rate_window, args.deadline)  # --min-rate is in KB/s, Limits in bytes/s
     print(f"dataset={spec.name} train_shards={num_files} val_shard={spec.max_shard} "
           f"workers={args.num_workers} data_dir={data_dir} base_url={base_url} "
-          f"max_attempts={args.max_attempts} backoff_base={args.backoff_base:g}s timeout={args.timeout:g}s "
-          f"min_rate={args.min_rate:g}KB/s rate_window={args.rate_window:g}s deadline={args.deadline:g}s")
-    report = _fetch_shards(indices, data_dir, base_url, args.num_workers, limits, None, True)
+          f"max_attempts={args.max_attempts} backoff_base={args.backoff_base:g}s "
+          f"timeout={args.timeout:g}s min_rate={args.min_rate:g}KB/s "
+          f"rate_window={args.rate_window:g}s deadline={args.deadline:g}s")
+    report = _fetch_shards(indices, data_dir, base_url, args.num_workers, limits, progress=None,
+                           check_disk=True)
     print(f"downloaded {len(indices) - len(report.failed)}/{len(indices)} shards to {data_dir}")
     if report.replaced:
         print(f"replaced {len(report.replaced)} bad shards that were there:")
         print("\n".join(summarize(report.replaced)))
     if report.failed:
-        print(f"failed ({len(report.failed)}); rerun the same command to retry (partial downloads resume):")
+        print(f"failed ({len(report.failed)}); rerun the same command to retry (partial downloads "
+              "resume):")
         print("\n".join(summarize(report.failed)))
         return 1
     return 0
 
 
 def _verify_main(spec: DatasetSpec, data_dir: str, num_workers: int) -> int:
-    """--verify: check every shard in data_dir, offline; 1 when any is bad, with the command that fixes it."""
+    """--verify: check every shard in data_dir, offline; 1 when any is bad, with the command that
+    fixes it."""
     paths = list_parquet_files(data_dir)
     if not paths:
-        raise FileNotFoundError(f"no parquet shards in {data_dir}; download some first: python -m nanochat.dataset -n 8")
+        raise FileNotFoundError(f"no parquet shards in {data_dir}; download some first: "
+                                "python -m nanochat.dataset -n 8")
     bad = check_files(paths, num_workers)
     unrecorded = sum(not os.path.exists(record_path(p)) for p in paths)
-    print(f"checked {len(paths)} shards in {data_dir}: {len(paths) - len(bad)} good, {len(bad)} bad")
+    print(f"checked {len(paths)} shards in {data_dir}: {len(paths) - len(bad)} good, "
+          f"{len(bad)} bad")
     if unrecorded:
-        print(f"{unrecorded} have no .json record (fetched by another tool or an older downloader): for them "
-              "only the parquet magic and metadata were checked, not size and sha256")
+        print(f"{unrecorded} have no .json record (fetched by another tool, or copied in): for "
+              "them only the parquet magic and metadata were checked, not size and sha256")
     if not bad:
         return 0
     print("\n".join(summarize({os.path.basename(p): e.reason for p, e in bad.items()})))
-    for path, error in list(bad.items())[:3]:
+    for path, error in list(bad.items())[:3]:  # the full messages of a few, for the log
         logger.info("%s", error)
     indices = {os.path.basename(p): _shard_index(os.path.basename(p), spec) for p in paths}
     if any(indices[os.path.basename(p)] is not None for p in bad):
-        num_files = 1 + max((i for i in indices.values() if i is not None and i < spec.max_shard), default=-1)
-        print(f"to fix: python -m nanochat.dataset --dataset {spec.name} --data-dir {data_dir} -n {num_files} "
-              "(add your --base-url if you used one); it fetches the bad shards again")
+        # -n covers every train shard on disk, so the rerun re-checks them all and fetches the
+        # bad ones again
+        num_files = 1 + max((i for i in indices.values() if i is not None and i < spec.max_shard),
+                            default=-1)
+        print(f"to fix: python -m nanochat.dataset --dataset {spec.name} --data-dir {data_dir} "
+              f"-n {num_files} (add your --base-url if you used one); it fetches the bad shards "
+              "again")
     others = sorted(os.path.basename(p) for p in bad if indices[os.path.basename(p)] is None)
     if others:
-        print(f"not shards of {spec.name}, so not fetchable: {', '.join(others[:3])}"
-              f"{f' and {len(others) - 3} more' if len(others) > 3 else ''}; delete them or write them again "
-              "(e.g. python -m nanochat.dataset repackage)")
+        more = f" and {len(others) - 3} more" if len(others) > 3 else ""
+        print(f"not shards of {spec.name}, so not fetchable: {', '.join(others[:3])}{more}; delete "
+              "them or write them again (e.g. python -m nanochat.dataset repackage)")
     return 1
 
 
@@ -601,39 +659,47 @@ def _shard_index(name: str, spec: DatasetSpec) -> int | None:
 
 
 def _repackage_main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="python -m nanochat.dataset repackage", description=REPACKAGE_HELP)
+    parser = argparse.ArgumentParser(prog="python -m nanochat.dataset repackage",
+                                     description=REPACKAGE_HELP)
     parser.add_argument("inputs", nargs="+", help=f"input files ({', '.join(INPUT_SUFFIXES)})")
-    parser.add_argument("--out", required=True, help="output directory (must hold no parquet files)")
+    parser.add_argument("--out", required=True,
+                        help="output directory (must hold no parquet files)")
     size = parser.add_mutually_exclusive_group()
     size.add_argument("--shard-size-mb", type=float, default=None,
                       help=f"target shard size after zstd (default {SHARD_SIZE_MB:g})")
-    size.add_argument("--docs-per-shard", type=int, default=None, help="at most this many documents per shard")
-    parser.add_argument("--text-field", default="text", help="JSON field or parquet column holding the text")
+    size.add_argument("--docs-per-shard", type=int, default=None,
+                      help="at most this many documents per shard")
+    parser.add_argument("--text-field", default="text",
+                        help="JSON field or parquet column holding the text")
     parser.add_argument("--seed", type=int, default=42, help="shuffle seed")
     args = parser.parse_args(argv)
     print(f"inputs={len(args.inputs)} out={args.out} shard_size_mb={args.shard_size_mb} "
           f"docs_per_shard={args.docs_per_shard} text_field={args.text_field} seed={args.seed}")
     paths = repackage(args.inputs, args.out, shard_size_mb=args.shard_size_mb,
-                      docs_per_shard=args.docs_per_shard, text_field=args.text_field, seed=args.seed)
-    print(f"wrote {len(paths)} shards to {args.out}; the last, {os.path.basename(paths[-1])}, is val")
+                      docs_per_shard=args.docs_per_shard, text_field=args.text_field,
+                      seed=args.seed)
+    print(f"wrote {len(paths)} shards to {args.out}; the last, {os.path.basename(paths[-1])}, "
+          "is val")
     return 0
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`python -m nanochat.dataset [-n N -w W ...]` downloads, `... --verify` checks the local shards,
-    `... repackage INPUTS --out DIR` converts. Returns the exit status (1 when a shard failed or is bad);
-    bad input raises ValueError/FileNotFoundError/OSError (HostNotFoundError when the host does not resolve)."""
+    """`python -m nanochat.dataset [-n N -w W ...]` downloads, `... --verify` checks the local
+    shards, `... repackage INPUTS --out DIR` converts. Returns the exit status (1 when a shard
+    failed or is bad); bad input raises ValueError/FileNotFoundError/OSError (HostNotFoundError
+    when the host does not resolve)."""
     argv = sys.argv[1:] if argv is None else list(argv)
-    if argv[:1] == ["repackage"]:
+    if argv[:1] == ["repackage"]:  # a subcommand by hand: the download takes no positional
         return _repackage_main(argv[1:])
     return _download_main(argv)
 
 
 if __name__ == "__main__":
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(level=logging.INFO,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
-        with logging_redirect_tqdm():  # log lines go above the progress bars instead of through them
+        with logging_redirect_tqdm():  # log lines go above the progress bars, not through them
             sys.exit(main())
-    except (ValueError, OSError) as e:  # FileNotFoundError is an OSError; show one line, not a traceback
+    except (ValueError, OSError) as e:  # FileNotFoundError is an OSError; one line, no traceback
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)

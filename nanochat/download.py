@@ -1,18 +1,14 @@
 """
-Fetching parquet files over HTTP so that only complete, verified files ever appear under their final names.
+Fetch parquet files over HTTP so that only complete, verified files appear under their final names.
+A file is fetched into `<name>.tmp` under a per-file lock, checked (the size and sha256 the server
+stated, PAR1 at both ends, readable parquet metadata) and renamed into place; `<name>.json` records
+its size and sha256, so later runs re-check it offline. An attempt ends in bounded time (silence, a
+low rate, a per-file deadline); a dropped connection resumes with Range + If-Range.
 
-One file is fetched into `<name>.tmp` under a per-file lock and renamed into place only after it passes
-every check: the size the server stated, the sha256 the server stated (the Hugging Face hub states it for
-LFS files), the PAR1 magic at both ends and readable parquet metadata. `<name>.json` beside it records its
-size and sha256, so that later runs (and `python -m nanochat.dataset --verify`) re-check it offline.
+Cost: checking a ~100MB shard takes ~0.07 s from the page cache (sha256 at ~1.4 GB/s).
+Design: docs/downloads.md
 
-An attempt ends in bounded time: after REQUEST_TIMEOUT seconds of silence, when the rate falls below
-MIN_RATE over RATE_WINDOW seconds, or past the per-file DEADLINE. A dropped connection resumes with
-Range + If-Range, so a file that changed on the server starts over instead of being spliced; `.tmp` keeps
-its bytes across attempts and runs. Checking a ~100MB shard costs ~0.07 s when it is in the page cache
-(sha256 at ~1.4 GB/s, the parquet metadata under 10 ms); from a cold disk, the disk's read speed decides.
-
-May import: nanochat.files, requests, urllib3, pyarrow, filelock, tqdm.
+May import: nanochat.checks, nanochat.files, requests, urllib3, pyarrow, filelock, tqdm.
 """
 
 import errno
@@ -36,6 +32,7 @@ import urllib3
 from filelock import FileLock
 from tqdm import tqdm
 
+from nanochat.checks import check_int
 from nanochat.files import fsync_dir, remove_if_exists
 
 logger = logging.getLogger(__name__)
@@ -43,16 +40,18 @@ logger = logging.getLogger(__name__)
 # -----------------------------------------------------------------------------
 # Settings
 
-MAX_ATTEMPTS = 5  # attempts in a row without progress; waits between them: base, 2*base, 4*base, 8*base
+MAX_ATTEMPTS = 5  # attempts in a row without progress; waits between: base, 2, 4, 8 * base
 BACKOFF_BASE = 2.0  # seconds (2, 4, 8, 16 s by default)
 REQUEST_TIMEOUT = 30.0  # seconds of silence (connect or read) before an attempt counts as failed
-MIN_RATE = 50_000.0  # bytes/s: an attempt slower than this over RATE_WINDOW fails (a ~100MB shard takes ~35 min)
+# bytes/s: an attempt slower than this over RATE_WINDOW fails (a ~100MB shard takes ~35 min)
+MIN_RATE = 50_000.0
 RATE_WINDOW = 30.0  # seconds over which the rate is averaged
-DEADLINE = 3600.0  # seconds for one file, all attempts together; past it the file fails until the next run
-# An attempt that stored at least this many bytes made progress: the attempt count starts again. A link
-# that drops every 200 KB then still completes, one that delivers a few bytes per attempt does not.
+DEADLINE = 3600.0  # seconds for one file, all attempts together; past it the file fails this run
+# An attempt that stored at least this many bytes made progress: the attempt count starts again. A
+# link that drops every 200 KB then still completes, one that delivers a few bytes per attempt does
+# not.
 PROGRESS_BYTES = 64 * 1024
-CHUNK_SIZE = 64 * 1024  # the most one read returns; a read returns as soon as any bytes have arrived
+CHUNK_SIZE = 64 * 1024  # the most one read returns; a read returns as soon as any bytes arrive
 RETRY_AFTER_CAP = 60.0  # a server asking for longer than this gets this
 # Used for the disk check when the server gives no Content-Length: FineWeb-Edu and ClimbMix shards
 # are ~90-100MB (zstd), so 100MB errs on the side of asking for too much.
@@ -72,12 +71,11 @@ class Limits:
     deadline: float = DEADLINE
 
     def __post_init__(self):
-        if self.max_attempts < 1:
-            raise ValueError(f"max_attempts must be >= 1, got {self.max_attempts}")
-        for name in ("backoff_base", "min_rate"):
+        check_int("max_attempts", self.max_attempts, 1)
+        for name in ("backoff_base", "min_rate"):  # 0: retry at once, no rate floor
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
-        for name in ("timeout", "rate_window", "deadline"):
+        for name in ("timeout", "rate_window", "deadline"):  # 0 would fail every attempt at once
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0 seconds, got {getattr(self, name)}")
 
@@ -96,7 +94,8 @@ class DownloadError(Exception):
 
 
 class BadFileError(DownloadError):
-    """A file on disk failed a check (size, sha256, magic, metadata). Partial files that fail are discarded."""
+    """A file on disk failed a check (size, sha256, magic, metadata). Partial files that fail are
+    discarded."""
 
 
 class HostNotFoundError(OSError):
@@ -123,14 +122,16 @@ def check_url(url: str) -> None:
     """Raise ValueError unless url is an http:// or https:// URL with a host."""
     parts = urllib.parse.urlsplit(url)
     if parts.scheme not in ("http", "https") or not parts.netloc:
-        raise ValueError(f"download URL {url!r} must start with http:// or https:// and name a host, "
-                         "e.g. https://huggingface.co/datasets/...; fix --base-url or NANOCHAT_DATA_URL")
+        raise ValueError(f"download URL {url!r} must start with http:// or https:// and name a "
+                         "host, e.g. https://huggingface.co/datasets/...; fix --base-url or "
+                         "NANOCHAT_DATA_URL")
 
 
 def _dns_failure(error: BaseException) -> socket.gaierror | None:
-    """The failed DNS lookup (socket.gaierror) somewhere in the error's chain, if that was the cause.
-    requests wraps it: ConnectionError <- urllib3's MaxRetryError <- NameResolutionError <- gaierror."""
-    seen = set()
+    """The failed DNS lookup (socket.gaierror) somewhere in the error's chain, if that was the
+    cause. requests wraps it: ConnectionError <- urllib3's MaxRetryError <- NameResolutionError <-
+    gaierror."""
+    seen = set()  # a chain can loop (an error set as its own context's cause)
     while error is not None and id(error) not in seen:
         if isinstance(error, socket.gaierror):
             return error
@@ -139,22 +140,23 @@ def _dns_failure(error: BaseException) -> socket.gaierror | None:
     return None
 
 
-# Hosts that have answered in this process: a failed lookup of one of them later (a resolver's hiccup in
-# a long run) is retried like any network error, not a reason to stop every download.
+# Hosts that have answered in this process: a failed lookup of one of them later (a resolver's
+# hiccup in a long run) is retried like any network error, not a reason to stop every download.
 _ANSWERED_HOSTS: set = set()
 
 
 def _failed_url(error: Exception, url: str) -> str:
-    """The URL of the request that failed: after a redirect, the target's, not the one we asked for."""
+    """The URL of the request that failed: after a redirect, the target's, not the one we asked
+    for."""
     request = getattr(error, "request", None)
     return getattr(request, "url", None) or url
 
 
 def _host_not_found(url: str, error: socket.gaierror) -> HostNotFoundError:
     host = urllib.parse.urlsplit(url).hostname
-    return HostNotFoundError(f"cannot resolve the host {host!r} of {url} ({error.strerror}); check the network "
-                             "connection and the URL (--base-url, NANOCHAT_DATA_URL), then rerun (files already "
-                             "fetched are kept)")
+    return HostNotFoundError(f"cannot resolve the host {host!r} of {url} ({error.strerror}); check "
+                             "the network connection and the URL (--base-url, NANOCHAT_DATA_URL), "
+                             "then rerun (files already fetched are kept)")
 
 
 def _reason_of(error: Exception) -> str:
@@ -175,7 +177,8 @@ def tmp_path(path: str) -> str:
 
 
 def record_path(path: str) -> str:
-    """`<path>.json`: what was verified about path (size, sha256), or for a `.tmp` which version it holds."""
+    """`<path>.json`: what was verified about path (size, sha256), or for a `.tmp` which version it
+    holds."""
     return path + ".json"
 
 
@@ -189,19 +192,20 @@ def lock_path(path: str) -> str:
 
 def _discard(tmp: str) -> None:
     remove_if_exists(tmp)
-    remove_if_exists(record_path(tmp))
+    remove_if_exists(record_path(tmp))  # a record without its bytes would vouch for nothing
 
 
 def _size(path: str) -> int:
-    return os.lstat(path).st_size if os.path.lexists(path) else 0
+    return os.lstat(path).st_size if os.path.lexists(path) else 0  # lstat: a link's own size
 
 
 def _open_nofollow(path: str, flags: int, mode: str):
-    """os.open with O_NOFOLLOW: a symlink at path is an error; its target is never read or written."""
+    """os.open with O_NOFOLLOW: a symlink at path is an error; its target is never read or
+    written."""
     try:
         fd = os.open(path, flags | os.O_NOFOLLOW, 0o644)
     except OSError as e:
-        if e.errno == errno.ELOOP:
+        if e.errno == errno.ELOOP:  # what O_NOFOLLOW gives for a symlink
             raise _GiveUp("symlink in the way",
                           f"{path} is a symbolic link; the downloader never writes through one. "
                           f"Remove the link (rm {path}) and rerun") from None
@@ -219,14 +223,15 @@ def _resumable(tmp: str) -> int:
 
 
 def _write_json(path: str, record: dict) -> None:
-    """Write a small JSON record atomically (the caller holds the file's lock, so the temp name is ours)."""
+    """Write a small JSON record atomically (the caller holds the file's lock, so the temp name is
+    ours)."""
     tmp = tmp_path(path)
     with _open_nofollow(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, "w") as f:
         json.dump(record, f)
         f.flush()
-        os.fsync(f.fileno())
+        os.fsync(f.fileno())  # the bytes are on disk before the rename makes them the record
     os.replace(tmp, path)
-    fsync_dir(os.path.dirname(os.path.abspath(path)))
+    fsync_dir(os.path.dirname(os.path.abspath(path)))  # and the rename itself survives a crash
 
 
 def _read_json(path: str) -> dict | None:
@@ -239,7 +244,8 @@ def _read_json(path: str) -> dict | None:
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
         raise BadFileError("unreadable record", f"{path} could not be read ({e})") from None
     if not isinstance(record, dict):
-        raise BadFileError("unreadable record", f"{path} holds {type(record).__name__}, not a JSON object")
+        raise BadFileError("unreadable record",
+                           f"{path} holds {type(record).__name__}, not a JSON object")
     return record
 
 
@@ -251,7 +257,8 @@ def sha256_of(path: str) -> str:
     digest = hashlib.sha256()
     with open(path, "rb") as f:
         while chunk := f.read(1024 * 1024):
-            digest.update(chunk)  # hashlib releases the GIL for big buffers: threads hash in parallel
+            # hashlib releases the GIL for big buffers: threads hash in parallel
+            digest.update(chunk)
     return digest.hexdigest()
 
 
@@ -262,47 +269,59 @@ def check_parquet(path: str) -> None:
         size = os.fstat(f.fileno()).st_size
         head = f.read(4)
         f.seek(max(size - 8, 0))
-        tail = f.read(8)
+        tail = f.read(8)  # the footer's length (4 bytes, little-endian), then PAR1
+        # 12 bytes: PAR1, a footer length and PAR1, the least a parquet file can be
         if size < 12 or head != MAGIC:
-            raise BadFileError("not parquet", f"{path} does not start with PAR1 ({size} bytes, starting with {head!r})")
+            raise BadFileError("not parquet", f"{path} does not start with PAR1 ({size} bytes, "
+                                              f"starting with {head!r})")
         if tail[4:] != MAGIC:
-            raise BadFileError("not parquet", f"{path} does not end with PAR1 ({size} bytes): truncated, or not "
-                                              "a parquet file")
+            raise BadFileError("not parquet", f"{path} does not end with PAR1 ({size} bytes): "
+                                              "truncated, or not a parquet file")
         footer_start = size - 8 - int.from_bytes(tail[:4], "little")
         try:
             metadata = pq.ParquetFile(f).metadata
+            # a footer can parse and still point past the data (a file cut and padded): each
+            # column chunk must lie inside the file, or reading it later fails mid-epoch
             for i in range(metadata.num_row_groups):
                 row_group = metadata.row_group(i)
                 for j in range(row_group.num_columns):
                     column = row_group.column(j)
-                    first = column.dictionary_page_offset if column.has_dictionary_page else column.data_page_offset
+                    first = (column.dictionary_page_offset if column.has_dictionary_page
+                             else column.data_page_offset)
                     if not 4 <= first <= first + column.total_compressed_size <= footer_start:
                         raise BadFileError("unreadable parquet metadata",
-                                           f"{path}: row group {i} column {j} lies outside the data "
-                                           f"(bytes {first}+{column.total_compressed_size}, footer at {footer_start})")
+                                           f"{path}: row group {i} column {j} lies outside the "
+                                           f"data (bytes {first}+{column.total_compressed_size}, "
+                                           f"footer at {footer_start})")
         except (pa.ArrowException, OSError) as e:
-            raise BadFileError("unreadable parquet metadata", f"{path} has no readable parquet footer ({e})") from None
+            raise BadFileError("unreadable parquet metadata",
+                               f"{path} has no readable parquet footer ({e})") from None
 
 
 def check_file(path: str) -> None:
-    """Raise BadFileError unless path is a sound parquet file that matches its record, when it has one
-    (size and sha256, checked in that order; a file without a record gets the parquet checks only)."""
+    """Raise BadFileError unless path is a sound parquet file that matches its record, when it has
+    one (size and sha256, checked in that order; a file without a record gets the parquet checks
+    only)."""
     record = _read_json(record_path(path))
     if record is not None and not (isinstance(record.get("size"), int)
                                    and re.fullmatch(r"[0-9a-f]{64}", str(record.get("sha256")))):
         raise BadFileError("unreadable record", f"{record_path(path)} lacks a size and a sha256")
     try:
         size = os.path.getsize(path)
+        # cheapest first: the size costs a stat, the sha256 reads the whole file
         if record is not None and size != record["size"]:
-            raise BadFileError("wrong size", f"{path} has {size} bytes, its record says {record['size']}")
+            raise BadFileError("wrong size",
+                               f"{path} has {size} bytes, its record says {record['size']}")
         check_parquet(path)
         if record is not None and sha256_of(path) != record["sha256"]:
-            raise BadFileError("sha256 mismatch", f"{path} does not hash to the sha256 in its record")
+            raise BadFileError("sha256 mismatch",
+                               f"{path} does not hash to the sha256 in its record")
     except OSError as e:  # a directory or an unreadable file under the name
         raise BadFileError("unreadable", f"{path} could not be read ({e})") from None
 
 
-def check_files(paths: list[str], num_workers: int = 4, *, progress: bool | None = None) -> dict[str, BadFileError]:
+def check_files(paths: list[str], num_workers: int = 4, *,
+                progress: bool | None = None) -> dict[str, BadFileError]:
     """check_file on each path with num_workers threads; returns {path: error} for the bad ones."""
     def check(path):
         try:
@@ -313,7 +332,7 @@ def check_files(paths: list[str], num_workers: int = 4, *, progress: bool | None
 
     bad = {}
     with ThreadPoolExecutor(max_workers=max(num_workers, 1)) as pool:
-        results = pool.map(check, paths)
+        results = pool.map(check, paths)  # in the order of paths, so the bar counts in order
         for path, error in zip(paths, tqdm(results, total=len(paths), unit="file", desc="checking",
                                            disable=None if progress is None else not progress)):
             if error is not None:
@@ -326,7 +345,8 @@ def check_files(paths: list[str], num_workers: int = 4, *, progress: bool | None
 
 
 def _retry_after_seconds(value: str | None) -> float | None:
-    """The seconds form of a Retry-After header, capped at RETRY_AFTER_CAP; None if absent or a date."""
+    """The seconds form of a Retry-After header, capped at RETRY_AFTER_CAP; None if absent or a
+    date."""
     if value is None or not value.strip().isdigit():
         return None  # the HTTP-date form is rare for these servers; our own backoff covers it
     return min(float(value.strip()), RETRY_AFTER_CAP)
@@ -344,11 +364,13 @@ def _parse_content_range(value: str | None) -> tuple[int, int | None]:
     """(first byte, total size or None) of a `bytes first-last/total` Content-Range."""
     match = re.fullmatch(r"bytes (\d+)-(\d+)/(\d+|\*)", (value or "").strip())
     if not match:
-        raise BadFileError("bad Content-Range", f"206 answer with an invalid Content-Range {value!r}")
+        raise BadFileError("bad Content-Range",
+                           f"206 answer with an invalid Content-Range {value!r}")
     first, last = int(match.group(1)), int(match.group(2))
-    total = None if match.group(3) == "*" else int(match.group(3))
+    total = None if match.group(3) == "*" else int(match.group(3))  # "*": size unknown
     if last < first or (total is not None and last >= total):
-        raise BadFileError("bad Content-Range", f"206 answer with an inconsistent Content-Range {value!r}")
+        raise BadFileError("bad Content-Range",
+                           f"206 answer with an inconsistent Content-Range {value!r}")
     return first, total
 
 
@@ -363,23 +385,25 @@ def _check_status(response: requests.Response, url: str) -> None:
     code = response.status_code
     if code in (200, 206):
         return
-    if code == 416:
+    if code == 416:  # our partial file is longer than the server's: discarded, then start over
         raise BadFileError("HTTP 416", f"{url}: 416 Range Not Satisfiable for our partial file")
-    if code in (429, 503):
+    if code in (429, 503):  # without Retry-After these fall through to our own backoff
         seconds = _retry_after_seconds(response.headers.get("Retry-After"))
         if seconds is not None:
-            raise _RetryLater(f"HTTP {code}", f"{url}: HTTP {code}, Retry-After {seconds:g}s", seconds)
+            raise _RetryLater(f"HTTP {code}", f"{url}: HTTP {code}, Retry-After {seconds:g}s",
+                              seconds)
     if code == 404:
         raise _GiveUp("HTTP 404", f"{url}: HTTP 404, not on the server; check the URL (--base-url, "
                                   "NANOCHAT_DATA_URL) and that the dataset has this file")
+    # other client errors will not change on a retry; 408 (timeout) and 429 (busy) may
     if 400 <= code < 500 and code not in (408, 429):
         raise _GiveUp(f"HTTP {code}", f"{url}: HTTP {code}")
     raise DownloadError(f"HTTP {code}", f"{url}: HTTP {code}")
 
 
 def validator(response: requests.Response) -> str | None:
-    """What If-Range may name to mean "this version of the file": a strong ETag, else Last-Modified.
-    (A weak ETag, W/"...", is not allowed in If-Range.)"""
+    """What If-Range may name to mean "this version of the file": a strong ETag, else
+    Last-Modified. (A weak ETag, W/"...", is not allowed in If-Range.)"""
     etag = response.headers.get("ETag")
     if etag and not etag.startswith("W/"):
         return etag
@@ -387,10 +411,10 @@ def validator(response: requests.Response) -> str | None:
 
 
 def stated_sha256(response: requests.Response) -> str | None:
-    """The file's sha256 if the server states it, as huggingface_hub reads it: X-Linked-Etag (the hub
-    puts it on the redirect to its CDN, so it may be on a response in history), else the ETag of the
-    first response. Only a quoted 64-hex-digit value (W/ allowed) is a sha256; anything else is just a
-    validator (S3's md5, a git blob sha1, ...)."""
+    """The file's sha256 if the server states it, as huggingface_hub reads it: X-Linked-Etag (the
+    hub puts it on the redirect to its CDN, so it may be on a response in history), else the ETag
+    of the first response. Only a quoted 64-hex-digit value (W/ allowed) is a sha256; anything else
+    is just a validator (S3's md5, a git blob sha1, ...)."""
     chain = [*response.history, response]
     value = next((r.headers["X-Linked-Etag"] for r in chain if "X-Linked-Etag" in r.headers), None)
     if value is None:
@@ -405,9 +429,9 @@ def stated_sha256(response: requests.Response) -> str | None:
 
 def _resume_point(tmp: str) -> tuple[int, dict | None]:
     """(bytes of tmp to keep, its record). A tmp that cannot be trusted is discarded: one without a
-    record naming a validator (nothing could tell whether its bytes belong to the file the server has
-    now, and splicing two versions is the one failure we must never risk), one that does not start
-    with PAR1, or one longer than the file."""
+    record naming a validator (nothing could tell whether its bytes belong to the file the server
+    has now, and splicing two versions is the one failure we must never risk), one that does not
+    start with PAR1, or one longer than the file."""
     try:
         f = _open_nofollow(tmp, os.O_RDONLY, "rb")
     except FileNotFoundError:
@@ -423,7 +447,7 @@ def _resume_point(tmp: str) -> tuple[int, dict | None]:
     why = None
     if not record or not record.get("validator"):
         why = "no record of which version of the file it holds"
-    elif not MAGIC.startswith(head):
+    elif not MAGIC.startswith(head):  # startswith: a tmp of 1-3 bytes holds part of the magic
         why = f"it does not start with PAR1 (starts with {head!r})"
     elif record.get("size") is not None and have > record["size"]:
         why = f"it is longer than the file ({record['size']} bytes)"
@@ -435,9 +459,10 @@ def _resume_point(tmp: str) -> tuple[int, dict | None]:
     return have, record
 
 
-# The deadline cuts an attempt off wherever it is, the wait for the response's headers included: requests'
-# timeout only bounds each read, and a server can send one header byte per read. The connections of a
-# download session note their sockets by thread, so that a timer can shut the socket of that thread's attempt.
+# The deadline cuts an attempt off wherever it is, the wait for the response's headers included:
+# requests' timeout only bounds each read, and a server can send one header byte per read. The
+# connections of a download session note their sockets by thread, so that a timer can shut the
+# socket of that thread's attempt.
 _SOCKETS: dict[int, socket.socket] = {}
 
 
@@ -462,8 +487,8 @@ class _NotedHTTPSPool(urllib3.HTTPSConnectionPool):
 
 
 class _NotedAdapter(requests.adapters.HTTPAdapter):
-    """Connections that note their sockets, direct or through an HTTP(S) proxy (not SOCKS: those keep only
-    the per-read timeout and the checks as the body arrives)."""
+    """Connections that note their sockets, direct or through an HTTP(S) proxy (not SOCKS: those
+    keep only the per-read timeout and the checks as the body arrives)."""
 
     def init_poolmanager(self, *args, **kwargs):
         super().init_poolmanager(*args, **kwargs)
@@ -471,7 +496,7 @@ class _NotedAdapter(requests.adapters.HTTPAdapter):
 
     def proxy_manager_for(self, proxy, **kwargs):
         manager = super().proxy_manager_for(proxy, **kwargs)
-        if not proxy.lower().startswith("socks"):
+        if not proxy.lower().startswith("socks"):  # SOCKS managers build their own connections
             manager.pool_classes_by_scheme = {"http": _NotedHTTPPool, "https": _NotedHTTPSPool}
         return manager
 
@@ -480,21 +505,23 @@ def _cut(thread: int) -> None:
     sock = _SOCKETS.get(thread)
     if sock is not None:
         try:
-            sock.shutdown(socket.SHUT_RDWR)  # the blocked read returns at once, and the attempt fails
+            sock.shutdown(socket.SHUT_RDWR)  # the blocked read returns at once; the attempt fails
         except OSError:
             pass  # already closed
 
 
 def _session() -> requests.Session:
-    session = requests.Session()
+    session = requests.Session()  # one per attempt: a cut socket is never reused
     for scheme in ("http://", "https://"):
         session.mount(scheme, _NotedAdapter())
     return session
 
 
-def _stream(response: requests.Response, f, limits: Limits, deadline: float, bar: tqdm, stop) -> None:
-    """Copy the body to f; raise when the rate over a window falls below limits.min_rate, past the deadline,
-    or when the run stops. read1 returns whatever has arrived, so a trickling server is noticed within one window."""
+def _stream(response: requests.Response, f, limits: Limits, deadline: float, bar: tqdm,
+            stop) -> None:
+    """Copy the body to f; raise when the rate over a window falls below limits.min_rate, past the
+    deadline, or when the run stops. read1 returns whatever has arrived, so a trickling server is
+    noticed within one window."""
     window_start, window_bytes = time.monotonic(), 0
     while chunk := response.raw.read1(CHUNK_SIZE):
         f.write(chunk)
@@ -503,51 +530,65 @@ def _stream(response: requests.Response, f, limits: Limits, deadline: float, bar
             raise _Stopped()
         now = time.monotonic()
         if now > deadline:
-            raise _GiveUp("past the deadline", f"past the deadline of {limits.deadline:g}s for one file")
+            raise _GiveUp("past the deadline",
+                          f"past the deadline of {limits.deadline:g}s for one file")
         window_bytes += len(chunk)
         if now - window_start >= limits.rate_window:
             rate = window_bytes / (now - window_start)
             if rate < limits.min_rate:
-                raise DownloadError("too slow", f"{rate / 1e3:.3g} KB/s over {now - window_start:.1f}s, "
-                                                f"below the minimum of {limits.min_rate / 1e3:g} KB/s")
-            window_start, window_bytes = now, 0
+                raise DownloadError("too slow", f"{rate / 1e3:.3g} KB/s over "
+                                                f"{now - window_start:.1f}s, below the minimum of "
+                                                f"{limits.min_rate / 1e3:g} KB/s")
+            window_start, window_bytes = now, 0  # disjoint windows: a fast start hides no stall
 
 
-def _fetch_to_tmp(url: str, tmp: str, limits: Limits, deadline: float, progress: bool | None, stop) -> dict:
-    """One attempt: bring tmp up to the whole file, resuming when it holds a prefix of the same version.
-    Returns its record: the validator, and the size and sha256 the server stated (None when it did not)."""
+def _fetch_to_tmp(url: str, tmp: str, limits: Limits, deadline: float, progress: bool | None,
+                  stop) -> dict:
+    """One attempt: bring tmp up to the whole file, resuming when it holds a prefix of the same
+    version. Returns its record: the validator, and the size and sha256 the server stated (None
+    when it did not)."""
     have, record = _resume_point(tmp)
     # identity: we compare bytes on disk with Content-Length, which compression would break
     headers = {"Accept-Encoding": "identity"}
     if have:
         # If-Range: "the rest, if the file is still this version; else the whole file" (a 200)
         headers.update({"Range": f"bytes={have}-", "If-Range": record["validator"]})
+    # 0.01 s at least: a timer of 0 or less would fire before the request even starts
     left, fired = max(deadline - time.monotonic(), 0.01), threading.Event()
-    watchdog = threading.Timer(left, lambda thread: fired.set() or _cut(thread), args=(threading.get_ident(),))
-    watchdog.daemon = True
+    watchdog = threading.Timer(left, lambda thread: fired.set() or _cut(thread),
+                               args=(threading.get_ident(),))
+    watchdog.daemon = True  # a pending timer never keeps the process alive
     watchdog.start()
     try:
         with _session() as session:
-            record = _attempt(session, url, tmp, have, record, headers, min(limits.timeout, left), limits,
-                              deadline, progress, stop)
+            record = _attempt(session, url, tmp, have, record, headers,
+                              timeout=min(limits.timeout, left), limits=limits, deadline=deadline,
+                              progress=progress, stop=stop)
     except Exception as e:
         if not fired.is_set() or isinstance(e, _Stopped):
             raise
-        record = None  # the watchdog cut the connection: whatever that broke, the reason is the deadline
+        # the watchdog cut the connection: whatever that broke, the reason is the deadline
+        record = None
     finally:
         watchdog.cancel()
         _SOCKETS.pop(threading.get_ident(), None)
-    # a cut can also end headers early (a 200 with no body); a transfer that completed as the timer fired stands
-    if fired.is_set() and not (record and record["size"] is not None and _size(tmp) == record["size"]):
-        raise _GiveUp("past the deadline", f"past the deadline of {limits.deadline:g}s for one file")
+    # a cut can also end headers early (a 200 with no body); a transfer that completed as the timer
+    # fired stands
+    if fired.is_set() and not (record and record["size"] is not None
+                               and _size(tmp) == record["size"]):
+        raise _GiveUp("past the deadline",
+                      f"past the deadline of {limits.deadline:g}s for one file")
     return record
 
 
-def _attempt(session: requests.Session, url: str, tmp: str, have: int, record: dict | None, headers: dict,
-             timeout: float, limits: Limits, deadline: float, progress: bool | None, stop) -> dict:
+def _attempt(session: requests.Session, url: str, tmp: str, have: int, record: dict | None,
+             headers: dict, *, timeout: float, limits: Limits, deadline: float,
+             progress: bool | None, stop) -> dict:
     """The request and the body of one attempt (see _fetch_to_tmp)."""
     with session.get(url, headers=headers, stream=True, timeout=timeout) as response:
-        _ANSWERED_HOSTS.update(urllib.parse.urlsplit(r.url).hostname for r in [*response.history, response])
+        # every host on the redirect chain answered: a later failed lookup of one is a hiccup
+        _ANSWERED_HOSTS.update(urllib.parse.urlsplit(r.url).hostname
+                               for r in [*response.history, response])
         if response.status_code == 416 and have and _unsatisfied_range_total(response) == have:
             return record  # a run stopped between the last byte and the rename; the checks decide
         _check_status(response, url)
@@ -555,28 +596,35 @@ def _attempt(session: requests.Session, url: str, tmp: str, have: int, record: d
             first, total = _parse_content_range(response.headers.get("Content-Range"))
             if not have or first != have:
                 asked = f"bytes from {have}" if have else "the whole file"
-                raise BadFileError("bad Content-Range", f"{url}: asked for {asked}, got a range from byte {first}")
+                raise BadFileError("bad Content-Range",
+                                   f"{url}: asked for {asked}, got a range from byte {first}")
             # a server that ignores If-Range could still answer 206 for a changed file
             other_size = None not in (total, record["size"]) and total != record["size"]
             if validator(response) not in (None, record["validator"]) or other_size:
-                raise BadFileError("changed on the server", f"{url} changed since {tmp} was started")
+                raise BadFileError("changed on the server",
+                                   f"{url} changed since {tmp} was started")
             append = True
         else:
             if have:
-                logger.info("%s: the server sent the whole file (it changed, or ignores Range); starting over", url)
-            record = {"url": url, "validator": validator(response), "size": _content_length(response),
-                      "sha256": stated_sha256(response)}
+                logger.info("%s: the server sent the whole file (it changed, or ignores Range); "
+                            "starting over", url)
+            record = {"url": url, "validator": validator(response),
+                      "size": _content_length(response), "sha256": stated_sha256(response)}
             if record["validator"] is None:
-                logger.warning("%s: the server sends no ETag or Last-Modified, so a broken transfer of it "
-                               "cannot be resumed: each attempt starts from byte 0", url)
+                logger.warning("%s: the server sends no ETag or Last-Modified, so a broken "
+                               "transfer of it cannot be resumed: each attempt starts from byte 0",
+                               url)
             append = False
         flags = os.O_WRONLY | os.O_CREAT | (os.O_APPEND if append else os.O_TRUNC)
-        bar_off = None if progress is None else not progress  # None: tqdm shows bars only on a terminal
+        bar_off = None if progress is None else not progress  # None: bars only on a terminal
         with _open_nofollow(tmp, flags, "ab" if append else "wb") as f, \
-                tqdm(total=record["size"], initial=have if append else 0, unit="B", unit_scale=True,
-                     desc=os.path.basename(url), leave=False, disable=bar_off) as bar:
+                tqdm(total=record["size"], initial=have if append else 0, unit="B",
+                     unit_scale=True, desc=os.path.basename(url), leave=False,
+                     disable=bar_off) as bar:
             if not append:
-                os.fsync(f.fileno())  # the old bytes are gone on disk before the record names the new version
+                # the truncation is on disk before the record names the new version: a crash
+                # never leaves old bytes under a new validator
+                os.fsync(f.fileno())
                 _write_json(record_path(tmp), record)
             _stream(response, f, limits, deadline, bar, stop)
             f.flush()
@@ -585,19 +633,23 @@ def _attempt(session: requests.Session, url: str, tmp: str, have: int, record: d
 
 
 def _install(tmp: str, path: str, record: dict) -> None:
-    """Check tmp against what the server stated and as parquet, then rename it to path; its record first.
-    A bad file that was at path stays there until this moment, so the name is never empty."""
+    """Check tmp against what the server stated and as parquet, then rename it to path; its record
+    first. A bad file that was at path stays there until this moment, so the name is never empty."""
     size = os.path.getsize(tmp)
     if record["size"] is not None and size != record["size"]:
-        raise BadFileError("wrong size", f"{tmp} has {size} bytes, the server stated {record['size']}")
+        raise BadFileError("wrong size",
+                           f"{tmp} has {size} bytes, the server stated {record['size']}")
     check_parquet(tmp)
     digest = sha256_of(tmp)
     if record["sha256"] is not None and digest != record["sha256"]:
-        raise BadFileError("sha256 mismatch", f"{tmp} hashes to {digest}, the server stated {record['sha256']}")
+        raise BadFileError("sha256 mismatch",
+                           f"{tmp} hashes to {digest}, the server stated {record['sha256']}")
     # the sha256 is recorded either way: from then on a local change to the file is caught
-    _write_json(record_path(path), {"size": size, "sha256": digest, "sha256_stated_by_server": bool(record["sha256"])})
+    _write_json(record_path(path), {"size": size, "sha256": digest,
+                                    "sha256_stated_by_server": bool(record["sha256"])})
     with _open_nofollow(tmp, os.O_RDONLY, "rb") as f:
-        os.fsync(f.fileno())  # its bytes are on disk before its name is (a 416 finish skipped the write's fsync)
+        # its bytes are on disk before its name is (a 416 finish skipped the write's fsync)
+        os.fsync(f.fileno())
     os.replace(tmp, path)
     fsync_dir(os.path.dirname(os.path.abspath(path)))
     remove_if_exists(record_path(tmp))
@@ -617,8 +669,8 @@ def _download_locked(url: str, path: str, limits: Limits, progress: bool | None,
             return
         except _GiveUp as e:
             kept = _resumable(tmp)  # tmp keeps what it holds: the next run resumes it
-            raise _GiveUp(e.reason, f"{name}: {e}; not retrying" + (f" ({kept} bytes kept in {tmp})" if kept else "")
-                          ) from None
+            raise _GiveUp(e.reason, f"{name}: {e}; not retrying"
+                          + (f" ({kept} bytes kept in {tmp})" if kept else "")) from None
         except _RetryLater as e:
             error, wait = e, e.seconds
         except BadFileError as e:
@@ -628,56 +680,69 @@ def _download_locked(url: str, path: str, limits: Limits, progress: bool | None,
             error, wait = e, None
         except (requests.RequestException, urllib3.exceptions.HTTPError, OSError) as e:
             if getattr(e, "errno", None) == errno.ENOSPC:  # no retry can help: say so at once
-                raise OSError(errno.ENOSPC, f"{name}: the disk of {os.path.dirname(os.path.abspath(path))} is full "
-                                            f"({_size(tmp)} bytes kept in {tmp}); free some space, or fetch fewer "
-                                            "shards (or pass a smaller cache_limit to a streaming loader)") from None
-            failed_url = _failed_url(e, url)  # after a redirect, the host that did not resolve is the target's
-            if _dns_failure(e) and urllib.parse.urlsplit(failed_url).hostname not in _ANSWERED_HOSTS:
+                raise OSError(errno.ENOSPC,
+                              f"{name}: the disk of {os.path.dirname(os.path.abspath(path))} is "
+                              f"full ({_size(tmp)} bytes kept in {tmp}); free some space, or fetch "
+                              "fewer shards (or pass a smaller cache_limit to a streaming "
+                              "loader)") from None
+            # after a redirect, the host that did not resolve is the target's
+            failed_url = _failed_url(e, url)
+            if (_dns_failure(e)
+                    and urllib.parse.urlsplit(failed_url).hostname not in _ANSWERED_HOSTS):
                 raise _host_not_found(failed_url, _dns_failure(e)) from None
             error, wait = DownloadError(_reason_of(e), str(e)), None
-        kept = _resumable(tmp)  # without a validator nothing can be resumed, so nothing counts as progress
+        # without a validator nothing can be resumed, so nothing counts as progress
+        kept = _resumable(tmp)
         progressed = kept - before >= PROGRESS_BYTES
         if attempt >= limits.max_attempts and not progressed:
+            in_a_row = "s in a row" if attempt > 1 else ""
             raise DownloadError(error.reason, f"{name}: {error}; gave up after {attempt} "
-                                              f"attempt{'s in a row' if attempt > 1 else ''} without progress" + (f" ({kept} bytes kept in {tmp}: a rerun "
-                                                                     "resumes)" if kept else ""))
+                                              f"attempt{in_a_row} without progress"
+                                + (f" ({kept} bytes kept in {tmp}: a rerun resumes)"
+                                   if kept else ""))
         if wait is None:
+            # exponential backoff; after progress the link works again, so the shortest wait
             wait = limits.backoff_base * 2 ** (0 if progressed else attempt - 1)
-        logger.warning("%s attempt %d/%d: %s; %sretrying in %gs", name, attempt, limits.max_attempts, error,
+        logger.warning("%s attempt %d/%d: %s; %sretrying in %gs", name, attempt,
+                       limits.max_attempts, error,
                        "it made progress, so the count starts again; " if progressed else "", wait)
         if progressed:
             attempt = 0  # the deadline still bounds the whole file
-        if time.monotonic() + wait > deadline:
-            raise DownloadError("past the deadline", f"{name}: {error}; no time left before the deadline of "
-                                                     f"{limits.deadline:g}s" + (f" ({kept} bytes kept in {tmp})"
-                                                                                if kept else ""))
-        if stop.wait(wait):
+        if time.monotonic() + wait > deadline:  # waiting would end past it: fail now
+            raise DownloadError("past the deadline",
+                                f"{name}: {error}; no time left before the deadline of "
+                                f"{limits.deadline:g}s"
+                                + (f" ({kept} bytes kept in {tmp})" if kept else ""))
+        if stop.wait(wait):  # the wait ends early when another file stops the run
             raise _Stopped()
         attempt += 1
 
 
-def download_file(url: str, path: str, limits: Limits | None = None, *, progress: bool | None = None,
-                  stop: threading.Event | None = None) -> str | None:
-    """Make path a verified copy of the parquet file at url. Returns None when it was already there and
-    passed check_file; else it was fetched, and the return value says what was wrong with the file that
-    was there ("" when there was none). Raises DownloadError when it could not be fetched (a bad file
-    that was there stays), HostNotFoundError when no file from that host can be. Safe to call from
-    several threads or processes at once: one downloads, the others wait and find the file there."""
+def download_file(url: str, path: str, limits: Limits | None = None, *,
+                  progress: bool | None = None, stop: threading.Event | None = None) -> str | None:
+    """Make path a verified copy of the parquet file at url. Returns None when it was already there
+    and passed check_file; else it was fetched, and the return value says what was wrong with the
+    file that was there ("" when there was none). Raises DownloadError when it could not be fetched
+    (a bad file that was there stays), HostNotFoundError when no file from that host can be. Safe
+    to call from several threads or processes at once: one downloads, the others wait and find the
+    file there."""
     check_url(url)
     limits = Limits() if limits is None else limits
     stop = threading.Event() if stop is None else stop
-    if _problem_with(path) is None:
+    if _problem_with(path) is None:  # without the lock first: a sound file waits for nobody
         return None
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     lock = lock_path(path)
-    _open_nofollow(lock, os.O_RDWR | os.O_CREAT, "rb").close()  # a symlink there is an error, never followed
+    # a symlink there is an error, never followed
+    _open_nofollow(lock, os.O_RDWR | os.O_CREAT, "rb").close()
     with FileLock(lock):
-        problem = _problem_with(path)  # another thread or process may have fetched it while we waited
+        # another thread or process may have fetched it while we waited
+        problem = _problem_with(path)
         if problem is None:
             return None
         if problem:
-            logger.warning("%s is bad (%s); fetching it again (it stays until the new one is verified)",
-                           path, problem)
+            logger.warning("%s is bad (%s); fetching it again (it stays until the new one is "
+                           "verified)", path, problem)
         _download_locked(url, path, limits, progress, stop)
     return problem.reason if problem else ""
 
@@ -696,33 +761,40 @@ def _problem_with(path: str) -> BadFileError | str | None:
 # -----------------------------------------------------------------------------
 # A file's last bytes: the footer of a shard that is not fetched yet (a streaming loader's catalog)
 
-TAIL_BYTES = 64 * 1024  # one request holds the footer of a ~100MB hosted shard (~20 KB) with room to spare
+# one request holds the footer of a ~100MB hosted shard (~20 KB) with room to spare
+TAIL_BYTES = 64 * 1024
 
 
 def fetch_tail(url: str, nbytes: int, limits: Limits | None = None) -> tuple[int, bytes]:
-    """(the file's size, its last min(nbytes, size) bytes) by one HTTP Range request, retried by the rules
-    of a file (limits: attempts, backoff, timeout, deadline). Raises DownloadError naming the URL when it
-    keeps failing or the server ignores Range, HostNotFoundError when the host does not resolve."""
+    """(the file's size, its last min(nbytes, size) bytes) by one HTTP Range request, retried by
+    the rules of a file (limits: attempts, backoff, timeout, deadline). Raises DownloadError naming
+    the URL when it keeps failing or the server ignores Range, HostNotFoundError when the host does
+    not resolve."""
     check_url(url)
     limits = Limits() if limits is None else limits
     deadline = time.monotonic() + limits.deadline
-    headers = {"Range": f"bytes=-{nbytes}", "Accept-Encoding": "identity"}
+    headers = {"Range": f"bytes=-{nbytes}", "Accept-Encoding": "identity"}  # -n: the last n bytes
     attempt = 1
     while True:
         wait = limits.backoff_base * 2 ** (attempt - 1)
         try:
-            with _session() as session, session.get(url, headers=headers, timeout=limits.timeout) as response:
-                _ANSWERED_HOSTS.update(urllib.parse.urlsplit(r.url).hostname for r in [*response.history, response])
+            with _session() as session, \
+                    session.get(url, headers=headers, timeout=limits.timeout) as response:
+                _ANSWERED_HOSTS.update(urllib.parse.urlsplit(r.url).hostname
+                                       for r in [*response.history, response])
                 _check_status(response, url)
-                if response.status_code != 206:
-                    raise _GiveUp("no Range support", f"{url}: HTTP {response.status_code} to a Range request; "
-                                  "a streaming loader reads each shard's footer before fetching the shard, so the "
-                                  "server must honour Range requests (the Hugging Face hub does)")
+                if response.status_code != 206:  # a 200 would be the whole file, ~100MB
+                    raise _GiveUp("no Range support",
+                                  f"{url}: HTTP {response.status_code} to a Range request; a "
+                                  "streaming loader reads each shard's footer before fetching the "
+                                  "shard, so the server must honour Range requests (the Hugging "
+                                  "Face hub does)")
                 first, total = _parse_content_range(response.headers.get("Content-Range"))
                 body = response.content
                 if total is None or first + len(body) != total:
-                    raise BadFileError("bad Content-Range", f"{url}: {len(body)} bytes from byte {first} are not the "
-                                                            f"end of a file of {total} bytes")
+                    raise BadFileError("bad Content-Range",
+                                       f"{url}: {len(body)} bytes from byte {first} are not the "
+                                       f"end of a file of {total} bytes")
                 return total, body
         except _GiveUp:
             raise
@@ -731,12 +803,13 @@ def fetch_tail(url: str, nbytes: int, limits: Limits | None = None) -> tuple[int
         except DownloadError as e:
             error = e
         except (requests.RequestException, urllib3.exceptions.HTTPError, OSError) as e:
-            if _dns_failure(e) and urllib.parse.urlsplit(_failed_url(e, url)).hostname not in _ANSWERED_HOSTS:
+            if (_dns_failure(e) and urllib.parse.urlsplit(_failed_url(e, url)).hostname
+                    not in _ANSWERED_HOSTS):
                 raise _host_not_found(_failed_url(e, url), _dns_failure(e)) from None
             error = DownloadError(_reason_of(e), f"{url}: {e}")
         if attempt == limits.max_attempts or time.monotonic() + wait > deadline:
-            raise DownloadError(error.reason, f"{error}; gave up reading the end of {url} after {attempt} "
-                                              f"attempt{'s' if attempt > 1 else ''}")
+            raise DownloadError(error.reason, f"{error}; gave up reading the end of {url} after "
+                                              f"{attempt} attempt{'s' if attempt > 1 else ''}")
         logger.warning("reading the end of %s, attempt %d/%d: %s; retrying in %gs", url, attempt,
                        limits.max_attempts, error, wait)
         time.sleep(wait)
@@ -750,7 +823,8 @@ def fetch_tail(url: str, nbytes: int, limits: Limits | None = None) -> tuple[int
 def _probe_bytes(url: str, timeout: float) -> int | None:
     """Content-Length of one file from a HEAD request, or None when the server won't say."""
     try:
-        response = requests.head(url, allow_redirects=True, timeout=timeout, headers={"Accept-Encoding": "identity"})
+        response = requests.head(url, allow_redirects=True, timeout=timeout,
+                                 headers={"Accept-Encoding": "identity"})
     except requests.RequestException as e:
         if _dns_failure(e):
             raise _host_not_found(_failed_url(e, url), _dns_failure(e)) from None
@@ -776,45 +850,48 @@ def check_disk_space(data_dir: str, num_shards: int, probe_url: str | None = Non
     free = shutil.disk_usage(data_dir).free
     if need > free:
         raise OSError(errno.ENOSPC,
-                      f"{num_shards} shards need about {need / 1e9:.2f} GB ({shard_bytes / 1e6:.1f} MB each, "
-                      f"{source}, +10%) but {data_dir} has {free / 1e9:.2f} GB free; free some space, "
-                      "pass --data-dir on a bigger disk, or fetch fewer shards with -n")
+                      f"{num_shards} shards need about {need / 1e9:.2f} GB "
+                      f"({shard_bytes / 1e6:.1f} MB each, {source}, +10%) but {data_dir} has "
+                      f"{free / 1e9:.2f} GB free; free some space, pass --data-dir on a bigger "
+                      "disk, or fetch fewer shards with -n")
 
 
 @dataclass
 class Report:
     """What a run did, by file name."""
     total: int
-    replaced: dict[str, str] = field(default_factory=dict)  # name -> what was wrong with the file that was there
+    # name -> what was wrong with the file that was there
+    replaced: dict[str, str] = field(default_factory=dict)
     failed: dict[str, str] = field(default_factory=dict)  # name -> why it could not be fetched
 
 
-def download_files(files: list[tuple[str, str]], num_workers: int = 4, limits: Limits | None = None, *,
-                   progress: bool | None = None, check_disk: bool = True) -> Report:
-    """download_file for each (url, path) with num_workers threads (0 or 1: in this thread). Every URL
-    is checked first; the disk check (when asked) covers the missing files. HostNotFoundError stops the
-    run: the other threads stop at their next read or wait, keeping their partial files, and it is raised."""
-    if num_workers < 0:
-        raise ValueError(f"num_workers must be >= 0 (0: download in this thread), got {num_workers}")
-    for url, _ in files:
+def download_files(files: list[tuple[str, str]], num_workers: int = 4, limits: Limits | None = None,
+                   *, progress: bool | None = None, check_disk: bool = True) -> Report:
+    """download_file for each (url, path) with num_workers threads (0 or 1: in this thread). Every
+    URL is checked first; the disk check (when asked) covers the missing files. HostNotFoundError
+    stops the run: the other threads stop at their next read or wait, keeping their partial files,
+    and it is raised."""
+    check_int("num_workers", num_workers, 0, hint=" (0: download in this thread)")
+    for url, _ in files:  # every URL before any download: a typo fails at once, not file by file
         check_url(url)
     limits = Limits() if limits is None else limits
     missing = [(url, path) for url, path in files if not os.path.exists(path)]
     if files:
-        logger.info("%d of %d files already in %s (each is checked)", len(files) - len(missing), len(files),
-                    os.path.dirname(files[0][1]))
+        logger.info("%d of %d files already in %s (each is checked)", len(files) - len(missing),
+                    len(files), os.path.dirname(files[0][1]))
     if missing:
+        # the files of one call share a directory: the first one's stands for all
         os.makedirs(os.path.dirname(os.path.abspath(missing[0][1])), exist_ok=True)
         if check_disk:
-            check_disk_space(os.path.dirname(os.path.abspath(missing[0][1])), len(missing), missing[0][0],
-                             timeout=limits.timeout)
+            check_disk_space(os.path.dirname(os.path.abspath(missing[0][1])), len(missing),
+                             missing[0][0], timeout=limits.timeout)
     report = Report(total=len(files))
     stop = threading.Event()
 
     def fetch(url: str, path: str) -> tuple[str, str | None, DownloadError | None]:
         try:
             return path, download_file(url, path, limits, progress=progress, stop=stop), None
-        except DownloadError as e:
+        except DownloadError as e:  # this file failed; the others go on
             logger.error("%s", e)
             return path, None, e
         except _Stopped:
@@ -826,7 +903,7 @@ def download_files(files: list[tuple[str, str]], num_workers: int = 4, limits: L
     def record(path, replaced, error):
         if error is not None:
             report.failed[os.path.basename(path)] = error.reason
-        elif replaced:
+        elif replaced:  # "" means the file was missing, nothing was replaced
             report.replaced[os.path.basename(path)] = replaced
 
     bar_off = None if progress is None else not progress
@@ -842,7 +919,7 @@ def download_files(files: list[tuple[str, str]], num_workers: int = 4, limits: L
                     for future in as_completed(futures):
                         record(*future.result())
                         bar.update(1)
-                except BaseException:
+                except BaseException:  # Ctrl-C included: the threads stop, queued files never start
                     stop.set()
                     pool.shutdown(cancel_futures=True)
                     raise

@@ -10,19 +10,20 @@ import os
 
 def remove_if_exists(path: str) -> None:
     """Remove a file; one that is already gone is not an error."""
-    try:
+    try:  # not exists() then remove(): another process may remove it in between
         os.remove(path)
     except FileNotFoundError:
         pass
 
 
 def fsync_dir(path: str) -> None:
-    """Make the renames in a directory durable (some platforms cannot open a directory: then nothing)."""
+    """Make the renames in a directory durable (some platforms cannot open a directory: then
+    nothing)."""
     try:
         fd = os.open(path, os.O_RDONLY)
     except OSError:
         return
     try:
-        os.fsync(fd)
+        os.fsync(fd)  # a rename is an entry in the directory: durable once the directory is
     finally:
         os.close(fd)

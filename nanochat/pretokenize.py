@@ -1,135 +1,16 @@
-r"""
-Pretokenized token shards: text is tokenized once, up front, into `.bin`/`.idx` pairs that training
-memory-maps, so a training step does no parquet decoding and no tokenizing. Writing costs one
-tokenizer pass over the data (tiktoken speed, several MB of text per second per worker); opening a
-shard reads and validates its index (10 bytes per entry) and maps the tokens without reading them.
+"""
+Tokenize parquet shards or jsonl files once, into the `.bin`/`.idx` pairs of token_shards.py, so
+that training memory-maps tokens and neither decodes parquet nor tokenizes. Long documents may be
+cut into overlapping windows, under nanochat's convention ([BOS] + document) or GPT-Simple's
+(document + EOD).
 
-The section below is written to be pasted into the README as is.
+    python -m nanochat.pretokenize --input DATA_DIR --output DATA_DIR_tokens --num-workers 8
 
-## Pretokenized shards (`.bin` / `.idx`)
+Cost: one tokenizer pass, several MB of text per second per worker; a rerun skips written pairs.
+Design: docs/pretokenized.md
 
-    python -m nanochat.pretokenize --input ~/.cache/nanochat/base_data_climbmix \
-        --output ~/.cache/nanochat/base_tokens --max-length 2049 --overlap-size 256 --num-workers 8
-
-turns each input shard into one pair of files named after it, train and val kept apart:
-
-    <output>/train/shard_00000.bin  shard_00000.idx  ...
-    <output>/val/shard_06542.bin    shard_06542.idx
-    <output>/pretokenize.json       the settings (tokenizer hash, vocab size, dtype, BOS, --max-length, --overlap-size,
-                                    --convention and its EOD)
-    <output>/.pretokenize.lock      held while a run writes (names its pid)
-    <output>/train/.shard_00000.lock  held while that pair is written (empty; never listed)
-
-With `--bucket NAME` the run writes one bucket of a mixture's data directory instead (see *Mixtures and
-curricula*); each bucket keeps its settings and lock in its own directories:
-
-    <output>/train/NAME/shard_00000.bin  shard_00000.idx  ...   pretokenize.json   .pretokenize.lock
-    <output>/val/NAME/shard_06542.bin    shard_06542.idx        pretokenize.json
-
-so buckets made by separate runs, windowed differently or at the same time, share one output; the mixture
-loader finds each bucket's vocabulary beside its shards. A rerun of a bucket with other settings is refused,
-and so is a bucket made with another tokenizer than the buckets already there. Paths may start with `~`.
-
-`--output` never goes into a directory that holds another kind of data: a directory of parquet shards (the
-error suggests `--output DIR_tokens`), a `train/` or bucket directory of an output (it names the data
-directory, and the `--output DATA --bucket NAME` to pass), a plain output for a bucket, or buckets for a plain
-run. The loaders do the same when given the wrong kind of directory: the message says what it holds (parquet
-shards, a pretokenize output, mixture buckets, one split's or one bucket's pairs) and what to pass instead.
-
-`--input` is a parquet dataset directory (its last shard is val, as for the parquet loader), or
-`.jsonl` / `.jsonl.gz` files (or directories of them) with one `{"text": ...}` object per line
-(`--text-field` picks another field); jsonl inputs all go to `train/`, and `--val-input` names the
-ones for `val/`. Every document is kept, empty ones included, in input order.
-`--rank R --world-size N` (or torchrun's RANK / WORLD_SIZE) makes this process handle inputs
-R, R+N, ... of the list train-then-val, so N machines share the work with no overlap.
-Reading shards back:
-
-    from nanochat.token_shards import TokenShard, list_token_shards
-    for prefix in list_token_shards(os.path.join(output, "train")):  # complete pairs, sorted
-        shard = TokenShard(prefix)  # index read and checked, tokens memory-mapped
-        tokens, overlap = shard.entry(0), int(shard.overlaps[0])
-
-**The format** is GPT-Simple's, version 1: nanochat/token_shards.py holds its byte layout (an `.idx`
-index of offsets and overlap prefixes, a `.bin` of the tokens back to back), its writer and its reader.
-Tokens are uint16 when the tokenizer has at most 65,536 ids (2 bytes per token), else uint32.
-
-**Entries, as our writer makes them.** With `--convention nanochat` (the default) an entry is
-`[BOS] + the document's tokens` (nanochat's convention: `<|bos|>` starts every document and doubles as
-the delimiter; there is no end-of-document token). With `--convention gpt-simple` it is the document's
-tokens + EOD, no BOS, as GPT-Simple's writer makes them; our tokenizer has no end-of-text token, so
-the EOD is the `<|bos|>` id, nanochat's delimiter. Without `--max-length` every document is one entry
-with overlap prefix 0. `pretokenize.json` records the convention (and `eod_token_id`).
-
-**Windows.** With `--max-length L --overlap-size O` (L counts every token of an entry, its BOS
-included; L >= 2 and 0 <= O <= L // 2, and each window must bring a new token, so L = 2 needs O = 0),
-a document whose entry would be longer than L is cut into windows:
-- window 0 is `[BOS]` + the first L-1 document tokens, overlap prefix 0;
-- each later window is `[BOS]` + the last O document tokens of the previous window + the next
-  L-1-O document tokens (the last window may be shorter), overlap prefix O.
-
-The overlap prefix is thus the number of document tokens right after the BOS that the previous
-window already had; the loader masks the targets that predict them, so no token is trained twice,
-while the window still sees O tokens of context across the cut. With O = 0 the windows just tile the
-document. Documents whose entry fits in L tokens are one entry with overlap prefix 0. Example, L = 6,
-O = 2, a document of 10 tokens d0..d9 (its entry would be 11 tokens > 6), 3 new tokens per window:
-
-    window 0: BOS d0 d1 d2 d3 d4     overlap prefix 0
-    window 1: BOS d3 d4 d5 d6 d7     overlap prefix 2  (d3 d4 repeat the end of window 0)
-    window 2: BOS d6 d7 d8 d9        overlap prefix 2  (the last window is shorter)
-
-Dropping each window's BOS and its overlap prefix and concatenating gives back d0..d9 exactly.
-A sensible L is the loader's row length T + 1, so that a window fills one row and is never cropped.
-
-Under `--convention gpt-simple` the document's tokens and its EOD are cut the same way with no BOS, so
-`--max-length` means what GPT-Simple's `max_length` means: each entry is at most L tokens, EOD included,
-and GPT-Simple's loader at that `max_length` crops none. Window k holds the tokens from k(L-O) on; the
-overlap prefix, O for every window after the first, counts the entry's leading tokens; only the last
-window has the EOD; and no window is written that brings nothing new (GPT-Simple's own writer can make
-a last window of L+1 tokens, and trailing windows of repeated tokens only). The example again:
-
-    window 0: d0 d1 d2 d3 d4 d5      overlap prefix 0
-    window 1: d4 d5 d6 d7 d8 d9      overlap prefix 2  (d4 d5 repeat the end of window 0)
-    window 2: d8 d9 EOD              overlap prefix 2
-
-GPT-Simple's loader (given the `<|bos|>` id as its `eod_token_id`; `pretokenize.json` records it) sets
-the labels of each entry's first O tokens, and the label right after each EOD, to -100: on these entries,
-packed in order, it trains each document's tokens after its first once, and its EOD
-(tests/test_pretokenize.py checks the rule on random documents; GPT-Simple's own `PreTokenizedDataset`
-masked exactly the repeated tokens and cropped nothing when tried by hand).
-
-**Reading both conventions.** `TokenShard` opens either unchanged (nothing in the format depends on
-the convention), GPT-Simple's own shards included. The loader prepends its `bos_token` to an entry that
-does not start with it (to every entry of a gpt-simple-convention shard of ours), which puts the
-overlapping tokens right after the BOS, as in ours; the EOD stays in the entry as an ordinary token, a
-target the model learns to predict. So both conventions train every document token once, and the EOD
-under gpt-simple (tests/test_pretokenized_loader.py checks it document by document over an epoch).
-Train with the tokenizer the shard was made with: the ids mean nothing otherwise.
-
-**Crash safety and resuming.** A pair is written as `name.bin.tmp` and `name.idx.tmp`, fsynced, and
-renamed `.bin` first and `.idx` last, so an `.idx` always means a complete pair. A rerun with the
-same arguments skips every input whose `.idx` exists (it prints how many) and rewrites the rest;
-temporary files and a `.bin` without its `.idx`, left by a killed run, are overwritten and never
-listed. A rerun with a different tokenizer, dtype, windowing or convention into the same `--output` is
-refused (`pretokenize.json` disagrees) instead of mixing two kinds of shards. The worker processes end with
-the main one, however it ends (kill -9 included): on Linux the kernel kills them with it
-(`PR_SET_PDEATHSIG`), elsewhere each checks every 0.2 s that its parent lives. On Linux a rerun
-started right after a kill -9 thus writes the same bytes as an uninterrupted run (elsewhere, wait a
-second). Two runs of one rank on one `--output` (or one bucket of it) at once (two plain runs, or two
-with the same `--rank` and `--world-size`) are refused: a run holds `.pretokenize.lock` (`.pretokenize.rankR-of-N.lock`
-with `--world-size N`; a file lock, which ends with its process), and the second, after waiting
-`--lock-timeout` seconds (default 10) for it, stops with an error that names the output and the pid of
-the run holding it. Other runs on one output at once (the ranks of one job, or a plain run beside a
-rank) are safe: each pair is written under its own file lock, `.<name>.lock` beside it, and a writer
-that gets it after another finished that pair skips it (counted as already done).
-
-**Checks on open.** `TokenShard(path)` raises, naming the file: FileNotFoundError for a missing
-`.idx` or `.bin`; ValueError for a bad magic, an unknown version or dtype code, an index shorter (or
-longer) than its header says, offsets that do not start at 0 or that decrease, a last offset past
-the end of the `.bin`, a `.bin` whose size is not `offsets[N] * itemsize`, or an overlap prefix
-longer than its entry.
-
-May import: nanochat.common, nanochat.dataset, nanochat.tokenizer, nanochat.packing, nanochat.token_shards,
-nanochat.layout.
+May import: nanochat.common, nanochat.dataset, nanochat.tokenizer, nanochat.packing,
+nanochat.token_shards, nanochat.layout.
 """
 
 import argparse
@@ -153,28 +34,29 @@ from filelock import FileLock, Timeout
 from tqdm import tqdm
 
 from nanochat.common import get_dist_info
-from nanochat.dataset import open_parquet, read_jsonl_texts, read_row_group_texts, split_parquet_files
+from nanochat.dataset import (open_parquet, read_jsonl_texts, read_row_group_texts,
+                              split_parquet_files)
 from nanochat.layout import check_kind
 from nanochat.packing import next_cut
 from nanochat.tokenizer import TOKENIZER_FILENAME, RustBPETokenizer, get_tokenizer_dir
-# TokenShard, list_token_shards, recorded_vocab_size and write_token_shard: importable from here too, as before
-from nanochat.token_shards import (CONVENTIONS, MAGIC, MAX_OVERLAP, META_FILENAME, VERSION,  # noqa: F401
-                                   TokenShard, list_token_shards, recorded_vocab_size, write_token_pairs,
-                                   write_token_shard)
+from nanochat.token_shards import (CONVENTIONS, MAGIC, MAX_OVERLAP, META_FILENAME, VERSION,
+                                   write_token_pairs)
 
 logger = logging.getLogger(__name__)
 
-LOCK_TIMEOUT = 10.0  # seconds a run waits for another run on the same output to finish (--lock-timeout)
+LOCK_TIMEOUT = 10.0  # seconds a run waits for another run on its output to finish (--lock-timeout)
 PARENT_POLL_SECONDS = 0.2  # how often a worker checks that the main process is still alive
 JSONL_SUFFIXES = (".jsonl.gz", ".jsonl")
 TEXTS_PER_BATCH = 1024  # texts per encode call: a parquet row group, and as many jsonl lines
+# what a mixture's buckets must share: it reads all of their ids as one vocabulary
+SHARED_KEYS = ("tokenizer_sha256", "vocab_size", "bos_token_id", "dtype", "convention")
 
 # -----------------------------------------------------------------------------
 # Windowing long documents
 
 
 def check_window_args(max_length: int, overlap: int) -> None:
-    """Raise ValueError unless max_length and overlap make valid windows (see the module docstring)."""
+    """Raise ValueError unless max_length and overlap make valid windows (docs/pretokenized.md)."""
     if max_length < 2:
         raise ValueError(f"max_length must be >= 2 (a BOS and one token), got {max_length}")
     if not 0 <= overlap <= max_length // 2:
@@ -189,36 +71,45 @@ def check_window_args(max_length: int, overlap: int) -> None:
                          f"(at most {MAX_OVERLAP}; max_length {max_length})")
 
 
-def window_document(tokens: np.ndarray, max_length: int, overlap: int) -> list[tuple[np.ndarray, int]]:
-    """Cut one document into entries of at most max_length tokens: [(entry_tokens, overlap_prefix), ...].
-    tokens is the document as the tokenizer encodes it with prepend=BOS: tokens[0] is the BOS that
-    starts every window. An entry that fits comes back whole, [(tokens, 0)]; window 0 is a view
+def window_document(tokens: np.ndarray, max_length: int,
+                    overlap: int) -> list[tuple[np.ndarray, int]]:
+    """Cut one document into entries of at most max_length tokens: [(entry_tokens, overlap_prefix),
+    ...]. tokens is the document as the tokenizer encodes it with prepend=BOS: tokens[0] is the BOS
+    that starts every window. An entry that fits comes back whole, [(tokens, 0)]; window 0 is a view
     into tokens, later windows are new arrays of the same dtype."""
     check_window_args(max_length, overlap)
     if tokens.ndim != 1 or len(tokens) == 0:
-        raise ValueError(f"a document is a 1-D array that starts with BOS, got shape {tokens.shape}")
+        raise ValueError("a document is a 1-D array that starts with BOS, got shape "
+                         f"{tokens.shape}")
     if len(tokens) <= max_length:
         return [(tokens, 0)]
     windows, start = [], 0
-    while start < len(tokens):  # the loader's split policy cuts on the same grid (packing.next_cut)
+    # the loader's split policy cuts on the same grid (packing.next_cut), so a pretokenized window
+    # and a split row of the same document hold the same tokens
+    while start < len(tokens):
         end = min(len(tokens), next_cut(start, max_length, overlap))
+        # later windows: the BOS again, then the last `overlap` old tokens as context
         windows.append((tokens[:end], 0) if start == 0 else
                        (np.concatenate((tokens[:1], tokens[start - overlap:end])), overlap))
         start = end
     return windows
 
 
-def window_gpt_simple(tokens: np.ndarray, max_length: int, overlap: int) -> list[tuple[np.ndarray, int]]:
-    """GPT-Simple's convention: cut one document, its tokens followed by EOD and no BOS, into entries of
-    at most max_length tokens: [(entry_tokens, overlap_prefix), ...], all views into tokens. Window k
-    starts at k * (max_length - overlap); every window after the first repeats the overlap tokens before
-    its new ones, and its overlap prefix counts them (from the entry's start: there is no BOS). Only the
-    last window holds the EOD, and each window brings at least one new token."""
+def window_gpt_simple(tokens: np.ndarray, max_length: int,
+                      overlap: int) -> list[tuple[np.ndarray, int]]:
+    """GPT-Simple's convention: cut one document, its tokens followed by EOD and no BOS, into
+    entries of at most max_length tokens: [(entry_tokens, overlap_prefix), ...], all views into
+    tokens. Window k starts at k * (max_length - overlap); every window after the first repeats the
+    overlap tokens before its new ones, and its overlap prefix counts them (from the entry's start:
+    there is no BOS). Only the last window holds the EOD, and each window brings at least one new
+    token."""
     check_window_args(max_length, overlap)
     if tokens.ndim != 1 or len(tokens) == 0:
         raise ValueError(f"a document is a 1-D array that ends with EOD, got shape {tokens.shape}")
     windows = [(tokens[:max_length], 0)]
-    for start in range(max_length, len(tokens), max_length - overlap):  # start: the window's first new token
+    # start: the window's first new token. Stopping at len(tokens) writes no window of old tokens
+    # only, which GPT-Simple's own writer can make
+    for start in range(max_length, len(tokens), max_length - overlap):
         windows.append((tokens[start - overlap:start - overlap + max_length], overlap))
     return windows
 
@@ -239,14 +130,17 @@ def _expand_jsonl(paths: list[str], flag: str) -> list[str]:
     files = []
     for path in paths:
         if os.path.isdir(path):
-            found = sorted(os.path.join(path, f) for f in os.listdir(path) if f.endswith(JSONL_SUFFIXES))
+            found = sorted(os.path.join(path, f) for f in os.listdir(path)
+                           if f.endswith(JSONL_SUFFIXES))
             if not found:
-                raise FileNotFoundError(f"{flag} directory {path} holds no .parquet, .jsonl or .jsonl.gz files")
+                raise FileNotFoundError(f"{flag} directory {path} holds no .parquet, .jsonl or "
+                                        ".jsonl.gz files")
             files.extend(found)
         elif os.path.isfile(path):
             if not path.endswith(JSONL_SUFFIXES):
-                raise ValueError(f"{flag} file {path} is not .jsonl or .jsonl.gz; for parquet shards pass "
-                                 "their directory (one --input DIR), which also picks the val shard")
+                raise ValueError(f"{flag} file {path} is not .jsonl or .jsonl.gz; for parquet "
+                                 "shards pass their directory (one --input DIR), which also picks "
+                                 "the val shard")
             files.append(path)
         else:
             raise FileNotFoundError(f"{flag} path {path} does not exist")
@@ -255,10 +149,10 @@ def _expand_jsonl(paths: list[str], flag: str) -> list[str]:
 
 def plan_jobs(inputs: list[str], output: str, val_inputs: list[str] | None = None,
               bucket: str | None = None) -> list[tuple[str, str]]:
-    """[(input_path, output_prefix), ...]: train inputs, then val inputs, to output/<split>/ (with a bucket:
-    output/<split>/<bucket>/). One --input directory of parquet shards is split by split_parquet_files (its
-    last shard is val); otherwise the inputs are jsonl files or directories of them, all train, with
-    val_inputs going to val."""
+    """[(input_path, output_prefix), ...]: train inputs, then val inputs, to output/<split>/ (with a
+    bucket: output/<split>/<bucket>/). One --input directory of parquet shards is split by
+    split_parquet_files (its last shard is val); otherwise the inputs are jsonl files or directories
+    of them, all train, with val_inputs going to val."""
     if len(inputs) == 1 and os.path.isdir(inputs[0]) and any(
             f.endswith(".parquet") for f in os.listdir(inputs[0])):
         if val_inputs:
@@ -271,16 +165,20 @@ def plan_jobs(inputs: list[str], output: str, val_inputs: list[str] | None = Non
     jobs = []
     for split, paths in splits.items():
         names = [_strip_suffix(os.path.basename(p)) for p in paths]
+        # a.jsonl and a.jsonl.gz, or one name in two directories, would overwrite each other's pair
         dupes = sorted({n for n in names if names.count(n) > 1})
         if dupes:
-            raise ValueError(f"{split} inputs {dupes} would write the same output pair; rename or drop one")
-        directory = os.path.join(output, split) if bucket is None else os.path.join(output, split, bucket)
+            raise ValueError(f"{split} inputs {dupes} would write the same output pair; rename or "
+                             "drop one")
+        directory = os.path.join(output, split) if bucket is None else os.path.join(output, split,
+                                                                                     bucket)
         jobs += [(p, os.path.join(directory, n)) for p, n in zip(paths, names)]
     return jobs
 
 
 def _read_text_batches(path: str, text_field: str):
-    """Lists of up to TEXTS_PER_BATCH texts from a parquet shard (one row group each) or a jsonl file."""
+    """Lists of up to TEXTS_PER_BATCH texts from a parquet shard (one row group each) or a jsonl
+    file."""
     if path.endswith(".parquet"):
         pf = open_parquet(path)
         for rg_idx in range(pf.num_row_groups):
@@ -300,11 +198,12 @@ def pretokenize_file(tokenizer, path: str, prefix: str, *, max_length: int | Non
                      overlap: int = 0, text_field: str = "text", num_threads: int = 4,
                      convention: str = "nanochat") -> dict:
     """Tokenize one input shard into the pair at prefix; returns counts {documents, entries, tokens,
-    windowed} (windowed: documents longer than max_length, cut into windows). convention "nanochat":
-    an entry is [BOS] + the document; "gpt-simple": the document + EOD, where EOD is the tokenizer's
-    BOS id (nanochat has no end-of-text token: <|bos|> is its document delimiter)."""
+    windowed} (windowed: documents longer than max_length, cut into windows). convention
+    "nanochat": an entry is [BOS] + the document; "gpt-simple": the document + EOD, where EOD is the
+    tokenizer's BOS id (nanochat has no end-of-text token: <|bos|> is its document delimiter)."""
     if convention not in CONVENTIONS:
         raise ValueError(f"convention must be one of {list(CONVENTIONS)}, got {convention!r}")
+    # 2 bytes a token while every id fits; the format's dtype codes allow only uint16 and uint32
     dtype = np.uint16 if tokenizer.get_vocab_size() <= 2**16 else np.uint32
     bos = tokenizer.get_bos_token_id()
     gpt_simple = convention == "gpt-simple"
@@ -312,9 +211,11 @@ def pretokenize_file(tokenizer, path: str, prefix: str, *, max_length: int | Non
     window = window_gpt_simple if gpt_simple else window_document
     stats = {"documents": 0, "entries": 0, "tokens": 0, "windowed": 0}
 
-    def pairs():
+    def pairs():  # a generator: one batch of documents in memory at a time, not the whole shard
         for texts in _read_text_batches(path, text_field):
-            for doc in tokenizer.encode_to_arrays(texts, prepend=None if gpt_simple else bos, num_threads=num_threads):
+            docs = tokenizer.encode_to_arrays(texts, prepend=None if gpt_simple else bos,
+                                              num_threads=num_threads)
+            for doc in docs:
                 if gpt_simple:
                     doc = np.concatenate((doc, eod))
                 windows = [(doc, 0)] if max_length is None else window(doc, max_length, overlap)
@@ -332,7 +233,8 @@ def pretokenize_file(tokenizer, path: str, prefix: str, *, max_length: int | Non
     return stats
 
 
-# one tokenizer per worker process, loaded by _init_worker
+# one tokenizer per worker process, loaded by _init_worker: loading it for each job would read and
+# parse tokenizer.json again for every input
 _worker_tokenizer = None
 _worker_options: dict = {}
 
@@ -350,13 +252,13 @@ def _exit_with_parent(parent_pid: int) -> None:
     if sys.platform.startswith("linux"):
         # the kernel kills us the moment the process that started us is gone (the pool is made and
         # used on one thread: the signal comes when that thread ends)
-        PR_SET_PDEATHSIG = 1
+        PR_SET_PDEATHSIG = 1  # from <sys/prctl.h>
         ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
 
     def watch():  # elsewhere, and if the parent was gone before the line above ran
-        while os.getppid() == parent_pid:
+        while os.getppid() == parent_pid:  # an orphan is adopted: its parent id changes
             time.sleep(PARENT_POLL_SECONDS)
-        os._exit(1)
+        os._exit(1)  # at once: no cleanup that could finish a half-written pair
 
     threading.Thread(target=watch, name="nanochat-parent-watch", daemon=True).start()
 
@@ -365,14 +267,16 @@ def _run_job(job: tuple[str, str]) -> tuple[str, dict | None, str | None]:
     return _try_job(_worker_tokenizer, _worker_options, job)
 
 
-def _try_job(tokenizer, options: dict, job: tuple[str, str]) -> tuple[str, dict | None, str | None]:
+def _try_job(tokenizer, options: dict,
+             job: tuple[str, str]) -> tuple[str, dict | None, str | None]:
     """(input path, counts, None), (input path, None, error message): a bad input fails alone, or
     (input path, None, None): another run on this output wrote the pair meanwhile."""
     path, prefix = job
     try:
-        # no timeout: the holder is a live process writing this pair (the lock ends with its process)
+        # no timeout: the holder is a live process writing this pair (the lock ends with it)
         with _pair_lock(prefix):
-            if os.path.exists(prefix + ".idx"):  # written while we waited, and the output is deterministic
+            # written while we waited; the output is deterministic, so it is the pair we would write
+            if os.path.exists(prefix + ".idx"):
                 return path, None, None
             return path, pretokenize_file(tokenizer, path, prefix, **options), None
     except (ValueError, OSError, EOFError, pa.ArrowException) as e:  # BadGzipFile is an OSError
@@ -381,6 +285,7 @@ def _try_job(tokenizer, options: dict, job: tuple[str, str]) -> tuple[str, dict 
 
 def _settings(tokenizer, tokenizer_dir: str, max_length: int | None, overlap: int,
               convention: str = "nanochat") -> dict:
+    # the file's hash, not the vocabulary size: two tokenizers of one size give other ids
     with open(os.path.join(tokenizer_dir, TOKENIZER_FILENAME), "rb") as f:
         tokenizer_sha256 = hashlib.sha256(f.read()).hexdigest()
     return {
@@ -389,7 +294,8 @@ def _settings(tokenizer, tokenizer_dir: str, max_length: int | None, overlap: in
         "vocab_size": tokenizer.get_vocab_size(), "bos_token_id": tokenizer.get_bos_token_id(),
         "tokenizer_sha256": tokenizer_sha256,
         "max_length": max_length, "overlap_size": overlap if max_length is not None else 0,
-        # the loaders take the BOS to prepend from here: the BOS, or for gpt-simple the EOD (the same id)
+        # the loaders take the BOS to prepend from here: the BOS, or for gpt-simple the EOD (the
+        # same id)
         "convention": convention,
         "eod_token_id": tokenizer.get_bos_token_id() if convention == "gpt-simple" else None,
     }
@@ -400,16 +306,19 @@ def _read_settings(path: str) -> dict:
         with open(path, encoding="utf-8") as f:
             settings = json.load(f)
     except ValueError as e:  # not JSON, not UTF-8
-        raise ValueError(f"{path} (pretokenize's settings) is not valid JSON: {e}; restore it, or remove it "
-                         "together with the shards beside it and run again") from None
+        raise ValueError(f"{path} (pretokenize's settings) is not valid JSON: {e}; restore it, or "
+                         "remove it together with the shards beside it and run again") from None
     if not isinstance(settings, dict):
-        raise ValueError(f"{path} holds a JSON {type(settings).__name__}, not pretokenize's settings")
-    return {"convention": "nanochat", **settings}  # written before there was a choice
+        raise ValueError(f"{path} holds a JSON {type(settings).__name__}, not pretokenize's "
+                         "settings")
+    return {"convention": "nanochat", **settings}  # a file without the field: nanochat's convention
 
 
 def _check_or_write_settings(directories: list[str], settings: dict, instead: str) -> None:
-    """Write pretokenize.json into each directory (the output, or a bucket's directory in each split), or
-    refuse to add shards made with other settings to one of them (instead: where else to write them)."""
+    """Write pretokenize.json into each directory (the output, or a bucket's directory in each
+    split), or refuse to add shards made with other settings to one of them (instead: where else to
+    write them)."""
+    # every directory is checked before any is written, so a refusal leaves nothing half-recorded
     for directory in directories:
         path = os.path.join(directory, META_FILENAME)
         if not os.path.exists(path):
@@ -418,26 +327,24 @@ def _check_or_write_settings(directories: list[str], settings: dict, instead: st
         changed = {k: (old.get(k), v) for k, v in settings.items() if old.get(k) != v}
         if changed:
             what = ", ".join(f"{k} {a!r} -> {b!r}" for k, (a, b) in changed.items())
-            raise ValueError(f"{path} records other settings than this run's ({what}); the shards there "
-                             f"would mix, so use {instead} or the same settings")
+            raise ValueError(f"{path} records other settings than this run's ({what}); the shards "
+                             f"there would mix, so use {instead} or the same settings")
     for directory in directories:
         path = os.path.join(directory, META_FILENAME)
         if os.path.exists(path):
             continue
         os.makedirs(directory, exist_ok=True)
-        tmp = f"{path}.tmp{os.getpid()}"  # several ranks may write it at once, all with the same content
+        tmp = f"{path}.tmp{os.getpid()}"  # several ranks may write it at once, all the same bytes
         with open(tmp, "w", encoding="utf-8") as f:
             json.dump(settings, f, indent=2)
             f.write("\n")
-        os.replace(tmp, path)
-
-
-SHARED_KEYS = ("tokenizer_sha256", "vocab_size", "bos_token_id", "dtype", "convention")  # what a mixture's buckets share
+        os.replace(tmp, path)  # atomic: a reader sees no file or a whole one
 
 
 def _check_other_buckets(output: str, bucket: str, settings: dict) -> None:
-    """Refuse a bucket made with another tokenizer than the buckets already in output: a mixture reads
-    all of its buckets' ids as one vocabulary. (Windowing may differ from bucket to bucket.)"""
+    """Refuse a bucket made with another tokenizer than the buckets already in output: a mixture
+    reads all of its buckets' ids as one vocabulary. (Windowing may differ from bucket to
+    bucket.)"""
     for split in ("train", "val"):
         split_dir = os.path.join(output, split)
         for name in sorted(os.listdir(split_dir)) if os.path.isdir(split_dir) else []:
@@ -445,21 +352,25 @@ def _check_other_buckets(output: str, bucket: str, settings: dict) -> None:
             if name == bucket or not os.path.isfile(path):
                 continue
             old = _read_settings(path)
-            changed = [f"{k} {old.get(k)!r} -> {settings[k]!r}" for k in SHARED_KEYS if old.get(k) != settings[k]]
+            changed = [f"{k} {old.get(k)!r} -> {settings[k]!r}" for k in SHARED_KEYS
+                       if old.get(k) != settings[k]]
             if changed:
-                raise ValueError(f"{path} records another tokenizer than this run's ({', '.join(changed)}); the "
-                                 "buckets of one mixture are read as one vocabulary, so pretokenize with the "
-                                 "tokenizer of the others, or into a new --output directory")
+                raise ValueError(f"{path} records another tokenizer than this run's "
+                                 f"({', '.join(changed)}); the buckets of one mixture are read as "
+                                 "one vocabulary, so pretokenize with the tokenizer of the others, "
+                                 "or into a new --output directory")
 
 
 def _results(tokenizer, tokenizer_dir: str, options: dict, jobs: list, num_workers: int):
-    """The results of _try_job for jobs, in completion order, from num_workers processes (1: this one)."""
+    """The results of _try_job for jobs, in completion order, from num_workers processes (1: this
+    one)."""
     if num_workers <= 1:
         for job in jobs:
             yield _try_job(tokenizer, options, job)
         return
-    # spawn: a forked child would inherit the parent's tokenizer thread pools, and maybe a held lock.
-    # A worker that dies (killed, out of memory) raises BrokenProcessPool here instead of hanging.
+    # spawn: a forked child would inherit the parent's tokenizer thread pools, and maybe a held
+    # lock. A worker that dies (killed, out of memory) raises BrokenProcessPool here instead of
+    # hanging.
     ctx = multiprocessing.get_context("spawn")
     with ProcessPoolExecutor(num_workers, mp_context=ctx, initializer=_init_worker,
                              initargs=(tokenizer_dir, options, os.getpid())) as pool:
@@ -473,10 +384,11 @@ def _results(tokenizer, tokenizer_dir: str, options: dict, jobs: list, num_worke
 
 
 def _pair_lock(prefix: str) -> FileLock:
-    """The lock a writer holds while it writes the pair at prefix. Runs on one output at once (a plain run
-    and the ranks of a --world-size N run) may have a pair in common, and would share its temporary files.
-    A hidden name beside the pair, .<name>.lock, that no listing of pairs matches; left in place, since
-    removing a lock file another process may be waiting on would let a third take a new one."""
+    """The lock a writer holds while it writes the pair at prefix. Runs on one output at once (a
+    plain run and the ranks of a --world-size N run) may have a pair in common, and would share its
+    temporary files. A hidden name beside the pair, .<name>.lock, that no listing of pairs matches;
+    left in place, since removing a lock file another process may be waiting on would let a third
+    take a new one."""
     directory, name = os.path.split(prefix)
     os.makedirs(directory or ".", exist_ok=True)
     return FileLock(os.path.join(directory, f".{name}.lock"))
@@ -484,25 +396,30 @@ def _pair_lock(prefix: str) -> FileLock:
 
 @contextlib.contextmanager
 def _output_lock(output: str, rank: int, world_size: int, timeout: float):
-    """Hold the lock of this rank's share of output, waiting up to timeout seconds; TimeoutError, naming
-    the run that holds it, if it stays held. The lock is the kernel's (flock): it ends with its process,
-    so a rerun right after a kill -9 gets it at once (the workers, which do not hold it, die then too)."""
-    name = ".pretokenize.lock" if world_size == 1 else f".pretokenize.rank{rank}-of-{world_size}.lock"
+    """Hold the lock of this rank's share of output, waiting up to timeout seconds; TimeoutError,
+    naming the run that holds it, if it stays held. The lock is the kernel's (flock): it ends with
+    its process, so a rerun right after a kill -9 gets it at once (the workers, which do not hold
+    it, die then too)."""
+    # one lock per rank: the ranks of one job write disjoint inputs and may run at once
+    name = (".pretokenize.lock" if world_size == 1
+            else f".pretokenize.rank{rank}-of-{world_size}.lock")
     path = os.path.join(output, name)
     os.makedirs(output, exist_ok=True)
     holder = ""
-    if os.path.exists(path):  # read before FileLock opens it: some filelock versions truncate it on open
+    if os.path.exists(path):  # read before FileLock opens it: some filelock versions truncate it
         with open(path, encoding="utf-8", errors="replace") as f:
             holder = f.read().strip()
     lock = FileLock(path, timeout=timeout)
     try:
         lock.acquire()
     except Timeout:
-        raise TimeoutError(f"another pretokenize run ({holder or 'pid unknown'}) is writing to {output}: "
-                           f"{path} stayed locked for {timeout:g}s; let that run finish (or stop it), then "
-                           "run again: the rerun skips the pairs it wrote") from None
+        raise TimeoutError(f"another pretokenize run ({holder or 'pid unknown'}) is writing to "
+                           f"{output}: {path} stayed locked for {timeout:g}s; let that run finish "
+                           "(or stop it), then run again: the rerun skips the pairs it "
+                           "wrote") from None
     try:
-        _note_holder(path, f"pid {os.getpid()} on {socket.gethostname()}, since {time.strftime('%Y-%m-%d %H:%M:%S')}\n")
+        since = time.strftime('%Y-%m-%d %H:%M:%S')
+        _note_holder(path, f"pid {os.getpid()} on {socket.gethostname()}, since {since}\n")
         yield
     finally:
         _note_holder(path, "")  # nobody holds it now: a finished run leaves the file empty
@@ -510,7 +427,8 @@ def _output_lock(output: str, rank: int, world_size: int, timeout: float):
 
 
 def _note_holder(path: str, text: str) -> None:
-    # who holds the lock, for the message a second run gives; only a note: failing to write it changes nothing
+    # who holds the lock, for the message a second run gives; only a note: failing to write it
+    # changes nothing
     try:
         with open(path, "w", encoding="utf-8") as f:
             f.write(text)
@@ -522,108 +440,136 @@ def _note_holder(path: str, text: str) -> None:
 # Command line
 
 
-def main(argv: list[str] | None = None) -> int:
-    """`python -m nanochat.pretokenize --input DIR --output DIR [...]`. Returns 0, or 1 when an
-    input failed (the others are still written). Bad arguments exit through argparse; missing or
-    unusable inputs, tokenizer or output settings raise FileNotFoundError / ValueError up front."""
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m nanochat.pretokenize",
-        description="Tokenize parquet shards or jsonl files into .bin/.idx token shards, one pair per "
-                    "input, under OUTPUT/train and OUTPUT/val. Rerun to resume: complete pairs are skipped.")
+        description="Tokenize parquet shards or jsonl files into .bin/.idx token shards, one pair "
+                    "per input, under OUTPUT/train and OUTPUT/val. Rerun to resume: complete pairs "
+                    "are skipped.")
     parser.add_argument("--input", nargs="+", required=True,
-                        help="a parquet dataset directory (last shard = val), or .jsonl/.jsonl.gz files "
-                             "or directories of them (all train)")
-    parser.add_argument("--val-input", nargs="+", default=None, help="jsonl files or directories for val/")
-    parser.add_argument("--output", required=True, help="output directory (train/ and val/ go under it)")
+                        help="a parquet dataset directory (last shard = val), or .jsonl/.jsonl.gz "
+                             "files or directories of them (all train)")
+    parser.add_argument("--val-input", nargs="+", default=None,
+                        help="jsonl files or directories for val/")
+    parser.add_argument("--output", required=True,
+                        help="output directory (train/ and val/ go under it)")
     parser.add_argument("--bucket", default=None,
-                        help="write a mixture bucket: OUTPUT/train/BUCKET/ and OUTPUT/val/BUCKET/ (default: none, "
-                             "OUTPUT/train/ and OUTPUT/val/)")
+                        help="write a mixture bucket: OUTPUT/train/BUCKET/ and OUTPUT/val/BUCKET/ "
+                             "(default: none, OUTPUT/train/ and OUTPUT/val/)")
     parser.add_argument("--tokenizer-dir", default=None, help="default: <base dir>/tokenizer")
     parser.add_argument("--text-field", default="text", help="the jsonl field holding the text")
     parser.add_argument("--max-length", type=int, default=None,
                         help="cut documents into windows of at most this many tokens, BOS included "
                              "(default: no windowing)")
     parser.add_argument("--overlap-size", type=int, default=0,
-                        help="document tokens each window repeats from the previous one (<= max_length // 2)")
+                        help="document tokens each window repeats from the previous one "
+                             "(<= max_length // 2)")
     parser.add_argument("--convention", choices=CONVENTIONS, default="nanochat",
-                        help="nanochat: an entry is BOS + the document (default); gpt-simple: the document + EOD, "
-                             "no BOS, as GPT-Simple's loader expects (EOD = the tokenizer's <|bos|> id)")
+                        help="nanochat: an entry is BOS + the document (default); gpt-simple: the "
+                             "document + EOD, no BOS, as GPT-Simple's loader expects (EOD = the "
+                             "tokenizer's <|bos|> id)")
     parser.add_argument("--num-workers", type=int, default=min(8, os.cpu_count() or 1),
                         help="processes tokenizing input shards in parallel (1: this process)")
-    parser.add_argument("--rank", type=int, default=None, help="this process's share: inputs rank, "
-                                                               "rank + world_size, ... (default: $RANK or 0)")
+    parser.add_argument("--rank", type=int, default=None,
+                        help="this process's share: inputs rank, rank + world_size, ... "
+                             "(default: $RANK or 0)")
     parser.add_argument("--world-size", type=int, default=None, help="default: $WORLD_SIZE or 1")
     parser.add_argument("--lock-timeout", type=float, default=LOCK_TIMEOUT,
-                        help="seconds to wait for another run on the same --output (and rank) to finish "
-                             f"before giving up (default {LOCK_TIMEOUT:g})")
+                        help="seconds to wait for another run on the same --output (and rank) to "
+                             f"finish before giving up (default {LOCK_TIMEOUT:g})")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m nanochat.pretokenize --input DIR --output DIR [...]`. Returns 0, or 1 when an
+    input failed (the others are still written). Bad arguments exit through argparse; missing or
+    unusable inputs, tokenizer or output settings raise FileNotFoundError / ValueError up front."""
+    parser = _parser()
     args = parser.parse_args(argv)
     if args.max_length is not None:
         try:
             check_window_args(args.max_length, args.overlap_size)
         except ValueError as e:
-            parser.error(f"--max-length {args.max_length} / --overlap-size {args.overlap_size}: {e}")
+            parser.error(f"--max-length {args.max_length} / --overlap-size "
+                         f"{args.overlap_size}: {e}")
     elif args.overlap_size:
-        parser.error(f"--overlap-size {args.overlap_size} needs --max-length (windowing is off without it)")
+        parser.error(f"--overlap-size {args.overlap_size} needs --max-length (windowing is off "
+                     "without it)")
     if args.num_workers < 1:
         parser.error(f"--num-workers must be >= 1, got {args.num_workers}")
-    if not args.lock_timeout >= 0:
+    if not args.lock_timeout >= 0:  # written so that NaN fails too
         parser.error(f"--lock-timeout must be >= 0 seconds, got {args.lock_timeout}")
-    if args.bucket is not None and (args.bucket in ("", ".", "..") or "/" in args.bucket or os.sep in args.bucket):
+    if args.bucket is not None and (args.bucket in ("", ".", "..") or "/" in args.bucket
+                                    or os.sep in args.bucket):
         parser.error(f"--bucket must be a directory name (no '/'), got {args.bucket!r}")
-    # "~" works in every path, also where no shell expanded it (--output=~/x, a subprocess's argument list)
+    # "~" works in every path, also where no shell expanded it (--output=~/x, a subprocess's
+    # argument list)
     args.input = [os.path.expanduser(p) for p in args.input]
-    args.val_input = None if args.val_input is None else [os.path.expanduser(p) for p in args.val_input]
+    args.val_input = (None if args.val_input is None
+                      else [os.path.expanduser(p) for p in args.val_input])
     args.output = os.path.expanduser(args.output)
-    args.tokenizer_dir = None if args.tokenizer_dir is None else os.path.expanduser(args.tokenizer_dir)
+    args.tokenizer_dir = (None if args.tokenizer_dir is None
+                          else os.path.expanduser(args.tokenizer_dir))
     _, env_rank, _, env_world_size = get_dist_info()
     rank = env_rank if args.rank is None else args.rank
     world_size = env_world_size if args.world_size is None else args.world_size
     if world_size < 1 or not 0 <= rank < world_size:
         parser.error(f"need 0 <= --rank < --world-size, got rank {rank}, world size {world_size}")
     tokenizer_dir = args.tokenizer_dir or get_tokenizer_dir()
-    print(f"input={args.input} val_input={args.val_input} output={args.output} bucket={args.bucket} "
-          f"tokenizer_dir={tokenizer_dir} text_field={args.text_field} max_length={args.max_length} "
-          f"overlap_size={args.overlap_size} num_workers={args.num_workers} rank={rank} world_size={world_size} "
+    print(f"input={args.input} val_input={args.val_input} output={args.output} "
+          f"bucket={args.bucket} tokenizer_dir={tokenizer_dir} text_field={args.text_field} "
+          f"max_length={args.max_length} overlap_size={args.overlap_size} "
+          f"num_workers={args.num_workers} rank={rank} world_size={world_size} "
           f"convention={args.convention}")
 
     tokenizer = RustBPETokenizer.from_directory(tokenizer_dir)
-    settings = _settings(tokenizer, tokenizer_dir, args.max_length, args.overlap_size, args.convention)
+    settings = _settings(tokenizer, tokenizer_dir, args.max_length, args.overlap_size,
+                         args.convention)
     all_jobs = plan_jobs(args.input, args.output, args.val_input, args.bucket)
-    mine = all_jobs[rank::world_size]
-    # never into a directory of another kind of data (parquet shards, a split's or bucket's own pairs,
-    # buckets for a plain run, a plain output for a bucket)
+    mine = all_jobs[rank::world_size]  # ranks share the work without talking to each other
+    # never into a directory of another kind of data (parquet shards, a split's or bucket's own
+    # pairs, buckets for a plain run, a plain output for a bucket)
     check_kind(args.output, "output" if args.bucket is None else "bucket output")
-    # A plain output keeps its settings and locks at its top. A bucket keeps them in its own directories
-    # (the lock in train/<bucket>/, the settings in each split's), so that buckets made by separate runs,
-    # windowed differently, share one output, and the mixture loader finds each bucket's vocabulary.
+    # A plain output keeps its settings and locks at its top. A bucket keeps them in its own
+    # directories (the lock in train/<bucket>/, the settings in each split's), so that buckets made
+    # by separate runs, windowed differently, share one output, and the mixture loader finds each
+    # bucket's vocabulary.
     home = args.output if args.bucket is None else os.path.join(args.output, "train", args.bucket)
-    settings_dirs = [args.output] if args.bucket is None else sorted({os.path.dirname(p) for _, p in all_jobs})
+    settings_dirs = ([args.output] if args.bucket is None
+                     else sorted({os.path.dirname(p) for _, p in all_jobs}))
     if args.bucket is not None:
         _check_other_buckets(args.output, args.bucket, settings)
-    # a second run of this rank would write the same pairs: refused (the lock is taken after every check,
-    # so a mistyped command never waits for it). Other runs on this output (a plain run beside ranks) may
-    # still share a pair: _pair_lock keeps its writers apart
+    # a second run of this rank would write the same pairs: refused (the lock is taken after every
+    # check, so a mistyped command never waits for it). Other runs on this output (a plain run
+    # beside ranks) may still share a pair: _pair_lock keeps its writers apart
     with _output_lock(home, rank, world_size, args.lock_timeout):
-        todo = [job for job in mine if not os.path.exists(job[1] + ".idx")]
+        todo = [job for job in mine if not os.path.exists(job[1] + ".idx")]  # .idx: a whole pair
         skipped = len(mine) - len(todo)
-        _check_or_write_settings(settings_dirs, settings, "a new --output directory" if args.bucket is None
+        _check_or_write_settings(settings_dirs, settings,
+                                 "a new --output directory" if args.bucket is None
                                  else "another --bucket name (or a new --output directory)")
-        print(f"{len(all_jobs)} inputs, {len(mine)} for rank {rank}/{world_size}; {skipped} already done "
-              f"(their .idx exists), skipped; {len(todo)} to write; dtype {settings['dtype']}")
+        print(f"{len(all_jobs)} inputs, {len(mine)} for rank {rank}/{world_size}; {skipped} "
+              f"already done (their .idx exists), skipped; {len(todo)} to write; "
+              f"dtype {settings['dtype']}")
 
         num_workers = min(args.num_workers, len(todo))
-        # spread the CPU between processes; each process's tokenizer encodes a batch on this many threads
-        options = {"max_length": args.max_length, "overlap": args.overlap_size, "text_field": args.text_field,
+        # spread the CPU between processes; each process's tokenizer encodes a batch on this many
+        # threads
+        options = {"max_length": args.max_length, "overlap": args.overlap_size,
+                   "text_field": args.text_field,
                    "num_threads": max(1, (os.cpu_count() or 1) // max(1, num_workers)),
                    "convention": args.convention}
         totals = {"documents": 0, "entries": 0, "tokens": 0, "windowed": 0}
         failed, written = [], 0
         t0 = time.time()
-        with tqdm(total=len(mine), initial=skipped, unit="shard", desc="pretokenize", disable=None) as bar:
-            for path, stats, error in _results(tokenizer, tokenizer_dir, options, todo, num_workers):
+        # disable=None: no bar when stderr is not a terminal (logs, CI)
+        with tqdm(total=len(mine), initial=skipped, unit="shard", desc="pretokenize",
+                  disable=None) as bar:
+            for path, stats, error in _results(tokenizer, tokenizer_dir, options, todo,
+                                               num_workers):
                 if error is not None:
                     failed.append((path, error))
-                    tqdm.write(f"failed: {path}: {error}")
+                    tqdm.write(f"failed: {path}: {error}")  # above the bar, which stays whole
                 elif stats is None:  # another run on this output wrote it meanwhile
                     skipped += 1
                 else:
@@ -636,8 +582,9 @@ def main(argv: list[str] | None = None) -> int:
         seconds = time.time() - t0
         where = args.output if args.bucket is None else f"{args.output} (bucket {args.bucket})"
         print(f"wrote {written}/{len(todo)} shards to {where} in {seconds:.1f}s: "
-              f"{totals['documents']:,} documents -> {totals['entries']:,} entries, {totals['tokens']:,} tokens; "
-              f"{totals['windowed']:,} documents cut into windows; {skipped} skipped (already done)")
+              f"{totals['documents']:,} documents -> {totals['entries']:,} entries, "
+              f"{totals['tokens']:,} tokens; {totals['windowed']:,} documents cut into windows; "
+              f"{skipped} skipped (already done)")
         if failed:
             print(f"failed ({len(failed)}): " + ", ".join(os.path.basename(p) for p, _ in failed))
             return 1
@@ -645,7 +592,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(level=logging.INFO,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         sys.exit(main())
     except (ValueError, OSError) as e:  # FileNotFoundError is an OSError; one line, not a traceback

@@ -1,17 +1,14 @@
 """
-Seeded shuffling without stored lists: keyed permutations of [0, n) computed from a counter.
+Seeded shuffling without stored lists: keyed permutations of [0, n) computed from a counter. A
+shuffled loader walks each epoch's units (parquet row groups, or chunks of token shards) in a
+permuted order dealt round-robin to the ranks, and reads the entries of each `window` consecutive
+units of its share in a permuted order too. Both are functions of (seed, epoch, ...), so a resume
+state stores positions, never a list, and every rank can compute any other rank's order (the
+elastic merge needs that).
 
-A loader with shuffle=True walks, in each epoch, the split's units (parquet row groups, or chunks of
-pretokenized shards) in a permuted order dealt round-robin to the ranks, and reads the entries of each
-`window` consecutive units of its share in a permuted order too. Both permutations are functions of
-(seed, epoch, ...) evaluated on the spot, so a resume state stores positions (epoch, window, i: the i-th
-entry of that window's order), never a list, and every rank computes any other rank's order (the elastic
-merge needs that).
-
-The permutation is a 4-round Feistel network over the smallest even number of bits that covers n, with
-cycle-walking (an output >= n is permuted again until it falls in [0, n)): a bijection of [0, n) for any n,
-vectorised in numpy, in plain integer arithmetic, so it is the same on every machine and every numpy version
-(numpy's own Generator streams may change between versions). ~0.1 us per element.
+The permutation is a 4-round Feistel network with cycle-walking: a bijection of [0, n) for any n,
+in plain integer arithmetic, so it is the same on every machine and numpy version (numpy's own
+Generator streams may change). Cost: ~0.1 us per element, vectorised in numpy.
 
 May import: numpy.
 """
@@ -20,11 +17,13 @@ import hashlib
 
 import numpy as np
 
-_C1, _C2 = np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB)  # splitmix64's finaliser constants
+# splitmix64's finaliser constants
+_C1, _C2 = np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB)
 
 
 def _mix(x: np.ndarray) -> np.ndarray:
-    """A 64-bit avalanche mix (splitmix64's finaliser): every output bit depends on every input bit."""
+    """A 64-bit avalanche mix (splitmix64's finaliser): every output bit depends on every input
+    bit."""
     x = x ^ (x >> np.uint64(30))
     x = x * _C1
     x = x ^ (x >> np.uint64(27))
@@ -34,16 +33,18 @@ def _mix(x: np.ndarray) -> np.ndarray:
 
 def round_keys(*parts) -> np.ndarray:
     """Four 64-bit round keys from any ints and strings (seed, a purpose, epoch, ...)."""
+    # repr, not hash(): str hashes are salted per process, and every rank must agree
     digest = hashlib.blake2b(repr(parts).encode(), digest_size=32).digest()
-    return np.frombuffer(digest, dtype="<u8").astype(np.uint64)
+    return np.frombuffer(digest, dtype="<u8").astype(np.uint64)  # 32 bytes: four keys
 
 
 def permute(values, n: int, keys: np.ndarray) -> np.ndarray:
     """pi(values) for the keyed bijection pi of [0, n); values: ints in [0, n). int64 array."""
-    half = max(1, ((n - 1).bit_length() + 1) // 2)  # the domain 2**(2*half) holds n, and at most 4n
+    # the domain 2**(2*half) holds n, and at most 4n: a walk averages at most 4 passes
+    half = max(1, ((n - 1).bit_length() + 1) // 2)
     mask, shift = np.uint64((1 << half) - 1), np.uint64(half)
 
-    def feistel(x):
+    def feistel(x):  # a bijection of [0, 2**(2*half)) whatever the round function
         left, right = x >> shift, x & mask
         for key in keys:
             left, right = right, left ^ (_mix(right ^ key) & mask)
@@ -51,7 +52,9 @@ def permute(values, n: int, keys: np.ndarray) -> np.ndarray:
 
     out = feistel(np.asarray(values, dtype=np.uint64))
     outside = np.flatnonzero(out >= n)
-    while outside.size:  # cycle-walking: each element's walk ends, since pi is a bijection of the domain
+    # cycle-walking: an output >= n is permuted again; each walk ends, since feistel is a
+    # bijection of the domain, and only the elements still outside are recomputed
+    while outside.size:
         out[outside] = feistel(out[outside])
         outside = outside[out[outside] >= n]
     return out.astype(np.int64)
@@ -63,44 +66,54 @@ def permutation(n: int, keys: np.ndarray) -> np.ndarray:
 
 
 class Shuffle:
-    """The order a shuffled stream reads in: seed, and window (units whose entries are mixed together)."""
+    """The order a shuffled stream reads in: seed, and window (units whose entries are mixed
+    together)."""
 
     def __init__(self, seed: int, window: int, name: str = ""):
-        self.seed, self.window, self.name = seed, window, name  # name: a mixture's bucket, so buckets differ
+        # name: a mixture's bucket, so that buckets of one seed get different orders
+        self.seed, self.window, self.name = seed, window, name
 
     def bucket(self, name: str) -> "Shuffle":
         """This order for one bucket of a mixture: the same seed and window, another permutation."""
         return Shuffle(self.seed, self.window, name)
 
     def units(self, epoch: int, total: int, rank: int, world_size: int) -> np.ndarray:
-        """Global unit indices rank reads in an epoch, in order: positions rank, rank + world_size, ... of
-        the epoch's permutation of all units."""
+        """Global unit indices rank reads in an epoch, in order: positions rank, rank + world_size,
+        ... of the epoch's permutation of all units."""
         positions = np.arange(rank, total, world_size)
-        return permute(positions, total, round_keys(self.seed, self.name, "units", epoch)) if total else positions
+        if not total:  # permute needs n >= 1
+            return positions
+        return permute(positions, total, round_keys(self.seed, self.name, "units", epoch))
 
     def entries(self, epoch: int, rank: int, world_size: int, window: int, n: int) -> np.ndarray:
-        """The order of the n entries of one window (the window-th of rank's share in this epoch)."""
-        return permutation(n, round_keys(self.seed, self.name, "entries", epoch, world_size, rank, window))
+        """The order of the n entries of one window (the window-th of rank's share in this
+        epoch)."""
+        # rank and world_size in the key: each rank's windows get orders of their own
+        return permutation(n, round_keys(self.seed, self.name, "entries", epoch, world_size, rank,
+                                         window))
 
     def window_table(self, index, epoch: int, rank: int, world_size: int, window: int):
-        """One window of rank's share of an epoch: (places [(pq_idx, rg_idx)] of its units, bounds (where each
-        unit's entries start in the window, and the total at the end), order (the window's permutation)).
-        index: the split's units (nanochat.order.UnitIndex: total, locate, rows)."""
-        units = self.units(epoch, index.total, rank, world_size)[window * self.window:(window + 1) * self.window]
+        """One window of rank's share of an epoch: (places [(pq_idx, rg_idx)] of its units, bounds
+        (where each unit's entries start in the window, and the total at the end), order (the
+        window's permutation)). index: the split's units (total, locate, rows)."""
+        first = window * self.window
+        units = self.units(epoch, index.total, rank, world_size)[first:first + self.window]
         places = [index.locate(int(g)) for g in units]
         bounds = np.cumsum([0] + [index.rows(*place) for place in places])
         return places, bounds, self.entries(epoch, rank, world_size, window, int(bounds[-1]))
 
     @staticmethod
     def entry(table, i: int) -> tuple[int, int, int]:
-        """(pq_idx, rg_idx, row) of the i-th entry of a window's order; table: what window_table() returns."""
+        """(pq_idx, rg_idx, row) of the i-th entry of a window's order; table: what window_table()
+        returns."""
         places, bounds, order = table
+        # the unit whose [start, next start) holds the entry: a binary search, not a table per entry
         u = int(np.searchsorted(bounds, order[i], side="right")) - 1
         return (*places[u], int(order[i] - bounds[u]))
 
     def plan_order(self, epoch: int, units: np.ndarray, total: int) -> np.ndarray:
-        """A sort key for whole units dealt by an elastic merge: their order never depends on which others
-        remain, so a plan saved half-read and resumed continues in the same order."""
+        """A sort key for whole units dealt by an elastic merge: their order never depends on which
+        others remain, so a plan saved half-read and resumed continues in the same order."""
         return permute(units, total, round_keys(self.seed, self.name, "plan", epoch))
 
     def plan_rows(self, epoch: int, unit: int, n: int) -> np.ndarray:

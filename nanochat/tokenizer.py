@@ -1,41 +1,17 @@
 """
-GPT-4-style BPE tokenizer: trained with rustbpe, run with tiktoken, saved as plain JSON.
+GPT-4-style BPE tokenizer: trained with rustbpe, run with tiktoken, saved as plain JSON
+(tokenizer.json and token_bytes.npy). It has nanochat's API (RustBPETokenizer, train_from_iterator,
+from_directory, encode, render_conversation, ...), so it can replace nanochat/tokenizer.py in a
+nanochat checkout. It reads nanochat's tokenizer.pkl without running it; `python -m
+nanochat.tokenizer convert DIR` turns one into tokenizer.json, `export-hf DIR` writes a Hugging
+Face tokenizer.json.
 
-The class has upstream nanochat's API (RustBPETokenizer(enc, bos_token), train_from_iterator,
-from_directory, encode, render_conversation, ...), so this file can replace nanochat/tokenizer.py in a
-nanochat checkout. Training on ~2B characters takes a few minutes on a node; encoding runs at tiktoken
-speed (several MB/s per thread). A saved tokenizer is a directory holding two files:
+Cost: training on ~2B characters takes minutes; encoding runs at tiktoken speed (MB/s per thread).
+Design and file formats: docs/tokenizer.md
 
-tokenizer.json (UTF-8 JSON, nothing in it is ever executed):
-    {
-      "format": "nanochat-tokenizer",
-      "version": 1,
-      "name": "rustbpe",                       # the tiktoken Encoding name
-      "pattern": "<the split regex>",
-      "bos_token": "<|bos|>",
-      "special_tokens": {"<|bos|>": 65527, ...},   # name -> id
-      "mergeable_ranks": [["AA==", 0], ["AQ==", 1], ...]   # [base64 of the token's bytes, rank]
-    }
-  The rank of a mergeable token is its id. Our special tokens take the ids right after the last rank.
-
-token_bytes.npy (numpy, loaded with allow_pickle=False):
-    int32 array of shape (vocab_size,): the UTF-8 byte length of each token, 0 for special tokens.
-    It turns a summed loss into bits per byte, a metric that does not depend on the vocab size.
-
-Both files are written under a temporary name and renamed, so a crash never leaves a half-written
-file under the final name. Upstream nanochat pickles the tiktoken Encoding instead (tokenizer.pkl,
-plus token_bytes.pt). We read such a pickle without pickle.load, which could run any code: a
-restricted unpickler admits only tiktoken's Encoding class, swapped for a stand-in that just keeps
-the tables. `python -m nanochat.tokenizer convert DIR` turns one into tokenizer.json.
-
-Other tools (transformers, vLLM, GPT-Simple) take any tokenizer.json for a Hugging Face file, so ours is not
-for them: `python -m nanochat.tokenizer export-hf DIR` writes one in the Hugging Face `tokenizers` library's
-format into another directory, which encodes as ours does (see to_hf_json). It is written with the
-standard library; only loading it needs `tokenizers`.
-
-May import: nanochat.common, tiktoken, numpy.
-Imported only when needed: rustbpe (training), torch (get_token_bytes): importing the tokenizer stays
-light, as a pretokenize worker or a tokenizer CLI needs it.
+May import: nanochat.checks, nanochat.common, tiktoken, numpy.
+Imported only when needed: rustbpe (training), torch (get_token_bytes): importing the tokenizer
+stays light, as a pretokenize worker or a tokenizer CLI needs it.
 """
 
 import argparse
@@ -51,6 +27,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import tiktoken
 
+from nanochat.checks import check_int, is_int
 from nanochat.common import get_base_dir
 
 logger = logging.getLogger(__name__)
@@ -71,24 +48,27 @@ SPECIAL_TOKENS = [
 
 # GPT-4's split pattern, except that numbers split into runs of at most 2 digits (GPT-4 uses 3):
 # fewer number tokens to spend the vocab on, which matters for small vocabs
-SPLIT_PATTERN = r"""'(?i:[sdmt]|ll|ve|re)|[^\r\n\p{L}\p{N}]?+\p{L}+|\p{N}{1,2}| ?[^\s\p{L}\p{N}]++[\r\n]*|\s*[\r\n]|\s+(?!\S)|\s+"""
+SPLIT_PATTERN = (r"""'(?i:[sdmt]|ll|ve|re)|[^\r\n\p{L}\p{N}]?+\p{L}+|\p{N}{1,2}|"""
+                 r""" ?[^\s\p{L}\p{N}]++[\r\n]*|\s*[\r\n]|\s+(?!\S)|\s+""")
 
 TOKENIZER_FILENAME = "tokenizer.json"
 TOKEN_BYTES_FILENAME = "token_bytes.npy"
-PICKLE_FILENAME = "tokenizer.pkl"  # upstream nanochat's format, read with _EncodingUnpickler
+PICKLE_FILENAME = "tokenizer.pkl"  # nanochat's own format, read with _EncodingUnpickler
 FORMAT_NAME = "nanochat-tokenizer"
 FORMAT_VERSION = 1
 MIN_VOCAB_SIZE = 256 + len(SPECIAL_TOKENS)  # the byte alphabet plus our specials: 265
 TRAIN_HINT = "python -m scripts.tok_train"
 MAX_ID_GAP = 1024  # unused ids a loaded tokenizer may have (tiktoken's cl100k_base has a handful)
 CONVERT_HINT = "python -m nanochat.tokenizer convert"
-HF_CONFIG_FILENAME = "tokenizer_config.json"  # what transformers' AutoTokenizer reads beside tokenizer.json
-# a key of the tokenizer_config.json that export-hf writes: it tells an earlier export, which a new one may
-# replace, from files someone else put there (tokenizer.json itself admits no key of our own)
+# what transformers' AutoTokenizer reads beside tokenizer.json
+HF_CONFIG_FILENAME = "tokenizer_config.json"
+# a key of the tokenizer_config.json that export-hf writes: it tells an earlier export, which a new
+# one may replace, from files someone else put there (tokenizer.json itself admits no key of ours)
 HF_EXPORT_MARK = "nanochat_export"
 
 # how each kind of assistant part is rendered: (opening special, closing special, mask of the part)
-# tool output is written by the interpreter at inference time, so the model never learns to produce it
+# tool output is written by the interpreter at inference time, so the model never learns to
+# produce it
 _PARTS = {
     "text": (None, None, 1),
     "python": ("<|python_start|>", "<|python_end|>", 1),
@@ -102,7 +82,8 @@ _GREEN, _RED, _GRAY, _RESET = "\033[92m", "\033[91m", "\033[90m", "\033[0m"
 
 
 class RustBPETokenizer:
-    """A tiktoken Encoding (for fast encoding) and the name of its BOS token; trained with rustbpe."""
+    """A tiktoken Encoding (for fast encoding) and the name of its BOS token; trained with
+    rustbpe."""
 
     def __init__(self, enc: tiktoken.Encoding, bos_token: str):
         if not isinstance(enc, tiktoken.Encoding):
@@ -111,7 +92,8 @@ class RustBPETokenizer:
             raise ValueError(f"bos_token {bos_token!r} is not among the special tokens "
                              f"{sorted(enc.special_tokens_set)} of encoding {enc.name!r}")
         self.enc = enc
-        # tiktoken keeps its tables in private attributes; this is the one place we read them (save needs them)
+        # tiktoken keeps its tables in private attributes; this is the one place we read them (save
+        # needs them)
         self.name = enc.name
         self.pattern = enc._pat_str
         self.mergeable_ranks = enc._mergeable_ranks
@@ -126,11 +108,10 @@ class RustBPETokenizer:
     def train_from_iterator(cls, text_iterator, vocab_size: int, *, buffer_size: int = 8192):
         """Train on the strings that text_iterator yields. vocab_size counts the special tokens.
         If the text runs out of pairs to merge, the vocab comes out smaller (a warning says so)."""
-        if isinstance(vocab_size, bool) or not isinstance(vocab_size, int):
-            raise TypeError(f"vocab_size must be an int, got {type(vocab_size).__name__}")
-        if vocab_size < MIN_VOCAB_SIZE:
-            raise ValueError(f"vocab_size must be at least {MIN_VOCAB_SIZE} (256 byte tokens + "
-                             f"{len(SPECIAL_TOKENS)} special tokens), got {vocab_size}")
+        # not an integer: TypeError; too small: ValueError
+        vocab_size = check_int("vocab_size", vocab_size, error=TypeError)
+        check_int("vocab_size", vocab_size, MIN_VOCAB_SIZE,
+                  hint=f" (256 byte tokens + {len(SPECIAL_TOKENS)} special tokens)")
         import rustbpe  # only training needs it
         trainer = rustbpe.Tokenizer()
         vocab_size_no_special = vocab_size - len(SPECIAL_TOKENS)
@@ -140,29 +121,33 @@ class RustBPETokenizer:
         if len(mergeable_ranks) < vocab_size_no_special:
             logger.warning("the training text ran out of pairs to merge: got %d mergeable tokens, "
                            "asked for %d", len(mergeable_ranks), vocab_size_no_special)
-        offset = len(mergeable_ranks)
+        offset = len(mergeable_ranks)  # the specials take the ids right after the last rank
         special_tokens = {name: offset + i for i, name in enumerate(SPECIAL_TOKENS)}
-        return cls._from_tables("rustbpe", trainer.get_pattern(), mergeable_ranks, special_tokens, SPECIAL_TOKENS[0])
+        return cls._from_tables("rustbpe", trainer.get_pattern(), mergeable_ranks, special_tokens,
+                                SPECIAL_TOKENS[0])
 
     @classmethod
     def from_directory(cls, tokenizer_dir: str):
-        """Load the tokenizer in tokenizer_dir: our tokenizer.json, else upstream nanochat's tokenizer.pkl
-        (read without running anything in it; see _EncodingUnpickler). tokenizer.json wins when both exist."""
+        """Load the tokenizer in tokenizer_dir: our tokenizer.json, else nanochat's tokenizer.pkl
+        (read without running anything in it; see _EncodingUnpickler). tokenizer.json wins when
+        both exist."""
         if not os.path.isdir(tokenizer_dir):
             raise FileNotFoundError(f"tokenizer directory {tokenizer_dir} does not exist; "
                                     f"train a tokenizer first: {TRAIN_HINT}")
         json_path = os.path.join(tokenizer_dir, TOKENIZER_FILENAME)
         pkl_path = os.path.join(tokenizer_dir, PICKLE_FILENAME)
         if os.path.exists(json_path):
-            if os.path.exists(pkl_path) and os.path.getmtime(pkl_path) > os.path.getmtime(json_path):
+            if (os.path.exists(pkl_path)
+                    and os.path.getmtime(pkl_path) > os.path.getmtime(json_path)):
                 # likely nanochat's tok_train wrote a new pickle over an old conversion
-                logger.warning("%s is newer than %s; loading %s anyway. To use the pickle, convert it: %s %s",
-                               pkl_path, json_path, json_path, CONVERT_HINT, tokenizer_dir)
+                logger.warning("%s is newer than %s; loading %s anyway. To use the pickle, convert "
+                               "it: %s %s", pkl_path, json_path, json_path, CONVERT_HINT,
+                               tokenizer_dir)
             return cls._from_json(json_path)
         if os.path.exists(pkl_path):
             return cls._from_pickle(pkl_path)
-        raise FileNotFoundError(f"tokenizer file {json_path} does not exist (nor nanochat's {PICKLE_FILENAME}); "
-                                f"train a tokenizer first: {TRAIN_HINT}")
+        raise FileNotFoundError(f"tokenizer file {json_path} does not exist (nor nanochat's "
+                                f"{PICKLE_FILENAME}); train a tokenizer first: {TRAIN_HINT}")
 
     @classmethod
     def from_pretrained(cls, tiktoken_name: str):
@@ -172,8 +157,8 @@ class RustBPETokenizer:
         for bos_token in ("<|bos|>", "<|endoftext|>"):
             if bos_token in enc.special_tokens_set:
                 return cls(enc, bos_token)
-        raise ValueError(f"tiktoken encoding {tiktoken_name!r} has neither <|bos|> nor <|endoftext|> "
-                         f"among its special tokens {sorted(enc.special_tokens_set)}")
+        raise ValueError(f"tiktoken encoding {tiktoken_name!r} has neither <|bos|> nor "
+                         f"<|endoftext|> among its special tokens {sorted(enc.special_tokens_set)}")
 
     @classmethod
     def _from_tables(cls, name: str, pattern: str, mergeable_ranks: dict[bytes, int],
@@ -189,21 +174,24 @@ class RustBPETokenizer:
     def _from_json(cls, path: str):
         try:
             with open(path, "rb") as f:
-                data = json.loads(f.read().decode("utf-8"))
+                data = json.loads(f.read().decode("utf-8"))  # bytes: a bad byte is a ValueError
+            # a Hugging Face file has a "model" and no "format"; the loaders would fail on it later
             if isinstance(data, dict) and "model" in data and "format" not in data:
-                raise FileNotFoundError(f"{path} is a Hugging Face tokenizer.json (export-hf writes these), not "
-                                        "ours: load our tokenizer from the directory it was exported from")
+                raise FileNotFoundError(f"{path} is a Hugging Face tokenizer.json (export-hf "
+                                        "writes these), not ours: load our tokenizer from the "
+                                        "directory it was exported from")
             if data.get("format") != FORMAT_NAME:
                 raise ValueError(f"'format' is {data.get('format')!r}, expected {FORMAT_NAME!r}")
             if data.get("version") != FORMAT_VERSION:
-                raise ValueError(f"unsupported version {data.get('version')!r} (this code reads {FORMAT_VERSION})")
+                raise ValueError(f"unsupported version {data.get('version')!r} (this code reads "
+                                 f"{FORMAT_VERSION})")
             mergeable_ranks = {}
             for token_b64, rank in data["mergeable_ranks"]:
                 mergeable_ranks[base64.b64decode(token_b64, validate=True)] = rank
-            if len(mergeable_ranks) != len(data["mergeable_ranks"]):
+            if len(mergeable_ranks) != len(data["mergeable_ranks"]):  # a dict keeps one of two
                 raise ValueError("a mergeable token appears twice")
-            return cls._from_tables(data["name"], data["pattern"], mergeable_ranks, data["special_tokens"],
-                                    data["bos_token"])
+            return cls._from_tables(data["name"], data["pattern"], mergeable_ranks,
+                                    data["special_tokens"], data["bos_token"])
         except (KeyError, TypeError, ValueError, AttributeError, RecursionError) as e:
             # ValueError covers bad JSON, bad UTF-8, bad base64 and failed table checks
             raise ValueError(f"{path} is not a valid tokenizer file ({type(e).__name__}: {e}); "
@@ -211,14 +199,15 @@ class RustBPETokenizer:
 
     @classmethod
     def _from_pickle(cls, path: str):
-        """Upstream nanochat's tokenizer.pkl (a pickled tiktoken Encoding, BOS <|bos|>), run nothing."""
+        """nanochat's tokenizer.pkl (a pickled tiktoken Encoding, BOS <|bos|>), run nothing."""
         state = _read_pickled_encoding(path)
         try:
             return cls._from_tables(state["name"], state["pat_str"], state["mergeable_ranks"],
                                     state["special_tokens"], SPECIAL_TOKENS[0])
-        except (ValueError, RecursionError) as e:  # RecursionError: a deeply nested value in the tables
-            raise ValueError(f"{path} holds a tiktoken Encoding with unusable tables ({type(e).__name__}: {e}); "
-                             f"retrain the tokenizer: {TRAIN_HINT}") from e
+        except (ValueError, RecursionError) as e:  # RecursionError: a deeply nested table value
+            raise ValueError(f"{path} holds a tiktoken Encoding with unusable tables "
+                             f"({type(e).__name__}: {e}); retrain the tokenizer: "
+                             f"{TRAIN_HINT}") from e
 
     # -------------------------------------------------------------------------
     # Saving
@@ -226,6 +215,7 @@ class RustBPETokenizer:
     def save(self, tokenizer_dir: str) -> None:
         """Write tokenizer.json and token_bytes.npy into tokenizer_dir (created if needed)."""
         os.makedirs(tokenizer_dir, exist_ok=True)
+        by_rank = sorted(self.mergeable_ranks.items(), key=lambda kv: kv[1])
         data = {
             "format": FORMAT_NAME,
             "version": FORMAT_VERSION,
@@ -233,12 +223,14 @@ class RustBPETokenizer:
             "pattern": self.pattern,
             "bos_token": self.bos_token,
             "special_tokens": dict(sorted(self.special_tokens.items(), key=lambda kv: kv[1])),
+            # a list in rank order, not a dict: JSON keys are text, and tokens are any bytes
             "mergeable_ranks": [[base64.b64encode(token).decode("ascii"), rank]
-                                for token, rank in sorted(self.mergeable_ranks.items(), key=lambda kv: kv[1])],
+                                for token, rank in by_rank],
         }
         payload = json.dumps(data, ensure_ascii=False).encode("utf-8")
         token_bytes = self.compute_token_bytes()
-        # token bytes first, tokenizer.json last: a directory whose tokenizer.json is new has new token bytes
+        # token bytes first, tokenizer.json last: a directory whose tokenizer.json is new has new
+        # token bytes
         bytes_path = os.path.join(tokenizer_dir, TOKEN_BYTES_FILENAME)
         _write_atomic(bytes_path, lambda f: np.save(f, token_bytes, allow_pickle=False))
         json_path = os.path.join(tokenizer_dir, TOKENIZER_FILENAME)
@@ -246,7 +238,8 @@ class RustBPETokenizer:
         logger.info("saved tokenizer (vocab size %d) to %s", self.get_vocab_size(), tokenizer_dir)
 
     def compute_token_bytes(self) -> np.ndarray:
-        """int32 (vocab_size,): UTF-8 byte length of each token; 0 for special tokens and unused ids."""
+        """int32 (vocab_size,): UTF-8 byte length of each token; 0 for special tokens and unused
+        ids."""
         token_bytes = np.zeros(self.get_vocab_size(), dtype=np.int32)
         for token, rank in self.mergeable_ranks.items():
             token_bytes[rank] = len(token)
@@ -256,30 +249,34 @@ class RustBPETokenizer:
     # Exporting for Hugging Face tools
 
     def to_hf_json(self) -> dict:
-        """This tokenizer as a Hugging Face `tokenizers` file (the dict that its tokenizer.json holds):
-        a byte-level BPE model whose vocab is our mergeable tokens with their ranks as ids, a pre-tokenizer
-        that splits on our pattern, and our special tokens as added tokens with their ids. It encodes text as
-        tiktoken does with allowed_special="all": like encode(), but special-token text becomes that token.
-        No BOS is added (encode prepends none either)."""
+        """This tokenizer as a Hugging Face `tokenizers` file (the dict that its tokenizer.json
+        holds): a byte-level BPE model whose vocab is our mergeable tokens with their ranks as ids,
+        a pre-tokenizer that splits on our pattern, and our special tokens as added tokens with
+        their ids. It encodes text as tiktoken does with allowed_special="all": like encode(), but
+        special-token text becomes that token. No BOS is added (encode prepends none either)."""
         alphabet = _byte_level_alphabet()
 
         def chars(token: bytes) -> str:
             return "".join(alphabet[b] for b in token)
 
         by_rank = sorted(self.mergeable_ranks.items(), key=lambda kv: kv[1])
-        byte_level = {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": False}
+        byte_level = {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True,
+                      "use_regex": False}
+        specials = sorted(self.special_tokens.items(), key=lambda kv: kv[1])
         return {
             "version": "1.0",
             "truncation": None,
             "padding": None,
-            "added_tokens": [{"id": token_id, "content": name, "single_word": False, "lstrip": False,
-                              "rstrip": False, "normalized": False, "special": True}
-                             for name, token_id in sorted(self.special_tokens.items(), key=lambda kv: kv[1])],
+            "added_tokens": [{"id": token_id, "content": name, "single_word": False,
+                              "lstrip": False, "rstrip": False, "normalized": False,
+                              "special": True}
+                             for name, token_id in specials],
             "normalizer": None,
             # our regex cuts the text into pieces, then each piece's bytes become characters; the
             # ByteLevel step must not split again with GPT-2's own regex (use_regex False)
             "pre_tokenizer": {"type": "Sequence", "pretokenizers": [
-                {"type": "Split", "pattern": {"Regex": self.pattern}, "behavior": "Isolated", "invert": False},
+                {"type": "Split", "pattern": {"Regex": self.pattern}, "behavior": "Isolated",
+                 "invert": False},
                 byte_level,
             ]},
             "post_processor": None,
@@ -292,20 +289,23 @@ class RustBPETokenizer:
                 "end_of_word_suffix": None,
                 "fuse_unk": False,
                 "byte_fallback": False,
-                # a piece that is one token is that token, as in tiktoken (the merges might split it otherwise)
+                # a piece that is one token is that token, as in tiktoken (the merges might split
+                # it otherwise)
                 "ignore_merges": True,
                 "vocab": {chars(token): rank for token, rank in by_rank},
-                # "left right": a byte-level token never holds a space (the space byte is U+0120), and
-                # every version of `tokenizers` reads this form
-                "merges": [f"{chars(left)} {chars(right)}" for left, right in _hf_merges(self.mergeable_ranks)],
+                # "left right": a byte-level token never holds a space (the space byte is U+0120),
+                # and every version of `tokenizers` reads this form
+                "merges": [f"{chars(left)} {chars(right)}"
+                           for left, right in _hf_merges(self.mergeable_ranks)],
             },
         }
 
     def export_hf(self, out_dir: str | os.PathLike) -> list[str]:
-        """Write this tokenizer for Hugging Face tools into out_dir (created if needed): tokenizer.json
-        (to_hf_json) and a tokenizer_config.json that makes transformers' AutoTokenizer load it with our BOS
-        as bos_token. Returns the paths written. Refuses (FileExistsError) to replace a tokenizer of ours
-        (tokenizer.json in our format, tokenizer.pkl) or files that an earlier export did not write."""
+        """Write this tokenizer for Hugging Face tools into out_dir (created if needed):
+        tokenizer.json (to_hf_json) and a tokenizer_config.json that makes transformers'
+        AutoTokenizer load it with our BOS as bos_token. Returns the paths written. Refuses
+        (FileExistsError) to replace a tokenizer of ours (tokenizer.json in our format,
+        tokenizer.pkl) or files that an earlier export did not write."""
         out_dir = os.path.expanduser(os.fspath(out_dir))
         _check_hf_export_dir(out_dir)
         os.makedirs(out_dir, exist_ok=True)
@@ -317,9 +317,12 @@ class RustBPETokenizer:
             HF_EXPORT_MARK: "python -m nanochat.tokenizer export-hf",
         }
         tokenizer_json = json.dumps(self.to_hf_json(), ensure_ascii=False, indent=2).encode("utf-8")
-        # the config first: a tokenizer.json in out_dir always has the mark beside it, so a new export may replace it
-        paths = [os.path.join(out_dir, HF_CONFIG_FILENAME), os.path.join(out_dir, TOKENIZER_FILENAME)]
-        _write_atomic(paths[0], lambda f: f.write(json.dumps(config, indent=2).encode("utf-8") + b"\n"))
+        # the config first: a tokenizer.json in out_dir always has the mark beside it, so a new
+        # export may replace it
+        paths = [os.path.join(out_dir, HF_CONFIG_FILENAME),
+                 os.path.join(out_dir, TOKENIZER_FILENAME)]
+        config_bytes = json.dumps(config, indent=2).encode("utf-8") + b"\n"
+        _write_atomic(paths[0], lambda f: f.write(config_bytes))
         _write_atomic(paths[1], lambda f: f.write(tokenizer_json))
         logger.info("exported the tokenizer (vocab size %d) for Hugging Face tools to %s",
                     self.get_vocab_size(), out_dir)
@@ -339,15 +342,16 @@ class RustBPETokenizer:
         return self.bos_token_id
 
     def encode_special(self, name: str) -> int:
-        """The id of a special token, e.g. encode_special("<|bos|>") (or of any text that is one token)."""
+        """The id of a special token, e.g. encode_special("<|bos|>") (or of any text that is one
+        token)."""
         if name in self.special_tokens:
             return self.special_tokens[name]
         try:
             return self.enc.encode_single_token(name)
         except KeyError:
             names = sorted(self.special_tokens, key=self.special_tokens.get)
-            raise ValueError(f"{name!r} is not a special token (nor a single token); the special tokens are "
-                             f"{names}") from None
+            raise ValueError(f"{name!r} is not a special token (nor a single token); the special "
+                             f"tokens are {names}") from None
 
     def id_to_token(self, token_id: int) -> str:
         """The text of one token (a token holding part of a UTF-8 character decodes to U+FFFD)."""
@@ -361,20 +365,21 @@ class RustBPETokenizer:
     def _special_id(self, token: str | int, what: str) -> int:
         if isinstance(token, str):
             return self.encode_special(token)
-        if isinstance(token, bool) or not isinstance(token, int):
-            raise TypeError(f"{what} must be a special token name or an int id, got {type(token).__name__}")
-        if not 0 <= token < self.get_vocab_size():
-            raise ValueError(f"{what} id {token} is outside the vocab [0, {self.get_vocab_size()})")
-        return token
+        # not an integer: TypeError; outside the vocab: ValueError
+        token = check_int(what, token, hint=" id or a special token name", error=TypeError)
+        return check_int(f"{what} id", token, 0, self.get_vocab_size() - 1,
+                         hint=" (the vocab's ids)")
 
     def encode(self, text: str | list[str], prepend: str | int | None = None,
-               append: str | int | None = None, num_threads: int = 8) -> list[int] | list[list[int]]:
-        """Token ids of a str, or one list of ids per str of a list (encoded on num_threads threads).
-        Special-token text inside `text` is encoded as ordinary text, never as a special token.
-        prepend/append: a special token (name or id) added to each encoded text."""
+               append: str | int | None = None,
+               num_threads: int = 8) -> list[int] | list[list[int]]:
+        """Token ids of a str, or one list of ids per str of a list (encoded on num_threads
+        threads). Special-token text inside `text` is encoded as ordinary text, never as a special
+        token. prepend/append: a special token (name or id) added to each encoded text."""
         prepend_id = None if prepend is None else self._special_id(prepend, "prepend")
         append_id = None if append is None else self._special_id(append, "append")
         if isinstance(text, str):
+            # ordinary: "<|bos|>" typed in a document is text, never a document boundary
             ids = self.enc.encode_ordinary(text)
             if prepend_id is not None:
                 ids.insert(0, prepend_id)
@@ -383,7 +388,8 @@ class RustBPETokenizer:
             return ids
         if isinstance(text, list):
             if not all(isinstance(t, str) for t in text):
-                raise TypeError("encode takes a str or a list of str; the list holds a non-str item")
+                raise TypeError("encode takes a str or a list of str; the list holds a non-str "
+                                "item")
             batch = self.enc.encode_ordinary_batch(text, num_threads=num_threads)
             for ids in batch:
                 if prepend_id is not None:
@@ -408,26 +414,31 @@ class RustBPETokenizer:
         def encode_chunk(chunk: list[str]) -> list[np.ndarray]:
             out = []
             for text in chunk:
-                ids = self.enc.encode_to_numpy(text, disallowed_special=())  # ordinary text, as encode()
-                doc = np.empty(len(ids) + offset, dtype=dtype)
+                # disallowed_special=(): ordinary text, as encode()
+                ids = self.enc.encode_to_numpy(text, disallowed_special=())
+                doc = np.empty(len(ids) + offset, dtype=dtype)  # one allocation, BOS included
                 if offset:
                     doc[0] = prepend_id
                 doc[offset:] = ids
                 out.append(doc)
             return out
 
-        # a few texts per task: one task per text costs a thread hand-off (and a GIL hand-off) per text
-        size = max(1, -(-len(texts) // (4 * num_threads)))
+        # a few texts per task: one task per text costs a thread hand-off (and a GIL hand-off) per
+        # text; 4 tasks per thread still balance long and short texts
+        size = max(1, -(-len(texts) // (4 * num_threads)))  # -(-a // b): a / b rounded up
         chunks = [texts[i:i + size] for i in range(0, len(texts), size)]
         return [doc for docs in self._pool(num_threads).map(encode_chunk, chunks) for doc in docs]
 
     def _pool(self, num_threads: int) -> ThreadPoolExecutor:
         """A thread pool kept for the tokenizer's life: starting num_threads threads per call costs
-        milliseconds once other threads compete for the GIL (a loader calls this ~10 times a second)."""
-        with _POOLS_LOCK:
+        milliseconds once other threads compete for the GIL (a loader calls this ~10 times a
+        second)."""
+        with _POOLS_LOCK:  # two loaders sharing one tokenizer must not start two pools
+            # in __dict__, made on first use: a tokenizer built without __init__ gets one too
             pools = self.__dict__.setdefault("_pools", {})
             if num_threads not in pools:
-                pools[num_threads] = ThreadPoolExecutor(num_threads, thread_name_prefix="tokenizer-encode")
+                pools[num_threads] = ThreadPoolExecutor(num_threads,
+                                                        thread_name_prefix="tokenizer-encode")
             return pools[num_threads]
 
     def __call__(self, *args, **kwargs):
@@ -440,14 +451,16 @@ class RustBPETokenizer:
     # -------------------------------------------------------------------------
     # Chat conversations
 
-    def render_conversation(self, conversation: dict, max_tokens: int = 2048) -> tuple[list[int], list[int]]:
-        """Token ids of one chat conversation, {"messages": [{"role": ..., "content": ...}, ...]}, and a
-        mask of the same length: 1 on the tokens the model learns to produce (the assistant's text and
-        python calls, and <|assistant_end|>), 0 on the rest. Both lists are cut to max_tokens.
+    def render_conversation(self, conversation: dict,
+                            max_tokens: int = 2048) -> tuple[list[int], list[int]]:
+        """Token ids of one chat conversation, {"messages": [{"role": ..., "content": ...}, ...]},
+        and a mask of the same length: 1 on the tokens the model learns to produce (the assistant's
+        text and python calls, and <|assistant_end|>), 0 on the rest. Both lists are cut to
+        max_tokens.
 
-        Roles alternate user, assistant, user, ...; a leading system message is put in front of the first
-        user message, separated by a blank line. A user's content is a str; an assistant's is a str or a
-        list of parts {"type": "text" | "python" | "python_output", "text": str}."""
+        Roles alternate user, assistant, user, ...; a leading system message is put in front of the
+        first user message, separated by a blank line. A user's content is a str; an assistant's is
+        a str or a list of parts {"type": "text" | "python" | "python_output", "text": str}."""
         ids, mask = [], []
 
         def add(token_ids: list[int], supervised: int) -> None:
@@ -460,46 +473,54 @@ class RustBPETokenizer:
             role, content = message["role"], message["content"]
             expected = "user" if i % 2 == 0 else "assistant"
             if role != expected:
-                raise ValueError(f"message {i} (not counting a leading system message) is from {role!r} but "
-                                 f"should be from {expected!r}: roles must alternate user, assistant, user, ...")
-            if role == "user":
+                raise ValueError(f"message {i} (not counting a leading system message) is from "
+                                 f"{role!r} but should be from {expected!r}: roles must alternate "
+                                 "user, assistant, user, ...")
+            if role == "user":  # the prompt: never supervised
                 if not isinstance(content, str):
-                    raise ValueError(f"message {i}: a user's content must be a str, got {type(content).__name__}")
-                add([special("<|user_start|>")] + self.encode(content) + [special("<|user_end|>")], 0)
+                    raise ValueError(f"message {i}: a user's content must be a str, got "
+                                     f"{type(content).__name__}")
+                add([special("<|user_start|>")] + self.encode(content) + [special("<|user_end|>")],
+                    0)
                 continue
             parts = [{"type": "text", "text": content}] if isinstance(content, str) else content
             if not isinstance(parts, list):
-                raise ValueError(f"message {i}: an assistant's content must be a str or a list of parts, "
-                                 f"got {type(content).__name__}")
-            add([special("<|assistant_start|>")], 0)
+                raise ValueError(f"message {i}: an assistant's content must be a str or a list of "
+                                 f"parts, got {type(content).__name__}")
+            add([special("<|assistant_start|>")], 0)  # given at inference: nothing to learn
             for part in parts:
                 part_type = part.get("type") if isinstance(part, dict) else None
                 if part_type not in _PARTS:
                     raise ValueError(f"message {i}: unknown part type {part_type!r} in {part!r}; "
-                                     f"a part is a dict with a 'type' in {list(_PARTS)} and a 'text'")
+                                     f"a part is a dict with a 'type' in {list(_PARTS)} and a "
+                                     "'text'")
                 start, end, supervised = _PARTS[part_type]
                 opening = [] if start is None else [special(start)]
                 closing = [] if end is None else [special(end)]
                 add(opening + self.encode(part["text"]) + closing, supervised)
-            add([special("<|assistant_end|>")], 1)
+            add([special("<|assistant_end|>")], 1)  # supervised: the model must learn to stop
         # cut long conversations rather than fail: a batch must fit in memory
         return ids[:max_tokens], mask[:max_tokens]
 
     def render_for_completion(self, conversation: dict) -> list[int]:
         """Token ids that prompt the assistant to answer (reinforcement learning, evaluation): the
-        conversation without its last message, which must be the assistant's, then <|assistant_start|>."""
+        conversation without its last message, which must be the assistant's, then
+        <|assistant_start|>."""
         messages = conversation["messages"]
         if not messages or messages[-1]["role"] != "assistant":
             last = messages[-1]["role"] if messages else None
-            raise ValueError(f"the last message must be the assistant's (it is dropped to leave room for a "
-                             f"completion), got {last!r}")
-        # a new dict with a shorter list: rendering never writes to messages, so the caller's stay intact
+            raise ValueError(f"the last message must be the assistant's (it is dropped to leave "
+                             f"room for a completion), got {last!r}")
+        # a new dict with a shorter list: rendering never writes to messages, so the caller's stay
+        # intact
         ids, _ = self.render_conversation(dict(conversation, messages=messages[:-1]))
         return ids + [self.encode_special("<|assistant_start|>")]
 
-    def visualize_tokenization(self, ids: list[int], mask: list[int], with_token_id: bool = False) -> str:
-        """A debugging view of render_conversation's output: each token's text, green where mask is 1
-        and red where it is 0, joined by '|'; with_token_id adds each id, in gray, as its own piece."""
+    def visualize_tokenization(self, ids: list[int], mask: list[int],
+                               with_token_id: bool = False) -> str:
+        """A debugging view of render_conversation's output: each token's text, green where mask is
+        1 and red where it is 0, joined by '|'; with_token_id adds each id, in gray, as its own
+        piece."""
         pieces = []
         for token_id, supervised in zip(ids, mask):
             color = _GREEN if supervised == 1 else _RED
@@ -513,7 +534,7 @@ Tokenizer = RustBPETokenizer
 _POOLS_LOCK = threading.Lock()
 
 # -----------------------------------------------------------------------------
-# Reading upstream nanochat's tokenizer.pkl without running it
+# Reading nanochat's tokenizer.pkl without running it
 
 
 class UnsafePickleError(pickle.UnpicklingError, ValueError):
@@ -521,7 +542,8 @@ class UnsafePickleError(pickle.UnpicklingError, ValueError):
 
 
 class _EncodingState:
-    """Stands in for tiktoken.core.Encoding while unpickling: it keeps the pickled state, runs nothing."""
+    """Stands in for tiktoken.core.Encoding while unpickling: it keeps the pickled state, runs
+    nothing."""
 
     state = None
 
@@ -531,8 +553,9 @@ class _EncodingState:
 
 class _EncodingUnpickler(pickle.Unpickler):
     """Unpickles a tiktoken Encoding as an _EncodingState. Its pickle (protocol 3 and up) names one
-    global, tiktoken.core.Encoding; everything else is plain data (dicts, str, bytes, int). Any other
-    global could be a function to call (os.system, builtins.exec), so it is refused before it exists."""
+    global, tiktoken.core.Encoding; everything else is plain data (dicts, str, bytes, int). Any
+    other global could be a function to call (os.system, builtins.exec), so it is refused before it
+    exists."""
 
     def __init__(self, file, path: str):
         super().__init__(file)
@@ -548,16 +571,18 @@ class _EncodingUnpickler(pickle.Unpickler):
 
 
 def _read_pickled_encoding(path: str) -> dict:
-    """The state that tiktoken's Encoding pickles (name, pat_str, mergeable_ranks, special_tokens)."""
+    """The state that tiktoken's Encoding pickles (name, pat_str, mergeable_ranks,
+    special_tokens)."""
     try:
         with open(path, "rb") as f:
             obj = _EncodingUnpickler(f, path).load()
     except UnsafePickleError:
         raise
     # a damaged pickle fails in many ways inside the unpickler, each meaning the same to the caller
-    # (MemoryError too: a damaged length field can ask for a huge buffer; 27 of 3,000 byte-flip trials)
-    except (pickle.UnpicklingError, EOFError, ValueError, TypeError, KeyError, IndexError, AttributeError,
-            OverflowError, MemoryError) as e:
+    # (MemoryError too: a damaged length field can ask for a huge buffer; 27 of 3,000 byte-flip
+    # trials)
+    except (pickle.UnpicklingError, EOFError, ValueError, TypeError, KeyError, IndexError,
+            AttributeError, OverflowError, MemoryError) as e:
         raise ValueError(f"{path} is not a valid pickled tokenizer ({type(e).__name__}: {e}); "
                          f"retrain it: {TRAIN_HINT}") from e
     if not isinstance(obj, _EncodingState):
@@ -566,13 +591,13 @@ def _read_pickled_encoding(path: str) -> dict:
     state = obj.state
     if isinstance(state, str):
         # tiktoken pickles its own registered encodings by name only
-        raise ValueError(f"{path} names tiktoken's encoding {state!r} instead of holding its tables; "
-                         f"load it with RustBPETokenizer.from_pretrained({state!r})")
+        raise ValueError(f"{path} names tiktoken's encoding {state!r} instead of holding its "
+                         f"tables; load it with RustBPETokenizer.from_pretrained({state!r})")
     keys = {"name", "pat_str", "mergeable_ranks", "special_tokens"}
     if not isinstance(state, dict) or set(state) != keys:
         got = list(state) if isinstance(state, dict) else type(state).__name__
-        raise ValueError(f"{path} holds a tiktoken Encoding whose state is not {sorted(keys)} (got {got}); "
-                         f"retrain the tokenizer: {TRAIN_HINT}")
+        raise ValueError(f"{path} holds a tiktoken Encoding whose state is not {sorted(keys)} (got "
+                         f"{got}); retrain the tokenizer: {TRAIN_HINT}")
     return state
 
 
@@ -581,8 +606,8 @@ def _read_pickled_encoding(path: str) -> dict:
 
 
 def _chat_messages(conversation: dict) -> list[dict]:
-    """conversation["messages"] with a leading system message merged into the user message after it
-    (the chat format has no system turn). Builds new dicts; the caller's are left untouched."""
+    """conversation["messages"] with a leading system message merged into the user message after
+    it (the chat format has no system turn). Builds new dicts; the caller's are left untouched."""
     messages = conversation["messages"]
     if not messages:
         raise ValueError("the conversation has no messages")
@@ -592,19 +617,20 @@ def _chat_messages(conversation: dict) -> list[dict]:
         raise ValueError("a system message must be followed by a user message")
     system, user = messages[0]["content"], messages[1]["content"]
     if not isinstance(system, str) or not isinstance(user, str):
-        raise ValueError(f"a system message and the user message after it must both hold a str, got "
-                         f"{type(system).__name__} and {type(user).__name__}")
+        raise ValueError(f"a system message and the user message after it must both hold a str, "
+                         f"got {type(system).__name__} and {type(user).__name__}")
     return [dict(messages[1], content=system + "\n\n" + user)] + messages[2:]
 
 
 def _id_table(table, argument: str, mapping: str, key_type: type, entry: str, value: str):
-    """Yield the (key, id) pairs of `table`, each checked (a key_type key, an int id >= 0) before it is
-    yielded; ValueError when one is not, or when table is not a dict (mapping, entry, value: how messages
-    call the whole, a key and an id)."""
+    """Yield the (key, id) pairs of `table`, each checked (a key_type key, an int id >= 0) before
+    it is yielded; ValueError when one is not, or when table is not a dict (mapping, entry, value:
+    how messages call the whole, a key and an id)."""
     if not isinstance(table, dict):
         raise ValueError(f"{argument} must be a mapping of {mapping}, got {type(table).__name__}")
     for key, token_id in table.items():
-        if not isinstance(key, key_type) or isinstance(token_id, bool) or not isinstance(token_id, int) or token_id < 0:
+        # is_int, not check_int: the message names the entry, and this runs once per token
+        if not isinstance(key, key_type) or not is_int(token_id) or token_id < 0:
             raise ValueError(f"bad {entry} {key!r} with {value} {token_id!r}")
         yield key, token_id
 
@@ -615,35 +641,40 @@ def _check_tables(name, pattern, mergeable_ranks, special_tokens, bos_token) -> 
         raise ValueError(f"name must be a str, got {type(name).__name__}")
     if not isinstance(pattern, str):
         raise ValueError(f"pattern must be a str, got {type(pattern).__name__}")
-    for _ in _id_table(mergeable_ranks, "mergeable_ranks", "bytes to rank", bytes, "mergeable token", "rank"):
-        pass
+    for _ in _id_table(mergeable_ranks, "mergeable_ranks", "bytes to rank", bytes,
+                       "mergeable token", "rank"):
+        pass  # the checks run as the pairs are drawn
     ranks = set(mergeable_ranks.values())
     if len(ranks) != len(mergeable_ranks):
         raise ValueError("two mergeable tokens share a rank")
     missing = [b for b in range(256) if bytes([b]) not in mergeable_ranks]
     if missing:
         # without every single byte, some text could not be encoded at all
-        raise ValueError(f"{len(missing)} of the 256 single-byte tokens are missing (e.g. byte {missing[0]})")
-    for name, token_id in _id_table(special_tokens, "special_tokens", "name to id", str, "special token", "id"):
+        raise ValueError(f"{len(missing)} of the 256 single-byte tokens are missing (e.g. byte "
+                         f"{missing[0]})")
+    for name, token_id in _id_table(special_tokens, "special_tokens", "name to id", str,
+                                    "special token", "id"):
         if token_id in ranks:
-            raise ValueError(f"special token {name} has id {token_id}, which a mergeable token already has")
+            raise ValueError(f"special token {name} has id {token_id}, which a mergeable token "
+                             "already has")
     if len(set(special_tokens.values())) != len(special_tokens):
         raise ValueError("two special tokens share an id")
     if bos_token not in special_tokens:
-        raise ValueError(f"bos_token {bos_token!r} is not among the special tokens {sorted(special_tokens)}")
+        raise ValueError(f"bos_token {bos_token!r} is not among the special tokens "
+                         f"{sorted(special_tokens)}")
     # ids index arrays of vocab size (token_bytes, embeddings): a stray huge id would make them huge
     num_tokens = len(ranks) + len(special_tokens)
     top = max(ranks | set(special_tokens.values()))
     if top >= num_tokens + MAX_ID_GAP:
-        raise ValueError(f"the largest token id is {top:,} for {num_tokens:,} tokens; ids must be nearly dense "
-                         f"(at most {MAX_ID_GAP} unused ids)")
+        raise ValueError(f"the largest token id is {top:,} for {num_tokens:,} tokens; ids must be "
+                         f"nearly dense (at most {MAX_ID_GAP} unused ids)")
 
 
 def _byte_level_alphabet() -> list[str]:
-    """The character that stands for each byte (the list's index) in a byte-level BPE vocab: GPT-2's
-    convention, which Hugging Face's ByteLevel pre-tokenizer and decoder use. The 188 printable Latin-1
-    bytes stand for themselves; the other 68 (controls, space, DEL, no-break space, soft hyphen) for
-    U+0100, U+0101, ... in byte order, so the space byte is U+0120 'Ġ'."""
+    """The character that stands for each byte (the list's index) in a byte-level BPE vocab:
+    GPT-2's convention, which Hugging Face's ByteLevel pre-tokenizer and decoder use. The 188
+    printable Latin-1 bytes stand for themselves; the other 68 (controls, space, DEL, no-break
+    space, soft hyphen) for U+0100, U+0101, ... in byte order, so the space byte is U+0120 'Ġ'."""
     printable = set(range(0x21, 0x7F)) | set(range(0xA1, 0xAD)) | set(range(0xAE, 0x100))
     alphabet, shifted = [], 0
     for b in range(256):
@@ -657,12 +688,13 @@ def _byte_level_alphabet() -> list[str]:
 
 def _hf_merges(mergeable_ranks: dict[bytes, int]) -> list[tuple[bytes, bytes]]:
     """The merge list of a Hugging Face BPE model that encodes as tiktoken does with these ranks.
-    tiktoken merges, among adjacent parts of a piece, the pair whose concatenation has the lowest rank;
-    Hugging Face merges the pair listed first. So every way to build a token from two tokens is listed,
-    token by token in rank order: each pair comes where its concatenation's rank puts it, and every pair
-    tiktoken could merge is there. The pairs of one token go by their parts' ranks. That order decides only
-    when two adjacent pairs make the same token at once (Hugging Face merges the one listed first, tiktoken
-    the left one); with trained vocabs we found no text where it does (tests/test_export_hf.py)."""
+    tiktoken merges, among adjacent parts of a piece, the pair whose concatenation has the lowest
+    rank; Hugging Face merges the pair listed first. So every way to build a token from two tokens
+    is listed, token by token in rank order: each pair comes where its concatenation's rank puts
+    it, and every pair tiktoken could merge is there. The pairs of one token go by their parts'
+    ranks. That order decides only when two adjacent pairs make the same token at once (Hugging
+    Face merges the one listed first, tiktoken the left one); with trained vocabs we found no text
+    where it does (tests/test_export_hf.py)."""
     merges = []
     for token, _ in sorted(mergeable_ranks.items(), key=lambda kv: kv[1]):
         pairs = [(token[:i], token[i:]) for i in range(1, len(token))
@@ -673,7 +705,8 @@ def _hf_merges(mergeable_ranks: dict[bytes, int]) -> list[tuple[bytes, bytes]]:
 
 
 def _read_json_object(path: str) -> dict | None:
-    """The JSON object in path, or None when the file is not one (not JSON, not UTF-8, not a dict)."""
+    """The JSON object in path, or None when the file is not one (not JSON, not UTF-8, not a
+    dict)."""
     try:
         with open(path, "rb") as f:
             data = json.loads(f.read().decode("utf-8"))
@@ -683,8 +716,9 @@ def _read_json_object(path: str) -> dict | None:
 
 
 def _check_hf_export_dir(out_dir: str) -> None:
-    """Raise FileExistsError unless export_hf may write into out_dir: nothing of a nanochat tokenizer is
-    there, and a tokenizer.json or tokenizer_config.json there came from an earlier export."""
+    """Raise FileExistsError unless export_hf may write into out_dir: nothing of a nanochat
+    tokenizer is there, and a tokenizer.json or tokenizer_config.json there came from an earlier
+    export."""
     json_path = os.path.join(out_dir, TOKENIZER_FILENAME)
     config_path = os.path.join(out_dir, HF_CONFIG_FILENAME)
     pkl_path = os.path.join(out_dir, PICKLE_FILENAME)
@@ -698,24 +732,26 @@ def _check_hf_export_dir(out_dir: str) -> None:
     if os.path.exists(json_path):
         existing = _read_json_object(json_path)
         if existing is not None and existing.get("format") == FORMAT_NAME:
-            raise FileExistsError(f"{json_path} is a nanochat tokenizer (our own format); export-hf never "
-                                  f"replaces it: {fix}")
+            raise FileExistsError(f"{json_path} is a nanochat tokenizer (our own format); "
+                                  f"export-hf never replaces it: {fix}")
         if not earlier_export or existing is None or "model" not in existing:
-            raise FileExistsError(f"{json_path} exists and was not written by export-hf (no {HF_CONFIG_FILENAME} "
-                                  f"with {HF_EXPORT_MARK!r} beside it); export-hf never replaces it: {fix}")
+            raise FileExistsError(f"{json_path} exists and was not written by export-hf (no "
+                                  f"{HF_CONFIG_FILENAME} with {HF_EXPORT_MARK!r} beside it); "
+                                  f"export-hf never replaces it: {fix}")
     if os.path.exists(config_path) and not earlier_export:
         raise FileExistsError(f"{config_path} exists and was not written by export-hf (it has no "
                               f"{HF_EXPORT_MARK!r}); export-hf never replaces it: {fix}")
 
 
 def _write_atomic(path: str, write) -> None:
-    """Call write(f) on a temporary file next to path, then rename it to path; on failure remove it."""
-    tmp_path = f"{path}.tmp{os.getpid()}"
+    """Call write(f) on a temporary file next to path, then rename it to path; on failure remove
+    it."""
+    tmp_path = f"{path}.tmp{os.getpid()}"  # the pid: two processes saving at once never collide
     try:
         with open(tmp_path, "wb") as f:
             write(f)
         os.replace(tmp_path, path)
-    except BaseException:
+    except BaseException:  # Ctrl-C too: no temporary file is left behind
         if os.path.exists(tmp_path):
             os.remove(tmp_path)
         raise
@@ -738,32 +774,35 @@ def get_tokenizer() -> RustBPETokenizer:
 def get_token_bytes(device="cpu", tokenizer_dir: str | None = None):
     """torch int32 tensor (vocab_size,) of bytes per token (0 for specials), loaded from the
     token_bytes.npy that save() wrote next to the tokenizer (default dir: <base_dir>/tokenizer).
-    Also reads upstream nanochat's token_bytes.pt (tensors only, weights_only=True)."""
+    Also reads nanochat's token_bytes.pt (tensors only, weights_only=True)."""
     import torch  # only bits-per-byte evaluation needs it
     tokenizer_dir = get_tokenizer_dir() if tokenizer_dir is None else tokenizer_dir
     path = os.path.join(tokenizer_dir, TOKEN_BYTES_FILENAME)
     pt_path = os.path.join(tokenizer_dir, "token_bytes.pt")
     if os.path.exists(path):
         try:
-            token_bytes = np.load(path, allow_pickle=False)
+            token_bytes = np.load(path, allow_pickle=False)  # no pickle: a data file runs nothing
         except (ValueError, OSError, EOFError) as e:
-            raise ValueError(f"{path} is not a valid token bytes file ({e}); retrain: {TRAIN_HINT}") from e
+            raise ValueError(f"{path} is not a valid token bytes file ({e}); retrain: "
+                             f"{TRAIN_HINT}") from e
         if token_bytes.ndim != 1 or token_bytes.dtype.kind not in "iu":
-            raise ValueError(f"{path} should hold a 1-D int array, got {token_bytes.dtype} of shape "
-                             f"{token_bytes.shape}; retrain: {TRAIN_HINT}")
+            raise ValueError(f"{path} should hold a 1-D int array, got {token_bytes.dtype} of "
+                             f"shape {token_bytes.shape}; retrain: {TRAIN_HINT}")
         token_bytes = torch.from_numpy(token_bytes.astype(np.int32))
     elif os.path.exists(pt_path):
         try:
-            token_bytes = torch.load(pt_path, map_location="cpu", weights_only=True)  # tensors only, runs nothing
+            # tensors only, runs nothing
+            token_bytes = torch.load(pt_path, map_location="cpu", weights_only=True)
         except Exception as e:  # torch raises several kinds for a damaged or non-tensor file
-            raise ValueError(f"{pt_path} is not a valid token bytes file ({type(e).__name__}); delete it and "
-                             f"retrain, or write token_bytes.npy: python -m nanochat.tokenizer convert "
-                             f"{tokenizer_dir}") from None
+            raise ValueError(f"{pt_path} is not a valid token bytes file ({type(e).__name__}); "
+                             "delete it and retrain, or write token_bytes.npy: python -m "
+                             f"nanochat.tokenizer convert {tokenizer_dir}") from None
         if not (isinstance(token_bytes, torch.Tensor) and token_bytes.ndim == 1
                 and not token_bytes.is_floating_point() and not token_bytes.is_complex()):
-            got = f"a {token_bytes.dtype} tensor of shape {tuple(token_bytes.shape)}" if isinstance(
-                token_bytes, torch.Tensor) else f"a {type(token_bytes).__name__}"
-            raise ValueError(f"{pt_path} should hold a 1-D int tensor, got {got}; retrain: {TRAIN_HINT}")
+            got = (f"a {token_bytes.dtype} tensor of shape {tuple(token_bytes.shape)}"
+                   if isinstance(token_bytes, torch.Tensor) else f"a {type(token_bytes).__name__}")
+            raise ValueError(f"{pt_path} should hold a 1-D int tensor, got {got}; retrain: "
+                             f"{TRAIN_HINT}")
         token_bytes = token_bytes.to(torch.int32)
     else:
         raise FileNotFoundError(f"no {TOKEN_BYTES_FILENAME} in {tokenizer_dir}; train a tokenizer "
@@ -775,47 +814,62 @@ def get_token_bytes(device="cpu", tokenizer_dir: str | None = None):
 # Command line
 
 
-def main(argv: list[str] | None = None) -> int:
-    """`python -m nanochat.tokenizer convert DIR`: write tokenizer.json and token_bytes.npy next to
-    upstream nanochat's tokenizer.pkl in DIR. The pickle is read without running it and left as it is.
-    `python -m nanochat.tokenizer export-hf DIR [--tokenizer-dir SRC]`: write our tokenizer (from SRC,
-    default <base_dir>/tokenizer) as a Hugging Face tokenizer.json, plus tokenizer_config.json, into DIR."""
-    parser = argparse.ArgumentParser(prog="python -m nanochat.tokenizer", description="Tokenizer utilities")
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m nanochat.tokenizer",
+                                     description="Tokenizer utilities")
     commands = parser.add_subparsers(dest="command", required=True)
-    convert = commands.add_parser("convert", help="turn nanochat's tokenizer.pkl into tokenizer.json",
-                                  description="Write tokenizer.json and token_bytes.npy next to nanochat's "
-                                              "tokenizer.pkl; the pickle is read without running anything in it.")
-    convert.add_argument("tokenizer_dir", metavar="DIR", help="directory holding tokenizer.pkl, "
-                                                              "e.g. ~/.cache/nanochat/tokenizer")
-    convert.add_argument("--force", action="store_true", help="replace a tokenizer.json that holds another tokenizer")
-    export = commands.add_parser("export-hf", help="write our tokenizer as a Hugging Face tokenizer.json",
-                                 description="Write DIR/tokenizer.json in the Hugging Face tokenizers format "
-                                             "(it encodes as ours does) and DIR/tokenizer_config.json for "
-                                             "transformers. Never replaces a tokenizer of ours.")
-    export.add_argument("out_dir", metavar="DIR", help="directory to write into (created if needed); not SRC")
+    convert = commands.add_parser("convert",
+                                  help="turn nanochat's tokenizer.pkl into tokenizer.json",
+                                  description="Write tokenizer.json and token_bytes.npy next to "
+                                              "nanochat's tokenizer.pkl; the pickle is read "
+                                              "without running anything in it.")
+    convert.add_argument("tokenizer_dir", metavar="DIR",
+                         help="directory holding tokenizer.pkl, e.g. ~/.cache/nanochat/tokenizer")
+    convert.add_argument("--force", action="store_true",
+                         help="replace a tokenizer.json that holds another tokenizer")
+    export = commands.add_parser("export-hf",
+                                 help="write our tokenizer as a Hugging Face tokenizer.json",
+                                 description="Write DIR/tokenizer.json in the Hugging Face "
+                                             "tokenizers format (it encodes as ours does) and "
+                                             "DIR/tokenizer_config.json for transformers. Never "
+                                             "replaces a tokenizer of ours.")
+    export.add_argument("out_dir", metavar="DIR",
+                        help="directory to write into (created if needed); not SRC")
     export.add_argument("--tokenizer-dir", metavar="SRC", default=None,
                         help="our tokenizer's directory (default: <base_dir>/tokenizer)")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m nanochat.tokenizer convert DIR`: write tokenizer.json and token_bytes.npy next to
+    nanochat's tokenizer.pkl in DIR. The pickle is read without running it and left as it is.
+    `python -m nanochat.tokenizer export-hf DIR [--tokenizer-dir SRC]`: write our tokenizer (from
+    SRC, default <base_dir>/tokenizer) as a Hugging Face tokenizer.json, plus
+    tokenizer_config.json, into DIR."""
+    args = _parser().parse_args(argv)
     if args.command == "export-hf":
         return _export_hf_command(args.out_dir, args.tokenizer_dir)
     print(f"command={args.command} tokenizer_dir={args.tokenizer_dir} force={args.force}")
     pkl_path = os.path.join(args.tokenizer_dir, PICKLE_FILENAME)
     if not os.path.exists(pkl_path):
-        raise FileNotFoundError(f"{pkl_path} does not exist; convert reads the tokenizer.pkl that upstream "
-                                "nanochat's scripts/tok_train.py writes")
+        raise FileNotFoundError(f"{pkl_path} does not exist; convert reads the tokenizer.pkl that "
+                                "upstream nanochat's scripts/tok_train.py writes")
     tokenizer = RustBPETokenizer._from_pickle(pkl_path)
     json_path = os.path.join(args.tokenizer_dir, TOKENIZER_FILENAME)
     if os.path.exists(json_path) and not args.force:
         existing = RustBPETokenizer._from_json(json_path)
+        # the same tables: converting again is a no-op, not an error
         if (existing.mergeable_ranks, existing.special_tokens, existing.pattern) == (
                 tokenizer.mergeable_ranks, tokenizer.special_tokens, tokenizer.pattern):
             print(f"{json_path} already holds the tokenizer of {pkl_path}; nothing to do")
             return 0
         raise FileExistsError(f"{json_path} exists and holds another tokenizer (vocab size "
-                              f"{existing.get_vocab_size():,}, the pickle's is {tokenizer.get_vocab_size():,}); "
-                              "pass --force to replace it with the pickle's")
+                              f"{existing.get_vocab_size():,}, the pickle's is "
+                              f"{tokenizer.get_vocab_size():,}); pass --force to replace it with "
+                              "the pickle's")
     tokenizer.save(args.tokenizer_dir)
-    print(f"read {pkl_path}: vocab size {tokenizer.get_vocab_size():,}, bos id {tokenizer.get_bos_token_id()}")
+    print(f"read {pkl_path}: vocab size {tokenizer.get_vocab_size():,}, bos id "
+          f"{tokenizer.get_bos_token_id()}")
     for filename in (TOKENIZER_FILENAME, TOKEN_BYTES_FILENAME):
         print(f"wrote {os.path.join(args.tokenizer_dir, filename)}")
     return 0
@@ -823,24 +877,28 @@ def main(argv: list[str] | None = None) -> int:
 
 def _export_hf_command(out_dir: str, tokenizer_dir: str | None) -> int:
     out_dir = os.path.expanduser(out_dir)
-    tokenizer_dir = get_tokenizer_dir() if tokenizer_dir is None else os.path.expanduser(tokenizer_dir)
+    tokenizer_dir = (get_tokenizer_dir() if tokenizer_dir is None
+                     else os.path.expanduser(tokenizer_dir))
     print(f"command=export-hf out_dir={out_dir} tokenizer_dir={tokenizer_dir}")
-    if os.path.isdir(out_dir) and os.path.isdir(tokenizer_dir) and os.path.samefile(out_dir, tokenizer_dir):
-        raise ValueError(f"DIR {out_dir} is the tokenizer's own directory; a Hugging Face tokenizer.json there "
-                         "would replace ours: export into another directory")
+    # samefile, not a path comparison: "dir", "./dir" and a symlink to it are one directory
+    if (os.path.isdir(out_dir) and os.path.isdir(tokenizer_dir)
+            and os.path.samefile(out_dir, tokenizer_dir)):
+        raise ValueError(f"DIR {out_dir} is the tokenizer's own directory; a Hugging Face "
+                         "tokenizer.json there would replace ours: export into another directory")
     tokenizer = RustBPETokenizer.from_directory(tokenizer_dir)
     paths = tokenizer.export_hf(out_dir)
-    print(f"read {tokenizer_dir}: vocab size {tokenizer.get_vocab_size():,}, bos {tokenizer.bos_token} "
-          f"(id {tokenizer.get_bos_token_id()})")
+    print(f"read {tokenizer_dir}: vocab size {tokenizer.get_vocab_size():,}, bos "
+          f"{tokenizer.bos_token} (id {tokenizer.get_bos_token_id()})")
     for path in paths:
         print(f"wrote {path}")
     return 0
 
 
 if __name__ == "__main__":
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(level=logging.INFO,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         sys.exit(main())
-    except (ValueError, OSError) as e:  # FileNotFoundError is an OSError; show one line, not a traceback
+    except (ValueError, OSError) as e:  # FileNotFoundError is an OSError; one line, no traceback
         print(f"error: {e}", file=sys.stderr)
         sys.exit(1)

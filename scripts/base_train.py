@@ -1,25 +1,17 @@
 """
-Pretrain a deliberately tiny GPT on the best-fit loader, with checkpoints you can kill and resume.
-It is the proof that the data pipeline resumes: train 12 steps straight, or stop after step 6 and
-resume from its checkpoint, and the losses of steps 7..12 should be the same floats.
+Pretrain a deliberately tiny GPT on the best-fit loader, with checkpoints you can kill and resume:
+the proof that the data pipeline resumes. Train 12 steps straight, or stop after step 6 and resume
+from its checkpoint, and the losses of steps 7..12 are the same floats (on the CPU; GPU kernels may
+pick non-deterministic algorithms, so expect agreement to a few decimals there).
 
     python -m scripts.base_train --depth 2 --width 64 --heads 4 --B 8 --T 128 --steps 200 \\
         --save-every 50 --eval-every 50
     python -m scripts.base_train ... --resume-from-step 100       # carries on with step 101
     torchrun --nproc_per_node=2 -m scripts.base_train ...        # gloo on CPU, nccl on GPUs
 
-The model is small on purpose: it exists to exercise data, checkpointing and evaluation, not to
-learn well. Its parameters are mostly the embedding and the head, 2 * vocab * width (8.4M at a
-65,536 vocab and width 64; 44,800 in all with the test's 300-token vocab and width 32).
-Bitwise-equal losses after a resume are checked on the CPU; on a GPU, attention and matmul kernels
-may pick non-deterministic algorithms, so expect agreement to a few decimals there.
-
-Checkpoints: <checkpoint-dir>/step_{step:06d}.pt, written by rank 0 to a temporary name and renamed,
-so a kill never leaves a half-written file under a final name. Each holds the step, the model and
-optimizer state dicts, the RNG state, the model config, and `dataloader_state_dicts`: a list with one
-loader state per rank (gathered to rank 0), so one file resumes the whole job: at the same world size
-exactly, or at another one through nanochat.resume.merge_states (elastic resume).
-Everything in it is a tensor, dict, list, int, float or str, so it loads with weights_only=True.
+A checkpoint, <checkpoint-dir>/step_{step:06d}.pt, holds the model, the optimizer, the RNG and every
+rank's loader state (`dataloader_state_dicts`), so one file resumes the whole job, at another world
+size too (nanochat.resume.merge_states). It loads with weights_only=True.
 """
 
 import argparse
@@ -52,7 +44,8 @@ def norm(x: torch.Tensor) -> torch.Tensor:
 
 
 class Block(nn.Module):
-    """Pre-norm transformer block: causal self-attention, then an MLP, each added to the residual."""
+    """Pre-norm transformer block: causal self-attention, then an MLP, each added to the
+    residual."""
 
     def __init__(self, width: int, heads: int):
         super().__init__()
@@ -73,7 +66,9 @@ class Block(nn.Module):
 
 
 class GPT(nn.Module):
-    """Token + learned position embeddings, `depth` blocks, a final norm and an untied lm head."""
+    """Token + learned position embeddings, `depth` blocks, a final norm and an untied lm head.
+    Small on purpose, to exercise data, checkpoints and evaluation: its parameters are mostly the
+    embedding and the head, 2 * vocab * width (8.4M at a 65,536 vocab and width 64)."""
 
     def __init__(self, vocab_size: int, sequence_len: int, depth: int, width: int, heads: int):
         super().__init__()
@@ -82,14 +77,15 @@ class GPT(nn.Module):
         self.blocks = nn.ModuleList(Block(width, heads) for _ in range(depth))
         self.lm_head = nn.Linear(width, vocab_size, bias=False)
 
-    def forward(self, idx: torch.Tensor, targets: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor,
+                reduction: str = "mean") -> torch.Tensor:
         """idx, targets: (B, T) int64 -> the cross-entropy loss in nats (per token, (B*T,), if
         reduction="none"; 0 where the target is IGNORE_INDEX)."""
         T = idx.size(1)
         x = self.wte(idx) + self.wpe(torch.arange(T, device=idx.device))
         for block in self.blocks:
             x = block(x)
-        logits = self.lm_head(norm(x)).float()
+        logits = self.lm_head(norm(x)).float()  # the loss in float32, whatever the weights
         return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.reshape(-1),
                                ignore_index=IGNORE_INDEX, reduction=reduction)
 
@@ -99,7 +95,8 @@ class GPT(nn.Module):
 
 
 @torch.no_grad()
-def evaluate(model: GPT, val_loader, num_batches: int, token_bytes: torch.Tensor, ddp: bool) -> dict:
+def evaluate(model: GPT, val_loader, num_batches: int, token_bytes: torch.Tensor,
+             ddp: bool) -> dict:
     """Mean loss (nats per target token) and bits per byte over num_batches val batches (per rank).
 
     bpb = sum of the losses of targets that stand for bytes / (ln 2 * their bytes), as nanochat's
@@ -113,14 +110,16 @@ def evaluate(model: GPT, val_loader, num_batches: int, token_bytes: torch.Tensor
         losses = model(inputs, targets, reduction="none")
         targets = targets.reshape(-1)
         valid = targets != IGNORE_INDEX
+        # clamp: -100 cannot index token_bytes; where() zeroes those targets anyway
         num_bytes = torch.where(valid, token_bytes[targets.clamp(min=0)], 0)
         totals += torch.stack([losses.sum(), valid.sum().float(), (losses * (num_bytes > 0)).sum(),
                                num_bytes.sum().float()])
     if ddp:
-        dist.all_reduce(totals)
+        dist.all_reduce(totals)  # sums first, then one division: every rank gets the same figure
     model.train()
     loss_sum, num_targets, byte_loss_sum, num_bytes = totals.tolist()
-    return {"loss": loss_sum / max(1.0, num_targets), "bpb": byte_loss_sum / (math.log(2) * max(1.0, num_bytes))}
+    return {"loss": loss_sum / max(1.0, num_targets),
+            "bpb": byte_loss_sum / (math.log(2) * max(1.0, num_bytes))}  # nats -> bits
 
 
 # -----------------------------------------------------------------------------
@@ -132,16 +131,17 @@ def checkpoint_path(checkpoint_dir: str, step: int) -> str:
 
 
 def save_checkpoint(path: str, checkpoint: dict) -> None:
-    """Write to path.tmp, flush it to disk, then rename: a kill leaves the old file or the new one."""
+    """Write to path.tmp, flush it to disk, then rename: a kill leaves the old file or the new
+    one."""
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     tmp = path + ".tmp"
     try:
         with open(tmp, "wb") as f:
             torch.save(checkpoint, f)
             f.flush()
-            os.fsync(f.fileno())
+            os.fsync(f.fileno())  # on disk before the rename makes it the checkpoint
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException:  # Ctrl-C too: no temporary file is left behind
         if os.path.exists(tmp):
             os.remove(tmp)
         raise
@@ -151,6 +151,7 @@ def load_checkpoint(path: str, model_config: dict) -> dict:
     if not os.path.exists(path):
         raise FileNotFoundError(f"no checkpoint {path}; pick a step that was saved (--save-every) "
                                 "or check --checkpoint-dir")
+    # weights_only: a checkpoint runs no code when loaded; map to CPU, the caller moves it
     checkpoint = torch.load(path, map_location="cpu", weights_only=True)
     if checkpoint["model_config"] != model_config:
         raise ValueError(f"{path} was saved with model config {checkpoint['model_config']}, "
@@ -158,7 +159,8 @@ def load_checkpoint(path: str, model_config: dict) -> dict:
     return checkpoint
 
 
-def loader_resume_state(states: list[dict], rank: int, world_size: int, data_dir: str | None) -> dict:
+def loader_resume_state(states: list[dict], rank: int, world_size: int,
+                        data_dir: str | None) -> dict:
     """This rank's loader state: its own when the world size is unchanged, else the merge of every
     saved rank's state for the new world size (elastic resume: each rank merges the same states,
     gets the same result, and the loader picks this rank's part)."""
@@ -173,8 +175,10 @@ def loader_resume_state(states: list[dict], rank: int, world_size: int, data_dir
 
 
 def parse_args(argv=None):
-    parser = argparse.ArgumentParser(description="Pretrain a tiny GPT on the best-fit loader, resumably")
-    parser.add_argument("--data-dir", default=None, help="parquet shards (default: the dataset's directory)")
+    parser = argparse.ArgumentParser(
+        description="Pretrain a tiny GPT on the best-fit loader, resumably")
+    parser.add_argument("--data-dir", default=None,
+                        help="parquet shards (default: the dataset's directory)")
     parser.add_argument("--tokenizer-dir", default=None, help="default: <base_dir>/tokenizer")
     parser.add_argument("--device", default=None, help="default: cuda if available, else cpu")
     parser.add_argument("--depth", type=int, default=2, help="transformer blocks (default: 2)")
@@ -182,33 +186,47 @@ def parse_args(argv=None):
     parser.add_argument("--heads", type=int, default=4, help="attention heads (default: 4)")
     parser.add_argument("--B", type=int, default=8, help="rows per batch and rank (default: 8)")
     parser.add_argument("--T", type=int, default=128, help="tokens per row (default: 128)")
-    parser.add_argument("--buffer-size", type=int, default=1000, help="loader documents to pick from (default: 1000)")
-    parser.add_argument("--long-doc-policy", default="crop", choices=["crop", "split", "split_reuse"],
-                        help="train loader: what to do with tokens that do not fit a row (default: crop, the seeds')")
+    parser.add_argument("--buffer-size", type=int, default=1000,
+                        help="loader documents to pick from (default: 1000)")
+    parser.add_argument("--long-doc-policy", default="crop",
+                        choices=["crop", "split", "split_reuse"],
+                        help="train loader: what to do with tokens that do not fit a row (default: "
+                             "crop, nanochat's)")
     parser.add_argument("--split-overlap", type=int, default=0,
-                        help="tokens a piece of a split document repeats from the piece before (targets masked)")
-    parser.add_argument("--steps", type=int, default=100, help="optimizer steps in all (default: 100)")
-    parser.add_argument("--lr", type=float, default=3e-3, help="AdamW learning rate (default: 3e-3)")
+                        help="tokens a piece of a split document repeats from the piece before "
+                             "(targets masked)")
+    parser.add_argument("--steps", type=int, default=100,
+                        help="optimizer steps in all (default: 100)")
+    parser.add_argument("--lr", type=float, default=3e-3,
+                        help="AdamW learning rate (default: 3e-3)")
     parser.add_argument("--seed", type=int, default=42, help="seeds the model init (default: 42)")
-    parser.add_argument("--eval-every", type=int, default=25, help="val loss and bpb every N steps and at the end")
-    parser.add_argument("--eval-batches", type=int, default=4, help="val batches per evaluation (default: 4)")
-    parser.add_argument("--save-every", type=int, default=0, help="checkpoint every N steps (default: 0 = never)")
-    parser.add_argument("--checkpoint-dir", default=None, help="default: <base_dir>/base_checkpoints")
-    parser.add_argument("--resume-from-step", type=int, default=None, help="load step_{S:06d}.pt, go on with S+1")
+    parser.add_argument("--eval-every", type=int, default=25,
+                        help="val loss and bpb every N steps and at the end")
+    parser.add_argument("--eval-batches", type=int, default=4,
+                        help="val batches per evaluation (default: 4)")
+    parser.add_argument("--save-every", type=int, default=0,
+                        help="checkpoint every N steps (default: 0 = never)")
+    parser.add_argument("--checkpoint-dir", default=None,
+                        help="default: <base_dir>/base_checkpoints")
+    parser.add_argument("--resume-from-step", type=int, default=None,
+                        help="load step_{S:06d}.pt, go on with S+1")
     parser.add_argument("--stop-after-step", type=int, default=None,
                         help="stop after this step without the final evaluation, as if killed")
     parser.add_argument("--log-json", default=None,
-                        help='write {"losses": {step: loss}, "val": {step: {"loss", "bpb"}}, ...} here')
+                        help='write {"losses": {step: loss}, "val": {step: {"loss", "bpb"}}, '
+                             '...} here')
     args = parser.parse_args(argv)
-    for name in ("depth", "width", "heads", "B", "T", "buffer_size", "steps", "eval_every", "eval_batches"):
+    for name in ("depth", "width", "heads", "B", "T", "buffer_size", "steps", "eval_every",
+                 "eval_batches"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
-    if args.width % args.heads:
+    if args.width % args.heads:  # each head takes width / heads channels
         parser.error(f"--width ({args.width}) must be divisible by --heads ({args.heads})")
     if args.save_every < 0:
         parser.error(f"--save-every must be >= 0, got {args.save_every}")
     if args.resume_from_step is not None and not 0 < args.resume_from_step < args.steps:
-        parser.error(f"--resume-from-step must be in [1, {args.steps}), got {args.resume_from_step}")
+        parser.error(f"--resume-from-step must be in [1, {args.steps}), got "
+                     f"{args.resume_from_step}")
     return args
 
 
@@ -222,8 +240,8 @@ def main(argv=None) -> int:
             device = f"cuda:{local_rank}"
             torch.cuda.set_device(device)
     tokenizer_dir = get_tokenizer_dir() if args.tokenizer_dir is None else args.tokenizer_dir
-    checkpoint_dir = (os.path.join(get_base_dir(), "base_checkpoints") if args.checkpoint_dir is None
-                      else args.checkpoint_dir)
+    checkpoint_dir = (os.path.join(get_base_dir(), "base_checkpoints")
+                      if args.checkpoint_dir is None else args.checkpoint_dir)
     for name, value in vars(args).items():
         print0(f"{name}: {value}")
     print0(f"using device {device}, world size {world_size}")
@@ -244,22 +262,25 @@ def main(argv=None) -> int:
         checkpoint = load_checkpoint(path, model_config)
         model.load_state_dict(checkpoint["model"])
         optimizer.load_state_dict(checkpoint["optimizer"])
+        # the CPU generator as saved: a resumed run draws what an unbroken run would
         torch.set_rng_state(checkpoint["rng_state"])
         start_step = checkpoint["step"]
-        loader_state = loader_resume_state(checkpoint["dataloader_state_dicts"], rank, world_size, args.data_dir)
+        loader_state = loader_resume_state(checkpoint["dataloader_state_dicts"], rank, world_size,
+                                           args.data_dir)
         print0(f"resumed from {path}: continuing with step {start_step + 1}")
 
     loader_kwargs = dict(device=device, buffer_size=args.buffer_size, data_dir=args.data_dir)
     train_loader = tokenizing_distributed_data_loader_with_state_bos_bestfit(
-        tokenizer, args.B, args.T, "train", resume_state_dict=loader_state, long_doc_policy=args.long_doc_policy,
-        split_overlap=args.split_overlap, **loader_kwargs)
+        tokenizer, args.B, args.T, "train", resume_state_dict=loader_state,
+        long_doc_policy=args.long_doc_policy, split_overlap=args.split_overlap, **loader_kwargs)
     log = {"losses": {}, "val": {}, "buffer_docs": {}}
 
     def run_eval(step):
         # a fresh val loader each time, so every evaluation sees the same batches
-        val_loader = tokenizing_distributed_data_loader_bos_bestfit(tokenizer, args.B, args.T, "val", **loader_kwargs)
+        val_loader = tokenizing_distributed_data_loader_bos_bestfit(tokenizer, args.B, args.T,
+                                                                    "val", **loader_kwargs)
         result = evaluate(model, val_loader, args.eval_batches, token_bytes, ddp)
-        val_loader.close()
+        val_loader.close()  # stops its background threads before the next one starts
         log["val"][step] = result
         print0(f"step {step:5d} | val loss {result['loss']:.6f} | val bpb {result['bpb']:.6f} | "
                f"val loss {result['loss']!r}")
@@ -276,7 +297,7 @@ def main(argv=None) -> int:
             for p in model.parameters():
                 dist.all_reduce(p.grad)
                 p.grad /= world_size
-            loss = loss.detach().clone()
+            loss = loss.detach().clone()  # all_reduce works in place: not on the graph's tensor
             dist.all_reduce(loss)
             loss /= world_size
         optimizer.step()
@@ -289,7 +310,8 @@ def main(argv=None) -> int:
         log["buffer_docs"][step] = buffer_docs
         print0(f"step {step:5d}/{args.steps} | loss {loss:.6f} | {dt * 1000:.0f} ms | "
                f"{args.B * args.T * world_size / dt:,.0f} tok/s | buffer docs {buffer_docs} | "
-               f"cropped {stats['crop_share']:.1%} | loader wait {stats['wait_seconds']:.2f}s | loss {loss!r}")
+               f"cropped {stats['crop_share']:.1%} | loader wait {stats['wait_seconds']:.2f}s | "
+               f"loss {loss!r}")
 
         if step % args.eval_every == 0 or step == args.steps:
             run_eval(step)
@@ -303,8 +325,10 @@ def main(argv=None) -> int:
             if rank == 0:
                 path = checkpoint_path(checkpoint_dir, step)
                 save_checkpoint(path, {"step": step, "model": model.state_dict(),
-                                       "optimizer": optimizer.state_dict(), "dataloader_state_dicts": states,
-                                       "rng_state": torch.get_rng_state(), "model_config": model_config})
+                                       "optimizer": optimizer.state_dict(),
+                                       "dataloader_state_dicts": states,
+                                       "rng_state": torch.get_rng_state(),
+                                       "model_config": model_config})
                 print0(f"saved {path}")
         if args.stop_after_step is not None and step >= args.stop_after_step:
             print0(f"stopping after step {step} (--stop-after-step), as if killed")

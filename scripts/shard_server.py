@@ -1,8 +1,9 @@
 """
-A local shard server for the demo, the streaming benchmark and the tests: serves a directory's files on
-127.0.0.1 the way the Hugging Face hub serves a dataset's, with Range requests (what a streaming loader reads
-footers with, and what resumes a broken download), an ETag that is the body's quoted sha256, and optionally a
-rate limit shared by all connections (a link of so many bytes/s). It logs the requests it answered, in order.
+A local shard server for the demo, the streaming benchmark and the tests: serves a directory's
+files on 127.0.0.1 the way the Hugging Face hub serves a dataset's, with Range requests (what a
+streaming loader reads footers with, and what resumes a broken download), an ETag that is the
+body's quoted sha256, and optionally a rate limit shared by all connections (a link of so many
+bytes/s). It logs the requests it answered, in order.
 
     server = ShardServer(directory, rate=50e6)   # started on a free port, on a daemon thread
     server.url                                   # http://127.0.0.1:PORT
@@ -31,22 +32,25 @@ class Throttle:
             return
         with self.lock:
             now = time.monotonic()
+            # the link is busy until free_at: this block goes after the ones booked before it
             self.free_at = max(self.free_at, now) + nbytes / self.rate
-            wait = self.free_at - now - nbytes / self.rate
+            wait = self.free_at - now - nbytes / self.rate  # until this block's turn starts
         if wait > 0:
             time.sleep(wait)
 
 
 class _Handler(BaseHTTPRequestHandler):
     def log_message(self, format, *args):
-        pass
+        pass  # quiet: the tests' output stays readable; the server keeps its own log (gets)
 
     def _file(self) -> str | None:
         name = self.path.rsplit("/", 1)[-1]
         path = os.path.join(self.server.directory, name)
+        # a plain file name only: nothing outside the directory is ever served
         return path if re.fullmatch(r"[\w.-]+", name) and os.path.isfile(path) else None
 
-    def _headers(self, code: int, length: int, path: str, content_range: str | None = None) -> None:
+    def _headers(self, code: int, length: int, path: str,
+                 content_range: str | None = None) -> None:
         self.send_response(code)
         self.send_header("Content-Length", str(length))
         self.send_header("Accept-Ranges", "bytes")
@@ -73,10 +77,11 @@ class _Handler(BaseHTTPRequestHandler):
         first, last = 0, size - 1
         match = re.fullmatch(r"bytes=(\d*)-(\d*)", (wanted or "").strip())
         if_range = self.headers.get("If-Range")
+        # If-Range naming another version: the whole file, as the hub answers
         if match and (if_range is None or if_range == f'"{self.server.etag(path)}"'):
-            if match.group(1):
+            if match.group(1):  # bytes=first- or bytes=first-last
                 first, last = int(match.group(1)), min(int(match.group(2) or size - 1), size - 1)
-            elif match.group(2):
+            elif match.group(2):  # bytes=-n: the last n bytes
                 first = max(size - int(match.group(2)), 0)
             if first > last:
                 self.send_response(416)
@@ -95,16 +100,16 @@ class _Handler(BaseHTTPRequestHandler):
                 self.server.throttle.take(len(block))
                 try:
                     self.wfile.write(block)
-                except (BrokenPipeError, ConnectionResetError):
+                except (BrokenPipeError, ConnectionResetError):  # the client hung up
                     return
                 left -= len(block)
 
 
 class ShardServer(ThreadingHTTPServer):
-    daemon_threads = True
+    daemon_threads = True  # a connection still open never keeps a test process alive
 
     def __init__(self, directory: str, rate: float | None = None):
-        super().__init__(("127.0.0.1", 0), _Handler)
+        super().__init__(("127.0.0.1", 0), _Handler)  # port 0: a free port, chosen by the kernel
         self.directory, self.throttle = directory, Throttle(rate)
         self.gets: list[tuple[str, str | None]] = []
         self.etags: dict[str, str] = {}
@@ -114,7 +119,7 @@ class ShardServer(ThreadingHTTPServer):
 
     def etag(self, path: str) -> str:
         with self.lock:
-            if path not in self.etags:
+            if path not in self.etags:  # hashed once: a file is served many times
                 h = hashlib.sha256()
                 with open(path, "rb") as f:
                     while block := f.read(1 << 20):

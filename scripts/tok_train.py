@@ -36,15 +36,18 @@ def parse_args(argv=None):
                         help="crop each document to this many characters (default: 10000)")
     parser.add_argument("--vocab-size", "--vocab_size", type=int, default=65536,
                         help="vocab size including the special tokens (default: 65536 = 2^16)")
-    parser.add_argument("--data-dir", default=None, help="parquet shards (default: the dataset's directory)")
-    parser.add_argument("--out-dir", default=None, help="where to save (default: <base_dir>/tokenizer)")
+    parser.add_argument("--data-dir", default=None,
+                        help="parquet shards (default: the dataset's directory)")
+    parser.add_argument("--out-dir", default=None,
+                        help="where to save (default: <base_dir>/tokenizer)")
     args = parser.parse_args(argv)
     if args.max_chars < 1:
         parser.error(f"--max-chars must be >= 1, got {args.max_chars}")
     if args.doc_cap < 1:
         parser.error(f"--doc-cap must be >= 1, got {args.doc_cap}")
-    if args.vocab_size < MIN_VOCAB_SIZE:
-        parser.error(f"--vocab-size must be >= {MIN_VOCAB_SIZE} (256 bytes + the special tokens), got {args.vocab_size}")
+    if args.vocab_size < MIN_VOCAB_SIZE:  # said here, before minutes of reading shards
+        parser.error(f"--vocab-size must be >= {MIN_VOCAB_SIZE} (256 bytes + the special tokens), "
+                     f"got {args.vocab_size}")
     return args
 
 
@@ -61,25 +64,30 @@ def main(argv=None):
     counts = {"chars": 0, "docs": 0}
 
     def text_iterator():
-        """Train documents, each cropped to doc_cap, until max_chars characters in all. The bar counts
-        row groups against those in the train shards, and against fewer once the characters seen so
-        far say that max_chars will end the run first."""
-        row_groups = sum(open_parquet(path).num_row_groups for path in split_parquet_files("train", data_dir))
+        """Train documents, each cropped to doc_cap, until max_chars characters in all. The bar
+        counts row groups against those in the train shards, and against fewer once the characters
+        seen so far say that max_chars will end the run first."""
+        # footers only: counting the row groups of 8 shards reads no text
+        row_groups = sum(open_parquet(path).num_row_groups
+                         for path in split_parquet_files("train", data_dir))
         with tqdm(total=row_groups, unit="row group", desc="reading") as progress:
             for texts in parquets_iter_batched("train", data_dir=data_dir):
                 for text in texts:
+                    # the last document is cut so the total is max_chars exactly
                     text = text[:min(args.doc_cap, args.max_chars - counts["chars"])]
                     counts["chars"] += len(text)
                     counts["docs"] += 1
                     yield text
                     if counts["chars"] >= args.max_chars:
-                        progress.total = progress.n + 1
+                        progress.total = progress.n + 1  # the bar ends full at this row group
                         break
                 progress.update(1)
                 progress.set_postfix(chars=f"{counts['chars']:,}")
                 if counts["chars"] >= args.max_chars:
                     return
-                expected = math.ceil(args.max_chars * progress.n / counts["chars"]) if counts["chars"] else row_groups
+                # row groups read so far, scaled by the characters still to come
+                expected = (math.ceil(args.max_chars * progress.n / counts["chars"])
+                            if counts["chars"] else row_groups)
                 progress.total = min(row_groups, max(expected, progress.n + 1))
 
     t0 = time.time()
@@ -96,7 +104,8 @@ def main(argv=None):
     for text in SAMPLES:
         assert tokenizer.decode(tokenizer.encode(text)) == text, f"round trip failed for {text!r}"
 
-    print(f"trained on {counts['chars']:,} characters from {counts['docs']:,} documents in {train_time:.2f}s")
+    print(f"trained on {counts['chars']:,} characters from {counts['docs']:,} documents in "
+          f"{train_time:.2f}s")
     print(f"vocab size: {tokenizer.get_vocab_size():,} (bos id {tokenizer.get_bos_token_id()})")
     for text in SAMPLES:
         ids = tokenizer.encode(text)

@@ -21,7 +21,7 @@ import torch
 from conftest import worker_env
 from nanochat.mixture import (BucketExhausted, CurriculumComplete, load_curriculum, main as mixture_main,
                               pretokenized_mixture_loader_with_state_bos_bestfit as MIX, validate)
-from nanochat.pretokenize import write_token_shard
+from nanochat.token_shards import write_token_shard
 from nanochat.resume import merge_states
 
 BOS = 1

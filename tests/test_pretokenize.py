@@ -28,9 +28,8 @@ from hypothesis import strategies as st
 
 from conftest import write_shards
 from nanochat import pretokenize
-from nanochat.pretokenize import (
-    MAGIC, VERSION, TokenShard, list_token_shards, main, window_document, window_gpt_simple, write_token_shard,
-)
+from nanochat.pretokenize import main, window_document, window_gpt_simple
+from nanochat.token_shards import MAGIC, VERSION, TokenShard, list_token_shards, write_token_shard
 from nanochat.tokenizer import RustBPETokenizer
 
 BOS = 9  # a stand-in BOS id for the format and windowing tests

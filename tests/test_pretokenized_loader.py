@@ -21,7 +21,7 @@ from nanochat.dataloader import (
     tokenizing_distributed_data_loader_with_state_bos_bestfit as PARQUET,
 )
 from nanochat.pretokenize import main as pretokenize_main
-from nanochat.pretokenize import write_token_shard
+from nanochat.token_shards import write_token_shard
 from nanochat.resume import merge_states
 from nanochat.state import decode_keys
 from nanochat.token_shards import TokenShard, list_token_shards
@@ -347,7 +347,7 @@ def _rows(loader, n):
 def test_flipped_bin_bytes_name_the_shard_and_entry(corpus, tmp_path):
     """Both bytes of one token flipped: the chunk holding it raises a ValueError with the shard's path,
     the entry, the id and where the vocabulary size came from, before any of its ids reach a batch."""
-    from nanochat.pretokenize import TokenShard
+    from nanochat.token_shards import TokenShard
     data = _copy_whole(corpus, tmp_path)
     shard = TokenShard(data / "train" / "shard_00001")
     entry = next(i for i in range(12, len(shard)) if len(shard.entry(i)) > 3)  # in the second chunk of 8
@@ -441,7 +441,7 @@ def test_the_recorded_bos_and_the_check_of_every_entry(corpus, tmp_path, caplog)
     """bos_token defaults to the BOS that pretokenize.json records, and every entry must start with it:
     in the first chunk of the first shard, at the call; elsewhere, when its chunk is read, before any of
     its tokens reach a batch. A caller who passes bos_token vouches for the shards: no such check."""
-    from nanochat.pretokenize import TokenShard
+    from nanochat.token_shards import TokenShard
     root, tokenizer = corpus
     bos = tokenizer.get_bos_token_id()
     data = _copy_whole(corpus, tmp_path)

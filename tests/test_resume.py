@@ -43,7 +43,7 @@ from nanochat.dataloader import (
 from nanochat.dataset import split_parquet_files
 from nanochat.mixture import MixtureStop
 from nanochat.mixture import pretokenized_mixture_loader_with_state_bos_bestfit as MIX
-from nanochat.pretokenize import write_token_shard
+from nanochat.token_shards import write_token_shard
 from nanochat.mixture_state import add_mixture_checksum as mixture_seal
 from nanochat.order import UnitIndex
 from nanochat.resume import merge_states
