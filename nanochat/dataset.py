@@ -31,13 +31,9 @@ from tqdm.contrib.logging import logging_redirect_tqdm
 
 from nanochat.checks import check_int
 from nanochat.common import get_base_dir
-# the constants, check_disk_space and HostNotFoundError are nanochat.dataset's names too: callers
-# of download_single_file and download_shards catch and tune them here
 from nanochat.download import (
-    BACKOFF_BASE, CHUNK_SIZE, DEADLINE, DISK_MARGIN, MAX_ATTEMPTS, MIN_RATE, RATE_WINDOW,
-    REQUEST_TIMEOUT, RETRY_AFTER_CAP, SHARD_BYTES_ESTIMATE, DownloadError, HostNotFoundError,
-    Limits, Report, check_disk_space, check_files, check_url, download_file, download_files,
-    record_path, summarize,
+    BACKOFF_BASE, DEADLINE, MAX_ATTEMPTS, MIN_RATE, RATE_WINDOW, REQUEST_TIMEOUT, DownloadError,
+    Limits, Report, check_files, check_url, download_file, download_files, record_path, summarize,
 )
 from nanochat.layout import check_kind
 

@@ -254,7 +254,7 @@ def test_one_integer_validator():
     own = re.compile(r"isinstance\([^)]*\bbool\b")
     found = [f"nanochat/{module}.py:{n}" for module in MODULES if module != "checks"
              for n, line in enumerate(read(f"nanochat/{module}.py").splitlines(), 1)
-             if own.search(line) and "int" in line]
+             if own.search(line) and "int" in line and "float" not in line]  # numbers may be floats
     assert not found, f"hand-written integer checks (use nanochat.checks): {found}"
 
 

@@ -1010,9 +1010,9 @@ def test_not_enough_disk_space_stops_before_downloading(server, tmp_path, monkey
 def test_disk_check_falls_back_to_the_estimate(tmp_path, monkeypatch):
     free = 3 * download.SHARD_BYTES_ESTIMATE
     monkeypatch.setattr(download.shutil, "disk_usage", lambda path: _DiskUsage(free, 0, free))
-    dataset.check_disk_space(str(tmp_path), 2)  # 2 * 100MB * 1.1 fits in 300MB
+    download.check_disk_space(str(tmp_path), 2)  # 2 * 100MB * 1.1 fits in 300MB
     with pytest.raises(OSError, match="estimated"):
-        dataset.check_disk_space(str(tmp_path), 3)
+        download.check_disk_space(str(tmp_path), 3)
 
 
 def test_download_imports_nothing_of_dataset():
