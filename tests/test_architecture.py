@@ -53,7 +53,8 @@ def nanochat_imports(tree: ast.Module) -> dict[str, list[str]]:
             for alias in node.names:
                 found.setdefault(alias.name, []).append("*module*")
         elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("nanochat."):
-            found.setdefault(node.module.split(".")[1], []).extend(alias.name for alias in node.names)
+            names = [alias.name for alias in node.names]
+            found.setdefault(node.module.split(".")[1], []).extend(names)
         elif isinstance(node, ast.Import):
             for alias in node.names:
                 if alias.name.startswith("nanochat."):
@@ -75,14 +76,17 @@ def test_the_package_has_the_modules_this_test_reads():
 @pytest.mark.parametrize("module", MODULES)
 def test_every_import_is_at_the_top(module):
     tree = parse(module)
-    match = re.search(r"^Imported only when needed:(.*?)(?:\n\n|\Z)", ast.get_docstring(tree) or "", re.M | re.S)
+    match = re.search(r"^Imported only when needed:(.*?)(?:\n\n|\Z)", ast.get_docstring(tree) or "",
+                      re.M | re.S)
     late_ok = set(re.findall(r"([\w.]+) \(", match.group(1))) if match else set()
     top = {id(node) for node in tree.body}
     hidden = []
     for node in ast.walk(tree):
         if isinstance(node, (ast.Import, ast.ImportFrom)) and id(node) not in top:
-            names = [node.module] if isinstance(node, ast.ImportFrom) else [alias.name for alias in node.names]
-            if not all(name and not name.startswith("nanochat") and name in late_ok for name in names):
+            names = ([node.module] if isinstance(node, ast.ImportFrom)
+                     else [alias.name for alias in node.names])
+            if not all(name and not name.startswith("nanochat") and name in late_ok
+                       for name in names):
                 hidden.append(f"{module}.py:{node.lineno} {names}")
     assert not hidden, f"imports inside a function, class or branch: {hidden}"
 
@@ -90,18 +94,21 @@ def test_every_import_is_at_the_top(module):
 @pytest.mark.parametrize("module", MODULES)
 def test_no_underscore_names_across_modules(module):
     tree = parse(module)
-    private = [f"nanochat.{source}.{name}" for source, names in nanochat_imports(tree).items() for name in names
+    private = [f"nanochat.{source}.{name}" for source, names in nanochat_imports(tree).items()
+               for name in names
                if name.startswith("_")]
     assert not private, f"{module}.py imports private names: {private}"
-    # a module imported whole (from nanochat import x / import nanochat.x as x) must not be reached into
+    # a module imported whole (from nanochat import x / import nanochat.x as x) is not reached into
     aliases = set()
     for node in tree.body:
         if isinstance(node, ast.ImportFrom) and node.module == "nanochat":
             aliases |= {alias.asname or alias.name for alias in node.names}
         elif isinstance(node, ast.Import):
-            aliases |= {alias.asname for alias in node.names if alias.name.startswith("nanochat.") and alias.asname}
+            aliases |= {alias.asname for alias in node.names
+                        if alias.name.startswith("nanochat.") and alias.asname}
     reached = [f"{module}.py:{node.lineno} {ast.unparse(node)}" for node in ast.walk(tree)
-               if isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__")
+               if isinstance(node, ast.Attribute) and node.attr.startswith("_")
+               and not node.attr.startswith("__")
                and ((isinstance(node.value, ast.Name) and node.value.id in aliases)  # x._name
                     or ast.unparse(node.value).startswith("nanochat."))]  # nanochat.x._name
     assert not reached, f"private names reached through a module: {reached}"
@@ -110,7 +117,8 @@ def test_no_underscore_names_across_modules(module):
 def test_imports_flow_one_way():
     graph = {module: set(nanochat_imports(parse(module))) - {module} for module in MODULES}
     assert not graph["common"], "common.py is the ground floor: it imports no other nanochat module"
-    unknown = {f"{module} -> {other}" for module, others in graph.items() for other in others if other not in graph}
+    unknown = {f"{module} -> {other}" for module, others in graph.items() for other in others
+               if other not in graph}
     assert not unknown, f"imports of modules that do not exist: {sorted(unknown)}"
     # depth-first search; a module met again while it is on the path closes a cycle
     state: dict[str, str] = {}
@@ -136,9 +144,11 @@ def test_each_module_says_what_it_may_import_and_keeps_to_it(module):
     doc = ast.get_docstring(tree) or ""
     match = re.search(r"^May import:(.*?)(?:\n\n|\Z)", doc, re.M | re.S)
     assert match, f"{module}.py: its docstring has no 'May import: ...' paragraph"
-    allowed = set(re.findall(r"nanochat\.(\w+)", re.split(r"\bnever\b", match.group(1))[0]))  # "never x": not x
+    # "never nanochat.x" names what it may not import
+    allowed = set(re.findall(r"nanochat\.(\w+)", re.split(r"\bnever\b", match.group(1))[0]))
     used = set(nanochat_imports(tree)) - {module}
-    assert used <= allowed, f"{module}.py imports {sorted(used - allowed)}, which its docstring does not allow"
+    assert used <= allowed, (f"{module}.py imports {sorted(used - allowed)}, which its docstring "
+                             "does not allow")
 
 
 def test_the_loaders_never_reach_up():
@@ -150,14 +160,16 @@ def test_the_loaders_never_reach_up():
                    "prefetch", "token_shards", "options", "files", "checks"):
         assert not graph[module] & tops, f"{module}.py imports {sorted(graph[module] & tops)}"
     mixtures = {"mixture", "mixture_state", "curriculum"}
-    for module in ("state", "state_checks", "elastic", "dataloader"):  # they know nothing of mixtures
-        assert not graph[module] & mixtures, f"{module}.py imports {sorted(graph[module] & mixtures)}"
+    for module in ("state", "state_checks", "elastic", "dataloader"):  # none knows of mixtures
+        found = sorted(graph[module] & mixtures)
+        assert not found, f"{module}.py imports {found}"
 
 
 def test_the_main_path_is_a_few_rooms_named_in_the_walk():
     assert len(MAIN_PATH) <= 6 and len(MAIN_PATH + STREAMING) <= 7
     for module in MAIN_PATH:
-        others = set(nanochat_imports(parse(module))) - set(MAIN_PATH + STREAMING) - ASIDE - {module}
+        others = (set(nanochat_imports(parse(module))) - set(MAIN_PATH + STREAMING) - ASIDE
+                  - {module})
         assert not others, (f"{module}.py takes the main path through {sorted(others)}: a new "
                             "room on the path, or a helper to list in ASIDE")
     text = read(os.path.join("docs", "ARCHITECTURE.md"))
@@ -168,11 +180,13 @@ def test_the_main_path_is_a_few_rooms_named_in_the_walk():
 
 
 def readme_names() -> set[tuple[str, str]]:
-    """(module, name) for every `from nanochat.x import a, b` and every `nanochat.x.NAME` in the README."""
+    """(module, name) for every `from nanochat.x import a, b` and every `nanochat.x.NAME` in the
+    README."""
     with open(os.path.join(os.path.dirname(PACKAGE), "README.md"), encoding="utf-8") as f:
         text = f.read()
     names = set()
-    for module, imported in re.findall(r"^\s*from nanochat\.(\w+) import (\([^)]*\)|[^\n]*)", text, re.M):
+    pattern = r"^\s*from nanochat\.(\w+) import (\([^)]*\)|[^\n]*)"
+    for module, imported in re.findall(pattern, text, re.M):
         imported = re.sub(r"#[^\n]*", "", imported).strip("()")  # comments out, parentheses off
         for piece in imported.split(","):  # "name" or "name as alias"
             if piece.split():
@@ -243,7 +257,8 @@ def test_internal_functions_take_at_most_6_positional_parameters(module):
         if node.name.endswith("_bos_bestfit") or node.name.endswith("_data_loader_with_state") \
                 or node.name in PUBLIC_SIGNATURES:
             continue  # nanochat's loader signatures, and the documented ones
-        names = [a.arg for a in node.args.posonlyargs + node.args.args if a.arg not in ("self", "cls")]
+        names = [a.arg for a in node.args.posonlyargs + node.args.args
+                 if a.arg not in ("self", "cls")]
         if len(names) > 6:
             wide.append(f"{module}.py:{node.lineno} {node.name}({', '.join(names)})")
     assert not wide, f"more than 6 positional parameters (pass a record, or keyword-only): {wide}"
