@@ -563,9 +563,8 @@ def test_cli_gpt_simple_convention(parquet_dir, tokenizer_dir, tokenizer, tmp_pa
 
 
 def test_cli_settings_written_before_conventions(parquet_dir, tokenizer_dir, tmp_path, capsys):
-    """A pretokenize.json without the convention fields (written before they existed) is the
-    nanochat convention's: a rerun with the same arguments goes on; one with --convention
-    gpt-simple is refused."""
+    """A pretokenize.json without the convention fields is the nanochat convention's: a rerun with
+    the same arguments goes on; one with --convention gpt-simple is refused."""
     out = tmp_path / "tokens"
     argv = ["--input", parquet_dir, "--output", str(out), "--tokenizer-dir", tokenizer_dir,
             "--num-workers", "1"]
