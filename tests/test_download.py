@@ -1,10 +1,11 @@
 """
-Tests for the shard downloader (nanochat/download.py, through nanochat/dataset.py's API and CLI) against
-a real local HTTP server that injects faults: 5xx, 404, 429/503 with Retry-After, dropped connections,
-short, garbage, bit-flipped and trickling bodies, a file that changes between runs, with and without
-Range/If-Range support, behind a redirect that states the sha256 as the Hugging Face hub does. Also
-leftover and symlinked temp files, bad files already under their final names, --verify, an unresolvable
-host, URLs without a scheme, concurrency, the disk check and the end-of-run summary.
+Tests for the shard downloader (nanochat/download.py, through nanochat/dataset.py's API and CLI)
+against a real local HTTP server that injects faults: 5xx, 404, 429/503 with Retry-After, dropped
+connections, short, garbage, bit-flipped and trickling bodies, a file that changes between runs,
+with and without Range/If-Range support, behind a redirect that states the sha256 as the Hugging
+Face hub does. Also leftover and symlinked temp files, bad files already under their final names,
+--verify, an unresolvable host, URLs without a scheme, concurrency, the disk check and the
+end-of-run summary.
 Hermetic: no internet, tiny shards in tmp_path, waits of milliseconds. Run:
     python -m pytest tests/test_download.py -q
 """
@@ -40,7 +41,8 @@ NAME = "shard_00000.parquet"
 
 def _texts(seed: int, n: int = 300) -> list[str]:
     rng = random.Random(seed)
-    words = ["alpha", "beta", "gamma", "delta", "shard", "token", "river", "stone", "cloud", "paper"]
+    words = ["alpha", "beta", "gamma", "delta", "shard", "token", "river", "stone", "cloud",
+             "paper"]
     return [f"doc {seed}-{i}: " + " ".join(rng.choice(words) for _ in range(rng.randint(5, 40)))
             for i in range(n)]
 
@@ -58,12 +60,13 @@ class _ServerState:
     faults[name]: behaviours for the 1st, 2nd, ... GET of that file; always[name]: for every GET.
     Behaviours: "500", "503:0", "429:1" (code[:Retry-After]), "drop" (half the body, then close),
     "short" (all but 100 bytes of the body), "cut" (half the body and no Content-Length),
-    "garbage" (right length, not parquet), "flip" (right length, one byte changed), "html" (a 200 web page),
-    "bad_range" (206 with a Content-Range from 0), "slow" (wait 0.3 s before the body),
-    "trickle" (100 bytes, then 1 byte every 20 ms).
-    drop_every: every body stops after this many bytes. etag: "sha256" (a quoted sha256 of the body, as
-    the hub sends for LFS files), "md5" (a validator only) or None. redirect: /resolve/main/NAME answers
-    302 to /cdn/NAME with the sha256 in X-Linked-Etag, as the hub does; the CDN's ETag is an md5."""
+    "garbage" (right length, not parquet), "flip" (right length, one byte changed),
+    "html" (a 200 web page), "bad_range" (206 with a Content-Range from 0),
+    "slow" (wait 0.3 s before the body), "trickle" (100 bytes, then 1 byte every 20 ms).
+    drop_every: every body stops after this many bytes. etag: "sha256" (a quoted sha256 of the
+    body, as the hub sends for LFS files), "md5" (a validator only) or None.
+    redirect: /resolve/main/NAME answers 302 to /cdn/NAME with the sha256 in X-Linked-Etag, as the
+    hub does; the CDN's ETag is an md5."""
 
     def __init__(self):
         self.files: dict[str, bytes] = {}
@@ -128,7 +131,8 @@ class _Handler(BaseHTTPRequestHandler):
         body = state.files.get(name)
         cdn = self.path.startswith("/cdn/")
         if state.redirect and not cdn and body is not None:
-            return self._empty(302, {"Location": f"/cdn/{name}", "X-Linked-Etag": f'"{_sha256(body)}"'})
+            return self._empty(302, {"Location": f"/cdn/{name}",
+                                     "X-Linked-Etag": f'"{_sha256(body)}"'})
         with state.lock:
             state.gets[name] += 1
             state.ranges[name].append(self.headers.get("Range"))
@@ -141,7 +145,8 @@ class _Handler(BaseHTTPRequestHandler):
             return self._empty(int(code), {"Retry-After": retry_after} if retry_after else None)
         if fault == "redirect_invalid":  # to a CDN host that does not resolve
             return self._empty(302, {"Location": f"http://cdn.invalid/x/{name}"})
-        if fault == "slow_headers":  # the status line and headers a byte at a time, never finished in time
+        # the status line and headers a byte at a time, never finished in time
+        if fault == "slow_headers":
             try:
                 for byte in b"HTTP/1.1 200 OK\r\n" + b"X-Padding: " + b"x" * 10_000:
                     self.wfile.write(bytes([byte]))
@@ -208,7 +213,8 @@ def server(tmp_path):
     httpd.daemon_threads = True
     httpd.state = state
     # a short poll so that shutdown() at teardown returns in ~50 ms, not the default 0.5 s
-    thread = threading.Thread(target=httpd.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
+    thread = threading.Thread(target=httpd.serve_forever, kwargs={"poll_interval": 0.05},
+                              daemon=True)
     thread.start()
     state.url = f"http://127.0.0.1:{httpd.server_address[1]}/resolve/main"
     yield state
@@ -234,9 +240,11 @@ def _serve(server, tmp_path, indices, *, big: bool = False) -> dict[int, bytes]:
     return served
 
 
-def _assert_only_complete_shards(data_dir, served: dict[int, bytes], *, partial_ok: bool = False) -> None:
-    """Every *.parquet in data_dir is byte-identical to what was served, with a record of its size and sha256;
-    no temp files remain (unless partial_ok: a failed shard keeps its partial download for the next run)."""
+def _assert_only_complete_shards(data_dir, served: dict[int, bytes], *,
+                                 partial_ok: bool = False) -> None:
+    """Every *.parquet in data_dir is byte-identical to what was served, with a record of its size
+    and sha256; no temp files remain (unless partial_ok: a failed shard keeps its partial download
+    for the next run)."""
     names = sorted(os.listdir(data_dir))
     if not partial_ok:
         assert not [n for n in names if n.endswith(".tmp")], names
@@ -251,7 +259,8 @@ def _assert_only_complete_shards(data_dir, served: dict[int, bytes], *, partial_
 
 
 def _download(server, tmp_path, index, **kwargs) -> bool:
-    return download_single_file(index, str(tmp_path / "data"), server.url, backoff_base=0.01, **kwargs)
+    return download_single_file(index, str(tmp_path / "data"), server.url, backoff_base=0.01,
+                                **kwargs)
 
 
 def _cli(server, data_dir, *args) -> int:
@@ -273,7 +282,8 @@ def test_main_downloads_train_and_val_shards(server, tmp_path, capsys):
     assert server.gets == {name: 1 for name in server.files}
     assert list_parquet_files(str(data_dir))[-1].endswith("shard_06542.parquet")
     record = json.loads((data_dir / "shard_00000.parquet.json").read_text())
-    assert record == {"size": len(served[0]), "sha256": _sha256(served[0]), "sha256_stated_by_server": True}
+    assert record == {"size": len(served[0]), "sha256": _sha256(served[0]),
+                      "sha256_stated_by_server": True}
 
 
 def test_existing_files_are_checked_then_skipped(server, tmp_path):
@@ -289,7 +299,8 @@ def test_existing_files_are_checked_then_skipped(server, tmp_path):
     assert _cli(server, data_dir, "-n", "2") == 0
     assert server.gets == {"shard_00001.parquet": 1} and not server.heads
     assert sorted(os.listdir(data_dir)) == sorted(
-        [".shard_00001.parquet.lock", "shard_00001.parquet.json"] + [index_to_filename(i) for i in served])
+        [".shard_00001.parquet.lock", "shard_00001.parquet.json"]
+        + [index_to_filename(i) for i in served])
 
 
 @pytest.fixture
@@ -307,7 +318,8 @@ def test_n_past_the_end_is_clamped(server, tmp_path, tiny_dataset, capsys):
     _assert_only_complete_shards(data_dir, served)
 
 
-def test_n_minus_one_fetches_all_and_defaults_come_from_env(server, tmp_path, tiny_dataset, monkeypatch):
+def test_n_minus_one_fetches_all_and_defaults_come_from_env(
+        server, tmp_path, tiny_dataset, monkeypatch):
     served = _serve(server, tmp_path, range(4))
     monkeypatch.setenv("NANOCHAT_DATASET", "tiny")
     monkeypatch.setenv("NANOCHAT_DATA_URL", server.url)
@@ -348,8 +360,8 @@ def test_help_states_every_default(capsys):
     out = " ".join(capsys.readouterr().out.split())
     assert "(default: -1, every shard; 0: only val)" in out
     for default in ("default: 4;", "default: $NANOCHAT_DATASET", "default: $NANOCHAT_DATA_URL",
-                    "default: <base dir>", "(default: 5)", "(default: 2)", "(default: 30)", "(default: 50)",
-                    "(default: 3600)"):
+                    "default: <base dir>", "(default: 5)", "(default: 2)", "(default: 30)",
+                    "(default: 50)", "(default: 3600)"):
         assert default in out, default
 
 
@@ -419,8 +431,8 @@ def test_short_body_once_is_resumed(server, tmp_path):
 
 
 def _leave_partial(data_dir, partial: bytes, body: bytes, validator: str | None) -> None:
-    """What a killed run leaves: partial in the temp file and, with a validator, the record that says it
-    belongs to the file body (its size and sha256 as the server stated them)."""
+    """What a killed run leaves: partial in the temp file and, with a validator, the record that
+    says it belongs to the file body (its size and sha256 as the server stated them)."""
     data_dir.mkdir(exist_ok=True)
     (data_dir / f"{NAME}.tmp").write_bytes(partial)
     if validator is not None:
@@ -454,7 +466,8 @@ def test_complete_or_overlong_temp_file(server, tmp_path, extra, ranges):
     data_dir = tmp_path / "data"
     _leave_partial(data_dir, served[0] + extra, served[0], f'"{_sha256(served[0])}"')
     assert _download(server, tmp_path, 0)
-    # complete: the 416 names our size and the checks pass; overlong: discarded up front, fetched again
+    # complete: the 416 names our size and the checks pass;
+    # overlong: discarded up front, fetched again
     assert server.ranges[NAME] == [r and r.replace("LEN", str(len(served[0]))) for r in ranges]
     _assert_only_complete_shards(data_dir, served)
 
@@ -477,8 +490,10 @@ def test_bad_body_is_discarded_and_retried(server, tmp_path, fault):
     _assert_only_complete_shards(tmp_path / "data", served)
 
 
-@pytest.mark.parametrize("fault, reason", [("garbage", "not parquet"), ("short", "connection failed"),
-                                           ("cut", "not parquet"), ("500", "HTTP 500"), ("flip", "sha256 mismatch")])
+@pytest.mark.parametrize("fault, reason", [
+    ("garbage", "not parquet"), ("short", "connection failed"), ("cut", "not parquet"),
+    ("500", "HTTP 500"), ("flip", "sha256 mismatch"),
+])
 def test_shard_that_never_succeeds_fails_the_run(server, tmp_path, fault, reason, capsys):
     served = _serve(server, tmp_path, [0, 1, 6542])
     server.always["shard_00001.parquet"] = fault
@@ -546,7 +561,8 @@ def test_backoff_doubles(server, tmp_path):
 
 
 def test_same_length_corruption_with_a_stated_sha256_is_never_installed(server, tmp_path):
-    # the hub's way: a redirect to the CDN whose X-Linked-Etag states the sha256; the CDN's ETag is an md5
+    # the hub's way: a redirect to the CDN whose X-Linked-Etag states the sha256;
+    # the CDN's ETag is an md5
     served = _serve(server, tmp_path, [0])
     server.redirect = True
     server.always[NAME] = "flip"
@@ -567,7 +583,8 @@ def test_a_validator_that_is_not_a_sha256_only_validates(server, tmp_path):
     assert _download(server, tmp_path, 0)
     assert server.if_ranges[NAME] == [None, f'"{hashlib.md5(served[0]).hexdigest()}"']
     _assert_only_complete_shards(tmp_path / "data", served)
-    assert json.loads((tmp_path / "data" / f"{NAME}.json").read_text())["sha256_stated_by_server"] is False
+    assert json.loads(
+        (tmp_path / "data" / f"{NAME}.json").read_text())["sha256_stated_by_server"] is False
 
 
 def _changed(body: bytes) -> bytes:
@@ -580,7 +597,8 @@ def test_file_changed_between_runs_restarts_instead_of_splicing(server, tmp_path
     served = _serve(server, tmp_path, [0])
     data_dir = tmp_path / "data"
     server.always[NAME] = "drop"
-    assert not _download(server, tmp_path, 0, max_attempts=1)  # a killed run: half of version 1 in .tmp
+    # a killed run: half of version 1 in .tmp
+    assert not _download(server, tmp_path, 0, max_attempts=1)
     assert (data_dir / f"{NAME}.tmp").read_bytes() == served[0][:len(served[0]) // 2]
     # version 2 changes a byte in the first quarter, which the resume would otherwise keep
     new = _changed(served[0])
@@ -588,8 +606,8 @@ def test_file_changed_between_runs_restarts_instead_of_splicing(server, tmp_path
     server.always.clear()
     server.if_range_support = if_range_support
     assert _download(server, tmp_path, 0)
-    # If-Range: the server sends version 2 whole (200). A server that ignores If-Range answers 206 with
-    # version 2's ETag: we see the change, discard the half of version 1 and start over.
+    # If-Range: the server sends version 2 whole (200). A server that ignores If-Range answers 206
+    # with version 2's ETag: we see the change, discard the half of version 1 and start over.
     expected = [None, f"bytes={len(new) // 2}-"] + ([] if if_range_support else [None])
     assert server.ranges[NAME] == expected
     _assert_only_complete_shards(data_dir, {0: new})
@@ -598,14 +616,16 @@ def test_file_changed_between_runs_restarts_instead_of_splicing(server, tmp_path
 def test_garbage_leftover_temp_file_is_discarded(server, tmp_path):
     served = _serve(server, tmp_path, [0])
     data_dir = tmp_path / "data"
-    _leave_partial(data_dir, b"<html>Service Unavailable</html>" * 100, served[0], f'"{_sha256(served[0])}"')
+    _leave_partial(data_dir, b"<html>Service Unavailable</html>" * 100, served[0],
+                   f'"{_sha256(served[0])}"')
     assert _download(server, tmp_path, 0)
     assert server.ranges[NAME] == [None]
     _assert_only_complete_shards(data_dir, served)
 
 
 @pytest.mark.parametrize("link", [f"{NAME}.tmp", f".{NAME}.lock"])
-def test_symlinked_temp_or_lock_file_is_refused_and_its_target_untouched(server, tmp_path, link, capsys):
+def test_symlinked_temp_or_lock_file_is_refused_and_its_target_untouched(
+        server, tmp_path, link, capsys):
     _serve(server, tmp_path, [0, 6542])
     data_dir = tmp_path / "data"
     data_dir.mkdir()
@@ -638,7 +658,8 @@ def _bit_flipped(body):
     (_truncated, True, "wrong size"),
     (_bit_flipped, True, "sha256 mismatch"),
 ])
-def test_bad_existing_shard_is_fetched_again_and_reported(server, tmp_path, bad, record, reason, capsys):
+def test_bad_existing_shard_is_fetched_again_and_reported(
+        server, tmp_path, bad, record, reason, capsys):
     served = _serve(server, tmp_path, [0, 1, 6542])
     data_dir = tmp_path / "data"
     assert _cli(server, data_dir, "-n", "2") == 0
@@ -673,7 +694,8 @@ def test_bad_existing_shard_stays_when_the_new_one_fails(server, tmp_path, capsy
     server.always[NAME] = "500"
     assert _cli(server, data_dir, "-n", "1") == 1
     assert "  1 x HTTP 500: shard_00000.parquet" in capsys.readouterr().out
-    assert (data_dir / NAME).read_bytes() == _truncated(served[0])  # nothing is lost until a good one is there
+    # nothing is lost until a good one is there
+    assert (data_dir / NAME).read_bytes() == _truncated(served[0])
 
 
 def test_verify_names_bad_shards_and_the_fix(server, tmp_path, capsys):
@@ -692,8 +714,10 @@ def test_verify_names_bad_shards_and_the_fix(server, tmp_path, capsys):
     out = capsys.readouterr().out
     assert f"checked 5 shards in {data_dir}: 2 good, 3 bad\n" in out
     assert "2 have no .json record" in out
-    assert "  2 x not parquet: notes.parquet, shard_00002.parquet\n  1 x sha256 mismatch: shard_00001.parquet\n" in out
-    assert f"to fix: python -m nanochat.dataset --dataset climbmix-400b --data-dir {data_dir} -n 3 " in out
+    assert ("  2 x not parquet: notes.parquet, shard_00002.parquet\n"
+            "  1 x sha256 mismatch: shard_00001.parquet\n") in out
+    assert (f"to fix: python -m nanochat.dataset --dataset climbmix-400b --data-dir {data_dir}"
+            " -n 3 ") in out
     assert "not shards of climbmix-400b, so not fetchable: notes.parquet;" in out
     assert not server.gets and not server.heads  # offline
     # the fix it names works
@@ -712,7 +736,7 @@ def test_trickling_server_fails_within_the_rate_window(server, tmp_path):
     server.always[NAME] = "trickle"  # 100 bytes, then ~50 bytes/s
     t0 = time.monotonic()
     assert not _download(server, tmp_path, 0, max_attempts=2, min_rate=1000, rate_window=0.3)
-    # two attempts of ~0.3 s each (the rate window), not the minutes a 14 KB body at 50 B/s would take
+    # two attempts of ~0.3 s each (the rate window), not the minutes 14 KB at 50 B/s would take
     assert time.monotonic() - t0 < 5
     assert server.gets[NAME] == 2
     assert server.ranges[NAME][1].startswith("bytes=")  # the trickled bytes were kept
@@ -731,7 +755,8 @@ def test_deadline_bounds_a_shard_however_its_attempts_go(server, tmp_path, caplo
     _serve(server, tmp_path, [0])
     server.always[NAME] = "trickle"
     t0 = time.monotonic()
-    assert not _download(server, tmp_path, 0, min_rate=0, deadline=0.5)  # fast enough, never finished
+    # fast enough, never finished
+    assert not _download(server, tmp_path, 0, min_rate=0, deadline=0.5)
     assert time.monotonic() - t0 < 5
     assert "past the deadline" in caplog.text
     assert os.path.getsize(tmp_path / "data" / f"{NAME}.tmp") > 100  # kept for the next run
@@ -749,8 +774,8 @@ def test_the_deadline_also_bounds_the_wait_for_headers(server, tmp_path, caplog)
 
 
 def test_the_deadline_holds_through_an_http_proxy(server, tmp_path, monkeypatch, caplog):
-    # the test server serves as the proxy too: requests sends it "GET http://shards.example/...", and the
-    # host in that URL is never looked up here
+    # the test server serves as the proxy too: requests sends it "GET http://shards.example/...",
+    # and the host in that URL is never looked up here
     served = _serve(server, tmp_path, [0])
     for name in ("NO_PROXY", "no_proxy", "ALL_PROXY", "all_proxy"):
         monkeypatch.delenv(name, raising=False)
@@ -770,7 +795,8 @@ def test_the_deadline_holds_through_an_http_proxy(server, tmp_path, monkeypatch,
 def test_a_redirect_to_a_host_that_does_not_resolve_names_that_host(server, tmp_path):
     _serve(server, tmp_path, [0])
     server.always[NAME] = "redirect_invalid"
-    with pytest.raises(HostNotFoundError, match="cannot resolve the host 'cdn.invalid' of http://cdn.invalid/x/"):
+    with pytest.raises(HostNotFoundError,
+                       match="cannot resolve the host 'cdn.invalid' of http://cdn.invalid/x/"):
         _download(server, tmp_path, 0)
 
 
@@ -779,7 +805,8 @@ def test_a_link_that_drops_every_70kb_completes(server, tmp_path):
     size = len(served[0])
     assert size > 3 * 70_000  # so 4+ connections are needed
     server.drop_every = 70_000
-    # 2 attempts are enough: each one stores 70 KB (over PROGRESS_BYTES), so the count starts again every time
+    # 2 attempts are enough: each one stores 70 KB (over PROGRESS_BYTES), so the count starts
+    # again every time
     assert _download(server, tmp_path, 0, max_attempts=2)
     assert server.ranges[NAME] == [None] + [f"bytes={k}-" for k in range(70_000, size, 70_000)]
     assert server.sent[NAME] == size  # no byte fetched twice
@@ -799,7 +826,8 @@ def test_a_link_that_makes_no_real_progress_gives_up_and_keeps_its_bytes(server,
 
 
 def test_a_dropping_link_without_a_validator_restarts_and_says_so(server, tmp_path, caplog):
-    # no ETag, no Last-Modified: the bytes of a broken transfer cannot be resumed, so they are not progress
+    # no ETag, no Last-Modified: the bytes of a broken transfer cannot be resumed, so they are
+    # not progress
     served = _serve(server, tmp_path, [0], big=True)
     server.etag = None
     server.drop_every = 70_000
@@ -820,10 +848,10 @@ def test_files_and_directory_are_fsynced_around_each_rename(server, tmp_path, mo
     data_dir.mkdir()
     calls = []
     fsync, replace = os.fsync, os.replace
-    monkeypatch.setattr(os, "fsync", lambda fd: calls.append(("fsync", os.readlink(f"/proc/self/fd/{fd}")))
-                        or fsync(fd))
-    monkeypatch.setattr(os, "replace", lambda src, dst: calls.append(("replace", str(src), str(dst)))
-                        or replace(src, dst))
+    monkeypatch.setattr(os, "fsync", lambda fd: calls.append(
+        ("fsync", os.readlink(f"/proc/self/fd/{fd}"))) or fsync(fd))
+    monkeypatch.setattr(os, "replace", lambda src, dst: calls.append(
+        ("replace", str(src), str(dst))) or replace(src, dst))
     if not os.path.exists("/proc/self/fd"):
         pytest.skip("needs /proc to name a descriptor's file")
     assert _download(server, tmp_path, 0)
@@ -833,12 +861,14 @@ def test_files_and_directory_are_fsynced_around_each_rename(server, tmp_path, mo
         rename = calls.index(("replace", tmp, final))
         assert ("fsync", tmp) in calls[:rename]  # the bytes are on disk before the name
         assert ("fsync", folder) in calls[rename + 1:]  # and the name is on disk after the rename
-    assert calls.index(("replace", record + ".tmp", record)) < calls.index(("replace", shard + ".tmp", shard))
+    assert (calls.index(("replace", record + ".tmp", record))
+            < calls.index(("replace", shard + ".tmp", shard)))
     _assert_only_complete_shards(data_dir, served)
 
 
 def test_a_dns_failure_after_the_host_answered_is_retried(server, tmp_path, monkeypatch):
-    # a resolver's hiccup in a long run (EAI_AGAIN) is not "the host does not exist": retried, not fatal
+    # a resolver's hiccup in a long run (EAI_AGAIN) is not "the host does not exist": retried,
+    # not fatal
     served = _serve(server, tmp_path, [0])
     server.faults[NAME] = ["drop"]
     lookups, getaddrinfo = [], socket.getaddrinfo
@@ -874,8 +904,10 @@ def test_unresolvable_host_stops_the_run_at_once(tmp_path):
     url = "http://shards.invalid/resolve/main"
     data_dir = tmp_path / "data"
     t0 = time.monotonic()
-    with pytest.raises(HostNotFoundError, match="cannot resolve the host 'shards.invalid' of http://shards.invalid/"):
-        download_shards(range(8), str(data_dir), url, num_workers=4, backoff_base=30, check_disk=False)
+    with pytest.raises(HostNotFoundError,
+                       match="cannot resolve the host 'shards.invalid' of http://shards.invalid/"):
+        download_shards(range(8), str(data_dir), url, num_workers=4, backoff_base=30,
+                        check_disk=False)
     with pytest.raises(HostNotFoundError, match="shards.invalid"):
         download_single_file(0, str(data_dir), url, backoff_base=30)
     assert time.monotonic() - t0 < 10
@@ -883,20 +915,21 @@ def test_unresolvable_host_stops_the_run_at_once(tmp_path):
 
 
 def test_unresolvable_host_on_the_cli_is_one_error(tmp_path):
-    cmd = [sys.executable, "-m", "nanochat.dataset", "-n", "240", "--base-url", "https://shards.invalid/x",
-           "--data-dir", str(tmp_path / "data")]
+    cmd = [sys.executable, "-m", "nanochat.dataset", "-n", "240",
+           "--base-url", "https://shards.invalid/x", "--data-dir", str(tmp_path / "data")]
     t0 = time.monotonic()
     result = subprocess.run(cmd, cwd=REPO_ROOT, capture_output=True, text=True, timeout=60)
     assert time.monotonic() - t0 < 30
     assert result.returncode == 2
     errors = [line for line in result.stderr.splitlines() if "shards.invalid" in line]
-    assert len(errors) == 1 and errors[0].startswith("error: cannot resolve the host 'shards.invalid' of https://")
+    assert len(errors) == 1 and errors[0].startswith(
+        "error: cannot resolve the host 'shards.invalid' of https://")
     assert "WARNING" not in result.stderr
 
 
 def test_unresolvable_host_stops_downloads_in_flight(server, tmp_path):
-    # one thread is mid-way through a trickling download (fast enough: min_rate 0) when another finds the
-    # host of its file does not resolve: the run stops at once, the partial file is kept
+    # one thread is mid-way through a trickling download (fast enough: min_rate 0) when another
+    # finds the host of its file does not resolve: the run stops at once, the partial file is kept
     _serve(server, tmp_path, [0])
     server.always[NAME] = "trickle"  # ~14 KB at 50 bytes/s would take minutes
     data_dir = tmp_path / "data"
@@ -909,10 +942,12 @@ def test_unresolvable_host_stops_downloads_in_flight(server, tmp_path):
     assert os.path.getsize(data_dir / f"{NAME}.tmp") > 0 and not os.path.exists(data_dir / NAME)
 
 
-@pytest.mark.parametrize("url", ["127.0.0.1:8000/resolve/main", "ftp://example.com/x", "http://", "/srv/shards"])
+@pytest.mark.parametrize("url", ["127.0.0.1:8000/resolve/main", "ftp://example.com/x", "http://",
+                                 "/srv/shards"])
 def test_url_without_http_scheme_is_refused_up_front(server, tmp_path, url):
     data_dir = str(tmp_path / "data")
-    for call in (lambda: download_shards([0], data_dir, url), lambda: download_single_file(0, data_dir, url),
+    for call in (lambda: download_shards([0], data_dir, url),
+                 lambda: download_single_file(0, data_dir, url),
                  lambda: main(["-n", "1", "--base-url", url, "--data-dir", data_dir])):
         with pytest.raises(ValueError, match="must start with http:// or https://"):
             call()
@@ -925,12 +960,14 @@ def test_summary_stays_short_for_many_failures(server, tmp_path, monkeypatch, ca
     served = _serve(server, tmp_path, [1000])
     server.always[index_to_filename(1000)] = "500"
     monkeypatch.setattr(download.shutil, "disk_usage", lambda path: _DiskUsage(10**15, 0, 10**15))
-    assert _cli(server, tmp_path / "data", "--dataset", "many", "-w", "8", "--max-attempts", "1") == 1
+    assert _cli(server, tmp_path / "data", "--dataset", "many", "-w", "8",
+                "--max-attempts", "1") == 1
     out = capsys.readouterr().out
     assert out.splitlines()[-4:] == [
         "downloaded 0/1001 shards to " + str(tmp_path / "data"),
         "failed (1001); rerun the same command to retry (partial downloads resume):",
-        "  1000 x HTTP 404: shard_00000.parquet, shard_00001.parquet, shard_00002.parquet and 997 more",
+        "  1000 x HTTP 404: shard_00000.parquet, shard_00001.parquet, shard_00002.parquet"
+        " and 997 more",
         "  1 x HTTP 500: shard_01000.parquet",
     ]
     assert served
@@ -938,7 +975,8 @@ def test_summary_stays_short_for_many_failures(server, tmp_path, monkeypatch, ca
 
 def test_summarize():
     reasons = {f"f{i:04d}": "HTTP 404" for i in range(1000)} | {"a": "too slow", "b": "too slow"}
-    assert summarize(reasons) == ["  1000 x HTTP 404: f0000, f0001, f0002 and 997 more", "  2 x too slow: a, b"]
+    assert summarize(reasons) == ["  1000 x HTTP 404: f0000, f0001, f0002 and 997 more",
+                                  "  2 x too slow: a, b"]
     assert summarize({}) == []
 
 
@@ -954,10 +992,13 @@ def test_stated_sha256_is_read_as_huggingface_hub_reads_it():
                    [response({"X-Linked-Etag": f'"{digest}"', "ETag": '"b1ob"'})])
     assert download.stated_sha256(cdn) == digest
     assert download.stated_sha256(response({"ETag": f'W/"{digest.upper()}"'})) == digest
-    assert download.stated_sha256(response({"ETag": '"0123456789abcdef0123456789abcdef"'})) is None  # an md5
-    assert download.stated_sha256(response({"ETag": digest})) is None  # unquoted: not the form we trust
+    # an md5
+    assert download.stated_sha256(response({"ETag": '"0123456789abcdef0123456789abcdef"'})) is None
+    # unquoted: not the form we trust
+    assert download.stated_sha256(response({"ETag": digest})) is None
     assert download.stated_sha256(response({})) is None
-    assert download.validator(response({"ETag": 'W/"x"', "Last-Modified": "Mon"})) == "Mon"  # weak: not for If-Range
+    # weak: not for If-Range
+    assert download.validator(response({"ETag": 'W/"x"', "Last-Modified": "Mon"})) == "Mon"
 
 
 # -----------------------------------------------------------------------------
@@ -968,7 +1009,8 @@ def test_two_threads_download_one_shard_once(server, tmp_path):
     served = _serve(server, tmp_path, [0])
     server.always[NAME] = "slow"  # the second caller arrives mid-download
     results = []
-    threads = [threading.Thread(target=lambda: results.append(_download(server, tmp_path, 0))) for _ in range(2)]
+    threads = [threading.Thread(target=lambda: results.append(_download(server, tmp_path, 0)))
+               for _ in range(2)]
     for t in threads:
         t.start()
     for t in threads:
@@ -985,7 +1027,8 @@ def test_two_processes_download_into_one_dir(server, tmp_path):
     data_dir = tmp_path / "data"
     cmd = [sys.executable, "-m", "nanochat.dataset", "-n", "3", "-w", "2", "--base-url", server.url,
            "--data-dir", str(data_dir)] + FAST
-    procs = [subprocess.Popen(cmd, cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    procs = [subprocess.Popen(cmd, cwd=REPO_ROOT, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True)
              for _ in range(2)]
     outputs = [p.communicate(timeout=60)[0] for p in procs]
     assert [p.returncode for p in procs] == [0, 0], outputs
@@ -1000,7 +1043,8 @@ _DiskUsage = namedtuple("_DiskUsage", "total used free")  # what shutil.disk_usa
 def test_not_enough_disk_space_stops_before_downloading(server, tmp_path, monkeypatch):
     _serve(server, tmp_path, [0, 6542])
     data_dir = tmp_path / "data"
-    monkeypatch.setattr(download.shutil, "disk_usage", lambda path: _DiskUsage(10**6, 10**6 - 100, 100))
+    monkeypatch.setattr(download.shutil, "disk_usage",
+                        lambda path: _DiskUsage(10**6, 10**6 - 100, 100))
     with pytest.raises(OSError, match="--data-dir") as info:
         _cli(server, data_dir, "-n", "1")
     assert info.value.errno == errno.ENOSPC

@@ -1,10 +1,11 @@
 """
 Tests for nanochat/pretokenize.py: the .bin/.idx bytes field by field, the round trip through
-TokenShard (uint16 and uint32), crash-safe writing, windowing in both conventions (hypothesis property
-tests plus the docstring's worked examples; GPT-Simple's labelling rule on gpt-simple entries), a clear
-error naming the file for every kind of damaged pair, and the CLI end to end: parquet and jsonl inputs,
-2 worker processes, --convention, rerun-skips, resume after a killed run, and --rank/--world-size. Hermetic: tiny shards and a 300-token tokenizer trained in-process,
-all under tmp_path. Run:
+TokenShard (uint16 and uint32), crash-safe writing, windowing in both conventions (hypothesis
+property tests plus the docstring's worked examples; GPT-Simple's labelling rule on gpt-simple
+entries), a clear error naming the file for every kind of damaged pair, and the CLI end to end:
+parquet and jsonl inputs, 2 worker processes, --convention, rerun-skips, resume after a killed run,
+and --rank/--world-size. Hermetic: tiny shards and a 300-token tokenizer trained in-process, all
+under tmp_path. Run:
     python -m pytest tests/test_pretokenize.py -q
 """
 
@@ -38,8 +39,10 @@ BOS = 9  # a stand-in BOS id for the format and windowing tests
 def _texts(seed: int, n: int) -> list[str]:
     """n documents of 0 to ~120 words, so that some are longer than the windows used below."""
     rng = random.Random(seed)
-    words = ["alpha", "beta", "gamma", "delta", "river", "stone", "cloud", "paper", "token", "shard", "é", "42"]
-    texts = [f"doc {seed}-{i}: " + " ".join(rng.choice(words) for _ in range(rng.choice([3, 10, 40, 120])))
+    words = ["alpha", "beta", "gamma", "delta", "river", "stone", "cloud", "paper", "token",
+             "shard", "é", "42"]
+    texts = [f"doc {seed}-{i}: "
+             + " ".join(rng.choice(words) for _ in range(rng.choice([3, 10, 40, 120])))
              for i in range(n)]
     texts[n // 2] = ""  # an empty document is kept: it becomes a lone BOS
     return texts
@@ -67,14 +70,17 @@ def parquet_dir(tmp_path):
 
 
 def _write_tiny(prefix) -> None:
-    """3 entries of 3, 1 and 4 uint16 tokens; the last is a window whose first 2 tokens after BOS repeat."""
-    entries = [np.array([BOS, 1, 2], np.uint16), np.array([BOS], np.uint16), np.array([BOS, 3, 4, 5], np.uint16)]
+    """3 entries of 3, 1 and 4 uint16 tokens; the last is a window whose first 2 tokens after BOS
+    repeat."""
+    entries = [np.array([BOS, 1, 2], np.uint16), np.array([BOS], np.uint16),
+               np.array([BOS, 3, 4, 5], np.uint16)]
     write_token_shard(str(prefix), entries, [0, 0, 2], np.uint16)
 
 
 def _files(directory) -> dict:
-    """{relative path: (bytes, mtime_ns)} of every file under directory but the lock files: the output's,
-    which every run rewrites (it names the run holding the output), and each pair's (.<name>.lock)."""
+    """{relative path: (bytes, mtime_ns)} of every file under directory but the lock files: the
+    output's, which every run rewrites (it names the run holding the output), and each pair's
+    (.<name>.lock)."""
     out = {}
     for root, _, names in os.walk(directory):
         for name in names:
@@ -179,15 +185,18 @@ def test_write_replaces_an_existing_pair(tmp_path):
 
 
 def test_reads_a_gpt_simple_shard(tmp_path):
-    # GPT-Simple's convention: no BOS, EOD after a short document and after a document's last window,
-    # the overlap prefix counting the entry's leading tokens. Same format, so TokenShard reads it.
+    # GPT-Simple's convention: no BOS, EOD after a short document and after a document's last
+    # window, the overlap prefix counting the entry's leading tokens. Same format, so TokenShard
+    # reads it.
     EOD = 50256
     entries = [np.array([1, 2, EOD], np.uint16),  # a short document
-               np.array([10, 11, 12, 13], np.uint16), np.array([12, 13, 14, EOD], np.uint16)]  # 2 windows
+               # 2 windows
+               np.array([10, 11, 12, 13], np.uint16), np.array([12, 13, 14, EOD], np.uint16)]
     write_token_shard(str(tmp_path / "gpts"), entries, [0, 0, 2], np.uint16)
     shard = TokenShard(str(tmp_path / "gpts"))
     assert [shard.entry(i).tolist() for i in range(3)] == [e.tolist() for e in entries]
-    # the loader prepends BOS where an entry lacks it: the overlap then sits right after the BOS, as in ours
+    # the loader prepends BOS where an entry lacks it: the overlap then sits right after the BOS,
+    # as in ours
     with_bos = [[BOS] + shard.entry(i).tolist() for i in range(3)]
     o = int(shard.overlaps[2])
     assert with_bos[2][1:1 + o] == with_bos[1][-o:] == [12, 13]
@@ -263,14 +272,17 @@ def test_window_arguments_are_checked():
         window_document(doc, 2, 1)
 
 
-# GPT-Simple's convention: the document + EOD, no BOS; the overlap prefix counts the entry's leading tokens
+# GPT-Simple's convention: the document + EOD, no BOS; the overlap prefix counts the entry's
+# leading tokens
 
 EOD = 9  # the stand-in BOS, which --convention gpt-simple writes as EOD
 
 
-def gpt_simple_windows(tokens: list[int], max_length: int, overlap: int) -> list[tuple[list[int], int]]:
-    """The reference, from the definition with plain lists: window k holds tokens [k * step, k * step + L)
-    (step = L - O), and a window is written only if it holds a token that no earlier one had."""
+def gpt_simple_windows(tokens: list[int], max_length: int,
+                       overlap: int) -> list[tuple[list[int], int]]:
+    """The reference, from the definition with plain lists: window k holds tokens
+    [k * step, k * step + L) (step = L - O), and a window is written only if it holds a token that
+    no earlier one had."""
     windows, k = [], 0
     while True:
         first = k * (max_length - overlap)
@@ -285,16 +297,20 @@ def test_gpt_simple_window_worked_example():
     windows = window_gpt_simple(doc, 6, 2)
     assert [(w.tolist(), o) for w, o in windows] == [
         ([100, 101, 102, 103, 104, 105], 0),
-        ([104, 105, 106, 107, 108, 109], 2),  # 104 105 repeat window 0's end: the entry's first 2 tokens
-        ([108, 109, EOD], 2),  # only the last window holds the EOD; no window of repeated tokens alone
+        # 104 105 repeat window 0's end: the entry's first 2 tokens
+        ([104, 105, 106, 107, 108, 109], 2),
+        # only the last window holds the EOD; no window of repeated tokens alone
+        ([108, 109, EOD], 2),
     ]
     assert all(w.dtype == np.uint16 and w.base is doc for w, _ in windows)  # views, no copies
     # the tokens and EOD fit: one entry
     assert [(w.tolist(), o) for w, o in window_gpt_simple(doc, 11, 2)] == [(doc.tolist(), 0)]
-    # a document of exactly L tokens: its EOD is a window alone (GPT-Simple's writer would make it L + 1 long)
+    # a document of exactly L tokens: its EOD is a window alone (GPT-Simple's writer would make it
+    # L + 1 long)
     assert [(w.tolist(), o) for w, o in window_gpt_simple(doc[-7:], 6, 0)] == [
         ([104, 105, 106, 107, 108, 109], 0), ([EOD], 0)]
-    assert [(w.tolist(), o) for w, o in window_gpt_simple(np.array([EOD], np.uint16), 6, 2)] == [([EOD], 0)]
+    assert [(w.tolist(), o) for w, o in window_gpt_simple(np.array([EOD], np.uint16), 6, 2)] == [
+        ([EOD], 0)]
     with pytest.raises(ValueError, match=r"overlap_size 4 .* max_length // 2 = 3"):
         window_gpt_simple(doc, 6, 4)
 
@@ -306,12 +322,14 @@ def test_gpt_simple_windows_property(doc_len, max_length, data):
     tokens = np.arange(1000, 1000 + doc_len + 1, dtype=np.uint32)
     tokens[-1] = EOD
     windows = window_gpt_simple(tokens, max_length, overlap)
-    assert [(w.tolist(), o) for w, o in windows] == gpt_simple_windows(tokens.tolist(), max_length, overlap)
+    assert [(w.tolist(), o) for w, o in windows] == gpt_simple_windows(
+        tokens.tolist(), max_length, overlap)
     rebuilt = []
     for k, (w, o) in enumerate(windows):
         assert 1 <= len(w) <= max_length and w.dtype == np.uint32
         assert o == (overlap if k else 0) and len(w) > o  # each window brings a new token
-        assert w[:o].tolist() == rebuilt[len(rebuilt) - o:]  # the leading O tokens repeat the previous window
+        # the leading O tokens repeat the previous window
+        assert w[:o].tolist() == rebuilt[len(rebuilt) - o:]
         assert (w == EOD).sum() == (k == len(windows) - 1)  # the EOD, in the last window only
         rebuilt += w[o:].tolist()
     assert rebuilt == tokens.tolist()
@@ -319,20 +337,24 @@ def test_gpt_simple_windows_property(doc_len, max_length, data):
 
 
 @settings(max_examples=300, deadline=None)
-@given(lengths=st.lists(st.integers(0, 60), min_size=1, max_size=8), max_length=st.integers(2, 24), data=st.data())
+@given(lengths=st.lists(st.integers(0, 60), min_size=1, max_size=8), max_length=st.integers(2, 24),
+       data=st.data())
 def test_gpt_simple_labels_train_each_token_once(lengths, max_length, data):
-    """GPT-Simple's documented labelling rule (its loader's; written here in a few lines), applied to our
-    gpt-simple entries of several documents packed in order: labels are the input ids (the model shifts
-    them, so labels[0] trains nothing), labels[pos:pos+O] = -100 for an entry with overlap prefix O at
-    position pos, and the label right after each EOD is -100. What is trained is each document's tokens
-    after its first (which follows the previous EOD), then its EOD: every token once, none twice, none
-    lost. And no entry is longer than max_length, so GPT-Simple's loader at that max_length crops none."""
+    """GPT-Simple's documented labelling rule (its loader's; written here in a few lines), applied
+    to our gpt-simple entries of several documents packed in order: labels are the input ids (the
+    model shifts them, so labels[0] trains nothing), labels[pos:pos+O] = -100 for an entry with
+    overlap prefix O at position pos, and the label right after each EOD is -100. What is trained
+    is each document's tokens after its first (which follows the previous EOD), then its EOD: every
+    token once, none twice, none lost. And no entry is longer than max_length, so GPT-Simple's
+    loader at that max_length crops none."""
     overlap = data.draw(st.integers(0, max(0, min(max_length // 2, max_length - 2))))
     documents, entries, next_id = [], [], 1000
     for n in lengths:
-        documents.append(list(range(next_id, next_id + n)))  # distinct ids, so a misplaced one shows
+        # distinct ids, so a misplaced one shows
+        documents.append(list(range(next_id, next_id + n)))
         next_id += n
-        entries += window_gpt_simple(np.array(documents[-1] + [EOD], np.uint32), max_length, overlap)
+        entries += window_gpt_simple(np.array(documents[-1] + [EOD], np.uint32), max_length,
+                                     overlap)
     assert all(len(entry) <= max_length for entry, _ in entries)
     inputs = [int(t) for entry, _ in entries for t in entry]
     labels, pos = list(inputs), 0
@@ -342,7 +364,8 @@ def test_gpt_simple_labels_train_each_token_once(lengths, max_length, data):
     for i in range(1, len(inputs)):
         if inputs[i - 1] == EOD:
             labels[i] = -100
-    assert [t for t in labels[1:] if t != -100] == [t for doc in documents for t in (doc + [EOD])[1:]]
+    assert [t for t in labels[1:] if t != -100] == [t for doc in documents
+                                                    for t in (doc + [EOD])[1:]]
 
 
 # -----------------------------------------------------------------------------
@@ -370,30 +393,36 @@ CORRUPTIONS = {
     # name: (damage(prefix), exception, the file the message names, what the message says)
     "missing idx": (lambda p: os.remove(p + ".idx"), FileNotFoundError, ".idx", "does not exist"),
     "missing bin": (lambda p: os.remove(p + ".bin"), FileNotFoundError, ".bin", "does not exist"),
-    "bad magic": (lambda p: _patch(p + ".idx", 0, b"GPTX"), ValueError, ".idx", "not the magic b'GPTS'"),
+    "bad magic": (lambda p: _patch(p + ".idx", 0, b"GPTX"), ValueError, ".idx",
+                  "not the magic b'GPTS'"),
     "unknown version": (lambda p: _patch(p + ".idx", 4, struct.pack("<I", 2)), ValueError, ".idx",
                         "format version 2; this code reads version 1"),
-    "unknown dtype code": (lambda p: _patch(p + ".idx", 8, struct.pack("<I", 8)), ValueError, ".idx",
-                           "dtype code 8"),
-    "header cut": (lambda p: _truncate(p + ".idx", 10), ValueError, ".idx", "shorter than the 16-byte header"),
-    "index shorter than header says": (lambda p: _truncate(p + ".idx", OVERLAPS_AT + 4), ValueError, ".idx",
+    "unknown dtype code": (lambda p: _patch(p + ".idx", 8, struct.pack("<I", 8)), ValueError,
+                           ".idx", "dtype code 8"),
+    "header cut": (lambda p: _truncate(p + ".idx", 10), ValueError, ".idx",
+                   "shorter than the 16-byte header"),
+    "index shorter than header says": (lambda p: _truncate(p + ".idx", OVERLAPS_AT + 4),
+                                       ValueError, ".idx",
                                        "shorter than its header says: 3 entries need 54 bytes"),
-    "count larger than the index": (lambda p: _patch(p + ".idx", 12, struct.pack("<I", 4)), ValueError, ".idx",
+    "count larger than the index": (lambda p: _patch(p + ".idx", 12, struct.pack("<I", 4)),
+                                    ValueError, ".idx",
                                     "shorter than its header says: 4 entries need 64 bytes"),
     "index longer than header says": (lambda p: _append(p + ".idx", b"\0\0"), ValueError, ".idx",
                                       "2 more than its header's 3 entries need"),
-    "first offset not 0": (lambda p: _patch(p + ".idx", OFFSETS_AT, struct.pack("<q", 1)), ValueError, ".idx",
-                           "first offset is 1, it must be 0"),
-    "offsets decrease": (lambda p: _patch(p + ".idx", OFFSETS_AT + 16, struct.pack("<q", 2)), ValueError, ".idx",
-                         r"offsets decrease at entry 1 \(3 -> 2\)"),
-    "last offset past the bin": (lambda p: _patch(p + ".idx", OFFSETS_AT + 24, struct.pack("<q", 9)), ValueError,
-                                 ".idx", r"last offset 9 \(18 bytes of uint16\) is past the end of .*16 bytes"),
+    "first offset not 0": (lambda p: _patch(p + ".idx", OFFSETS_AT, struct.pack("<q", 1)),
+                           ValueError, ".idx", "first offset is 1, it must be 0"),
+    "offsets decrease": (lambda p: _patch(p + ".idx", OFFSETS_AT + 16, struct.pack("<q", 2)),
+                         ValueError, ".idx", r"offsets decrease at entry 1 \(3 -> 2\)"),
+    "last offset past the bin": (
+        lambda p: _patch(p + ".idx", OFFSETS_AT + 24, struct.pack("<q", 9)), ValueError, ".idx",
+        r"last offset 9 \(18 bytes of uint16\) is past the end of .*16 bytes"),
     "bin truncated": (lambda p: _truncate(p + ".bin", 14), ValueError, ".idx", "past the end"),
     "bin too long": (lambda p: _append(p + ".bin", b"\0\0"), ValueError, ".bin",
                      "has 18 bytes, but its index .* says 8 tokens x 2 bytes = 16"),
     "bin odd size": (lambda p: _append(p + ".bin", b"\0"), ValueError, ".bin", "has 17 bytes"),
-    "overlap longer than entry": (lambda p: _patch(p + ".idx", OVERLAPS_AT + 2, struct.pack("<H", 2)), ValueError,
-                                  ".idx", "entry 1 has an overlap prefix of 2 tokens but only 1 tokens"),
+    "overlap longer than entry": (
+        lambda p: _patch(p + ".idx", OVERLAPS_AT + 2, struct.pack("<H", 2)), ValueError, ".idx",
+        "entry 1 has an overlap prefix of 2 tokens but only 1 tokens"),
 }
 
 
@@ -423,7 +452,8 @@ def _expected_entries(tokenizer, texts, max_length, overlap) -> list[tuple[list[
 
 
 def _rebuild_documents(shard: TokenShard) -> list[list[int]]:
-    """Documents from entries, when overlap > 0: a window with an overlap prefix continues a document."""
+    """Documents from entries, when overlap > 0: a window with an overlap prefix continues a
+    document."""
     docs = []
     for i in range(len(shard)):
         entry, o = shard.entry(i).tolist(), int(shard.overlaps[i])
@@ -435,8 +465,8 @@ def _rebuild_documents(shard: TokenShard) -> list[list[int]]:
 
 
 def _check_outputs(out_dir, inputs: dict, tokenizer, max_length=None, overlap=0) -> int:
-    """Each {split: [(name, texts)]} input is exactly one pair holding its documents' entries in order.
-    Returns how many documents were cut into windows."""
+    """Each {split: [(name, texts)]} input is exactly one pair holding its documents' entries in
+    order. Returns how many documents were cut into windows."""
     windowed = 0
     for split, items in inputs.items():
         assert list_token_shards(os.path.join(out_dir, split)) == [
@@ -447,7 +477,8 @@ def _check_outputs(out_dir, inputs: dict, tokenizer, max_length=None, overlap=0)
             got = [(shard.entry(i).tolist(), int(shard.overlaps[i])) for i in range(len(shard))]
             assert got == _expected_entries(tokenizer, texts, max_length, overlap)
             if overlap:
-                docs = tokenizer.encode_to_arrays(texts, prepend=tokenizer.get_bos_token_id(), num_threads=1)
+                docs = tokenizer.encode_to_arrays(texts, prepend=tokenizer.get_bos_token_id(),
+                                                  num_threads=1)
                 assert _rebuild_documents(shard) == [d.tolist() for d in docs]
                 windowed += sum(len(d) > max_length for d in docs)
             if max_length is not None:
@@ -462,7 +493,8 @@ def _parquet_inputs(parquet_dir) -> dict:
     return {"train": items[:-1], "val": items[-1:]}
 
 
-def test_cli_parquet_windowed_two_workers_then_rerun_skips(parquet_dir, tokenizer_dir, tokenizer, tmp_path, capsys):
+def test_cli_parquet_windowed_two_workers_then_rerun_skips(
+        parquet_dir, tokenizer_dir, tokenizer, tmp_path, capsys):
     out = str(tmp_path / "tokens")
     argv = ["--input", parquet_dir, "--output", out, "--tokenizer-dir", tokenizer_dir,
             "--max-length", "24", "--overlap-size", "6", "--num-workers", "2"]
@@ -484,7 +516,8 @@ def test_cli_parquet_windowed_two_workers_then_rerun_skips(parquet_dir, tokenize
     assert _files(out) == before  # byte-identical, same mtimes
 
     # the same output with other windowing would mix two kinds of shards: refused
-    with pytest.raises(ValueError, match="pretokenize.json records other settings .*max_length 24 -> 32"):
+    with pytest.raises(ValueError,
+                       match="pretokenize.json records other settings .*max_length 24 -> 32"):
         main(argv[:-6] + ["--max-length", "32", "--overlap-size", "6"])
 
 
@@ -498,12 +531,13 @@ def test_cli_parquet_unwindowed(parquet_dir, tokenizer_dir, tokenizer, tmp_path)
 
 
 def test_cli_gpt_simple_convention(parquet_dir, tokenizer_dir, tokenizer, tmp_path, capsys):
-    """--convention gpt-simple, in 2 worker processes: each document's tokens + EOD (the tokenizer's BOS
-    id), no BOS, windowed as the reference says, every entry within --max-length; recorded in
+    """--convention gpt-simple, in 2 worker processes: each document's tokens + EOD (the tokenizer's
+    BOS id), no BOS, windowed as the reference says, every entry within --max-length; recorded in
     pretokenize.json, and a rerun with the other convention is refused."""
     out = str(tmp_path / "tokens")
-    argv = ["--input", parquet_dir, "--output", out, "--tokenizer-dir", tokenizer_dir, "--max-length", "16",
-            "--overlap-size", "4", "--num-workers", "2", "--convention", "gpt-simple"]
+    argv = ["--input", parquet_dir, "--output", out, "--tokenizer-dir", tokenizer_dir,
+            "--max-length", "16", "--overlap-size", "4", "--num-workers", "2",
+            "--convention", "gpt-simple"]
     assert main(argv) == 0
     assert "world_size=1 convention=gpt-simple" in capsys.readouterr().out
     eod = tokenizer.get_bos_token_id()
@@ -513,23 +547,27 @@ def test_cli_gpt_simple_convention(parquet_dir, tokenizer_dir, tokenizer, tmp_pa
             shard = TokenShard(os.path.join(out, split, name))
             expected = [window for ids in tokenizer.encode(texts, num_threads=1)
                         for window in gpt_simple_windows(ids + [eod], 16, 4)]
-            assert [(shard.entry(i).tolist(), int(shard.overlaps[i])) for i in range(len(shard))] == expected
+            assert [(shard.entry(i).tolist(), int(shard.overlaps[i]))
+                    for i in range(len(shard))] == expected
             assert shard.lengths().max() == 16 and shard.dtype == np.uint16
             windowed += sum(o > 0 for _, o in expected)
     assert windowed > 10  # guard: long documents were cut
     with open(os.path.join(out, "pretokenize.json")) as f:
         meta = json.load(f)
-    assert (meta["convention"], meta["eod_token_id"], meta["bos_token_id"]) == ("gpt-simple", eod, eod)
-    with pytest.raises(ValueError, match=f"records other settings .*convention 'gpt-simple' -> 'nanochat', "
-                                         f"eod_token_id {eod} -> None"):
+    assert (meta["convention"], meta["eod_token_id"], meta["bos_token_id"]) == (
+        "gpt-simple", eod, eod)
+    with pytest.raises(ValueError,
+                       match=f"records other settings .*convention 'gpt-simple' -> 'nanochat', "
+                             f"eod_token_id {eod} -> None"):
         main(argv[:-2])
 
 
 def test_cli_settings_written_before_conventions(parquet_dir, tokenizer_dir, tmp_path, capsys):
-    """A pretokenize.json without the convention fields (written before they existed) is the nanochat
-    convention's: a rerun with the same arguments goes on; one with --convention gpt-simple is refused."""
+    """A pretokenize.json without the convention fields is the nanochat convention's: a rerun with
+    the same arguments goes on; one with --convention gpt-simple is refused."""
     out = tmp_path / "tokens"
-    argv = ["--input", parquet_dir, "--output", str(out), "--tokenizer-dir", tokenizer_dir, "--num-workers", "1"]
+    argv = ["--input", parquet_dir, "--output", str(out), "--tokenizer-dir", tokenizer_dir,
+            "--num-workers", "1"]
     assert main(argv) == 0
     meta = json.loads((out / "pretokenize.json").read_text())
     assert (meta["convention"], meta["eod_token_id"]) == ("nanochat", None)
@@ -563,7 +601,8 @@ def test_cli_resumes_a_killed_run(parquet_dir, tokenizer_dir, tokenizer, tmp_pat
 
     assert main(argv) == 0
     assert "2 already done" in capsys.readouterr().out
-    assert {k: data for k, (data, _) in _files(out).items()} == reference  # no .tmp left, same bytes
+    # no .tmp left, same bytes
+    assert {k: data for k, (data, _) in _files(out).items()} == reference
     assert _files(out)["train/shard_00000.bin"] == untouched  # the complete pair was not rewritten
     _check_outputs(out, _parquet_inputs(parquet_dir), tokenizer, 24, 6)
 
@@ -577,13 +616,16 @@ def test_cli_ranks_split_inputs_disjointly(parquet_dir, tokenizer_dir, tmp_path,
         written.append({os.path.relpath(p, out) for split in ("train", "val")
                         if os.path.isdir(os.path.join(out, split))
                         for p in list_token_shards(os.path.join(out, split))})
-    assert written == [{"train/shard_00000", "val/shard_00003"}, {"train/shard_00001"}, {"train/shard_00002"}]
+    assert written == [{"train/shard_00000", "val/shard_00003"}, {"train/shard_00001"},
+                       {"train/shard_00002"}]
     # torchrun's variables do the same
     for name, value in (("RANK", "1"), ("LOCAL_RANK", "1"), ("WORLD_SIZE", "2")):
         monkeypatch.setenv(name, value)
     out = str(tmp_path / "torchrun")
-    assert main(["--input", parquet_dir, "--output", out, "--tokenizer-dir", tokenizer_dir, "--num-workers", "1"]) == 0
-    assert list_token_shards(os.path.join(out, "train")) == [os.path.join(out, "train", "shard_00001")]
+    assert main(["--input", parquet_dir, "--output", out, "--tokenizer-dir", tokenizer_dir,
+                 "--num-workers", "1"]) == 0
+    assert list_token_shards(os.path.join(out, "train")) == [
+        os.path.join(out, "train", "shard_00001")]
     assert list_token_shards(os.path.join(out, "val")) == [os.path.join(out, "val", "shard_00003")]
 
 
@@ -603,10 +645,12 @@ def test_cli_jsonl_and_jsonl_gz(tokenizer_dir, tokenizer, tmp_path):
     val = tmp_path / "c.jsonl"
     val.write_text(lines(docs["c"]), encoding="utf-8")
     out = str(tmp_path / "tokens")
-    assert main(["--input", str(raw), "--val-input", str(val), "--output", out, "--tokenizer-dir", tokenizer_dir,
-                 "--text-field", "content", "--max-length", "16", "--overlap-size", "8", "--num-workers", "1"]) == 0
-    windowed = _check_outputs(out, {"train": [("a", docs["a"]), ("b", docs["b"])], "val": [("c", docs["c"])]},
-                              tokenizer, 16, 8)
+    assert main(["--input", str(raw), "--val-input", str(val), "--output", out,
+                 "--tokenizer-dir", tokenizer_dir, "--text-field", "content",
+                 "--max-length", "16", "--overlap-size", "8", "--num-workers", "1"]) == 0
+    windowed = _check_outputs(
+        out, {"train": [("a", docs["a"]), ("b", docs["b"])], "val": [("c", docs["c"])]},
+        tokenizer, 16, 8)
     assert windowed > 0
 
 
@@ -619,12 +663,13 @@ def test_cli_bad_input_fails_alone(tokenizer_dir, tmp_path, capsys):
                  "--num-workers", "1"]) == 1
     printed = capsys.readouterr().out
     assert "bad.jsonl line 2: invalid JSON" in printed and "failed (1): bad.jsonl" in printed
-    assert sorted(os.listdir(os.path.join(out, "train"))) == [".bad.lock", ".good.lock", "good.bin", "good.idx"]
+    assert sorted(os.listdir(os.path.join(out, "train"))) == [
+        ".bad.lock", ".good.lock", "good.bin", "good.idx"]
 
 
 # -----------------------------------------------------------------------------
-# kill -9 and concurrent runs: real processes (tests/slow_pretokenize.py sleeps 0.1 s per encode call,
-# one call per input here, so a run of 24 inputs on 2 workers lasts over a second)
+# kill -9 and concurrent runs: real processes (tests/slow_pretokenize.py sleeps 0.1 s per encode
+# call, one call per input here, so a run of 24 inputs on 2 workers lasts over a second)
 
 SLOW_SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "slow_pretokenize.py")
 
@@ -690,11 +735,14 @@ def test_cli_kill_9_leaves_no_process_and_a_rerun_matches(many_inputs, tmp_path,
     run = _start_slow_run(argv + ["--output", str(out)], tmp_path / "log.txt")
     try:
         train = out / "train"
-        _wait_for(lambda: train.is_dir() and any(n.endswith(".idx") for n in os.listdir(train)), 60, "first pair")
+        _wait_for(lambda: train.is_dir() and any(n.endswith(".idx") for n in os.listdir(train)),
+                  60, "first pair")
         children = _children(run.pid)
-        kinds = sorted("resource_tracker" if "resource_tracker" in c else "spawn" if "spawn_main" in c else c
+        kinds = sorted("resource_tracker" if "resource_tracker" in c
+                       else "spawn" if "spawn_main" in c else c
                        for _, c in children.values())
-        assert kinds == ["resource_tracker", "spawn", "spawn"]  # 2 workers and multiprocessing's tracker
+        # 2 workers and multiprocessing's tracker
+        assert kinds == ["resource_tracker", "spawn", "spawn"]
         run.kill()  # SIGKILL: no handler, no cleanup
     finally:
         run.kill()
@@ -705,25 +753,30 @@ def test_cli_kill_9_leaves_no_process_and_a_rerun_matches(many_inputs, tmp_path,
     capsys.readouterr()
     assert main(argv + ["--output", str(out)]) == 0  # at once
     assert f"{len(done)} already done" in capsys.readouterr().out
-    assert {k: data for k, (data, _) in _files(out).items()} == reference  # byte for byte, no .tmp left
+    # byte for byte, no .tmp left
+    assert {k: data for k, (data, _) in _files(out).items()} == reference
     # the killed run's workers and resource tracker are gone, not left running
-    _wait_for(lambda: not any(_alive(pid, start) for pid, (start, _) in children.items()), 5, "exit of all")
+    _wait_for(lambda: not any(_alive(pid, start) for pid, (start, _) in children.items()), 5,
+              "exit of all")
 
 
 def test_cli_two_runs_on_one_output(many_inputs, tmp_path, capsys):
-    """A second run on an output a run is writing is refused, naming the output and the other run's pid;
-    the first run is undisturbed, and once it is done the output is free again."""
+    """A second run on an output a run is writing is refused, naming the output and the other run's
+    pid; the first run is undisturbed, and once it is done the output is free again."""
     argv, reference = many_inputs
     out = tmp_path / "tokens"
     first = _start_slow_run(argv + ["--output", str(out)], tmp_path / "log.txt")
     try:
         lock = out / ".pretokenize.lock"
-        _wait_for(lambda: lock.is_file() and lock.read_text().startswith(f"pid {first.pid} on"), 60, "lock")
+        _wait_for(lambda: lock.is_file() and lock.read_text().startswith(f"pid {first.pid} on"),
+                  60, "lock")
         with pytest.raises(TimeoutError) as info:
             main(argv + ["--output", str(out), "--lock-timeout", "0.2"])
         message = str(info.value)
-        assert message.startswith(f"another pretokenize run (pid {first.pid} on {socket.gethostname()}, since ")
-        assert f") is writing to {out}: {lock} stayed locked for 0.2s; let that run finish (or stop it)" in message
+        assert message.startswith(
+            f"another pretokenize run (pid {first.pid} on {socket.gethostname()}, since ")
+        assert (f") is writing to {out}: {lock} stayed locked for 0.2s; "
+                "let that run finish (or stop it)") in message
         assert first.wait(timeout=120) == 0
     finally:
         first.kill()
@@ -731,13 +784,15 @@ def test_cli_two_runs_on_one_output(many_inputs, tmp_path, capsys):
     assert {k: data for k, (data, _) in _files(out).items()} == reference
     assert lock.read_text() == ""  # released: it names nobody
     capsys.readouterr()
-    assert main(argv + ["--output", str(out), "--lock-timeout", "0"]) == 0  # free again: all 24 skipped
+    # free again: all 24 skipped
+    assert main(argv + ["--output", str(out), "--lock-timeout", "0"]) == 0
     assert "24 already done" in capsys.readouterr().out
 
 
 def test_cli_plain_run_and_a_rank_on_one_output_at_once(many_inputs, tmp_path):
-    """A plain run and rank 0 of 2 on one output at once hold different output locks and share the even
-    inputs: each pair is written once, by whichever run takes its pair lock first, and the other skips it."""
+    """A plain run and rank 0 of 2 on one output at once hold different output locks and share the
+    even inputs: each pair is written once, by whichever run takes its pair lock first, and the
+    other skips it."""
     argv, reference = many_inputs
     out = tmp_path / "tokens"
     runs = [_start_slow_run(argv + ["--output", str(out)] + extra, tmp_path / f"log{i}.txt")
@@ -752,8 +807,10 @@ def test_cli_plain_run_and_a_rank_on_one_output_at_once(many_inputs, tmp_path):
     written = [re.search(r"^wrote (\d+)/\d+ shards", log, re.M) for log in logs]
     assert all(written), logs
     assert sum(int(m[1]) for m in written) == 24, logs  # no pair written twice, none missed
-    assert {k: data for k, (data, _) in _files(out).items()} == reference  # byte for byte, no .tmp left
-    assert list_token_shards(str(out / "train")) == [str(out / "train" / f"part_{i:02d}") for i in range(24)]
+    # byte for byte, no .tmp left
+    assert {k: data for k, (data, _) in _files(out).items()} == reference
+    assert list_token_shards(str(out / "train")) == [str(out / "train" / f"part_{i:02d}")
+                                                     for i in range(24)]
 
 
 def _die(job):
@@ -765,12 +822,14 @@ def test_cli_dead_worker_fails_the_run(parquet_dir, tokenizer_dir, tmp_path, mon
     monkeypatch.setattr(pretokenize, "_run_job", _die)
     out = str(tmp_path / "tokens")
     with pytest.raises(BrokenProcessPool):
-        main(["--input", parquet_dir, "--output", out, "--tokenizer-dir", tokenizer_dir, "--num-workers", "2"])
+        main(["--input", parquet_dir, "--output", out, "--tokenizer-dir", tokenizer_dir,
+              "--num-workers", "2"])
     assert not os.path.exists(os.path.join(out, "train"))  # nothing half-written
 
 
 def test_cli_rejects_bad_arguments(parquet_dir, tokenizer_dir, tmp_path, capsys):
-    base = ["--input", parquet_dir, "--output", str(tmp_path / "out"), "--tokenizer-dir", tokenizer_dir]
+    base = ["--input", parquet_dir, "--output", str(tmp_path / "out"),
+            "--tokenizer-dir", tokenizer_dir]
     with pytest.raises(SystemExit) as info:
         main(base + ["--max-length", "8", "--overlap-size", "5"])
     assert info.value.code == 2
@@ -784,8 +843,8 @@ def test_cli_rejects_bad_arguments(parquet_dir, tokenizer_dir, tmp_path, capsys)
         main(base + ["--lock-timeout", "-1"])
     assert "--lock-timeout must be >= 0 seconds, got -1.0" in capsys.readouterr().err
     with pytest.raises(ValueError, match="pass their directory"):
-        main(["--input", os.path.join(parquet_dir, "shard_00000.parquet"), "--output", str(tmp_path / "out"),
-              "--tokenizer-dir", tokenizer_dir])
+        main(["--input", os.path.join(parquet_dir, "shard_00000.parquet"),
+              "--output", str(tmp_path / "out"), "--tokenizer-dir", tokenizer_dir])
     with pytest.raises(ValueError, match="drop --val-input"):
         main(base + ["--val-input", parquet_dir])
     assert not os.path.exists(tmp_path / "out" / "train")  # nothing was written

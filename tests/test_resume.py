@@ -7,13 +7,13 @@ Exact and elastic resume (nanochat/resume.py and the version-2 states of nanocha
 - the state is plain data (JSON and torch.load(weights_only=True)) and stays small;
 - the emitted-token fingerprint, recomputed here from the yielded tensors;
 - refused resumes (another split, dataset, shape, rank, version, a truncated or edited state),
-  what allow_state_mismatch=True accepts instead, and the seeds' {pq_idx, rg_idx, epoch} form;
+  what allow_state_mismatch=True accepts instead, and nanochat's {pq_idx, rg_idx, epoch} form;
 - statistics that continue across a resume;
 - merge_states: its errors, and an elastic N -> M restart in one process where every document
   not yet trained on is placed exactly once (checked on document traces and on the tokens);
-- every field checked: a hypothesis property edits real states of every loader (and states to merge) at
-  random and reseals them: each resumes, or is refused with a ValueError naming the edited field, within
-  a time and memory bound; and worked examples, field by field.
+- every field checked: a hypothesis property edits real states of every loader (and states to
+  merge) at random and reseals them: each resumes, or is refused with a ValueError naming the
+  edited field, within a time and memory bound; and worked examples, field by field.
 Run: python -m pytest tests/test_resume.py -q
 """
 
@@ -52,8 +52,8 @@ from nanochat.state import decode_keys, decode_plan, add_checksum
 BESTFIT = tokenizing_distributed_data_loader_with_state_bos_bestfit
 CONCAT = tokenizing_distributed_data_loader_with_state
 BOS = ByteTokenizer.bos
-V2_KEYS = ("version", "loader", "pq_idx", "rg_idx", "epoch", "plan", "next", "buffer", "offset", "config",
-           "emitted", "counters", "checksum")
+V2_KEYS = ("version", "loader", "pq_idx", "rg_idx", "epoch", "plan", "next", "buffer", "offset",
+           "config", "emitted", "counters", "checksum")
 
 # -----------------------------------------------------------------------------
 # helpers: corpora, loaders, runs
@@ -73,12 +73,14 @@ def random_corpus(rng: random.Random, data_dir, T: int, world_size: int, tokeniz
     for i in range(n_files):
         rg = rng.randint(tokenizer_batch_size + 1, tokenizer_batch_size + 6)
         n = rng.randint(3 * world_size * rg, 3 * world_size * rg + 25)
-        write_shard(data_dir / f"shard_{i:05d}.parquet", [random_text(rng, T) for _ in range(n)], row_group_size=rg)
+        write_shard(data_dir / f"shard_{i:05d}.parquet", [random_text(rng, T) for _ in range(n)],
+                    row_group_size=rg)
 
 
 def open_loader(kind: str, cfg: dict, **over):
-    """A loader of `kind` on cfg's data; over replaces any argument (concat ignores best-fit options).
-    kind: "bestfit", "concat", or a long_doc_policy of the best-fit loader ("split", "split_reuse")."""
+    """A loader of `kind` on cfg's data; over replaces any argument (concat ignores best-fit
+    options). kind: "bestfit", "concat", or a long_doc_policy of the best-fit loader ("split",
+    "split_reuse")."""
     kw = {"device": "cpu", **cfg, **over}
     B, T, split = kw.pop("B"), kw.pop("T"), kw.pop("split", "train")
     if kind == "concat":
@@ -144,8 +146,8 @@ def texts_by_key(data_dir, split="train"):
 
 
 def check_rows_against_trace(batch, trace, texts):
-    """Each row splits at BOS into exactly the traced documents: all whole but the last, which may be
-    cropped (a prefix of its document)."""
+    """Each row splits at BOS into exactly the traced documents: all whole but the last, which may
+    be cropped (a prefix of its document)."""
     rows = rows_of(batch)
     assert len(trace) == len(rows)
     for row, keys in zip(rows, trace):
@@ -168,7 +170,8 @@ def write_small(data_dir) -> dict:
     rng = random.Random(11)
     data_dir.mkdir(parents=True, exist_ok=True)
     for i, (n, rg) in enumerate([(40, 6), (33, 5), (45, 7), (30, 6)]):
-        texts = ["".join(rng.choice("pqrstu ") for _ in range(rng.randint(0, 40))) for _ in range(n)]
+        texts = ["".join(rng.choice("pqrstu ") for _ in range(rng.randint(0, 40)))
+                 for _ in range(n)]
         write_shard(data_dir / f"shard_{i:05d}.parquet", texts, row_group_size=rg)
     return dict(SMALL, data_dir=str(data_dir))
 
@@ -188,12 +191,14 @@ def small(tmp_path):
 @pytest.mark.parametrize("kind", ["bestfit", "concat", "split", "split_reuse"])
 def test_exact_resume_after_every_batch(kind, split, prefetch, seed, tmp_path):
     # (the seeds of the policy kinds start at 10: their configs all cover the cases asserted below)
-    rng = random.Random(f"{kind}-{split}-{prefetch}-{seed + 10 * (kind in ('split', 'split_reuse'))}")
+    rng = random.Random(
+        f"{kind}-{split}-{prefetch}-{seed + 10 * (kind in ('split', 'split_reuse'))}")
     world_size = rng.randint(1, 3)
     T, tbs = rng.randint(4, 32), rng.randint(1, 5)
     random_corpus(rng, tmp_path, T, world_size, tbs)
-    cfg = dict(B=rng.randint(1, 4), T=T, split=split, tokenizer_batch_size=tbs, buffer_size=rng.choice([2, 3, 7, 20]),
-               rank=rng.randrange(world_size), world_size=world_size, prefetch=prefetch, data_dir=str(tmp_path),
+    cfg = dict(B=rng.randint(1, 4), T=T, split=split, tokenizer_batch_size=tbs,
+               buffer_size=rng.choice([2, 3, 7, 20]), rank=rng.randrange(world_size),
+               world_size=world_size, prefetch=prefetch, data_dir=str(tmp_path),
                split_overlap=rng.choice([0, rng.randint(0, T - 1)]))
     loader = open_loader(kind, cfg)
     run = take(loader, 1)
@@ -204,7 +209,8 @@ def test_exact_resume_after_every_batch(kind, split, prefetch, seed, tmp_path):
     states = [s for _, _, s in run]
     n = len(run)
 
-    # the run covers what a resume must survive (a small val split may start epoch 2 in the first batch)
+    # the run covers what a resume must survive (a small val split may start epoch 2 in the first
+    # batch)
     assert states[0]["epoch"] < states[-1]["epoch"], "the run should cross an epoch boundary"
     assert any(s["next"][3] > 0 for s in states), "some state should stop mid row group"
     assert any(s["next"][2] > cfg["rank"] for s in states), "some state should stop mid file"
@@ -212,18 +218,22 @@ def test_exact_resume_after_every_batch(kind, split, prefetch, seed, tmp_path):
         assert len({s["next"][1] for s in states}) >= 2, "the run should cross a file boundary"
     assert all(s["plan"] == [] for s in states)
     if kind == "concat":
-        assert any(s["buffer"] and s["offset"] > 0 for s in states), "some state should hold a started document"
+        assert any(s["buffer"] and s["offset"] > 0 for s in states), (
+            "some state should hold a started document")
     else:
         assert all(len(decode_keys(s["buffer"])) >= cfg["buffer_size"] - 1 for s in states)
     if kind in ("split", "split_reuse") and split == "train":  # (a val run may be a few batches)
         assert any(s["pieces"] for s in states), "some state should hold pieces of a split document"
 
     for k in range(n - 1):
-        # every other resume swaps the background threads on or off: prefetch is not part of the stream
-        resumed = open_loader(kind, cfg, resume_state_dict=states[k], prefetch=prefetch if k % 2 else 3 - prefetch)
+        # every other resume swaps the background threads on or off: prefetch is not part of the
+        # stream
+        resumed = open_loader(kind, cfg, resume_state_dict=states[k],
+                              prefetch=prefetch if k % 2 else 3 - prefetch)
         for j in range(k + 1, n):
             inputs, targets, state = next(resumed)
-            assert (inputs.tolist(), targets.tolist()) == run[j][:2], f"resumed after batch {k}: batch {j} differs"
+            assert (inputs.tolist(), targets.tolist()) == run[j][:2], (
+                f"resumed after batch {k}: batch {j} differs")
             assert state == states[j], f"resumed after batch {k}: state {j} differs"
         resumed.close()
 
@@ -262,8 +272,8 @@ def test_state_is_a_few_kb_with_a_full_buffer(tmp_path):
     rng = random.Random(4)
     docs = ["z" * rng.randint(0, 60) for _ in range(4000)]
     write_shards(tmp_path, [docs[:2000], docs[2000:], ["val"]], row_group_size=256)
-    loader = BESTFIT(ByteTokenizer(), 8, 64, "train", device="cpu", buffer_size=1000, data_dir=str(tmp_path),
-                     prefetch=0)
+    loader = BESTFIT(ByteTokenizer(), 8, 64, "train", device="cpu", buffer_size=1000,
+                     data_dir=str(tmp_path), prefetch=0)
     for _ in range(20):
         _, _, state = next(loader)
     assert 999 <= len(decode_keys(state["buffer"])) < 1000 + 128
@@ -317,7 +327,8 @@ def state_after(kind: str, cfg: dict, k: int, **over) -> dict:
 @pytest.mark.parametrize("field,taken,resumed", [
     ("B", {}, {"B": 3}),
     ("T", {}, {"T": 12}),
-    ("B", {"rank": 0, "world_size": 2}, {"B": 3, "rank": 1, "world_size": 2}),  # not only another rank
+    # not only another rank
+    ("B", {"rank": 0, "world_size": 2}, {"B": 3, "rank": 1, "world_size": 2}),
     ("tokenizer_batch_size", {}, {"tokenizer_batch_size": 3}),
     ("split", {"split": "val"}, {"split": "train"}),
 ])
@@ -334,30 +345,37 @@ def test_refused_on_another_buffer_size_loader_or_tokenizer(small):
         open_loader("bestfit", small, resume_state_dict=state, buffer_size=6)
     with pytest.raises(ValueError, match="loader: state 'bestfit', loader 'concat'"):
         open_loader("concat", small, resume_state_dict=state)
-    # a state saved before the policies existed reads as "crop" (its config has neither field)
-    old = {k: v for k, v in state.items() if k != "pieces"}
-    old["config"] = {k: v for k, v in state["config"].items() if k not in ("long_doc_policy", "split_overlap")}
-    old = add_checksum(old)
-    assert take(open_loader("bestfit", small, resume_state_dict=old), 2) == take(
+    # a state without the policies' fields (no pieces; its config has neither policy field) reads
+    # as "crop"
+    no_policy = {k: v for k, v in state.items() if k != "pieces"}
+    no_policy["config"] = {k: v for k, v in state["config"].items()
+                           if k not in ("long_doc_policy", "split_overlap")}
+    no_policy = add_checksum(no_policy)
+    assert take(open_loader("bestfit", small, resume_state_dict=no_policy), 2) == take(
         open_loader("bestfit", small, resume_state_dict=state), 2)
     with pytest.raises(ValueError, match="long_doc_policy: state 'crop', loader 'split'"):
-        open_loader("split", small, resume_state_dict=old)
+        open_loader("split", small, resume_state_dict=no_policy)
     with pytest.raises(ValueError, match="split_overlap: state 2, loader 1"):
-        open_loader("split", small, resume_state_dict=state_after("split", small, 3, split_overlap=2), split_overlap=1)
+        open_loader("split", small,
+                    resume_state_dict=state_after("split", small, 3, split_overlap=2),
+                    split_overlap=1)
 
     class Shifted(ByteTokenizer):
         def encode(self, texts, prepend=None, num_threads=1):
-            return [[t if t == prepend else (t + 1) % 256 for t in ids] for ids in super().encode(texts, prepend)]
+            return [[t if t == prepend else (t + 1) % 256 for t in ids]
+                    for ids in super().encode(texts, prepend)]
 
     with pytest.raises(ValueError, match="tokenizer: state '[0-9a-f]+', loader '[0-9a-f]+'"):
-        BESTFIT(Shifted(), 2, 16, "train", 4, 4, "cpu", state, 5, data_dir=small["data_dir"], rank=0, world_size=1)
+        BESTFIT(Shifted(), 2, 16, "train", 4, 4, "cpu", state, 5, data_dir=small["data_dir"],
+                rank=0, world_size=1)
 
 
 @pytest.mark.parametrize("kind", ["bestfit", "concat"])
 def test_refused_on_another_dataset(kind, small, tmp_path):
     state = state_after(kind, small, 3)
     other = tmp_path / "other"
-    write_shards(other, [["a different shard"] * 40, ["and another"] * 33, ["v"] * 4], row_group_size=6)
+    write_shards(other, [["a different shard"] * 40, ["and another"] * 33, ["v"] * 4],
+                 row_group_size=6)
     with pytest.raises(ValueError, match="files: state '[0-9a-f]{32}', loader '[0-9a-f]{32}'"):
         open_loader(kind, small, resume_state_dict=state, data_dir=str(other))
 
@@ -404,9 +422,11 @@ def test_mismatched_B_continues_the_same_rows(kind, B, small):
     # rows (best-fit) and the token stream (concatenation) do not depend on B: a state taken with
     # B=2 and accepted with another B continues them exactly, only grouped differently
     run = take(open_loader(kind, small), 16)
-    resumed = take(open_loader(kind, small, resume_state_dict=run[3][2], B=B, allow_state_mismatch=True), 6)
+    resumed = take(open_loader(kind, small, resume_state_dict=run[3][2], B=B,
+                               allow_state_mismatch=True), 6)
     if kind == "bestfit":
-        assert [r for b in resumed for r in rows_of(b)] == [r for b in run[4:] for r in rows_of(b)][:6 * B]
+        assert [r for b in resumed for r in rows_of(b)] == [
+            r for b in run[4:] for r in rows_of(b)][:6 * B]
     else:
         old, new = stream_of(run[4:]), stream_of(resumed)
         assert len(new) == 6 * B * small["T"] + 1 <= len(old) and new == old[:len(new)]
@@ -425,16 +445,19 @@ def test_mismatched_T_continues_the_same_documents(small):
     state = batch[2]
     buffered = decode_keys(state["buffer"])
     T = 24
-    resumed = open_loader("bestfit", traced, T=T, resume_state_dict=state, allow_state_mismatch=True)
+    resumed = open_loader("bestfit", traced, T=T, resume_state_dict=state,
+                          allow_state_mismatch=True)
     fresh = open_loader("bestfit", small, T=T)
     placed_after = []
     for j in range(8):
         batch = take(resumed, 1)[0]
         if j == 0:
-            assert batch[:2] != take(fresh, 1)[0][:2], "a mismatched resume must not restart from the beginning"
+            assert batch[:2] != take(fresh, 1)[0][:2], (
+                "a mismatched resume must not restart from the beginning")
         check_rows_against_trace(batch, resumed.documents, texts)
         placed_after += [key for row in resumed.documents for key in row]
-    # every document placed after the resume was buffered in the state or comes at or after its cursor
+    # every document placed after the resume was buffered in the state or comes at or after its
+    # cursor
     later = [key for key in placed_after if key not in buffered]
     assert all(key >= tuple(state["next"]) for key in later)
     assert not set(placed_after) & set(placed_before)
@@ -447,13 +470,15 @@ def test_mismatched_T_continues_the_same_documents(small):
 @pytest.mark.parametrize("kind", ["bestfit", "concat"])
 def test_another_ranks_state_resumes_approximately(kind, taken, allow, small, caplog):
     # nanochat's base_train saves rank 0's state alone and gives it to every rank when it resumes:
-    # a rank (or world size) other than the state's resumes as nanochat's loader does, with a warning
+    # a rank (or world size) other than the state's resumes as nanochat's loader does, with a
+    # warning
     state = json.loads(json.dumps(state_after(kind, small, 8, **taken)))
     assert (state["pq_idx"], state["rg_idx"]) != (0, 0)
     new = dict(rank=1, world_size=2)
-    accepted = take(open_loader(kind, small, resume_state_dict=state, allow_state_mismatch=allow, **new), 5)
-    seeds = {k: state[k] for k in ("pq_idx", "rg_idx", "epoch")}
-    assert accepted == take(open_loader(kind, small, resume_state_dict=seeds, **new), 5)
+    accepted = take(open_loader(kind, small, resume_state_dict=state, allow_state_mismatch=allow,
+                                **new), 5)
+    nanochat_form = {k: state[k] for k in ("pq_idx", "rg_idx", "epoch")}
+    assert accepted == take(open_loader(kind, small, resume_state_dict=nanochat_form, **new), 5)
     assert accepted[0][:2] != take(open_loader(kind, small, **new), 1)[0][:2]
     if not allow:
         assert "another rank's state (rank: state 0, loader 1" in caplog.text
@@ -465,13 +490,14 @@ def test_edited_state_accepted_only_when_allowed(small):
     state["emitted"]["batches"] = 100  # edited: the checksum no longer matches
     with pytest.raises(ValueError, match="checksum"):
         open_loader("bestfit", small, resume_state_dict=state)
-    resumed = take(open_loader("bestfit", small, resume_state_dict=state, allow_state_mismatch=True), 4)
+    resumed = take(open_loader("bestfit", small, resume_state_dict=state,
+                               allow_state_mismatch=True), 4)
     assert [b[:2] for b in resumed] == [b[:2] for b in run[4:]]
     assert [b[2]["emitted"]["batches"] for b in resumed] == [101, 102, 103, 104]
 
 
 # -----------------------------------------------------------------------------
-# 5. the seeds' form {pq_idx, rg_idx[, epoch]}
+# 5. nanochat's form {pq_idx, rg_idx[, epoch]}
 
 
 @pytest.mark.parametrize("with_epoch", [True, False])
@@ -482,18 +508,20 @@ def test_seeds_form_matches_the_oracle(seed, kind, with_epoch, tmp_path):
     world_size = rng.randint(1, 2)
     T, tbs = rng.randint(4, 24), rng.randint(1, 4)
     random_corpus(rng, tmp_path, T, world_size, tbs)
-    cfg = dict(B=rng.randint(1, 3), T=T, tokenizer_batch_size=tbs, buffer_size=rng.choice([1, 4, 9]),
-               rank=rng.randrange(world_size), world_size=world_size, prefetch=rng.choice([0, 2]),
-               data_dir=str(tmp_path))
+    cfg = dict(B=rng.randint(1, 3), T=T, tokenizer_batch_size=tbs,
+               buffer_size=rng.choice([1, 4, 9]), rank=rng.randrange(world_size),
+               world_size=world_size, prefetch=rng.choice([0, 2]), data_dir=str(tmp_path))
     paths = split_parquet_files("train", str(tmp_path))
     state = state_after(kind, cfg, rng.randint(1, 12))
-    seeds = {k: state[k] for k in (("pq_idx", "rg_idx", "epoch") if with_epoch else ("pq_idx", "rg_idx"))}
-    resumed = take(open_loader(kind, cfg, resume_state_dict=seeds), 6)
+    nanochat_form = {k: state[k] for k in (("pq_idx", "rg_idx", "epoch") if with_epoch
+                                           else ("pq_idx", "rg_idx"))}
+    resumed = take(open_loader(kind, cfg, resume_state_dict=nanochat_form), 6)
     args = (ByteTokenizer(), paths, cfg["B"], T, tbs)
     if kind == "bestfit":
-        reference = oracle.bestfit_loader(*args, cfg["buffer_size"], cfg["rank"], world_size, resume=seeds)
+        reference = oracle.bestfit_loader(*args, cfg["buffer_size"], cfg["rank"], world_size,
+                                          resume=nanochat_form)
     else:
-        reference = oracle.concat_loader(*args, cfg["rank"], world_size, resume=seeds)
+        reference = oracle.concat_loader(*args, cfg["rank"], world_size, resume=nanochat_form)
     for batch, (inputs, targets, expected) in zip(resumed, reference):
         assert batch[:2] == (inputs, targets)
         assert {k: batch[2][k] for k in ("pq_idx", "rg_idx", "epoch")} == expected
@@ -514,8 +542,9 @@ def test_stats_continue_across_a_resume(kind, prefetch, small):
         states.append(take(loader, 1)[0][2])
         stats.append({k: v for k, v in loader.stats.items() if k != "wait_seconds"})
     last = stats[-1]
-    assert last["tokens_tokenized"] > last["tokens_emitted"] - last["tokens_bos_added"] - last["tokens_repeated"] > 0 \
-        if kind != "concat" else last["tokens_tokenized"] > last["tokens_emitted"] > 0
+    assert (last["tokens_tokenized"]
+            > last["tokens_emitted"] - last["tokens_bos_added"] - last["tokens_repeated"] > 0
+            if kind != "concat" else last["tokens_tokenized"] > last["tokens_emitted"] > 0)
     if kind == "bestfit":
         assert stats[-1]["tokens_cropped"] > 0 and stats[-1]["buffer_docs"] >= 4
     if kind in ("split", "split_reuse"):
@@ -524,7 +553,8 @@ def test_stats_continue_across_a_resume(kind, prefetch, small):
         resumed = open_loader(kind, cfg, resume_state_dict=states[k])
         for j in range(k + 1, 16):
             next(resumed)
-            assert {n: v for n, v in resumed.stats.items() if n != "wait_seconds"} == stats[j], (k, j)
+            assert {n: v for n, v in resumed.stats.items()
+                    if n != "wait_seconds"} == stats[j], (k, j)
             assert resumed.stats["wait_seconds"] >= 0
         resumed.close()
 
@@ -534,7 +564,8 @@ def test_stats_continue_across_a_resume(kind, prefetch, small):
 
 
 def rank_states(kind: str, cfg: dict, world_size: int, k: int, **over) -> list[dict]:
-    return [state_after(kind, cfg, k, rank=r, world_size=world_size, **over) for r in range(world_size)]
+    return [state_after(kind, cfg, k, rank=r, world_size=world_size, **over)
+            for r in range(world_size)]
 
 
 def test_merge_errors(small):
@@ -559,13 +590,16 @@ def test_merge_errors(small):
     with pytest.raises(ValueError, match=r"config\.loader"):
         merge_states([s0, concat1], 3, data_dir=d)
     split1 = state_after("split", small, 3, rank=1, world_size=2)
-    with pytest.raises(ValueError, match=r"config\.long_doc_policy: states\[1\] has 'split', states\[0\] has 'crop'"):
+    with pytest.raises(ValueError, match=r"config\.long_doc_policy: states\[1\] has 'split', "
+                                         r"states\[0\] has 'crop'"):
         merge_states([s0, split1], 3, data_dir=d)
     bad_pieces = add_checksum(dict(split1, pieces=[[10**6, 3]]))
     with pytest.raises(ValueError, match=r"states\[1\]\['pieces'\]"):
-        merge_states([state_after("split", small, 3, rank=0, world_size=2), bad_pieces], 3, data_dir=d)
+        merge_states([state_after("split", small, 3, rank=0, world_size=2), bad_pieces], 3,
+                     data_dir=d)
     with pytest.raises(ValueError, match=r"resume_state_dict\['pieces'\]"):
-        open_loader("split", small, resume_state_dict=add_checksum(dict(state_after("split", small, 3), pieces=[[0, -1]])))
+        open_loader("split", small, resume_state_dict=add_checksum(
+            dict(state_after("split", small, 3), pieces=[[0, -1]])))
     edited = copy.deepcopy(s1)
     edited["next"][3] += 1
     with pytest.raises(ValueError, match=r"states\[1\]\['checksum'\]"):
@@ -576,7 +610,8 @@ def test_merge_errors(small):
         merge_states([s0, s1], 0, data_dir=d)
 
     merged = merge_states([s1, s0], 3, data_dir=d)  # any order
-    assert merged["merged"] == {"from_world_size": 2, "world_size": 3} and len(merged["states"]) == 3
+    assert (merged["merged"] == {"from_world_size": 2, "world_size": 3}
+            and len(merged["states"]) == 3)
     with pytest.raises(ValueError, match="merged state"):
         merge_states([merged], 3, data_dir=d)
     with pytest.raises(ValueError, match="merged state"):
@@ -605,12 +640,13 @@ def elastic_corpus(data_dir, seed: int):
         write_shard(data_dir / f"shard_{i:05d}.parquet", texts, row_group_size=rg)
 
 
-@pytest.mark.parametrize("n_old,n_new,k,tbs", [(2, 3, 4, 3), (2, 3, 30, 3), (3, 2, 5, 3), (3, 2, 22, 3),
-                                                (1, 2, 8, 1), (2, 2, 7, 2), (2, 3, 9, 1), (3, 3, 7, 1)])
+@pytest.mark.parametrize("n_old,n_new,k,tbs", [(2, 3, 4, 3), (2, 3, 30, 3), (3, 2, 5, 3),
+                                                (3, 2, 22, 3), (1, 2, 8, 1), (2, 2, 7, 2),
+                                                (2, 3, 9, 1), (3, 3, 7, 1)])
 def test_elastic_restart_places_every_document_once(n_old, n_new, k, tbs, tmp_path):
     elastic_corpus(tmp_path, seed=n_old * 100 + k)
-    cfg = dict(B=2, T=20, tokenizer_batch_size=tbs, buffer_size=6, prefetch=0, data_dir=str(tmp_path),
-               trace_documents=True)
+    cfg = dict(B=2, T=20, tokenizer_batch_size=tbs, buffer_size=6, prefetch=0,
+               data_dir=str(tmp_path), trace_documents=True)
     texts = texts_by_key(tmp_path)
     placed = []
     states = []
@@ -627,7 +663,8 @@ def test_elastic_restart_places_every_document_once(n_old, n_new, k, tbs, tmp_pa
         assert any(s["next"][3] == 1 for s in states), "some old rank should stop after row 0"
 
     merged = merge_states(states, n_new, data_dir=str(tmp_path))
-    assert [s["next"] for s in merged["states"]] == [[last_epoch + 1, 0, q, 0] for q in range(n_new)]
+    assert [s["next"] for s in merged["states"]] == [[last_epoch + 1, 0, q, 0]
+                                                     for q in range(n_new)]
     assert all(s["plan"] for s in merged["states"])
     row_capacity = cfg["T"] + 1
     waiting = []  # documents still buffered at the end: each will be placed by its own rank only
@@ -642,8 +679,9 @@ def test_elastic_restart_places_every_document_once(n_old, n_new, k, tbs, tmp_pa
             state = batch[2]
             if j == 0:
                 assert state["emitted"]["batches"] == k + 1 and state["config"]["rank"] == q
-            # best-fit crops a document longer than a row only when the buffer holds nothing shorter,
-            # so those may wait indefinitely; everything else of the dealt work must have been placed
+            # best-fit crops a document longer than a row only when the buffer holds nothing
+            # shorter, so those may wait indefinitely; everything else of the dealt work must have
+            # been placed
             old = [key for key in decode_keys(state["buffer"]) if key[0] <= last_epoch]
             if not state["plan"] and all(len(texts[key[1:]]) + 1 > row_capacity for key in old):
                 break
@@ -659,12 +697,14 @@ def test_elastic_restart_places_every_document_once(n_old, n_new, k, tbs, tmp_pa
     expected = {(e, *key) for e in range(1, last_epoch + 1) for key in texts}
     assert set(counts) == expected
     assert [key for key, c in counts.items() if c != 1] == []
-    assert all(any(key[0] <= last_epoch for key in trace) for trace in new_placed), "each new rank had work"
+    assert all(any(key[0] <= last_epoch for key in trace) for trace in new_placed), (
+        "each new rank had work")
     if k >= 20:
         assert last_epoch >= 2, "the long case should merge after epoch 1"
 
 
-@pytest.mark.parametrize("chain", [((2, 2), (3, 2), (2, None)), ((3, 4), (2, 2), (3, None)), ((1, 12), (3, 1), (1, None))])
+@pytest.mark.parametrize("chain", [((2, 2), (3, 2), (2, None)), ((3, 4), (2, 2), (3, None)),
+                                   ((1, 12), (3, 1), (1, None))])
 def test_chained_merges_place_every_document_once(chain, tmp_path):
     # 2 ranks, merged for 3 that stop mid-plan, merged again for 2: the plans of a merged state are
     # dealt again, and nothing is lost or repeated
@@ -676,24 +716,29 @@ def test_chained_merges_place_every_document_once(chain, tmp_path):
     for world_size, k in chain:
         states = []
         for r in range(world_size):
-            loader = open_loader("bestfit", cfg, rank=r, world_size=world_size, resume_state_dict=resume_from)
+            loader = open_loader("bestfit", cfg, rank=r, world_size=world_size,
+                                 resume_state_dict=resume_from)
             for j in range(k or 500):
                 batch = take(loader, 1)[0]
                 placed += [key for row in loader.documents for key in row]
                 state = batch[2]
-                old = [key for key in decode_keys(state["buffer"]) if key[0] <= last_epoch] if k is None else []
-                if k is None and not state["plan"] and all(len(texts[key[1:]]) + 1 > 21 for key in old):
+                old = ([key for key in decode_keys(state["buffer"]) if key[0] <= last_epoch]
+                       if k is None else [])
+                if k is None and not state["plan"] and all(
+                        len(texts[key[1:]]) + 1 > 21 for key in old):
                     waiting += old
                     break
             else:
-                assert k is not None, f"rank {r} of {world_size} did not finish its plan in 500 batches"
+                assert k is not None, (
+                    f"rank {r} of {world_size} did not finish its plan in 500 batches")
             states.append(state)
             loader.close()
         if k is not None:
             if resume_from is not None:
                 assert any(s["plan"] for s in states), "the middle ranks should stop mid-plan"
             last_epoch = max(s["next"][0] for s in states)
-            resume_from = merge_states(states, chain[chain.index((world_size, k)) + 1][0], data_dir=str(tmp_path))
+            resume_from = merge_states(states, chain[chain.index((world_size, k)) + 1][0],
+                                       data_dir=str(tmp_path))
     counts = Counter([key for key in placed if key[0] <= last_epoch] + waiting)
     assert set(counts) == {(e, *key) for e in range(1, last_epoch + 1) for key in texts}
     assert [key for key, c in counts.items() if c != 1] == []
@@ -701,10 +746,11 @@ def test_chained_merges_place_every_document_once(chain, tmp_path):
 
 @pytest.mark.parametrize("prefetch", [0, 3])
 def test_exact_resume_mid_plan(prefetch, tmp_path):
-    # a new rank's states while it works through its plan (rows of row groups, then whole row groups)
-    # resume exactly, like any other
+    # a new rank's states while it works through its plan (rows of row groups, then whole row
+    # groups) resume exactly, like any other
     elastic_corpus(tmp_path, seed=9)
-    cfg = dict(B=1, T=20, tokenizer_batch_size=2, buffer_size=3, prefetch=prefetch, data_dir=str(tmp_path))
+    cfg = dict(B=1, T=20, tokenizer_batch_size=2, buffer_size=3, prefetch=prefetch,
+               data_dir=str(tmp_path))
     merged = merge_states(rank_states("bestfit", cfg, 2, 5), 3, data_dir=str(tmp_path))
     for q in range(3):
         run = take(open_loader("bestfit", cfg, rank=q, world_size=3, resume_state_dict=merged), 40)
@@ -728,7 +774,8 @@ def concat_entries(state, q: int, world_size: int, paths, texts, epochs: int) ->
     if state is not None:
         for e, p, g, rows, starts in decode_plan(state["plan"], UnitIndex(paths)):
             rows = range(num_rows[p, g]) if rows is None else rows
-            entries += [((e, p, g, r), start) for r, start in zip(rows, starts or [None] * len(rows))]
+            entries += [((e, p, g, r), start)
+                        for r, start in zip(rows, starts or [None] * len(rows))]
     cursor = (1, 0, q, 0) if state is None else tuple(state["next"])
     entries += [((e, p, g, r), None) for e in range(1, epochs + 1) for p in range(len(paths))
                 for g in range(q, pq.ParquetFile(paths[p]).num_row_groups, world_size)
@@ -742,14 +789,16 @@ def tagged_tokens(entries, texts) -> list[tuple]:
             for i, t in enumerate([BOS] + list(texts[key[1:]].encode())) if i >= (start or 0)]
 
 
-@pytest.mark.parametrize("chain", [((2, 24), (3, None)), ((3, 100), (2, None)), ((1, 55), (3, None)),
-                                   ((2, 24), (3, 4), (2, None)), ((3, 16), (2, 8), (3, None))])
+@pytest.mark.parametrize("chain", [((2, 24), (3, None)), ((3, 100), (2, None)),
+                                   ((1, 55), (3, None)), ((2, 24), (3, 4), (2, None)),
+                                   ((3, 16), (2, 8), (3, None))])
 def test_elastic_restart_of_the_concatenating_loader(chain, tmp_path):
     # ranks run k batches, their states are merged for the next world size, and so on (k None: run
-    # past the plan). Every rank's stream must be exactly its entries (plan, then regular stream), and
-    # every token of the interrupted epochs consumed (emitted as an input) exactly once across all of
-    # them: a document a rank had started is dealt from its first token not yet consumed. Short
-    # batches (B*T = 10), so that the rest of such a document is often still buffered at a state
+    # past the plan). Every rank's stream must be exactly its entries (plan, then regular stream),
+    # and every token of the interrupted epochs consumed (emitted as an input) exactly once across
+    # all of them: a document a rank had started is dealt from its first token not yet consumed.
+    # Short batches (B*T = 10), so that the rest of such a document is often still buffered at a
+    # state
     elastic_corpus(tmp_path, seed=sum(k or 0 for _, k in chain))
     cfg = dict(B=2, T=5, tokenizer_batch_size=3, prefetch=0, data_dir=str(tmp_path))
     BT = cfg["B"] * cfg["T"]
@@ -760,18 +809,24 @@ def test_elastic_restart_of_the_concatenating_loader(chain, tmp_path):
         states = []
         for q in range(world_size):
             mine = merged["states"][q] if merged else None
-            tagged = tagged_tokens(concat_entries(mine, q, world_size, paths, texts, epochs=8), texts)
-            plan_tokens = len(tagged_tokens(concat_entries(mine, q, world_size, paths, texts, epochs=0), texts))
+            tagged = tagged_tokens(concat_entries(mine, q, world_size, paths, texts, epochs=8),
+                                   texts)
+            plan_tokens = len(tagged_tokens(
+                concat_entries(mine, q, world_size, paths, texts, epochs=0), texts))
             n = k if k is not None else plan_tokens // BT + 2
-            run = take(open_loader("concat", cfg, rank=q, world_size=world_size, resume_state_dict=merged), n)
-            assert stream_of(run) == [t for _, t in tagged[:n * BT + 1]], f"rank {q} of {world_size}: another stream"
+            run = take(open_loader("concat", cfg, rank=q, world_size=world_size,
+                                   resume_state_dict=merged), n)
+            assert stream_of(run) == [t for _, t in tagged[:n * BT + 1]], (
+                f"rank {q} of {world_size}: another stream")
             consumed += [where for where, _ in tagged[:n * BT]]
             states.append(run[-1][2])
-            # exact resume in the middle of a plan, first where the rest of a started document is buffered
+            # exact resume in the middle of a plan, first where the rest of a started document is
+            # buffered
             mid_plan = [j for j, b in enumerate(run[:-1]) if b[2]["plan"] or b[2]["pieces"]]
             for j in sorted(mid_plan, key=lambda j: not run[j][2]["pieces"])[:4]:
                 pieces_resumed += bool(run[j][2]["pieces"])
-                resumed = open_loader("concat", cfg, rank=q, world_size=world_size, resume_state_dict=run[j][2])
+                resumed = open_loader("concat", cfg, rank=q, world_size=world_size,
+                                      resume_state_dict=run[j][2])
                 assert take(resumed, min(3, n - j - 1)) == run[j + 1:j + 4]
                 resumed.close()
         if k is None:
@@ -779,7 +834,8 @@ def test_elastic_restart_of_the_concatenating_loader(chain, tmp_path):
         merged = merge_states(states, chain[step + 1][0], data_dir=str(tmp_path))
         pieces_dealt |= any("pieces" in item for s in merged["states"] for item in s["plan"])
         last_epoch = merged["states"][0]["next"][0] - 1
-    assert pieces_dealt and pieces_resumed, "not vacuous: the rest of a started document was dealt, and resumed"
+    assert pieces_dealt and pieces_resumed, (
+        "not vacuous: the rest of a started document was dealt, and resumed")
     counts = Counter(where for where in consumed if where[0][0] <= last_epoch)
     assert set(counts) == {((e, *key), i) for e in range(1, last_epoch + 1)
                            for key, text in texts.items() for i in range(len(text.encode()) + 1)}
@@ -797,8 +853,9 @@ def placed_pieces(batch, trace, texts, overlap):
     out = []
     for row, keys in zip(rows_of(batch), trace):
         # the last token is known from the targets only: -100 where it repeats an overlap token
-        same = (lambda got, want: got == want[:len(got)] or (got[-1] == -100 and got[:-1] == want[:len(got) - 1])) \
-            if row[-1] == -100 else (lambda got, want: got == want[:len(got)])
+        same = ((lambda got, want: got == want[:len(got)]
+                 or (got[-1] == -100 and got[:-1] == want[:len(got) - 1]))
+                if row[-1] == -100 else (lambda got, want: got == want[:len(got)]))
         heads = [i for i, t in enumerate(row) if t == BOS]
         assert heads[0] == 0 and len(heads) == len(keys)
         for n, (head, key) in enumerate(zip(heads, keys)):
@@ -816,7 +873,8 @@ def placed_pieces(batch, trace, texts, overlap):
     return out
 
 
-@pytest.mark.parametrize("policy,overlap", [("split", 0), ("split", 4), ("split_reuse", 0), ("split_reuse", 3)])
+@pytest.mark.parametrize("policy,overlap", [("split", 0), ("split", 4), ("split_reuse", 0),
+                                            ("split_reuse", 3)])
 @pytest.mark.parametrize("n_old,n_new,k", [(2, 3, 6), (3, 2, 9), (1, 2, 6)])
 def test_elastic_restart_with_split_policies(policy, overlap, n_old, n_new, k, tmp_path):
     # every token of every document not yet trained on is placed exactly once after the merge: under
@@ -833,11 +891,13 @@ def test_elastic_restart_with_split_policies(policy, overlap, n_old, n_new, k, t
             placed += placed_pieces(batch, loader.documents, texts, overlap)
         states.append(batch[2])
         loader.close()
-    assert any(s["pieces"] for s in states), "not vacuous: the old ranks held pieces of split documents"
+    assert any(s["pieces"] for s in states), (
+        "not vacuous: the old ranks held pieces of split documents")
     last_epoch = max(s["next"][0] for s in states)
     merged = merge_states(states, n_new, data_dir=str(tmp_path))
     assert any("pieces" in item for s in merged["states"] for item in s["plan"])
-    waiting = []  # (key, start) of old documents still buffered at the end (best-fit may keep one waiting)
+    # (key, start) of old documents still buffered at the end (best-fit may keep one waiting)
+    waiting = []
     for q in range(n_new):
         loader = open_loader(policy, cfg, rank=q, world_size=n_new, resume_state_dict=merged)
         for j in range(500):
@@ -855,10 +915,12 @@ def test_elastic_restart_with_split_policies(policy, overlap, n_old, n_new, k, t
     old_epochs = [(e, *key) for e in range(1, last_epoch + 1) for key in texts]
 
     def grid(key):
-        """Where the document's pieces start (None: it is not split) and its length (oracle.split_document)."""
+        """Where the document's pieces start (None: it is not split) and its length
+        (oracle.split_document)."""
         doc = [BOS] + list(texts[key[1:]].encode())
         pieces = oracle.split_document(doc, key, cfg["T"] + 1, overlap)
-        starts = [None] if len(pieces) == 1 else [next(t[2] for t in piece if t[3] == "doc") for piece in pieces]
+        starts = [None] if len(pieces) == 1 else [next(t[2] for t in piece if t[3] == "doc")
+                                                  for piece in pieces]
         return starts, len(doc)
 
     def waiting_span(key, start):
@@ -887,18 +949,19 @@ def write_token_dir(directory, seed: int, n_docs: int = 40):
     rng = np.random.default_rng(seed)
     directory.mkdir(parents=True, exist_ok=True)
     for s in range(2):
-        docs = [np.concatenate(([BOS], rng.integers(0, 256, size=rng.integers(0, 30)))).astype(np.uint16)
-                for _ in range(n_docs)]
+        docs = [np.concatenate(([BOS], rng.integers(0, 256, size=rng.integers(0, 30))))
+                .astype(np.uint16) for _ in range(n_docs)]
         write_token_shard(str(directory / f"shard_{s:03d}"), docs, [0] * n_docs, np.uint16)
 
 
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory):
     """Real states of real loaders, and how to resume from them:
-    - resumes: kind -> (state, open(state, allow_state_mismatch) -> loader): best-fit under "crop" and
-      "split_reuse" (buffered pieces), concatenating (an offset), rank 1's part of a merge for 3 ranks (plans
-      of rows, pieces and bitmaps), pretokenized, and a mixture's;
-    - ranks: kind -> (the states of 2 ranks at one step, merge(states) -> the first new rank's loader)."""
+    - resumes: kind -> (state, open(state, allow_state_mismatch) -> loader): best-fit under "crop"
+      and "split_reuse" (buffered pieces), concatenating (an offset), rank 1's part of a merge for
+      3 ranks (plans of rows, pieces and bitmaps), pretokenized, and a mixture's;
+    - ranks: kind -> (the states of 2 ranks at one step, merge(states) -> the first new rank's
+      loader)."""
     root = tmp_path_factory.mktemp("saved")
     cfg = write_small(root / "parquet")
     split = dict(cfg, split_overlap=2)
@@ -907,7 +970,8 @@ def saved(tmp_path_factory):
         for bucket, bucket_seed in (("web", 3), ("code", 4)):
             write_token_dir(root / "mix" / split_name / bucket, seed * 10 + bucket_seed)
     tok = dict(device="cpu", buffer_size=4, chunk_size=8, batch_size=3, prefetch=0, bos_token=BOS)
-    curriculum = [{"tokens": 600, "mix": {"web": 0.5, "code": 0.5}}, {"tokens": 600, "mix": {"code": 1.0}}]
+    curriculum = [{"tokens": 600, "mix": {"web": 0.5, "code": 0.5}},
+                  {"tokens": 600, "mix": {"code": 1.0}}]
 
     def pretokenized(state, allow=False, **over):
         return PRETOKENIZED(2, 16, "train", resume_state_dict=state, allow_state_mismatch=allow,
@@ -936,21 +1000,28 @@ def saved(tmp_path_factory):
         "concat": ([s for _, _, s in take(open_loader("concat", cfg), 12) if s["offset"]][-1],
                    lambda state, allow: open_loader("concat", cfg, resume_state_dict=state,
                                                     allow_state_mismatch=allow)),
-        "merged": (merged, lambda state, allow: open_loader("split_reuse", split, resume_state_dict=state,
-                                                            allow_state_mismatch=allow, rank=1, world_size=3)),
+        "merged": (merged, lambda state, allow: open_loader(
+            "split_reuse", split, resume_state_dict=state, allow_state_mismatch=allow, rank=1,
+            world_size=3)),
         "pretokenized": (state_of(pretokenized, 6), pretokenized),
         "mixture": (state_of(mixture, 6), mixture),
-        "shuffled": (state_of(pretokenized, 6, **shuffle), lambda state, allow: pretokenized(state, allow, **shuffle)),
-        "shuffled_merged": (merge_states(shuffled_ranks, 3, data_dir=cfg["data_dir"]), lambda state, allow: open_loader(
-            "split_reuse", split, resume_state_dict=state, allow_state_mismatch=allow, rank=1, world_size=3, **shuffle)),
+        "shuffled": (state_of(pretokenized, 6, **shuffle),
+                     lambda state, allow: pretokenized(state, allow, **shuffle)),
+        "shuffled_merged": (
+            merge_states(shuffled_ranks, 3, data_dir=cfg["data_dir"]),
+            lambda state, allow: open_loader("split_reuse", split, resume_state_dict=state,
+                                             allow_state_mismatch=allow, rank=1, world_size=3,
+                                             **shuffle)),
     }
     ranks = {
-        "split_reuse": (split_ranks, lambda states: open_loader("split_reuse", split, rank=0, world_size=3,
-                        resume_state_dict=merge_states(states, 3, data_dir=cfg["data_dir"]))),
-        "mixture": (mixture_ranks, lambda states: mixture(merge_states(states, 3, data_dir=str(root / "mix")),
-                                                          rank=0, world_size=3)),
-        "shuffled": (shuffled_ranks, lambda states: open_loader("split_reuse", split, rank=0, world_size=3, **shuffle,
-                     resume_state_dict=merge_states(states, 3, data_dir=cfg["data_dir"]))),
+        "split_reuse": (split_ranks, lambda states: open_loader(
+            "split_reuse", split, rank=0, world_size=3,
+            resume_state_dict=merge_states(states, 3, data_dir=cfg["data_dir"]))),
+        "mixture": (mixture_ranks, lambda states: mixture(
+            merge_states(states, 3, data_dir=str(root / "mix")), rank=0, world_size=3)),
+        "shuffled": (shuffled_ranks, lambda states: open_loader(
+            "split_reuse", split, rank=0, world_size=3, **shuffle,
+            resume_state_dict=merge_states(states, 3, data_dir=cfg["data_dir"]))),
     }
     # not vacuous: the fields that need the most checking are there
     assert resumes["split_reuse"][0]["pieces"] and resumes["concat"][0]["offset"] > 0
@@ -958,7 +1029,8 @@ def saved(tmp_path_factory):
     assert any("row_groups" in item for item in merged["states"][1]["plan"])
     assert any(len(s["next"]) == 3 and s["next"][2] > 0 for s in shuffled_ranks)
     assert any("row_groups" in item for item in resumes["shuffled_merged"][0]["states"][1]["plan"])
-    assert all(b["buffer"] for s in mixture_ranks + [resumes["mixture"][0]] for b in s["buckets"].values())
+    assert all(b["buffer"] for s in mixture_ranks + [resumes["mixture"][0]]
+               for b in s["buckets"].values())
     return {"resumes": resumes, "ranks": ranks}
 
 
@@ -973,8 +1045,8 @@ def paths_of(value, path=()):
             yield from paths_of(item, path + (i,))
 
 
-GARBAGE = [None, True, 1.5, "x", "", "0" * 32, "zz" * 16, -1, 0, 1, 7, 10**6, 10**18, -10**9, [], {}, [[]],
-           [0, -10**6], [0, -10**9], [[0, 5]], {"a": [None, {"b": []}]}]
+GARBAGE = [None, True, 1.5, "x", "", "0" * 32, "zz" * 16, -1, 0, 1, 7, 10**6, 10**18, -10**9, [],
+           {}, [[]], [0, -10**6], [0, -10**9], [[0, 5]], {"a": [None, {"b": []}]}]
 
 
 def mutate(state, data) -> tuple:
@@ -1016,9 +1088,10 @@ def reseal(state) -> None:
         add_checksum(state)
 
 
-# fields an error may name instead of the edited one (a shorter buffer leaves its pieces or offset pointing
-# past it; what a merge deals becomes a plan)
-RELATED = {"buffer": ("pieces", "offset", "plan"), "pieces": ("plan",), "offset": ("plan",), "next": ("plan",)}
+# fields an error may name instead of the edited one (a shorter buffer leaves its pieces or offset
+# pointing past it; what a merge deals becomes a plan)
+RELATED = {"buffer": ("pieces", "offset", "plan"), "pieces": ("plan",), "offset": ("plan",),
+           "next": ("plan",)}
 
 
 def names_it(message: str, path: tuple) -> bool:
@@ -1030,7 +1103,8 @@ def names_it(message: str, path: tuple) -> bool:
 
 @contextlib.contextmanager
 def bounded(seconds: float = 20, megabytes: float = 64):
-    """Fail a body that runs longer (a hang) or allocates more at its peak (Python and numpy memory)."""
+    """Fail a body that runs longer (a hang) or allocates more at its peak (Python and numpy
+    memory)."""
     def timeout(*_):
         raise TimeoutError(f"still running after {seconds} s")
     previous = signal.signal(signal.SIGALRM, timeout)
@@ -1106,67 +1180,99 @@ def first_bitmap_item(state) -> dict:
 
 
 @pytest.mark.parametrize("kind,edit,reseal_it,match", [
-    # the two reported: a counter that is not one became a packer attribute; a run of a billion rows
-    ("bestfit", set_path(["counters", "fill"], None), True, r"\['counters'\] has an unknown counter 'fill'"),
-    ("bestfit", set_path(["counters", "fill"], None), False, r"\['counters'\] has an unknown counter 'fill'"),
+    # a counter that is not one (it must not become a packer attribute); a run of a billion rows
+    ("bestfit", set_path(["counters", "fill"], None), True,
+     r"\['counters'\] has an unknown counter 'fill'"),
+    ("bestfit", set_path(["counters", "fill"], None), False,
+     r"\['counters'\] has an unknown counter 'fill'"),
     ("bestfit", set_path(["buffer", 0, 3], [0, -10**9]), True,
      r"\['buffer'\] holds 100000000\d whole documents, more than the 21 a bestfit loader"),
     ("bestfit", set_path(["counters", "tokens_in"], None), True,
      r"\['counters'\]\['tokens_in'\] must be an integer >= 0, got None"),
-    ("bestfit", set_path(["counters", "rows"], -5), True, r"\['counters'\]\['rows'\] must be an integer >= 0, got -5"),
+    ("bestfit", set_path(["counters", "rows"], -5), True,
+     r"\['counters'\]\['rows'\] must be an integer >= 0, got -5"),
     ("bestfit", set_path(["buffer", 0, 3], [0, -10]), True,
      r"\['buffer'\]\[0\] refers to row 10 of shard_00000.parquet row group 0, which has 6 rows"),
-    ("bestfit", set_path(["buffer", 0, 1], 9), True, r"\['buffer'\]\[0\] refers to file 9, row group 0"),
-    ("bestfit", set_path(["buffer", 0, 3], [-1, 3]), True, r"\['buffer'\]\[0\] must be a non-empty list of rows"),
-    ("bestfit", set_path(["buffer", 0], [1, 0, 0]), True, r"\['buffer'\]\[0\] must be \[epoch >= 1, pq_idx"),
-    ("bestfit", set_path(["next"], [1, 0, 4]), True, r"\['next'\] must be \[epoch >= 1, pq_idx, rg_idx, row\]"),
-    ("bestfit", set_path(["next", 3], 10**6), True, r"\['next'\] = \[1, 0, 4, 1000000\] is not a place where rank 0"),
+    ("bestfit", set_path(["buffer", 0, 1], 9), True,
+     r"\['buffer'\]\[0\] refers to file 9, row group 0"),
+    ("bestfit", set_path(["buffer", 0, 3], [-1, 3]), True,
+     r"\['buffer'\]\[0\] must be a non-empty list of rows"),
+    ("bestfit", set_path(["buffer", 0], [1, 0, 0]), True,
+     r"\['buffer'\]\[0\] must be \[epoch >= 1, pq_idx"),
+    ("bestfit", set_path(["next"], [1, 0, 4]), True,
+     r"\['next'\] must be \[epoch >= 1, pq_idx, rg_idx, row\]"),
+    ("bestfit", set_path(["next", 3], 10**6), True,
+     r"\['next'\] = \[1, 0, 4, 1000000\] is not a place where rank 0"),
     ("bestfit", set_path(["next", 1], 3), True, r"\['next'\] = \[1, 3, 4, 0\] is not a place"),
     ("bestfit", set_path(["emitted", "hash"], "zz" * 16), True,
      r"\['emitted'\]\['hash'\] must be 32 lowercase hex digits"),
-    ("bestfit", set_path(["emitted", "batches"], -1), True, r"\['emitted'\]\['batches'\] must be an integer >= 0"),
-    ("bestfit", set_path(["emitted", "junk"], 1), True, r"\['emitted'\] has an unknown field 'junk'"),
-    ("bestfit", set_path(["offset"], 1), True, r"\['offset'\] must be 0 for a best-fit state, got 1"),
+    ("bestfit", set_path(["emitted", "batches"], -1), True,
+     r"\['emitted'\]\['batches'\] must be an integer >= 0"),
+    ("bestfit", set_path(["emitted", "junk"], 1), True,
+     r"\['emitted'\] has an unknown field 'junk'"),
+    ("bestfit", set_path(["offset"], 1), True,
+     r"\['offset'\] must be 0 for a best-fit state, got 1"),
     ("bestfit", set_path(["epoch"], 0), True, r"\['epoch'\] must be an integer >= 1, got 0"),
-    ("bestfit", set_path(["pq_idx"], 10**9), True, r"\['pq_idx'\], \['rg_idx'\] = 1000000000, 3: a row group"),
-    ("bestfit", set_path(["loader"], ["bestfit"]), True, r"\['loader'\] must be 'bestfit' or 'concat'"),
-    ("bestfit", set_path(["loader"], "concat"), True, r"\['config'\]\['loader'\] is 'bestfit', but the state is"),
+    ("bestfit", set_path(["pq_idx"], 10**9), True,
+     r"\['pq_idx'\], \['rg_idx'\] = 1000000000, 3: a row group"),
+    ("bestfit", set_path(["loader"], ["bestfit"]), True,
+     r"\['loader'\] must be 'bestfit' or 'concat'"),
+    ("bestfit", set_path(["loader"], "concat"), True,
+     r"\['config'\]\['loader'\] is 'bestfit', but the state is"),
     ("bestfit", set_path(["junk"], 1), True, r"resume_state_dict has an unknown field 'junk'"),
-    ("bestfit", set_path(["config", "rank"], 5), True, r"\['config'\]\['rank'\] is 5, but world_size is 1"),
-    ("bestfit", set_path(["config", "T"], "16"), True, r"\['config'\]\['T'\] must be an integer >= 1, got '16'"),
-    ("bestfit", set_path(["config", "junk"], None), True, r"\['config'\] has an unknown field 'junk'"),
-    ("bestfit", set_path(["config", "split_overlap"], 3), True, r"\['config'\]\['split_overlap'\] must be an integer in"),
-    ("bestfit", set_path(["checksum"], "x"), False, r"\['checksum'\] must be 32 lowercase hex digits"),
-    ("bestfit", set_path(["counters", "rows"], b"12"), False, r"resume_state_dict is not plain data"),
-    # pieces (split documents), and the concatenating loader's offset: checked against the documents' lengths
-    ("split_reuse", set_path(["pieces"], [[1, 0], [0, 0]]), True, r"\['pieces'\]: \[0, 0\] is not \[index, start\]"),
-    ("split_reuse", set_path(["pieces"], [[10**6, 0]]), True, r"\['pieces'\]: \[1000000, 0\] is not \[index, start\]"),
+    ("bestfit", set_path(["config", "rank"], 5), True,
+     r"\['config'\]\['rank'\] is 5, but world_size is 1"),
+    ("bestfit", set_path(["config", "T"], "16"), True,
+     r"\['config'\]\['T'\] must be an integer >= 1, got '16'"),
+    ("bestfit", set_path(["config", "junk"], None), True,
+     r"\['config'\] has an unknown field 'junk'"),
+    ("bestfit", set_path(["config", "split_overlap"], 3), True,
+     r"\['config'\]\['split_overlap'\] must be an integer in"),
+    ("bestfit", set_path(["checksum"], "x"), False,
+     r"\['checksum'\] must be 32 lowercase hex digits"),
+    ("bestfit", set_path(["counters", "rows"], b"12"), False,
+     r"resume_state_dict is not plain data"),
+    # pieces (split documents), and the concatenating loader's offset: checked against the
+    # documents' lengths
+    ("split_reuse", set_path(["pieces"], [[1, 0], [0, 0]]), True,
+     r"\['pieces'\]: \[0, 0\] is not \[index, start\]"),
+    ("split_reuse", set_path(["pieces"], [[10**6, 0]]), True,
+     r"\['pieces'\]: \[1000000, 0\] is not \[index, start\]"),
     ("split_reuse", set_path(["pieces", 0, 1], 10**6), True,
      r"\['pieces'\] starts buffered entry \d+ at token 1000000"),
-    ("concat", set_path(["offset"], 10**6), True, r"\['offset'\] is 1000000, but the first buffered entry has \d+"),
+    ("concat", set_path(["offset"], 10**6), True,
+     r"\['offset'\] is 1000000, but the first buffered entry has \d+"),
     ("concat", set_path(["buffer"], []), True, r"\['offset'\] must be 0 when the buffer is empty"),
-    ("concat", set_path(["counters", "docs_split"], 0), True, r"\['counters'\] has an unknown counter 'docs_split'"),
+    ("concat", set_path(["counters", "docs_split"], 0), True,
+     r"\['counters'\] has an unknown counter 'docs_split'"),
     # a merge: its envelope, and rank 1's plan (rows, pieces, bitmaps)
-    ("merged", set_path(["merged"], 3), True, r"resume_state_dict\['merged'\] must be a dict, got int"),
-    ("merged", set_path(["states", 1], "x"), True, r"resume_state_dict\['states'\]\[1\] must be a dict, got str"),
+    ("merged", set_path(["merged"], 3), True,
+     r"resume_state_dict\['merged'\] must be a dict, got int"),
+    ("merged", set_path(["states", 1], "x"), True,
+     r"resume_state_dict\['states'\]\[1\] must be a dict, got str"),
     ("merged", lambda s: first_bitmap_item(s).update(row_groups="!!!!"), True,
-     r"\['states'\]\[1\]\['plan'\]\[\d+\]\['row_groups'\] must be the base64 bitmap of 21 row groups"),
+     r"\['states'\]\[1\]\['plan'\]\[\d+\]\['row_groups'\] must be the base64 bitmap of "
+     r"21 row groups"),
     ("merged", lambda s: first_bitmap_item(s).update(row_groups="AA==", total=8), True,
      r"\['states'\]\[1\]\['plan'\]\[\d+\]\['total'\] is 8, but the data has 21 row groups"),
     ("merged", lambda s: first_rows_item(s).update(rows=[0, -10**6]), True,
      r"\['states'\]\[1\]\['plan'\]\[\d+\]\['rows'\] refers to row 1000000 of shard_0000\d.parquet"),
     ("merged", lambda s: first_rows_item(s).update(rows=[0, 1, 0, 1, 0, 1, 0, 1, 0]), True,
-     r"\['states'\]\[1\]\['plan'\]\[\d+\]\['rows'\] lists 9 whole documents of a row group that has [5-7]"),
+     r"\['states'\]\[1\]\['plan'\]\[\d+\]\['rows'\] lists 9 whole documents of a row group "
+     r"that has [5-7]"),
     ("merged", lambda s: first_rows_item(s).update(rows=[0], pieces=[[0, 10**6]]), True,
-     r"\['states'\]\[1\]\['plan'\] deals document \(1, \d, \d, 0\) from token 1000000, but it has \d+"),
+     r"\['states'\]\[1\]\['plan'\] deals document \(1, \d, \d, 0\) from token 1000000, "
+     r"but it has \d+"),
     # the pretokenized loader's chunks, and a mixture's own fields and its buckets' states
     ("pretokenized", set_path(["buffer", 0, 3], [9]), True,
      r"\['buffer'\]\[0\] refers to row 9 of shard_00\d.bin chunk \d+, which has 8 rows"),
-    ("mixture", set_path(["dropped"], ["nope"]), True, r"\['dropped'\] must list buckets of the mixture"),
+    ("mixture", set_path(["dropped"], ["nope"]), True,
+     r"\['dropped'\] must list buckets of the mixture"),
     ("mixture", lambda s: s["buckets"].pop("code"), True, r"\['buckets'\] is missing 'code'"),
     ("mixture", set_path(["phase"], 0), True, r"\['phase'\] must be an integer >= 1, got 0"),
     ("mixture", set_path(["phase"], 3), True, r"\['phase'\] is 3, but the curriculum has 2 phases"),
-    ("mixture", set_path(["phase_tokens_done"], 10**9), True, r"\['phase_tokens_done'\] is 1000000000, more than"),
+    ("mixture", set_path(["phase_tokens_done"], 10**9), True,
+     r"\['phase_tokens_done'\] is 1000000000, more than"),
     ("mixture", set_path(["buckets", "web", "counters", "fill"], None), True,
      r"resume_state_dict\['buckets'\]\['web'\]\['counters'\] has an unknown counter 'fill'"),
     ("mixture", set_path(["buckets", "code", "next", 3], 10**6), True,
@@ -1178,22 +1284,28 @@ def test_edited_fields_are_refused_by_name(saved, kind, edit, reseal_it, match):
     if reseal_it:
         reseal(state)
     with bounded(), pytest.raises(ValueError, match=match):
-        loader = open_resumed(state, not reseal_it)  # not resealed: given with allow_state_mismatch=True
+        # not resealed: given with allow_state_mismatch=True
+        loader = open_resumed(state, not reseal_it)
         for _ in range(2):
             next(loader)
 
 
 @pytest.mark.parametrize("kind,i,edit,match", [
     ("split_reuse", 1, set_path(["next", 0], 10**9),
-     r"states\[1\]\['next'\] is in epoch 1000000000, 999999999 past another rank's, more than the \d+ tokens"),
-    ("split_reuse", 0, set_path(["buffer", 0, 3], [0, -10**9]), r"states\[0\]\['buffer'\] holds 100000000\d whole"),
-    ("split_reuse", 1, set_path(["counters", "fill"], None), r"states\[1\]\['counters'\] has an unknown counter"),
-    ("split_reuse", 1, set_path(["offset"], 2), r"states\[1\]\['offset'\] must be 0 for a best-fit state"),
+     r"states\[1\]\['next'\] is in epoch 1000000000, 999999999 past another rank's, "
+     r"more than the \d+ tokens"),
+    ("split_reuse", 0, set_path(["buffer", 0, 3], [0, -10**9]),
+     r"states\[0\]\['buffer'\] holds 100000000\d whole"),
+    ("split_reuse", 1, set_path(["counters", "fill"], None),
+     r"states\[1\]\['counters'\] has an unknown counter"),
+    ("split_reuse", 1, set_path(["offset"], 2),
+     r"states\[1\]\['offset'\] must be 0 for a best-fit state"),
     ("mixture", 1, set_path(["buckets", "code", "buffer", 0, 3], [0, -10**9]),
      r"states\[1\]\['buckets'\]\['code'\]\['buffer'\] holds 100000000\d whole"),
     ("mixture", 1, set_path(["buckets", "web", "next", 0], 10**9),
      r"states\[1\]\['buckets'\]\['web'\]\['next'\] is in epoch 1000000000"),
-    ("mixture", 0, set_path(["generation"], -1), r"states\[0\]\['generation'\] must be an integer >= 0, got -1"),
+    ("mixture", 0, set_path(["generation"], -1),
+     r"states\[0\]\['generation'\] must be an integer >= 0, got -1"),
 ])
 def test_edited_states_to_merge_are_refused_by_name(saved, kind, i, edit, match):
     states, merge_and_open = copy.deepcopy(saved["ranks"][kind][0]), saved["ranks"][kind][1]
