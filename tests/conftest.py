@@ -1,5 +1,5 @@
-"""Shared fixtures: tiny parquet shards written with pyarrow into tmp dirs, a byte-level tokenizer, and where a
-state's buffered documents are."""
+"""Shared fixtures: tiny parquet shards written with pyarrow into tmp dirs, a byte-level tokenizer,
+and where a state's buffered documents are."""
 
 import os
 
@@ -60,7 +60,8 @@ def worker_env() -> dict:
     editable install elsewhere would be imported instead)."""
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE")}
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    return dict(env, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(filter(None, [root, env.get("PYTHONPATH")])))
+    return dict(env, OMP_NUM_THREADS="1",
+                PYTHONPATH=os.pathsep.join(filter(None, [root, env.get("PYTHONPATH")])))
 
 
 @pytest.fixture
@@ -79,14 +80,15 @@ def _isolated_base_dir(tmp_path, monkeypatch):
 
 
 def buffered_places(state, paths, chunk_size=None) -> list[tuple]:
-    """Where a state's buffered documents are: (epoch, pq_idx, rg_idx, row). A shuffled stream names those of its
-    windows by position, (epoch, window, i): the i-th entry of that window's order."""
+    """Where a state's buffered documents are: (epoch, pq_idx, rg_idx, row). A shuffled stream names
+    those of its windows by position, (epoch, window, i): the i-th entry of that window's order."""
     config, index = state["config"], UnitIndex(paths, chunk_size)
     shuffle = config_shuffle(config)
     places = []
     for key in decode_keys(state["buffer"]):
         if len(key) == 3:
-            table = shuffle.window_table(index, key[0], config["rank"], config["world_size"], key[1])
+            table = shuffle.window_table(index, key[0], config["rank"], config["world_size"],
+                                         key[1])
             key = (key[0], *shuffle.entry(table, key[2]))
         places.append(key)
     return places

@@ -27,10 +27,11 @@ def main():
     assert ddp and rank == dist.get_rank() and world_size == dist.get_world_size()
     tok = ByteTokenizer()
     B, T = 2, 32
-    # the concatenating loader: the stream is every batch's inputs, then the last batch's last target
-    # (each batch's last target is the next batch's first input)
+    # the concatenating loader: the stream is every batch's inputs, then the last batch's last
+    # target (each batch's last target is the next batch's first input)
     concat_stream = []
-    loader = tokenizing_distributed_data_loader_with_state(tok, B, T, "train", device="cpu", data_dir=data_dir,
+    loader = tokenizing_distributed_data_loader_with_state(tok, B, T, "train", device="cpu",
+                                                           data_dir=data_dir,
                                                            tokenizer_batch_size=3)
     for _ in range(num_batches):
         inputs, targets, state = next(loader)
@@ -39,9 +40,8 @@ def main():
     loader.close()
     # the best-fit loader: rows (every document starts with BOS), and the states
     rows, states = [], []
-    loader = tokenizing_distributed_data_loader_with_state_bos_bestfit(tok, B, T, "train", device="cpu",
-                                                                       data_dir=data_dir, buffer_size=8,
-                                                                       tokenizer_batch_size=3)
+    loader = tokenizing_distributed_data_loader_with_state_bos_bestfit(
+        tok, B, T, "train", device="cpu", data_dir=data_dir, buffer_size=8, tokenizer_batch_size=3)
     for _ in range(num_batches):
         inputs, targets, state = next(loader)
         full = torch_cat_rows(inputs, targets)

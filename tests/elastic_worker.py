@@ -6,8 +6,10 @@ One rank of the elastic-resume test (run by test_elastic.py under torchrun, gloo
        of the old epochs (its plan is empty), then 5 batches more; its final state says which of
        those documents still wait in its buffer.
 Rank 0 writes what every rank saw to OUT_JSON.
-With NANOCHAT_TEST_SHUFFLE=1 in the environment, the loader shuffles (seed 5, windows of 2 row groups).
-Usage: torchrun --nproc_per_node=N tests/elastic_worker.py MODE DATA_DIR OUT_JSON NUM_BATCHES [RESUME_JSON]
+With NANOCHAT_TEST_SHUFFLE=1 in the environment, the loader shuffles (seed 5, windows of 2 row
+groups).
+Usage: torchrun --nproc_per_node=N tests/elastic_worker.py MODE DATA_DIR OUT_JSON NUM_BATCHES
+       [RESUME_JSON]
 """
 
 import json
@@ -18,7 +20,9 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from conftest import ByteTokenizer  # noqa: E402
-from nanochat.dataloader import tokenizing_distributed_data_loader_with_state_bos_bestfit  # noqa: E402
+from nanochat.dataloader import (  # noqa: E402
+    tokenizing_distributed_data_loader_with_state_bos_bestfit,
+)
 
 B, T, BUFFER, TBS = 2, 24, 8, 3
 

@@ -22,19 +22,20 @@ def main():
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     if mode == "fail" and rank == 1:  # a fault on one rank only: its shard reads fail after a while
-        import nanochat.token_reader as readers
-        pick, calls = readers.TokenShardReader.pick, [0]
+        import nanochat.token_reader as token_reader
+        pick, calls = token_reader.TokenShardReader.pick, [0]
 
         def failing_pick(unit, rows):
             calls[0] += 1
             if calls[0] > 12:
                 raise OSError("injected read error")
             return pick(unit, rows)
-        readers.TokenShardReader.pick = staticmethod(failing_pick)
+        token_reader.TokenShardReader.pick = staticmethod(failing_pick)
     curriculum = [{"tokens": 60_000, "mix": {"web": 0.9, "tiny": 0.1}}]
     loader = pretokenized_mixture_loader_with_state_bos_bestfit(
-        4, 99, "train", curriculum, device="cpu", data_dir=data_dir, buffer_size=4, chunk_size=4, batch_size=4,
-        allow_bucket_exhaustion=False, bos_token=1)  # test_mixture.py's BOS (its shards have no pretokenize.json)
+        4, 99, "train", curriculum, device="cpu", data_dir=data_dir, buffer_size=4, chunk_size=4,
+        batch_size=4, allow_bucket_exhaustion=False,
+        bos_token=1)  # test_mixture.py's BOS (its shards have no pretokenize.json)
     step, last = 0, None
     report = {"rank": rank, "step": None, "bucket": None, "state_is_last": False, "error": None}
     try:

@@ -1,6 +1,6 @@
 """
-Slow, obviously-correct references for the loaders, written from the seeds' description
-(../shared/seeds/000, 001, 002) with plain Python lists and linear scans. The fast loaders must
+Slow, obviously-correct references for the loaders, written from nanochat's description of its
+best-fit and concatenating loaders with plain Python lists and linear scans. The fast loaders must
 reproduce them token for token.
 """
 
@@ -10,7 +10,7 @@ from nanochat.shuffle import permute, round_keys
 
 
 def document_batches(paths, tokenizer_batch_size, rank, world_size, resume=None):
-    """Seed 002's _document_batches: files in order, row groups rank, rank+world_size, ...,
+    """nanochat's _document_batches: files in order, row groups rank, rank+world_size, ...,
     slices of tokenizer_batch_size texts, forever; resume skips the saved row group."""
     resume_pq_idx = resume["pq_idx"] if resume else 0
     resume_rg_idx = resume["rg_idx"] if resume else None
@@ -40,29 +40,33 @@ def document_batches(paths, tokenizer_batch_size, rank, world_size, resume=None)
 
 
 def shuffled_document_batches(paths, tokenizer_batch_size, rank, world_size, seed, window):
-    """The shuffled stream (shuffle=True), one element at a time: per epoch, list every row group of the
-    split in file order, take positions rank, rank + world_size, ... of the epoch's permutation of them,
-    and read their texts `window` row groups at a time, in the order that window's permutation gives,
-    cut into batches of tokenizer_batch_size; forever. The keyed permutation pi itself (nanochat/shuffle.py's
-    permute) is the one thing taken from the library: it is the definition of the order."""
-    units = [(p, g) for p, path in enumerate(paths) for g in range(pq.ParquetFile(path).num_row_groups)]
+    """The shuffled stream (shuffle=True), one element at a time: per epoch, list every row group of
+    the split in file order, take positions rank, rank + world_size, ... of the epoch's permutation
+    of them, and read their texts `window` row groups at a time, in the order that window's
+    permutation gives, cut into batches of tokenizer_batch_size; forever. The keyed permutation pi
+    itself (nanochat/shuffle.py's permute) is the one thing taken from the library: it is the
+    definition of the order."""
+    units = [(p, g) for p, path in enumerate(paths)
+             for g in range(pq.ParquetFile(path).num_row_groups)]
     epoch = 1
     while True:
         unit_keys = round_keys(seed, "", "units", epoch)
-        mine = [units[int(permute([k], len(units), unit_keys)[0])] for k in range(rank, len(units), world_size)]
+        mine = [units[int(permute([k], len(units), unit_keys)[0])]
+                for k in range(rank, len(units), world_size)]
         for w in range(0, len(mine), window):
             texts = []
             for p, g in mine[w:w + window]:
                 texts += pq.ParquetFile(paths[p]).read_row_group(g).column("text").to_pylist()
             entry_keys = round_keys(seed, "", "entries", epoch, world_size, rank, w // window)
-            shuffled = [texts[int(permute([i], len(texts), entry_keys)[0])] for i in range(len(texts))]
+            shuffled = [texts[int(permute([i], len(texts), entry_keys)[0])]
+                        for i in range(len(texts))]
             for i in range(0, len(shuffled), tokenizer_batch_size):
                 yield shuffled[i:i + tokenizer_batch_size], (None, None, epoch)
         epoch += 1
 
 
 def bestfit_rows(doc_buffer, refill, B, row_capacity, buffer_size):
-    """Seed 000's pseudocode for one batch: returns B rows (lists) and the tokens cropped away."""
+    """nanochat's best-fit for one batch: returns B rows (lists) and the tokens cropped away."""
     rows, cropped = [], 0
     for _ in range(B):
         row = []
@@ -87,7 +91,8 @@ def bestfit_rows(doc_buffer, refill, B, row_capacity, buffer_size):
 
 def bestfit_loader(tokenizer, paths, B, T, tokenizer_batch_size=128, buffer_size=1000,
                    rank=0, world_size=1, resume=None, batches=None):
-    """Yield (inputs, targets, state) as lists of lists, forever. batches: another document stream."""
+    """Yield (inputs, targets, state) as lists of lists, forever.
+    batches: another document stream."""
     batches = batches or document_batches(paths, tokenizer_batch_size, rank, world_size, resume)
     bos = tokenizer.get_bos_token_id()
     doc_buffer = []
@@ -104,10 +109,10 @@ def bestfit_loader(tokenizer, paths, B, T, tokenizer_batch_size=128, buffer_size
                {"pq_idx": pq_idx, "rg_idx": rg_idx, "epoch": epoch})
 
 
-def concat_loader(tokenizer, paths, B, T, tokenizer_batch_size=128, rank=0, world_size=1, resume=None,
-                  batches=None):
-    """The concatenating loader as nanochat 3c3a3d7 has it (seed 001 popped all B*T+1 tokens, skipping
-    one per batch): each batch reads the next B*T+1 tokens of the stream but drops only B*T, so its
+def concat_loader(tokenizer, paths, B, T, tokenizer_batch_size=128, rank=0, world_size=1,
+                  resume=None, batches=None):
+    """The concatenating loader as nanochat 3c3a3d7 has it (popping all B*T+1 tokens would skip one
+    per batch): each batch reads the next B*T+1 tokens of the stream but drops only B*T, so its
     last target is the next batch's first input. batches: another document stream."""
     batches = batches or document_batches(paths, tokenizer_batch_size, rank, world_size, resume)
     bos = tokenizer.get_bos_token_id()
@@ -125,15 +130,16 @@ def concat_loader(tokenizer, paths, B, T, tokenizer_batch_size=128, rank=0, worl
 
 
 # -----------------------------------------------------------------------------
-# Long-document policies (issue 7), token by token: every token carries where it came from
+# Long-document policies, token by token: every token carries where it came from
 
 
 def split_document(doc, doc_id, capacity, overlap, window=0):
-    """A document as (token, doc_id, position, kind, masked) tokens, cut as the issue says: the first
+    """A document as (token, doc_id, position, kind, masked) tokens, cut like this: the first
     piece is its first `capacity` tokens; each later piece is a BOS, the `overlap` tokens before its
     first new token again ("copy", masked), then up to capacity-1-overlap new tokens. kind: "doc"
     (the document's own token: emitted once, or cropped), "bos" (an added BOS), "copy" (a repeat).
-    window: the document is a pretokenized window whose tokens 1..window repeat the previous window."""
+    window: the document is a pretokenized window whose tokens 1..window repeat the previous
+    window."""
     tokens = [(t, doc_id, p, "doc", 1 <= p <= window) for p, t in enumerate(doc)]
     if len(doc) <= capacity:
         return [tokens]
@@ -154,9 +160,9 @@ def continuation(doc, doc_id, p, overlap):
 
 
 def bestfit_policy_rows(buffer, refill, B, capacity, buffer_size, policy, overlap, docs):
-    """Seed 000's best-fit over pieces (lists of tagged tokens) under a long-document policy.
-    refill() appends pieces to `buffer`; docs maps doc_id -> the document's tokens (for the overlap of a
-    reused rest). Returns (rows of tagged tokens, tokens cropped)."""
+    """nanochat's best-fit over pieces (lists of tagged tokens) under a long-document policy.
+    refill() appends pieces to `buffer`; docs maps doc_id -> the document's tokens (for the overlap
+    of a reused rest). Returns (rows of tagged tokens, tokens cropped)."""
     rows, cropped = [], 0
     for _ in range(B):
         row = []
@@ -173,7 +179,8 @@ def bestfit_policy_rows(buffer, refill, B, capacity, buffer_size, policy, overla
                 continue
             piece = buffer.pop(min(range(len(buffer)), key=lambda i: len(buffer[i])))
             row.extend(piece[:remaining])
-            rest = [t for t in piece[remaining:] if t[3] == "doc"]  # the document's own tokens left
+            # the document's own tokens left
+            rest = [t for t in piece[remaining:] if t[3] == "doc"]
             if policy == "split_reuse" and rest:
                 doc_id, p = rest[0][1], rest[0][2]
                 buffer.append(continuation(docs[doc_id], doc_id, p, overlap) + rest)
@@ -183,10 +190,10 @@ def bestfit_policy_rows(buffer, refill, B, capacity, buffer_size, policy, overla
     return rows, cropped
 
 
-def bestfit_policy_loader(tokenizer, paths, B, T, tokenizer_batch_size, buffer_size, rank, world_size,
-                          policy, overlap):
-    """bestfit_loader under a long-document policy. Yields (inputs, targets, cropped so far) as lists;
-    targets that predict a repeated token are -100."""
+def bestfit_policy_loader(tokenizer, paths, B, T, tokenizer_batch_size, buffer_size, rank,
+                          world_size, policy, overlap):
+    """bestfit_loader under a long-document policy. Yields (inputs, targets, cropped so far) as
+    lists; targets that predict a repeated token are -100."""
     batches = document_batches(paths, tokenizer_batch_size, rank, world_size)
     bos = tokenizer.get_bos_token_id()
     buffer, docs, cropped = [], {}, 0

@@ -1,7 +1,7 @@
 """
-python -m nanochat.pretokenize's command line with a tokenizer that is slow by construction: every
-encode call sleeps SLOW_PRETOKENIZE_SECONDS (default 0.1) first, so that a test can kill a run in the
-middle. The tokens are those of the real tokenizer. Used by test_pretokenize.py:
+python -m nanochat.pretokenize's command line with a tokenizer that is slow by construction:
+every encode call sleeps SLOW_PRETOKENIZE_SECONDS (default 0.1) first, so that a test can kill a
+run in the middle. The tokens are those of the real tokenizer. Used by test_pretokenize.py:
     python tests/slow_pretokenize.py --input ... --output ... [pretokenize's arguments]
 Spawned workers import this script as their main module too, so they run the slow tokenizer as well.
 """

@@ -1,7 +1,8 @@
 """
-Reading a bad parquet shard (0 bytes, truncated, not parquet, a corrupt page) is a ValueError that names the
-file (and the row group, when the footer reads but a row group does not) and the fix, from every reader: the
-plain iterator, the tokenizing loaders and pretokenize. Run: python -m pytest tests/test_bad_shards.py -q
+Reading a bad parquet shard (0 bytes, truncated, not parquet, a corrupt page) is a ValueError that
+names the file (and the row group, when the footer reads but a row group does not) and the fix,
+from every reader: the plain iterator, the tokenizing loaders and pretokenize.
+Run: python -m pytest tests/test_bad_shards.py -q
 """
 
 import os
@@ -27,7 +28,8 @@ def _corrupt_page(data: bytes, path: str) -> bytes:
 BAD = {
     "empty": (lambda data, path: b"", "is not a readable parquet file"),
     "truncated": (lambda data, path: data[:len(data) // 2], "is not a readable parquet file"),
-    "html": (lambda data, path: b"<html><body>Rate limited</body></html>", "is not a readable parquet file"),
+    "html": (lambda data, path: b"<html><body>Rate limited</body></html>",
+             "is not a readable parquet file"),
     "corrupt page": (_corrupt_page, "row group 1 could not be read"),
 }
 
@@ -62,10 +64,12 @@ def test_iterator_names_file_row_group_and_fix(bad_shard):
                                   tokenizing_distributed_data_loader_with_state])
 def test_loaders_name_file_row_group_and_fix(bad_shard, make):
     data_dir, path, message = bad_shard
-    loader = make(ByteTokenizer(), 2, 16, "train", device="cpu", data_dir=data_dir, rank=0, world_size=1)
+    loader = make(ByteTokenizer(), 2, 16, "train", device="cpu", data_dir=data_dir, rank=0,
+                  world_size=1)
     try:
         with pytest.raises(ValueError) as error:
-            for _ in range(100):  # the bad shard comes first: its error must surface, not a batch from shard 1
+            # the bad shard comes first: its error must surface, not a batch from shard 1
+            for _ in range(100):
                 next(loader)
     finally:
         loader.close()

@@ -29,8 +29,9 @@ STEPS = 12
 RESUME_STEP = 6
 # tiny on purpose: B*T = 64 tokens per step, so a row group of 16 documents lasts several steps and
 # the buffer of 8 still holds documents at the checkpoint: the resume must carry them over exactly
-TINY = ["--depth", "2", "--width", "32", "--heads", "2", "--B", "2", "--T", "32", "--buffer-size", "8",
-        "--steps", str(STEPS), "--eval-every", "4", "--eval-batches", "2", "--lr", "1e-2", "--device", "cpu"]
+TINY = ["--depth", "2", "--width", "32", "--heads", "2", "--B", "2", "--T", "32",
+        "--buffer-size", "8", "--steps", str(STEPS), "--eval-every", "4", "--eval-batches", "2",
+        "--lr", "1e-2", "--device", "cpu"]
 
 
 @pytest.fixture(scope="module")
@@ -40,7 +41,8 @@ def corpus(tmp_path_factory):
     root = tmp_path_factory.mktemp("base_train")
     rng = random.Random(0)
     texts = [doc[:rng.randint(20, 300)] for doc in generate_documents(320, seed=1)]
-    write_shards(root / "data", [texts[i:i + 80] for i in range(0, len(texts), 80)], row_group_size=16)
+    write_shards(root / "data", [texts[i:i + 80] for i in range(0, len(texts), 80)],
+                 row_group_size=16)
     tokenizer = RustBPETokenizer.train_from_iterator(iter(texts), 300)
     tokenizer.save(str(root / "tokenizer"))
     return root
@@ -71,8 +73,8 @@ def checkpoint_dir(corpus, tmp_path_factory):
     """A run that saves every 3 steps and stops after step 6, as if killed."""
     tmp_path = tmp_path_factory.mktemp("stopped")
     checkpoint_dir = tmp_path / "checkpoints"
-    log = train(corpus, tmp_path, "stopped", "--save-every", "3", "--checkpoint-dir", str(checkpoint_dir),
-                "--stop-after-step", str(RESUME_STEP))
+    log = train(corpus, tmp_path, "stopped", "--save-every", "3",
+                "--checkpoint-dir", str(checkpoint_dir), "--stop-after-step", str(RESUME_STEP))
     assert log["stopped"] is True
     assert sorted(log["losses"]) == [str(s) for s in range(1, RESUME_STEP + 1)]
     return checkpoint_dir
@@ -95,7 +97,8 @@ def test_straight_run_is_deterministic_and_learns(corpus, straight, tmp_path):
 
 
 def test_checkpoints_are_complete_and_plain(checkpoint_dir):
-    assert sorted(os.listdir(checkpoint_dir)) == ["step_000003.pt", "step_000006.pt"]  # no .tmp left
+    # no .tmp left
+    assert sorted(os.listdir(checkpoint_dir)) == ["step_000003.pt", "step_000006.pt"]
     checkpoint = torch.load(checkpoint_dir / "step_000006.pt", weights_only=True)
     assert checkpoint["step"] == RESUME_STEP
     assert len(checkpoint["dataloader_state_dicts"]) == 1  # one process, one loader state
@@ -122,7 +125,8 @@ def test_resume_is_exact(straight, resumed):
     assert straight["buffer_docs"][str(RESUME_STEP)] > 0
     expected = {step: loss for step, loss in straight["losses"].items() if int(step) > RESUME_STEP}
     assert resumed["losses"] == expected  # bitwise: json round-trips floats exactly
-    assert resumed["val"] == {step: v for step, v in straight["val"].items() if int(step) > RESUME_STEP}
+    assert resumed["val"] == {step: v for step, v in straight["val"].items()
+                              if int(step) > RESUME_STEP}
 
 
 class ReplayingLoader:
@@ -149,18 +153,23 @@ class ReplayingLoader:
 
 def test_training_side_of_resume_is_exact(corpus, tmp_path, monkeypatch):
     """Model, optimizer, RNG, step count and evaluation resume exactly, whatever the loader does."""
-    monkeypatch.setattr(base_train, "tokenizing_distributed_data_loader_with_state_bos_bestfit", ReplayingLoader)
-    common = [*TINY, "--data-dir", str(corpus / "data"), "--tokenizer-dir", str(corpus / "tokenizer"),
+    monkeypatch.setattr(base_train, "tokenizing_distributed_data_loader_with_state_bos_bestfit",
+                        ReplayingLoader)
+    common = [*TINY, "--data-dir", str(corpus / "data"),
+              "--tokenizer-dir", str(corpus / "tokenizer"),
               "--checkpoint-dir", str(tmp_path / "checkpoints")]
     logs = {}
-    for name, args in [("straight", []), ("stopped", ["--save-every", "3", "--stop-after-step", "6"]),
+    for name, args in [("straight", []),
+                       ("stopped", ["--save-every", "3", "--stop-after-step", "6"]),
                        ("resumed", ["--resume-from-step", "3"])]:
         assert base_train.main([*common, "--log-json", str(tmp_path / f"{name}.json"), *args]) == 0
         with open(tmp_path / f"{name}.json") as f:
             logs[name] = json.load(f)
     straight, stopped, resumed = logs["straight"], logs["stopped"], logs["resumed"]
-    assert stopped["losses"] == {step: x for step, x in straight["losses"].items() if int(step) <= 6}
-    assert resumed["losses"] == {step: x for step, x in straight["losses"].items() if int(step) > 3}
+    assert stopped["losses"] == {step: x for step, x in straight["losses"].items()
+                                 if int(step) <= 6}
+    assert resumed["losses"] == {step: x for step, x in straight["losses"].items()
+                                 if int(step) > 3}
     assert resumed["val"] == straight["val"]
 
 
@@ -176,8 +185,8 @@ def test_missing_checkpoint_names_the_path(corpus, tmp_path):
 
 
 def test_resume_on_another_world_size(corpus, tmp_path):
-    """Elastic: 2 processes under torchrun save a checkpoint, 1 process resumes it; the loader states
-    of both ranks are merged, so the resumed rank first trains on what both had left."""
+    """Elastic: 2 processes under torchrun save a checkpoint, 1 process resumes it; the loader
+    states of both ranks are merged, so the resumed rank first trains on what both had left."""
     checkpoint_dir = tmp_path / "checkpoints"
     env = dict(os.environ, OMP_NUM_THREADS="1")
     for var in ("RANK", "LOCAL_RANK", "WORLD_SIZE"):
@@ -191,20 +200,25 @@ def test_resume_on_another_world_size(corpus, tmp_path):
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     saved = torch.load(checkpoint_dir / "step_000003.pt", weights_only=True)
     assert [s["config"]["rank"] for s in saved["dataloader_state_dicts"]] == [0, 1]
-    log = train(corpus, tmp_path, "elastic", "--checkpoint-dir", str(checkpoint_dir), "--resume-from-step", "3")
+    log = train(corpus, tmp_path, "elastic", "--checkpoint-dir", str(checkpoint_dir),
+                "--resume-from-step", "3")
     assert "world size changed from 2 to 1" in log["stdout"]
     assert sorted(log["losses"], key=int) == [str(s) for s in range(4, STEPS + 1)]
     assert all(math.isfinite(loss) for loss in log["losses"].values())
 
 
 def test_resume_is_exact_with_split_documents(corpus, tmp_path):
-    # long_doc_policy="split_reuse" with an overlap: the checkpoint's loader state holds pieces of split
-    # documents, and the resumed losses still equal the uninterrupted run's, float for float
-    policy = ["--long-doc-policy", "split_reuse", "--split-overlap", "3", "--checkpoint-dir", str(tmp_path / "ck")]
+    # long_doc_policy="split_reuse" with an overlap: the checkpoint's loader state holds pieces of
+    # split documents, and the resumed losses still equal the uninterrupted run's, float for float
+    policy = ["--long-doc-policy", "split_reuse", "--split-overlap", "3",
+              "--checkpoint-dir", str(tmp_path / "ck")]
     straight = train(corpus, tmp_path, "straight", *policy)
-    train(corpus, tmp_path, "stopped", *policy, "--save-every", "3", "--stop-after-step", str(RESUME_STEP))
-    state = torch.load(tmp_path / "ck" / f"step_{RESUME_STEP:06d}.pt", weights_only=True)["dataloader_state_dicts"][0]
+    train(corpus, tmp_path, "stopped", *policy, "--save-every", "3",
+          "--stop-after-step", str(RESUME_STEP))
+    state = torch.load(tmp_path / "ck" / f"step_{RESUME_STEP:06d}.pt",
+                       weights_only=True)["dataloader_state_dicts"][0]
     assert state["pieces"] and state["config"]["long_doc_policy"] == "split_reuse"
     resumed = train(corpus, tmp_path, "resumed", *policy, "--resume-from-step", str(RESUME_STEP))
-    assert resumed["losses"] == {s: v for s, v in straight["losses"].items() if int(s) > RESUME_STEP}
+    assert resumed["losses"] == {s: v for s, v in straight["losses"].items()
+                                 if int(s) > RESUME_STEP}
     assert "cropped 0.0%" in straight["stdout"]  # split_reuse crops nothing

@@ -30,7 +30,8 @@ FAST = ["--backoff-base", "0.01"]  # 5 attempts then cost 0.01+0.02+0.04+0.08 s 
 
 def _texts(seed: int, n: int = 300) -> list[str]:
     rng = random.Random(seed)
-    words = ["alpha", "beta", "gamma", "delta", "shard", "token", "river", "stone", "cloud", "paper"]
+    words = ["alpha", "beta", "gamma", "delta", "shard", "token", "river", "stone", "cloud",
+             "paper"]
     return [f"doc {seed}-{i}: " + " ".join(rng.choice(words) for _ in range(rng.randint(5, 40)))
             for i in range(n)]
 
@@ -63,25 +64,27 @@ def test_get_dataset_and_data_dir(monkeypatch):
 
 def test_list_ignores_temp_and_lock_files(tmp_path):
     write_shards(tmp_path, [["a"], ["b"]], row_group_size=1)
-    for name in ("shard_00002.parquet.tmp", "shard_00002.parquet.tmp.json", ".shard_00002.parquet.lock",
-                 "shard_00000.parquet.json", "notes.txt"):
+    for name in ("shard_00002.parquet.tmp", "shard_00002.parquet.tmp.json",
+                 ".shard_00002.parquet.lock", "shard_00000.parquet.json", "notes.txt"):
         (tmp_path / name).write_bytes(b"partial")
     names = [os.path.basename(p) for p in list_parquet_files(str(tmp_path))]
     assert names == ["shard_00000.parquet", "shard_00001.parquet"]
 
 
 def test_split_val_is_the_last_sorted_file(tmp_path):
-    # the seeds' rule and nanochat's, also past a name that is some dataset's val shard
+    # nanochat's rule, also past a name that is some dataset's val shard
     for name in ("a.parquet", "shard_00000.parquet", "shard_01822.parquet", "z.parquet"):
         write_shard(tmp_path / name, [name], row_group_size=1)
-    assert [os.path.basename(p) for p in split_parquet_files("val", str(tmp_path))] == ["z.parquet"]
+    assert ([os.path.basename(p) for p in split_parquet_files("val", str(tmp_path))]
+            == ["z.parquet"])
     train = [os.path.basename(p) for p in split_parquet_files("train", str(tmp_path))]
     assert train == ["a.parquet", "shard_00000.parquet", "shard_01822.parquet"]
 
 
 def test_split_without_known_val_uses_last_sorted(tmp_path):
     write_shards(tmp_path, [["a"], ["b"], ["c"]], row_group_size=1)
-    assert [os.path.basename(p) for p in split_parquet_files("val", str(tmp_path))] == ["shard_00002.parquet"]
+    assert ([os.path.basename(p) for p in split_parquet_files("val", str(tmp_path))]
+            == ["shard_00002.parquet"])
     assert len(split_parquet_files("train", str(tmp_path))) == 2
     with pytest.raises(ValueError, match="'train' or 'val'"):
         split_parquet_files("test", str(tmp_path))
@@ -118,7 +121,8 @@ def _shards(name, indices):
     data_dir = get_data_dir(name)
     os.makedirs(data_dir, exist_ok=True)
     for i in indices:
-        write_shard(os.path.join(data_dir, index_to_filename(i)), [f"{name} {i}"], row_group_size=1)
+        write_shard(os.path.join(data_dir, index_to_filename(i)), [f"{name} {i}"],
+                    row_group_size=1)
     return data_dir
 
 
@@ -137,7 +141,8 @@ def test_the_one_downloaded_dataset_is_found(name, val, fresh_log):
     data_dir = _downloaded(name, 2)
     assert list_parquet_files() == list_parquet_files(data_dir)
     assert _names(split_parquet_files("val")) == [val]
-    assert _names(split_parquet_files("train")) == ["shard_00000.parquet", "shard_00001.parquet"]
+    assert (_names(split_parquet_files("train"))
+            == ["shard_00000.parquet", "shard_00001.parquet"])
     assert list(parquets_iter_batched("val")) == [[f"{name} {get_dataset(name).max_shard}"]]
     assert list(parquets_iter_batched("train")) == [[f"{name} 0"], [f"{name} 1"]]
     assert not fresh_log.records  # nothing to warn about
@@ -150,7 +155,8 @@ def test_both_datasets_present_reads_the_default_and_says_so(fresh_log):
         assert list_parquet_files() == list_parquet_files(climbmix)
     assert _names(split_parquet_files("val")) == ["shard_06542.parquet"]
     [record] = fresh_log.records  # once, however often the data is listed
-    assert record.message.startswith(f"found {climbmix} and {fineweb}; reading {climbmix}, the default")
+    assert record.message.startswith(f"found {climbmix} and {fineweb}; reading {climbmix}, "
+                                     "the default")
     assert "NANOCHAT_DATASET" in record.message
 
 
@@ -163,12 +169,13 @@ def test_nanochat_dataset_variable_chooses(monkeypatch, fresh_log):
 
 
 def test_own_shards_in_the_dataset_dir_use_the_last_file_as_val(fresh_log):
-    # a user's own shards where nanochat looks: the seeds' rule (last file is val), one warning
+    # a user's own shards where nanochat looks: nanochat's rule (last file is val), one warning
     data_dir = get_data_dir("climbmix-400b")
     write_shards(data_dir, [["a"], ["b"], ["c"]], row_group_size=1)
     for _ in range(2):
         assert _names(split_parquet_files("val")) == ["shard_00002.parquet"]
-        assert _names(split_parquet_files("train")) == ["shard_00000.parquet", "shard_00001.parquet"]
+        assert (_names(split_parquet_files("train"))
+                == ["shard_00000.parquet", "shard_00001.parquet"])
     [record] = fresh_log.records
     assert "shard_06542.parquet" in record.message and "shard_00002.parquet" in record.message
     assert "python -m nanochat.dataset --dataset climbmix-400b -n 0" in record.message
@@ -178,16 +185,19 @@ def test_a_train_shard_named_like_the_other_datasets_val_is_train(fresh_log):
     # shard_01822 is FineWeb's val shard but an ordinary ClimbMix train shard
     _shards("climbmix-400b", (0, 1822, 6542))
     assert _names(split_parquet_files("val")) == ["shard_06542.parquet"]
-    assert _names(split_parquet_files("train")) == ["shard_00000.parquet", "shard_01822.parquet"]
+    assert (_names(split_parquet_files("train"))
+            == ["shard_00000.parquet", "shard_01822.parquet"])
 
 
 def test_own_shards_past_the_val_index_keep_the_seeds_rule(fresh_log):
     # 1900 of one's own shards in FineWeb's directory: its val index 1822 is a train shard there
     _shards("fineweb-edu-100b", (0, 1822, 1899))
     assert _names(split_parquet_files("val")) == ["shard_01899.parquet"]
-    assert _names(split_parquet_files("train")) == ["shard_00000.parquet", "shard_01822.parquet"]
+    assert (_names(split_parquet_files("train"))
+            == ["shard_00000.parquet", "shard_01822.parquet"])
     [record] = fresh_log.records
-    assert "shard_01899.parquet, is val" in record.message and "shard_01822.parquet sorts before it" in record.message
+    assert ("shard_01899.parquet, is val" in record.message
+            and "shard_01822.parquet sorts before it" in record.message)
 
 
 @pytest.mark.parametrize("climbmix_holds", [[], [6542]])
@@ -205,15 +215,19 @@ def test_a_dataset_dir_without_train_shards_hides_nothing(climbmix_holds, fresh_
 
 
 def test_no_data_anywhere_names_the_default_dir_and_the_download_command():
-    with pytest.raises(FileNotFoundError, match="base_data_climbmix does not exist.*python -m nanochat.dataset -n 8"):
+    with pytest.raises(FileNotFoundError,
+                       match="base_data_climbmix does not exist.*python -m nanochat.dataset -n 8"):
         split_parquet_files("train")
 
 
 def test_loaders_read_the_found_dataset_with_no_configuration(byte_tokenizer):
-    from nanochat.dataloader import tokenizing_distributed_data_loader_with_state_bos_bestfit as loader
+    from nanochat.dataloader import (
+        tokenizing_distributed_data_loader_with_state_bos_bestfit as loader,
+    )
     data_dir = get_data_dir("fineweb-edu-100b")
     write_shards(data_dir, [[f"doc {i} " * (i + 1) for i in range(40)]] * 2, row_group_size=8)
-    os.replace(os.path.join(data_dir, "shard_00001.parquet"), os.path.join(data_dir, "shard_01822.parquet"))
+    os.replace(os.path.join(data_dir, "shard_00001.parquet"),
+               os.path.join(data_dir, "shard_01822.parquet"))
     found = loader(byte_tokenizer, 2, 16, "train", device="cpu", prefetch=0)
     given = loader(byte_tokenizer, 2, 16, "train", device="cpu", prefetch=0, data_dir=data_dir)
     for _ in range(3):
@@ -228,17 +242,21 @@ def test_parquets_iter_batched_start_step(tmp_path):
     got = list(parquets_iter_batched("train", start=1, step=2, data_dir=str(tmp_path)))
     assert got == [["s0d2", "s0d3"], ["s0d6", "s0d7"], ["s1d2", "s1d3"], ["s1d6", "s1d7"]]
     # all ranks together cover the split exactly once
-    ranks = [doc for r in range(3) for rg in parquets_iter_batched("train", r, 3, str(tmp_path)) for doc in rg]
+    ranks = [doc for r in range(3) for rg in parquets_iter_batched("train", r, 3, str(tmp_path))
+             for doc in rg]
     assert sorted(ranks) == sorted(files[0] + files[1])
-    assert [d for rg in parquets_iter_batched("val", data_dir=str(tmp_path)) for d in rg] == files[2]
+    assert ([d for rg in parquets_iter_batched("val", data_dir=str(tmp_path)) for d in rg]
+            == files[2])
     with pytest.raises(ValueError, match="step"):
         next(parquets_iter_batched("train", step=0, data_dir=str(tmp_path)))
 
 
 @pytest.mark.parametrize("table, message", [
     (pa.table({"body": ["x", "y"]}), "no 'text' column"),
-    (pa.table({"text": pa.array([1, 2], type=pa.int64())}), "row group 0: column 'text' has type int64"),
-    (pa.table({"text": pa.array(["x", None], type=pa.string())}), "row group 0: column 'text' has 1 null"),
+    (pa.table({"text": pa.array([1, 2], type=pa.int64())}),
+     "row group 0: column 'text' has type int64"),
+    (pa.table({"text": pa.array(["x", None], type=pa.string())}),
+     "row group 0: column 'text' has 1 null"),
 ])
 def test_read_errors_name_file_and_row_group(tmp_path, table, message):
     path = tmp_path / "shard_00000.parquet"
@@ -264,14 +282,16 @@ def _write_inputs(folder) -> tuple[list[str], list[str]]:
         f.writelines(json.dumps({"id": i, "text": t}) + "\n" for i, t in enumerate(jsonl))
     with gzip.open(paths[2], "wt", encoding="utf-8") as f:
         f.writelines(json.dumps({"text": t}) + "\n" for t in jsonl_gz)
-    pq.write_table(pa.table({"url": ["u"] * len(parquet), "text": parquet}), paths[3], row_group_size=100)
+    pq.write_table(pa.table({"url": ["u"] * len(parquet), "text": parquet}), paths[3],
+                   row_group_size=100)
     return paths, docs
 
 
 def test_repackage_all_input_kinds(tmp_path):
     paths, docs = _write_inputs(tmp_path)
     out = tmp_path / "out"
-    shards = repackage(paths, str(out), docs_per_shard=1500)  # 2 shards of 1300: row groups 1024 + 276
+    # 2 shards of 1300: row groups 1024 + 276
+    shards = repackage(paths, str(out), docs_per_shard=1500)
     assert [os.path.basename(p) for p in shards] == [index_to_filename(i) for i in range(2)]
     assert list_parquet_files(str(out)) == shards  # no temp files left behind
     train = [d for rg in parquets_iter_batched("train", data_dir=str(out)) for d in rg]
@@ -281,7 +301,8 @@ def test_repackage_all_input_kinds(tmp_path):
     assert train[:len(docs) // 10] != docs[:len(docs) // 10]  # shuffled
     for path in shards:
         pf = pq.ParquetFile(path)
-        assert pf.schema_arrow.names == ["text"] and pf.schema_arrow.field("text").type == pa.string()
+        assert (pf.schema_arrow.names == ["text"]
+                and pf.schema_arrow.field("text").type == pa.string())
         rows = [pf.metadata.row_group(i).num_rows for i in range(pf.num_row_groups)]
         assert rows[:-1] == [1024] * (len(rows) - 1) and 0 < rows[-1] <= 1024
         assert pf.metadata.row_group(0).column(0).compression == "ZSTD"
@@ -298,8 +319,10 @@ def test_repackage_cli_by_size_and_seed(tmp_path, capsys):
     # the size target is an estimate from a compressed sample; allow parquet overhead on tiny shards
     assert all(os.path.getsize(p) < 2 * 0.02e6 for p in shards)
     assert main(args + ["--out", str(tmp_path / "b")]) == 0
-    same = [pq.read_table(p).column("text").to_pylist() for p in list_parquet_files(str(tmp_path / "b"))]
-    assert same == [pq.read_table(p).column("text").to_pylist() for p in shards]  # same seed, same shards
+    same = [pq.read_table(p).column("text").to_pylist()
+            for p in list_parquet_files(str(tmp_path / "b"))]
+    # same seed, same shards
+    assert same == [pq.read_table(p).column("text").to_pylist() for p in shards]
 
 
 def test_repackage_few_documents_still_makes_train_and_val(tmp_path):

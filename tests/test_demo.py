@@ -26,8 +26,9 @@ def test_demo_end_to_end(tmp_path):
     out = tmp_path / "demo"
     # conftest points NANOCHAT_BASE_DIR at tmp_path; the demo must not write there, only to --out
     base_dir = os.environ["NANOCHAT_BASE_DIR"]
-    result = run_demo("--out", str(out), "--num-docs", "600", "--shards", "4", "--row-group-size", "64",
-                      "--vocab-size", "512", "--batches", "6", "--B", "4", "--T", "128")
+    result = run_demo("--out", str(out), "--num-docs", "600", "--shards", "4",
+                      "--row-group-size", "64", "--vocab-size", "512", "--batches", "6",
+                      "--B", "4", "--T", "128")
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
 
     # what was downloaded is exactly what was served, under the real dataset's names
@@ -36,7 +37,8 @@ def test_demo_end_to_end(tmp_path):
     downloaded = sorted(f for f in os.listdir(out / "base_data_climbmix") if f.endswith(".parquet"))
     assert downloaded == served
     for name in served:
-        assert (out / "base_data_climbmix" / name).read_bytes() == (out / "hosted" / name).read_bytes(), name
+        assert ((out / "base_data_climbmix" / name).read_bytes()
+                == (out / "hosted" / name).read_bytes()), name
     assert not [f for f in os.listdir(out / "base_data_climbmix") if f.endswith(".tmp")]
 
     assert (out / "tokenizer" / "tokenizer.json").is_file()
@@ -48,12 +50,15 @@ def test_demo_end_to_end(tmp_path):
     assert "train: 6 batches, 24 rows, 3,072 tokens" in stdout
     assert "state_dict of the last batch: {'pq_idx'" in stdout
 
-    # step 6: the same batches streamed from the server (the demo exits 1 if they differ), within the least
-    # cache_limit of prefetch_shards=0 (3 train shards, val, copies), less than the 5 shards; only the shards read
-    # were fetched (prefetch_shards=0), the first train shard and the val shard among them
-    line = re.search(r"stream=True: 6 train batches and 1 val batch equal to step 5's \(batches and states\); first "
-                     r"train batch after [\d.]+s \(on disk: [\d.]+s\); peak cache ([\d,]+) bytes <= cache_limit "
-                     r"([\d,]+) bytes \(the 5 shards: ([\d,]+) bytes\); shards downloaded, in order: (.*)", stdout)
+    # step 6: the same batches streamed from the server (the demo exits 1 if they differ), within
+    # the least cache_limit of prefetch_shards=0 (3 train shards, val, copies), less than the 5
+    # shards; only the shards read were fetched (prefetch_shards=0), the first train shard and the
+    # val shard among them
+    line = re.search(r"stream=True: 6 train batches and 1 val batch equal to step 5's "
+                     r"\(batches and states\); first train batch after [\d.]+s "
+                     r"\(on disk: [\d.]+s\); peak cache ([\d,]+) bytes <= cache_limit "
+                     r"([\d,]+) bytes \(the 5 shards: ([\d,]+) bytes\); shards downloaded, "
+                     r"in order: (.*)", stdout)
     assert line, stdout[-3000:]
     peak, limit, total = (int(g.replace(",", "")) for g in line.groups()[:3])
     sizes = [(out / "hosted" / name).stat().st_size for name in served]
@@ -61,16 +66,19 @@ def test_demo_end_to_end(tmp_path):
     assert 3 * max(sizes[:4]) + sizes[4] < limit  # (the room set aside for the copies)
     assert 0 < peak <= limit < total
     fetched = line.group(4).split(", ")
-    assert {"shard_00000", "shard_06542"} <= set(fetched) <= {name.removesuffix(".parquet") for name in served}
+    assert ({"shard_00000", "shard_06542"} <= set(fetched)
+            <= {name.removesuffix(".parquet") for name in served})
     cache = out / "stream_cache" / "base_data_climbmix"
     cached = sorted(f for f in os.listdir(cache) if f.endswith(".parquet"))
-    assert "shard_06542.parquet" in cached and sum((cache / f).stat().st_size for f in cached) <= limit
+    assert ("shard_06542.parquet" in cached
+            and sum((cache / f).stat().st_size for f in cached) <= limit)
     for name in cached:
         assert (cache / name).read_bytes() == (out / "hosted" / name).read_bytes(), name
     for name in [f.removesuffix(".tmp") for f in os.listdir(cache) if f.endswith(".parquet.tmp")]:
-        # a download the loader's close() stopped (its reading thread had moved on): a prefix, which the next
-        # loader resumes, under its final name only once complete and verified
-        assert (out / "hosted" / name).read_bytes().startswith((cache / f"{name}.tmp").read_bytes()), name
+        # a download the loader's close() stopped (its reading thread had moved on): a prefix, which
+        # the next loader resumes, under its final name only once complete and verified
+        assert (out / "hosted" / name).read_bytes().startswith(
+            (cache / f"{name}.tmp").read_bytes()), name
     assert "== summary" in stdout
     assert not os.path.exists(base_dir)
 
@@ -85,5 +93,6 @@ def test_demo_refuses_a_non_empty_out(tmp_path):
 
 @pytest.mark.parametrize("script", ["speedrun.sh", "scripts/speedrun.sh"])
 def test_speedrun_is_valid_bash(script):
-    result = subprocess.run(["bash", "-n", os.path.join(REPO_ROOT, script)], capture_output=True, text=True)
+    result = subprocess.run(["bash", "-n", os.path.join(REPO_ROOT, script)], capture_output=True,
+                            text=True)
     assert result.returncode == 0, result.stderr

@@ -39,8 +39,9 @@ def split_docs(tokens):
 
 
 def run_torchrun(world_size, data_dir, out_path, num_batches):
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world_size}",
-           os.path.join(HERE, "dist_worker.py"), str(data_dir), str(out_path), str(num_batches)]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+           f"--nproc_per_node={world_size}", os.path.join(HERE, "dist_worker.py"), str(data_dir),
+           str(out_path), str(num_batches)]
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=worker_env())
     assert result.returncode == 0, result.stdout + result.stderr
     with open(out_path) as f:
@@ -59,12 +60,13 @@ def test_ranks_partition_every_epoch(world_size, tmp_path):
     for i, ((count, rg), texts) in enumerate(zip(sizes, files)):
         write_shards(tmp_path / f"tmp{i}", [texts], row_group_size=rg)
         os.makedirs(data_dir, exist_ok=True)
-        os.replace(tmp_path / f"tmp{i}" / "shard_00000.parquet", data_dir / f"shard_{i:05d}.parquet")
+        os.replace(tmp_path / f"tmp{i}" / "shard_00000.parquet",
+                   data_dir / f"shard_{i:05d}.parquet")
     write_shards(tmp_path / "val", [["val"]], row_group_size=1)
     os.replace(tmp_path / "val" / "shard_00000.parquet", data_dir / "shard_00009.parquet")
     all_docs = {doc_text(i) for i in range(n)}
 
-    # which documents each rank should read, by the seeds' rule: row groups rank, rank+W, ...
+    # which documents each rank should read, by nanochat's rule: row groups rank, rank+W, ...
     expected = {r: set() for r in range(world_size)}
     for i in range(3):
         pf = pq.ParquetFile(data_dir / f"shard_{i:05d}.parquet")

@@ -1,10 +1,11 @@
 """
-Elastic resume with real processes: N ranks (torchrun, gloo, CPU) train for a while and each saves its
-state; merge_states turns the N states into the start of M ranks (2 -> 3 and 4 -> 2); the M ranks
-resume (also with shuffle=True). Every document of the interrupted epoch(s) is placed into a row exactly once across the old
-and the new ranks (a cropped document counts as placed) or still waits in exactly one new rank's
-buffer (best-fit may keep a small document waiting for a long time), never both and never twice;
-checked on the documents' positions and, independently, on the tokens of the rows. Run: python -m pytest tests/test_elastic.py -q (~30 s)
+Elastic resume with real processes: N ranks (torchrun, gloo, CPU) train for a while and each saves
+its state; merge_states turns the N states into the start of M ranks (2 -> 3 and 4 -> 2); the M
+ranks resume (also with shuffle=True). Every document of the interrupted epoch(s) is placed into a
+row exactly once across the old and the new ranks (a cropped document counts as placed) or still
+waits in exactly one new rank's buffer (best-fit may keep a small document waiting for a long
+time), never both and never twice; checked on the documents' positions and, independently, on the
+tokens of the rows. Run: python -m pytest tests/test_elastic.py -q (~30 s)
 """
 
 import json
@@ -30,8 +31,8 @@ def doc_text(i):
 
 
 def torchrun(nproc, *args, shuffle=False):
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-           os.path.join(HERE, "elastic_worker.py"), *map(str, args)]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+           f"--nproc_per_node={nproc}", os.path.join(HERE, "elastic_worker.py"), *map(str, args)]
     env = dict(worker_env(), NANOCHAT_TEST_SHUFFLE="1" if shuffle else "0")
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
     assert result.returncode == 0, result.stdout + result.stderr
@@ -48,10 +49,12 @@ def check_rows_against_trace(results, text_of):
             assert starts[0] == 0 and len(starts) == len(keys)
             for start, end, key in zip(starts, starts[1:] + [len(row)], keys):
                 expected = [BOS] + list(text_of[tuple(key[1:])].encode())
-                assert row[start:end] == expected[:end - start]  # whole, or cropped at the row's end
+                # whole, or cropped at the row's end
+                assert row[start:end] == expected[:end - start]
 
 
-@pytest.mark.parametrize("n_old,n_new,old_batches,shuffle", [(2, 3, 6, False), (4, 2, 9, False), (2, 3, 6, True)])
+@pytest.mark.parametrize("n_old,n_new,old_batches,shuffle",
+                         [(2, 3, 6, False), (4, 2, 9, False), (2, 3, 6, True)])
 def test_elastic_resume_places_every_document_once(n_old, n_new, old_batches, shuffle, tmp_path):
     data_dir = tmp_path / "data"
     data_dir.mkdir()
@@ -75,13 +78,16 @@ def test_elastic_resume_places_every_document_once(n_old, n_new, old_batches, sh
     json.dumps(merged)  # plain data, like every state
     with open(tmp_path / "merged.json", "w") as f:
         json.dump(merged, f)
-    new = torchrun(n_new, "new", data_dir, tmp_path / "new.json", 400, tmp_path / "merged.json", shuffle=shuffle)
+    new = torchrun(n_new, "new", data_dir, tmp_path / "new.json", 400, tmp_path / "merged.json",
+                   shuffle=shuffle)
     assert all(r["batches"] < 400 for r in new), "a new rank never read its whole share"
     check_rows_against_trace(old + new, text_of)
 
     last_epoch = max(s["next"][0] for s in states)
-    placed = [tuple(key) for r in old + new for row in r["placed"] for key in row if key[0] <= last_epoch]
-    waiting = [key for r in new for key in decode_keys(r["state"]["buffer"]) if key[0] <= last_epoch]
+    placed = [tuple(key) for r in old + new for row in r["placed"] for key in row
+              if key[0] <= last_epoch]
+    waiting = [key for r in new for key in decode_keys(r["state"]["buffer"])
+               if key[0] <= last_epoch]
     # nothing twice...
     assert len(placed) == len(set(placed)) and not set(placed) & set(waiting)
     assert len(waiting) == len(set(waiting))

@@ -1,9 +1,10 @@
 """
-Data mixtures and curricula (nanochat/mixture.py) on generated buckets of known sizes: the realised
-mix per phase (every 1M-token window within 1 point of the target, rows checked against their
-bucket's tokens), reproducibility, exact resume mid-phase and across a phase boundary, elastic resume,
-both exhaustion behaviours (and the ranks of a real torchrun job stopping at the same step), the
-budget, curriculum errors, and `python -m nanochat.mixture validate`'s report and exit codes.
+Data mixtures and curricula (nanochat/mixture.py) on generated buckets of known sizes: the
+realised mix per phase (every 1M-token window within 1 point of the target, rows checked against
+their bucket's tokens), reproducibility, exact resume mid-phase and across a phase boundary,
+elastic resume, both exhaustion behaviours (and the ranks of a real torchrun job stopping at the
+same step), the budget, curriculum errors, and `python -m nanochat.mixture validate`'s report and
+exit codes.
 Run: python -m pytest tests/test_mixture.py -q
 """
 
@@ -19,7 +20,8 @@ import pytest
 import torch
 
 from conftest import worker_env
-from nanochat.mixture import (BucketExhausted, CurriculumComplete, load_curriculum, main as mixture_main,
+from nanochat.mixture import (BucketExhausted, CurriculumComplete, load_curriculum,
+                              main as mixture_main,
                               pretokenized_mixture_loader_with_state_bos_bestfit as MIX, validate)
 from nanochat.token_shards import write_token_shard
 from nanochat.resume import merge_states
@@ -39,21 +41,25 @@ def make_bucket(root, split, name, n_docs, mean_len, seed, shards=2, fixed_len=N
     per_shard = -(-n_docs // shards)
     for s in range(shards):
         n = min(per_shard, n_docs - s * per_shard)
-        lengths = np.full(n, fixed_len) if fixed_len else np.maximum(1, rng.geometric(1 / mean_len, size=n))
-        entries = [np.concatenate(([BOS], rng.integers(low, high, size=k - 1))).astype(np.uint16) for k in lengths]
+        lengths = (np.full(n, fixed_len) if fixed_len
+                   else np.maximum(1, rng.geometric(1 / mean_len, size=n)))
+        entries = [np.concatenate(([BOS], rng.integers(low, high, size=k - 1))).astype(np.uint16)
+                   for k in lengths]
         write_token_shard(os.path.join(directory, f"shard_{s:03d}"), entries, [0] * n, np.uint16)
 
 
 def bucket_of_row(row) -> str:
     tokens = row[row != BOS]
-    names = {name for name, (low, high) in ID_RANGES.items() if ((tokens >= low) & (tokens < high)).any()}
+    names = {name for name, (low, high) in ID_RANGES.items()
+             if ((tokens >= low) & (tokens < high)).any()}
     assert len(names) == 1, f"a row mixes buckets {names}"
     return names.pop()
 
 
 @pytest.fixture(scope="module")
 def buckets(tmp_path_factory):
-    """web: long documents, code: short ones, math: medium; each far larger than the curriculum needs."""
+    """web: long documents, code: short ones, math: medium; each far larger than the curriculum
+    needs."""
     root = tmp_path_factory.mktemp("mixture")
     for split in ("train", "val"):
         make_bucket(root, split, "web", 9000, 400, 1)
@@ -64,7 +70,8 @@ def buckets(tmp_path_factory):
 
 CURRICULUM = [{"tokens": 2_500_000, "mix": {"web": 0.5, "code": 0.3, "math": 0.2}},
               {"tokens": 1_500_000, "mix": {"web": 0.2, "code": 0.5, "math": 0.3}}]
-KW = dict(device="cpu", buffer_size=64, chunk_size=128, batch_size=32, bos_token=BOS)  # no pretokenize.json
+# bos_token: the buckets have no pretokenize.json
+KW = dict(device="cpu", buffer_size=64, chunk_size=128, batch_size=32, bos_token=BOS)
 
 
 @pytest.mark.parametrize("world_size", [1, 2])
@@ -81,9 +88,11 @@ def test_realised_mix_follows_every_phase(buckets, world_size):
                 rows = torch.cat([x, y[:, -1:]], dim=1).numpy()
                 assert (rows[:, 0] == BOS).all()
                 named = [bucket_of_row(row) for row in rows]
-                assert named == loader.stats["row_buckets"]  # the reported bucket is the row's real one
+                # the reported bucket is the row's real one
+                assert named == loader.stats["row_buckets"]
                 rows_by_phase[state["phase"]].extend(named)
-    # the budget: phases switch at the first step past each budget, and the loader stops past the total
+    # the budget: phases switch at the first step past each budget, and the loader stops past the
+    # total
     step = B * T * world_size
     assert stop.value.state["tokens_done"] >= 4_000_000 > stop.value.state["tokens_done"] - step
     for phase, names in rows_by_phase.items():
@@ -92,13 +101,16 @@ def test_realised_mix_follows_every_phase(buckets, world_size):
         assert len(names) > window
         for bucket, weight in mix.items():
             hits = np.concatenate(([0], np.cumsum([n == bucket for n in names])))
-            shares = (hits[window:] - hits[:-window]) / window  # every window of 1M tokens in the phase
-            assert np.abs(shares - weight).max() <= 0.01, (phase, bucket, shares.min(), shares.max())
+            # every window of 1M tokens in the phase
+            shares = (hits[window:] - hits[:-window]) / window
+            assert np.abs(shares - weight).max() <= 0.01, \
+                (phase, bucket, shares.min(), shares.max())
 
 
 def test_without_state(buckets):
     from nanochat.mixture import pretokenized_mixture_loader_bos_bestfit
-    loader = pretokenized_mixture_loader_bos_bestfit(4, 63, "train", CURRICULUM, data_dir=buckets, **KW)
+    loader = pretokenized_mixture_loader_bos_bestfit(4, 63, "train", CURRICULUM, data_dir=buckets,
+                                                     **KW)
     with_state = MIX(4, 63, "train", CURRICULUM, data_dir=buckets, **KW)
     for _ in range(5):
         batch, (x, y, _) = next(loader), next(with_state)
@@ -123,7 +135,8 @@ def test_exact_resume_mid_phase_and_across_the_boundary(buckets, policy):
     B, T = 8, 127
     short = [{"tokens": 40 * B * T, "mix": {"web": 0.6, "code": 0.4}},
              {"tokens": 40 * B * T, "mix": {"code": 0.3, "math": 0.7}}]
-    kw = dict(KW, data_dir=buckets, long_doc_policy=policy, split_overlap=2 if policy != "crop" else 0)
+    kw = dict(KW, data_dir=buckets, long_doc_policy=policy,
+              split_overlap=2 if policy != "crop" else 0)
     run = take(MIX(B, T, "train", short, **kw), 70)
     phases = [s["phase"] for _, _, s in run]
     boundary = phases.index(2)
@@ -132,9 +145,11 @@ def test_exact_resume_mid_phase_and_across_the_boundary(buckets, policy):
     assert run[boundary][2]["phase_tokens_done"] == B * T
     assert all(len(s["buckets"]) == 3 for _, _, s in run)
     for k in (5, boundary - 2, boundary - 1, boundary, 60):
-        resumed = MIX(B, T, "train", short, resume_state_dict=json.loads(json.dumps(run[k][2])), **kw)
+        resumed = MIX(B, T, "train", short, resume_state_dict=json.loads(json.dumps(run[k][2])),
+                      **kw)
         for j, (x, y, s) in enumerate(take(resumed, 69 - k), k + 1):
-            assert torch.equal(x, run[j][0]) and torch.equal(y, run[j][1]) and s == run[j][2], (k, j)
+            assert (torch.equal(x, run[j][0]) and torch.equal(y, run[j][1])
+                    and s == run[j][2]), (k, j)
 
 
 def test_elastic_resume(buckets):
@@ -154,7 +169,8 @@ def test_elastic_resume(buckets):
     assert all(any(b["buffer"] for b in s["buckets"].values()) for s in states)
     merged = merge_states(states, 3, data_dir=buckets)
     assert [s["tokens_done"] for s in merged["states"]] == [25 * B * T * 2] * 3
-    assert all(s["generation"] == 1 and any(b["plan"] for b in s["buckets"].values()) for s in merged["states"])
+    assert all(s["generation"] == 1 and any(b["plan"] for b in s["buckets"].values())
+               for s in merged["states"])
     new_rows = []
     for rank in range(3):
         loader = MIX(B, T, "train", cur, rank=rank, world_size=3, resume_state_dict=merged, **kw)
@@ -164,15 +180,18 @@ def test_elastic_resume(buckets):
             placed += [key for row in loader.documents for key in row]
             new_rows += loader.stats["row_buckets"]
         assert run[0][2]["tokens_done"] == 25 * B * T * 2 + B * T * 3
-        again = MIX(B, T, "train", cur, rank=rank, world_size=3, resume_state_dict=run[9][2], **kw)
-        assert all(torch.equal(x, r[0]) and s == r[2] for (x, _, s), r in zip(take(again, 5), run[10:15]))
+        again = MIX(B, T, "train", cur, rank=rank, world_size=3, resume_state_dict=run[9][2],
+                    **kw)
+        assert all(torch.equal(x, r[0]) and s == r[2]
+                   for (x, _, s), r in zip(take(again, 5), run[10:15]))
     assert len(placed) == len(set(placed)), "a document was trained on twice"
     shares = {name: new_rows.count(name) / len(new_rows) for name in ("web", "code", "math")}
     assert abs(shares["web"] - 0.5) < 0.02 and abs(shares["code"] - 0.25) < 0.02
 
 
 def tiny_buckets(root):
-    """web (plenty) and tiny: 40 documents of 200 tokens (8,000), of which the loader at T=99 crops half."""
+    """web (plenty) and tiny: 40 documents of 200 tokens (8,000), of which the loader at T=99 crops
+    half."""
     make_bucket(root, "train", "web", 4000, 100, 5)
     make_bucket(root, "train", "tiny", 40, 0, 6, shards=1, fixed_len=200)
     return str(root)
@@ -183,7 +202,8 @@ TINY_CUR = [{"tokens": 60_000, "mix": {"web": 0.9, "tiny": 0.1}}]
 
 def test_bucket_runs_dry_then_resumes_with_it_dropped(tmp_path):
     data = tiny_buckets(tmp_path)
-    kw = dict(device="cpu", buffer_size=4, chunk_size=8, batch_size=4, data_dir=data, bos_token=BOS)
+    kw = dict(device="cpu", buffer_size=4, chunk_size=8, batch_size=4, data_dir=data,
+              bos_token=BOS)
     # validation predicts no shortfall (6,000 tokens of tiny demanded, 8,000 available) ...
     rows, problems, _ = validate(TINY_CUR, data, T=99)
     assert not problems and [r["status"] for r in rows] == ["ok", "ok"]
@@ -196,8 +216,10 @@ def test_bucket_runs_dry_then_resumes_with_it_dropped(tmp_path):
     assert stop.value.bucket == "tiny" and stop.value.state == states[-1]
     with pytest.raises(BucketExhausted):  # and it stays stopped
         next(loader)
-    # resumed with allow_bucket_exhaustion=True: the bucket is dropped, web fills every row from then on
-    resumed = MIX(4, 99, "train", TINY_CUR, resume_state_dict=stop.value.state, allow_bucket_exhaustion=True, **kw)
+    # resumed with allow_bucket_exhaustion=True: the bucket is dropped, web fills every row from
+    # then on
+    resumed = MIX(4, 99, "train", TINY_CUR, resume_state_dict=stop.value.state,
+                  allow_bucket_exhaustion=True, **kw)
     x, _, state = take(resumed, 1)[0]
     assert state["dropped"] == ["tiny"] and resumed.stats["dropped"] == ["tiny"]
     for _ in range(5):
@@ -211,8 +233,8 @@ def test_bucket_runs_dry_then_resumes_with_it_dropped(tmp_path):
 
 
 def test_token_ids_are_checked_against_the_vocabulary(tmp_path):
-    """A bucket's pretokenize.json gives the vocabulary: a flipped token in that bucket is a ValueError
-    naming the shard and entry; buckets whose settings disagree are refused up front."""
+    """A bucket's pretokenize.json gives the vocabulary: a flipped token in that bucket is a
+    ValueError naming the shard and entry; buckets whose settings disagree are refused up front."""
     data = tiny_buckets(tmp_path)
     tiny = os.path.join(data, "train", "tiny")
     with open(os.path.join(tiny, "pretokenize.json"), "w") as f:
@@ -230,30 +252,34 @@ def test_token_ids_are_checked_against_the_vocabulary(tmp_path):
     with pytest.raises(ValueError) as info:
         for _ in range(200):
             next(loader)
-    assert str(info.value) == (f"{bin_path}: entry 20 holds token id {old ^ 0xFFFF} (token 5 of the entry), outside "
-                               f"the vocabulary [0, 5,000) ({os.path.join(tiny, 'pretokenize.json')}); the shard is "
-                               "damaged or was written with another tokenizer: delete the pair and rerun "
-                               "python -m nanochat.pretokenize")
+    assert str(info.value) == (f"{bin_path}: entry 20 holds token id {old ^ 0xFFFF} (token 5 of "
+                               f"the entry), outside the vocabulary [0, 5,000) "
+                               f"({os.path.join(tiny, 'pretokenize.json')}); the shard is "
+                               "damaged or was written with another tokenizer: delete the pair "
+                               "and rerun python -m nanochat.pretokenize")
     with open(os.path.join(data, "train", "web", "pretokenize.json"), "w") as f:
         json.dump({"vocab_size": 4096}, f)
-    with pytest.raises(ValueError, match=r"^vocab_size 5,000 \(.*tiny/pretokenize.json\) disagrees with 4,096 "
-                                         r"\(.*web/pretokenize.json\)"):
+    with pytest.raises(ValueError, match=r"^vocab_size 5,000 \(.*tiny/pretokenize.json\) "
+                                         r"disagrees with 4,096 \(.*web/pretokenize.json\)"):
         MIX(4, 99, "train", TINY_CUR, **kw)
 
 
 def test_bos_token_comes_from_pretokenize_json_never_a_guess(tmp_path):
-    """Buckets with no pretokenize.json: a ValueError up front that says to pass bos_token= and shows the
-    first ids; with one in each bucket's directory, their BOS is the default (and entries are checked to
-    start with it); buckets that record different BOS ids are refused."""
+    """Buckets with no pretokenize.json: a ValueError up front that says to pass bos_token= and
+    shows the first ids; with one in each bucket's directory, their BOS is the default (and entries
+    are checked to start with it); buckets that record different BOS ids are refused."""
     data = tiny_buckets(tmp_path)
-    kw = dict(device="cpu", buffer_size=4, chunk_size=8, batch_size=4, data_dir=data, allow_bucket_exhaustion=True)
+    kw = dict(device="cpu", buffer_size=4, chunk_size=8, batch_size=4, data_dir=data,
+              allow_bucket_exhaustion=True)
     with pytest.raises(ValueError) as info:
         MIX(4, 99, "train", TINY_CUR, **kw)
     first = os.path.join(data, "train", "tiny", "shard_000.bin")  # the first bucket, by name
-    assert str(info.value).startswith(f"no pretokenize.json records the BOS of the shards of {first} (looked in "
+    assert str(info.value).startswith(f"no pretokenize.json records the BOS of the shards of "
+                                      f"{first} (looked in "
                                       f"{data}, {os.path.join(data, 'train', 'tiny')}, ")
     assert "pass bos_token=" in str(info.value)
-    assert str(info.value).endswith(f"Entries 0 to 7 of {first} start with the ids 1, 1, 1, 1, 1, 1, 1, 1.")
+    assert str(info.value).endswith(f"Entries 0 to 7 of {first} start with the ids "
+                                    f"1, 1, 1, 1, 1, 1, 1, 1.")
     for name in ("tiny", "web"):
         with open(os.path.join(data, "train", name, "pretokenize.json"), "w") as f:
             json.dump({"vocab_size": 5000, "bos_token_id": BOS, "convention": "nanochat"}, f)
@@ -261,18 +287,22 @@ def test_bos_token_comes_from_pretokenize_json_never_a_guess(tmp_path):
     assert torch.equal(next(MIX(4, 99, "train", TINY_CUR, **kw))[0], expected)
     with open(os.path.join(data, "train", "web", "pretokenize.json"), "w") as f:
         json.dump({"vocab_size": 5000, "bos_token_id": 2}, f)
-    with pytest.raises(ValueError, match=r"tiny/pretokenize.json records the nanochat convention with bos_token_id 1, "
-                                         r"but .*web/pretokenize.json the nanochat convention with bos_token_id 2"):
+    with pytest.raises(ValueError, match=r"tiny/pretokenize.json records the nanochat convention "
+                                         r"with bos_token_id 1, "
+                                         r"but .*web/pretokenize.json the nanochat convention "
+                                         r"with bos_token_id 2"):
         MIX(4, 99, "train", TINY_CUR, **kw)
 
 
 def test_predicted_shortfall_blocks_the_start(tmp_path):
     data = tiny_buckets(tmp_path)
-    greedy = [{"tokens": 60_000, "mix": {"web": 0.5, "tiny": 0.5}}]  # 30,000 tokens of tiny: 8,000 exist
-    with pytest.raises(ValueError, match="phase 1: bucket 'tiny' runs dry: 30,303 tokens demanded"):  # x 100/99
+    # 30,000 tokens of tiny: 8,000 exist
+    greedy = [{"tokens": 60_000, "mix": {"web": 0.5, "tiny": 0.5}}]
+    # 30,303 = 30,000 x 100/99
+    with pytest.raises(ValueError, match="phase 1: bucket 'tiny' runs dry: 30,303 tokens demanded"):
         MIX(4, 99, "train", greedy, device="cpu", data_dir=data, bos_token=BOS)
-    loader = MIX(4, 99, "train", greedy, device="cpu", data_dir=data, bos_token=BOS, allow_bucket_exhaustion=True,
-                 buffer_size=4, chunk_size=8, batch_size=4)
+    loader = MIX(4, 99, "train", greedy, device="cpu", data_dir=data, bos_token=BOS,
+                 allow_bucket_exhaustion=True, buffer_size=4, chunk_size=8, batch_size=4)
     for _ in range(60):
         next(loader)
     assert loader.stats["dropped"] == ["tiny"]
@@ -280,10 +310,13 @@ def test_predicted_shortfall_blocks_the_start(tmp_path):
 
 def test_budget(buckets):
     cur = [{"tokens": 10 * 4 * 63, "mix": {"web": 1.0}}]
-    with pytest.raises(ValueError, match="budget mismatch: the curriculum totals 2,520 tokens, the run will train 5,000"):
+    with pytest.raises(ValueError, match="budget mismatch: the curriculum totals 2,520 tokens, "
+                                         "the run will train 5,000"):
         MIX(4, 63, "train", cur, data_dir=buckets, total_tokens=5000, **KW)
-    loader = MIX(4, 63, "train", cur, data_dir=buckets, total_tokens=5000, allow_budget_mismatch=True, **KW)
-    states = [next(loader)[2] for _ in range(15)]  # past the curriculum's end: the last phase goes on
+    loader = MIX(4, 63, "train", cur, data_dir=buckets, total_tokens=5000,
+                 allow_budget_mismatch=True, **KW)
+    # past the curriculum's end: the last phase goes on
+    states = [next(loader)[2] for _ in range(15)]
     assert states[-1]["tokens_done"] == 15 * 4 * 63 and states[-1]["phase"] == 1
     loader = MIX(4, 63, "train", cur, data_dir=buckets, **KW)
     states = [next(loader)[2] for _ in range(10)]
@@ -295,22 +328,30 @@ def test_budget(buckets):
 def test_curriculum_errors_name_the_phase(buckets, tmp_path):
     names = {"web", "code", "math"}
     good = {"tokens": 10, "mix": {"web": 1}}
-    for phase, match in [({"tokens": 10, "mix": {"maths": 1}}, "curriculum phase 2: unknown bucket 'maths'"),
-                         ({"tokens": 10, "mix": {"web": -0.1, "code": 1}}, "phase 2: weight of 'web' is -0.1"),
+    for phase, match in [({"tokens": 10, "mix": {"maths": 1}},
+                          "curriculum phase 2: unknown bucket 'maths'"),
+                         ({"tokens": 10, "mix": {"web": -0.1, "code": 1}},
+                          "phase 2: weight of 'web' is -0.1"),
                          ({"tokens": 10, "mix": {}}, "curriculum phase 2: empty mix"),
-                         ({"tokens": 0, "mix": {"web": 1}}, "curriculum phase 2: 'tokens' must be a positive integer"),
-                         ({"tokens": 10, "mix": {"web": 0}}, "curriculum phase 2: every weight is 0"),
-                         ({"tokens": 10, "weights": {"web": 1}}, "curriculum phase 2: unknown keys")]:
+                         ({"tokens": 0, "mix": {"web": 1}},
+                          "curriculum phase 2: 'tokens' must be a positive integer"),
+                         ({"tokens": 10, "mix": {"web": 0}},
+                          "curriculum phase 2: every weight is 0"),
+                         ({"tokens": 10, "weights": {"web": 1}},
+                          "curriculum phase 2: unknown keys")]:
         with pytest.raises(ValueError, match=match):
             load_curriculum([good, phase], names)
     with pytest.warns(UserWarning, match="curriculum phase 1: weights sum to 2, normalised to 1"):
-        phases = load_curriculum([{"duration_tokens": 10, "mix": {"web": 1.5, "code": 0.5}}], names)
+        phases = load_curriculum([{"duration_tokens": 10, "mix": {"web": 1.5, "code": 0.5}}],
+                                 names)
     assert phases[0].mix == {"code": 0.25, "web": 0.75}
-    # files: YAML (seed 003's shape) and JSON give the same curriculum
+    # files: YAML (GPT-Simple's shape) and JSON give the same curriculum
     (tmp_path / "c.yaml").write_text("data:\n  curriculum:\n    - duration_tokens: 5_000\n"
                                      "      mix: {web: 0.6, code: 0.4}\n")
-    (tmp_path / "c.json").write_text(json.dumps([{"tokens": 5000, "mix": {"web": 0.6, "code": 0.4}}]))
-    assert load_curriculum(str(tmp_path / "c.yaml"), names) == load_curriculum(str(tmp_path / "c.json"), names)
+    (tmp_path / "c.json").write_text(
+        json.dumps([{"tokens": 5000, "mix": {"web": 0.6, "code": 0.4}}]))
+    assert (load_curriculum(str(tmp_path / "c.yaml"), names)
+            == load_curriculum(str(tmp_path / "c.json"), names))
     with pytest.raises(ValueError, match="unknown bucket 'maths'"):
         MIX(2, 16, "train", [{"tokens": 10, "mix": {"maths": 1}}], data_dir=buckets, **KW)
 
@@ -330,14 +371,16 @@ def test_validate_report_and_exit_codes(tmp_path, capsys):
     # more of tiny than exists: exit 1 and the shortfall, unless exhaustion is allowed
     config.write_text("curriculum:\n  - tokens: 20000\n    mix: {web: 0.5, tiny: 0.5}\n")
     assert mixture_main(["validate", str(config), "--data", data]) == 1
-    assert "error: phase 1: bucket 'tiny' runs dry: 10,000 tokens demanded" in capsys.readouterr().out
+    assert ("error: phase 1: bucket 'tiny' runs dry: 10,000 tokens demanded"
+            in capsys.readouterr().out)
     assert mixture_main(["validate", str(config), "--data", data, "--allow-bucket-exhaustion"]) == 0
     assert "warning: phase 1: bucket 'tiny' runs dry" in capsys.readouterr().out
     # the budget: --tokens different from the curriculum's total
     config.write_text("curriculum:\n  - tokens: 20000\n    mix: {web: 1}\n")
     assert mixture_main(["validate", str(config), "--data", data, "--tokens", "30000"]) == 1
     assert "budget mismatch" in capsys.readouterr().out
-    assert mixture_main(["validate", str(config), "--data", data, "--tokens", "30000", "--allow-budget-mismatch"]) == 0
+    assert mixture_main(["validate", str(config), "--data", data, "--tokens", "30000",
+                         "--allow-budget-mismatch"]) == 0
     # a broken config or data directory: exit 2 with the reason
     config.write_text("curriculum:\n  - tokens: 20000\n    mix: {web: 1, wiki: 1}\n")
     assert mixture_main(["validate", str(config), "--data", data]) == 2
@@ -351,7 +394,8 @@ def test_validate_report_and_exit_codes(tmp_path, capsys):
             mixture_main(["validate", str(config), "--data", data, *bad])
         assert exit_code.value.code == 2 and "must be a positive integer" in capsys.readouterr().err
     # and as a module, from a shell
-    result = subprocess.run([sys.executable, "-m", "nanochat.mixture", "validate", str(config), "--data", data],
+    result = subprocess.run([sys.executable, "-m", "nanochat.mixture", "validate", str(config),
+                             "--data", data],
                             cwd=REPO_ROOT, capture_output=True, text=True, timeout=60)
     assert result.returncode == 2 and f"{config} is not valid YAML" in result.stderr
 
@@ -365,33 +409,38 @@ def run_workers(data, out, mode):
         env=worker_env(), start_new_session=True)
     try:
         output, _ = job.communicate(timeout=180)
-    except subprocess.TimeoutExpired:  # a hang is the failure these tests look for: leave no worker behind
+    # a hang is the failure these tests look for: leave no worker behind
+    except subprocess.TimeoutExpired:
         os.killpg(job.pid, signal.SIGKILL)
         output, _ = job.communicate()
-        pytest.fail("the ranks hung (one stopped, the other waited in a collective):\n" + output[-3000:])
+        pytest.fail("the ranks hung (one stopped, the other waited in a collective):\n"
+                    + output[-3000:])
     assert job.returncode == 0, output[-3000:]
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
 
 
 def test_ranks_stop_at_the_same_step(tmp_path):
-    # tiny runs dry on one rank first (its share is smaller); both raise BucketExhausted at the same step
+    # tiny runs dry on one rank first (its share is smaller); both raise BucketExhausted at the
+    # same step
     data = tiny_buckets(tmp_path / "data")
     (tmp_path / "out").mkdir()
     reports = run_workers(data, tmp_path / "out", "dry")
     assert reports[0]["step"] == reports[1]["step"] > 1
-    assert sorted(r["bucket"] for r in reports if r["bucket"]) == ["tiny"]  # one rank saw it run dry
+    # one rank saw it run dry
+    assert sorted(r["bucket"] for r in reports if r["bucket"]) == ["tiny"]
     assert all(r["state_is_last"] for r in reports)
 
 
 def test_a_failing_rank_stops_the_others(tmp_path):
-    # a read error on rank 1 only: rank 1 raises it, rank 0 raises at the same step instead of hanging
+    # a read error on rank 1 only: rank 1 raises it, rank 0 raises at the same step instead of
+    # hanging
     data = tiny_buckets(tmp_path / "data")
     (tmp_path / "out").mkdir()
     reports = run_workers(data, tmp_path / "out", "fail")
     assert reports[0]["step"] == reports[1]["step"] > 1
     assert "injected read error" in reports[1]["error"]
-    assert reports[0]["error"] == "RuntimeError: the mixture loader failed on another rank (see its error); " \
-                                  "stopping here too"
+    assert reports[0]["error"] == "RuntimeError: the mixture loader failed on another rank " \
+                                  "(see its error); stopping here too"
 
 
 def test_merging_twice_deals_nothing_twice(buckets):
@@ -403,7 +452,8 @@ def test_merging_twice_deals_nothing_twice(buckets):
     for world_size, steps in [(2, 10), (3, 15), (2, 10)]:
         states = []
         for rank in range(world_size):
-            loader = MIX(B, T, "train", cur, rank=rank, world_size=world_size, resume_state_dict=resume_from, **kw)
+            loader = MIX(B, T, "train", cur, rank=rank, world_size=world_size,
+                         resume_state_dict=resume_from, **kw)
             for _ in range(steps):
                 _, _, state = next(loader)
                 placed += [key for row in loader.documents for key in row]
@@ -413,30 +463,36 @@ def test_merging_twice_deals_nothing_twice(buckets):
         # nothing past the buckets' single pass is ever dealt
         assert all(item["epoch"] == 1 for s in resume_from["states"] for b in s["buckets"].values()
                    for item in b["plan"])
-    assert {key[1] for key in placed} == {1} and len(placed) == len(set(placed)), "a document was dealt twice"
+    assert {key[1] for key in placed} == {1} and len(placed) == len(set(placed)), \
+        "a document was dealt twice"
 
 
 def test_every_bucket_of_a_phase_dry(tmp_path):
-    # a phase whose only bucket runs dry, with exhaustion allowed: a BucketExhausted stop, not an error
+    # a phase whose only bucket runs dry, with exhaustion allowed: a BucketExhausted stop, not an
+    # error
     data = tiny_buckets(tmp_path)
     only_tiny = [{"tokens": 100_000, "mix": {"tiny": 1}}]
-    loader = MIX(4, 99, "train", only_tiny, device="cpu", data_dir=data, bos_token=BOS, buffer_size=4, chunk_size=8,
-                 batch_size=4, allow_bucket_exhaustion=True)
+    loader = MIX(4, 99, "train", only_tiny, device="cpu", data_dir=data, bos_token=BOS,
+                 buffer_size=4, chunk_size=8, batch_size=4, allow_bucket_exhaustion=True)
     states = []
-    with pytest.raises(BucketExhausted, match="every bucket of the current phase ran dry on this rank") as stop:
+    with pytest.raises(BucketExhausted,
+                       match="every bucket of the current phase ran dry on this rank") as stop:
         for _ in range(1000):
             states.append(next(loader)[2])
     assert stop.value.state == states[-1] and stop.value.bucket is None
 
 
 def test_phases_shorter_than_a_step(buckets, caplog):
-    # a step is 4 * 63 = 252 tokens; the 50-token phase cannot get a batch of its own: skipped, with a warning
-    cur = [{"tokens": 400, "mix": {"web": 1}}, {"tokens": 50, "mix": {"code": 1}}, {"tokens": 1000, "mix": {"math": 1}}]
+    # a step is 4 * 63 = 252 tokens; the 50-token phase cannot get a batch of its own: skipped, with
+    # a warning
+    cur = [{"tokens": 400, "mix": {"web": 1}}, {"tokens": 50, "mix": {"code": 1}},
+           {"tokens": 1000, "mix": {"math": 1}}]
     loader = MIX(4, 63, "train", cur, data_dir=buckets, allow_budget_mismatch=True, **KW)
     states = [next(loader)[2] for _ in range(6)]
     assert [s["phase"] for s in states] == [1, 1, 3, 3, 3, 3]
     assert [s["phase_tokens_done"] for s in states] == [252, 504, 252, 504, 756, 1008]
-    assert "curriculum phases [2] are shorter than one step (252 tokens) and were skipped" in caplog.text
+    assert ("curriculum phases [2] are shorter than one step (252 tokens) and were skipped"
+            in caplog.text)
 
 
 def test_validate_counts_rank_shares_and_a_longer_run(tmp_path):
@@ -447,13 +503,16 @@ def test_validate_counts_rank_shares_and_a_longer_run(tmp_path):
     assert not problems  # 4,000 of 8,000 tokens, one rank
     rows, problems, _ = validate(cur, data, world_size=2, chunk_size=32)
     assert [r["smallest_rank_share"] for r in rows if r["bucket"] == "tiny"] == [1_600]
-    assert problems == ["phase 1: bucket 'tiny' runs dry: 4,000 tokens demanded by the end of the phase, 8,000 "
-                        "available, the smallest of 2 ranks' shares is 1,600"]
+    assert problems == ["phase 1: bucket 'tiny' runs dry: 4,000 tokens demanded by the end of the "
+                        "phase, 8,000 available, the smallest of 2 ranks' shares is 1,600"]
     with pytest.raises(ValueError, match="the smallest of 2 ranks' shares is 1,600"):
-        MIX(4, 99, "train", cur, device="cpu", data_dir=data, bos_token=BOS, rank=0, world_size=2, chunk_size=32)
+        MIX(4, 99, "train", cur, device="cpu", data_dir=data, bos_token=BOS, rank=0, world_size=2,
+            chunk_size=32)
     # a longer run than the curriculum, accepted: the last phase goes on, and its demand counts
     rows, problems, notes = validate(cur, data, total_tokens=60_000, allow_budget_mismatch=True)
-    assert notes[0].startswith("budget mismatch") and "runs dry: 12,000 tokens demanded" in problems[0]
+    assert (notes[0].startswith("budget mismatch")
+            and "runs dry: 12,000 tokens demanded" in problems[0])
     # within one step of the curriculum's total is no mismatch (budgets are rarely whole steps)
     assert validate(cur, data, total_tokens=20_100, step_tokens=4 * 99)[1] == []
-    assert validate(cur, data, total_tokens=20_500, step_tokens=4 * 99)[1][0].startswith("budget mismatch")
+    assert validate(cur, data, total_tokens=20_500,
+                    step_tokens=4 * 99)[1][0].startswith("budget mismatch")

@@ -1,7 +1,7 @@
 """
-The pure packing core (nanochat/packing.py) against the seeds' list-and-scan oracle (tests/oracle.py),
-over random document lengths, buffer sizes and row capacities (hypothesis), plus the properties
-every packed row must have. Run: python -m pytest tests/test_packing.py -q
+The pure packing core (nanochat/packing.py) against a list-and-scan oracle (tests/oracle.py), over
+random document lengths, buffer sizes and row capacities (hypothesis), plus the properties every
+packed row must have. Run: python -m pytest tests/test_packing.py -q
 """
 
 import numpy as np
@@ -73,7 +73,8 @@ def test_bestfit_matches_oracle(lengths, B, row_capacity, buffer_size, batch):
 
 
 def test_bestfit_ties_go_to_the_earliest_document():
-    # three documents of length 3 (ids distinguish them), capacity 6: rows get the first two, in order
+    # three documents of length 3 (ids distinguish them), capacity 6: rows get the first two, in
+    # order
     docs = [np.array([BOS, 10, 11]), np.array([BOS, 20, 21]), np.array([BOS, 30, 31])]
     packer = BestFitPacker(6)
     for d in docs:
@@ -84,7 +85,8 @@ def test_bestfit_ties_go_to_the_earliest_document():
 
 
 def test_bestfit_seed_worked_example():
-    # seed 002: A(4) B(3) C(6) D(2) into rows of 8 -> row 0 = C D; row 1 = A B + 1 cropped token
+    # nanochat's worked example: A(4) B(3) C(6) D(2) into rows of 8
+    # -> row 0 = C D; row 1 = A B + 1 cropped token
     A, B_, C, D = ([BOS] + [c] * (n - 1) for c, n in ((1, 4), (2, 3), (3, 6), (4, 2)))
     packer = BestFitPacker(8)
     for d in (A, B_, C, D):
@@ -120,7 +122,8 @@ def test_bestfit_rows_have_the_packing_properties():
     emitted = rows[rows != BOS]
     assert len(np.unique(emitted)) == len(emitted)  # no token emitted twice
     assert packer.tokens_in == packer.tokens_out + packer.tokens_cropped + sum(
-        len(d) for q in packer._by_length.values() for _, d in q) + sum(n for n, _, _ in packer._long)
+        len(d) for q in packer._by_length.values() for _, d in q) + sum(
+        n for n, _, _ in packer._long)
 
 
 def test_bestfit_bad_input():
@@ -139,8 +142,9 @@ def concat_refill(docs, it, batch=3):
 @settings(max_examples=100, deadline=None)
 @given(lengths=doc_lengths, n=st.integers(2, 200))
 def test_concat_windows_overlap_by_one(lengths, n):
-    # each take reads n tokens and consumes n - 1: every window's last token is the next one's first,
-    # and the windows without their last token, then the final token, are the stream, none skipped
+    # each take reads n tokens and consumes n - 1: every window's last token is the next one's
+    # first, and the windows without their last token, then the final token, are the stream, none
+    # skipped
     docs = make_docs(lengths)
     stream = [t for d in docs for t in d]
     packer, refill = ConcatPacker(), concat_refill(docs, ((k, None) for k in range(len(docs))))
@@ -186,7 +190,8 @@ def test_concat_restores_from_keys_pieces_and_offset(lengths, n, k, data):
     start = data.draw(st.integers(0, len(doc) - 1))
     piece = ConcatPacker()
     piece.add(np.array(doc), "d", 0, start)
-    assert piece.buffered_pieces() == [[0, start]] and len(piece) == piece.tokens_in == len(doc) - start
+    assert (piece.buffered_pieces() == [[0, start]]
+            and len(piece) == piece.tokens_in == len(doc) - start)
     piece_out = np.empty(len(doc) - start, dtype=np.int64)
     piece.take(piece_out, lambda: [])
     assert piece_out.tolist() == doc[start:]
@@ -207,7 +212,8 @@ def test_token_dtype():
 def policy_case(data, max_length=150):
     """Random documents with unique token ids, some of them pretokenized windows (their first tokens
     after BOS repeat a previous window), and a random policy, overlap and shapes."""
-    lengths = data.draw(st.lists(st.integers(1, max_length), min_size=1, max_size=200), label="lengths")
+    lengths = data.draw(st.lists(st.integers(1, max_length), min_size=1, max_size=200),
+                        label="lengths")
     capacity = data.draw(st.integers(2, 64), label="row_capacity")
     policy = data.draw(st.sampled_from(POLICIES), label="policy")
     overlap = 0 if policy == "crop" else data.draw(st.integers(0, capacity - 2), label="overlap")
@@ -232,14 +238,15 @@ def test_policies_match_oracle(data, B, buffer_size, batch):
             tokens = split_document(docs[i], i, capacity, overlap, windows[i])
             oracle_buffer.extend(tokens if policy != "crop" else [sum(tokens, [])])
 
-    expected, cropped = bestfit_policy_rows(oracle_buffer, oracle_refill, B, capacity, buffer_size, policy,
-                                            overlap, docs)
+    expected, cropped = bestfit_policy_rows(oracle_buffer, oracle_refill, B, capacity, buffer_size,
+                                            policy, overlap, docs)
 
     fast_stream = iter(order)
     packer = BestFitPacker(capacity, policy, overlap)
 
     def refill():
-        return [(np.array(docs[i], dtype=np.uint32), i, windows[i], None) for _, i in zip(range(batch), fast_stream)]
+        return [(np.array(docs[i], dtype=np.uint32), i, windows[i], None)
+                for _, i in zip(range(batch), fast_stream)]
 
     rows = np.empty((B, capacity), dtype=np.int64)
     packer.trace = []
@@ -255,7 +262,8 @@ def test_policies_match_oracle(data, B, buffer_size, batch):
             assert start == (None if whole else 0) if t[3] == "doc" else start > 0
     masked = {(r, t) for r, start, end in packer.masked for t in range(start, end)}
     # masked targets are exactly those that predict a repeated token (a piece's overlap, a window's)
-    assert masked == {(r, t) for r, row in enumerate(expected) for t in range(capacity - 1) if row[t + 1][4]}
+    assert masked == {(r, t) for r, row in enumerate(expected) for t in range(capacity - 1)
+                      if row[t + 1][4]}
     tagged = [t for row in expected for t in row]
     assert packer.tokens_cropped == cropped
     assert packer.tokens_bos_added == sum(t[3] == "bos" for t in tagged)
@@ -266,8 +274,8 @@ def test_policies_match_oracle(data, B, buffer_size, batch):
 
 
 def drain(packer, capacity):
-    """Place everything buffered (rows of `capacity`, the last one partial); returns (rows, masked target
-    set). Uses _place() so the buffer can run empty."""
+    """Place everything buffered (rows of `capacity`, the last one partial); returns (rows, masked
+    target set). Uses _place() so the buffer can run empty."""
     rows, masked = [], set()
     while len(packer):
         row, pos = np.zeros(capacity, dtype=np.int64), 0
@@ -301,8 +309,8 @@ def test_policy_accounting_closes(data):
     assert packer.tokens_repeated == len(repeats)
     assert packer.tokens_in == sum(map(len, docs))
     assert packer.tokens_out == sum(map(len, rows))
-    assert packer.tokens_out - packer.tokens_bos_added - packer.tokens_repeated + packer.tokens_cropped \
-        == packer.tokens_in
+    assert packer.tokens_out - packer.tokens_bos_added - packer.tokens_repeated \
+        + packer.tokens_cropped == packer.tokens_in
     assert packer.stats()["buffer_tokens"] == 0
     if policy == "split_reuse":
         assert sorted(emitted) == sorted(every)  # nothing is lost
@@ -334,7 +342,8 @@ def test_split_reuse_puts_the_cropped_rest_back():
     assert row.tolist() == [BOS, 4, 5, 6, 7, BOS] and packer.tokens_cropped == 0
     assert packer.buffered() == [("a", 1)] and packer.docs_split == 1
     row = np.zeros(6, dtype=np.int64)
-    assert packer.place(row, 0) == 4 and row[:4].tolist() == [BOS, 1, 2, 3]  # no overlap before token 1
+    # no overlap before token 1
+    assert packer.place(row, 0) == 4 and row[:4].tolist() == [BOS, 1, 2, 3]
 
 
 def test_policy_bad_input():

@@ -1,7 +1,8 @@
 """
-scripts/record_behaviour.py: two recordings made by two processes (with different hash seeds) are the same
-bytes and `compare` calls them identical; a recording with one hash or one state changed makes `compare`
-exit 1 naming the configuration, the step and the field; bad arguments exit 2 with the file named.
+scripts/record_behaviour.py: two recordings made by two processes (with different hash seeds) are
+the same bytes and `compare` calls them identical; a recording with one hash or one state changed
+makes `compare` exit 1 naming the configuration, the step and the field; bad arguments exit 2 with
+the file named.
 Run: python -m pytest tests/test_record_behaviour.py -q (~10 s)
 """
 
@@ -16,14 +17,14 @@ from conftest import worker_env
 from scripts.record_behaviour import main
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-FIRST = ("bestfit train data=parquet B=2 T=32 buffer_size=8 tokenizer_batch_size=4 trace_documents=True "
-         "attention_info=True rank=0 world_size=1")
+FIRST = ("bestfit train data=parquet B=2 T=32 buffer_size=8 tokenizer_batch_size=4 "
+         "trace_documents=True attention_info=True rank=0 world_size=1")
 
 
 def record(path, hash_seed: int) -> None:
     env = dict(worker_env(), PYTHONHASHSEED=str(hash_seed))
-    result = subprocess.run([sys.executable, "-m", "scripts.record_behaviour", "record", str(path)], cwd=REPO_ROOT,
-                            env=env, capture_output=True, text=True, timeout=300)
+    result = subprocess.run([sys.executable, "-m", "scripts.record_behaviour", "record", str(path)],
+                            cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stdout + result.stderr
 
 
@@ -51,7 +52,8 @@ def test_two_recordings_are_identical(recordings, capsys):
     for kind in ("bestfit", "concat", "pretokenized", "mixture", "resumed after", "elastic 3->2"):
         assert any(kind in name for name in names), kind
     assert all(recording["configurations"][name] for name in names)
-    assert lines[-1] == f"identical: all {len(names)} configurations and {len(recording['files'])} files"
+    assert lines[-1] == (f"identical: all {len(names)} configurations and "
+                         f"{len(recording['files'])} files")
     assert f"{FIRST}: identical (16 steps)" in lines
 
 
@@ -72,8 +74,10 @@ def test_a_changed_hash_is_found(recordings, tmp_path, capsys):
     code, lines = compare(a, tampered(a, tmp_path, flip), capsys)
     assert code == 1
     different = [line for line in lines if "DIFFERENT" in line]
-    assert len(different) == 2 and different[0].startswith(f"{FIRST}: DIFFERENT at step 3, field 'targets'['sha256']")
-    assert different[1] == f"DIFFERENT: 1 of {len(json.loads(a.read_text())['configurations'])} configurations"
+    assert len(different) == 2 and different[0].startswith(
+        f"{FIRST}: DIFFERENT at step 3, field 'targets'['sha256']")
+    assert different[1] == (f"DIFFERENT: 1 of {len(json.loads(a.read_text())['configurations'])} "
+                            "configurations")
 
 
 def test_a_changed_state_names_its_key(recordings, tmp_path, capsys):
@@ -85,14 +89,17 @@ def test_a_changed_state_names_its_key(recordings, tmp_path, capsys):
         state["next"][3] += 1
         record["state"]["json"] = json.dumps(state, sort_keys=True)
     code, lines = compare(a, tampered(a, tmp_path, edit), capsys)
-    old_row = json.loads(json.loads(a.read_text())["configurations"][FIRST][4]["state"]["json"])["next"][3]
+    old_row = json.loads(
+        json.loads(a.read_text())["configurations"][FIRST][4]["state"]["json"])["next"][3]
     assert code == 1
-    assert f"{FIRST}: DIFFERENT at step 5, field 'state'['next'][3]: old {old_row}, new {old_row + 1}" in lines
+    assert (f"{FIRST}: DIFFERENT at step 5, field 'state'['next'][3]: old {old_row}, "
+            f"new {old_row + 1}") in lines
 
 
 def test_a_missing_step_is_found(recordings, tmp_path, capsys):
     a, _ = recordings
-    code, lines = compare(a, tampered(a, tmp_path, lambda configurations: configurations[FIRST].pop()), capsys)
+    code, lines = compare(a, tampered(a, tmp_path,
+                                      lambda configurations: configurations[FIRST].pop()), capsys)
     assert code == 1
     assert f"{FIRST}: DIFFERENT at step 16: old has 16 steps, new 15" in lines
 
@@ -104,11 +111,13 @@ def test_bad_arguments(recordings, tmp_path, capsys):
     (tmp_path / "not.json").write_text("{")
     assert main(["compare", str(tmp_path / "not.json"), str(a)]) == 2
     assert f"{tmp_path / 'not.json'} is not a recording: not JSON" in capsys.readouterr().err
-    # an existing recording is never overwritten without --force, and a used --work directory is refused
+    # an existing recording is never overwritten without --force, and a used --work directory is
+    # refused
     assert main(["record", str(a)]) == 2
     assert f"{a} exists; record to another file, or pass --force" in capsys.readouterr().err
     (tmp_path / "work").mkdir()
     (tmp_path / "work" / "mine.txt").write_text("keep me")
     assert main(["record", str(tmp_path / "new.json"), "--work", str(tmp_path / "work")]) == 2
     assert "is not an empty directory" in capsys.readouterr().err
-    assert (tmp_path / "work" / "mine.txt").read_text() == "keep me" and not (tmp_path / "new.json").exists()
+    assert ((tmp_path / "work" / "mine.txt").read_text() == "keep me"
+            and not (tmp_path / "new.json").exists())

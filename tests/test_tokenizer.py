@@ -55,10 +55,12 @@ TEXTS = [
 def make_docs(n: int, seed: int) -> list[str]:
     """Deterministic pseudo-text with words, numbers, punctuation and some non-ASCII."""
     rng = random.Random(seed)
-    syllables = ["ka", "to", "ri", "mo", "en", "the", "ing", "ed", "qu", "an", "é", "ü", "好", "мир", "σ"]
+    syllables = ["ka", "to", "ri", "mo", "en", "the", "ing", "ed", "qu", "an", "é", "ü", "好", "мир",
+                 "σ"]
     docs = []
     for _ in range(n):
-        words = ["".join(rng.choice(syllables) for _ in range(rng.randint(1, 4))) for _ in range(rng.randint(3, 15))]
+        words = ["".join(rng.choice(syllables) for _ in range(rng.randint(1, 4)))
+                 for _ in range(rng.randint(3, 15))]
         words.insert(rng.randint(0, len(words)), str(rng.randint(0, 10 ** 6)))
         docs.append(" ".join(words) + rng.choice([".", "!", "?", ",\n"]))
     return docs
@@ -95,7 +97,8 @@ def test_round_trip_any_text(tok, text):
 
 def test_vocab_and_special_ids(tok):
     assert tok.get_vocab_size() == VOCAB_SIZE  # the training text is rich enough for every merge
-    assert tok.get_special_tokens() == set(SPECIAL_TOKENS)  # a set of names, as tiktoken's special_tokens_set
+    # a set of names, as tiktoken's special_tokens_set
+    assert tok.get_special_tokens() == set(SPECIAL_TOKENS)
     # the specials come right after the mergeable ranks, <|bos|> first
     assert tok.get_bos_token_id() == len(tok.mergeable_ranks) == VOCAB_SIZE - len(SPECIAL_TOKENS)
     for i, name in enumerate(SPECIAL_TOKENS):
@@ -114,8 +117,8 @@ def test_prepend_and_append(tok):
     assert tok.encode("hello world", append="<|assistant_end|>") == ids + [end]
     assert tok.encode("hello world", prepend=bos, append=end) == [bos] + ids + [end]
     assert tok.encode("", prepend="<|bos|>") == [bos]
-    assert tok.encode(["a", "b"], prepend="<|bos|>", append=end) == [[bos] + tok.encode("a") + [end],
-                                                                   [bos] + tok.encode("b") + [end]]
+    assert tok.encode(["a", "b"], prepend="<|bos|>", append=end) == [
+        [bos] + tok.encode("a") + [end], [bos] + tok.encode("b") + [end]]
 
 
 def test_batch_equals_single(tok):
@@ -171,7 +174,8 @@ def test_save_load_round_trip(tok, saved_dir, monkeypatch):
 
 
 def test_saved_file_is_json(saved_dir):
-    assert sorted(os.listdir(saved_dir)) == ["token_bytes.npy", "tokenizer.json"]  # no leftover temp files
+    # no leftover temp files
+    assert sorted(os.listdir(saved_dir)) == ["token_bytes.npy", "tokenizer.json"]
     with open(os.path.join(saved_dir, "tokenizer.json"), "rb") as f:
         raw = f.read()
     assert not raw.startswith(b"\x80")  # pickle protocol 2+ opens with 0x80
@@ -218,7 +222,8 @@ def test_token_bytes(tok, saved_dir):
     loaded = get_token_bytes(tokenizer_dir=saved_dir)
     assert str(loaded.dtype) == "torch.int32" and loaded.device.type == "cpu"
     assert (loaded.numpy() == token_bytes).all()
-    np.load(os.path.join(saved_dir, "token_bytes.npy"), allow_pickle=False)  # no object arrays inside
+    # no object arrays inside
+    np.load(os.path.join(saved_dir, "token_bytes.npy"), allow_pickle=False)
 
 
 def test_get_tokenizer_reads_base_dir(tok, tmp_path):
@@ -241,7 +246,8 @@ def test_from_pretrained_uses_endoftext_as_bos(monkeypatch):
     assert pretrained.get_vocab_size() == 257
     assert pretrained.encode("hi", prepend=pretrained.get_bos_token_id()) == [256, 104, 105]
 
-    bare = tiktoken.Encoding("bare", pat_str=SPLIT_PATTERN, mergeable_ranks=ranks, special_tokens={})
+    bare = tiktoken.Encoding("bare", pat_str=SPLIT_PATTERN, mergeable_ranks=ranks,
+                             special_tokens={})
     monkeypatch.setattr(tiktoken, "get_encoding", lambda name: bare)
     with pytest.raises(ValueError, match="endoftext"):
         RustBPETokenizer.from_pretrained("bare")
@@ -253,10 +259,12 @@ def test_constructor_takes_a_tiktoken_encoding(tok, tmp_path):
                             special_tokens=tok.special_tokens)
     built = RustBPETokenizer(enc, "<|bos|>")
     assert built.enc is enc and isinstance(tok.enc, tiktoken.Encoding)
-    assert built.bos_token_id == built.get_bos_token_id() == tok.get_bos_token_id() == VOCAB_SIZE - 9
+    assert (built.bos_token_id == built.get_bos_token_id() == tok.get_bos_token_id()
+            == VOCAB_SIZE - 9)
     assert built.encode(TEXTS, prepend="<|bos|>") == tok.encode(TEXTS, prepend="<|bos|>")
     built.save(str(tmp_path / "built"))  # and it saves as JSON like a trained one
-    assert RustBPETokenizer.from_directory(str(tmp_path / "built")).encode(TEXTS) == tok.encode(TEXTS)
+    assert (RustBPETokenizer.from_directory(str(tmp_path / "built")).encode(TEXTS)
+            == tok.encode(TEXTS))
     with pytest.raises(TypeError, match="tiktoken.Encoding"):
         RustBPETokenizer({"<|bos|>": 0}, "<|bos|>")
     with pytest.raises(ValueError, match=r"bos_token '<\|nope\|>'"):
@@ -301,7 +309,8 @@ def test_render_conversation(tok):
     )
     assert tok.render_conversation(conversation) == expected
     ids, mask = expected
-    assert ids[:2] == [503, 504] and ids[-1] == 507  # <|bos|>, <|user_start|>, ... <|assistant_end|>
+    # <|bos|>, <|user_start|>, ... <|assistant_end|>
+    assert ids[:2] == [503, 504] and ids[-1] == 507
     assert sum(mask) == len(e("hello!")) + len(e("4")) + 2
 
 
@@ -315,7 +324,8 @@ def test_render_conversation_merges_a_system_message(tok):
     before = copy.deepcopy(conversation)
     expected = _pieces(
         ([tok.get_bos_token_id(), s("<|user_start|>")], 0), (e("be brief\n\nhi"), 0),
-        ([s("<|user_end|>"), s("<|assistant_start|>")], 0), (e("yo"), 1), ([s("<|assistant_end|>")], 1),
+        ([s("<|user_end|>"), s("<|assistant_start|>")], 0), (e("yo"), 1),
+        ([s("<|assistant_end|>")], 1),
     )
     assert tok.render_conversation(conversation) == expected
     assert conversation == before  # the caller's messages are not changed
@@ -336,8 +346,10 @@ def test_render_conversation_tool_parts(tok):
         ([tok.get_bos_token_id(), s("<|user_start|>")], 0), (e("what is 2+2?"), 0),
         ([s("<|user_end|>"), s("<|assistant_start|>")], 0),
         (e("let me check"), 1),
-        ([s("<|python_start|>")] + e("2+2") + [s("<|python_end|>")], 1),  # the model writes the call
-        ([s("<|output_start|>")] + e("4") + [s("<|output_end|>")], 0),  # the interpreter writes the output
+        # the model writes the call
+        ([s("<|python_start|>")] + e("2+2") + [s("<|python_end|>")], 1),
+        # the interpreter writes the output
+        ([s("<|output_start|>")] + e("4") + [s("<|output_end|>")], 0),
         (e("it is 4"), 1),
         ([s("<|assistant_end|>")], 1),
     )
@@ -355,15 +367,20 @@ def test_render_conversation_truncates(tok):
 
 @pytest.mark.parametrize("messages, error", [
     ([], "no messages"),
-    ([{"role": "assistant", "content": "hi"}], "message 0 .* from 'assistant' but should be from 'user'"),
-    ([{"role": "user", "content": "a"}, {"role": "user", "content": "b"}], "should be from 'assistant'"),
+    ([{"role": "assistant", "content": "hi"}],
+     "message 0 .* from 'assistant' but should be from 'user'"),
+    ([{"role": "user", "content": "a"}, {"role": "user", "content": "b"}],
+     "should be from 'assistant'"),
     ([{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"},
       {"role": "assistant", "content": "c"}], "message 2 .* should be from 'user'"),
     ([{"role": "system", "content": "s"}], "followed by a user message"),
-    ([{"role": "system", "content": "s"}, {"role": "assistant", "content": "a"}], "followed by a user message"),
+    ([{"role": "system", "content": "s"}, {"role": "assistant", "content": "a"}],
+     "followed by a user message"),
     ([{"role": "user", "content": ["not", "a", "str"]}], "user's content must be a str"),
-    ([{"role": "user", "content": "q"}, {"role": "assistant", "content": 42}], "str or a list of parts"),
-    ([{"role": "user", "content": "q"}, {"role": "assistant", "content": [{"type": "image", "text": "x"}]}],
+    ([{"role": "user", "content": "q"}, {"role": "assistant", "content": 42}],
+     "str or a list of parts"),
+    ([{"role": "user", "content": "q"},
+      {"role": "assistant", "content": [{"type": "image", "text": "x"}]}],
      "unknown part type 'image'"),
 ])
 def test_render_conversation_rejects_bad_conversations(tok, messages, error):
@@ -382,7 +399,8 @@ def test_render_for_completion(tok):
     before = copy.deepcopy(conversation)
     expected = ([tok.get_bos_token_id(), s("<|user_start|>")] + e("hi") + [s("<|user_end|>")]
                 + [s("<|assistant_start|>")] + e("hello") + [s("<|assistant_end|>")]
-                + [s("<|user_start|>")] + e("2+2?") + [s("<|user_end|>")] + [s("<|assistant_start|>")])
+                + [s("<|user_start|>")] + e("2+2?") + [s("<|user_end|>")]
+                + [s("<|assistant_start|>")])
     assert tok.render_for_completion(conversation) == expected
     assert conversation == before
     with pytest.raises(ValueError, match="last message must be the assistant's"):
@@ -394,7 +412,8 @@ def test_render_for_completion(tok):
 def test_visualize_tokenization(tok):
     bos = tok.get_bos_token_id()
     assert tok.decode([97]) == "a"
-    assert tok.visualize_tokenization([97, bos], [1, 0]) == "\033[92ma\033[0m|\033[91m<|bos|>\033[0m"
+    assert tok.visualize_tokenization([97, bos], [1, 0]) == (
+        "\033[92ma\033[0m|\033[91m<|bos|>\033[0m")
     assert tok.visualize_tokenization([97, bos], [1, 0], with_token_id=True) == (
         "\033[92ma\033[0m|\033[90m(97)\033[0m|\033[91m<|bos|>\033[0m|\033[90m(503)\033[0m")
 
@@ -404,7 +423,8 @@ def test_visualize_tokenization(tok):
 
 
 def write_nanochat_dir(tok, path, protocol: int = pickle.DEFAULT_PROTOCOL) -> str:
-    """A tokenizer directory as upstream nanochat writes it: its tiktoken Encoding pickled, and token_bytes.pt."""
+    """A tokenizer directory as upstream nanochat writes it: its tiktoken Encoding pickled, and
+    token_bytes.pt."""
     import torch
     os.makedirs(path)
     enc = tiktoken.Encoding("rustbpe", pat_str=tok.pattern, mergeable_ranks=tok.mergeable_ranks,
@@ -462,7 +482,8 @@ def _hostile_pickles(marker: str) -> dict:
               "mergeable_ranks": {}, "special_tokens": {}}
     return {
         "os.system": (pickle.dumps(_Call(os.system, f"touch {marker}")), "posix.system"),
-        "builtins.exec": (pickle.dumps(_Call(exec, f"open({marker!r}, 'w').close()")), "builtins.exec"),
+        "builtins.exec": (pickle.dumps(_Call(exec, f"open({marker!r}, 'w').close()")),
+                          "builtins.exec"),
         "builtins.open": (pickle.dumps(_Call(open, marker, "w")), "builtins.open"),
         "a call hidden in an Encoding's state": (_pickled_encoding(hidden), "posix.system"),
     }
@@ -487,7 +508,8 @@ def test_hostile_pickles_are_refused(tmp_path, monkeypatch):
             RustBPETokenizer.from_directory(str(bad_dir))
         monkeypatch.undo()
         assert isinstance(info.value, ValueError)
-        assert str(bad_dir / "tokenizer.pkl") in str(info.value) and global_name in str(info.value), name
+        assert (str(bad_dir / "tokenizer.pkl") in str(info.value)
+                and global_name in str(info.value)), name
         assert not os.path.exists(marker), name
 
 
@@ -507,28 +529,33 @@ def test_pickles_of_other_things_are_refused(tmp_path, monkeypatch):
         RustBPETokenizer.from_directory(plain_dict)
 
     # tiktoken pickles its registered encodings by name; loading one would mean a download
-    monkeypatch.setattr(tiktoken, "get_encoding", lambda name: pytest.fail("must not fetch an encoding"))
+    monkeypatch.setattr(tiktoken, "get_encoding",
+                        lambda name: pytest.fail("must not fetch an encoding"))
     by_name = write("by_name", _pickled_encoding("gpt2"))
     with pytest.raises(ValueError, match=r"from_pretrained\('gpt2'\)"):
         RustBPETokenizer.from_directory(by_name)
 
     bad_tables = write("bad_tables", _pickled_encoding(
-        {"name": "rustbpe", "pat_str": SPLIT_PATTERN, "mergeable_ranks": {"a": 0}, "special_tokens": {}}))
+        {"name": "rustbpe", "pat_str": SPLIT_PATTERN, "mergeable_ranks": {"a": 0},
+         "special_tokens": {}}))
     with pytest.raises(ValueError, match="unusable tables") as info:
         RustBPETokenizer.from_directory(bad_tables)
     assert bad_tables in str(info.value)
 
 
 def test_damaged_pickles(tok, tmp_path):
-    good = open(os.path.join(write_nanochat_dir(tok, tmp_path / "good"), "tokenizer.pkl"), "rb").read()
+    good = open(os.path.join(write_nanochat_dir(tok, tmp_path / "good"), "tokenizer.pkl"),
+                "rb").read()
     for name, payload in {"truncated": good[:len(good) // 2], "empty": b"",
-                          "not a pickle": b"tokenizer tables\n", "cut after the header": good[:12]}.items():
+                          "not a pickle": b"tokenizer tables\n",
+                          "cut after the header": good[:12]}.items():
         bad_dir = tmp_path / name.replace(" ", "_")
         bad_dir.mkdir()
         (bad_dir / "tokenizer.pkl").write_bytes(payload)
         with pytest.raises(ValueError, match="is not a valid pickled tokenizer") as info:
             RustBPETokenizer.from_directory(str(bad_dir))
-        assert str(bad_dir / "tokenizer.pkl") in str(info.value) and "scripts.tok_train" in str(info.value), name
+        assert (str(bad_dir / "tokenizer.pkl") in str(info.value)
+                and "scripts.tok_train" in str(info.value)), name
 
 
 def test_json_wins_over_pickle(tok, tmp_path, caplog):
@@ -540,7 +567,8 @@ def test_json_wins_over_pickle(tok, tmp_path, caplog):
     with caplog.at_level(logging.WARNING, logger="nanochat.tokenizer"):
         assert RustBPETokenizer.from_directory(both).get_vocab_size() == VOCAB_SIZE
     assert not caplog.records
-    os.utime(pkl_path, (os.path.getmtime(json_path) + 60,) * 2)  # newer: still tokenizer.json, with a warning
+    # newer: still tokenizer.json, with a warning
+    os.utime(pkl_path, (os.path.getmtime(json_path) + 60,) * 2)
     with caplog.at_level(logging.WARNING, logger="nanochat.tokenizer"):
         assert RustBPETokenizer.from_directory(both).get_vocab_size() == VOCAB_SIZE
     assert "newer" in caplog.text and f"python -m nanochat.tokenizer convert {both}" in caplog.text
@@ -560,31 +588,36 @@ def test_convert_cli(tok, tmp_path):
     assert result.returncode == 0, result.stderr
     assert f"wrote {os.path.join(nanochat_dir, 'tokenizer.json')}" in result.stdout
     assert f"wrote {os.path.join(nanochat_dir, 'token_bytes.npy')}" in result.stdout
-    assert sorted(os.listdir(nanochat_dir)) == ["token_bytes.npy", "token_bytes.pt", "tokenizer.json", "tokenizer.pkl"]
-    assert (open(pkl_path, "rb").read(), os.path.getmtime(pkl_path)) == pkl_before  # untouched
+    assert sorted(os.listdir(nanochat_dir)) == ["token_bytes.npy", "token_bytes.pt",
+                                                "tokenizer.json", "tokenizer.pkl"]
+    # untouched
+    assert (open(pkl_path, "rb").read(), os.path.getmtime(pkl_path)) == pkl_before
 
-    json_only = tmp_path / "json_only"  # load the converted files alone, so the pickle cannot be read
+    # load the converted files alone, so the pickle cannot be read
+    json_only = tmp_path / "json_only"
     json_only.mkdir()
     for name in ("tokenizer.json", "token_bytes.npy"):
         shutil.copy(os.path.join(nanochat_dir, name), json_only / name)
     converted = RustBPETokenizer.from_directory(str(json_only))
     docs = TEXTS + make_docs(100, seed=23)
     assert converted.encode(docs, prepend="<|bos|>") == tok.encode(docs, prepend="<|bos|>")
-    assert (get_token_bytes(tokenizer_dir=str(json_only)).numpy() == tok.compute_token_bytes()).all()
+    assert (get_token_bytes(tokenizer_dir=str(json_only)).numpy()
+            == tok.compute_token_bytes()).all()
 
 
 def test_convert_keeps_a_different_tokenizer_json(tok, tmp_path):
-    # tokenizer.json is the user's: convert replaces it only when told to, and says nothing needs doing
-    # when it already holds the pickle's tokenizer
+    # tokenizer.json is the user's: convert replaces it only when told to, and says nothing needs
+    # doing when it already holds the pickle's tokenizer
     other = RustBPETokenizer.train_from_iterator(iter(make_docs(200, seed=22)), 300)
     both = write_nanochat_dir(tok, tmp_path / "both")
     other.save(both)
     before = open(os.path.join(both, "tokenizer.json"), "rb").read()
     refused = _convert(both, str(tmp_path / "base"))
-    assert refused.returncode == 1 and "holds another tokenizer" in refused.stderr and "--force" in refused.stderr
+    assert (refused.returncode == 1 and "holds another tokenizer" in refused.stderr
+            and "--force" in refused.stderr)
     assert open(os.path.join(both, "tokenizer.json"), "rb").read() == before
-    forced = subprocess.run([sys.executable, "-m", "nanochat.tokenizer", "convert", both, "--force"], cwd=REPO_ROOT,
-                            capture_output=True, text=True, timeout=120)
+    forced = subprocess.run([sys.executable, "-m", "nanochat.tokenizer", "convert", both,
+                             "--force"], cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)
     assert forced.returncode == 0, forced.stderr
     assert RustBPETokenizer.from_directory(both).get_vocab_size() == tok.get_vocab_size()
     again = _convert(both, str(tmp_path / "base"))
@@ -598,10 +631,12 @@ def test_pickled_tables_with_far_apart_ids_or_deep_nesting_are_refused(tok, tmp_
                     "special_tokens": {"<|bos|>": 50_000_000}},  # a 200 MB token_bytes.npy
         "id past u32": {"name": "x", "pat_str": tok.pattern, "mergeable_ranks": ranks,
                         "special_tokens": {"<|bos|>": 2**32}},
-        "deeply nested": {"name": "x", "pat_str": tok.pattern, "mergeable_ranks": {**ranks, b"zz": 987654321},
+        "deeply nested": {"name": "x", "pat_str": tok.pattern,
+                          "mergeable_ranks": {**ranks, b"zz": 987654321},
                           "special_tokens": {"<|bos|>": len(ranks)}},
     }
-    # unpickling nests without recursion: 100,000 lists inside each other in place of the rank 987654321
+    # unpickling nests without recursion: 100,000 lists inside each other in place of the rank
+    # 987654321
     nested = b"]" * 100_000 + b"a" * 99_999
     for name, state in states.items():
         bad_dir = tmp_path / name.replace(" ", "_")
@@ -616,7 +651,8 @@ def test_pickled_tables_with_far_apart_ids_or_deep_nesting_are_refused(tok, tmp_
 
 def test_token_bytes_pt_is_checked(tmp_path):
     import torch
-    for name, value in {"a list": [1, 2, 3], "floats": torch.ones(4), "2-D": torch.ones(2, 2, dtype=torch.int32)}.items():
+    for name, value in {"a list": [1, 2, 3], "floats": torch.ones(4),
+                        "2-D": torch.ones(2, 2, dtype=torch.int32)}.items():
         torch.save(value, tmp_path / "token_bytes.pt")
         with pytest.raises(ValueError, match="token_bytes.pt should hold a 1-D int tensor"):
             get_token_bytes(tokenizer_dir=str(tmp_path))
@@ -654,7 +690,8 @@ def test_convert_cli_reports_bad_input(tmp_path):
 
 @pytest.mark.parametrize("vocab_size", [0, 256, MIN_VOCAB_SIZE - 1])
 def test_vocab_size_too_small(vocab_size):
-    with pytest.raises(ValueError, match=rf"vocab_size must be an integer >= {MIN_VOCAB_SIZE}.*got {vocab_size}"):
+    with pytest.raises(ValueError, match=rf"vocab_size must be an integer >= {MIN_VOCAB_SIZE}"
+                                         rf".*got {vocab_size}"):
         RustBPETokenizer.train_from_iterator(iter(["some text"]), vocab_size)
     assert MIN_VOCAB_SIZE == 265
 
@@ -739,25 +776,31 @@ def test_import_has_no_side_effects(tmp_path):
 
 
 def _run(args: list[str]) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", *args], cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)
+    return subprocess.run([sys.executable, "-m", *args], cwd=REPO_ROOT, capture_output=True,
+                          text=True, timeout=120)
 
 
 def test_scripts_end_to_end(tmp_path):
     data_dir = str(tmp_path / "shards")
-    write_shards(data_dir, [make_docs(400, seed=10), make_docs(400, seed=11), make_docs(200, seed=12)], 100)
+    write_shards(data_dir, [make_docs(400, seed=10), make_docs(400, seed=11),
+                            make_docs(200, seed=12)], 100)
 
-    train = _run(["scripts.tok_train", "--vocab-size", "300", "--max-chars", "30000", "--data-dir", data_dir])
+    train = _run(["scripts.tok_train", "--vocab-size", "300", "--max-chars", "30000",
+                  "--data-dir", data_dir])
     assert train.returncode == 0, train.stderr
     assert "vocab_size: 300" in train.stdout  # echoed args
     assert "trained on 30,000 characters" in train.stdout
     assert "vocab size: 300 (bos id 291)" in train.stdout
-    tokenizer_dir = os.path.join(os.environ["NANOCHAT_BASE_DIR"], "tokenizer")  # the default --out-dir
+    # the default --out-dir
+    tokenizer_dir = os.path.join(os.environ["NANOCHAT_BASE_DIR"], "tokenizer")
     assert sorted(os.listdir(tokenizer_dir)) == ["token_bytes.npy", "tokenizer.json"]
     assert get_tokenizer().get_vocab_size() == 300
 
-    evaluate = _run(["scripts.tok_eval", "--data-dir", data_dir, "--max-docs", "150", "--compare", "none"])
+    evaluate = _run(["scripts.tok_eval", "--data-dir", data_dir, "--max-docs", "150",
+                     "--compare", "none"])
     assert evaluate.returncode == 0, evaluate.stderr
-    rows = [line.split() for line in evaluate.stdout.splitlines() if line.startswith(("train ", "val "))]
+    rows = [line.split() for line in evaluate.stdout.splitlines()
+            if line.startswith(("train ", "val "))]
     assert [row[:2] for row in rows] == [["train", "ours"], ["val", "ours"]]
     for row in rows:
         assert row[3] == "150"  # docs
@@ -778,8 +821,8 @@ def test_tok_train_crops_documents(tmp_path, capsys):
 
 @pytest.mark.parametrize("max_chars, row_groups", [(10**9, 6), (1000, 1)])
 def test_tok_train_bar_counts_the_text_there(tmp_path, monkeypatch, capsys, max_chars, row_groups):
-    """The bar ends full, at the row groups read: all of them when the shards hold less than --max-chars
-    (its default is 2B characters), fewer when --max-chars ends the run first."""
+    """The bar ends full, at the row groups read: all of them when the shards hold less than
+    --max-chars (its default is 2B characters), fewer when --max-chars ends the run first."""
     from scripts import tok_train
     bars = []
 
@@ -789,7 +832,8 @@ def test_tok_train_bar_counts_the_text_there(tmp_path, monkeypatch, capsys, max_
             super().close()
     monkeypatch.setattr(tok_train, "tqdm", Recorded)
     data_dir = str(tmp_path / "shards")
-    write_shards(data_dir, [make_docs(100, seed=13), make_docs(50, seed=14), make_docs(20, seed=15)], 30)
+    write_shards(data_dir, [make_docs(100, seed=13), make_docs(50, seed=14),
+                            make_docs(20, seed=15)], 30)
     tok_train.main(["--vocab-size", "280", "--max-chars", str(max_chars), "--data-dir", data_dir,
                     "--out-dir", str(tmp_path / "tok")])
     assert set(bars) == {(row_groups, row_groups)}  # 4 + 2 row groups of train; val is not read
@@ -798,9 +842,11 @@ def test_tok_train_bar_counts_the_text_there(tmp_path, monkeypatch, capsys, max_
 def test_scripts_report_bad_input(tmp_path):
     too_small = _run(["scripts.tok_train", "--vocab-size", "100", "--data-dir", str(tmp_path)])
     assert too_small.returncode == 2 and "--vocab-size must be >= 265" in too_small.stderr
-    no_data = _run(["scripts.tok_train", "--vocab-size", "300", "--data-dir", str(tmp_path / "nope")])
+    no_data = _run(["scripts.tok_train", "--vocab-size", "300",
+                    "--data-dir", str(tmp_path / "nope")])
     assert no_data.returncode == 1 and "python -m nanochat.dataset" in no_data.stderr
-    no_tok = _run(["scripts.tok_eval", "--tokenizer-dir", str(tmp_path / "nope"), "--compare", "none"])
+    no_tok = _run(["scripts.tok_eval", "--tokenizer-dir", str(tmp_path / "nope"),
+                   "--compare", "none"])
     assert no_tok.returncode == 1 and "python -m scripts.tok_train" in no_tok.stderr
 
 
