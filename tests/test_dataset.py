@@ -189,7 +189,7 @@ def test_a_train_shard_named_like_the_other_datasets_val_is_train(fresh_log):
             == ["shard_00000.parquet", "shard_01822.parquet"])
 
 
-def test_own_shards_past_the_val_index_keep_the_seeds_rule(fresh_log):
+def test_own_shards_past_the_val_index_keep_nanochats_rule(fresh_log):
     # 1900 of one's own shards in FineWeb's directory: its val index 1822 is a train shard there
     _shards("fineweb-edu-100b", (0, 1822, 1899))
     assert _names(split_parquet_files("val")) == ["shard_01899.parquet"]

@@ -84,7 +84,7 @@ def test_bestfit_ties_go_to_the_earliest_document():
     assert row.tolist() == [BOS, 10, 11, BOS, 20, 21]
 
 
-def test_bestfit_seed_worked_example():
+def test_bestfit_nanochat_worked_example():
     # nanochat's worked example: A(4) B(3) C(6) D(2) into rows of 8
     # -> row 0 = C D; row 1 = A B + 1 cropped token
     A, B_, C, D = ([BOS] + [c] * (n - 1) for c, n in ((1, 4), (2, 3), (3, 6), (4, 2)))

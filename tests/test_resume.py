@@ -503,7 +503,7 @@ def test_edited_state_accepted_only_when_allowed(small):
 @pytest.mark.parametrize("with_epoch", [True, False])
 @pytest.mark.parametrize("kind", ["bestfit", "concat"])
 @pytest.mark.parametrize("seed", range(3))
-def test_seeds_form_matches_the_oracle(seed, kind, with_epoch, tmp_path):
+def test_nanochat_form_matches_the_oracle(seed, kind, with_epoch, tmp_path):
     rng = random.Random(f"seeds-{seed}-{kind}")
     world_size = rng.randint(1, 2)
     T, tbs = rng.randint(4, 24), rng.randint(1, 4)
