@@ -43,7 +43,7 @@ from nanochat.token_reader import TokenShardReader, shard_paths, shard_vocab
 @dataclass(frozen=True)
 class LoaderSpec:
     """What `assemble` and `build_loader` need to put one loader (or one bucket) together."""
-    kind: str  # "bestfit" (rows packed best-fit) or "concat" (the stream cut every B*T tokens)
+    kind: str  # "bestfit": rows packed best-fit; "concat": documents back to back, cut every B*T
     reader: Any  # ParquetReader or TokenShardReader: the split's units and their documents
     encoder: Any  # Encoder (texts -> documents) or EntryDocuments (pretokenized entries)
     config: dict  # what every state records: nanochat.state.loader_config
@@ -268,8 +268,8 @@ def tokenizing_distributed_data_loader_with_state(
         prefetch_shards: int = 2, num_shards: int | None = None, base_url: str | None = None,
         download_limits: Limits | None = None) -> "DataLoader":
     """The concatenating loader: documents back to back (each after its BOS), each batch the next
-    B*T+1 tokens of the stream, advancing by B*T, so no token is skipped. Wastes nothing, but rows
-    start mid-document. Yields (inputs, targets, state_dict).
+    B*T+1 tokens of the concatenated documents, advancing by B*T, so no token is skipped. Wastes
+    nothing, but rows start mid-document. Yields (inputs, targets, state_dict).
 
     stats: tokens_emitted counts B*T per batch; buffer_tokens those tokenized and not yet consumed,
     so tokens_tokenized == tokens_emitted + buffer_tokens. The state's emitted["tokens"] counts the

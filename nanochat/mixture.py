@@ -86,7 +86,7 @@ class _Lookahead:
 
 
 class _Bucket:
-    """One bucket: its single-pass document stream, best-fit packer and state recorder."""
+    """One bucket: its single-pass walk, best-fit packer and state recorder."""
 
     def __init__(self, name, order, recorder, packer, position, trace):
         self.name, self.order, self.recorder, self.packer = name, order, recorder, packer

@@ -59,16 +59,16 @@ def mixture_start(state, config, rank, world_size, allow_mismatch) -> tuple[dict
     differ = [f"{k}: state {saved.get(k)!r}, loader {config.get(k)!r}"
               for k in fields if saved.get(k) != config.get(k)]
     # fields that change which documents each bucket yields: no resume can go on past them
-    stream_fields = ("source", "split", "buckets", "chunk_size", "tokenizer", "rank", "world_size",
+    walk_fields = ("source", "split", "buckets", "chunk_size", "tokenizer", "rank", "world_size",
                      "shuffle")
     if "shuffle" in config or "shuffle" in saved:  # the seed orders the buckets' documents too
-        stream_fields += ("seed",)
-    stream_changed = any(saved.get(k) != config.get(k) for k in stream_fields)
-    if differ and (not allow_mismatch or stream_changed):
+        walk_fields += ("seed",)
+    walk_changed = any(saved.get(k) != config.get(k) for k in walk_fields)
+    if differ and (not allow_mismatch or walk_changed):
         hint = ("; pass allow_state_mismatch=True to go on with a changed curriculum, "
-                + ("" if "seed" in stream_fields else "seed, ") + "B, T or buffer size")
+                + ("" if "seed" in walk_fields else "seed, ") + "B, T or buffer size")
         raise ValueError(f"{where} was taken on another configuration (" + "; ".join(differ) + ")"
-                         + ("" if allow_mismatch or stream_changed else hint))
+                         + ("" if allow_mismatch or walk_changed else hint))
     return state, where
 
 

@@ -28,7 +28,7 @@ from nanochat.checks import is_int
 from nanochat.dataset import open_parquet, read_row_group_column
 from nanochat.shuffle import Shuffle
 from nanochat.state import DocKey, PlanUnit, WindowKey, decode_plan
-from nanochat.state_checks import REQUIRED, STREAM_FIELDS, check_state, rank_state
+from nanochat.state_checks import REQUIRED, WALK_FIELDS, check_state, rank_state
 from nanochat.token_shards import entry_count
 
 logger = logging.getLogger(__name__)
@@ -514,7 +514,7 @@ def start_order(reader, rank: int, world_size: int, batch_size: int, state, conf
         # resume approximately
         other = ["nanochat's form"] if "version" not in state else [
             f"{k}: state {state['config'].get(k)!r}, loader {config.get(k)!r}"
-            for k in STREAM_FIELDS
+            for k in WALK_FIELDS
             if k not in ("rank", "world_size") and state["config"].get(k) != config.get(k)]
         if other:
             raise ValueError(f"{where} is not a state of this shuffled stream "

@@ -90,7 +90,7 @@ def decode_rows(runs) -> list[int]:
 
 def encode_keys(keys) -> list[list]:
     """Document keys in order -> [[epoch, pq_idx, rg_idx, rows], ...]: consecutive keys of one unit
-    grouped, their rows as encode_rows writes them. A shuffled stream's documents are keyed by
+    grouped, their rows as encode_rows writes them. A shuffled walk's documents are keyed by
     position, (epoch, window, i): they group as [epoch, window, rows]."""
     # groupby and itemgetter run in C: this runs once per batch over the whole buffer
     return [[*head, encode_rows(map(_last, group))]
@@ -224,7 +224,7 @@ def loader_config(loader: str, source: str, split: str, paths: list[str], *, B: 
                "tokenizer": tokenizer, "rank": rank, "world_size": world_size}
     if policy is not None:
         config["long_doc_policy"], config["split_overlap"] = policy
-    if shuffle is not None:  # its presence marks a shuffled stream: state_checks reads `next` by it
+    if shuffle is not None:  # its presence marks a shuffled walk: state_checks reads `next` by it
         config["shuffle"] = {"seed": shuffle.seed, "window": shuffle.window} | (
             {"bucket": shuffle.name} if shuffle.name else {})
     return config

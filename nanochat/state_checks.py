@@ -1,6 +1,6 @@
 """
 Checking a loader state before it is used. check_fields checks every field on its own, check_data
-every place the state names against the data, and check_state whether it continues the stream of
+every place the state names against the data, and check_state whether it continues the walk of
 the loader resuming from it: exactly, approximately as nanochat resumes, or refused with what
 differs. rank_state takes one rank's part of a merge. check_keys, check_hex and check_list serve the
 mixture state too. Every failure is a ValueError that names the field.
@@ -36,8 +36,8 @@ logger = logging.getLogger(__name__)
 REQUIRED = ("version", "loader", "pq_idx", "rg_idx", "epoch", "plan", "next", "buffer", "offset",
             "config", "emitted", "counters", "checksum")
 # config fields that change which documents a rank reads, in which order: a state taken with
-# other values cannot continue the same stream
-STREAM_FIELDS = ("loader", "source", "split", "files", "num_files", "chunk_size", "rank",
+# other values cannot continue the same walk
+WALK_FIELDS = ("loader", "source", "split", "files", "num_files", "chunk_size", "rank",
                  "world_size", "shuffle")
 # every version-2 config has these; an absent optional one reads as parquet, no chunks, "crop",
 # unshuffled
@@ -158,7 +158,7 @@ def _check_config(config, loader: str, where: str) -> dict:
 
 
 def config_shuffle(config: dict) -> Shuffle | None:
-    """The Shuffle a (checked) config records, or None for an unshuffled stream."""
+    """The Shuffle a (checked) config records, or None for an unshuffled walk."""
     if "shuffle" not in config:
         return None
     shuffle = config["shuffle"]
@@ -308,7 +308,7 @@ def check_data(state: dict, index, where: str = "resume_state_dict") -> None:
                              f"of {world_size} reads: the state does not match the data")
     else:
         _, pq_idx, rg_idx, row = state["next"]
-        # the regular stream continues at one of this rank's units (rank, rank + world_size, ...),
+        # the regular walk goes on at one of this rank's units (rank, rank + world_size, ...),
         # or just past a file's last one; at a row of it only if that row exists
         units = index.count(pq_idx) if pq_idx < files else 0
         if not (pq_idx < files and rg_idx % world_size == rank and rg_idx < units + world_size
@@ -363,9 +363,9 @@ def rank_state(merged: dict, rank: int, world_size: int,
 def check_state(state: dict, config: dict, index, *, allow_mismatch: bool,
                 where: str = "resume_state_dict") -> bool:
     """Validate a version-2 state against this loader's config and data. Returns True when the
-    state continues this loader's stream exactly (or, with allow_mismatch, at least the same
-    document stream), False when only nanochat's approximate keys {pq_idx, rg_idx, epoch} can be
-    used (another rank's state, or allow_mismatch and another stream)."""
+    state continues this loader's walk exactly (or, with allow_mismatch, at least the same
+    document walk), False when only nanochat's approximate keys {pq_idx, rg_idx, epoch} can be
+    used (another rank's state, or allow_mismatch and another walk)."""
     if state.get("version") != VERSION:
         raise ValueError(f"{where}['version'] is {reprlib.repr(state.get('version'))}; this loader "
                          f"reads version {VERSION} (and nanochat's {{pq_idx, rg_idx, epoch}} form)")
@@ -391,9 +391,9 @@ def check_state(state: dict, config: dict, index, *, allow_mismatch: bool,
     if differ and not allow_mismatch:
         raise ValueError(f"{where} was taken on another configuration (" + "; ".join(differ)
                          + "); pass allow_state_mismatch=True to resume as well as possible")
-    # only a state of this very stream names places in this data; an approximate resume reads
+    # only a state of this very walk names places in this data; an approximate resume reads
     # just pq_idx, rg_idx and epoch
-    exact = all(saved.get(k) == config.get(k) for k in STREAM_FIELDS)
+    exact = all(saved.get(k) == config.get(k) for k in WALK_FIELDS)
     if exact:
         check_data(state, index, where)
     return exact
