@@ -134,6 +134,12 @@ class DataLoader:
             out += ({k: torch.from_numpy(v).to(device) for k, v in extras["info"].items()},)
         return out
 
+    def cache_status(self):
+        """A streaming loader's shard cache figures (nanochat.shard_cache.CacheStatus): what is on
+        disk against cache_limit, who needs which shard and why; None when not streaming."""
+        cache = getattr(self, "_also_close", None)
+        return None if cache is None else cache.status()
+
     def _check(self, extras: dict) -> None:
         """Called with every batch before it is yielded; raising stops the loader (see the mixture loader)."""
 

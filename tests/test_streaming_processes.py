@@ -118,6 +118,12 @@ def shards_in(directory) -> dict[str, int]:
             if name.endswith(".parquet")}
 
 
+def ledger_loaders(directory) -> dict[str, dict]:
+    """The loaders' rows in a cache's ledger, as the file has them (dead loaders too)."""
+    with open(os.path.join(directory, ".stream", "ledger.json")) as f:
+        return json.load(f)["loaders"]
+
+
 def file_bytes(path) -> bytes:
     with open(path, "rb") as f:
         return f.read()
@@ -246,9 +252,8 @@ def test_a_killed_streaming_run_resumes_exactly(tmp_path):
         before = read_lines(killed / "rank0.jsonl")
         k = len(before)
         have = os.path.getsize(os.path.join(directory, partial + ".tmp"))
-        stale = [name for name in os.listdir(os.path.join(directory, ".stream"))
-                 if name.startswith("needs-") and name.endswith(f"-{worker.pid}-0.json")]
-        assert len(stale) == 1  # the killed loader's needs record is left behind
+        stale = [owner for owner, row in ledger_loaders(directory).items() if row["pid"] == worker.pid]
+        assert len(stale) == 1  # the killed loader's row in the ledger is left behind
 
         num_after = 25  # about 5 more shards, past those the dead loader was reading
         expected = on_disk(hosted, k + num_after)
@@ -267,8 +272,8 @@ def test_a_killed_streaming_run_resumes_exactly(tmp_path):
     assert read_lines(resumed / "rank0.jsonl") == expected[k:]
     # the half-downloaded shard is resumed from the bytes it kept, not fetched again from byte 0
     assert next(wanted for name, wanted in after if name == partial) == f"bytes={have}-"
-    # the dead loader's record pins nothing: the resumed run dropped it (its process is gone), and kept the budget
-    assert not os.path.exists(os.path.join(directory, ".stream", stale[0]))
+    # the dead loader's row pins nothing: the resumed run dropped it (its process is gone), and kept the budget
+    assert stale[0] not in ledger_loaders(directory)
     assert sum(shards_in(directory).values()) <= limit
 
 
