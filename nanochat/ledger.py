@@ -161,14 +161,14 @@ class Ledger:
     def __init__(self, data_dir: str):
         self.directory = os.path.join(data_dir, STREAM_DIR)
         self.path = os.path.join(self.directory, LEDGER)
-        self.lock = FileLock(os.path.join(self.directory, LOCK))
+        # a wait polls every 5 ms (filelock: 50): the reader and the fetching thread take it in turns
+        self.lock = FileLock(os.path.join(self.directory, LOCK), poll_interval=0.005)
 
     def read(self) -> Table:
         """The table, less the loaders of this host whose process is gone. Without the lock held it
         is a snapshot: the file is replaced whole, so it is never half written."""
         try:
-            with open(self.path) as f:
-                text = f.read()
+            text = _read_text(self.path)
         except FileNotFoundError:
             return Table()
         try:
@@ -189,7 +189,31 @@ class Ledger:
         text = json.dumps(table.to_json(), sort_keys=True)
         if text != table.text:
             tmp = f"{self.path}.tmp{os.getpid()}"
-            with open(tmp, "w") as f:
-                f.write(text)
-            os.replace(tmp, self.path)
+            _write_text(tmp, text)
+            os.replace(tmp, self.path)  # (whole or not at all: readers take no lock)
             table.text = text
+
+
+# os.open and os.read, not open(): a loader closed by its __del__ at interpreter exit reaches here
+# when the builtins may be gone already
+
+
+def _read_text(path: str) -> str:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        chunks = []
+        while chunk := os.read(fd, 1 << 20):
+            chunks.append(chunk)
+    finally:
+        os.close(fd)
+    return b"".join(chunks).decode()
+
+
+def _write_text(path: str, text: str) -> None:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        data = memoryview(text.encode())
+        while data:
+            data = data[os.write(fd, data):]
+    finally:
+        os.close(fd)

@@ -726,15 +726,18 @@ class ShardCache:
         """Stop fetching (a download in flight stops at its next read) and take this loader's row
         out of the ledger (its copies stay for a resume, until a live loader needs the room while
         none is restoring)."""
+        if self._stop.is_set():  # (closed already: by the loader, then by its __del__)
+            return
         self._stop.set()
         with self._cond:
             self._cond.notify_all()
         if self._thread is not None:
             self._thread.join(timeout=1.0)  # a download blocked in a read ends at its timeout
-        with self.ledger.lock:
-            table = self.ledger.read()
-            table.loaders.pop(self.owner, None)
-            self.ledger.write(table)
+        if self._published is not None:  # (a row is written at start())
+            with self.ledger.lock:
+                table = self.ledger.read()
+                table.loaders.pop(self.owner, None)
+                self.ledger.write(table)
 
 
 def _local_ranks() -> int:
