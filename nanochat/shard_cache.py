@@ -186,31 +186,40 @@ def read_status(data_dir: str, *, loader: "ShardCache | None" = None) -> CacheSt
         **own)
 
 
-def describe(status: CacheStatus) -> str:
-    """The status for a person: sizes in words, one line per shard need with its reason."""
+def _count(n: int, one: str, many: str) -> str:
+    return f"{n} {one if n == 1 else many}"
+
+
+def describe(status: CacheStatus, most: int = 10) -> str:
+    """The status for a person: sizes in words, one line per shard need with its reason. `most`:
+    the evicted shards named (a long run evicts thousands)."""
     limit = status.cache_limit
-    against = ("no cache_limit" if limit is None else
-               f"cache_limit {_gb(limit)} ({100 * status.used_bytes / limit:.0f}% used)")
     lines = [f"streaming cache in {status.data_dir}",
-             f"on disk: {_gb(status.used_bytes)} of {against}: {len(status.shards)} shard file(s), "
-             f"{_gb(status.shard_bytes)}, and {len(status.kept)} kept cop(ies), "
-             f"{_gb(status.kept_bytes)}"]
-    width = max((len(shard.name) for shard in status.shards + status.needs + status.kept), default=0)
-    lines += [f"  {s.name:<{width}}  {_gb(s.bytes):>11}  {s.kind}: {SHARD_KINDS[s.kind]}"
-              for s in status.shards]
+             f"on disk: {_gb(status.used_bytes)}: "
+             f"{_count(len(status.shards), 'shard file', 'shard files')}, {_gb(status.shard_bytes)}, "
+             f"and {_count(len(status.kept), 'kept copy', 'kept copies')}, {_gb(status.kept_bytes)}",
+             "cache_limit: none (no live loader has one)" if limit is None else
+             f"cache_limit: {_gb(limit)}, {100 * status.used_bytes / limit:.0f}% used"]
+    names = [s.name for s in status.shards] + [n.shard for n in status.needs]
+    width = max(map(len, names + [k.shard for k in status.kept]), default=0)  # (columns line up)
+    lines += [f"  {s.name:<{width}}  {_gb(s.bytes):>11}  {s.kind}" for s in status.shards]
+    lines += [f"  ({kind}: {SHARD_KINDS[kind]})" for kind in sorted({s.kind for s in status.shards})]
     lines.append(f"live loaders: {len(status.loaders)}")
     for row in status.loaders:
         limit = "no cache_limit" if row.cache_limit is None else f"cache_limit {_gb(row.cache_limit)}"
         lines.append(f"  {row.owner}: {limit}" + (", restoring a buffer" if row.restoring else ""))
-    lines.append(f"needed by a live loader: {len(status.needs)}")
+    lines.append(f"needed by a live loader: {_count(len(status.needs), 'shard', 'shards')}")
     reasons = REASONS | {"fetching": "it is downloading it"}
     lines += [f"  {n.shard:<{width}}  {n.loader}  {n.reason}: {reasons[n.reason]}"
               for n in status.needs]
-    lines.append(f"kept for buffers (.stream/kept): {len(status.kept)}")
-    lines += [f"  {k.shard:<{width}}  {k.loader}{'' if k.live else ' (gone)'}  {_gb(k.bytes)}"
+    lines.append(f"kept for buffers (.stream/kept): {_count(len(status.kept), 'copy', 'copies')}")
+    lines += [f"  {k.shard:<{width}}  {k.loader}{'' if k.live else ' (gone: kept for a resume)'}  {_gb(k.bytes)}"
               for k in status.kept]
-    evicted = ", ".join(status.evicted) or "none"
-    lines.append(f"evicted, not on disk since: {evicted} ({status.evictions} eviction(s) in all)")
+    evicted = ", ".join(status.evicted[:most]) or "none"
+    if len(status.evicted) > most:
+        evicted += f" and {len(status.evicted) - most} more"
+    lines.append(f"evicted, not fetched since: {evicted} "
+                 f"({_count(status.evictions, 'eviction', 'evictions')} in all)")
     return "\n".join(lines)
 
 
