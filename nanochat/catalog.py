@@ -9,6 +9,7 @@ start check of a loader's cache_limit uses. Design: docs/streaming.md.
 May import: nanochat.dataset, nanochat.download, nanochat.ledger.
 """
 
+import json
 import logging
 import math
 import os
@@ -21,11 +22,31 @@ from tqdm import tqdm
 
 from nanochat.dataset import open_parquet, streamed_split
 from nanochat.download import MAGIC, TAIL_BYTES, DownloadError, Limits, fetch_tail
-from nanochat.ledger import LOCK, STREAM_DIR, read_json, write_json
+from nanochat.ledger import LOCK, STREAM_DIR
 
 logger = logging.getLogger(__name__)
 
 CATALOG = "catalog.json"  # in STREAM_DIR: shard name -> {"url", "size", "rows"}
+
+
+def _read_json(path: str, default):
+    """A JSON file's value; `default` when it is missing or unreadable (with a warning)."""
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except FileNotFoundError:
+        return default
+    except (OSError, ValueError) as e:
+        logger.warning("%s is unreadable (%s); starting it afresh", path, e)
+        return default
+
+
+def _write_json(path: str, value) -> None:
+    """Write whole, then rename: a reader (who takes no lock) never sees half a file."""
+    tmp = f"{path}.tmp{os.getpid()}"  # (a pid each: two processes never share a temporary file)
+    with open(tmp, "w") as f:
+        json.dump(value, f)
+    os.replace(tmp, path)
 
 
 def catalog_path(data_dir: str) -> str:
@@ -34,7 +55,7 @@ def catalog_path(data_dir: str) -> str:
 
 def catalog_sizes(data_dir: str) -> dict[str, int]:
     """name -> bytes of every shard in the catalog, whichever split's loader read it."""
-    catalog = read_json(catalog_path(data_dir), {})
+    catalog = _read_json(catalog_path(data_dir), {})
     entries = catalog.items() if isinstance(catalog, dict) else ()
     return {name: entry.get("size", 0) for name, entry in entries if isinstance(entry, dict)}
 
@@ -42,7 +63,8 @@ def catalog_sizes(data_dir: str) -> dict[str, int]:
 def footer_rows(tail: bytes, url: str) -> list[int] | None:
     """Documents per row group from a parquet file's last bytes; None when they do not hold
     the whole footer."""
-    if len(tail) < 12 or tail[-4:] != MAGIC:  # 12: the shortest footer (4-byte length + magic) twice
+    # 12: the least a parquet file ends with (magic, a footer's length, magic)
+    if len(tail) < 12 or tail[-4:] != MAGIC:
         raise ValueError(f"{url} does not end with {MAGIC!r}: not a parquet file")
     length = int.from_bytes(tail[-8:-4], "little")  # the footer's length, just before the magic
     if length + 8 > len(tail):
@@ -77,8 +99,10 @@ def read_catalog(data_dir: str, names: list[str], urls: list[str], limits: Limit
     directory = os.path.join(data_dir, STREAM_DIR)
     os.makedirs(directory, exist_ok=True)
     path = catalog_path(data_dir)
-    known = read_json(path, {})
-    missing = [(name, url) for name, url in zip(names, urls) if known.get(name, {}).get("url") != url]
+    known = _read_json(path, {})
+    # (keyed by URL too: a shard from another server is another file)
+    missing = [(name, url) for name, url in zip(names, urls)
+               if known.get(name, {}).get("url") != url]
     if missing:
         logger.info("reading the footers of %d shards from %s (kept in %s)", len(missing),
                     missing[0][1].rsplit("/", 1)[0], path)
@@ -88,14 +112,16 @@ def read_catalog(data_dir: str, names: list[str], urls: list[str], limits: Limit
             try:
                 return name, _entry(os.path.join(data_dir, name), url, limits)
             except DownloadError as e:
-                raise ConnectionError(f"could not read the footer of shard {name} from {url}: {e}") from None
+                raise ConnectionError(
+                    f"could not read the footer of shard {name} from {url}: {e}") from None
 
         with ThreadPoolExecutor(max(1, min(workers, len(missing)))) as pool:
+            # (disable=None: a bar on a terminal only)
             found = dict(tqdm(pool.map(one, missing), total=len(missing), unit="footer",
-                              desc="catalog", disable=None, leave=False))  # (a bar on a terminal only)
+                              desc="catalog", disable=None, leave=False))
         with FileLock(os.path.join(directory, LOCK)):  # (other loaders may add their entries too)
-            known = read_json(path, {}) | found
-            write_json(path, known)
+            known = _read_json(path, {}) | found
+            _write_json(path, known)
     return [known[name] for name in names]
 
 
@@ -127,4 +153,5 @@ def packing_shards(entries: list[dict], rank: int, world_size: int, read_ahead: 
 def copies_estimate(entries: list[dict], buffer_docs: int) -> int:
     """What the copies of `buffer_docs` buffered documents may take, an estimate: twice their bytes
     at the split's most bytes per document of a shard (best-fit keeps long documents waiting)."""
-    return int(2 * buffer_docs * max(entry["size"] / max(sum(entry["rows"]), 1) for entry in entries))
+    per_doc = max(entry["size"] / max(sum(entry["rows"]), 1) for entry in entries)
+    return int(2 * buffer_docs * per_doc)

@@ -40,7 +40,8 @@ def listdir(path: str) -> list[str]:
 
 
 def kept_files(root: str) -> list[tuple[str, str, str]]:
-    """(owner, shard name, path) of every file in the kept directory (a killed writer's .tmp too)."""
+    """(owner, shard name, path) of every file in the kept directory (a killed writer's .tmp
+    too)."""
     return [(owner, name.removesuffix(KEPT_SUFFIX), os.path.join(root, owner, name))
             for owner in listdir(root) for name in listdir(os.path.join(root, owner))]
 
@@ -153,7 +154,8 @@ class Copies:
         return os.path.join(self.directory, self.names[p] + KEPT_SUFFIX)
 
     def copy_texts(self, name: str) -> dict[tuple[int, int], str]:
-        """{(rg_idx, row): text} of every loader's copies of shard `name` (the ledger says whose)."""
+        """{(rg_idx, row): text} of every loader's copies of shard `name` (the ledger says
+        whose)."""
         table = self.ledger.read()
         owners = sorted(owner for owner, copies in table.kept.items() if name in copies)
         return read_copies(self.root, name, owners)

@@ -23,7 +23,7 @@ STREAM_DIR = ".stream"  # in the data directory: the ledger, its lock, the catal
 LEDGER = "ledger.json"
 LOCK = "lock"
 
-# why a loader needs a shard, most pressing first: a shard is listed under the first reason that holds
+# why a loader needs a shard, most pressing first: a shard is listed under the first that holds
 REASONS = {
     "reading": "its reader is in it",
     "waiting": "a reader waits for it",
@@ -36,27 +36,7 @@ REASONS = {
 FETCHED, EVICTED = "fetched", "evicted"  # a shard's state in the table
 
 
-def write_json(path: str, value) -> None:
-    """Write whole, then rename: a reader never sees half a file."""
-    tmp = f"{path}.tmp{os.getpid()}"  # (a pid each: two processes never write one temporary file)
-    with open(tmp, "w") as f:
-        json.dump(value, f, sort_keys=True)
-    os.replace(tmp, path)
-
-
-def read_json(path: str, default):
-    """A JSON file's value; `default` when it is missing or unreadable (with a warning)."""
-    try:
-        with open(path) as f:
-            return json.load(f)
-    except FileNotFoundError:
-        return default
-    except (OSError, ValueError) as e:
-        logger.warning("%s is unreadable (%s); starting it afresh", path, e)
-        return default
-
-
-def alive(pid) -> bool:
+def _alive(pid) -> bool:
     """Whether a process of this host has this pid."""
     if not isinstance(pid, int) or isinstance(pid, bool) or pid <= 0:
         return False
@@ -81,24 +61,26 @@ class Loader:
     cache_limit: int | None
     needs: dict[str, str]  # shard name -> reason (a key of REASONS)
     fetching: str | None = None  # the shard it downloads now: counted whole in the budget
-    restoring: bool = False  # it reads a resumed buffer, perhaps from gone loaders' copies: they stay
+    restoring: bool = False  # it reads a resumed buffer, maybe from gone loaders' copies: they stay
 
 
 @dataclass(frozen=True)
 class ShardRow:
-    """A shard a streaming loader fetched: FETCHED (listed before its download begins) or EVICTED."""
+    """A shard a streaming loader fetched: FETCHED (listed before its download begins), or
+    EVICTED since."""
     state: str
     evictions: int = 0
 
 
 @dataclass
 class Table:
-    """The ledger's content. Change it only between `with ledger.lock:` and `ledger.write(table)`."""
+    """The ledger's content. Change it only between `with ledger.lock:` and ledger.write(table)."""
     loaders: dict[str, Loader] = field(default_factory=dict)  # owner (host-pid-n) -> its row
     shards: dict[str, ShardRow] = field(default_factory=dict)
-    kept: dict[str, dict[str, int]] = field(default_factory=dict)  # owner -> {shard: bytes of copy}
-    evicting: bool = False  # a loader has had to evict: from then on every loader copies its buffers
-    text: str = field(default="", repr=False, compare=False)  # the JSON it was read from
+    kept: dict[str, dict[str, int]] = field(default_factory=dict)  # owner -> {shard: copy's bytes}
+    evicting: bool = False  # a loader has had to evict: from then on every loader copies buffers
+    # the JSON it was read from: write() skips a write that would change nothing
+    text: str = field(default="", repr=False, compare=False)
 
     def fetched(self) -> list[str]:
         """The shards a streaming loader fetched and no loader has evicted since."""
@@ -116,9 +98,9 @@ def _loader(value) -> Loader | None:
         loader = Loader(**value)
     except TypeError:  # (not a dict, or other fields)
         return None
-    fine = (isinstance(loader.host, str) and type(loader.pid) is int and isinstance(loader.needs, dict)
-            and all(isinstance(n, str) and r in REASONS for n, r in loader.needs.items()))
-    return loader if fine else None
+    fine = isinstance(loader.host, str) and type(loader.pid) is int  # (type: a bool is no pid)
+    fine = fine and isinstance(loader.needs, dict)
+    return loader if fine and all(r in REASONS for r in loader.needs.values()) else None
 
 
 def _shard_row(value) -> ShardRow | None:
@@ -156,12 +138,13 @@ def _table(value, path: str) -> Table:
 
 
 class Ledger:
-    """A data directory's ledger. `lock` is the directory's one lock (a FileLock: reentrant)."""
+    """A data directory's ledger; `lock` is the directory's one lock (a FileLock: reentrant)."""
 
     def __init__(self, data_dir: str):
         self.directory = os.path.join(data_dir, STREAM_DIR)
         self.path = os.path.join(self.directory, LEDGER)
-        # a wait polls every 5 ms (filelock: 50): the reader and the fetching thread take it in turns
+        # a wait polls every 5 ms (filelock's default: 50): the reader and the fetching thread take
+        # it in turns, often
         self.lock = FileLock(os.path.join(self.directory, LOCK), poll_interval=0.005)
 
     def read(self) -> Table:
@@ -179,7 +162,8 @@ class Ledger:
         table.text = text
         host = socket.gethostname()
         # (another host's loaders, on a shared disk, cannot be checked from here: they stay)
-        gone = [o for o, loader in table.loaders.items() if loader.host == host and not alive(loader.pid)]
+        gone = [owner for owner, loader in table.loaders.items()
+                if loader.host == host and not _alive(loader.pid)]
         for owner in gone:
             del table.loaders[owner]
         return table
@@ -188,7 +172,7 @@ class Ledger:
         """Write the table (the caller holds the lock), unless it is what was read."""
         text = json.dumps(table.to_json(), sort_keys=True)
         if text != table.text:
-            tmp = f"{self.path}.tmp{os.getpid()}"
+            tmp = f"{self.path}.tmp"  # (one writer at a time: the lock's holder)
             _write_text(tmp, text)
             os.replace(tmp, self.path)  # (whole or not at all: readers take no lock)
             table.text = text

@@ -9,8 +9,8 @@ must be held at once is a ValueError at the start. Design: docs/streaming.md.
 
     python -m nanochat.shard_cache status [DATA_DIR]   # what is on disk, who needs it and why
 
-May import: nanochat.catalog, nanochat.checks, nanochat.dataset, nanochat.download, nanochat.files,
-nanochat.kept, nanochat.ledger.
+May import: nanochat.cache_status, nanochat.catalog, nanochat.checks, nanochat.dataset,
+nanochat.download, nanochat.files, nanochat.kept, nanochat.ledger.
 """
 
 import argparse
@@ -23,11 +23,10 @@ import socket
 import sys
 import threading
 import time
-from dataclasses import dataclass
-from typing import NamedTuple
 
 import pyarrow as pa
 
+from nanochat.cache_status import CacheStatus, Own, describe, read_status, size_words
 from nanochat.catalog import (  # the loaders import these three from here: the streaming interface
     catalog_path, catalog_sizes, copies_estimate, packing_shards, read_catalog, streamed_files)
 from nanochat.checks import check_int
@@ -44,14 +43,6 @@ NEED_MARGIN = 120.0  # seconds need() waits past the downloader's deadline (anot
 ROOM_WAIT = 600.0  # seconds the shard a reader waits for may find no room before that is an error
 
 
-def _gb(nbytes: float) -> str:
-    """A size in words: 20.00 GB, 95.3 MB, 8.6 KB, 612 bytes."""
-    for unit, scale, digits in (("GB", 1e9, 2), ("MB", 1e6, 1), ("KB", 1e3, 1)):
-        if nbytes >= scale:
-            return f"{nbytes / scale:.{digits}f} {unit}"
-    return f"{nbytes:.0f} bytes"
-
-
 def shard_files(data_dir: str, partial: bool = True) -> dict[str, int]:
     """name -> bytes of every shard in the data directory, partial downloads (.tmp) under the
     shard's name (unless partial=False: complete shards only)."""
@@ -66,177 +57,6 @@ def shard_files(data_dir: str, partial: bool = True) -> dict[str, int]:
                 name = entry.name.removesuffix(".tmp")
                 sizes[name] = sizes.get(name, 0) + size
     return sizes
-
-
-# -----------------------------------------------------------------------------
-# What the cache holds, for a person: ShardCache.status() and the status command
-
-
-SHARD_KINDS = {
-    "streamed": "fetched by a streaming loader; evicted once no live loader needs it",
-    "partial": "a download under way or cut short; its next fetch resumes it",
-    "yours": "not fetched by a streaming loader; never evicted",
-}
-
-
-class ShardFile(NamedTuple):
-    name: str  # the shard's name (a partial download's too, without .tmp)
-    bytes: int
-    kind: str  # a key of SHARD_KINDS
-
-
-class LiveLoader(NamedTuple):
-    owner: str  # host-pid-n
-    cache_limit: int | None
-    restoring: bool  # it reads a resumed buffer: gone loaders' copies stay until it is done
-
-
-class ShardNeed(NamedTuple):
-    shard: str
-    loader: str  # its owner, host-pid-n
-    reason: str  # a key of nanochat.ledger.REASONS
-
-
-class KeptCopy(NamedTuple):
-    shard: str
-    loader: str  # who wrote it
-    bytes: int
-    live: bool  # False: its loader is gone; the copy stays for a resume until room is needed
-
-
-@dataclass(frozen=True)
-class CacheStatus:
-    """A streaming cache's figures at one moment: ShardCache.status(), DataLoader.cache_status(),
-    and `python -m nanochat.shard_cache status`. The last four fields are one loader's own (None
-    from the command, which is no loader)."""
-    data_dir: str
-    cache_limit: int | None  # a loader's own; from the command the least of the live loaders'
-    shards: tuple[ShardFile, ...]  # in the data directory, by name
-    loaders: tuple[LiveLoader, ...]  # the live loaders of the ledger
-    needs: tuple[ShardNeed, ...]  # by shard, then loader
-    kept: tuple[KeptCopy, ...]  # the copies of buffered documents, by shard, then loader
-    evicted: tuple[str, ...]  # shards evicted and not fetched again since
-    evictions: int  # evictions in all, as the ledger counts them
-    evicting: bool  # a loader has had to evict: every loader copies its buffers from then on
-    owner: str | None  # the loader's name in the ledger
-    peak_bytes: int | None  # the most its shards and copies took at once, as it measured them
-    fetched_bytes: int | None  # what it downloaded
-    copying: bool | None  # whether it copies its buffered documents
-
-    @property
-    def shard_bytes(self) -> int:
-        return sum(shard.bytes for shard in self.shards)
-
-    @property
-    def kept_bytes(self) -> int:
-        return sum(copy.bytes for copy in self.kept)
-
-    @property
-    def used_bytes(self) -> int:
-        """What cache_limit bounds: the shards, partial downloads included, and the copies."""
-        return self.shard_bytes + self.kept_bytes
-
-
-def _shard_rows(data_dir: str, table: Table) -> tuple[ShardFile, ...]:
-    """The shard files of the data directory, each with its kind."""
-    rows = []
-    with os.scandir(data_dir) as entries:
-        for entry in entries:
-            name = entry.name.removesuffix(".tmp")
-            if not name.endswith(".parquet"):
-                continue
-            try:
-                size = entry.stat().st_size
-            except FileNotFoundError:  # (evicted since it was listed)
-                continue
-            fetched = table.shards.get(name, ShardRow(EVICTED)).state == FETCHED
-            kind = "partial" if entry.name.endswith(".tmp") else "streamed" if fetched else "yours"
-            rows.append(ShardFile(name, size, kind))
-    return tuple(sorted(rows))
-
-
-def read_status(data_dir: str, *, loader: "ShardCache | None" = None) -> CacheStatus:
-    """What a streaming cache holds, who needs it and why: the ledger and the directory, read under
-    the lock. `loader`: the loader whose own figures fill the last fields."""
-    ledger = Ledger(data_dir)
-    if os.path.isdir(ledger.directory):
-        with ledger.lock:  # (no eviction between reading the ledger and listing the files)
-            table = ledger.read()
-            shards = _shard_rows(data_dir, table)
-    else:  # never streamed into
-        table, shards = Table(), _shard_rows(data_dir, Table())
-    live = tuple(LiveLoader(owner, row.cache_limit, row.restoring)
-                 for owner, row in sorted(table.loaders.items()))
-    needs = [ShardNeed(name, owner, reason) for owner, row in table.loaders.items()
-             for name, reason in row.needs.items()]
-    needs += [ShardNeed(row.fetching, owner, "fetching") for owner, row in table.loaders.items()
-              if row.fetching]
-    kept = [KeptCopy(name, owner, size, owner in table.loaders)
-            for owner, copies in table.kept.items() for name, size in copies.items()]
-    limits = [row.cache_limit for row in live if row.cache_limit is not None]
-    own = {"owner": None, "peak_bytes": None, "fetched_bytes": None, "copying": None}
-    if loader is not None:
-        own = {"owner": loader.owner, "peak_bytes": loader.peak_bytes,
-               "fetched_bytes": loader.fetched_bytes, "copying": loader.copying}
-    return CacheStatus(
-        data_dir=data_dir, cache_limit=loader.limit if loader else min(limits, default=None),
-        shards=shards, loaders=live, needs=tuple(sorted(needs)), kept=tuple(sorted(kept)),
-        evicted=tuple(sorted(n for n, row in table.shards.items() if row.state == EVICTED)),
-        evictions=sum(row.evictions for row in table.shards.values()), evicting=table.evicting,
-        **own)
-
-
-def _count(n: int, one: str, many: str) -> str:
-    return f"{n} {one if n == 1 else many}"
-
-
-def describe(status: CacheStatus, most: int = 10) -> str:
-    """The status for a person: sizes in words, one line per shard need with its reason. `most`:
-    the evicted shards named (a long run evicts thousands)."""
-    limit = status.cache_limit
-    lines = [f"streaming cache in {status.data_dir}",
-             f"on disk: {_gb(status.used_bytes)}: "
-             f"{_count(len(status.shards), 'shard file', 'shard files')}, {_gb(status.shard_bytes)}, "
-             f"and {_count(len(status.kept), 'kept copy', 'kept copies')}, {_gb(status.kept_bytes)}",
-             "cache_limit: none (no live loader has one)" if limit is None else
-             f"cache_limit: {_gb(limit)}, {100 * status.used_bytes / limit:.0f}% used"]
-    names = [s.name for s in status.shards] + [n.shard for n in status.needs]
-    width = max(map(len, names + [k.shard for k in status.kept]), default=0)  # (columns line up)
-    lines += [f"  {s.name:<{width}}  {_gb(s.bytes):>11}  {s.kind}" for s in status.shards]
-    lines += [f"  ({kind}: {SHARD_KINDS[kind]})" for kind in sorted({s.kind for s in status.shards})]
-    lines.append(f"live loaders: {len(status.loaders)}")
-    for row in status.loaders:
-        limit = "no cache_limit" if row.cache_limit is None else f"cache_limit {_gb(row.cache_limit)}"
-        lines.append(f"  {row.owner}: {limit}" + (", restoring a buffer" if row.restoring else ""))
-    lines.append(f"needed by a live loader: {_count(len(status.needs), 'shard', 'shards')}")
-    reasons = REASONS | {"fetching": "it is downloading it"}
-    lines += [f"  {n.shard:<{width}}  {n.loader}  {n.reason}: {reasons[n.reason]}"
-              for n in status.needs]
-    lines.append(f"kept for buffers (.stream/kept): {_count(len(status.kept), 'copy', 'copies')}")
-    lines += [f"  {k.shard:<{width}}  {k.loader}{'' if k.live else ' (gone: kept for a resume)'}  {_gb(k.bytes)}"
-              for k in status.kept]
-    evicted = ", ".join(status.evicted[:most]) or "none"
-    if len(status.evicted) > most:
-        evicted += f" and {len(status.evicted) - most} more"
-    lines.append(f"evicted, not fetched since: {evicted} "
-                 f"({_count(status.evictions, 'eviction', 'evictions')} in all)")
-    return "\n".join(lines)
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m nanochat.shard_cache",
-                                     description="What a streaming cache (stream=True) holds.")
-    commands = parser.add_subparsers(dest="command", required=True)
-    status = commands.add_parser("status", help="what is on disk against cache_limit, which live "
-                                 "loader needs which shard and why, the kept copies, the evicted")
-    status.add_argument("data_dir", nargs="?", help="the cache (default: the dataset's directory)")
-    args = parser.parse_args(argv)
-    data_dir = find_data_dir() if args.data_dir is None else os.path.expanduser(args.data_dir)
-    if not os.path.isdir(data_dir):
-        print(f"{data_dir} is not a directory", file=sys.stderr)
-        return 1
-    print(describe(read_status(data_dir)))
-    return 0
 
 
 # -----------------------------------------------------------------------------
@@ -291,7 +111,8 @@ class ShardCache:
 
     def status(self) -> CacheStatus:
         """What the cache holds now, who needs it and why, and this loader's own figures."""
-        return read_status(self.data_dir, loader=self)
+        own = Own(self.owner, self.limit, self.peak_bytes, self.fetched_bytes, self.copying)
+        return read_status(self.data_dir, own)
 
     # -- the budget ------------------------------------------------------------------
 
@@ -320,19 +141,20 @@ class ShardCache:
                     if name not in on_disk and name not in self.names)
         copies = self.copies * self.local_ranks
         least = sum(fixed.values()) + count * largest + later + copies
-        val = f" and the val shard ({_gb(later)})" if later else ""
+        val = f" and the val shard ({size_words(later)})" if later else ""
         if self.limit < least:
             raise ValueError(
-                f"cache_limit={_gb(self.limit)} is below what this streaming loader must hold at "
-                f"once, {_gb(least)}: {count} x {_gb(largest)} (the largest shard) for the shards "
-                f"from the one it packs to the one it reads ({self.packing}: its read-ahead against "
-                f"its documents per shard), prefetch_shards={self.prefetch_shards} ahead and one "
-                f"for a local rank out of step (at most the split's {len(self.names)}){val}, about "
-                f"{_gb(copies)} for copies of buffered documents ({self.local_ranks} local rank(s)), "
-                f"plus {_gb(sum(fixed.values()))} of shards in {self.data_dir} that it may not evict "
-                f"({len(fixed)}: the val shard and those it did not fetch); raise cache_limit, lower "
-                "prefetch_shards, prefetch, tokenizer_batch_size or buffer_size, or use another "
-                "data_dir")
+                f"cache_limit={size_words(self.limit)} is below what this streaming loader must "
+                f"hold at once, {size_words(least)}: {count} x {size_words(largest)} (the largest "
+                "shard) for the shards from the one it packs to the one it reads "
+                f"({self.packing}: its read-ahead against its documents per shard), "
+                f"prefetch_shards={self.prefetch_shards} ahead and one for a local rank out of "
+                f"step (at most the split's {len(self.names)}){val}, about {size_words(copies)} "
+                f"for copies of buffered documents ({self.local_ranks} local rank(s)), plus "
+                f"{size_words(sum(fixed.values()))} of shards in {self.data_dir} that it may not "
+                f"evict ({len(fixed)}: the val shard and those it did not fetch); raise "
+                "cache_limit, lower prefetch_shards, prefetch, tokenizer_batch_size or "
+                "buffer_size, or use another data_dir")
 
     def _last_resort(self, table: Table, name: str, used: int) -> int:
         """The shard a reader waits for has no room, and the copies of buffered documents have
@@ -352,9 +174,9 @@ class ShardCache:
                 "cache_limit=%s had no room for %s, which a reader waits for; the copies of "
                 "buffered documents in %s took %s (the start check set aside %s for them): dropped "
                 "%s of them, oldest first. A resume from the states of now fetches their shards "
-                "again. Raise cache_limit by about %s to keep them", _gb(self.limit), name,
-                self.kept.root, _gb(copies), _gb(room), _gb(dropped),
-                _gb(max(copies - room, dropped)))
+                "again. Raise cache_limit by about %s to keep them", size_words(self.limit), name,
+                self.kept.root, size_words(copies), size_words(room), size_words(dropped),
+                size_words(max(copies - room, dropped)))
         return used - dropped
 
     def _make_room(self, table: Table, name: str | None, extra: int = 0, *,
@@ -404,9 +226,10 @@ class ShardCache:
         free = shutil.disk_usage(self.data_dir).free
         if missing > free:
             what = f"{name} needs" if name else "a copy of buffered documents needs"
-            raise OSError(errno.ENOSPC, f"{what} {_gb(missing)} more but {self.data_dir} has "
-                                        f"{_gb(free)} free (the disk is full); free some space, "
-                                        "pass a smaller cache_limit, or a data_dir on a bigger disk")
+            raise OSError(errno.ENOSPC,
+                          f"{what} {size_words(missing)} more but {self.data_dir} has "
+                          f"{size_words(free)} free (the disk is full); free some space, pass a "
+                          "smaller cache_limit, or a data_dir on a bigger disk")
         return True
 
     # -- what this loader needs --------------------------------------------------------
@@ -436,8 +259,9 @@ class ShardCache:
 
     def _needs(self) -> dict[str, str]:
         """shard name -> why this loader needs it, the most pressing reason (REASONS' order)."""
+        current = [] if self._at is None else [self._current()]
         by_reason = {
-            "reading": ([] if self._at is None else [self._current()]) + list(self._just_read.values()),
+            "reading": current + list(self._just_read.values()),
             "waiting": list(self._waiting),
             "restoring": self._first,
             "packing": sorted(self._packing()),
@@ -646,11 +470,12 @@ class ShardCache:
             self._short_since = self._short_since or time.monotonic()
             if time.monotonic() - self._short_since > self.room_wait:
                 raise ValueError(
-                    f"cache_limit={_gb(self.limit)} has had no room for {name} for "
+                    f"cache_limit={size_words(self.limit)} has had no room for {name} for "
                     f"{self.room_wait:g}s: the shards that the loaders of this machine still need "
-                    f"and the copies of their buffered documents ({_gb(kept_bytes(self.kept.root))})"
-                    f" fill it (python -m nanochat.shard_cache status {self.data_dir} lists them); "
-                    "raise cache_limit, or lower prefetch_shards or buffer_size")
+                    "and the copies of their buffered documents "
+                    f"({size_words(kept_bytes(self.kept.root))}) fill it (python -m "
+                    f"nanochat.shard_cache status {self.data_dir} lists them); raise cache_limit, "
+                    "or lower prefetch_shards or buffer_size")
             return False
         self._short_since = None
         try:
@@ -762,6 +587,22 @@ def _mtime(path: str) -> float:
         return os.path.getmtime(path)
     except FileNotFoundError:  # (removed by another loader since it was listed)
         return 0.0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m nanochat.shard_cache",
+                                     description="What a streaming cache (stream=True) holds.")
+    commands = parser.add_subparsers(dest="command", required=True)
+    status = commands.add_parser("status", help="what is on disk against cache_limit, which live "
+                                 "loader needs which shard and why, the kept copies, the evicted")
+    status.add_argument("data_dir", nargs="?", help="the cache (default: the dataset's directory)")
+    args = parser.parse_args(argv)
+    data_dir = find_data_dir() if args.data_dir is None else os.path.expanduser(args.data_dir)
+    if not os.path.isdir(data_dir):
+        print(f"{data_dir} is not a directory", file=sys.stderr)
+        return 1
+    print(describe(read_status(data_dir)))
+    return 0
 
 
 if __name__ == "__main__":

@@ -1,5 +1,5 @@
 """
-What a streaming cache holds, for a person: the ledger (nanochat/ledger.py), ShardCache.status() and
+What a streaming cache holds, for a person (nanochat/cache_status.py): the ledger, ShardCache.status() and
 DataLoader.cache_status() (a CacheStatus record), and `python -m nanochat.shard_cache status`, run as
 a user runs it. A small cache written by hand gives exact figures; a live streaming loader gives the
 same figures through the loader and the command.
@@ -21,8 +21,8 @@ from nanochat.dataloader import tokenizing_distributed_data_loader_with_state_bo
 from nanochat.dataset import index_to_filename
 from nanochat.download import Limits
 from nanochat.ledger import EVICTED, FETCHED, STREAM_DIR, Ledger, Loader, ShardRow, Table
-from nanochat.shard_cache import (CacheStatus, KeptCopy, LiveLoader, ShardFile, ShardNeed, describe,
-                                  read_status)
+from nanochat.cache_status import (CacheStatus, KeptCopy, LiveLoader, ShardFile, ShardNeed, describe,
+                                   read_status)
 from scripts.shard_server import ShardServer
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
