@@ -24,7 +24,7 @@ logger = logging.getLogger(__name__)
 
 KEPT_DIR = "kept"  # in STREAM_DIR: a directory per loader, a file of kept documents per shard
 KEPT_SUFFIX = ".json.gz"  # [[rg_idx, row, text], ...]
-HELD_STATES = 4  # states whose buffered documents are kept, past 2 x prefetch (see Copies.held)
+HELD_STATES = 4  # states whose buffered documents are kept, past 2 x prefetch (Keeper.held)
 
 
 def kept_root(data_dir: str) -> str:
@@ -53,6 +53,13 @@ def file_size(path: str) -> int:
         return 0
 
 
+def file_mtime(path: str) -> float:
+    try:
+        return os.path.getmtime(path)
+    except FileNotFoundError:  # (removed by another loader since it was listed)
+        return 0.0
+
+
 def kept_bytes(root: str) -> int:
     """What every copy takes on disk: the budget counts it."""
     return sum(file_size(path) for _, _, path in kept_files(root))
@@ -69,8 +76,7 @@ def remove_gone(root: str, table: Table, live: set[str]) -> None:
 def drop_oldest(root: str, table: Table, enough) -> int:
     """Remove copies, any loader's, oldest first, until enough(bytes dropped) is true; the bytes
     dropped. Their rows in the table go too."""
-    spare = sorted((os.path.getmtime(path) if os.path.exists(path) else 0.0, owner, name, path)
-                   for owner, name, path in kept_files(root))
+    spare = sorted((file_mtime(path), owner, name, path) for owner, name, path in kept_files(root))
     dropped = 0
     for _, owner, name, path in spare:
         if enough(dropped):
@@ -103,10 +109,10 @@ def read_copies(root: str, name: str, owners) -> dict[tuple[int, int], str]:
 # One loader's copies
 
 
-class Copies:
+class Keeper:
     """What one loader's recent states buffer, and the copies it keeps of them. Not thread-safe:
-    the shard cache calls it holding its own lock (its condition). It reads the ledger, never
-    writes it: the cache does, under the ledger's lock."""
+    the shard cache calls it holding its own lock (its condition). It reads the ledger; it changes
+    rows only in a table the cache passes in, under the ledger's lock."""
 
     def __init__(self, data_dir: str, names: list[str], owner: str, prefetch: int, ledger: Ledger):
         self.data_dir, self.names, self.owner, self.ledger = data_dir, names, owner, ledger
@@ -182,13 +188,33 @@ class Copies:
             texts.update(zip(((rg_idx, row) for row in wanted), column.take(wanted).to_pylist()))
         return texts
 
-    def write(self, p: int, data: bytes) -> None:
-        """Write a copy whole, then rename: a resume never reads half of one."""
+    def write(self, p: int, data: bytes, table: Table) -> None:
+        """Write our copy of shard p's documents whole, then rename (a resume never reads half of
+        one), and its row in the table (the caller holds the ledger's lock)."""
         os.makedirs(self.directory, exist_ok=True)
         path = self.path(p)
         with open(f"{path}.tmp", "wb") as f:
             f.write(data)
         os.replace(f"{path}.tmp", path)
+        table.kept.setdefault(self.owner, {})[self.names[p]] = len(data)
+
+    def remove(self, p: int, table: Table) -> None:
+        """Remove our copy of shard p, and its row in the table (the caller holds the lock)."""
+        remove_if_exists(self.path(p))
+        table.kept.get(self.owner, {}).pop(self.names[p], None)
+
+    def forget(self, drop: list[int]) -> None:
+        for p in drop:
+            del self.kept[p]
+
+    def settle(self) -> None:
+        """After a round of copies: the shards whose buffered documents no copy holds yet; and a
+        restored buffer, once a state holds it and its copies are written, ends the restore (the
+        other loaders' copies may go)."""
+        self.unkept = self.find_unkept()
+        if self.held and not self.pending:
+            self.restoring = False
+            self.restore_texts.clear()
 
 
 def encode(texts: dict[tuple[int, int], str]) -> bytes:

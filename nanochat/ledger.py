@@ -89,7 +89,8 @@ class Table:
     def to_json(self) -> dict:
         loaders = {owner: vars(loader) for owner, loader in self.loaders.items()}
         shards = {name: vars(row) for name, row in self.shards.items()}
-        return {"loaders": loaders, "shards": shards, "kept": self.kept, "evicting": self.evicting}
+        kept = {owner: copies for owner, copies in self.kept.items() if copies}  # (none: no row)
+        return {"loaders": loaders, "shards": shards, "kept": kept, "evicting": self.evicting}
 
 
 def _loader(value) -> Loader | None:

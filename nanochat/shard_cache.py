@@ -33,8 +33,9 @@ from nanochat.checks import check_int
 from nanochat.dataset import find_data_dir, open_parquet
 from nanochat.download import DownloadError, Limits, download_file, record_path
 from nanochat.files import remove_if_exists
-from nanochat.kept import Copies, drop_oldest, encode, kept_bytes, remove_gone
-from nanochat.ledger import EVICTED, FETCHED, REASONS, STREAM_DIR, Ledger, Loader, ShardRow, Table
+from nanochat.kept import Keeper, drop_oldest, encode, file_mtime, kept_bytes, remove_gone
+from nanochat.ledger import EVICTED, FETCHED, REASONS, Ledger, Loader, ShardRow, Table
+from nanochat.ledger import STREAM_DIR  # noqa: F401  (callers find the .stream directory here)
 
 logger = logging.getLogger(__name__)
 
@@ -80,10 +81,9 @@ class ShardCache:
         self.copying = False  # whether this loader copies them: _check_budget, or once one evicts
         self.packing = packing  # the most shards from the one packed from to the one read
         self.local_ranks = _local_ranks()
-        self.directory = os.path.join(data_dir, STREAM_DIR)
         self.ledger = Ledger(data_dir)
         self.owner = f"{socket.gethostname()}-{os.getpid()}-{next(self._count)}"
-        self.kept = Copies(data_dir, names, self.owner, prefetch, self.ledger)
+        self.keeper = Keeper(data_dir, names, self.owner, prefetch, self.ledger)
         self._cond = threading.Condition()
         self._order = iter(())
         self._visits: list[tuple[int, int]] = []  # (epoch, pq_idx) of the order, as far as looked
@@ -117,6 +117,8 @@ class ShardCache:
     # -- the budget ------------------------------------------------------------------
 
     def _check_budget(self) -> None:
+        """The start check: a ValueError when cache_limit is below what must be held at once.
+        Also decides whether this loader copies its buffered documents."""
         if self.limit is None:
             self.copies = 0
             return
@@ -162,11 +164,11 @@ class ShardCache:
         for good). The oldest copies go, with a warning, rather than the reader waiting; a resume
         from the states of now fetches their shards again, first (still exact). Returns `used`
         less what went."""
-        copies = kept_bytes(self.kept.root)
+        copies = kept_bytes(self.keeper.root)
         room = self.copies * self.local_ranks
         if used - copies > self.limit or copies <= room:  # (dropping would not help, or they fit)
             return used
-        dropped = drop_oldest(self.kept.root, table,
+        dropped = drop_oldest(self.keeper.root, table,
                               lambda gone: used - gone <= self.limit or copies - gone <= room)
         if dropped and not self._warned:
             self._warned = True
@@ -175,7 +177,7 @@ class ShardCache:
                 "buffered documents in %s took %s (the start check set aside %s for them): dropped "
                 "%s of them, oldest first. A resume from the states of now fetches their shards "
                 "again. Raise cache_limit by about %s to keep them", size_words(self.limit), name,
-                self.kept.root, size_words(copies), size_words(room), size_words(dropped),
+                self.keeper.root, size_words(copies), size_words(room), size_words(dropped),
                 size_words(max(copies - room, dropped)))
         return used - dropped
 
@@ -189,7 +191,7 @@ class ShardCache:
         on_disk = shard_files(self.data_dir)
         if not any(row.restoring for row in table.loaders.values()):
             # (its own copies stay while it runs, closed or not)
-            remove_gone(self.kept.root, table, set(table.loaders) | {self.owner})
+            remove_gone(self.keeper.root, table, set(table.loaders) | {self.owner})
         needed = set(self.keep)
         for owner, row in table.loaders.items():
             # buffered: documents not copied yet; `release` is being copied now
@@ -199,14 +201,14 @@ class ShardCache:
         in_flight |= {name} if name else set()
         # a download in flight counts whole: its size from the catalog (any split's loader's)
         size_of = catalog_sizes(self.data_dir) | dict(zip(self.names, self.sizes))
-        used = sum(on_disk.values()) + kept_bytes(self.kept.root) + extra
+        used = sum(on_disk.values()) + kept_bytes(self.keeper.root) + extra
         used += sum(max(size_of.get(n, 0) - on_disk.get(n, 0), 0) for n in in_flight)
         if self.limit is not None:
             # (a partial download stays: its own fetch resumes it)
             complete = shard_files(self.data_dir, partial=False)
             victims = [n for n in table.fetched()
                        if n in complete and n not in needed and n not in in_flight]
-            victims.sort(key=lambda n: (n != release, _mtime(os.path.join(self.data_dir, n))))
+            victims.sort(key=lambda n: (n != release, file_mtime(os.path.join(self.data_dir, n))))
             if used > self.limit:
                 table.evicting = True  # (every loader of the machine copies its buffers now)
             while used > self.limit and victims:
@@ -258,30 +260,29 @@ class ShardCache:
         return {p for _, p in self._visits[min(self._dealt, self._at):self._at + 1]}
 
     def _needs(self) -> dict[str, str]:
-        """shard name -> why this loader needs it, the most pressing reason (REASONS' order)."""
+        """shard name -> why this loader needs it: the first reason of REASONS that holds."""
         current = [] if self._at is None else [self._current()]
-        by_reason = {
+        shards = {
             "reading": current + list(self._just_read.values()),
             "waiting": list(self._waiting),
             "restoring": self._first,
             "packing": sorted(self._packing()),
             "ahead": self._ahead(),
-            "buffered": sorted(self.kept.unkept),
+            "buffered": sorted(self.keeper.unkept),
         }
         needs: dict[str, str] = {}
         for reason in REASONS:
-            if reason == "val":  # (by name: a val loader's own shard is read, not only kept)
-                for name in self.keep:
-                    needs.setdefault(name, reason)
-            for p in by_reason.get(reason, ()):
-                needs.setdefault(self.names[p], reason)
-        return dict(sorted(needs.items()))
+            # (the val shard by name: a train split does not name it)
+            names = list(self.keep) if reason == "val" else [self.names[p] for p in shards[reason]]
+            for name in names:
+                needs.setdefault(name, reason)  # (an earlier reason holds already: it stays)
+        return needs
 
     def _publish(self) -> None:
         """Write this loader's row when it changed (the caller holds _cond); nothing once closed."""
         if self._stop.is_set():
             return
-        record = (self._needs(), self._fetching, self.kept.restoring)
+        record = (self._needs(), self._fetching, self.keeper.restoring)
         if record == self._published:
             return
         row = Loader(socket.gethostname(), os.getpid(), self.limit, *record)
@@ -300,9 +301,9 @@ class ShardCache:
                 if self._visits[v] == tuple(at):
                     self._dealt = v
                     break
-            self.kept.hold(keys)
+            self.keeper.hold(keys)
             if not self.copying:  # (the restored buffer is in a state now; no copies to write)
-                self.kept.restoring = False
+                self.keeper.restoring = False
             self._publish()
             self._cond.notify_all()
 
@@ -314,23 +315,21 @@ class ShardCache:
         if not self.copying and self.limit is not None and self.ledger.read().evicting:
             self.copying = True
         with self._cond:
-            if not self.kept.pending or self._stop.is_set() or not self.copying:
+            if not self.keeper.pending or self._stop.is_set() or not self.copying:
                 return
-            self.kept.pending = False
+            self.keeper.pending = False
             skip = self._packing() | {p for p, name in enumerate(self.names) if name in self.keep}
-            todo, drop = self.kept.plan(skip)
+            todo, drop = self.keeper.plan(skip)
         if drop:
             with self.ledger.lock:
                 table = self.ledger.read()
                 for p in drop:
-                    remove_if_exists(self.kept.path(p))
-                    table.kept.get(self.owner, {}).pop(self.names[p], None)
+                    self.keeper.remove(p, table)
                 self.ledger.write(table)
             with self._cond:
-                for p in drop:
-                    del self.kept.kept[p]
+                self.keeper.forget(drop)
         for p, rows in todo:
-            texts = self.kept.texts(p, rows)
+            texts = self.keeper.texts(p, rows)
             if texts is None:  # (only a shard read from copies that are gone since: refetched)
                 logger.debug("the buffered documents of %s are neither on disk nor kept",
                              self.names[p])
@@ -341,20 +340,15 @@ class ShardCache:
                 # (the old copy and the new, for a moment)
                 room = self._make_room(table, None, len(data), release=self.names[p])
                 if room:
-                    self.kept.write(p, data)
-                    table.kept.setdefault(self.owner, {})[self.names[p]] = len(data)
+                    self.keeper.write(p, data, table)
                 self.ledger.write(table)
             with self._cond:
                 if room:
-                    self.kept.kept[p] = rows
+                    self.keeper.kept[p] = rows
                 else:  # once the other loaders of this machine move on (then this shard can go)
-                    self.kept.pending = True
+                    self.keeper.pending = True
         with self._cond:
-            self.kept.unkept = self.kept.find_unkept()
-            if self.kept.held and not self.kept.pending:  # the restored buffer is in a state now,
-                # and kept: other loaders' copies may go
-                self.kept.restoring = False
-                self.kept.restore_texts.clear()
+            self.keeper.settle()
             self._publish()
 
     def kept_unit(self, p: int, rg_idx: int, rows, n: int):
@@ -364,7 +358,7 @@ class ShardCache:
         name = self.names[p]
         if os.path.exists(os.path.join(self.data_dir, name)):
             return None
-        texts = self.kept.restored(name)
+        texts = self.keeper.restored(name)
         if any((rg_idx, row) not in texts for row in rows):
             return None
         with self._cond:
@@ -385,12 +379,12 @@ class ShardCache:
         first = []
         for p, wanted in rows.items():
             if not os.path.exists(os.path.join(self.data_dir, self.names[p])):
-                if wanted <= self.kept.restored(self.names[p]).keys():
+                if wanted <= self.keeper.restored(self.names[p]).keys():
                     continue
             first.append(p)
         with self._cond:
             self._first = first
-            self.kept.restoring = bool(rows)
+            self.keeper.restoring = bool(rows)
             self._order = iter(order)
             self._fill(1)
             if self._visits:
@@ -473,7 +467,7 @@ class ShardCache:
                     f"cache_limit={size_words(self.limit)} has had no room for {name} for "
                     f"{self.room_wait:g}s: the shards that the loaders of this machine still need "
                     "and the copies of their buffered documents "
-                    f"({size_words(kept_bytes(self.kept.root))}) fill it (python -m "
+                    f"({size_words(kept_bytes(self.keeper.root))}) fill it (python -m "
                     f"nanochat.shard_cache status {self.data_dir} lists them); raise cache_limit, "
                     "or lower prefetch_shards or buffer_size")
             return False
@@ -580,13 +574,6 @@ def _local_ranks() -> int:
     value = os.environ.get("LOCAL_WORLD_SIZE", "1")
     return check_int("LOCAL_WORLD_SIZE", int(value) if value.isdigit() else value, 1,
                      hint=" (torchrun sets it)")
-
-
-def _mtime(path: str) -> float:
-    try:
-        return os.path.getmtime(path)
-    except FileNotFoundError:  # (removed by another loader since it was listed)
-        return 0.0
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -34,9 +34,9 @@ import time
 
 import pyarrow.parquet as pq
 
+from nanochat.cache_status import describe
 from nanochat.dataloader import tokenizing_distributed_data_loader_with_state_bos_bestfit
 from nanochat.dataset import get_dataset, index_to_filename, repackage
-from nanochat.cache_status import describe
 from nanochat.shard_cache import copies_estimate
 from nanochat.state import decode_keys
 from nanochat.tokenizer import RustBPETokenizer

@@ -1,8 +1,8 @@
 """
-What a streaming cache holds, for a person (nanochat/cache_status.py): the ledger, ShardCache.status() and
-DataLoader.cache_status() (a CacheStatus record), and `python -m nanochat.shard_cache status`, run as
-a user runs it. A small cache written by hand gives exact figures; a live streaming loader gives the
-same figures through the loader and the command.
+What a streaming cache holds, for a person (nanochat/cache_status.py): the ledger, the CacheStatus
+record of ShardCache.status() and DataLoader.cache_status(), and `python -m nanochat.shard_cache
+status`, run as a user runs it. A small cache written by hand gives exact figures; a live streaming
+loader gives the same figures through the loader and the command.
 
     python -m pytest tests/test_cache_status.py -q
 """
