@@ -181,7 +181,7 @@ def describe(status: CacheStatus, most: int = 10) -> str:
         limit = "no cache_limit" if cap is None else f"cache_limit {size_words(cap)}"
         restoring = ", restoring a buffer" if row.restoring else ""
         lines.append(f"  {row.owner}: {limit}{restoring}")
-    lines.append(f"needed by a live loader: {_count(len(status.needs), 'shard', 'shards')}")
+    lines.append(f"needs of the live loaders: {len(status.needs)}")
     lines += [f"  {n.shard:<{width}}  {n.loader}  {n.reason}: {NEED_REASONS[n.reason]}"
               for n in status.needs]
     lines.append(f"kept for buffers (.stream/kept): {_count(len(status.kept), 'copy', 'copies')}")

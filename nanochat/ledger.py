@@ -25,12 +25,12 @@ LOCK = "lock"
 
 # why a loader needs a shard, most pressing first: a shard is listed under the first that holds
 REASONS = {
-    "reading": "its reader is in it",
-    "waiting": "a reader waits for it",
+    "reading": "its reader is at it (reads it, or waits for it)",
+    "waiting": "a reader waits for it out of order (a resumed buffer's)",
     "restoring": "a resumed buffer's documents are in it: fetched first",
     "packing": "documents read from it are not packed yet",
     "ahead": "fetched ahead (prefetch_shards)",
-    "val": "the val shard: never evicted",
+    "val": "the val shard, never evicted",
     "buffered": "recent states buffer documents of it that no copy holds yet",
 }
 FETCHED, EVICTED = "fetched", "evicted"  # a shard's state in the table

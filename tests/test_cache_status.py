@@ -102,9 +102,9 @@ cache_limit: 15.0 KB, 71% used
 live loaders: 2
   box-1-0: cache_limit 20.0 KB
   box-2-0: cache_limit 15.0 KB, restoring a buffer
-needed by a live loader: 5 shards
+needs of the live loaders: 5
   shard_00000.parquet  box-1-0  buffered: recent states buffer documents of it that no copy holds yet
-  shard_00001.parquet  box-1-0  reading: its reader is in it
+  shard_00001.parquet  box-1-0  reading: its reader is at it (reads it, or waits for it)
   shard_00001.parquet  box-2-0  packing: documents read from it are not packed yet
   shard_00002.parquet  box-1-0  ahead: fetched ahead (prefetch_shards)
   shard_00004.parquet  box-1-0  fetching: it is downloading it
@@ -181,7 +181,8 @@ def test_a_streaming_loader_reports_the_same_figures(tmp_path):
     assert (status.kept, status.evicted, status.evictions) == ((), (), 0)
     # the command, run while the loader was live, shows the same: its needs, one line each
     assert command.returncode == 0, command.stderr
-    assert f"  {S[0]}  {status.owner}  reading: its reader is in it" in command.stdout.splitlines()
+    assert f"  {S[0]}  {status.owner}  reading: its reader is at it (reads it, or waits for it)" in (
+        command.stdout.splitlines())
     assert describe(status).splitlines()[1:] == command.stdout.splitlines()[1:]
     assert read_status(str(cache)).loaders == ()  # closed: its row is out of the ledger
 
