@@ -31,7 +31,7 @@ REASONS = {
     "packing": "documents read from it are not packed yet",
     "ahead": "fetched ahead (prefetch_shards)",
     "val": "the val shard, never evicted",
-    "buffered": "recent states buffer documents of it that no copy holds yet",
+    "buffered": "recent states buffer documents of it, not copied yet",
 }
 FETCHED, EVICTED = "fetched", "evicted"  # a shard's state in the table
 
@@ -147,6 +147,20 @@ class Ledger:
         # a wait polls every 5 ms (filelock's default: 50): the reader and the fetching thread take
         # it in turns, often
         self.lock = FileLock(os.path.join(self.directory, LOCK), poll_interval=0.005)
+        self._seen: tuple | None = None  # (inode, mtime) of the file evicting() last read
+        self._evicting = False
+
+    def evicting(self) -> bool:
+        """read().evicting, parsed again only when the file changed: a loader asks at every state,
+        and a long run's table lists thousands of shards."""
+        try:
+            stat = os.stat(self.path)
+        except FileNotFoundError:
+            return False
+        seen = (stat.st_ino, stat.st_mtime_ns)  # (a write replaces the file: a new inode)
+        if seen != self._seen:
+            self._seen, self._evicting = seen, self.read().evicting
+        return self._evicting
 
     def read(self) -> Table:
         """The table, less the loaders of this host whose process is gone. Without the lock held it

@@ -312,7 +312,7 @@ class ShardCache:
     def _keep_documents(self) -> None:
         """Copy the documents recent states buffer from shards this loader is done packing; drop
         the copies no recent state needs (nanochat/kept.py)."""
-        if not self.copying and self.limit is not None and self.ledger.read().evicting:
+        if not self.copying and self.limit is not None and self.ledger.evicting():
             self.copying = True
         with self._cond:
             if not self.keeper.pending or self._stop.is_set() or not self.copying:

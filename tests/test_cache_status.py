@@ -21,13 +21,14 @@ from nanochat.dataloader import tokenizing_distributed_data_loader_with_state_bo
 from nanochat.dataset import index_to_filename
 from nanochat.download import Limits
 from nanochat.ledger import EVICTED, FETCHED, STREAM_DIR, Ledger, Loader, ShardRow, Table
-from nanochat.cache_status import (CacheStatus, KeptCopy, LiveLoader, ShardFile, ShardNeed, describe,
-                                   read_status)
+from nanochat.cache_status import (CacheStatus, KeptCopy, LiveLoader, ShardFile, ShardNeed,
+                                   describe, read_status)
 from scripts.shard_server import ShardServer
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 HOST = socket.gethostname()
 S = [index_to_filename(i) for i in range(6)]  # shard_00000.parquet, ...
+NEEDS = {S[1]: "reading", S[2]: "ahead", S[0]: "buffered"}  # the first loader's of the small cache
 
 
 def dead_pid() -> int:
@@ -56,8 +57,7 @@ def small_cache(tmp_path):
         (cache / STREAM_DIR / "kept" / owner / f"{name}.json.gz").write_bytes(b"x" * size)
     ledger = Ledger(str(cache))
     table = Table(
-        loaders={"box-1-0": Loader(HOST, os.getpid(), 20_000, {S[1]: "reading", S[2]: "ahead", S[0]: "buffered"},
-                                   fetching=S[4]),
+        loaders={"box-1-0": Loader(HOST, os.getpid(), 20_000, NEEDS, fetching=S[4]),
                  "box-2-0": Loader(HOST, os.getpid(), 15_000, {S[1]: "packing"}, restoring=True),
                  "box-9-0": Loader(HOST, dead_pid(), 10_000, {S[5]: "reading"})},
         shards={S[0]: ShardRow(FETCHED, 1), S[1]: ShardRow(FETCHED), S[2]: ShardRow(FETCHED),
@@ -75,7 +75,8 @@ def test_the_figures_of_a_small_cache(small_cache):
         shards=(ShardFile(S[0], 1000, "streamed"), ShardFile(S[1], 2000, "streamed"),
                 ShardFile(S[2], 3000, "streamed"), ShardFile(S[3], 4000, "yours"),
                 ShardFile(S[4], 500, "partial")),
-        loaders=(LiveLoader("box-1-0", 20_000, False), LiveLoader("box-2-0", 15_000, True)),  # box-9-0 is gone
+        # (box-9-0 is gone)
+        loaders=(LiveLoader("box-1-0", 20_000, False), LiveLoader("box-2-0", 15_000, True)),
         needs=(ShardNeed(S[0], "box-1-0", "buffered"), ShardNeed(S[1], "box-1-0", "reading"),
                ShardNeed(S[1], "box-2-0", "packing"), ShardNeed(S[2], "box-1-0", "ahead"),
                ShardNeed(S[4], "box-1-0", "fetching")),
@@ -84,7 +85,8 @@ def test_the_figures_of_a_small_cache(small_cache):
         owner=None, peak_bytes=None, fetched_bytes=None, copying=None)  # (no loader's own figures)
     assert (status.shard_bytes, status.kept_bytes, status.used_bytes) == (10_500, 200, 10_700)
     # reading it changes nothing: the gone loader's row is dropped only by a loader that writes
-    assert "box-9-0" in json.loads((small_cache / STREAM_DIR / "ledger.json").read_text())["loaders"]
+    ledger = json.loads((small_cache / STREAM_DIR / "ledger.json").read_text())
+    assert "box-9-0" in ledger["loaders"]
 
 
 EXPECTED = """\
@@ -103,7 +105,7 @@ live loaders: 2
   box-1-0: cache_limit 20.0 KB
   box-2-0: cache_limit 15.0 KB, restoring a buffer
 needs of the live loaders: 5
-  shard_00000.parquet  box-1-0  buffered: recent states buffer documents of it that no copy holds yet
+  shard_00000.parquet  box-1-0  buffered: recent states buffer documents of it, not copied yet
   shard_00001.parquet  box-1-0  reading: its reader is at it (reads it, or waits for it)
   shard_00001.parquet  box-2-0  packing: documents read from it are not packed yet
   shard_00002.parquet  box-1-0  ahead: fetched ahead (prefetch_shards)
@@ -130,10 +132,12 @@ def test_the_status_command_on_a_directory_never_streamed_into_and_a_missing_one
     assert result.stdout.splitlines()[1:5] == [
         "on disk: 2.5 KB: 1 shard file, 2.5 KB, and 0 kept copies, 0 bytes",
         "cache_limit: none (no live loader has one)",
-        "  shard_00000.parquet       2.5 KB  yours", "  (yours: not fetched by a streaming loader; never evicted)"]
+        "  shard_00000.parquet       2.5 KB  yours",
+        "  (yours: not fetched by a streaming loader; never evicted)"]
     assert not (tmp_path / "plain" / STREAM_DIR).exists()  # looking writes nothing
     result = status_command(tmp_path / "missing")
-    assert result.returncode == 1 and result.stderr == f"{tmp_path / 'missing'} is not a directory\n"
+    assert result.returncode == 1
+    assert result.stderr == f"{tmp_path / 'missing'} is not a directory\n"
 
 
 def test_the_status_command_reads_the_default_data_directory(small_cache, tmp_path):
@@ -148,18 +152,20 @@ def test_a_streaming_loader_reports_the_same_figures(tmp_path):
     hosted, cache = tmp_path / "hosted", tmp_path / "cache"
     hosted.mkdir()
     for i in list(range(4)) + [6542]:  # 4 train shards and the val shard, 48 documents each
-        write_shard(str(hosted / index_to_filename(i)), [f"shard {i} doc {j}: " + "ab" * 10 for j in range(48)], 8)
+        texts = [f"shard {i} doc {j}: " + "ab" * 10 for j in range(48)]
+        write_shard(str(hosted / index_to_filename(i)), texts, 8)
     sizes = {name: os.path.getsize(hosted / name) for name in os.listdir(hosted)}
     limit = 7 * max(sizes.values())
     server = ShardServer(str(hosted))
     try:
+        limits = Limits(max_attempts=2, backoff_base=0.01, timeout=5, deadline=30)
         loader = tokenizing_distributed_data_loader_with_state_bos_bestfit(
-            ByteTokenizer(), 2, 32, "train", device="cpu", data_dir=str(cache), stream=True, num_shards=4,
-            base_url=server.url, cache_limit=limit, prefetch_shards=1, prefetch=0, tokenizer_batch_size=2,
-            buffer_size=4, download_limits=Limits(max_attempts=2, backoff_base=0.01, timeout=5, deadline=30))
+            ByteTokenizer(), 2, 32, "train", device="cpu", data_dir=str(cache), stream=True,
+            num_shards=4, base_url=server.url, cache_limit=limit, prefetch_shards=1, prefetch=0,
+            tokenizer_batch_size=2, buffer_size=4, download_limits=limits)
         for _ in range(10):  # shard 0 is read; 1 is fetched ahead
             next(loader)
-        for _ in range(1000):  # 10 s: until the fetch ahead is done (then nothing changes until next())
+        for _ in range(1000):  # 10 s: until the fetch ahead is done (then all waits for next())
             status = loader.cache_status()
             if (cache / S[1]).exists() and all(n.reason != "fetching" for n in status.needs):
                 break
@@ -170,7 +176,8 @@ def test_a_streaming_loader_reports_the_same_figures(tmp_path):
     finally:
         server.close()
     assert isinstance(status, CacheStatus)
-    assert status.cache_limit == limit and status.copying is False  # (the split fits: nothing is copied)
+    assert status.cache_limit == limit
+    assert status.copying is False  # (the split fits: nothing is copied)
     assert [loader.owner for loader in status.loaders] == [status.owner]
     assert {(n.shard, n.reason) for n in status.needs if n.loader == status.owner} >= {
         (S[0], "reading"), (S[1], "ahead"), (index_to_filename(6542), "val")}
@@ -181,8 +188,8 @@ def test_a_streaming_loader_reports_the_same_figures(tmp_path):
     assert (status.kept, status.evicted, status.evictions) == ((), (), 0)
     # the command, run while the loader was live, shows the same: its needs, one line each
     assert command.returncode == 0, command.stderr
-    assert f"  {S[0]}  {status.owner}  reading: its reader is at it (reads it, or waits for it)" in (
-        command.stdout.splitlines())
+    reading = f"  {S[0]}  {status.owner}  reading: its reader is at it (reads it, or waits for it)"
+    assert reading in command.stdout.splitlines()
     assert describe(status).splitlines()[1:] == command.stdout.splitlines()[1:]
     assert read_status(str(cache)).loaders == ()  # closed: its row is out of the ledger
 
@@ -203,9 +210,32 @@ def test_a_ledger_of_the_wrong_shape_is_read_as_empty_or_without_its_bad_rows(tm
     for text in ("[1, 2, 3]", "{not json"):
         path.write_text(text)
         assert ledger.read() == Table()
-    path.write_text(json.dumps({"loaders": {"a": {"host": HOST}, "b": vars(Loader(HOST, os.getpid(), None, {}))},
-                                "shards": {S[0]: {"state": "lost"}, S[1]: {"state": "fetched", "evictions": 0}},
-                                "kept": {"a": [1]}, "evicting": "yes"}))
-    assert ledger.read() == Table(loaders={"b": Loader(HOST, os.getpid(), None, {})},
-                                  shards={S[1]: ShardRow(FETCHED)})
+    live = Loader(HOST, os.getpid(), None, {})
+    path.write_text(json.dumps({
+        "loaders": {"a": {"host": HOST}, "b": vars(live)},
+        "shards": {S[0]: {"state": "lost"}, S[1]: {"state": "fetched", "evictions": 0}},
+        "kept": {"a": [1]}, "evicting": "yes"}))
+    assert ledger.read() == Table(loaders={"b": live}, shards={S[1]: ShardRow(FETCHED)})
     assert "dropped rows of the wrong shape: ['a', 'shard_00000.parquet', 'a']" in caplog.text
+
+
+def test_the_ledger_is_one_json_table(small_cache):
+    """The file a person finds in .stream: each loader's row, the shards' states, who owns each
+    copy."""
+    table = json.loads((small_cache / STREAM_DIR / "ledger.json").read_text())
+    table["loaders"]["box-9-0"]["pid"] = "gone"  # (the pid of a process that has exited)
+    assert table == {
+        "loaders": {
+            "box-1-0": {"host": HOST, "pid": os.getpid(), "cache_limit": 20_000, "restoring": False,
+                        "needs": NEEDS, "fetching": S[4]},
+            "box-2-0": {"host": HOST, "pid": os.getpid(), "cache_limit": 15_000, "restoring": True,
+                        "needs": {S[1]: "packing"}, "fetching": None},
+            "box-9-0": {"host": HOST, "pid": "gone", "cache_limit": 10_000, "restoring": False,
+                        "needs": {S[5]: "reading"}, "fetching": None}},
+        "shards": {S[0]: {"state": "fetched", "evictions": 1},
+                   S[1]: {"state": "fetched", "evictions": 0},
+                   S[2]: {"state": "fetched", "evictions": 0},
+                   S[4]: {"state": "fetched", "evictions": 0},
+                   S[5]: {"state": "evicted", "evictions": 2}},
+        "kept": {"box-1-0": {S[0]: 120}, "box-9-0": {S[5]: 80}},
+        "evicting": True}

@@ -177,7 +177,8 @@ def test_val_shard_and_files_it_did_not_fetch_are_never_evicted(hosted, tmp_path
     _batches(_streaming("bestfit", server, cache, cache_limit=limit, buffer_size=8), 400)
     assert (cache / VAL).exists() and (cache / index_to_filename(3)).exists()
     assert index_to_filename(3) not in server.fetched()
-    shards = json.loads((cache / STREAM_DIR / "ledger.json").read_text())["shards"]  # the ledger's table
+    # the ledger's table of the shards the streaming loaders fetched
+    shards = json.loads((cache / STREAM_DIR / "ledger.json").read_text())["shards"]
     assert [name for name, row in shards.items() if row["state"] == "fetched"] != []
     assert index_to_filename(3) not in shards
 
@@ -229,7 +230,8 @@ def test_eviction_spares_what_any_loader_of_the_machine_needs(tmp_path):
     ledger = Ledger(str(cache))
     needs = {names[0]: "reading", names[1]: "ahead", names[2]: "buffered"}
     with ledger.lock:
-        ledger.write(Table(loaders={"another": Loader(socket.gethostname(), os.getpid(), 4000, needs)},
+        another = Loader(socket.gethostname(), os.getpid(), 4000, needs)
+        ledger.write(Table(loaders={"another": another},
                            shards={name: ShardRow(FETCHED) for name in names[:5]}))
     shards = ShardCache(str(cache), names, [f"http://127.0.0.1:9/{name}" for name in names], [1000] * 6,
                         prefetch_shards=0, cache_limit=4000, limits=FAST)
@@ -257,8 +259,8 @@ def test_eviction_spares_what_any_loader_of_the_machine_needs(tmp_path):
     assert on_disk() == names[2:3]
     table = ledger.read()
     assert table.fetched() == names[2:3] and table.evicting
-    assert {name: row.evictions for name, row in table.shards.items() if row.state == "evicted"} == {
-        names[0]: 1, names[1]: 1, names[3]: 1, names[4]: 1}
+    evicted = {name: row.evictions for name, row in table.shards.items() if row.state == "evicted"}
+    assert evicted == {names[0]: 1, names[1]: 1, names[3]: 1, names[4]: 1}
 
 
 def _least_accepted(make) -> int:

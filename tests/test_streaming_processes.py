@@ -252,7 +252,8 @@ def test_a_killed_streaming_run_resumes_exactly(tmp_path):
         before = read_lines(killed / "rank0.jsonl")
         k = len(before)
         have = os.path.getsize(os.path.join(directory, partial + ".tmp"))
-        stale = [owner for owner, row in ledger_loaders(directory).items() if row["pid"] == worker.pid]
+        stale = [owner for owner, row in ledger_loaders(directory).items()
+                 if row["pid"] == worker.pid]
         assert len(stale) == 1  # the killed loader's row in the ledger is left behind
 
         num_after = 25  # about 5 more shards, past those the dead loader was reading
@@ -272,7 +273,8 @@ def test_a_killed_streaming_run_resumes_exactly(tmp_path):
     assert read_lines(resumed / "rank0.jsonl") == expected[k:]
     # the half-downloaded shard is resumed from the bytes it kept, not fetched again from byte 0
     assert next(wanted for name, wanted in after if name == partial) == f"bytes={have}-"
-    # the dead loader's row pins nothing: the resumed run dropped it (its process is gone), and kept the budget
+    # the dead loader's row pins nothing: the resumed run dropped it (its process is gone), and
+    # kept the budget
     assert stale[0] not in ledger_loaders(directory)
     assert sum(shards_in(directory).values()) <= limit
 
@@ -292,19 +294,23 @@ def test_a_resume_after_a_kill_reads_the_buffered_documents_from_the_dead_loader
     env = stream_env(base, server.url, len(names), limit)
     killed, resumed = tmp_path / "killed", tmp_path / "resumed"
     killed.mkdir(), resumed.mkdir()
-    # the worker stops after a state whose buffer spans 5 shards (the most these shards give) and idles, its loader
-    # open: its fetching thread copies those documents and fetches ahead, which needs the room of some of them
+    # the worker stops after a state whose buffer spans 5 shards (the most these shards give) and
+    # idles, its loader open: its fetching thread copies those documents and fetches ahead, which
+    # needs the room of some of them
     expected = on_disk(hosted, 400)
-    num = next(i + 1 for i, batch in enumerate(expected) if i >= 100 and len(buffered_shards(batch["state"])) >= 5)
+    num = next(i + 1 for i, batch in enumerate(expected)
+               if i >= 100 and len(buffered_shards(batch["state"])) >= 5)
     state = expected[num - 1]["state"]
     try:
         with open(killed / "log", "w") as log:
-            worker = subprocess.Popen([sys.executable, os.path.join(HERE, "stream_worker.py"), str(killed), str(num)],
-                                      stdout=log, stderr=subprocess.STDOUT, env=dict(env, STREAM_WORKER_IDLE="1"))
+            worker = subprocess.Popen(
+                [sys.executable, os.path.join(HERE, "stream_worker.py"), str(killed), str(num)],
+                stdout=log, stderr=subprocess.STDOUT, env=dict(env, STREAM_WORKER_IDLE="1"))
         try:
             for _ in range(2000):  # 20 s: until a shard of its last state's buffer is evicted
                 assert worker.poll() is None, (killed / "log").read_text()
-                if os.path.exists(killed / "rank0.jsonl") and len(read_lines(killed / "rank0.jsonl")) == num:
+                written = killed / "rank0.jsonl"
+                if os.path.exists(written) and len(read_lines(written)) == num:
                     gone = {names[p] for p in buffered_shards(state)} - set(os.listdir(directory))
                     if gone:
                         break
