@@ -12,7 +12,11 @@ import os
 from dataclasses import dataclass
 from typing import NamedTuple
 
+from filelock import Timeout
+
 from nanochat.ledger import EVICTED, FETCHED, REASONS, Ledger, ShardRow, Table
+
+LOCK_WAIT = 5.0  # seconds a status waits for the lock (held for milliseconds) before it reads as is
 
 
 def size_words(nbytes: float) -> str:
@@ -125,12 +129,17 @@ def read_status(data_dir: str, own: Own | None = None) -> CacheStatus:
     """What a streaming cache holds, who needs it and why: the ledger and the directory, read under
     the lock. `own`: the figures of the loader that asks (ShardCache.status())."""
     ledger = Ledger(data_dir)
-    if os.path.isdir(ledger.directory):
-        with ledger.lock:  # (no eviction between reading the ledger and listing the files)
-            table = ledger.read()
-            shards = _shard_rows(data_dir, table)
-    else:  # never streamed into
-        table, shards = Table(), _shard_rows(data_dir, Table())
+    if not os.path.isdir(ledger.directory):  # never streamed into (and looking creates nothing)
+        return _status(data_dir, Table(), own)
+    try:  # under the lock: no eviction between reading the ledger and listing the files
+        with ledger.lock.acquire(timeout=LOCK_WAIT):
+            return _status(data_dir, ledger.read(), own)
+    except Timeout:  # (a process stopped while it held the lock): the figures as they are
+        return _status(data_dir, ledger.read(), own)
+
+
+def _status(data_dir: str, table: Table, own: Own | None) -> CacheStatus:
+    """The record of a table and the shard files of its directory."""
     live = tuple(LiveLoader(owner, row.cache_limit, row.restoring)
                  for owner, row in sorted(table.loaders.items()))
     needs = [ShardNeed(name, owner, reason) for owner, row in table.loaders.items()
@@ -143,7 +152,8 @@ def read_status(data_dir: str, own: Own | None = None) -> CacheStatus:
         limits = [row.cache_limit for row in live if row.cache_limit is not None]
         own = Own(None, min(limits, default=None), None, None, None)
     return CacheStatus(
-        data_dir=data_dir, cache_limit=own.cache_limit, shards=shards, loaders=live,
+        data_dir=data_dir, cache_limit=own.cache_limit, shards=_shard_rows(data_dir, table),
+        loaders=live,
         needs=tuple(sorted(needs)), kept=tuple(sorted(kept)),
         evicted=tuple(sorted(n for n, row in table.shards.items() if row.state == EVICTED)),
         evictions=sum(row.evictions for row in table.shards.values()), evicting=table.evicting,

@@ -576,13 +576,18 @@ def _local_ranks() -> int:
                      hint=" (torchrun sets it)")
 
 
+# -----------------------------------------------------------------------------
+# The status command
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m nanochat.shard_cache",
                                      description="What a streaming cache (stream=True) holds.")
     commands = parser.add_subparsers(dest="command", required=True)
     status = commands.add_parser("status", help="what is on disk against cache_limit, which live "
                                  "loader needs which shard and why, the kept copies, the evicted")
-    status.add_argument("data_dir", nargs="?", help="the cache (default: the dataset's directory)")
+    status.add_argument("data_dir", nargs="?", help="the streaming cache: a loader's data_dir "
+                        "(default: the dataset's directory, as the loaders find it)")
     args = parser.parse_args(argv)
     data_dir = find_data_dir() if args.data_dir is None else os.path.expanduser(args.data_dir)
     if not os.path.isdir(data_dir):
