@@ -135,7 +135,7 @@ class DataLoader:
         return out
 
     def cache_status(self):
-        """A streaming loader's shard cache figures (nanochat.shard_cache.CacheStatus): what is on
+        """A streaming loader's shard cache figures (nanochat.cache_status.CacheStatus): what is on
         disk against cache_limit, who needs which shard and why; None when not streaming."""
         cache = getattr(self, "_also_close", None)
         return None if cache is None else cache.status()

@@ -184,7 +184,7 @@ def stream_batches(tokenizer, B: int, T: int, split: str, num_batches: int, data
             if step + 1 == num_batches:
                 break
         seconds = time.perf_counter() - t0
-        cache = loader.cache_status()  # a streaming loader's shard cache figures, else None
+        status = loader.cache_status()  # a streaming loader's shard cache figures, else None
     finally:
         loader.close()
     rows = num_batches * B
@@ -194,7 +194,7 @@ def stream_batches(tokenizer, B: int, T: int, split: str, num_batches: int, data
         "docs_per_row_mean": sum(docs_per_row) / rows, "docs_per_row_max": max(docs_per_row),
         "state_dict": state_dict, "first_row": first_row, "digest": digest.hexdigest(),
         "loader_stats": getattr(loader, "stats", None),  # newer loaders count tokens, crops, waits
-        "peak_bytes": cache and cache.peak_bytes, "cache_status": cache,
+        "peak_bytes": status and status.peak_bytes, "cache_status": status,
     }
 
 
