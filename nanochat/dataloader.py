@@ -460,6 +460,12 @@ class DataLoader:
             out += ({k: torch.from_numpy(v).to(device) for k, v in batch.info.items()},)
         return out
 
+    def cache_status(self):
+        """A streaming loader's shard cache, for a person: what is on disk against cache_limit, who
+        needs which shard and why (a nanochat.cache_status.CacheStatus); None when not streaming."""
+        cache = getattr(self, "_also_close", None)
+        return None if cache is None else cache.status()
+
     def _check(self, batch: RowBatch) -> None:
         """Called with every batch before it is yielded; raising stops the loader (the mixture
         loader's way to stop every rank at one step)."""

@@ -118,9 +118,9 @@ def run_loader(tokenizer, args, data_dir: str, num_batches: int, step_s: float, 
         result = {"first_s": first_s, "seconds": time.perf_counter() - t0,
                   "wait_s": loader.stats["wait_seconds"] - wait0, "digest": digest.hexdigest(),
                   "first_state": first_state, "state": state}
-        cache = loader._also_close  # a streaming loader's ShardCache (it has no public name yet)
-        if cache is not None:
-            result |= {"peak_bytes": cache.peak_bytes, "fetched_bytes": cache.fetched_bytes}
+        status = loader.cache_status()  # a streaming loader's shard cache figures, else None
+        if status is not None:
+            result |= {"peak_bytes": status.peak_bytes, "fetched_bytes": status.fetched_bytes}
     finally:
         loader.close()
     return result

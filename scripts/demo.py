@@ -34,6 +34,7 @@ import time
 
 import pyarrow.parquet as pq
 
+from nanochat.cache_status import describe
 from nanochat.dataloader import tokenizing_distributed_data_loader_with_state_bos_bestfit
 from nanochat.dataset import get_dataset, index_to_filename, repackage
 from nanochat.shard_cache import copies_estimate
@@ -183,7 +184,7 @@ def stream_batches(tokenizer, B: int, T: int, split: str, num_batches: int, data
             if step + 1 == num_batches:
                 break
         seconds = time.perf_counter() - t0
-        cache = loader._also_close  # a streaming loader's shard cache (it has no public name yet), else None
+        status = loader.cache_status()  # a streaming loader's shard cache figures, else None
     finally:
         loader.close()
     rows = num_batches * B
@@ -193,7 +194,7 @@ def stream_batches(tokenizer, B: int, T: int, split: str, num_batches: int, data
         "docs_per_row_mean": sum(docs_per_row) / rows, "docs_per_row_max": max(docs_per_row),
         "state_dict": state_dict, "first_row": first_row, "digest": digest.hexdigest(),
         "loader_stats": getattr(loader, "stats", None),  # newer loaders count tokens, crops, waits
-        "peak_bytes": cache and cache.peak_bytes,
+        "peak_bytes": status and status.peak_bytes, "cache_status": status,
     }
 
 
@@ -356,6 +357,8 @@ def main(argv=None) -> int:
           f"{peak:,} bytes <= cache_limit {cache_limit:,} bytes (the {len(hosted)} shards: "
           f"{sum(os.path.getsize(path) for path in hosted):,} bytes); shards downloaded, in order: "
           f"{', '.join(name.removesuffix('.parquet') for name in downloads)}")
+    print("the cache after the train batches, as `python -m nanochat.shard_cache status` shows it:")
+    print(describe(streamed_train["cache_status"]))
 
     print("\n== summary")
     print(f"sample: {len(docs):,} documents, {chars:,} characters -> {len(hosted)} shards served at {url}")

@@ -4,12 +4,14 @@ training script in miniature. Its loader streams because the environment says so
 cache is NANOCHAT_BASE_DIR's dataset directory, NANOCHAT_DATA_URL, NANOCHAT_STREAM_SHARDS, NANOCHAT_CACHE_LIMIT);
 each batch's rows and state go to OUT_DIR/rank<RANK>.jsonl as one line the moment it has them (the test may
 kill it). Under torchrun the ranks take each batch together (a gloo barrier), as DDP training steps do.
+STREAM_WORKER_IDLE=1: after the last batch it idles, its loader open, until the test kills it.
 Usage: [torchrun ...] stream_worker.py OUT_DIR NUM_BATCHES [RESUME_JSON]
 """
 
 import json
 import os
 import sys
+import time
 
 import torch.distributed as dist
 
@@ -45,6 +47,8 @@ def main():
             inputs, targets, state = next(loader)
             f.write(json.dumps({"rows": rows_of(inputs, targets), "state": state}) + "\n")
             f.flush()
+    if os.environ.get("STREAM_WORKER_IDLE"):  # (its loader stays open until the test kills it)
+        time.sleep(3600)
     loader.close()
     if together:
         dist.destroy_process_group()

@@ -32,7 +32,9 @@ from nanochat.dataset import index_to_filename
 from nanochat.download import DownloadError, Limits
 from nanochat.options import parse_bytes
 from nanochat.resume import merge_states
-from nanochat.shard_cache import STREAM_DIR, ShardCache, footer_rows
+from nanochat.catalog import footer_rows
+from nanochat.ledger import FETCHED, Ledger, Loader, ShardRow, Table
+from nanochat.shard_cache import STREAM_DIR, ShardCache
 from nanochat.state import decode_keys
 from scripts.shard_server import ShardServer
 
@@ -175,8 +177,10 @@ def test_val_shard_and_files_it_did_not_fetch_are_never_evicted(hosted, tmp_path
     _batches(_streaming("bestfit", server, cache, cache_limit=limit, buffer_size=8), 400)
     assert (cache / VAL).exists() and (cache / index_to_filename(3)).exists()
     assert index_to_filename(3) not in server.fetched()
-    assert json.loads((cache / STREAM_DIR / "fetched.json").read_text()) != []
-    assert index_to_filename(3) not in json.loads((cache / STREAM_DIR / "fetched.json").read_text())
+    # the ledger's table of the shards the streaming loaders fetched
+    shards = json.loads((cache / STREAM_DIR / "ledger.json").read_text())["shards"]
+    assert [name for name, row in shards.items() if row["state"] == "fetched"] != []
+    assert index_to_filename(3) not in shards
 
 
 def test_budget_too_small_is_an_error_at_the_call(hosted, tmp_path):
@@ -223,27 +227,40 @@ def test_eviction_spares_what_any_loader_of_the_machine_needs(tmp_path):
     for i, name in enumerate(names[:5]):  # 1,000 bytes each, fetched by a streaming loader, oldest first
         (cache / name).write_bytes(b"x" * 1000)
         os.utime(cache / name, (1e9 + i, 1e9 + i))
-    (cache / STREAM_DIR / "fetched.json").write_text(json.dumps(names[:5]))
-    (cache / STREAM_DIR / "needs-another.json").write_text(json.dumps({
-        "host": socket.gethostname(), "pid": os.getpid(), "owner": "another", "reading": [names[0]],
-        "ahead": [names[1]], "buffered": [names[2]], "fetching": [], "restoring": False}))
+    ledger = Ledger(str(cache))
+    needs = {names[0]: "reading", names[1]: "ahead", names[2]: "buffered"}
+    with ledger.lock:
+        another = Loader(socket.gethostname(), os.getpid(), 4000, needs)
+        ledger.write(Table(loaders={"another": another},
+                           shards={name: ShardRow(FETCHED) for name in names[:5]}))
     shards = ShardCache(str(cache), names, [f"http://127.0.0.1:9/{name}" for name in names], [1000] * 6,
                         prefetch_shards=0, cache_limit=4000, limits=FAST)
 
     def on_disk():
         return sorted(name for name in os.listdir(cache) if name.endswith(".parquet"))
 
-    with shards.lock_file:
-        assert shards._make_room(names[5])  # 5 shards and the one to fetch: 6,000 bytes; 3 and 4 go
+    def make_room() -> bool:
+        with ledger.lock:
+            table = ledger.read()
+            room = shards._make_room(table, names[5])
+            ledger.write(table)
+        return room
+
+    assert make_room()  # 5 shards and the one to fetch: 6,000 bytes; 3 and 4 go
     assert on_disk() == names[:3]
     shards.limit = 2000
-    with shards.lock_file:
-        assert not shards._make_room(names[5])  # only what the other loader needs is left
+    assert not make_room()  # only what the other loader needs is left
     assert on_disk() == names[:3]
-    (cache / STREAM_DIR / "needs-another.json").unlink()  # that loader is gone: its shards may go, oldest first
-    with shards.lock_file:
-        assert shards._make_room(names[5])
+    with ledger.lock:  # that loader is gone: its shards may go, oldest first
+        table = ledger.read()
+        del table.loaders["another"]
+        ledger.write(table)
+    assert make_room()
     assert on_disk() == names[2:3]
+    table = ledger.read()
+    assert table.fetched() == names[2:3] and table.evicting
+    evicted = {name: row.evictions for name, row in table.shards.items() if row.state == "evicted"}
+    assert evicted == {names[0]: 1, names[1]: 1, names[3]: 1, names[4]: 1}
 
 
 def _least_accepted(make) -> int:
@@ -287,7 +304,7 @@ def test_shards_outside_the_split_in_the_cache_do_not_stop_the_copies(tmp_path, 
         expected = _batches(_on_disk("bestfit", _split_dir(hosted_dir, tmp_path / "split", 9), buffer_size=20), 420)
         loader = _streaming("bestfit", server, cache, num_shards=9, cache_limit=limit, prefetch_shards=1,
                             buffer_size=20)
-        assert loader._also_close.copying
+        assert loader.cache_status().copying
         _same(_batches(loader, 420), expected)
     finally:
         server.close()
@@ -324,7 +341,7 @@ def test_copies_beyond_their_room_give_way_to_a_waiting_reader(tmp_path, monkeyp
         watcher = threading.Thread(target=watch)
         watcher.start()
         try:
-            with caplog.at_level(logging.WARNING, logger="nanochat.dataloader.shard_cache"):
+            with caplog.at_level(logging.WARNING, logger="nanochat.shard_cache"):
                 streamed = _batches(_streaming("bestfit", server, tmp_path / "cache", cache_limit=limit, **settings),
                                     1500)
         finally:

@@ -118,6 +118,12 @@ def shards_in(directory) -> dict[str, int]:
             if name.endswith(".parquet")}
 
 
+def ledger_loaders(directory) -> dict[str, dict]:
+    """The loaders' rows in a cache's ledger, as the file has them (dead loaders too)."""
+    with open(os.path.join(directory, ".stream", "ledger.json")) as f:
+        return json.load(f)["loaders"]
+
+
 def file_bytes(path) -> bytes:
     with open(path, "rb") as f:
         return f.read()
@@ -246,9 +252,9 @@ def test_a_killed_streaming_run_resumes_exactly(tmp_path):
         before = read_lines(killed / "rank0.jsonl")
         k = len(before)
         have = os.path.getsize(os.path.join(directory, partial + ".tmp"))
-        stale = [name for name in os.listdir(os.path.join(directory, ".stream"))
-                 if name.startswith("needs-") and name.endswith(f"-{worker.pid}-0.json")]
-        assert len(stale) == 1  # the killed loader's needs record is left behind
+        stale = [owner for owner, row in ledger_loaders(directory).items()
+                 if row["pid"] == worker.pid]
+        assert len(stale) == 1  # the killed loader's row in the ledger is left behind
 
         num_after = 25  # about 5 more shards, past those the dead loader was reading
         expected = on_disk(hosted, k + num_after)
@@ -267,8 +273,9 @@ def test_a_killed_streaming_run_resumes_exactly(tmp_path):
     assert read_lines(resumed / "rank0.jsonl") == expected[k:]
     # the half-downloaded shard is resumed from the bytes it kept, not fetched again from byte 0
     assert next(wanted for name, wanted in after if name == partial) == f"bytes={have}-"
-    # the dead loader's record pins nothing: the resumed run dropped it (its process is gone), and kept the budget
-    assert not os.path.exists(os.path.join(directory, ".stream", stale[0]))
+    # the dead loader's row pins nothing: the resumed run dropped it (its process is gone), and
+    # kept the budget
+    assert stale[0] not in ledger_loaders(directory)
     assert sum(shards_in(directory).values()) <= limit
 
 
@@ -287,23 +294,29 @@ def test_a_resume_after_a_kill_reads_the_buffered_documents_from_the_dead_loader
     env = stream_env(base, server.url, len(names), limit)
     killed, resumed = tmp_path / "killed", tmp_path / "resumed"
     killed.mkdir(), resumed.mkdir()
+    # the worker stops after a state whose buffer spans 5 shards (the most these shards give) and
+    # idles, its loader open: its fetching thread copies those documents and fetches ahead, which
+    # needs the room of some of them
+    expected = on_disk(hosted, 400)
+    num = next(i + 1 for i, batch in enumerate(expected)
+               if i >= 100 and len(buffered_shards(batch["state"])) >= 5)
+    state = expected[num - 1]["state"]
     try:
         with open(killed / "log", "w") as log:
-            worker = subprocess.Popen([sys.executable, os.path.join(HERE, "stream_worker.py"), str(killed),
-                                       "100000"], stdout=log, stderr=subprocess.STDOUT, env=env)  # (epoch after epoch)
+            worker = subprocess.Popen(
+                [sys.executable, os.path.join(HERE, "stream_worker.py"), str(killed), str(num)],
+                stdout=log, stderr=subprocess.STDOUT, env=dict(env, STREAM_WORKER_IDLE="1"))
         try:
-            for _ in range(4000):  # 20 s: until its last state buffers documents of a shard it evicted
+            for _ in range(2000):  # 20 s: until a shard of its last state's buffer is evicted
                 assert worker.poll() is None, (killed / "log").read_text()
-                if os.path.exists(killed / "rank0.jsonl") and len(read_lines(killed / "rank0.jsonl")) > 100:
-                    worker.send_signal(signal.SIGSTOP)  # (what it wrote and what it evicted, at one moment)
-                    state = read_lines(killed / "rank0.jsonl")[-1]["state"]
+                written = killed / "rank0.jsonl"
+                if os.path.exists(written) and len(read_lines(written)) == num:
                     gone = {names[p] for p in buffered_shards(state)} - set(os.listdir(directory))
                     if gone:
                         break
-                    worker.send_signal(signal.SIGCONT)
-                time.sleep(0.005)
+                time.sleep(0.01)
             else:
-                raise AssertionError("no state was seen buffering documents of a shard that had been evicted")
+                raise AssertionError("no shard of the last state's buffer was evicted")
         finally:
             worker.kill()
             worker.wait()
