@@ -9,7 +9,7 @@ Walk-through: docs/ARCHITECTURE.md. Resume and its states: docs/resume.md.
 
 May import: torch, numpy, nanochat.order, nanochat.token_reader, nanochat.rows, nanochat.packing,
 nanochat.state, nanochat.prefetch, nanochat.options, nanochat.checks, nanochat.shuffle,
-nanochat.shard_cache, nanochat.dataset, nanochat.download.
+nanochat.shard_cache, nanochat.catalog, nanochat.dataset, nanochat.download.
 """
 
 import contextlib
@@ -31,7 +31,8 @@ from nanochat.packing import check_long_doc_policy
 from nanochat.prefetch import maybe_prefetch
 from nanochat.rows import (Encoder, EntryDocuments, RowBatch, StateRecorder, bestfit_batches,
                            concat_batches, token_batches)
-from nanochat.shard_cache import ShardCache, copies_estimate, packing_shards, streamed_files
+from nanochat.catalog import copies_estimate, packing_shards, streamed_files
+from nanochat.shard_cache import ShardCache
 from nanochat.shuffle import Shuffle
 from nanochat.state import decode_keys, loader_config, tokenizer_fingerprint
 from nanochat.token_reader import TokenShardReader, shard_paths, shard_vocab

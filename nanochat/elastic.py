@@ -7,7 +7,7 @@ Cost: every file's footer (index, or catalog entry) is read, and no document: st
 name documents by place.
 Design: docs/resume.md (elastic resume).
 
-May import: nanochat.state, nanochat.state_checks, nanochat.order, nanochat.shard_cache,
+May import: nanochat.state, nanochat.state_checks, nanochat.order, nanochat.catalog,
 nanochat.dataset, nanochat.token_shards.
 """
 
@@ -15,7 +15,7 @@ import os
 
 from nanochat.dataset import split_parquet_files
 from nanochat.order import UnitIndex, WindowCursor
-from nanochat.shard_cache import streamed_files
+from nanochat.catalog import streamed_files
 from nanochat.state import (EMPTY_HASH, VERSION, DocKey, PieceKey, PlanUnit, WindowKey,
                             add_checksum, checksum_matches, decode_keys, decode_pieces,
                             decode_plan, encode_plan, files_fingerprint)

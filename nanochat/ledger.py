@@ -6,7 +6,7 @@ documents, and whether a loader has had to evict. A loader of this host whose pr
 dropped whenever the table is read. Reading it costs one small JSON parse.
 Design and an example: docs/streaming.md.
 
-May import: nothing of ours.
+May import: nanochat.checks.
 """
 
 import json
@@ -16,6 +16,8 @@ import socket
 from dataclasses import dataclass, field
 
 from filelock import FileLock
+
+from nanochat.checks import is_int
 
 logger = logging.getLogger(__name__)
 
@@ -38,7 +40,7 @@ FETCHED, EVICTED = "fetched", "evicted"  # a shard's state in the table
 
 def _alive(pid) -> bool:
     """Whether a process of this host has this pid."""
-    if not isinstance(pid, int) or isinstance(pid, bool) or pid <= 0:
+    if not is_int(pid) or pid <= 0:
         return False
     try:
         os.kill(pid, 0)  # signal 0: only the check that the process exists

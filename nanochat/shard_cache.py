@@ -27,15 +27,13 @@ import time
 import pyarrow as pa
 
 from nanochat.cache_status import CacheStatus, Own, describe, read_status, size_words
-from nanochat.catalog import (  # the loaders import these three from here: the streaming interface
-    catalog_path, catalog_sizes, copies_estimate, packing_shards, read_catalog, streamed_files)
+from nanochat.catalog import catalog_path, catalog_sizes, read_catalog
 from nanochat.checks import check_int
 from nanochat.dataset import find_data_dir, open_parquet
 from nanochat.download import DownloadError, Limits, download_file, record_path
 from nanochat.files import remove_if_exists
 from nanochat.kept import Keeper, drop_oldest, encode, file_mtime, kept_bytes, remove_gone
 from nanochat.ledger import EVICTED, FETCHED, REASONS, Ledger, Loader, ShardRow, Table
-from nanochat.ledger import STREAM_DIR  # noqa: F401  (callers find the .stream directory here)
 
 logger = logging.getLogger(__name__)
 

@@ -37,7 +37,7 @@ import pyarrow.parquet as pq
 from nanochat.cache_status import describe
 from nanochat.dataloader import tokenizing_distributed_data_loader_with_state_bos_bestfit
 from nanochat.dataset import get_dataset, index_to_filename, repackage
-from nanochat.shard_cache import copies_estimate
+from nanochat.catalog import copies_estimate
 from nanochat.state import decode_keys
 from nanochat.tokenizer import RustBPETokenizer
 from scripts.shard_server import ShardServer

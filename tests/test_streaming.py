@@ -34,7 +34,8 @@ from nanochat.options import parse_bytes
 from nanochat.resume import merge_states
 from nanochat.catalog import footer_rows
 from nanochat.ledger import FETCHED, Ledger, Loader, ShardRow, Table
-from nanochat.shard_cache import STREAM_DIR, ShardCache
+from nanochat.ledger import STREAM_DIR
+from nanochat.shard_cache import ShardCache
 from nanochat.state import decode_keys
 from scripts.shard_server import ShardServer
 

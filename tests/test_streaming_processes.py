@@ -29,7 +29,7 @@ from nanochat import shard_cache
 from nanochat.dataloader import tokenizing_distributed_data_loader_with_state_bos_bestfit
 from nanochat.dataset import get_dataset, index_to_filename
 from nanochat.download import Limits
-from nanochat.shard_cache import copies_estimate, read_catalog
+from nanochat.catalog import copies_estimate, read_catalog
 from nanochat.state import decode_keys
 from scripts import shard_server
 from scripts.shard_server import BLOCK, ShardServer
