@@ -32,7 +32,8 @@ STREAMING = ["shard_cache"]  # what stream=True adds to the path
 # what the path calls without a reader having to follow it: argument checks, file listing, the
 # shuffled order, the resume checks, the pretokenized reader, streaming's helpers
 ASIDE = {"checks", "options", "dataset", "download", "shuffle", "state_checks", "token_reader",
-         "token_shards", "common", "files", "layout", "catalog", "kept", "ledger"}
+         "token_shards", "common", "files", "layout", "catalog", "kept", "ledger",
+         "cache_status"}
 
 
 def parse(module: str) -> ast.Module:
