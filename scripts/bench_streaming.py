@@ -1,25 +1,17 @@
 """
-Streaming benchmark: training while the shards stream in over a throttled link (stream=True), against
-fetching them all first, on one corpus in one run (about a minute on 2 cores).
+Streaming benchmark: training while the shards stream in over a throttled link (stream=True),
+against fetching them all first, on one corpus in one run (about a minute on 2 cores).
 
-    python -m scripts.bench_streaming                   # 10 train shards of ~2.8 MB, links of 80 and 10 MB/s
+    python -m scripts.bench_streaming                   # 10 shards of ~2.8 MB, 80 and 10 MB/s
     python -m scripts.bench_streaming --rates 80 10 1   # link rates in MB/s
-    python -m scripts.bench_streaming --step-ms 0       # no training step: the loader at its top pace
+    python -m scripts.bench_streaming --step-ms 0       # no training step: the loader's top pace
 
-It writes English-like shards (scripts/demo.py's corpus, row groups of 1024 documents as on the hub, named like
-ClimbMix's, val last), trains a 16,384-token BPE on the first, and serves them from scripts/shard_server.py on
-127.0.0.1 with a rate limit shared by all connections. Each batch is followed by a simulated training step
-(--step-ms; by default 1.5x the time the on-disk loader takes per batch when nothing else runs, so that on
-disk it keeps up, as it should feed a GPU). Per link rate, two runs of 1 + --batches batches:
-  - fetch all, then train: the train shards and val downloaded with download_shards (what
-    `python -m nanochat.dataset -n N` runs), then the on-disk loader;
-  - stream=True into an empty cache directory with cache_limit = --cache-shards x the largest shard.
-For each: the time to the first batch (from the start, downloads included), the time next() waited after it
-(loader.stats["wait_seconds"]: the stall a GPU would feel), the rate the loader consumed shards at against the
-link's, and the peak disk use (the bytes of the shard files, .tmp included, sampled every 10 ms; for the
-stream also the cache's own peak_bytes) against cache_limit. It checks that the streamed batches (a sha256 of
-all of them) and the last state equal the on-disk loader's. Speed is a measurement here, never a test
-assertion.
+It serves shards of scripts/demo.py's corpus from scripts/shard_server.py on 127.0.0.1 at each
+link rate; each batch is followed by a simulated training step (--step-ms). Per rate: fetch all,
+then train; and stream=True into an empty cache with cache_limit = --cache-shards x the largest
+shard. For each it prints the time to the first batch, next()'s waits after it, the rate shards
+were consumed at and the peak disk use, and checks the batches equal the on-disk loader's. Speed
+is a measurement here, never a test assertion; docs/benchmarks.md has the figures.
 """
 
 import argparse
@@ -47,7 +39,8 @@ ROW_GROUP_SIZE = 1024  # documents per row group, as the hosted shards
 
 
 def shard_bytes(directory: str) -> int:
-    """Bytes of the shard files in directory, partial downloads (.parquet.tmp) included; 0 if it is not there."""
+    """Bytes of the shard files in directory, partial downloads (.parquet.tmp) included; 0 if it is
+    not there."""
     total = 0
     try:
         with os.scandir(directory) as entries:
@@ -63,7 +56,8 @@ def shard_bytes(directory: str) -> int:
 
 
 class DiskSampler:
-    """The peak of shard_bytes(directory), sampled on a thread every `interval` seconds until stop()."""
+    """The peak of shard_bytes(directory), sampled on a thread every `interval` seconds until
+    stop()."""
 
     def __init__(self, directory: str, interval: float = 0.01):
         self.directory, self.interval, self.peak = directory, interval, 0
@@ -87,24 +81,26 @@ class DiskSampler:
 
 
 def consumed_bytes(state: dict, sizes: list[int], row_groups: list[int]) -> float:
-    """Bytes of the train shards up to and including the state's row group: what the packer has taken
-    documents from (one rank; row groups as a share of their shard's bytes)."""
+    """Bytes of the train shards up to and including the state's row group: what the packer has
+    taken documents from (one rank; row groups as a share of their shard's bytes)."""
     if state["epoch"] != 1:
-        raise ValueError("the run went past the first epoch; pass fewer --batches or more --shards")
+        raise ValueError("the run went past the first epoch; pass fewer --batches or more "
+                         "--shards")
     pq_idx, rg_idx = state["pq_idx"], state["rg_idx"]
     return sum(sizes[:pq_idx]) + sizes[pq_idx] * (rg_idx + 1) / row_groups[pq_idx]
 
 
-def run_loader(tokenizer, args, data_dir: str, num_batches: int, step_s: float, t_start: float | None = None,
-               **stream_kwargs) -> dict:
-    """The first batch and num_batches more from a fresh best-fit loader on the CPU, each followed by a
-    step_s sleep (a training step). Returns the seconds to the first batch (from t_start, default now), the
-    seconds and next()'s wait after it, a sha256 of every batch, the first and last states, and the shard
-    cache's figures when streaming."""
+def run_loader(tokenizer, args, data_dir: str, num_batches: int, step_s: float,
+               t_start: float | None = None, **stream_kwargs) -> dict:
+    """The first batch and num_batches more from a fresh best-fit loader on the CPU, each followed
+    by a step_s sleep (a training step). Returns the seconds to the first batch (from t_start,
+    default now), the seconds and next()'s wait after it, a sha256 of every batch, the first and
+    last states, and the shard cache's figures when streaming."""
     t_start = time.perf_counter() if t_start is None else t_start
     digest = hashlib.sha256()
     loader = tokenizing_distributed_data_loader_with_state_bos_bestfit(
-        tokenizer, args.B, args.T, "train", device="cpu", data_dir=data_dir, rank=0, world_size=1, **stream_kwargs)
+        tokenizer, args.B, args.T, "train", device="cpu", data_dir=data_dir, rank=0, world_size=1,
+        **stream_kwargs)
     try:
         inputs, targets, first_state = next(loader)
         first_s = time.perf_counter() - t_start
@@ -126,10 +122,14 @@ def run_loader(tokenizer, args, data_dir: str, num_batches: int, step_s: float, 
     return result
 
 
-def link_rate_run(hosted: str, rate: float, tokenizer, args, work: str, step_s: float, cache_limit: int) -> dict:
-    """Both runs against one server throttled to `rate` bytes/s: fetch all then train, and stream=True."""
+def link_rate_run(
+    hosted: str, rate: float, tokenizer, args, work: str, step_s: float, cache_limit: int
+) -> dict:
+    """Both runs against one server throttled to `rate` bytes/s: fetch all then train, and
+    stream=True."""
     server = ShardServer(hosted, rate=rate)
-    subdir = get_dataset().subdir  # a dataset's directory name: streamed_split reads its val index from it
+    # a dataset's directory name: streamed_split reads its val index from it
+    subdir = get_dataset().subdir
     try:
         fetched_dir = os.path.join(work, "fetched", subdir)
         t0 = time.perf_counter()
@@ -161,22 +161,27 @@ def link_rate_run(hosted: str, rate: float, tokenizer, args, work: str, step_s: 
 
 
 def parse_args(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rates", type=float, nargs="+", default=[80.0, 10.0],
                         help="link rates in MB/s, one pair of runs each (default: 80 10)")
-    parser.add_argument("--shards", type=int, default=10, help="train shards; one val shard is added (default: 10)")
-    parser.add_argument("--docs-per-shard", type=int, default=5000, help="documents per shard (default: 5000, ~2.8 MB)")
+    parser.add_argument("--shards", type=int, default=10,
+                        help="train shards; one val shard is added (default: 10)")
+    parser.add_argument("--docs-per-shard", type=int, default=5000,
+                        help="documents per shard (default: 5000, ~2.8 MB)")
     parser.add_argument("--vocab-size", type=int, default=16_384)
     parser.add_argument("-B", type=int, default=32)
     parser.add_argument("-T", type=int, default=2048)
     parser.add_argument("--batches", type=int, default=120,
-                        help="batches after the first, per run (default: 120, about 6 of the 10 shards)")
+                        help="batches after the first, per run "
+                             "(default: 120, about 6 of the 10 shards)")
     parser.add_argument("--step-ms", type=float, default=None,
-                        help="simulated training step after each batch, ms (default: 1.5x the on-disk loader's "
-                             "time per batch; 0: none)")
+                        help="simulated training step after each batch, ms "
+                             "(default: 1.5x the on-disk loader's time per batch; 0: none)")
     parser.add_argument("--cache-shards", type=float, default=6.5,
                         help="cache_limit in shards: this many times the largest (default: 6.5)")
-    parser.add_argument("--prefetch-shards", type=int, default=2, help="the loader's prefetch_shards (default: 2)")
+    parser.add_argument("--prefetch-shards", type=int, default=2,
+                        help="the loader's prefetch_shards (default: 2)")
     parser.add_argument("--seed", type=int, default=0, help="corpus seed (default: 0)")
     args = parser.parse_args(argv)
     for name in ("shards", "docs_per_shard", "batches", "B", "T"):
@@ -205,15 +210,16 @@ def main(argv=None) -> int:
         paths = write_hosted_shards(docs, hosted, args.shards, ROW_GROUP_SIZE)
         sizes = [os.path.getsize(p) for p in paths[:-1]]
         row_groups = [pq.ParquetFile(p).num_row_groups for p in paths[:-1]]
-        print(f"corpus: {len(docs):,} documents, {sum(map(len, docs)) / 1e6:.0f}M characters -> {args.shards} train "
-              f"shards of {min(sizes) / 1e6:.2f}-{max(sizes) / 1e6:.2f} MB ({row_groups[0]} row groups) + val, "
-              f"{mb(sum(map(os.path.getsize, paths)))} in all, in {time.perf_counter() - t0:.1f}s")
+        print(f"corpus: {len(docs):,} documents, {sum(map(len, docs)) / 1e6:.0f}M characters -> "
+              f"{args.shards} train shards of {min(sizes) / 1e6:.2f}-{max(sizes) / 1e6:.2f} MB "
+              f"({row_groups[0]} row groups) + val, {mb(sum(map(os.path.getsize, paths)))} in all, "
+              f"in {time.perf_counter() - t0:.1f}s")
         del docs
         t0 = time.perf_counter()
         texts = pq.read_table(paths[0], columns=["text"]).column("text").to_pylist()
         tokenizer = RustBPETokenizer.train_from_iterator(iter(texts), args.vocab_size)
-        print(f"tokenizer: a {tokenizer.get_vocab_size():,}-token BPE trained on the first shard in "
-              f"{time.perf_counter() - t0:.1f}s")
+        print(f"tokenizer: a {tokenizer.get_vocab_size():,}-token BPE trained on the first shard "
+              f"in {time.perf_counter() - t0:.1f}s")
 
         # on disk, no network, no step: the loader's top pace, and the batches every run must yield
         reference = run_loader(tokenizer, args, hosted, args.batches, 0.0)
@@ -221,47 +227,52 @@ def main(argv=None) -> int:
         step_s = 1.5 * pace if args.step_ms is None else args.step_ms / 1e3
         last = reference["state"]
         print(f"on disk, no step: {args.batches} batches of {args.B}x{args.T} after the first in "
-              f"{reference['seconds']:.1f}s, {pace * 1e3:.0f} ms a batch, up to shard {last['pq_idx']} row group "
-              f"{last['rg_idx']} (of {args.shards} shards)")
+              f"{reference['seconds']:.1f}s, {pace * 1e3:.0f} ms a batch, up to shard "
+              f"{last['pq_idx']} row group {last['rg_idx']} (of {args.shards} shards)")
         print(f"training step after each batch: {step_s * 1e3:.0f} ms"
               + (" (1.5x that)" if args.step_ms is None else " (--step-ms)"))
         cache_limit = int(args.cache_shards * max(sizes))
-        print(f"cache_limit: {mb(cache_limit)} ({args.cache_shards:g} x the largest shard), prefetch_shards "
-              f"{args.prefetch_shards}")
+        print(f"cache_limit: {mb(cache_limit)} ({args.cache_shards:g} x the largest shard), "
+              f"prefetch_shards {args.prefetch_shards}")
 
         work = os.path.join(tmp, "runs")
-        results = [(rate, link_rate_run(hosted, rate * 1e6, tokenizer, args, work, step_s, cache_limit))
+        results = [(rate, link_rate_run(hosted, rate * 1e6, tokenizer, args, work, step_s,
+                                        cache_limit))
                    for rate in args.rates]
 
     same = True
     for rate, runs in results:
         print(f"\nlink {rate:g} MB/s")
-        print(f"  {'':22s} {'first batch':>11s} {'last batch':>10s} {'next() waited after the first':>30s} "
-              f"{'consumed':>10s}   peak disk")
+        print(f"  {'':22s} {'first batch':>11s} {'last batch':>10s} "
+              f"{'next() waited after the first':>30s} {'consumed':>10s}   peak disk")
         for name, label in (("fetch_all", "fetch all, then train"), ("stream", "stream=True")):
             r = runs[name]
-            consumed = consumed_bytes(r["state"], sizes, row_groups) - consumed_bytes(r["first_state"], sizes,
-                                                                                       row_groups)
+            consumed = (consumed_bytes(r["state"], sizes, row_groups)
+                        - consumed_bytes(r["first_state"], sizes, row_groups))
             r["rate"] = consumed / r["seconds"]
             disk = (f"{mb(r['disk_bytes'])} (every shard)" if name == "fetch_all" else
                     f"{mb(r['disk_bytes'])} sampled, {mb(r['peak_bytes'])} the cache's peak_bytes")
             print(f"  {label:22s} {r['first_s']:10.2f}s {r['first_s'] + r['seconds']:9.1f}s "
-                  f"{r['wait_s']:20.2f}s of {r['seconds']:4.1f}s {r['rate'] / 1e6:5.2f} MB/s   {disk}")
+                  f"{r['wait_s']:20.2f}s of {r['seconds']:4.1f}s {r['rate'] / 1e6:5.2f} MB/s   "
+                  f"{disk}")
         f, s = runs["fetch_all"], runs["stream"]
         peak = max(s["disk_bytes"], s["peak_bytes"])
-        print(f"  fetch all: the download took {f['download_s']:.2f}s of its {f['first_s']:.2f}s to the first batch")
+        print(f"  fetch all: the download took {f['download_s']:.2f}s of its {f['first_s']:.2f}s "
+              f"to the first batch")
         print(f"  stream: first batch {f['first_s'] / s['first_s']:.1f}x sooner; the link carries "
-              f"{rate / (f['rate'] / 1e6):.1f}x what the loader consumes on disk; next() waited {s['wait_s']:.2f}s "
-              f"after the first batch ({f['wait_s']:.2f}s on disk)")
-        print(f"  stream: peak disk {mb(peak)} of cache_limit {mb(cache_limit)} ({peak / cache_limit:.2f}); fetched "
-              f"{len(s['gets'])} shards ({len(set(s['gets']))} distinct, {mb(s['fetched_bytes'])}), in order: "
+              f"{rate / (f['rate'] / 1e6):.1f}x what the loader consumes on disk; next() waited "
+              f"{s['wait_s']:.2f}s after the first batch ({f['wait_s']:.2f}s on disk)")
+        print(f"  stream: peak disk {mb(peak)} of cache_limit {mb(cache_limit)} "
+              f"({peak / cache_limit:.2f}); fetched {len(s['gets'])} shards "
+              f"({len(set(s['gets']))} distinct, {mb(s['fetched_bytes'])}), in order: "
               f"{', '.join(name.removesuffix('.parquet') for name in s['gets'])}")
         for name, label in (("fetch_all", "fetch all"), ("stream", "stream")):
             r = runs[name]
             equal = r["digest"] == reference["digest"] and r["state"] == reference["state"]
             same &= equal
-            print(f"  {label}: {1 + args.batches} batches (sha256 {r['digest'][:12]}...) and the last state "
-                  f"{'equal' if equal else 'DIFFER FROM'} those of the on-disk loader without the network")
+            print(f"  {label}: {1 + args.batches} batches (sha256 {r['digest'][:12]}...) and the "
+                  f"last state {'equal' if equal else 'DIFFER FROM'} those of the on-disk loader "
+                  f"without the network")
     return 0 if same else 1
 
 

@@ -1,24 +1,17 @@
 """
-The whole data pipeline end to end on a built-in sample, offline: ~6s on 2 CPU cores with the defaults
-(4000 documents, ~5.4M characters, 4+1 shards of ~470KB, a 2048-token vocab, 40 batches of 8x512).
+The whole data pipeline end to end on a built-in sample, offline: ~6s on 2 CPU cores with the
+defaults (4000 documents, 4+1 shards of ~470KB, a 2048-token vocab, 40 batches of 8x512).
 
     python -m scripts.demo                      # into a fresh temp dir (printed)
     python -m scripts.demo --out /tmp/nc-demo   # or a directory of your choice (must be empty)
 
-Stages, each the real code that speedrun.sh runs on ClimbMix-400B:
-  1. write a seeded English-like corpus (Zipf word frequencies, log-normal document lengths) as
-     shards with `nanochat.dataset.repackage`, named like the hosted dataset: shard_00000.parquet, ...
-     and the val shard under the default dataset's last index (shard_06542.parquet);
-  2. serve them on 127.0.0.1 with scripts/shard_server.py (Range requests and sha256 ETags, as the hub);
-  3. download them with the real CLI: `python -m nanochat.dataset -n N --base-url ... --data-dir ...`;
-  4. train a tokenizer with `python -m scripts.tok_train`, measure it with `python -m scripts.tok_eval`;
-  5. stream best-fit packed batches with the loader on the CPU and print what they look like;
-  6. stream the same train and val batches straight from the server (stream=True) into an empty cache
-     directory whose cache_limit is smaller than the shards, and check they equal step 5's.
-
---out is laid out like $NANOCHAT_BASE_DIR (base_data_climbmix/, tokenizer/) plus hosted/ (what the server
-served) and stream_cache/ (step 6's cache), so afterwards `NANOCHAT_BASE_DIR=<out> python -m scripts.tok_eval`
-works too. Nothing under ~/.cache/nanochat is read or written.
+Each stage is the real code that speedrun.sh runs: 1. write a seeded English-like corpus as shards
+named like the hosted dataset; 2. serve them on 127.0.0.1 (scripts/shard_server.py); 3. download
+them with `python -m nanochat.dataset`; 4. train and measure a tokenizer (scripts.tok_train,
+scripts.tok_eval); 5. stream best-fit packed batches on the CPU; 6. stream the same batches from
+the server (stream=True) into a cache smaller than the shards and check they equal step 5's.
+--out is laid out like $NANOCHAT_BASE_DIR plus hosted/ and stream_cache/; nothing under
+~/.cache/nanochat is read or written.
 """
 
 import argparse
@@ -75,7 +68,8 @@ ONSETS = "b c d f g h j k l m n p r s t v w br ch cl cr dr fl gr pl pr sh st th 
 NUCLEI = "a e i o u ai ea ee oo ou".split()
 CODAS = ["", "", "", "n", "r", "s", "t", "l", "nd", "st", "ng", "ck"]
 SUFFIXES = ["", "", "", "s", "ed", "ing", "er", "ly", "tion", "ness"]
-WORDS_MEDIAN, WORDS_SIGMA = 150, 0.9  # words per document ~ log-normal, median 150 (~900 characters)
+# words per document ~ log-normal, median 150 (~900 characters)
+WORDS_MEDIAN, WORDS_SIGMA = 150, 0.9
 
 
 def _vocabulary() -> list[str]:
@@ -84,7 +78,8 @@ def _vocabulary() -> list[str]:
     tail = set()
     while len(tail) < TAIL_WORDS:
         syllables = rng.choices([1, 2, 3], weights=[2, 5, 3])[0]
-        word = "".join(rng.choice(ONSETS) + rng.choice(NUCLEI) + rng.choice(CODAS) for _ in range(syllables))
+        word = "".join(rng.choice(ONSETS) + rng.choice(NUCLEI) + rng.choice(CODAS)
+                       for _ in range(syllables))
         tail.add(word + rng.choice(SUFFIXES))
     return WORDS + sorted(tail - set(WORDS))
 
@@ -123,21 +118,26 @@ def generate_documents(num_docs: int, seed: int = 0) -> list[str]:
     return docs
 
 
-def write_hosted_shards(docs: list[str], hosted_dir: str, num_train: int, row_group_size: int) -> list[str]:
+def write_hosted_shards(
+    docs: list[str], hosted_dir: str, num_train: int, row_group_size: int
+) -> list[str]:
     """Shuffle docs into num_train train shards plus a val shard, named like the hosted dataset."""
     jsonl = os.path.join(os.path.dirname(hosted_dir), "sample.jsonl")
     with open(jsonl, "w", encoding="utf-8") as f:
         for text in docs:
             f.write(json.dumps({"text": text}) + "\n")
-    # repackage splits as evenly as it can into ceil(num_docs / docs_per_shard) shards, the last is val
+    # repackage splits as evenly as it can into ceil(num_docs / docs_per_shard) shards, the last is
+    # val
     try:
-        paths = repackage([jsonl], hosted_dir, docs_per_shard=math.ceil(len(docs) / (num_train + 1)),
+        paths = repackage([jsonl], hosted_dir,
+                          docs_per_shard=math.ceil(len(docs) / (num_train + 1)),
                           row_group_size=row_group_size, progress=False)
     finally:
         os.remove(jsonl)
     if len(paths) != num_train + 1:
-        raise ValueError(f"--num-docs {len(docs)} does not split into {num_train} train shards + 1 val "
-                         f"shard (got {len(paths)} shards); pass more documents or fewer --shards")
+        raise ValueError(f"--num-docs {len(docs)} does not split into {num_train} train shards "
+                         f"+ 1 val shard (got {len(paths)} shards); pass more documents or fewer "
+                         f"--shards")
     # the real CLI always fetches the dataset's last index as val, so the sample's val goes there
     val_path = os.path.join(hosted_dir, index_to_filename(get_dataset().max_shard))
     os.replace(paths[-1], val_path)
@@ -160,13 +160,17 @@ def run_cli(args: list[str], env: dict) -> None:
 # 5. Packed batches
 
 
-def stream_batches(tokenizer, B: int, T: int, split: str, num_batches: int, data_dir: str, **loader_kwargs) -> dict:
-    """Pull num_batches batches from the best-fit loader on the CPU (loader_kwargs: e.g. stream=True and
-    its settings) and measure them; a sha256 of all of them tells two runs' batches apart."""
+def stream_batches(
+    tokenizer, B: int, T: int, split: str, num_batches: int, data_dir: str, **loader_kwargs
+) -> dict:
+    """Pull num_batches batches from the best-fit loader on the CPU (loader_kwargs: e.g.
+    stream=True and its settings) and measure them; a sha256 of all of them tells two runs'
+    batches apart."""
     bos = tokenizer.get_bos_token_id()
     t0 = time.perf_counter()
     loader = tokenizing_distributed_data_loader_with_state_bos_bestfit(
-        tokenizer, B, T, split, tokenizer_threads=2, device="cpu", data_dir=data_dir, **loader_kwargs)
+        tokenizer, B, T, split, tokenizer_threads=2, device="cpu", data_dir=data_dir,
+        **loader_kwargs)
     docs_per_row, bos_rows, first_row, state_dict, digest = [], 0, None, None, hashlib.sha256()
     try:
         for step, (inputs, targets, state_dict) in enumerate(loader):
@@ -189,20 +193,23 @@ def stream_batches(tokenizer, B: int, T: int, split: str, num_batches: int, data
         loader.close()
     rows = num_batches * B
     return {
-        "batches": num_batches, "rows": rows, "tokens": rows * T, "seconds": seconds, "first_s": first_s,
-        "bos_row_pct": 100.0 * bos_rows / rows,
+        "batches": num_batches, "rows": rows, "tokens": rows * T, "seconds": seconds,
+        "first_s": first_s, "bos_row_pct": 100.0 * bos_rows / rows,
         "docs_per_row_mean": sum(docs_per_row) / rows, "docs_per_row_max": max(docs_per_row),
         "state_dict": state_dict, "first_row": first_row, "digest": digest.hexdigest(),
-        "loader_stats": getattr(loader, "stats", None),  # newer loaders count tokens, crops, waits
+        # the loader's counts of tokens, crops and waits
+        "loader_stats": getattr(loader, "stats", None),
         "peak_bytes": status and status.peak_bytes, "cache_status": status,
     }
 
 
 def print_batch_stats(name: str, s: dict) -> None:
-    print(f"{name}: {s['batches']} batches, {s['rows']} rows, {s['tokens']:,} tokens in {s['seconds']:.2f}s "
-          f"({s['tokens'] / max(s['seconds'], 1e-9):,.0f} tokens/s, including start-up)")
+    print(f"{name}: {s['batches']} batches, {s['rows']} rows, {s['tokens']:,} tokens in "
+          f"{s['seconds']:.2f}s ({s['tokens'] / max(s['seconds'], 1e-9):,.0f} tokens/s, "
+          f"including start-up)")
     print(f"{name}: rows starting with BOS: {s['bos_row_pct']:.1f}%")
-    print(f"{name}: documents per row: mean {s['docs_per_row_mean']:.2f}, max {s['docs_per_row_max']}")
+    print(f"{name}: documents per row: mean {s['docs_per_row_mean']:.2f}, "
+          f"max {s['docs_per_row_max']}")
     stats = s["loader_stats"]
     if stats:
         # cropped / (emitted + cropped): the share of the documents the packer took that was thrown
@@ -216,10 +223,11 @@ def print_batch_stats(name: str, s: dict) -> None:
     else:
         print(f"{name}: crop share: n/a (this loader has no .stats)")
     state = s["state_dict"]
-    seeds = {k: state[k] for k in ("pq_idx", "rg_idx", "epoch")}
-    print(f"{name}: state_dict of the last batch: {seeds} + the exact-resume part: "
+    position = {k: state[k] for k in ("pq_idx", "rg_idx", "epoch")}
+    print(f"{name}: state_dict of the last batch: {position} + the exact-resume part: "
           f"{len(decode_keys(state['buffer']))} buffered documents by position, "
-          f"emitted hash {state['emitted']['hash'][:12]}..., {len(json.dumps(state)):,} bytes as JSON")
+          f"emitted hash {state['emitted']['hash'][:12]}..., "
+          f"{len(json.dumps(state)):,} bytes as JSON")
 
 
 # -----------------------------------------------------------------------------
@@ -227,30 +235,38 @@ def print_batch_stats(name: str, s: dict) -> None:
 
 
 def demo_loader(args) -> dict:
-    """Steps 5 and 6's loader settings for the sample's small shards (a few hundred documents each): a best-fit
-    buffer of an eighth of a shard's documents, so that copies of the buffered documents (what a streaming loader
-    keeps of the shards it evicts) take a fraction of one; and a read-ahead (prefetch=1, tokenizer batches of
-    12) within a shard, so that at most 2 shards are between the one packed and the one read."""
-    return dict(buffer_size=max(8, args.num_docs // (args.shards + 1) // 8), prefetch=1, tokenizer_batch_size=12)
+    """Steps 5 and 6's loader settings for the sample's small shards (a few hundred documents
+    each): a best-fit buffer of an eighth of a shard's documents, so that copies of the buffered
+    documents (what a streaming loader keeps of the shards it evicts) take a fraction of one; and a
+    read-ahead (prefetch=1, tokenizer batches of 12) within a shard, so that at most 2 shards are
+    between the one packed and the one read."""
+    return dict(buffer_size=max(8, args.num_docs // (args.shards + 1) // 8), prefetch=1,
+                tokenizer_batch_size=12)
 
 
-def stream_from_server(tokenizer, args, hosted: list[str], cache_dir: str) -> tuple[dict, dict, int, list[str]]:
-    """Step 5's train batches, then its val batch, again: each shard fetched from a server on 127.0.0.1
-    just before it is read (stream=True), into cache_dir, within the least cache_limit that prefetch_shards=0
-    accepts: 3 x the largest train shard (the one read, the one still being packed, one for a rank out of
-    step), the val shard at its size, and the room set aside for copies of buffered documents; less than the
-    train and val shards together from 4 train shards on. Returns the train and val results of stream_batches,
-    cache_limit and the shards downloaded, in order."""
-    val_path = [path for path in hosted if os.path.basename(path) == get_dataset().val_filename][0]
+def stream_from_server(
+    tokenizer, args, hosted: list[str], cache_dir: str
+) -> tuple[dict, dict, int, list[str]]:
+    """Step 5's train batches, then its val batch, again: each shard fetched from a server on
+    127.0.0.1 just before it is read (stream=True), into cache_dir, within the least cache_limit
+    that prefetch_shards=0 accepts: 3 x the largest train shard (the one read, the one still being
+    packed, one for a rank out of step), the val shard at its size, and the room set aside for
+    copies of buffered documents; less than the train and val shards together from 4 train shards
+    on. Returns the train and val results of stream_batches, cache_limit and the shards
+    downloaded, in order."""
+    val_path = [path for path in hosted
+                if os.path.basename(path) == get_dataset().val_filename][0]
     train_paths = [path for path in hosted if path != val_path]
-    entries = [{"size": os.path.getsize(path), "rows": [pq.read_metadata(path).num_rows]} for path in train_paths]
+    entries = [{"size": os.path.getsize(path), "rows": [pq.read_metadata(path).num_rows]}
+               for path in train_paths]
     cache_limit = (3 * max(entry["size"] for entry in entries) + os.path.getsize(val_path)
                    + copies_estimate(entries, demo_loader(args)["buffer_size"]))
     server = ShardServer(os.path.dirname(hosted[0]))
-    kwargs = dict(stream=True, cache_limit=cache_limit, prefetch_shards=0, num_shards=args.shards, base_url=server.url,
-                  **demo_loader(args))
+    kwargs = dict(stream=True, cache_limit=cache_limit, prefetch_shards=0, num_shards=args.shards,
+                  base_url=server.url, **demo_loader(args))
     try:
-        train = stream_batches(tokenizer, args.B, args.T, "train", args.batches, cache_dir, **kwargs)
+        train = stream_batches(tokenizer, args.B, args.T, "train", args.batches, cache_dir,
+                               **kwargs)
         val = stream_batches(tokenizer, args.B, args.T, "val", 1, cache_dir, **kwargs)
     finally:
         server.close()
@@ -261,16 +277,21 @@ def stream_from_server(tokenizer, args, hosted: list[str], cache_dir: str) -> tu
 
 
 def parse_args(argv=None):
-    parser = argparse.ArgumentParser(description="Run the data pipeline end to end on a built-in sample, offline")
+    parser = argparse.ArgumentParser(
+        description="Run the data pipeline end to end on a built-in sample, offline")
     parser.add_argument("--out", default=None,
-                        help="empty or new directory for hosted/, base_data_climbmix/, tokenizer/, stream_cache/ "
-                             "(default: a fresh temp dir)")
-    parser.add_argument("--num-docs", type=int, default=4000, help="documents in the sample (default: 4000)")
-    parser.add_argument("--shards", type=int, default=4, help="train shards; one val shard is added (default: 4)")
+                        help="empty or new directory for hosted/, base_data_climbmix/, tokenizer/, "
+                             "stream_cache/ (default: a fresh temp dir)")
+    parser.add_argument("--num-docs", type=int, default=4000,
+                        help="documents in the sample (default: 4000)")
+    parser.add_argument("--shards", type=int, default=4,
+                        help="train shards; one val shard is added (default: 4)")
     parser.add_argument("--row-group-size", type=int, default=256,
                         help="documents per row group (default: 256; the hosted shards use 1024)")
-    parser.add_argument("--vocab-size", type=int, default=2048, help="tokenizer vocab size (default: 2048)")
-    parser.add_argument("--batches", type=int, default=40, help="train batches to stream (default: 40)")
+    parser.add_argument("--vocab-size", type=int, default=2048,
+                        help="tokenizer vocab size (default: 2048)")
+    parser.add_argument("--batches", type=int, default=40,
+                        help="train batches to stream (default: 40)")
     parser.add_argument("--B", type=int, default=8, help="rows per batch (default: 8)")
     parser.add_argument("--T", type=int, default=512, help="tokens per row (default: 512)")
     parser.add_argument("--seed", type=int, default=0, help="corpus seed (default: 0)")
@@ -279,9 +300,10 @@ def parse_args(argv=None):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if args.num_docs < 2 * (args.shards + 1):
-        parser.error(f"--num-docs {args.num_docs} is too few for {args.shards} train shards + 1 val shard; "
-                     f"pass at least {2 * (args.shards + 1)}")
-    if args.shards >= get_dataset().max_shard:  # train shards are 0 .. max_shard-1, val is max_shard
+        parser.error(f"--num-docs {args.num_docs} is too few for {args.shards} train shards "
+                     f"+ 1 val shard; pass at least {2 * (args.shards + 1)}")
+    # train shards are 0 .. max_shard-1, val is max_shard
+    if args.shards >= get_dataset().max_shard:
         parser.error(f"--shards must be < {get_dataset().max_shard}, got {args.shards}")
     if args.out and os.path.isdir(args.out) and os.listdir(args.out):
         parser.error(f"--out {args.out} is not empty; pass a new or empty directory")
@@ -291,13 +313,16 @@ def parse_args(argv=None):
 def main(argv=None) -> int:
     args = parse_args(argv)
     out = os.path.abspath(args.out) if args.out else tempfile.mkdtemp(prefix="nanochat-demo-")
-    hosted_dir, data_dir, tokenizer_dir = (os.path.join(out, d) for d in ("hosted", get_dataset().subdir, "tokenizer"))
+    hosted_dir, data_dir, tokenizer_dir = (os.path.join(out, d)
+                                           for d in ("hosted", get_dataset().subdir, "tokenizer"))
     os.makedirs(out, exist_ok=True)
     print(f"out: {out}")
-    print(f"num_docs: {args.num_docs}  shards: {args.shards} (+1 val)  row_group_size: {args.row_group_size}  "
-          f"vocab_size: {args.vocab_size}  batches: {args.batches}  B: {args.B}  T: {args.T}  seed: {args.seed}")
+    print(f"num_docs: {args.num_docs}  shards: {args.shards} (+1 val)  "
+          f"row_group_size: {args.row_group_size}  vocab_size: {args.vocab_size}  "
+          f"batches: {args.batches}  B: {args.B}  T: {args.T}  seed: {args.seed}")
     t_start = time.perf_counter()
-    # the tools find the shards and tokenizer/ under here by default; --data-dir etc. are still passed
+    # the tools find the shards and tokenizer/ under here by default; --data-dir etc. are still
+    # passed
     env = dict(os.environ, NANOCHAT_BASE_DIR=out)
 
     print("\n== 1. sample corpus -> shards")
@@ -308,8 +333,8 @@ def main(argv=None) -> int:
           f"{len(hosted)} shards in {hosted_dir}:")
     for path in hosted:
         pf = pq.ParquetFile(path)
-        print(f"  {os.path.basename(path)}: {pf.metadata.num_rows} documents, {pf.num_row_groups} row groups, "
-              f"{os.path.getsize(path) / 1e3:.0f} KB")
+        print(f"  {os.path.basename(path)}: {pf.metadata.num_rows} documents, "
+              f"{pf.num_row_groups} row groups, {os.path.getsize(path) / 1e3:.0f} KB")
 
     print("\n== 2-3. serve them on 127.0.0.1 and download with the real CLI")
     server = ShardServer(hosted_dir)
@@ -334,26 +359,34 @@ def main(argv=None) -> int:
     tokenizer = RustBPETokenizer.from_directory(tokenizer_dir)
 
     print("\n== 5. best-fit packed batches (device=cpu)")
-    train = stream_batches(tokenizer, args.B, args.T, "train", args.batches, data_dir, **demo_loader(args))
+    train = stream_batches(tokenizer, args.B, args.T, "train", args.batches, data_dir,
+                           **demo_loader(args))
     val = stream_batches(tokenizer, args.B, args.T, "val", 1, data_dir, **demo_loader(args))
     print_batch_stats("train", train)
     print_batch_stats("val", val)
     snippet = tokenizer.decode(train["first_row"][:60])
     print(f"first train row, first 60 tokens decoded: {snippet!r}")
     if train["bos_row_pct"] != 100.0 or val["bos_row_pct"] != 100.0:
-        raise AssertionError("a row does not start with BOS; best-fit rows must always start with one")
+        raise AssertionError("a row does not start with BOS; best-fit rows must always start "
+                             "with one")
 
     print("\n== 6. the same batches, streamed from the server within a cache_limit (stream=True)")
     cache_dir = os.path.join(out, "stream_cache", get_dataset().subdir)
-    streamed_train, streamed_val, cache_limit, downloads = stream_from_server(tokenizer, args, hosted, cache_dir)
-    for split, streamed, on_disk in (("train", streamed_train, train), ("val", streamed_val, val)):
-        if (streamed["digest"], streamed["state_dict"]) != (on_disk["digest"], on_disk["state_dict"]):
-            raise AssertionError(f"the {split} batches streamed into {cache_dir} differ from step 5's")
+    streamed_train, streamed_val, cache_limit, downloads = stream_from_server(
+        tokenizer, args, hosted, cache_dir)
+    for split, streamed, on_disk in (("train", streamed_train, train),
+                                     ("val", streamed_val, val)):
+        if ((streamed["digest"], streamed["state_dict"])
+                != (on_disk["digest"], on_disk["state_dict"])):
+            raise AssertionError(f"the {split} batches streamed into {cache_dir} differ from "
+                                 f"step 5's")
     peak = max(streamed_train["peak_bytes"], streamed_val["peak_bytes"])
     if peak > cache_limit:
-        raise AssertionError(f"the shards in {cache_dir} took {peak:,} bytes, over cache_limit={cache_limit:,}")
-    print(f"stream=True: {args.batches} train batches and 1 val batch equal to step 5's (batches and states); first "
-          f"train batch after {streamed_train['first_s']:.2f}s (on disk: {train['first_s']:.2f}s); peak cache "
+        raise AssertionError(f"the shards in {cache_dir} took {peak:,} bytes, over "
+                             f"cache_limit={cache_limit:,}")
+    print(f"stream=True: {args.batches} train batches and 1 val batch equal to step 5's "
+          f"(batches and states); first train batch after {streamed_train['first_s']:.2f}s "
+          f"(on disk: {train['first_s']:.2f}s); peak cache "
           f"{peak:,} bytes <= cache_limit {cache_limit:,} bytes (the {len(hosted)} shards: "
           f"{sum(os.path.getsize(path) for path in hosted):,} bytes); shards downloaded, in order: "
           f"{', '.join(name.removesuffix('.parquet') for name in downloads)}")
@@ -361,14 +394,15 @@ def main(argv=None) -> int:
     print(describe(streamed_train["cache_status"]))
 
     print("\n== summary")
-    print(f"sample: {len(docs):,} documents, {chars:,} characters -> {len(hosted)} shards served at {url}")
+    print(f"sample: {len(docs):,} documents, {chars:,} characters -> {len(hosted)} shards "
+          f"served at {url}")
     print(f"downloaded: {len(hosted)}/{len(hosted)} shards to {data_dir}, byte-identical")
     print(f"tokenizer: vocab {tokenizer.get_vocab_size():,} saved to {tokenizer_dir}")
     print(f"loader: {train['batches']} train batches of {args.B}x{args.T}, "
           f"{train['tokens'] / max(train['seconds'], 1e-9):,.0f} tokens/s, 100% BOS rows, "
           f"{train['docs_per_row_mean']:.2f} documents per row")
-    print(f"streamed: the same batches straight from the server into {cache_dir}, within cache_limit="
-          f"{cache_limit:,} bytes")
+    print(f"streamed: the same batches straight from the server into {cache_dir}, "
+          f"within cache_limit={cache_limit:,} bytes")
     print(f"done in {time.perf_counter() - t_start:.1f}s; everything is under {out}")
     return 0
 

@@ -1,13 +1,13 @@
 """
-One rank of the streaming process tests (run by test_streaming_processes.py, plain or under torchrun): a
-training script in miniature. Its loader streams because the environment says so (NANOCHAT_STREAM=1, the
-cache is NANOCHAT_BASE_DIR's dataset directory, NANOCHAT_DATA_URL, NANOCHAT_STREAM_SHARDS, NANOCHAT_CACHE_LIMIT);
-each batch's rows and state go to OUT_DIR/rank<RANK>.jsonl as one line the moment it has them (the test may
-kill it). Under torchrun the ranks take each batch together (a gloo barrier), as DDP training steps do.
+One rank of the streaming process tests (run by test_streaming_processes.py, plain or under
+torchrun): a training script in miniature. Its loader streams because the environment says so
+(NANOCHAT_STREAM=1, the cache is NANOCHAT_BASE_DIR's dataset directory, NANOCHAT_DATA_URL,
+NANOCHAT_STREAM_SHARDS, NANOCHAT_CACHE_LIMIT); each batch's rows and state go to
+OUT_DIR/rank<RANK>.jsonl as one line the moment it has them (the test may kill it). Under torchrun
+the ranks take each batch together (a gloo barrier), as DDP training steps do.
 STREAM_WORKER_IDLE=1: after the last batch it idles, its loader open, until the test kills it.
 Usage: [torchrun ...] stream_worker.py OUT_DIR NUM_BATCHES [RESUME_JSON]
 """
-
 import json
 import os
 import sys
@@ -17,11 +17,15 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from conftest import ByteTokenizer  # noqa: E402
-from nanochat.dataloader import tokenizing_distributed_data_loader_with_state_bos_bestfit  # noqa: E402
+from nanochat.dataloader import (  # noqa: E402
+    tokenizing_distributed_data_loader_with_state_bos_bestfit,
+)
 
-# prefetch=0: a rank reads only what its next batch needs, so ranks that step together read the same shards
-# at the same time (the tests count downloads per shard visit)
-LOADER = dict(B=2, T=32, split="train", device="cpu", buffer_size=8, tokenizer_batch_size=2, prefetch=0)
+# prefetch=0: a rank reads only what its next batch needs, so ranks that step together read the
+# same shards at the same time (the tests count downloads per shard visit)
+LOADER = dict(
+    B=2, T=32, split="train", device="cpu", buffer_size=8, tokenizer_batch_size=2, prefetch=0
+)
 
 
 def rows_of(inputs, targets) -> list[list[int]]:
@@ -38,8 +42,9 @@ def main():
     together = "WORLD_SIZE" in os.environ
     if together:
         dist.init_process_group("gloo")
-    loader = tokenizing_distributed_data_loader_with_state_bos_bestfit(ByteTokenizer(), resume_state_dict=resume,
-                                                                       **LOADER)
+    loader = tokenizing_distributed_data_loader_with_state_bos_bestfit(
+        ByteTokenizer(), resume_state_dict=resume, **LOADER
+    )
     with open(os.path.join(out_dir, f"rank{os.environ.get('RANK', '0')}.jsonl"), "w") as f:
         for _ in range(num_batches):
             if together:
@@ -47,7 +52,8 @@ def main():
             inputs, targets, state = next(loader)
             f.write(json.dumps({"rows": rows_of(inputs, targets), "state": state}) + "\n")
             f.flush()
-    if os.environ.get("STREAM_WORKER_IDLE"):  # (its loader stays open until the test kills it)
+    # (its loader stays open until the test kills it)
+    if os.environ.get("STREAM_WORKER_IDLE"):
         time.sleep(3600)
     loader.close()
     if together:

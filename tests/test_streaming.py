@@ -1,10 +1,11 @@
 """
-Streaming (stream=True, nanochat/shard_cache.py) in one process: the shards are served by a real HTTP server on
-127.0.0.1 (scripts/shard_server.py), and every streamed batch and state is checked against the same loader over
-the served files on disk, the oracle here (tests/test_dataloader.py checks that one against tests/oracle.py).
-Also: the budget (peak disk use, the val shard and the shards still read never evicted), resume (exact, and the
-buffered documents' shards fetched first), the elastic merge of streamed states, the catalog, the footer request,
-and the argument and environment checks. Processes, faults and torchrun: tests/test_streaming_processes.py.
+Streaming (stream=True, nanochat/shard_cache.py) in one process: the shards are served by a real
+HTTP server on 127.0.0.1 (scripts/shard_server.py), and every streamed batch and state is checked
+against the same loader over the served files on disk, the oracle here (tests/test_dataloader.py
+checks that one against tests/oracle.py). Also: the budget (peak disk use, the val shard and the
+shards still read never evicted), resume (exact, and the buffered documents' shards fetched
+first), the elastic merge of streamed states, the catalog, the footer request, and the argument
+and environment checks. Processes, faults and torchrun: tests/test_streaming_processes.py.
 """
 
 import gzip
@@ -46,11 +47,13 @@ LOADERS = {"bestfit": tokenizing_distributed_data_loader_with_state_bos_bestfit,
 
 
 def _write_hosted(directory, num_train: int, docs: int = 300, seed: int = 0) -> list[int]:
-    """num_train train shards and the val shard, named as the dataset's, of documents of random lengths."""
+    """num_train train shards and the val shard, named as the dataset's, of documents of random
+    lengths."""
     rng = random.Random(seed)
     os.makedirs(directory, exist_ok=True)
     for i in list(range(num_train)) + [6542]:
-        texts = [f"shard {i} doc {j}: " + "".join(rng.choice("abcdefgh ") for _ in range(rng.randint(1, 60)))
+        texts = [f"shard {i} doc {j}: "
+                 + "".join(rng.choice("abcdefgh ") for _ in range(rng.randint(1, 60)))
                  for j in range(docs)]
         write_shard(os.path.join(directory, index_to_filename(i)), texts, 32)
     return sorted(os.path.getsize(os.path.join(directory, name)) for name in os.listdir(directory))
@@ -82,11 +85,11 @@ def _same(streamed: list, expected: list) -> None:
         assert s == t, f"state {i}"
 
 
-# tokenizer batches of 8: what a loader reads ahead stays within a shard of these small ones (300 documents), so
-# the least cache_limit is a few shards (shard_cache.packing_shards)
+# tokenizer batches of 8: what a loader reads ahead stays within a shard of these small ones (300
+# documents), so the least cache_limit is a few shards (catalog.packing_shards)
 def _streaming(kind, server, cache, **kwargs):
-    kwargs = dict(B=4, T=64, split="train", device="cpu", stream=True, num_shards=7, base_url=server.url,
-                  download_limits=FAST, tokenizer_batch_size=8) | kwargs
+    kwargs = dict(B=4, T=64, split="train", device="cpu", stream=True, num_shards=7,
+                  base_url=server.url, download_limits=FAST, tokenizer_batch_size=8) | kwargs
     return LOADERS[kind](ByteTokenizer(), data_dir=str(cache), **kwargs)
 
 
@@ -96,13 +99,14 @@ def _on_disk(kind, hosted_dir, **kwargs):
 
 
 def _shard_bytes(directory) -> int:
-    """What cache_limit bounds: the shards in a cache, partial downloads included, and the documents kept for
-    buffers (.stream/kept/*/*)."""
+    """What cache_limit bounds: the shards in a cache, partial downloads included, and the
+    documents kept for buffers (.stream/kept/*/*)."""
     kept = os.path.join(directory, STREAM_DIR, "kept")
     owners = os.listdir(kept) if os.path.isdir(kept) else []
     files = [os.path.join(directory, name) for name in os.listdir(directory)
              if name.endswith(".parquet") or name.endswith(".parquet.tmp")]
-    files += [os.path.join(kept, owner, name) for owner in owners for name in os.listdir(os.path.join(kept, owner))]
+    files += [os.path.join(kept, owner, name)
+              for owner in owners for name in os.listdir(os.path.join(kept, owner))]
     total = 0
     for path in files:
         try:
@@ -117,19 +121,21 @@ def _shard_bytes(directory) -> int:
 
 
 @pytest.mark.parametrize("kind, world_size, prefetch, prefetch_shards, limit_shards", [
-    ("bestfit", 1, 4, 2, 6.2), ("bestfit", 3, 0, 0, 4.2), ("concat", 2, 4, 1, 6.2), ("bestfit", 2, 1, 3, None)])
-def test_streamed_batches_equal_on_disk_across_epochs(hosted, tmp_path, kind, world_size, prefetch, prefetch_shards,
-                                                      limit_shards):
+    ("bestfit", 1, 4, 2, 6.2), ("bestfit", 3, 0, 0, 4.2), ("concat", 2, 4, 1, 6.2),
+    ("bestfit", 2, 1, 3, None)])
+def test_streamed_batches_equal_on_disk_across_epochs(hosted, tmp_path, kind, world_size, prefetch,
+                                                      prefetch_shards, limit_shards):
     hosted_dir, server, sizes = hosted
-    # about the least it accepts: (packing_shards + prefetch_shards + 1) x the largest shard (packing_shards: 2, and
-    # 3 for concat's 2 ranks of 150 documents a shard), + the val shard, + room for the copies of the buffered
-    # documents (copies_estimate: under a shard)
+    # about the least it accepts: (packing_shards + prefetch_shards + 1) x the largest shard
+    # (packing_shards: 2, and 3 for concat's 2 ranks of 150 documents a shard), + the val shard,
+    # + room for the copies of the buffered documents (copies_estimate: under a shard)
     limit = None if limit_shards is None else int(limit_shards * sizes[-1])
     extra = {"buffer_size": 20} if kind == "bestfit" else {}
     for rank in range(world_size):
         cache = tmp_path / f"cache{rank}"
         n = 500 // world_size  # past the end of the first epoch
-        expected = _batches(_on_disk(kind, hosted_dir, rank=rank, world_size=world_size, prefetch=prefetch, **extra), n)
+        expected = _batches(_on_disk(kind, hosted_dir, rank=rank, world_size=world_size,
+                                     prefetch=prefetch, **extra), n)
         peak, stop = [0], threading.Event()
 
         def watch():
@@ -143,8 +149,9 @@ def test_streamed_batches_equal_on_disk_across_epochs(hosted, tmp_path, kind, wo
         watcher = threading.Thread(target=watch)
         watcher.start()
         try:
-            streamed = _batches(_streaming(kind, server, cache, rank=rank, world_size=world_size, prefetch=prefetch,
-                                           prefetch_shards=prefetch_shards, cache_limit=limit, **extra), n)
+            streamed = _batches(_streaming(kind, server, cache, rank=rank, world_size=world_size,
+                                           prefetch=prefetch, prefetch_shards=prefetch_shards,
+                                           cache_limit=limit, **extra), n)
         finally:
             stop.set()
             watcher.join()
@@ -156,12 +163,15 @@ def test_streamed_batches_equal_on_disk_across_epochs(hosted, tmp_path, kind, wo
 
 
 def test_first_batch_needs_only_the_first_shard(hosted, tmp_path):
-    """Training starts once the shard it reads first is there: with prefetch_shards=0 nothing else is fetched."""
+    """Training starts once the shard it reads first is there: with prefetch_shards=0 nothing else
+    is fetched."""
     hosted_dir, server, _ = hosted
-    loader = _streaming("bestfit", server, tmp_path / "cache", prefetch_shards=0, prefetch=0, buffer_size=4)
+    loader = _streaming("bestfit", server, tmp_path / "cache", prefetch_shards=0, prefetch=0,
+                        buffer_size=4)
     next(loader)
     assert server.fetched() == [index_to_filename(0)]
-    assert sorted(f for f in os.listdir(tmp_path / "cache") if f.endswith(".parquet")) == [index_to_filename(0)]
+    assert (sorted(f for f in os.listdir(tmp_path / "cache") if f.endswith(".parquet"))
+            == [index_to_filename(0)])
     loader.close()
 
 
@@ -172,7 +182,8 @@ def test_val_shard_and_files_it_did_not_fetch_are_never_evicted(hosted, tmp_path
     _batches(val, 2)
     os.makedirs(cache, exist_ok=True)
     mine = os.path.join(hosted_dir, index_to_filename(3))
-    with open(mine, "rb") as src, open(cache / index_to_filename(3), "wb") as dst:  # "the user's own copy"
+    # "the user's own copy"
+    with open(mine, "rb") as src, open(cache / index_to_filename(3), "wb") as dst:
         dst.write(src.read())
     limit = 2 * sizes[-1] + 6 * sizes[-1]  # val + shard 3 + (prefetch_shards=2) + 3 + the copies
     _batches(_streaming("bestfit", server, cache, cache_limit=limit, buffer_size=8), 400)
@@ -186,8 +197,8 @@ def test_val_shard_and_files_it_did_not_fetch_are_never_evicted(hosted, tmp_path
 
 def test_budget_too_small_is_an_error_at_the_call(hosted, tmp_path):
     _, server, sizes = hosted
-    with pytest.raises(ValueError, match=r"cache_limit=.* is below what this streaming loader must hold.*"
-                                         r"prefetch_shards=2"):
+    with pytest.raises(ValueError, match=r"cache_limit=.* is below what this streaming loader "
+                                         r"must hold.*prefetch_shards=2"):
         _streaming("bestfit", server, tmp_path / "cache", cache_limit=3 * sizes[-1])
 
 
@@ -206,26 +217,29 @@ def test_resume_exact_into_an_empty_cache_fetches_the_buffer_first(hosted, tmp_p
     hosted_dir, server, sizes = hosted
     extra = {"buffer_size": 40} if kind == "bestfit" else {}
     expected = _batches(_on_disk(kind, hosted_dir, **extra), 260)
-    first = _batches(_streaming(kind, server, tmp_path / "a", cache_limit=7 * sizes[-1], **extra), 200)
+    first = _batches(_streaming(kind, server, tmp_path / "a", cache_limit=7 * sizes[-1], **extra),
+                     200)
     _same(first, expected[:200])
     state = first[-1][2]
-    buffered = list(dict.fromkeys(index_to_filename(key[1]) for key in decode_keys(state["buffer"])))
+    buffered = list(dict.fromkeys(index_to_filename(key[1])
+                                  for key in decode_keys(state["buffer"])))
     assert buffered  # the test is about them
     before = len(server.fetched())
-    resumed = _batches(_streaming(kind, server, tmp_path / "b", resume_state_dict=state, prefetch_shards=0,
-                                  **extra), 60)
+    resumed = _batches(_streaming(kind, server, tmp_path / "b", resume_state_dict=state,
+                                  prefetch_shards=0, **extra), 60)
     _same(resumed, expected[200:])
     assert server.fetched()[before:before + len(buffered)] == buffered
 
 
 def test_eviction_spares_what_any_loader_of_the_machine_needs(tmp_path):
-    """With another live loader's needs on record (it reads shard 0, fetched shard 1 ahead, and buffers documents
-    of shard 2 that it has not copied yet), making room evicts only the shards no one needs, oldest first, and
-    says there is no room rather than evict one of those."""
+    """With another live loader's needs on record (it reads shard 0, fetched shard 1 ahead, and
+    buffers documents of shard 2 that it has not copied yet), making room evicts only the shards no
+    one needs, oldest first, and says there is no room rather than evict one of those."""
     cache = tmp_path / "cache"
     names = [index_to_filename(i) for i in range(6)]
     (cache / STREAM_DIR).mkdir(parents=True)
-    for i, name in enumerate(names[:5]):  # 1,000 bytes each, fetched by a streaming loader, oldest first
+    # 1,000 bytes each, fetched by a streaming loader, oldest first
+    for i, name in enumerate(names[:5]):
         (cache / name).write_bytes(b"x" * 1000)
         os.utime(cache / name, (1e9 + i, 1e9 + i))
     ledger = Ledger(str(cache))
@@ -234,8 +248,8 @@ def test_eviction_spares_what_any_loader_of_the_machine_needs(tmp_path):
         another = Loader(socket.gethostname(), os.getpid(), 4000, needs)
         ledger.write(Table(loaders={"another": another},
                            shards={name: ShardRow(FETCHED) for name in names[:5]}))
-    shards = ShardCache(str(cache), names, [f"http://127.0.0.1:9/{name}" for name in names], [1000] * 6,
-                        prefetch_shards=0, cache_limit=4000, limits=FAST)
+    shards = ShardCache(str(cache), names, [f"http://127.0.0.1:9/{name}" for name in names],
+                        [1000] * 6, prefetch_shards=0, cache_limit=4000, limits=FAST)
 
     def on_disk():
         return sorted(name for name in os.listdir(cache) if name.endswith(".parquet"))
@@ -265,7 +279,8 @@ def test_eviction_spares_what_any_loader_of_the_machine_needs(tmp_path):
 
 
 def _least_accepted(make) -> int:
-    """The least cache_limit that make(cache_limit) accepts (a loader: closed at once), by bisection."""
+    """The least cache_limit that make(cache_limit) accepts (a loader: closed at once), by
+    bisection."""
     low, high = 1, 1 << 30
     while low < high:
         mid = (low + high) // 2
@@ -279,7 +294,8 @@ def _least_accepted(make) -> int:
 
 
 def _split_dir(hosted_dir, directory, num_train: int) -> str:
-    """A directory with the first num_train hosted train shards and the val shard: the on-disk oracle's."""
+    """A directory with the first num_train hosted train shards and the val shard: the on-disk
+    oracle's."""
     os.makedirs(directory)
     for name in [index_to_filename(i) for i in range(num_train)] + [VAL]:
         shutil.copy(os.path.join(hosted_dir, name), directory)
@@ -287,10 +303,11 @@ def _split_dir(hosted_dir, directory, num_train: int) -> str:
 
 
 def test_shards_outside_the_split_in_the_cache_do_not_stop_the_copies(tmp_path, monkeypatch):
-    """A cache_limit that holds the split and the val shard, but not the 3 shards already in the cache from
-    elsewhere (as after an earlier -n run): the loader must evict, so it copies buffered documents, and runs into
-    the next epoch with the on-disk loader's batches (without copies the shards of long documents would fill the
-    budget for good: a reader waiting for room, then an error)."""
+    """A cache_limit that holds the split and the val shard, but not the 3 shards already in the
+    cache from elsewhere (as after an earlier -n run): the loader must evict, so it copies buffered
+    documents, and runs into the next epoch with the on-disk loader's batches (without copies the
+    shards of long documents would fill the budget for good: a reader waiting for room, then an
+    error)."""
     monkeypatch.setattr(shard_cache, "ROOM_WAIT", 3.0)
     hosted_dir = tmp_path / "hosted"
     _write_hosted(hosted_dir, 12)
@@ -302,9 +319,10 @@ def test_shards_outside_the_split_in_the_cache_do_not_stop_the_copies(tmp_path, 
     train = [os.path.getsize(hosted_dir / index_to_filename(i)) for i in range(9)]
     limit = sum(train) + os.path.getsize(hosted_dir / VAL)
     try:
-        expected = _batches(_on_disk("bestfit", _split_dir(hosted_dir, tmp_path / "split", 9), buffer_size=20), 420)
-        loader = _streaming("bestfit", server, cache, num_shards=9, cache_limit=limit, prefetch_shards=1,
-                            buffer_size=20)
+        expected = _batches(_on_disk("bestfit", _split_dir(hosted_dir, tmp_path / "split", 9),
+                                     buffer_size=20), 420)
+        loader = _streaming("bestfit", server, cache, num_shards=9, cache_limit=limit,
+                            prefetch_shards=1, buffer_size=20)
         assert loader.cache_status().copying
         _same(_batches(loader, 420), expected)
     finally:
@@ -314,24 +332,28 @@ def test_shards_outside_the_split_in_the_cache_do_not_stop_the_copies(tmp_path, 
 
 
 def test_copies_beyond_their_room_give_way_to_a_waiting_reader(tmp_path, monkeypatch, caplog):
-    """One document in 20 is 8,000 characters, far longer than a row: best-fit keeps them waiting, and their copies
-    outgrow the room the start check sets aside (copies_estimate, from the average document: ~55 KB here, against
-    ~250 KB). At the least cache_limit it accepts, the reader that finds no room has the oldest copies dropped,
-    with a warning, rather than wait: the batches are the on-disk loader's, and the disk stays within the limit."""
+    """One document in 20 is 8,000 characters, far longer than a row: best-fit keeps them waiting,
+    and their copies outgrow the room the start check sets aside (copies_estimate, from the average
+    document: ~55 KB here, against ~250 KB). At the least cache_limit it accepts, the reader that
+    finds no room has the oldest copies dropped, with a warning, rather than wait: the batches are
+    the on-disk loader's, and the disk stays within the limit."""
     monkeypatch.setattr(shard_cache, "ROOM_WAIT", 3.0)
     hosted_dir = tmp_path / "hosted"
     hosted_dir.mkdir()
     rng = random.Random(1)
     for i in list(range(30)) + [6542]:
         texts = [f"s{i} d{j}: " + "".join(rng.choice("abcdefgh ") for _ in range(
-            8000 if rng.random() < 0.05 else rng.choice([rng.randint(1, 40), rng.randint(1, 300)]))) for j in range(80)]
+            8000 if rng.random() < 0.05
+            else rng.choice([rng.randint(1, 40), rng.randint(1, 300)])))
+            for j in range(80)]
         write_shard(os.path.join(hosted_dir, index_to_filename(i)), texts, 16)
     server = ShardServer(str(hosted_dir))
     settings = dict(num_shards=30, prefetch_shards=1, buffer_size=60)
     try:
-        limit = _least_accepted(lambda limit: _streaming("bestfit", server, tmp_path / "cache", cache_limit=limit,
-                                                         **settings))
-        expected = _batches(_on_disk("bestfit", _split_dir(hosted_dir, tmp_path / "split", 30), buffer_size=60), 1500)
+        limit = _least_accepted(lambda limit: _streaming("bestfit", server, tmp_path / "cache",
+                                                         cache_limit=limit, **settings))
+        expected = _batches(_on_disk("bestfit", _split_dir(hosted_dir, tmp_path / "split", 30),
+                                     buffer_size=60), 1500)
         peak, stop = [0], threading.Event()
 
         def watch():
@@ -343,8 +365,8 @@ def test_copies_beyond_their_room_give_way_to_a_waiting_reader(tmp_path, monkeyp
         watcher.start()
         try:
             with caplog.at_level(logging.WARNING, logger="nanochat.shard_cache"):
-                streamed = _batches(_streaming("bestfit", server, tmp_path / "cache", cache_limit=limit, **settings),
-                                    1500)
+                streamed = _batches(_streaming("bestfit", server, tmp_path / "cache",
+                                               cache_limit=limit, **settings), 1500)
         finally:
             stop.set()
             watcher.join()
@@ -352,11 +374,13 @@ def test_copies_beyond_their_room_give_way_to_a_waiting_reader(tmp_path, monkeyp
         server.close()
     _same(streamed, expected)
     assert peak[0] <= limit
-    assert any("the copies of buffered documents" in record.getMessage() for record in caplog.records)
+    assert any("the copies of buffered documents" in record.getMessage()
+               for record in caplog.records)
 
 
 def _kept(cache, name: str) -> dict[tuple[int, int], str]:
-    """{(rg_idx, row): text} of the copies of shard `name`'s documents that the loaders kept for their buffers."""
+    """{(rg_idx, row): text} of the copies of shard `name`'s documents that the loaders kept for
+    their buffers."""
     texts = {}
     kept = os.path.join(cache, STREAM_DIR, "kept")
     for owner in os.listdir(kept) if os.path.isdir(kept) else []:
@@ -368,9 +392,10 @@ def _kept(cache, name: str) -> dict[tuple[int, int], str]:
 
 
 def test_a_buffers_documents_are_on_disk_or_kept_and_a_resume_reads_the_copies(hosted, tmp_path):
-    """Documents longer than a row (T=64) wait in the best-fit buffer for many shards. After every batch, each
-    document the yielded state buffers is in its shard on disk or in a copy, with the shard's text; a resume in
-    the same cache reads the copies and fetches none of the shards they came from."""
+    """Documents longer than a row (T=64) wait in the best-fit buffer for many shards. After every
+    batch, each document the yielded state buffers is in its shard on disk or in a copy, with the
+    shard's text; a resume in the same cache reads the copies and fetches none of the shards they
+    came from."""
     hosted_dir, server, sizes = hosted
     cache = tmp_path / "cache"
     source = {}  # name -> {(rg_idx, row): text} of the hosted shards
@@ -379,8 +404,10 @@ def test_a_buffers_documents_are_on_disk_or_kept_and_a_resume_reads_the_copies(h
         source[name] = {(g, r): text for g in range(pf.num_row_groups)
                         for r, text in enumerate(pf.read_row_group(g).column("text").to_pylist())}
     expected = _batches(_on_disk("bestfit", hosted_dir, buffer_size=20), 260)
-    limit = int(5.2 * sizes[-1])  # about the least: (packing 2 + prefetch_shards=1 + 1) x the largest, val, copies
-    loader = _streaming("bestfit", server, cache, cache_limit=limit, prefetch_shards=1, buffer_size=20)
+    # about the least: (packing 2 + prefetch_shards=1 + 1) x the largest, val, copies
+    limit = int(5.2 * sizes[-1])
+    loader = _streaming("bestfit", server, cache, cache_limit=limit, prefetch_shards=1,
+                        buffer_size=20)
     copied = set()  # shards of buffered documents seen evicted, their documents kept
     streamed = []
     for inputs, targets, state in loader:
@@ -392,7 +419,8 @@ def test_a_buffers_documents_are_on_disk_or_kept_and_a_resume_reads_the_copies(h
             for name, rows in wanted.items():
                 if not (cache / name).exists():
                     kept = _kept(cache, name)
-                    assert {row: kept.get(row) for row in rows} == {row: source[name][row] for row in rows}, name
+                    assert ({row: kept.get(row) for row in rows}
+                            == {row: source[name][row] for row in rows}), name
                     copied.add(name)
         if len(streamed) == 200:
             break
@@ -400,34 +428,37 @@ def test_a_buffers_documents_are_on_disk_or_kept_and_a_resume_reads_the_copies(h
     _same(streamed, expected[:200])
     assert copied  # not vacuous: shards went while documents of theirs were buffered
     state = streamed[-1][2]
-    gone = {index_to_filename(key[1]) for key in decode_keys(state["buffer"])} - set(os.listdir(cache))
+    gone = ({index_to_filename(key[1]) for key in decode_keys(state["buffer"])}
+            - set(os.listdir(cache)))
     assert gone  # the resume needs documents of shards no longer on disk
     before = len(server.fetched())
-    # (prefetch=0, prefetch_shards=0: nothing read or fetched ahead into the next epoch, which reads them again)
-    resumed = _batches(_streaming("bestfit", server, cache, cache_limit=limit, prefetch_shards=0, buffer_size=20,
-                                  resume_state_dict=state, prefetch=0), 60)
+    # (prefetch=0, prefetch_shards=0: nothing read or fetched ahead into the next epoch, which
+    # reads them again)
+    resumed = _batches(_streaming("bestfit", server, cache, cache_limit=limit, prefetch_shards=0,
+                                  buffer_size=20, resume_state_dict=state, prefetch=0), 60)
     _same(resumed, expected[200:])
     assert not gone & set(server.fetched()[before:])  # read from the copies
 
 
 def test_elastic_merge_of_streamed_states(hosted, tmp_path, monkeypatch):
-    """2 streaming ranks -> merge_states(stream=True) on a cache without the shards -> 3 streaming ranks: the
-    same batches as the merge of the on-disk loaders' states resumed on disk."""
+    """2 streaming ranks -> merge_states(stream=True) on a cache without the shards -> 3 streaming
+    ranks: the same batches as the merge of the on-disk loaders' states resumed on disk."""
     hosted_dir, server, _ = hosted
-    states = [_batches(_streaming("bestfit", server, tmp_path / f"old{r}", rank=r, world_size=2, buffer_size=10),
-                       70)[-1][2] for r in range(2)]
-    disk_states = [_batches(_on_disk("bestfit", hosted_dir, rank=r, world_size=2, buffer_size=10), 70)[-1][2]
+    states = [_batches(_streaming("bestfit", server, tmp_path / f"old{r}", rank=r, world_size=2,
+                                  buffer_size=10), 70)[-1][2] for r in range(2)]
+    disk_states = [_batches(_on_disk("bestfit", hosted_dir, rank=r, world_size=2, buffer_size=10),
+                            70)[-1][2]
                    for r in range(2)]
     assert states == disk_states
-    merged = merge_states(states, 3, data_dir=str(tmp_path / "new"), stream=True, base_url=server.url,
-                          download_limits=FAST)
+    merged = merge_states(states, 3, data_dir=str(tmp_path / "new"), stream=True,
+                          base_url=server.url, download_limits=FAST)
     assert merged == merge_states(disk_states, 3, data_dir=hosted_dir)
     assert not [f for f in os.listdir(tmp_path / "new") if f.endswith(".parquet")]  # footers only
     for r in range(3):
         expected = _batches(_on_disk("bestfit", hosted_dir, rank=r, world_size=3, buffer_size=10,
                                      resume_state_dict=merged), 80)
-        _same(_batches(_streaming("bestfit", server, tmp_path / "new", rank=r, world_size=3, buffer_size=10,
-                                  resume_state_dict=merged), 80), expected)
+        _same(_batches(_streaming("bestfit", server, tmp_path / "new", rank=r, world_size=3,
+                                  buffer_size=10, resume_state_dict=merged), 80), expected)
     monkeypatch.setenv("NANOCHAT_STREAM", "1")  # merge_states reads it as the loaders do
     monkeypatch.setenv("NANOCHAT_DATA_URL", server.url)
     assert merge_states(states, 3, data_dir=str(tmp_path / "new")) == merged
@@ -446,26 +477,31 @@ def test_environment_turns_streaming_on(hosted, tmp_path, monkeypatch):
     monkeypatch.setenv("NANOCHAT_DATA_URL", server.url)
     monkeypatch.setenv("NANOCHAT_STREAM_SHARDS", "7")
     monkeypatch.setenv("NANOCHAT_CACHE_LIMIT", f"{16 * sizes[-1] / 1e3:.3f}KB")
-    # (the defaults on these small shards: all 7 (their read-ahead spans them), val, and a buffer of 1,000's copies)
-    loader = tokenizing_distributed_data_loader_with_state_bos_bestfit(ByteTokenizer(), 4, 64, "train", device="cpu",
-                                                                       tokenizer_batch_size=8)
+    # (the defaults on these small shards: all 7 (their read-ahead spans them), val, and a buffer
+    # of 1,000's copies)
+    loader = tokenizing_distributed_data_loader_with_state_bos_bestfit(
+        ByteTokenizer(), 4, 64, "train", device="cpu", tokenizer_batch_size=8)
     _same(_batches(loader, 100), expected)
     assert server.fetched()[0] == index_to_filename(0)  # into the dataset's directory, the cache
     assert (base / "base_data_climbmix" / STREAM_DIR / "catalog.json").exists()
     monkeypatch.setenv("NANOCHAT_CACHE_LIMIT", "lots")
     with pytest.raises(ValueError, match="NANOCHAT_CACHE_LIMIT='lots'"):
-        tokenizing_distributed_data_loader_with_state_bos_bestfit(ByteTokenizer(), 2, 32, "train", device="cpu")
+        tokenizing_distributed_data_loader_with_state_bos_bestfit(ByteTokenizer(), 2, 32, "train",
+                                                                  device="cpu")
     monkeypatch.setenv("NANOCHAT_STREAM", "yes")
     with pytest.raises(ValueError, match="NANOCHAT_STREAM must be 1"):
-        tokenizing_distributed_data_loader_with_state_bos_bestfit(ByteTokenizer(), 2, 32, "train", device="cpu")
+        tokenizing_distributed_data_loader_with_state_bos_bestfit(ByteTokenizer(), 2, 32, "train",
+                                                                  device="cpu")
 
 
 def test_arguments_are_checked(hosted, tmp_path):
     _, server, _ = hosted
-    for kwargs, message in [({"num_shards": 0}, "num_shards"), ({"num_shards": 6543}, "num_shards"),
+    for kwargs, message in [({"num_shards": 0}, "num_shards"),
+                            ({"num_shards": 6543}, "num_shards"),
                             ({"prefetch_shards": -1}, "prefetch_shards"),
                             ({"cache_limit": "20 parsecs"}, "cache_limit"),
-                            ({"cache_limit": 0}, "cache_limit"), ({"stream": "yes"}, "stream must be"),
+                            ({"cache_limit": 0}, "cache_limit"),
+                            ({"stream": "yes"}, "stream must be"),
                             ({"base_url": "ftp://x"}, "must start with http")]:
         with pytest.raises(ValueError, match=message):
             _streaming("bestfit", server, tmp_path / "cache", **kwargs)
@@ -488,8 +524,10 @@ def test_parse_bytes():
 def test_catalog_is_read_once_and_reused(hosted, tmp_path):
     hosted_dir, server, _ = hosted
     _batches(_streaming("bestfit", server, tmp_path / "cache"), 1)
-    footers = [name for name, wanted in server.gets if wanted and wanted.startswith("bytes=-")]  # the file's end
-    assert sorted(footers) == [index_to_filename(i) for i in range(7)] + [VAL]  # val's too: the budget counts it
+    # the file's end
+    footers = [name for name, wanted in server.gets if wanted and wanted.startswith("bytes=-")]
+    # val's too: the budget counts it
+    assert sorted(footers) == [index_to_filename(i) for i in range(7)] + [VAL]
     catalog = json.loads((tmp_path / "cache" / STREAM_DIR / "catalog.json").read_text())
     for i in range(7):
         path = os.path.join(hosted_dir, index_to_filename(i))
@@ -498,7 +536,8 @@ def test_catalog_is_read_once_and_reused(hosted, tmp_path):
         assert sum(entry["rows"]) == 300 and entry["rows"][0] == 32
     before = len(server.gets)
     _batches(_streaming("bestfit", server, tmp_path / "cache"), 1)
-    assert not [name for name, wanted in server.gets[before:] if wanted and wanted.startswith("bytes=-")]
+    assert not [name for name, wanted in server.gets[before:]
+                if wanted and wanted.startswith("bytes=-")]
 
 
 def test_fetch_tail_and_footer_rows(hosted):
@@ -519,7 +558,8 @@ def test_fetch_tail_and_footer_rows(hosted):
 
 def test_fetch_tail_needs_range_support(tmp_path):
     (tmp_path / "f.parquet").write_bytes(b"PAR1" + b"x" * 100 + b"PAR1")
-    server = ThreadingHTTPServer(("127.0.0.1", 0), partial(SimpleHTTPRequestHandler, directory=str(tmp_path)))
+    server = ThreadingHTTPServer(("127.0.0.1", 0),
+                                 partial(SimpleHTTPRequestHandler, directory=str(tmp_path)))
     threading.Thread(target=server.serve_forever, daemon=True).start()
     try:
         with pytest.raises(DownloadError, match="must honour Range requests"):

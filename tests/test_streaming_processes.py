@@ -1,10 +1,11 @@
 """
-Streaming (stream=True) with real processes and real failures, against a ShardServer on 127.0.0.1: many ranks of
-one machine share one cache and download each shard once; two torchrun "nodes" each fill their own cache; a
-streaming run killed mid-download resumes exactly; a server that goes away or falls silent, a missing shard and a
-full disk are clear errors, never a hang; the least cache_limit is enough while another loader of the machine
-downloads, or after one was interrupted. Every streamed batch and state is compared with the same loader over the
-hosted shards on disk. Run: python -m pytest tests/test_streaming_processes.py -q   (~30 s)
+Streaming (stream=True) with real processes and real failures, against a ShardServer on
+127.0.0.1: many ranks of one machine share one cache and download each shard once; two torchrun
+"nodes" each fill their own cache; a streaming run killed mid-download resumes exactly; a server
+that goes away or falls silent, a missing shard and a full disk are clear errors, never a hang;
+the least cache_limit is enough while another loader of the machine downloads, or after one was
+interrupted. Every streamed batch and state is compared with the same loader over the hosted
+shards on disk. Run: python -m pytest tests/test_streaming_processes.py -q   (~30 s)
 """
 
 import errno
@@ -44,8 +45,8 @@ TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
 
 
 def host_shards(directory, num_shards: int, docs_of, row_group_size: int) -> list[str]:
-    """Train shards shard_00000.parquet, ... with docs_of(i)'s texts, and the dataset's val shard, as the hub
-    names them. Returns the train shards' names."""
+    """Train shards shard_00000.parquet, ... with docs_of(i)'s texts, and the dataset's val shard,
+    as the hub names them. Returns the train shards' names."""
     os.makedirs(directory, exist_ok=True)
     names = [index_to_filename(i) for i in range(num_shards)]
     for i, name in enumerate(names):
@@ -59,22 +60,27 @@ def letters(rng: random.Random, n: int) -> str:
 
 
 def equal_docs(num: int, length: int):
-    """docs_of for shards whose documents all have one length: every rank then takes the same number of
-    documents per batch, so ranks that step together stay on the same shard."""
+    """docs_of for shards whose documents all have one length: every rank then takes the same
+    number of documents per batch, so ranks that step together stay on the same shard."""
     return lambda i: [letters(random.Random(f"{i}-{j}"), length) for j in range(num)]
 
 
-def on_disk(hosted, num_batches: int, rank: int = 0, world_size: int = 1, resume=None) -> list[dict]:
-    """The oracle: the same loader over the hosted shards on disk, each batch as a worker writes it."""
+def on_disk(
+    hosted, num_batches: int, rank: int = 0, world_size: int = 1, resume=None
+) -> list[dict]:
+    """The oracle: the same loader over the hosted shards on disk, each batch as a worker writes
+    it."""
     loader = tokenizing_distributed_data_loader_with_state_bos_bestfit(
-        ByteTokenizer(), data_dir=str(hosted), rank=rank, world_size=world_size, resume_state_dict=resume, **LOADER)
+        ByteTokenizer(), data_dir=str(hosted), rank=rank, world_size=world_size,
+        resume_state_dict=resume, **LOADER)
     batches = take(loader, num_batches)
     loader.close()
     return batches
 
 
 def take(loader, num_batches: int) -> list[dict]:
-    """The next batches of a loader as a worker writes them, and reads them back (tuples become lists)."""
+    """The next batches of a loader as a worker writes them, and reads them back (tuples become
+    lists)."""
     return [json.loads(json.dumps({"rows": rows_of(inputs, targets), "state": state}))
             for inputs, targets, state in islice(loader, num_batches)]
 
@@ -86,26 +92,31 @@ def read_lines(path) -> list[dict]:
 
 
 def stream_env(base_dir, url: str, num_shards: int, cache_limit: int | None = None) -> dict:
-    """A worker's environment: stream num_shards train shards from url into base_dir's dataset directory."""
-    env = dict(worker_env(), NANOCHAT_STREAM="1", NANOCHAT_BASE_DIR=str(base_dir), NANOCHAT_DATA_URL=url,
-               NANOCHAT_STREAM_SHARDS=str(num_shards))
+    """A worker's environment: stream num_shards train shards from url into base_dir's dataset
+    directory."""
+    env = dict(worker_env(), NANOCHAT_STREAM="1", NANOCHAT_BASE_DIR=str(base_dir),
+               NANOCHAT_DATA_URL=url, NANOCHAT_STREAM_SHARDS=str(num_shards))
     if cache_limit is not None:
         env["NANOCHAT_CACHE_LIMIT"] = str(cache_limit)
     return env
 
 
 def copies(hosted, names) -> int:
-    """The room the loaders below (a buffer of 8) set aside for copies of buffered documents (copies_estimate)."""
-    entries = [{"size": os.path.getsize(os.path.join(hosted, name)), "rows": [pq.read_metadata(
-        os.path.join(hosted, name)).num_rows]} for name in names]
+    """The room the loaders below (a buffer of 8) set aside for copies of buffered documents
+    (copies_estimate)."""
+    entries = [{"size": os.path.getsize(os.path.join(hosted, name)),
+                "rows": [pq.read_metadata(os.path.join(hosted, name)).num_rows]}
+               for name in names]
     return copies_estimate(entries, LOADER["buffer_size"])
 
 
 def least_limit(hosted, names) -> int:
-    """The least cache_limit of a 3-shard split, prefetch_shards=2: 3 x its largest shard and the val shard (it all
-    fits then: no shard is ever evicted, so no copies of buffered documents are made or budgeted)."""
+    """The least cache_limit of a 3-shard split, prefetch_shards=2: 3 x its largest shard and the
+    val shard (it all fits then: no shard is ever evicted, so no copies of buffered documents are
+    made or budgeted)."""
     assert len(names) == 3
-    return 3 * max(shards_in(hosted)[name] for name in names) + shards_in(hosted)[get_dataset().val_filename]
+    return (3 * max(shards_in(hosted)[name] for name in names)
+            + shards_in(hosted)[get_dataset().val_filename])
 
 
 def cache_dir(base_dir) -> str:
@@ -140,21 +151,24 @@ def free_port() -> int:
 
 
 def test_ranks_of_one_machine_download_each_shard_once_within_the_budget(tmp_path):
-    # 10 shards of 48 equal documents in row groups of 2: 24 documents (6 batches) per rank per shard
+    # 10 shards of 48 equal documents in row groups of 2: 24 documents (6 batches) per rank per
+    # shard
     hosted, out = tmp_path / "hosted", tmp_path / "out"
     names = host_shards(hosted, 10, equal_docs(48, 20), row_group_size=2)
     out.mkdir()
     largest = max(shards_in(hosted)[name] for name in names)
-    # about the least it accepts: room for the shard read, the one still being packed, prefetch_shards=2 ahead, a
-    # rank out of step, the val shard and copies of the buffered documents (a few hundred bytes)
+    # about the least it accepts: room for the shard read, the one still being packed,
+    # prefetch_shards=2 ahead, a rank out of step, the val shard and copies of the buffered
+    # documents (a few hundred bytes)
     limit = 6 * largest + copies(hosted, names)
-    # 144 documents per rank, and 8 more in the buffer: shards 0-6 are read (the run must evict), 7 and 8 fetched
-    # ahead; nothing of the next epoch is, so every shard's one visit is its only one
+    # 144 documents per rank, and 8 more in the buffer: shards 0-6 are read (the run must evict),
+    # 7 and 8 fetched ahead; nothing of the next epoch is, so every shard's one visit is its only
+    # one
     num_batches = 36
     server = ShardServer(str(hosted))
     try:
-        cmd = [*TORCHRUN, "--standalone", "--nproc-per-node=2", os.path.join(HERE, "stream_worker.py"), str(out),
-               str(num_batches)]
+        cmd = [*TORCHRUN, "--standalone", "--nproc-per-node=2",
+               os.path.join(HERE, "stream_worker.py"), str(out), str(num_batches)]
         result = subprocess.run(cmd, capture_output=True, text=True, timeout=120,
                                 env=stream_env(tmp_path / "base", server.url, len(names), limit))
         assert result.returncode == 0, result.stdout + result.stderr
@@ -167,13 +181,15 @@ def test_ranks_of_one_machine_download_each_shard_once_within_the_budget(tmp_pat
     last_read = read_lines(out / "rank0.jsonl")[-1]["state"]["pq_idx"]
     assert last_read == 6
     assert fetched == names[:len(fetched)] and len(fetched) >= last_read + 1
-    # the budget held: shards were evicted (each then had been read by both ranks: none was fetched twice)
+    # the budget held: shards were evicted (each then had been read by both ranks: none was fetched
+    # twice)
     kept = shards_in(cache_dir(tmp_path / "base"))
     assert len(kept) < len(fetched) and sum(kept.values()) <= limit
 
 
 def test_two_nodes_each_fill_their_own_cache(tmp_path):
-    # torchrun --nnodes 2 on one machine: node 0 and node 1 are two launches with a base dir (a local disk) each
+    # torchrun --nnodes 2 on one machine: node 0 and node 1 are two launches with a base dir (a
+    # local disk) each
     hosted, out = tmp_path / "hosted", tmp_path / "out"
     names = host_shards(hosted, 4, equal_docs(24, 20), row_group_size=2)
     out.mkdir()
@@ -181,12 +197,13 @@ def test_two_nodes_each_fill_their_own_cache(tmp_path):
     server = ShardServer(str(hosted))
     port, nodes = free_port(), []
     try:
-        nodes += [subprocess.Popen([*TORCHRUN, "--nnodes=2", f"--node-rank={node}", "--nproc-per-node=1",
-                                   "--master-addr=127.0.0.1", f"--master-port={port}",
-                                   os.path.join(HERE, "stream_worker.py"), str(out), str(num_batches)],
-                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                  env=stream_env(tmp_path / f"node{node}", server.url, len(names)))
-                 for node in range(2)]
+        nodes += [subprocess.Popen([*TORCHRUN, "--nnodes=2", f"--node-rank={node}",
+                                    "--nproc-per-node=1", "--master-addr=127.0.0.1",
+                                    f"--master-port={port}", os.path.join(HERE, "stream_worker.py"),
+                                    str(out), str(num_batches)],
+                                   stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                   env=stream_env(tmp_path / f"node{node}", server.url, len(names)))
+                  for node in range(2)]
         for node in nodes:
             output = node.communicate(timeout=120)[0]
             assert node.returncode == 0, output
@@ -212,10 +229,12 @@ def test_two_nodes_each_fill_their_own_cache(tmp_path):
 
 
 def mixed_docs(i: int) -> list[str]:
-    """4 long documents (60 KB of random text: a shard is ~150 KB, which a throttled server sends in 64 KB steps)
-    among 12 short ones, which best-fit keeps in its buffer while the long ones fill rows."""
+    """4 long documents (60 KB of random text: a shard is ~150 KB, which a throttled server sends
+    in 64 KB steps) among 12 short ones, which best-fit keeps in its buffer while the long ones
+    fill rows."""
     rng = random.Random(i)
-    docs = [letters(rng, 60_000) for _ in range(4)] + [letters(rng, rng.randint(5, 40)) for _ in range(12)]
+    docs = ([letters(rng, 60_000) for _ in range(4)]
+            + [letters(rng, rng.randint(5, 40)) for _ in range(12)])
     rng.shuffle(docs)
     return docs
 
@@ -229,9 +248,10 @@ def buffered_shards(state) -> list[int]:
 def test_a_killed_streaming_run_resumes_exactly(tmp_path):
     hosted, base = tmp_path / "hosted", tmp_path / "base"
     names = host_shards(hosted, 10, mixed_docs, row_group_size=2)
-    # the least it accepts: 6 of the 10 (the shard read, the one still being packed, prefetch_shards=2 ahead, one for
-    # a rank out of step, the val shard) and copies of the buffered documents (about one); the resume below starts
-    # at it too, with the killed run's partial download
+    # the least it accepts: 6 of the 10 (the shard read, the one still being packed,
+    # prefetch_shards=2 ahead, one for a rank out of step, the val shard) and copies of the
+    # buffered documents (about one); the resume below starts at it too, with the killed run's
+    # partial download
     limit = 6 * max(shards_in(hosted).values()) + copies(hosted, names)
     directory = cache_dir(base)
     # a link of 1 MB/s: a shard takes ~0.15 s, so a download is under way most of the time
@@ -241,8 +261,9 @@ def test_a_killed_streaming_run_resumes_exactly(tmp_path):
     killed.mkdir(), resumed.mkdir()
     try:
         with open(killed / "log", "w") as log:
-            worker = subprocess.Popen([sys.executable, os.path.join(HERE, "stream_worker.py"), str(killed), "1000"],
-                                      stdout=log, stderr=subprocess.STDOUT, env=env)
+            worker = subprocess.Popen(
+                [sys.executable, os.path.join(HERE, "stream_worker.py"), str(killed), "1000"],
+                stdout=log, stderr=subprocess.STDOUT, env=env)
         try:
             partial = kill_mid_download(worker, killed, directory, min_batches=13)
         finally:
@@ -263,8 +284,8 @@ def test_a_killed_streaming_run_resumes_exactly(tmp_path):
             json.dump(before[-1]["state"], f)
 
         mark = len(server.gets)
-        result = subprocess.run([sys.executable, os.path.join(HERE, "stream_worker.py"), str(resumed),
-                                 str(num_after), str(tmp_path / "state.json")],
+        result = subprocess.run([sys.executable, os.path.join(HERE, "stream_worker.py"),
+                                 str(resumed), str(num_after), str(tmp_path / "state.json")],
                                 capture_output=True, text=True, timeout=60, env=env)
         assert result.returncode == 0, result.stdout + result.stderr
         after = server.gets[mark:]
@@ -280,7 +301,8 @@ def test_a_killed_streaming_run_resumes_exactly(tmp_path):
 
 
 def lingering_docs(i: int) -> list[str]:
-    """100 documents of 18-77 characters: those longer than a row (T=32) wait in the buffer for shards on end."""
+    """100 documents of 18-77 characters: those longer than a row (T=32) wait in the buffer for
+    shards on end."""
     rng = random.Random(i)
     return [f"shard {i} doc {j}: " + letters(rng, rng.randint(1, 60)) for j in range(100)]
 
@@ -288,7 +310,8 @@ def lingering_docs(i: int) -> list[str]:
 def test_a_resume_after_a_kill_reads_the_buffered_documents_from_the_dead_loaders_copies(tmp_path):
     hosted, base = tmp_path / "hosted", tmp_path / "base"
     names = host_shards(hosted, 10, lingering_docs, row_group_size=16)
-    limit = 6 * max(shards_in(hosted).values()) + copies(hosted, names)  # the least it accepts, as above
+    # the least it accepts, as above
+    limit = 6 * max(shards_in(hosted).values()) + copies(hosted, names)
     directory = cache_dir(base)
     server = ShardServer(str(hosted))
     env = stream_env(base, server.url, len(names), limit)
@@ -327,8 +350,9 @@ def test_a_resume_after_a_kill_reads_the_buffered_documents_from_the_dead_loader
         with open(tmp_path / "state.json", "w") as f:
             json.dump(state, f)
         mark = len(server.gets)
-        result = subprocess.run([sys.executable, os.path.join(HERE, "stream_worker.py"), str(resumed), "20",
-                                 str(tmp_path / "state.json")], capture_output=True, text=True, timeout=60, env=env)
+        result = subprocess.run([sys.executable, os.path.join(HERE, "stream_worker.py"),
+                                 str(resumed), "20", str(tmp_path / "state.json")],
+                                capture_output=True, text=True, timeout=60, env=env)
         assert result.returncode == 0, result.stdout + result.stderr
         after = {name for name, _ in server.gets[mark:]}
     finally:
@@ -339,15 +363,17 @@ def test_a_resume_after_a_kill_reads_the_buffered_documents_from_the_dead_loader
 
 
 def kill_mid_download(worker, out, directory, min_batches: int) -> str:
-    """SIGKILL the worker (no cleanup of any kind) once it has written min_batches batches and a shard is partly
-    downloaded; that shard's name. The worker is stopped (SIGSTOP) while the directory is looked at, so what the
-    test sees is what the kill leaves."""
+    """SIGKILL the worker (no cleanup of any kind) once it has written min_batches batches and a
+    shard is partly downloaded; that shard's name. The worker is stopped (SIGSTOP) while the
+    directory is looked at, so what the test sees is what the kill leaves."""
     for _ in range(2000):  # 10 s
         assert worker.poll() is None, (out / "log").read_text()
-        if os.path.exists(out / "rank0.jsonl") and len(read_lines(out / "rank0.jsonl")) >= min_batches:
+        if (os.path.exists(out / "rank0.jsonl")
+                and len(read_lines(out / "rank0.jsonl")) >= min_batches):
             worker.send_signal(signal.SIGSTOP)
             partial = [name.removesuffix(".tmp") for name in os.listdir(directory)
-                       if name.endswith(".parquet.tmp") and os.path.getsize(os.path.join(directory, name)) > 0]
+                       if name.endswith(".parquet.tmp")
+                       and os.path.getsize(os.path.join(directory, name)) > 0]
             if partial:
                 worker.kill()
                 return partial[0]
@@ -361,17 +387,20 @@ def test_a_resume_elsewhere_fetches_the_buffered_documents_shards_first(tmp_path
     names = host_shards(hosted, 10, mixed_docs, row_group_size=2)
     expected = on_disk(hosted, 23)
     state = expected[12]["state"]  # one the killed run above wrote too
-    assert buffered_shards(state) == [1, 2, 3] and state["next"][1] == 3  # two shards before the stream's own
+    # two shards before the stream's own
+    assert buffered_shards(state) == [1, 2, 3] and state["next"][1] == 3
     server = ShardServer(str(hosted))
     try:  # on another machine: an empty cache
-        loader = streaming(tmp_path / "cache", server.url, len(names), prefetch_shards=2, resume_state_dict=state)
+        loader = streaming(tmp_path / "cache", server.url, len(names), prefetch_shards=2,
+                           resume_state_dict=state)
         resumed = take(loader, 10)
         loader.close()
     finally:
         server.close()
     assert resumed == expected[13:]
     fetched = server.fetched()
-    assert fetched == names[1:1 + len(fetched)] and len(fetched) >= 5  # 1, 2 (buffered), 3, 4, 5 (read); never 0
+    # 1, 2 (buffered), 3, 4, 5 (read); never 0
+    assert fetched == names[1:1 + len(fetched)] and len(fetched) >= 5
 
 
 # -----------------------------------------------------------------------------
@@ -382,15 +411,16 @@ LIMITS = Limits(max_attempts=2, backoff_base=0.01, timeout=2, deadline=10)
 
 
 def streaming(cache, url: str, num_shards: int, **kwargs):
-    """The loader of the tests above, streaming into cache; shards are fetched only as they are read
-    (prefetch_shards=0), so the test knows which shard a failure hits."""
+    """The loader of the tests above, streaming into cache; shards are fetched only as they are
+    read (prefetch_shards=0), so the test knows which shard a failure hits."""
     return tokenizing_distributed_data_loader_with_state_bos_bestfit(
         ByteTokenizer(), data_dir=str(cache), stream=True, num_shards=num_shards, base_url=url,
         **{"prefetch_shards": 0, "download_limits": LIMITS, **LOADER, **kwargs})
 
 
 def outcome(call, seconds: float = 60.0):
-    """What call() returns or raises, run on a thread; fails if it has done neither after `seconds` (a hang)."""
+    """What call() returns or raises, run on a thread; fails if it has done neither after
+    `seconds` (a hang)."""
     result = []
 
     def run():
@@ -408,7 +438,8 @@ def outcome(call, seconds: float = 60.0):
 
 
 def batches_until_error(loader, max_batches: int) -> tuple[list[dict], Exception]:
-    """The batches next() gives, then the error it raises (within a minute); fails after max_batches."""
+    """The batches next() gives, then the error it raises (within a minute); fails after
+    max_batches."""
     got = []
     error = outcome(lambda: [got.extend(take(loader, 1)) for _ in range(max_batches + 1)])
     assert isinstance(error, Exception), f"{len(got)} batches and no error"
@@ -436,33 +467,40 @@ def test_a_server_gone_mid_run_is_an_error_naming_the_shard_and_its_url(tmp_path
 
 def test_a_server_gone_silent_mid_download_is_an_error_not_a_hang(tmp_path):
     hosted = tmp_path / "hosted"
-    names = host_shards(hosted, 3, mixed_docs, row_group_size=2)  # ~150 KB shards: 3 of the server's blocks
+    # ~150 KB shards: 3 of the server's blocks
+    names = host_shards(hosted, 3, mixed_docs, row_group_size=2)
     server = ShardServer(str(hosted))
     loader = streaming(tmp_path / "cache", server.url, len(names),
-                       download_limits=Limits(max_attempts=2, backoff_base=0.01, timeout=0.5, deadline=10))
+                       download_limits=Limits(max_attempts=2, backoff_base=0.01, timeout=0.5,
+                                              deadline=10))
     try:
         take(loader, 1)
-        server.throttle.rate = 1.0  # the connection stays open, and after the block in flight nothing more comes
+        # the connection stays open, and after the block in flight nothing more comes
+        server.throttle.rate = 1.0
         _, error = batches_until_error(loader, 20)
     finally:
         loader.close()
         server.close()
     assert isinstance(error, ConnectionError)
-    assert str(error).startswith(f"could not fetch shard {names[1]} from {server.url}/{names[1]}: "), error
+    assert str(error).startswith(
+        f"could not fetch shard {names[1]} from {server.url}/{names[1]}: "), error
     assert "timed out" in str(error)
 
 
 def test_an_outage_over_before_its_shard_is_read_does_not_end_the_run(tmp_path, monkeypatch):
-    # a fetch ahead that fails is tried again when the reader needs the shard: without prefetching the same short
-    # outage would pass unnoticed, so prefetching must not turn it into the end of the run minutes later
+    # a fetch ahead that fails is tried again when the reader needs the shard: without prefetching
+    # the same short outage would pass unnoticed, so prefetching must not turn it into the end of
+    # the run minutes later
     hosted = tmp_path / "hosted"
     names = host_shards(hosted, 4, equal_docs(48, 20), row_group_size=2)  # 12 batches a shard
     expected = on_disk(hosted, 40)
     outage, refused = threading.Event(), []
     serve = shard_server._Handler.do_GET
 
-    def do_get(handler):  # during the outage, a whole-file GET of shard 2 is answered 503 (its footer is served)
-        if outage.is_set() and handler.path.endswith(names[2]) and "Range" not in handler.headers:
+    # during the outage, a whole-file GET of shard 2 is answered 503 (its footer is served)
+    def do_get(handler):
+        if (outage.is_set() and handler.path.endswith(names[2])
+                and "Range" not in handler.headers):
             refused.append(handler.path)
             handler.send_error(503)
         else:
@@ -479,7 +517,8 @@ def test_an_outage_over_before_its_shard_is_read_does_not_end_the_run(tmp_path, 
                 if len(refused) == LIMITS.max_attempts:
                     break
                 time.sleep(0.01)
-            assert len(refused) == LIMITS.max_attempts  # the fetch of shard 2 gave up, long before it is read
+            # the fetch of shard 2 gave up, long before it is read
+            assert len(refused) == LIMITS.max_attempts
             outage.clear()
             got += take(loader, 39)  # shard 2 is read from about batch 24 on
         finally:
@@ -505,7 +544,8 @@ def test_a_shard_missing_on_the_server_is_an_error_naming_it(tmp_path):
         server.close()
     assert got == expected[:len(got)] and len(got) >= 10
     assert isinstance(error, ConnectionError)
-    assert str(error).startswith(f"could not fetch shard {names[1]} from {server.url}/{names[1]}: "), error
+    assert str(error).startswith(
+        f"could not fetch shard {names[1]} from {server.url}/{names[1]}: "), error
     assert "404" in str(error)
 
 
@@ -516,7 +556,8 @@ def test_a_server_down_at_the_start_is_an_error_at_the_call(tmp_path):
     server.close()
     error = outcome(lambda: streaming(tmp_path / "cache", server.url, len(names)))
     assert isinstance(error, ConnectionError), error
-    assert str(error).startswith(f"could not read the footer of shard {names[0]} from {server.url}/{names[0]}: ")
+    assert str(error).startswith(
+        f"could not read the footer of shard {names[0]} from {server.url}/{names[0]}: ")
 
 
 def test_a_full_disk_is_an_enospc_error_naming_the_directory(tmp_path, monkeypatch):
@@ -528,7 +569,8 @@ def test_a_full_disk_is_an_enospc_error_naming_the_directory(tmp_path, monkeypat
     try:
         got = take(loader, 1)
         # the disk fills up while shard 0 is read: 1 KB left (a shard is ~7 KB)
-        monkeypatch.setattr(shard_cache.shutil, "disk_usage", lambda path: SimpleNamespace(free=1000))
+        monkeypatch.setattr(shard_cache.shutil, "disk_usage",
+                            lambda path: SimpleNamespace(free=1000))
         more, error = batches_until_error(loader, 36)
     finally:
         loader.close()
@@ -546,33 +588,39 @@ def test_a_budget_below_what_must_be_held_is_refused_at_the_call(tmp_path):
     largest = max(shards_in(hosted)[name] for name in names)
     server = ShardServer(str(hosted))
     try:
-        # the shard read, the one still being packed, prefetch_shards=2 ahead and one for a rank out of step (but a
-        # split of 3 shards has no more: 3), and the val shard at its size
+        # the shard read, the one still being packed, prefetch_shards=2 ahead and one for a rank out
+        # of step (but a split of 3 shards has no more: 3), and the val shard at its size
         least = least_limit(hosted, names)
         small = least - 1
         with pytest.raises(ValueError) as raised:
-            streaming(tmp_path / "cache", server.url, len(names), prefetch_shards=2, cache_limit=small)
+            streaming(tmp_path / "cache", server.url, len(names), prefetch_shards=2,
+                      cache_limit=small)
         assert server.fetched() == []  # refused before any download
-        streaming(tmp_path / "cache", server.url, len(names), prefetch_shards=2, cache_limit=least).close()
+        streaming(tmp_path / "cache", server.url, len(names), prefetch_shards=2,
+                  cache_limit=least).close()
     finally:
         server.close()
     message = str(raised.value)  # the shards are ~150 KB
-    assert message.startswith(f"cache_limit={small / 1e3:.1f} KB is below what this streaming loader must hold "
-                              f"at once, {least / 1e3:.1f} KB"), message
-    assert f"3 x {largest / 1e3:.1f} KB (the largest shard)" in message and "prefetch_shards=2 ahead" in message
+    assert message.startswith(f"cache_limit={small / 1e3:.1f} KB is below what this streaming "
+                              f"loader must hold at once, {least / 1e3:.1f} KB"), message
+    assert (f"3 x {largest / 1e3:.1f} KB (the largest shard)" in message
+            and "prefetch_shards=2 ahead" in message)
     assert "and the val shard" in message
     assert str(tmp_path / "cache") in message
 
 
 # -----------------------------------------------------------------------------
-# The least cache_limit, while another loader of the machine downloads or after one was interrupted: a partial
-# download is not a shard the cache may never evict (it becomes a fetched shard, or the next loader resumes it)
+# The least cache_limit, while another loader of the machine downloads or after one was
+# interrupted: a partial download is not a shard the cache may never evict (it becomes a fetched
+# shard, or the next loader resumes it)
 
 
 def stall_after_one_block(cache, server, names) -> None:
-    """The footers are read into cache's catalog at full speed; then the server sends one more 64 KB block and
-    nothing after it (the next waits 18 hours), so the first shard a loader fetches stays half downloaded."""
-    names = names + [get_dataset().val_filename]  # (a train loader reads the val shard's footer too: its budget)
+    """The footers are read into cache's catalog at full speed; then the server sends one more
+    64 KB block and nothing after it (the next waits 18 hours), so the first shard a loader fetches
+    stays half downloaded."""
+    # (a train loader reads the val shard's footer too: its budget)
+    names = names + [get_dataset().val_filename]
     read_catalog(str(cache), names, [f"{server.url}/{name}" for name in names], LIMITS)
     server.throttle.rate = 1.0
 
@@ -592,10 +640,12 @@ def test_a_local_rank_starting_while_another_downloads_is_accepted(tmp_path):
     limit = least_limit(hosted, names)
     server = ShardServer(str(hosted))
     stall_after_one_block(cache, server, names)
-    rank0 = streaming(cache, server.url, len(names), prefetch_shards=2, cache_limit=limit, rank=0, world_size=2)
+    rank0 = streaming(cache, server.url, len(names), prefetch_shards=2, cache_limit=limit,
+                      rank=0, world_size=2)
     try:
         wait_for_partial(cache / f"{names[0]}.tmp")
-        rank1 = streaming(cache, server.url, len(names), prefetch_shards=2, cache_limit=limit, rank=1, world_size=2)
+        rank1 = streaming(cache, server.url, len(names), prefetch_shards=2, cache_limit=limit,
+                          rank=1, world_size=2)
         server.throttle.rate = None
         got = take(rank1, 6)  # once rank 0's attempt has timed out and resumed its download
         rank1.close()
@@ -626,8 +676,9 @@ def test_a_run_interrupted_mid_download_restarts_with_its_cache_limit(tmp_path):
 
 
 def test_a_local_rank_starting_as_another_download_completes_is_accepted(tmp_path, monkeypatch):
-    # a shard just renamed into place, before the loader that fetched it has checked it against the catalog, is not
-    # one the user put there (which the cache may never evict): the moment is held open by pausing that check
+    # a shard just renamed into place, before the loader that fetched it has checked it against the
+    # catalog, is not one the user put there (which the cache may never evict): the moment is held
+    # open by pausing that check
     hosted, cache = tmp_path / "hosted", tmp_path / "cache"
     names = host_shards(hosted, 3, mixed_docs, row_group_size=2)
     expected = on_disk(hosted, 6, rank=1, world_size=2)
@@ -635,7 +686,8 @@ def test_a_local_rank_starting_as_another_download_completes_is_accepted(tmp_pat
     paused, resume = threading.Event(), threading.Event()
     check = shard_cache.read_catalog
 
-    def held_check(*args, **kwargs):  # a fetching thread's catalog check of the shard it just downloaded waits
+    # a fetching thread's catalog check of the shard it just downloaded waits
+    def held_check(*args, **kwargs):
         if threading.current_thread().name == "nanochat-shards":
             paused.set()
             resume.wait(10)
@@ -643,13 +695,15 @@ def test_a_local_rank_starting_as_another_download_completes_is_accepted(tmp_pat
 
     monkeypatch.setattr(shard_cache, "read_catalog", held_check)
     server = ShardServer(str(hosted))
-    rank0 = streaming(cache, server.url, len(names), prefetch_shards=2, cache_limit=limit, rank=0, world_size=2)
+    rank0 = streaming(cache, server.url, len(names), prefetch_shards=2, cache_limit=limit,
+                      rank=0, world_size=2)
     try:
         assert paused.wait(10)
-        assert shards_in(cache) == {names[0]: shards_in(hosted)[names[0]]}  # downloaded, its check not done
+        # downloaded, its check not done
+        assert shards_in(cache) == {names[0]: shards_in(hosted)[names[0]]}
         try:
-            rank1 = streaming(cache, server.url, len(names), prefetch_shards=2, cache_limit=limit, rank=1,
-                              world_size=2)
+            rank1 = streaming(cache, server.url, len(names), prefetch_shards=2, cache_limit=limit,
+                              rank=1, world_size=2)
         finally:
             resume.set()
         got = take(rank1, 6)
