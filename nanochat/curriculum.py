@@ -152,7 +152,7 @@ def rank_shares(paths: list[str], chunk_size: int, world_size: int,
     return [sum(int(c[rank::world_size].sum()) for c in chunks) for rank in range(world_size)]
 
 
-def validate(curriculum, data_dir: str, split: str = "train", total_tokens: int | None = None,
+def validate(curriculum, data_dir: str, split: str = "train", *, total_tokens: int | None = None,
              allow_bucket_exhaustion: bool = False, allow_budget_mismatch: bool = False,
              T: int | None = None, world_size: int = 1, chunk_size: int = 1024,
              step_tokens: int = 0,

@@ -41,7 +41,7 @@ from nanochat.token_reader import TokenShardReader, shard_paths, shard_vocab
 # The spec and the one builder
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class LoaderSpec:
     """What `assemble` and `build_loader` need to put one loader (or one bucket) together."""
     kind: str  # "bestfit": rows packed best-fit; "concat": documents back to back, cut every B*T
@@ -112,7 +112,7 @@ def build_loader(spec: LoaderSpec, resume_state_dict: dict | None) -> "DataLoade
                         pack)
     return DataLoader(batches, DeviceBatches(B, T, spec.device), split_rows, spec.prefetch,
                       spec.with_state, attention_info=spec.max_docs_per_row is not None,
-                      also_close=spec.cache)
+                      cache=spec.cache)
 
 
 def _pipeline(doc_batches, encoder, depth: int, pack):
@@ -201,8 +201,10 @@ def _tokenizing_spec(kind: str, tokenizer, B: int, T: int, split: str, args: dic
                            tokenizer=tokenizer_fingerprint(tokenizer), rank=rank,
                            world_size=world_size, policy=policy, shuffle=shuffle,
                            sizes=reader.sizes)
-    return LoaderSpec(kind, reader, Encoder(tokenizer, args["tokenizer_threads"]), config, rank,
-                      world_size, batch_size, B, T, buffer_size, shuffle=shuffle,
+    encoder = Encoder(tokenizer, args["tokenizer_threads"])
+    return LoaderSpec(kind=kind, reader=reader, encoder=encoder,
+                      config=config, rank=rank, world_size=world_size, batch_size=batch_size,
+                      B=B, T=T, buffer_size=buffer_size, shuffle=shuffle,
                       allow_state_mismatch=args["allow_state_mismatch"], cache=cache,
                       device=args["device"], prefetch=args["prefetch"],
                       with_state=args["with_state"],
@@ -322,9 +324,11 @@ def pretokenized_distributed_data_loader_with_state_bos_bestfit(
                            shuffle=shuffle_order)
     max_docs = _max_docs(attention_info, max_docs_per_row, T)
     encoder = EntryDocuments(vocab.bos_token, always=vocab.convention == "gpt-simple")
-    spec = LoaderSpec("bestfit", TokenShardReader(paths, chunk_size, vocab), encoder, config, rank,
-                      world_size, batch_size, B, T, buffer_size, shuffle=shuffle_order,
-                      allow_state_mismatch=allow_state_mismatch, device=device, prefetch=prefetch,
+    spec = LoaderSpec(kind="bestfit", reader=TokenShardReader(paths, chunk_size, vocab),
+                      encoder=encoder, config=config, rank=rank, world_size=world_size,
+                      batch_size=batch_size, B=B, T=T, buffer_size=buffer_size,
+                      shuffle=shuffle_order, allow_state_mismatch=allow_state_mismatch,
+                      device=device, prefetch=prefetch,
                       with_state=with_state, trace_documents=trace_documents,
                       max_docs_per_row=max_docs)
     return build_loader(spec, resume_state_dict)
@@ -412,9 +416,9 @@ class DataLoader:
     """
 
     def __init__(self, batches, transfer: DeviceBatches, split_rows, prefetch: int,
-                 with_state: bool, *, attention_info: bool = False, also_close=None):
+                 with_state: bool, *, attention_info: bool = False, cache=None):
         self._batches = batches  # generator of RowBatch
-        self._also_close = also_close  # closed first by close(): a streaming loader's shard cache
+        self._cache = cache  # a streaming loader's shard cache (None when not streaming)
         self._attention_info = attention_info
         self._transfer = transfer
         self._split_rows = split_rows
@@ -464,8 +468,7 @@ class DataLoader:
     def cache_status(self):
         """A streaming loader's shard cache, for a person: what is on disk against cache_limit, who
         needs which shard and why (a nanochat.cache_status.CacheStatus); None when not streaming."""
-        cache = getattr(self, "_also_close", None)
-        return None if cache is None else cache.status()
+        return None if self._cache is None else self._cache.status()
 
     def _check(self, batch: RowBatch) -> None:
         """Called with every batch before it is yielded; raising stops the loader (the mixture
@@ -478,8 +481,8 @@ class DataLoader:
         call (one tokenizer call) ends when that call returns, and starts no other."""
         self._closed = True
         # the shard cache first: closing it wakes a reader waiting for a shard
-        if getattr(self, "_also_close", None) is not None:
-            self._also_close.close()
+        if getattr(self, "_cache", None) is not None:  # (None: __init__ failed before setting it)
+            self._cache.close()
         lock = getattr(self, "_lock", None)  # (None: __del__ of an object whose __init__ failed)
         with lock or contextlib.nullcontext():
             source = self._source if self._source is not None else getattr(self, "_batches", None)

@@ -25,11 +25,12 @@ import torch.distributed as dist
 
 # main: `python -m nanochat.mixture validate ...` runs the curriculum's command line
 from nanochat.curriculum import choose, list_buckets, load_curriculum, main, row_unit, validate
-from nanochat.dataloader import DataLoader, DeviceBatches, LoaderSpec, assemble, row_split
+from nanochat.dataloader import (Assembled, DataLoader, DeviceBatches, LoaderSpec, assemble,
+                                 row_split)
 from nanochat.mixture_state import add_mixture_checksum, mixture_start
 from nanochat.options import check_options, check_shuffle, resolve_rank
 from nanochat.packing import BestFitPacker, check_long_doc_policy
-from nanochat.rows import DocumentFeed, EntryDocuments, RowBatch, token_batches
+from nanochat.rows import DocumentFeed, EntryDocuments, RowBatch, Stop, token_batches
 from nanochat.state import EMPTY_HASH, VERSION, files_fingerprint, hash_tokens, loader_config
 from nanochat.token_reader import TokenShardReader, shard_vocab
 
@@ -88,10 +89,11 @@ class _Lookahead:
 class _Bucket:
     """One bucket: its single-pass walk, best-fit packer and state recorder."""
 
-    def __init__(self, name, order, recorder, packer, position, trace):
+    def __init__(self, name: str, parts: Assembled, packer: BestFitPacker, trace: bool):
+        order, recorder = parts.order, parts.recorder
         self.name, self.order, self.recorder, self.packer = name, order, recorder, packer
         self.batches = _Lookahead(token_batches(order.document_batches(), recorder.encoder))
-        self.feed = DocumentFeed(self.batches, order, position)
+        self.feed = DocumentFeed(self.batches, order, parts.position)
         self.trace = trace
         recorder.restore(packer)
 
@@ -116,6 +118,25 @@ class _Bucket:
         self.packer.trace = [] if self.trace else None
         self.packer.fill(row, self._refill, buffer_size)
         return True
+
+
+class BucketDoc(NamedTuple):
+    """A trace entry of the mixture: a document, and the bucket it came from."""
+    bucket: str
+    epoch: int
+    pq_idx: int
+    rg_idx: int
+    row: int
+
+
+class BucketPiece(NamedTuple):
+    """A trace entry of the mixture: a piece of a split document, from token `start` on."""
+    bucket: str
+    epoch: int
+    pq_idx: int
+    rg_idx: int
+    row: int
+    start: int
 
 
 class _MixRules(NamedTuple):
@@ -190,14 +211,14 @@ class _Mixture:
 
     def mixed_batches(self):
         """Yield a RowBatch per batch; its `stop` is set (with the last good state as its state)
-        when the loader must stop: ("bucket", name) or ("budget", None)."""
+        when the loader must stop."""
         B, T = self.B, self.T
         last_state = None
         while True:
             phase = self._phase_of(self.tokens_done)
             if phase is None:
                 if not self.allow_budget_mismatch:
-                    yield RowBatch(None, last_state, {}, stop=("budget", None))
+                    yield RowBatch(None, last_state, {}, stop=Stop("budget"))
                     return
                 phase = len(self.phases) - 1
                 if not self.past_end_warned:
@@ -216,7 +237,7 @@ class _Mixture:
                 while True:
                     weights = self._weights(phase)
                     if not weights:  # every bucket of the phase ran dry on this rank
-                        yield RowBatch(None, last_state, {}, stop=("bucket", None))
+                        yield RowBatch(None, last_state, {}, stop=Stop("bucket"))
                         return
                     u = row_unit(self.seed, phase, self.generation, self.position, self.rank,
                                  self.world_size)
@@ -226,7 +247,7 @@ class _Mixture:
                     if bucket.fill_row(rows[i:i + 1], self.buffer_size):
                         break
                     if not self.allow_bucket_exhaustion:
-                        yield RowBatch(None, last_state, {}, stop=("bucket", name))
+                        yield RowBatch(None, last_state, {}, stop=Stop("bucket", name))
                         return
                     self.dropped.add(name)
                     logger.warning("bucket %r ran dry on rank %d in phase %d; dropped, the other "
@@ -236,7 +257,8 @@ class _Mixture:
                 masked += [(i, start, end) for _, start, end in bucket.packer.masked]
                 if bucket.trace:
                     place = bucket.order.place
-                    trace += [[(name, *place(key)) if start is None else (name, *place(key), start)
+                    trace += [[BucketDoc(name, *place(key)) if start is None
+                               else BucketPiece(name, *place(key), start)
                                for key, start in row] for row in bucket.packer.trace]
             self.tokens_done += B * T * self.world_size
             self.phase_tokens_done += B * T * self.world_size
@@ -315,7 +337,7 @@ class MixtureLoader(DataLoader):
 
     def _check(self, batch: RowBatch) -> None:
         stop = batch.stop
-        code = _agree(self.STOP_CODES[stop[0] if stop else None], _flag_group(self._world_size))
+        code = _agree(self.STOP_CODES[stop.kind if stop else None], _flag_group(self._world_size))
         if not code:
             self.last_state = batch.state
         if code == self.FAILED:
@@ -323,8 +345,8 @@ class MixtureLoader(DataLoader):
             raise RuntimeError("the mixture loader failed on another rank (see its error); "
                                "stopping here too")
         if code == 2:
-            if stop and stop[1]:
-                where = f"bucket {stop[1]!r} ran dry on this rank"
+            if stop and stop.bucket:
+                where = f"bucket {stop.bucket!r} ran dry on this rank"
             elif stop:
                 where = "every bucket of the current phase ran dry on this rank"
             else:
@@ -332,7 +354,7 @@ class MixtureLoader(DataLoader):
             raise BucketExhausted(f"{where}; its `state` is the last good state: save a checkpoint "
                                   "with it and stop, or resume with allow_bucket_exhaustion=True "
                                   "to drop the bucket",
-                                  self.last_state, stop[1] if stop else None)
+                                  self.last_state, stop.bucket if stop else None)
         if code == 1:
             raise CurriculumComplete("every phase of the curriculum is done; its `state` is the "
                                      "last good state (pass allow_budget_mismatch=True to go on "
@@ -385,9 +407,11 @@ def pretokenized_mixture_loader_with_state_bos_bestfit(
     state, where = mixture_start(resume_state_dict, config, rank, world_size, allow_state_mismatch)
     planned = sum(p.tokens for p in phases)
     if state is None:  # a fresh run: refuse a curriculum that is predicted to run dry
-        _, problems, notes = validate(phases, data_dir, split, total_tokens,
-                                      allow_bucket_exhaustion, allow_budget_mismatch, T,
-                                      world_size, chunk_size, step_tokens, order)
+        _, problems, notes = validate(
+            phases, data_dir, split, total_tokens=total_tokens,
+            allow_bucket_exhaustion=allow_bucket_exhaustion,
+            allow_budget_mismatch=allow_budget_mismatch, T=T, world_size=world_size,
+            chunk_size=chunk_size, step_tokens=step_tokens, shuffle=order)
         for note in notes:
             logger.warning("mixture: %s", note)
         if problems:
@@ -407,18 +431,19 @@ def pretokenized_mixture_loader_with_state_bos_bestfit(
                                    tokenizer=config["tokenizer"], rank=rank, world_size=world_size,
                                    chunk_size=chunk_size, policy=(long_doc_policy, split_overlap),
                                    shuffle=bucket_order)
-        spec = LoaderSpec("bestfit", TokenShardReader(paths[name], chunk_size, vocab), encoder,
-                          sub_config, rank, world_size, batch_size, B, T, buffer_size,
+        spec = LoaderSpec(kind="bestfit", reader=TokenShardReader(paths[name], chunk_size, vocab),
+                          encoder=encoder, config=sub_config, rank=rank, world_size=world_size,
+                          batch_size=batch_size, B=B, T=T, buffer_size=buffer_size,
                           shuffle=bucket_order, allow_state_mismatch=allow_state_mismatch,
                           epochs=1, where=f"{where}['buckets'][{name!r}]")
-        walk, recorder, position = assemble(spec, state["buckets"][name] if state else None)
-        packer = BestFitPacker(T + 1, long_doc_policy, split_overlap)
-        buckets[name] = (walk, recorder, packer, position)
+        parts = assemble(spec, state["buckets"][name] if state else None)
+        buckets[name] = (parts, BestFitPacker(T + 1, long_doc_policy, split_overlap))
     rules = _MixRules(B, T, rank, world_size, seed, buffer_size, allow_bucket_exhaustion,
                       allow_budget_mismatch)
 
     def batches():
-        made = {name: _Bucket(name, *parts, trace_documents) for name, parts in buckets.items()}
+        made = {name: _Bucket(name, parts, packer, trace_documents)
+                for name, (parts, packer) in buckets.items()}
         yield from _Mixture(phases, made, rules, config, state).mixed_batches()
 
     return MixtureLoader(batches(), DeviceBatches(B, T, device), row_split, prefetch, with_state,

@@ -184,6 +184,13 @@ class DocBatch(NamedTuple):
     starts: tuple | None = None  # a plan's pieces: per item, None or the token it starts at
 
 
+class Started(NamedTuple):
+    """Where a loader's walk starts: what start_order returns."""
+    order: "RankOrder"
+    state: dict | None  # the version-2 state it continues exactly, or None
+    position: Position  # nanochat's keys of the last batch consumed before it
+
+
 NANOCHAT_KEYS = ("pq_idx", "rg_idx", "epoch")
 # a plan deals single documents from a few units in turn: keep the last 16 read
 KEEP_UNITS = 16
@@ -486,10 +493,11 @@ def start_order(reader, rank: int, world_size: int, batch_size: int, state, conf
     nanochat's {pq_idx, rg_idx, epoch} (or another walk's state, when allowed), approximately,
     after the saved unit. A shuffled walk resumes approximately only from another rank's state of
     its own run: after that rank's window. where: what messages call the state.
-    Returns (walk, version-2 start state or None, nanochat's position)."""
+    Returns a Started."""
     walk = dict(epochs=epochs, shuffle=shuffle)
     if state is None:
-        return RankOrder(reader, rank, world_size, batch_size, **walk), None, Position(0, 0, 1)
+        return Started(RankOrder(reader, rank, world_size, batch_size, **walk), None,
+                       Position(0, 0, 1))
     if not isinstance(state, dict):
         raise TypeError(f"{where} must be a dict, got {type(state).__name__}")
     if "merged" in state:  # elastic resume: every rank gets the merge, and takes its own part
@@ -507,7 +515,7 @@ def start_order(reader, rank: int, world_size: int, batch_size: int, state, conf
         start = WindowCursor(*state["next"]) if shuffle else Cursor(*state["next"])
         order = RankOrder(reader, rank, world_size, batch_size, plan=plan, start=start,
                           where=where, **walk)
-        return order, state, Position(state["pq_idx"], state["rg_idx"], state["epoch"])
+        return Started(order, state, Position(state["pq_idx"], state["rg_idx"], state["epoch"]))
     position = Position(state.get("pq_idx"), state.get("rg_idx"), state.get("epoch"))
     if shuffle:
         # another rank's state of this run (nanochat's base_train) is all a shuffled walk can
@@ -517,7 +525,7 @@ def start_order(reader, rank: int, world_size: int, batch_size: int, state, conf
             for k in WALK_FIELDS
             if k not in ("rank", "world_size") and state["config"].get(k) != config.get(k)]
         if other:
-            raise ValueError(f"{where} is not a state of this shuffled stream "
+            raise ValueError(f"{where} is not a state of this shuffled walk "
                              f"({'; '.join(other)}), and a shuffled loader cannot tell which "
                              "documents were read under another order or on other data; resume "
                              "with the data and settings the state was taken with, or start afresh")
@@ -526,14 +534,15 @@ def start_order(reader, rank: int, world_size: int, batch_size: int, state, conf
                        "of epoch %d", where, window, epoch)
         # as nanochat does after the saved unit: from the next window on
         start = WindowCursor(epoch, window + 1, 0)
-        return RankOrder(reader, rank, world_size, batch_size, start=start, **walk), None, position
+        return Started(RankOrder(reader, rank, world_size, batch_size, start=start, **walk), None,
+                       position)
     if "version" in state and allow_state_mismatch:  # (another rank's state has said so already)
-        logger.warning("%s is from another document stream; resuming approximately after its file "
-                       "%s, %s %s", where, state.get("pq_idx"), reader.unit_name,
+        logger.warning("%s is from another walk of the documents; resuming approximately after "
+                       "its file %s, %s %s", where, state.get("pq_idx"), reader.unit_name,
                        state.get("rg_idx"))
     # nanochat's form: approximate, after the saved unit
     pq_idx, rg_idx, epoch = check_nanochat_state(state, reader, where)
     # as nanochat: this rank's unit in the round of world_size units after the saved one
     start = Cursor(epoch, pq_idx, (rg_idx // world_size + 1) * world_size + rank, 0)
     order = RankOrder(reader, rank, world_size, batch_size, start=start, epochs=epochs)
-    return order, None, Position(pq_idx, rg_idx, epoch)
+    return Started(order, None, Position(pq_idx, rg_idx, epoch))

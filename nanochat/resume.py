@@ -30,7 +30,7 @@ def merge_states(states: list[dict], world_size: int, *, data_dir: str | None = 
     merge_states(states, M), and give the result to every new rank as resume_state_dict (rank r of
     M picks its part). data_dir: where the shards are, as given to the loader (default: the dataset
     directory; for the pretokenized loader, its directory holding train/ and val/; for a mixture,
-    its data directory, required). epochs: the streams read their data this many times and then
+    its data directory, required). epochs: the walks read their data this many times and then
     end (a mixture's buckets: once); nothing past it is dealt. stream (default: NANOCHAT_STREAM=1):
     the states are a streaming loader's, whose shards need not be on disk (data_dir is its cache;
     base_url and download_limits as given to the loader): their sizes and row groups come from its

@@ -19,8 +19,8 @@ import numpy as np
 
 from nanochat.order import Position, RankOrder
 from nanochat.packing import BestFitPacker, ConcatPacker, Piece, token_dtype
-from nanochat.state import (EMPTY_HASH, VERSION, PlanUnit, add_checksum, decode_keys, decode_pieces,
-                            encode_keys, encode_plan, hash_tokens)
+from nanochat.state import (EMPTY_HASH, VERSION, PieceKey, PlanUnit, add_checksum, decode_keys,
+                            decode_pieces, encode_keys, encode_plan, hash_tokens)
 
 
 # -----------------------------------------------------------------------------
@@ -282,6 +282,13 @@ class StateRecorder:
         })
 
 
+class Stop(NamedTuple):
+    """Why a mixture must stop: a bucket ran dry ("bucket"), or the curriculum is done
+    ("budget")."""
+    kind: str
+    bucket: str | None = None  # the bucket that ran dry on this rank; None: every bucket, or none
+
+
 class RowBatch(NamedTuple):
     """One packed batch on its way to the device, with its state and statistics."""
     rows: np.ndarray | None  # (B, T+1) best-fit rows, or (B*T+1,) concatenated tokens
@@ -290,7 +297,7 @@ class RowBatch(NamedTuple):
     trace: list | None = None  # trace_documents: per row, where each document came from
     masked: list = ()  # (row, start, end): targets to set to -100 (a window's repeated tokens)
     info: dict | None = None  # attention_info's arrays
-    stop: tuple | None = None  # a mixture that must stop: ("bucket", name) or ("budget", None)
+    stop: Stop | None = None  # a mixture that must stop, and why
 
 
 def attention_info(starts: list[list[int]], T: int, max_docs_per_row: int) -> dict[str, np.ndarray]:
@@ -335,9 +342,9 @@ def bestfit_batches(token_batches, recorder: StateRecorder, position: Position, 
         packer.trace = [] if trace else None
         packer.fill(rows, feed, buffer_size)
         documents = None
-        if trace:  # where a document is, or (*where, start) for a piece of a split document
+        if trace:  # where a document is (a DocKey), or a PieceKey for a piece of a split one
             place = recorder.order.place
-            documents = [[place(key) if start is None else (*place(key), start)
+            documents = [[place(key) if start is None else PieceKey(*place(key), start)
                           for key, start in row] for row in packer.trace]
         info = None if max_docs_per_row is None else attention_info(packer.starts, T,
                                                                     max_docs_per_row)

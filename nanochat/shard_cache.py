@@ -86,10 +86,10 @@ class ShardCache:
         self._order = iter(())
         self._visits: list[tuple[int, int]] = []  # (epoch, pq_idx) of the order, as far as looked
         self._at: int | None = None  # the visit the reader is at
-        self._dealt = 0  # the visit the last state's stream goes on in: all before it is packed
+        self._dealt = 0  # the visit the last state's walk goes on in: all before it is packed
         self._ready: set[int] = set()
         # pq_idx -> readers waiting for it (the packing thread restores a buffer while the reading
-        # thread starts the stream: two readers)
+        # thread starts the walk: two readers)
         self._waiting: dict[int, int] = {}
         self._first_seen: dict[int, int] = {}  # pq_idx -> where the order first names it
         self._first: list[int] = []  # shards to fetch before anything else, until first read
@@ -251,7 +251,7 @@ class ShardCache:
         return [p for _, p in self._visits[self._at + 1:self._at + 1 + self.prefetch_shards]]
 
     def _packing(self) -> set[int]:
-        """The shards from where the last state's stream goes on to the reader's: documents read
+        """The shards from where the last state's walk goes on to the reader's: documents read
         and not yet packed come from them (so a later state's buffer may hold some)."""
         if self._at is None:
             return set()
@@ -292,7 +292,7 @@ class ShardCache:
 
     def hold(self, keys, at) -> None:
         """A state was just built: `keys` (epoch, pq_idx, rg_idx, row, ...) are the documents its
-        buffer holds, and its stream goes on in file `at` (epoch, pq_idx). Their shards stay until
+        buffer holds, and its walk goes on in file `at` (epoch, pq_idx). Their shards stay until
         those documents are kept."""
         with self._cond:
             for v in range(self._dealt, len(self._visits)):
@@ -368,7 +368,7 @@ class ShardCache:
     # -- the fetching thread -------------------------------------------------------------
 
     def start(self, order, buffered=()) -> None:
-        """Begin fetching, along `order`, the visits (epoch, pq_idx) of the files the stream will
+        """Begin fetching, along `order`, the visits (epoch, pq_idx) of the files the walk will
         read: first the shards of `buffered`, a resumed state's buffered documents (keys), unless
         copies kept on this machine hold them all."""
         rows: dict[int, set] = {}
@@ -483,7 +483,7 @@ class ShardCache:
         expected = read_catalog(self.data_dir, [name], [url], self.limits)[0]
         if (os.path.getsize(path), rows) != (expected["size"], expected["rows"]):
             raise ValueError(
-                f"{path} ({url}) is not the shard the stream was planned on: "
+                f"{path} ({url}) is not the shard the walk was planned on: "
                 f"{os.path.getsize(path)} bytes and {len(rows)} row groups, the catalog "
                 f"{catalog_path(self.data_dir)} says {expected['size']} and "
                 f"{len(expected['rows'])}; the file changed on the server. Remove the catalog to "
@@ -509,7 +509,7 @@ class ShardCache:
                 if p in later:
                     self._at = base + later.index(p)
                     self._fill(self.prefetch_shards)
-                else:  # not where the order said (a buffer restored while the stream starts)
+                else:  # not where the order said (a buffer restored while the walk starts)
                     logger.debug("shard %s read out of the expected order", self.names[p])
             self._waiting[p] = self._waiting.get(p, 0) + 1
             self._publish()

@@ -66,7 +66,7 @@ def permutation(n: int, keys: np.ndarray) -> np.ndarray:
 
 
 class Shuffle:
-    """The order a shuffled stream reads in: seed, and window (units whose entries are mixed
+    """The order a shuffled walk reads in: seed, and window (units whose entries are mixed
     together)."""
 
     def __init__(self, seed: int, window: int, name: str = ""):

@@ -30,7 +30,7 @@ logger = logging.getLogger(__name__)
 # -----------------------------------------------------------------------------
 # Checking a state, field by field
 #
-# A state can come from a checkpoint, a hand edit resealed with add_checksum(), or be given with
+# A state can come from a checkpoint, a hand edit given a new checksum by add_checksum(), or with
 # allow_state_mismatch=True: nothing in it is trusted until it is checked here.
 
 REQUIRED = ("version", "loader", "pq_idx", "rg_idx", "epoch", "plan", "next", "buffer", "offset",
@@ -212,7 +212,7 @@ def check_fields(state: dict, where: str = "resume_state_dict",
     shuffled = "shuffle" in config
     form = ["epoch >= 1", *(["window"] if shuffled else ["pq_idx", "rg_idx"]), "row"]
     if len(cursor) != len(form) or not all(is_int(v) and v >= 0 for v in cursor) or cursor[0] < 1:
-        raise ValueError(f"{where}['next'] must be [{', '.join(form)}] (ints >= 0) for a stream "
+        raise ValueError(f"{where}['next'] must be [{', '.join(form)}] (ints >= 0) for a walk "
                          + ("shuffled by config['shuffle']" if shuffled
                             else "without config['shuffle']")
                          + f", got {reprlib.repr(cursor)}")

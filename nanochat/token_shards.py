@@ -219,13 +219,6 @@ def recorded_settings(directory: str) -> dict | None:
     return settings
 
 
-def recorded_vocab_size(directory: str) -> int | None:
-    """The vocabulary size that directory/pretokenize.json records (every id the shards' tokenizer
-    makes is below it), or None: no such file, or none recorded in it."""
-    settings = recorded_settings(directory)
-    return None if settings is None else settings["vocab_size"]
-
-
 # -----------------------------------------------------------------------------
 # Writing a shard
 

@@ -26,8 +26,9 @@ import pyarrow.parquet as pq
 from nanochat.dataloader import tokenizing_distributed_data_loader_with_state_bos_bestfit
 from nanochat.dataset import read_row_group_texts, split_parquet_files
 from nanochat.packing import BestFitPacker, token_dtype
+from nanochat.rows import to_documents
+from nanochat.token_reader import check_ids
 from nanochat.tokenizer import RustBPETokenizer
-from nanochat.tokens import to_documents
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(REPO, "tests"))  # tests/ is no package: its modules by path
@@ -327,7 +328,6 @@ def pretokenized_section(tokenizer, data_dir, tmp, docs_np, args) -> dict:
     (L = T+1, O = 0 and 128) next to nanochat's cropping."""
     B, T, tbs = args.B, args.T, args.tokenizer_batch_size
     from nanochat.dataloader import pretokenized_distributed_data_loader_with_state_bos_bestfit
-    from nanochat.readers import check_ids
     from nanochat.pretokenize import pretokenize_file, window_document
     from nanochat.token_shards import TokenShard, list_token_shards
     out = os.path.join(tmp, "tokens")

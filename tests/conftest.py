@@ -8,7 +8,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from nanochat.order import UnitIndex
-from nanochat.state import decode_keys
+from nanochat.state import WindowKey, decode_keys
 from nanochat.state_checks import config_shuffle
 
 
@@ -80,13 +80,13 @@ def _isolated_base_dir(tmp_path, monkeypatch):
 
 
 def buffered_places(state, paths, chunk_size=None) -> list[tuple]:
-    """Where a state's buffered documents are: (epoch, pq_idx, rg_idx, row). A shuffled stream names
+    """Where a state's buffered documents are: (epoch, pq_idx, rg_idx, row). A shuffled walk names
     those of its windows by position, (epoch, window, i): the i-th entry of that window's order."""
     config, index = state["config"], UnitIndex(paths, chunk_size)
     shuffle = config_shuffle(config)
     places = []
     for key in decode_keys(state["buffer"]):
-        if len(key) == 3:
+        if isinstance(key, WindowKey):
             table = shuffle.window_table(index, key[0], config["rank"], config["world_size"],
                                          key[1])
             key = (key[0], *shuffle.entry(table, key[2]))

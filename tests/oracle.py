@@ -40,7 +40,7 @@ def document_batches(paths, tokenizer_batch_size, rank, world_size, resume=None)
 
 
 def shuffled_document_batches(paths, tokenizer_batch_size, rank, world_size, seed, window):
-    """The shuffled stream (shuffle=True), one element at a time: per epoch, list every row group of
+    """The shuffled walk (shuffle=True), one element at a time: per epoch, list every row group of
     the split in file order, take positions rank, rank + world_size, ... of the epoch's permutation
     of them, and read their texts `window` row groups at a time, in the order that window's
     permutation gives, cut into batches of tokenizer_batch_size; forever. The keyed permutation pi
@@ -92,7 +92,7 @@ def bestfit_rows(doc_buffer, refill, B, row_capacity, buffer_size):
 def bestfit_loader(tokenizer, paths, B, T, tokenizer_batch_size=128, buffer_size=1000,
                    rank=0, world_size=1, resume=None, batches=None):
     """Yield (inputs, targets, state) as lists of lists, forever.
-    batches: another document stream."""
+    batches: another walk of the documents."""
     batches = batches or document_batches(paths, tokenizer_batch_size, rank, world_size, resume)
     bos = tokenizer.get_bos_token_id()
     doc_buffer = []
@@ -113,7 +113,7 @@ def concat_loader(tokenizer, paths, B, T, tokenizer_batch_size=128, rank=0, worl
                   resume=None, batches=None):
     """The concatenating loader as nanochat 3c3a3d7 has it (popping all B*T+1 tokens would skip one
     per batch): each batch reads the next B*T+1 tokens of the stream but drops only B*T, so its
-    last target is the next batch's first input. batches: another document stream."""
+    last target is the next batch's first input. batches: another walk of the documents."""
     batches = batches or document_batches(paths, tokenizer_batch_size, rank, world_size, resume)
     bos = tokenizer.get_bos_token_id()
     token_buffer = []

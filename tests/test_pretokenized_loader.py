@@ -286,7 +286,8 @@ def trained_positions(data_dir, convention: str, documents: list[list[int]], B: 
         for r, keys in enumerate(loader.documents):
             pos = 0
             for key in keys:
-                epoch, f, chunk, row, start = (*key, None) if len(key) == 4 else key
+                epoch, f, chunk, row = key[:4]
+                start = getattr(key, "start", None)  # a PieceKey: a piece of a split document
                 tokens = shards[f].entry(chunk * ROW_GROUP + row).tolist()
                 # what the loader packs
                 doc = [bos] + tokens if convention == "gpt-simple" else tokens

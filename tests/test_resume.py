@@ -12,7 +12,7 @@ Exact and elastic resume (nanochat/resume.py and the version-2 states of nanocha
 - merge_states: its errors, and an elastic N -> M restart in one process where every document
   not yet trained on is placed exactly once (checked on document traces and on the tokens);
 - every field checked: a hypothesis property edits real states of every loader (and states to
-  merge) at random and reseals them: each resumes, or is refused with a ValueError naming the
+  merge) at random and recomputes their checksums: each resumes, or is refused with a ValueError naming the
   edited field, within a time and memory bound; and worked examples, field by field.
 Run: python -m pytest tests/test_resume.py -q
 """
@@ -44,7 +44,7 @@ from nanochat.dataset import split_parquet_files
 from nanochat.mixture import MixtureStop
 from nanochat.mixture import pretokenized_mixture_loader_with_state_bos_bestfit as MIX
 from nanochat.token_shards import write_token_shard
-from nanochat.mixture_state import add_mixture_checksum as mixture_seal
+from nanochat.mixture_state import add_mixture_checksum
 from nanochat.order import UnitIndex
 from nanochat.resume import merge_states
 from nanochat.state import decode_keys, decode_plan, add_checksum
@@ -861,7 +861,7 @@ def placed_pieces(batch, trace, texts, overlap):
         for n, (head, key) in enumerate(zip(heads, keys)):
             m = (heads[n + 1] if n + 1 < len(heads) else len(row)) - head
             doc = [BOS] + list(texts[key[1:4]].encode())
-            start = key[4] if len(key) == 5 else None
+            start = getattr(key, "start", None)  # a PieceKey: a piece of a split document
             if not start:
                 assert same(row[head:head + m], doc)
                 positions = range(0, m)
@@ -939,7 +939,7 @@ def test_elastic_restart_with_split_policies(policy, overlap, n_old, n_new, k, t
 
 
 # -----------------------------------------------------------------------------
-# 9. every field of a state is checked: a state resealed after an edit (or one given with
+# 9. every field of a state is checked: a state given new checksums after an edit (or one given with
 #    allow_state_mismatch=True) resumes, or is refused with a ValueError that names the field; never
 #    another error from deep inside, a hang, or a large allocation
 
@@ -1073,17 +1073,17 @@ def mutate(state, data) -> tuple:
     return path
 
 
-def reseal(state) -> None:
+def recompute_checksums(state) -> None:
     """Make every checksum of an edited state match its contents again, as a hand edit can."""
     if not isinstance(state, dict):
         return
     if "merged" in state:
         for s in (state["states"] if isinstance(state.get("states"), list) else ()):
-            reseal(s)
+            recompute_checksums(s)
     elif state.get("loader") == "mixture":
         for bucket in (state["buckets"].values() if isinstance(state.get("buckets"), dict) else ()):
-            reseal(bucket)
-        mixture_seal(state)
+            recompute_checksums(bucket)
+        add_mixture_checksum(state)
     else:
         add_checksum(state)
 
@@ -1127,7 +1127,7 @@ def test_every_field_of_an_edited_state_is_checked(saved, data):
     state, open_resumed = copy.deepcopy(saved["resumes"][kind][0]), saved["resumes"][kind][1]
     path = mutate(state, data)
     if path[-1] != "checksum":
-        reseal(state)
+        recompute_checksums(state)
     allow = data.draw(st.booleans(), label="allow_state_mismatch")
     with bounded():
         try:
@@ -1150,7 +1150,7 @@ def test_every_field_of_an_edited_state_to_merge_is_checked(saved, data):
     i = data.draw(st.integers(0, len(states) - 1), label="rank")
     path = mutate(states[i], data)
     if path[-1] != "checksum":
-        reseal(states[i])
+        recompute_checksums(states[i])
     with bounded():
         try:
             next(merge_and_open(states))
@@ -1179,7 +1179,7 @@ def first_bitmap_item(state) -> dict:
     return next(item for item in state["states"][1]["plan"] if "row_groups" in item)
 
 
-@pytest.mark.parametrize("kind,edit,reseal_it,match", [
+@pytest.mark.parametrize("kind,edit,new_checksum,match", [
     # a counter that is not one (it must not become a packer attribute); a run of a billion rows
     ("bestfit", set_path(["counters", "fill"], None), True,
      r"\['counters'\] has an unknown counter 'fill'"),
@@ -1278,14 +1278,14 @@ def first_bitmap_item(state) -> dict:
     ("mixture", set_path(["buckets", "code", "next", 3], 10**6), True,
      r"resume_state_dict\['buckets'\]\['code'\]\['next'\] = .* is not a place"),
 ])
-def test_edited_fields_are_refused_by_name(saved, kind, edit, reseal_it, match):
+def test_edited_fields_are_refused_by_name(saved, kind, edit, new_checksum, match):
     state, open_resumed = copy.deepcopy(saved["resumes"][kind][0]), saved["resumes"][kind][1]
     edit(state)
-    if reseal_it:
-        reseal(state)
+    if new_checksum:
+        recompute_checksums(state)
     with bounded(), pytest.raises(ValueError, match=match):
-        # not resealed: given with allow_state_mismatch=True
-        loader = open_resumed(state, not reseal_it)
+        # no new checksum: given with allow_state_mismatch=True
+        loader = open_resumed(state, not new_checksum)
         for _ in range(2):
             next(loader)
 
@@ -1310,6 +1310,6 @@ def test_edited_fields_are_refused_by_name(saved, kind, edit, reseal_it, match):
 def test_edited_states_to_merge_are_refused_by_name(saved, kind, i, edit, match):
     states, merge_and_open = copy.deepcopy(saved["ranks"][kind][0]), saved["ranks"][kind][1]
     edit(states[i])
-    reseal(states[i])
+    recompute_checksums(states[i])
     with bounded(seconds=10), pytest.raises(ValueError, match=match):
         merge_and_open(states)

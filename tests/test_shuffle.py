@@ -1,7 +1,7 @@
 """
 Seeded shuffling (shuffle=True, seed=, shuffle_window=), tested as the unshuffled loaders are:
 - the keyed permutation: a bijection for any n, the same values on every machine (pinned);
-- the shuffled stream token for token against a slow oracle (tests/oracle.py), both parquet
+- the shuffled walk token for token against a slow oracle (tests/oracle.py), both parquet
   loaders;
 - exact resume after every batch (parquet best-fit, split_reuse, concatenating; pretokenized);
 - elastic restarts in one process that place every document once, a chained merge, exact resume
@@ -81,7 +81,7 @@ def test_units_are_dealt_as_a_partition_that_changes_with_seed_and_epoch():
     assert first == Shuffle(3, 2).units(1, total, 0, 1).tolist()
 
 # -----------------------------------------------------------------------------
-# 2. the shuffled stream against the oracle
+# 2. the shuffled walk against the oracle
 
 
 def corpus_config(seed, tmp_path):
@@ -383,7 +383,7 @@ def test_refusals_and_another_ranks_state(tmp_path, caplog):
         open_loader("bestfit", cfg, rank=0, world_size=2, seed=6, resume_state_dict=state)
     with pytest.raises(ValueError, match="shuffle: state"):
         open_loader("bestfit", cfg, rank=0, world_size=2, shuffle=False, resume_state_dict=state)
-    with pytest.raises(ValueError, match="not a state of this shuffled stream .nanochat's form."):
+    with pytest.raises(ValueError, match="not a state of this shuffled walk .nanochat's form."):
         open_loader("bestfit", cfg, rank=0, world_size=2,
                     resume_state_dict={"pq_idx": 0, "rg_idx": 0, "epoch": 1})
     with pytest.raises(ValueError,
@@ -393,7 +393,7 @@ def test_refusals_and_another_ranks_state(tmp_path, caplog):
     # nor on other data, even with the same order's settings
     (tmp_path / "other").mkdir()
     elastic_corpus(tmp_path / "other", seed=4)
-    with pytest.raises(ValueError, match=r"not a state of this shuffled stream \(files: state"):
+    with pytest.raises(ValueError, match=r"not a state of this shuffled walk \(files: state"):
         open_loader("bestfit", cfg, rank=1, world_size=2, data_dir=str(tmp_path / "other"),
                     allow_state_mismatch=True, resume_state_dict=state)
     for bad, match in ((dict(shuffle=1), "shuffle must be True or False"),
