@@ -12,8 +12,8 @@ Exact and elastic resume (nanochat/resume.py and the version-2 states of nanocha
 - merge_states: its errors, and an elastic N -> M restart in one process where every document
   not yet trained on is placed exactly once (checked on document traces and on the tokens);
 - every field checked: a hypothesis property edits real states of every loader (and states to
-  merge) at random and recomputes their checksums: each resumes, or is refused with a ValueError naming the
-  edited field, within a time and memory bound; and worked examples, field by field.
+  merge) at random and recomputes their checksums: each resumes, or is refused with a ValueError
+  naming the edited field, within a time and memory bound; and worked examples, field by field.
 Run: python -m pytest tests/test_resume.py -q
 """
 
@@ -190,7 +190,7 @@ def small(tmp_path):
 @pytest.mark.parametrize("split", ["train", "val"])
 @pytest.mark.parametrize("kind", ["bestfit", "concat", "split", "split_reuse"])
 def test_exact_resume_after_every_batch(kind, split, prefetch, seed, tmp_path):
-    # (the seeds of the policy kinds start at 10: their configs all cover the cases asserted below)
+    # (the random seeds of the policy kinds start at 10: their configs cover the cases below)
     rng = random.Random(
         f"{kind}-{split}-{prefetch}-{seed + 10 * (kind in ('split', 'split_reuse'))}")
     world_size = rng.randint(1, 3)
