@@ -5,7 +5,7 @@ callable whenever the buffer runs low), so the parquet loader, the pretokenized 
 benchmark all drive the same code:
 - BestFitPacker: nanochat's BOS-aligned best-fit. Its long_doc_policy "split" and "split_reuse"
   cut long documents into BOS-led pieces instead of cropping them (docs/long-documents.md).
-- ConcatPacker: nanochat's concatenating loader's token stream: documents back to back, no
+- ConcatPacker: nanochat's concatenating loader: documents back to back, no
   alignment, no waste.
 
 Cost: documents are numpy arrays of the narrowest unsigned dtype the vocabulary allows, so the
@@ -32,7 +32,7 @@ class Piece(NamedTuple):
     start: int | None  # None: the whole document; else the one piece from this token on
 
 
-Refill = Callable[[], Iterable[Piece]]  # the next Pieces of the stream (possibly none)
+Refill = Callable[[], Iterable[Piece]]  # the next Pieces of the walk (possibly none)
 
 
 def token_dtype(vocab_size: int | None) -> np.dtype:
@@ -295,7 +295,7 @@ class BestFitPacker:
     def fill(self, rows: np.ndarray, refill: Refill, buffer_size: int) -> None:
         """Fill every row of `rows` (shape (n, row_capacity)), refilling the buffer to at least
         `buffer_size` documents before each placement, as nanochat's loader does. A refill that
-        returns nothing means the stream has ended: the buffer is drained (the caller makes sure
+        returns nothing means the walk has ended: the buffer is drained (the caller makes sure
         it holds enough tokens to finish the rows)."""
         assert rows.shape[1] == self.row_capacity
         self.starts, self.masked = [], []
@@ -309,7 +309,7 @@ class BestFitPacker:
                     for doc, key, overlap, start in refill():
                         added = True
                         self.add(doc, key, overlap, start)
-                    if not added:  # a finite stream ran out: place from what is left
+                    if not added:  # a finite walk ran out: place from what is left
                         break
                 start = pos
                 pos, key, piece, masked = self._place(row, pos)
@@ -335,12 +335,12 @@ class BestFitPacker:
 
 
 class ConcatPacker:
-    """Documents back to back as one token stream, read in windows that overlap by one token:
+    """Documents back to back as one sequence of tokens, read in windows that overlap by one token:
     `take` copies the next len(out) tokens but consumes all but the last, which it only peeks (so
-    the last target of one batch is the first input of the next, and no token of the stream is
+    the last target of one batch is the first input of the next, and no token of the sequence is
     skipped).
 
-    Counters: tokens_in counts tokens that entered the stream, tokens_out tokens consumed (each
+    Counters: tokens_in counts tokens that entered the sequence, tokens_out tokens consumed (each
     once; a peeked token counts when it is consumed), so tokens_in == tokens_out + len(self)."""
 
     COUNTERS = ("tokens_in", "tokens_out")
@@ -374,8 +374,8 @@ class ConcatPacker:
         return self._offset
 
     def add(self, doc: np.ndarray, key=None, overlap: int = 0, start: int | None = None) -> None:
-        """Append a document to the stream, or with `start` only its tokens from there on (the rest
-        of a document an elastic merge dealt out). A window's overlap is streamed as it is: the
+        """Append a document to the sequence, or with `start` only its tokens from there on (the
+        rest of a document an elastic merge dealt out). A window's overlap goes in as it is: the
         concatenating loader does not mask."""
         if start is not None:
             check_piece_start(start, len(doc))
@@ -393,8 +393,8 @@ class ConcatPacker:
         self._num_tokens -= offset
 
     def take(self, out: np.ndarray, refill: Refill) -> None:
-        """Fill the 1-D array `out` with the next len(out) tokens of the stream, refilling while
-        fewer are buffered; consume len(out) - 1 of them: the last stays first in the stream."""
+        """Fill the 1-D array `out` with the next len(out) tokens of the sequence, refilling while
+        fewer are buffered; consume len(out) - 1 of them: the last stays first in the sequence."""
         needed = len(out)
         while self._num_tokens < needed:
             for doc, key, overlap, start in refill():

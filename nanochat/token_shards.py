@@ -258,7 +258,7 @@ def write_token_shard(prefix: str, entries, overlaps, dtype) -> None:
 
 
 def write_token_pairs(prefix: str, pairs, dtype) -> None:
-    """write_token_shard over (entry, overlap) pairs, which lets a caller stream both from one
+    """write_token_shard over (entry, overlap) pairs, which lets a caller pass both from one
     generator."""
     prefix = os.fspath(prefix)
     code = _dtype_code(dtype)
