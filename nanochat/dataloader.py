@@ -22,6 +22,7 @@ from typing import Any, NamedTuple
 import numpy as np
 import torch
 
+from nanochat.catalog import copies_estimate, packing_shards, streamed_files
 from nanochat.checks import check_int
 from nanochat.dataset import split_parquet_files
 from nanochat.download import Limits
@@ -31,7 +32,6 @@ from nanochat.packing import check_long_doc_policy
 from nanochat.prefetch import maybe_prefetch
 from nanochat.rows import (Encoder, EntryDocuments, RowBatch, StateRecorder, bestfit_batches,
                            concat_batches, token_batches)
-from nanochat.catalog import copies_estimate, packing_shards, streamed_files
 from nanochat.shard_cache import ShardCache
 from nanochat.shuffle import Shuffle
 from nanochat.state import decode_keys, loader_config, tokenizer_fingerprint
