@@ -32,7 +32,7 @@ from nanochat.packing import check_long_doc_policy
 from nanochat.prefetch import maybe_prefetch
 from nanochat.rows import (Encoder, EntryDocuments, RowBatch, StateRecorder, bestfit_batches,
                            concat_batches, token_batches)
-from nanochat.shard_cache import ShardCache
+from nanochat.shard_cache import ShardCache, local_peers, peer_starts
 from nanochat.shuffle import Shuffle
 from nanochat.state import decode_keys, loader_config, tokenizer_fingerprint
 from nanochat.token_reader import TokenShardReader, shard_paths, shard_vocab
@@ -82,7 +82,8 @@ def assemble(spec: LoaderSpec, resume_state_dict: dict | None) -> Assembled:
         shuffle=spec.shuffle)
     watch = None
     if spec.cache is not None:
-        spec.cache.start(order.file_order(), buffered=decode_keys(start["buffer"]) if start else ())
+        peers = peer_starts(resume_state_dict, spec.rank, spec.world_size, spec.cache.read_ahead)
+        spec.cache.start(order, buffered=decode_keys(start["buffer"]) if start else (), peers=peers)
         watch = spec.cache.hold  # keeps on disk what a resume from a yielded state reads
     recorder = StateRecorder(spec.kind, order, spec.encoder, spec.config, start, watch)
     return Assembled(order, recorder, position)
@@ -148,8 +149,11 @@ def _parquet_reader(split: str, data_dir, streaming, read_ahead: dict):
         prefetch_shards=streaming.settings.prefetch_shards,
         cache_limit=streaming.settings.cache_limit, prefetch=read_ahead["prefetch"],
         copies=copies_estimate(catalog, read_ahead["buffer_docs"]),
-        packing=packing_shards(catalog, read_ahead["rank"], read_ahead["world_size"],
-                               read_ahead["docs"]))
+        # (every local rank's: they share the cache, and the one whose shards hold fewest of its
+        # documents spans the most)
+        packing=max(packing_shards(catalog, rank, read_ahead["world_size"], read_ahead["docs"])
+                    for rank in local_peers(read_ahead["rank"], read_ahead["world_size"])),
+        read_ahead=read_ahead["docs"])
     return ParquetReader(paths, catalog, cache), cache
 
 

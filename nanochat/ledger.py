@@ -13,7 +13,7 @@ import json
 import logging
 import os
 import socket
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from filelock import FileLock
 
@@ -64,6 +64,8 @@ class Loader:
     needs: dict[str, str]  # shard name -> reason (a key of REASONS)
     fetching: str | None = None  # the shard it downloads now: counted whole in the budget
     restoring: bool = False  # it reads a resumed buffer, maybe from gone loaders' copies: they stay
+    # the shards it reads next, past those it needs, soonest first: eviction spares them longest
+    later: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -89,7 +91,8 @@ class Table:
         return sorted(name for name, row in self.shards.items() if row.state == FETCHED)
 
     def to_json(self) -> dict:
-        loaders = {owner: vars(loader) for owner, loader in self.loaders.items()}
+        loaders = {owner: vars(loader) | {"later": list(loader.later)}
+                   for owner, loader in self.loaders.items()}
         shards = {name: vars(row) for name, row in self.shards.items()}
         kept = {owner: copies for owner, copies in self.kept.items() if copies}  # (none: no row)
         return {"loaders": loaders, "shards": shards, "kept": kept, "evicting": self.evicting}
@@ -102,8 +105,10 @@ def _loader(value) -> Loader | None:
     except TypeError:  # (not a dict, or other fields)
         return None
     fine = isinstance(loader.host, str) and type(loader.pid) is int  # (type: a bool is no pid)
-    fine = fine and isinstance(loader.needs, dict)
-    return loader if fine and all(r in REASONS for r in loader.needs.values()) else None
+    fine = fine and isinstance(loader.needs, dict) and isinstance(loader.later, (list, tuple))
+    fine = fine and all(isinstance(name, str) for name in loader.later)
+    fine = fine and all(r in REASONS for r in loader.needs.values())
+    return replace(loader, later=tuple(loader.later)) if fine else None
 
 
 def _shard_row(value) -> ShardRow | None:

@@ -312,6 +312,19 @@ class RankOrder:
         self._units.clear()  # the regular walk reads each unit once and keeps none
         yield from self._shuffled() if self.shuffle else self._regular()
 
+    def plan_files(self, docs: int) -> list[int]:
+        """The files (pq_idx) of its plan's units as far as its first `docs` documents: what a
+        resumed walk reads, and holds, before its first state (a merge deals every old rank's
+        buffered documents this way)."""
+        files, count = [], 0
+        for unit in self.plan:
+            if count >= docs:
+                break
+            files.append(unit.pq_idx)
+            count += (len(unit.rows) if unit.rows is not None
+                      else self.index.rows(unit.pq_idx, unit.rg_idx))
+        return list(dict.fromkeys(files))
+
     def file_order(self):
         """The files this (unshuffled) walk reads, in order, once per visit, as (epoch, pq_idx):
         its plan's, then the regular walk's, epoch after epoch. What streaming fetches ahead."""

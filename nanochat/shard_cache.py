@@ -10,7 +10,7 @@ must be held at once is a ValueError at the start. Design: docs/streaming.md.
     python -m nanochat.shard_cache status [DATA_DIR]   # what is on disk, who needs it and why
 
 May import: nanochat.cache_status, nanochat.catalog, nanochat.checks, nanochat.dataset,
-nanochat.download, nanochat.files, nanochat.kept, nanochat.ledger.
+nanochat.download, nanochat.files, nanochat.kept, nanochat.ledger, nanochat.state.
 """
 
 import argparse
@@ -34,12 +34,14 @@ from nanochat.download import DownloadError, Limits, download_file, record_path
 from nanochat.files import remove_if_exists
 from nanochat.kept import Keeper, drop_oldest, encode, file_mtime, kept_bytes, remove_gone
 from nanochat.ledger import EVICTED, FETCHED, REASONS, Ledger, Loader, ShardRow, Table
+from nanochat.state import decode_keys
 
 logger = logging.getLogger(__name__)
 
 LOOKAHEAD = 64  # distinct shards of the order searched for the one the reader asks for
 NEED_MARGIN = 120.0  # seconds need() waits past the downloader's deadline (another rank's download)
 ROOM_WAIT = 600.0  # seconds the shard a reader waits for may find no room before that is an error
+LATER_MAX = 256  # the most shards a loader lists as read soon (Loader.later)
 
 
 def shard_files(data_dir: str, partial: bool = True) -> dict[str, int]:
@@ -71,13 +73,14 @@ class ShardCache:
     def __init__(self, data_dir: str, names: list[str], urls: list[str], sizes: list[int], *,
                  prefetch_shards: int, cache_limit: int | None, limits: Limits,
                  keep: dict[str, int] | None = None, prefetch: int = 4, copies: int = 0,
-                 packing: int = 2):
+                 packing: int = 2, read_ahead: int = 0):
         self.data_dir, self.names, self.urls, self.sizes = data_dir, names, urls, sizes
         self.prefetch_shards, self.limit, self.limits = prefetch_shards, cache_limit, limits
         self.keep = dict(keep or {})  # name -> size: never evicted (the val shard)
         self.copies = copies  # what copies of a buffer may take (copies_estimate), for the budget
         self.copying = False  # whether this loader copies them: _check_budget, or once one evicts
         self.packing = packing  # the most shards from the one packed from to the one read
+        self.read_ahead = read_ahead  # documents read and not yet packed, at most
         self.local_ranks = _local_ranks()
         self.ledger = Ledger(data_dir)
         self.owner = f"{socket.gethostname()}-{os.getpid()}-{next(self._count)}"
@@ -101,7 +104,12 @@ class ShardCache:
         self._published = None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        self.room_wait = ROOM_WAIT
+        # a reader waits this long for room the other loaders hold (they move on within seconds)
+        self.room_wait = min(ROOM_WAIT, limits.deadline)
+        # the shards past those it needs that this loader lists as read soon (_later): as many as
+        # the budget holds, a few hundred at most (the ledger stays small)
+        smallest = max(min(sizes), 1)
+        self.later_count = 0 if cache_limit is None else min(cache_limit // smallest, LATER_MAX)
         self._short_since: float | None = None
         self.fetched_bytes = 0  # what this cache downloaded
         self.peak_bytes = 0  # the most the shards and kept copies took at once, as measured here
@@ -114,9 +122,10 @@ class ShardCache:
 
     # -- the budget ------------------------------------------------------------------
 
-    def _check_budget(self) -> None:
-        """The start check: a ValueError when cache_limit is below what must be held at once.
-        Also decides whether this loader copies its buffered documents."""
+    def _check_budget(self, restore: list[int] = ()) -> None:
+        """The start check: a ValueError when cache_limit is below what must be held at once
+        (`restore`: the shards of resumed walks' first documents). Also decides whether this
+        loader copies its buffered documents."""
         if self.limit is None:
             self.copies = 0
             return
@@ -140,8 +149,18 @@ class ShardCache:
         later = sum(size for name, size in self.keep.items()
                     if name not in on_disk and name not in self.names)
         copies = self.copies * self.local_ranks
-        least = sum(fixed.values()) + count * largest + later + copies
+        walk = count * largest
+        # a resumed walk's first documents (a buffer's, a merged plan's), the local ranks'
+        # together, and the file the walk goes on in are held at once, with one for a local rank
+        # out of step (what is fetched ahead waits for room meanwhile)
+        restoring = sum(self.sizes[p] for p in restore)
+        if restore:
+            walk = max(walk, restoring + largest * (len(restore) < len(self.names)))
+        least = sum(fixed.values()) + walk + later + copies
         val = f" and the val shard ({size_words(later)})" if later else ""
+        if restore:
+            val += (f", {len(restore)} shard(s) ({size_words(restoring)}) holding the first "
+                    "documents of the resumed walks of this machine's ranks (buffers, plans)")
         if self.limit < least:
             raise ValueError(
                 f"cache_limit={size_words(self.limit)} is below what this streaming loader must "
@@ -206,7 +225,15 @@ class ShardCache:
             complete = shard_files(self.data_dir, partial=False)
             victims = [n for n in table.fetched()
                        if n in complete and n not in needed and n not in in_flight]
-            victims.sort(key=lambda n: (n != release, file_mtime(os.path.join(self.data_dir, n))))
+            # soonest: where a live loader reads a shard next, in distinct shards from now
+            soonest: dict[str, int] = {}
+            for row in table.loaders.values():
+                for i, n in enumerate(row.later):
+                    soonest[n] = min(soonest.get(n, i), i)
+            # what no loader reads soon goes first (`release` before the rest, then the oldest);
+            # then what is read latest
+            victims.sort(key=lambda n: (n in soonest, n != release, -soonest.get(n, 0),
+                                        file_mtime(os.path.join(self.data_dir, n))))
             if used > self.limit:
                 table.evicting = True  # (every loader of the machine copies its buffers now)
             while used > self.limit and victims:
@@ -257,6 +284,16 @@ class ShardCache:
             return set()
         return {p for _, p in self._visits[min(self._dealt, self._at):self._at + 1]}
 
+    def _later(self) -> tuple[str, ...]:
+        """The shards this loader reads after those it needs, soonest first, as many as the budget
+        could hold: the other local ranks' eviction keeps the soonest longest (a rank that lags,
+        its row groups of a shard being more, finds them on disk, not fetched again)."""
+        if self.limit is None or self._at is None:
+            return ()
+        self._fill(self.prefetch_shards + self.later_count)
+        later = self._visits[self._at + 1 + self.prefetch_shards:]
+        return tuple(dict.fromkeys(self.names[p] for _, p in later))[:self.later_count]
+
     def _needs(self) -> dict[str, str]:
         """shard name -> why this loader needs it: the first reason of REASONS that holds."""
         current = [] if self._at is None else [self._current()]
@@ -280,7 +317,7 @@ class ShardCache:
         """Write this loader's row when it changed (the caller holds _cond); nothing once closed."""
         if self._stop.is_set():
             return
-        record = (self._needs(), self._fetching, self.keeper.restoring)
+        record = (self._needs(), self._fetching, self.keeper.restoring, self._later())
         if record == self._published:
             return
         row = Loader(socket.gethostname(), os.getpid(), self.limit, *record)
@@ -367,23 +404,21 @@ class ShardCache:
 
     # -- the fetching thread -------------------------------------------------------------
 
-    def start(self, order, buffered=()) -> None:
-        """Begin fetching, along `order`, the visits (epoch, pq_idx) of the files the walk will
-        read: first the shards of `buffered`, a resumed state's buffered documents (keys), unless
-        copies kept on this machine hold them all."""
-        rows: dict[int, set] = {}
-        for key in buffered:
-            rows.setdefault(key[1], set()).add((key[2], key[3]))
-        first = []
-        for p, wanted in rows.items():
-            if not os.path.exists(os.path.join(self.data_dir, self.names[p])):
-                if wanted <= self.keeper.restored(self.names[p]).keys():
-                    continue
-            first.append(p)
+    def start(self, order, buffered=(), peers=()) -> None:
+        """Begin fetching the files the walk `order` (a RankOrder) will read, visit by visit:
+        first the shards of `buffered`, a resumed state's buffered documents (keys), unless
+        copies kept on this machine hold them all. `peers`: what the other local ranks read first
+        (peer_starts), at the same time: the start check counts it with this rank's plan."""
+        first = self._to_fetch(buffered)
+        starting = set(first) | set(order.plan_files(self.read_ahead))
+        for keys, files in peers:
+            starting.update(self._to_fetch(keys), files)
+        if starting:  # (with the file the walk goes on in: it is read at once too)
+            self._check_budget(sorted(starting | {order.start[1]}))
         with self._cond:
             self._first = first
-            self.keeper.restoring = bool(rows)
-            self._order = iter(order)
+            self.keeper.restoring = bool(buffered)
+            self._order = iter(order.file_order())
             self._fill(1)
             if self._visits:
                 self._at = 0
@@ -391,6 +426,26 @@ class ShardCache:
             self._publish()
         self._thread = threading.Thread(target=self._run, name="nanochat-shards", daemon=True)
         self._thread.start()
+
+    def _held(self) -> str:
+        """What fills the budget, for an error: each live loader's shards and why, and the copies
+        of buffered documents."""
+        table = self.ledger.read()
+        held = [f"{owner}{' (this loader)' if owner == self.owner else ''}: "
+                + ", ".join(f"{n} ({why})" for n, why in sorted(row.needs.items()))
+                for owner, row in sorted(table.loaders.items()) if row.needs]
+        copies = kept_bytes(self.keeper.root)
+        return "; ".join(held or ["no live loader's shards"]) + f"; {size_words(copies)} of copies"
+
+    def _to_fetch(self, keys) -> list[int]:
+        """The shards of a resumed buffer's documents (keys) to fetch first: all but those not on
+        disk whose documents copies kept on this machine hold."""
+        rows: dict[int, set] = {}
+        for key in keys:
+            rows.setdefault(key[1], set()).add((key[2], key[3]))
+        return [p for p, wanted in rows.items()
+                if os.path.exists(os.path.join(self.data_dir, self.names[p]))
+                or not wanted <= self.keeper.restored(self.names[p]).keys()]
 
     def _next_target(self) -> int | None:
         """The buffer's shards, what readers wait for (earliest in the order first), the current
@@ -458,16 +513,14 @@ class ShardCache:
                 return False
             # the shard the reader waits for: the other loaders of this machine may still be reading
             # what fills the budget, and move on within seconds (ranks train in step); past
-            # room_wait they will not
+            # room_wait (at most the download deadline) they will not
             self._short_since = self._short_since or time.monotonic()
             if time.monotonic() - self._short_since > self.room_wait:
                 raise ValueError(
                     f"cache_limit={size_words(self.limit)} has had no room for {name} for "
-                    f"{self.room_wait:g}s: the shards that the loaders of this machine still need "
-                    "and the copies of their buffered documents "
-                    f"({size_words(kept_bytes(self.keeper.root))}) fill it (python -m "
-                    f"nanochat.shard_cache status {self.data_dir} lists them); raise cache_limit, "
-                    "or lower prefetch_shards or buffer_size")
+                    f"{self.room_wait:g}s: {self._held()} fill it (python -m nanochat.shard_cache "
+                    f"status {self.data_dir} lists them); raise cache_limit, or lower "
+                    "prefetch_shards or buffer_size")
             return False
         self._short_since = None
         try:
@@ -564,6 +617,43 @@ class ShardCache:
                 table = self.ledger.read()
                 table.loaders.pop(self.owner, None)
                 self.ledger.write(table)
+
+
+def local_peers(rank: int, world_size: int) -> range:
+    """The ranks of this machine, rank among them: torchrun numbers a node's ranks in a row
+    (LOCAL_RANK, LOCAL_WORLD_SIZE); without torchrun's variables, rank alone."""
+    local = os.environ.get("LOCAL_RANK", "")
+    if not local.isdigit() or int(local) > rank:
+        return range(rank, rank + 1)
+    first = rank - int(local)
+    return range(first, min(first + _local_ranks(), world_size))
+
+
+def peer_starts(state, rank: int, world_size: int, docs: int) -> list:
+    """What the other local ranks read first from a merged state (every rank is given all of it):
+    per rank, (its buffered documents' keys, the files of its plan as far as `docs` documents).
+    Their shards are fetched at the same time as this rank's. None for any other state (each rank
+    has only its own). A part that does not decode is left to its rank's own checks."""
+    if not (isinstance(state, dict) and "merged" in state and isinstance(state.get("states"), list)
+            and len(state["states"]) == world_size):
+        return []
+    starts = []
+    for peer in local_peers(rank, world_size):
+        part = state["states"][peer]
+        if peer == rank or not isinstance(part, dict):
+            continue
+        try:
+            keys, files, count = decode_keys(part.get("buffer", [])), [], 0
+            for unit in part.get("plan", []):
+                if count >= docs:
+                    break
+                files.append(unit["pq_idx"])
+                # (a whole unit: as many documents as the rest of the read-ahead, at least)
+                count += docs if unit.get("rows") is None else len(unit["rows"])
+            starts.append((keys, files))
+        except (ValueError, TypeError, KeyError, IndexError, AttributeError):
+            pass
+    return starts
 
 
 def _local_ranks() -> int:
