@@ -82,7 +82,7 @@ def assemble(spec: LoaderSpec, resume_state_dict: dict | None) -> Assembled:
         shuffle=spec.shuffle)
     watch = None
     if spec.cache is not None:
-        peers = peer_starts(resume_state_dict, spec.rank, spec.world_size, spec.cache.read_ahead)
+        peers = peer_starts(resume_state_dict, spec.rank, spec.world_size)
         spec.cache.start(order, buffered=decode_keys(start["buffer"]) if start else (), peers=peers)
         watch = spec.cache.hold  # keeps on disk what a resume from a yielded state reads
     recorder = StateRecorder(spec.kind, order, spec.encoder, spec.config, start, watch)

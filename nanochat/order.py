@@ -312,12 +312,12 @@ class RankOrder:
         self._units.clear()  # the regular walk reads each unit once and keeps none
         yield from self._shuffled() if self.shuffle else self._regular()
 
-    def plan_files(self, docs: int) -> list[int]:
-        """The files (pq_idx) of its plan's units as far as its first `docs` documents: what a
-        resumed walk reads, and holds, before its first state (a merge deals every old rank's
-        buffered documents this way)."""
+    def plan_files(self, docs: int, plan: list[PlanUnit] | None = None) -> list[int]:
+        """The files (pq_idx) of its plan's units (or `plan`'s, another rank's of the same split)
+        as far as the first `docs` documents: what a resumed walk reads, and holds, before its
+        first state (a merge deals every old rank's buffered documents this way)."""
         files, count = [], 0
-        for unit in self.plan:
+        for unit in self.plan if plan is None else plan:
             if count >= docs:
                 break
             files.append(unit.pq_idx)

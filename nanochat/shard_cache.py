@@ -34,7 +34,7 @@ from nanochat.download import DownloadError, Limits, download_file, record_path
 from nanochat.files import remove_if_exists
 from nanochat.kept import Keeper, drop_oldest, encode, file_mtime, kept_bytes, remove_gone
 from nanochat.ledger import EVICTED, FETCHED, REASONS, Ledger, Loader, ShardRow, Table
-from nanochat.state import decode_keys
+from nanochat.state import decode_keys, decode_plan
 
 logger = logging.getLogger(__name__)
 
@@ -411,8 +411,12 @@ class ShardCache:
         (peer_starts), at the same time: the start check counts it with this rank's plan."""
         first = self._to_fetch(buffered)
         starting = set(first) | set(order.plan_files(self.read_ahead))
-        for keys, files in peers:
-            starting.update(self._to_fetch(keys), files)
+        for buffer, plan in peers:
+            try:
+                keys, units = decode_keys(buffer), decode_plan(plan, order.index)
+            except (ValueError, TypeError, KeyError, IndexError, AttributeError):
+                continue  # (left to that rank's own checks of its state)
+            starting.update(self._to_fetch(keys), order.plan_files(self.read_ahead, units))
         if starting:  # (with the file the walk goes on in: it is read at once too)
             self._check_budget(sorted(starting | {order.start[1]}))
         with self._cond:
@@ -629,31 +633,16 @@ def local_peers(rank: int, world_size: int) -> range:
     return range(first, min(first + _local_ranks(), world_size))
 
 
-def peer_starts(state, rank: int, world_size: int, docs: int) -> list:
+def peer_starts(state, rank: int, world_size: int) -> list:
     """What the other local ranks read first from a merged state (every rank is given all of it):
-    per rank, (its buffered documents' keys, the files of its plan as far as `docs` documents).
-    Their shards are fetched at the same time as this rank's. None for any other state (each rank
-    has only its own). A part that does not decode is left to its rank's own checks."""
+    per rank, (its buffered documents' keys, its plan's items). Their shards are fetched at the
+    same time as this rank's. None for any other state (each rank has only its own)."""
     if not (isinstance(state, dict) and "merged" in state and isinstance(state.get("states"), list)
             and len(state["states"]) == world_size):
         return []
-    starts = []
-    for peer in local_peers(rank, world_size):
-        part = state["states"][peer]
-        if peer == rank or not isinstance(part, dict):
-            continue
-        try:
-            keys, files, count = decode_keys(part.get("buffer", [])), [], 0
-            for unit in part.get("plan", []):
-                if count >= docs:
-                    break
-                files.append(unit["pq_idx"])
-                # (a whole unit: as many documents as the rest of the read-ahead, at least)
-                count += docs if unit.get("rows") is None else len(unit["rows"])
-            starts.append((keys, files))
-        except (ValueError, TypeError, KeyError, IndexError, AttributeError):
-            pass
-    return starts
+    parts = [state["states"][peer] for peer in local_peers(rank, world_size) if peer != rank]
+    return [(part.get("buffer", []), part.get("plan", [])) for part in parts
+            if isinstance(part, dict)]
 
 
 def _local_ranks() -> int:

@@ -464,6 +464,82 @@ def test_elastic_merge_of_streamed_states(hosted, tmp_path, monkeypatch):
     assert merge_states(states, 3, data_dir=str(tmp_path / "new")) == merged
 
 
+def _within(seconds: float, fn):
+    """fn()'s value, or an AssertionError when it has not returned in `seconds` (a stall: the
+    thread is left behind, a daemon)."""
+    box = {}
+
+    def run():
+        try:
+            box["value"] = fn()
+        except BaseException as e:  # handed to the test
+            box["error"] = e
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(seconds)
+    assert not thread.is_alive(), f"still running after {seconds}s"
+    if "error" in box:
+        raise box["error"]
+    return box["value"]
+
+
+def test_a_merged_state_resumes_into_an_empty_cache_at_the_least_limit_without_a_stall(tmp_path):
+    """merge_states of 2 ranks for 1: its plan deals the old buffers' documents, from 8 shards,
+    all read before the first state. The start check counts them: at the least limit it accepts,
+    the resume is exact and does not wait for room."""
+    hosted_dir = str(tmp_path / "hosted")
+    _write_hosted(hosted_dir, 12)
+    server = ShardServer(hosted_dir)
+    limits = Limits(max_attempts=2, backoff_base=0.01, timeout=5, deadline=5)
+    kwargs = dict(num_shards=12, buffer_size=40, download_limits=limits)
+    try:
+        states = [_batches(_streaming("bestfit", server, tmp_path / f"old{r}", rank=r,
+                                      world_size=2, **kwargs), 150)[-1][2] for r in range(2)]
+        merged = merge_states(states, 1, data_dir=hosted_dir)
+        first = merged["states"][0]["plan"]
+        assert len({unit.get("pq_idx") for unit in first}) >= 6  # the test is about them
+        expected = _batches(_on_disk("bestfit", hosted_dir, buffer_size=40,
+                                     resume_state_dict=merged), 20)
+        least = _least_accepted(lambda limit: _streaming(
+            "bestfit", server, tmp_path / "probe", cache_limit=limit, resume_state_dict=merged,
+            **kwargs))
+        resumed = _within(60, lambda: _batches(_streaming(
+            "bestfit", server, tmp_path / "new", cache_limit=least, resume_state_dict=merged,
+            **kwargs), 20))
+    finally:
+        server.close()
+    _same(resumed, expected)
+
+
+def test_a_reader_short_of_room_fails_within_the_deadline_naming_who_holds_it(hosted, tmp_path):
+    """Another live loader of the machine needs every shard in the cache, and the budget has no
+    room for one more: the reader fails within the download deadline (not after 600 s), and the
+    error lists that loader's shards and why."""
+    hosted_dir, server, sizes = hosted
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    held = [index_to_filename(i) for i in range(2, 7)]
+    for name in held:
+        shutil.copy(os.path.join(hosted_dir, name), cache / name)
+    (cache / STREAM_DIR).mkdir()
+    ledger = Ledger(str(cache))
+    with ledger.lock:
+        another = Loader(socket.gethostname(), os.getpid(), None, dict.fromkeys(held, "reading"))
+        ledger.write(Table(loaders={"another": another},
+                           shards={name: ShardRow(FETCHED) for name in held}))
+    limits = Limits(max_attempts=2, backoff_base=0.01, timeout=5, deadline=3)
+    # room for 5 shards and a half: the 5 held and not one more
+    loader = _streaming("bestfit", server, cache, cache_limit=int(5.5 * sizes[-1]),
+                        prefetch_shards=0, buffer_size=20, download_limits=limits)
+    start = time.monotonic()
+    with pytest.raises(ValueError, match="has had no room for shard_00000.parquet for 3s") as info:
+        _within(30, lambda: next(iter(loader)))
+    assert time.monotonic() - start < 20
+    loader.close()
+    assert f"another: {held[0]} (reading), {held[1]} (reading)" in str(info.value)
+
+
 # -----------------------------------------------------------------------------
 # The environment: what nanochat's scripts, which pass none of the arguments, get
 
