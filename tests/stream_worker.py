@@ -6,6 +6,7 @@ NANOCHAT_STREAM_SHARDS, NANOCHAT_CACHE_LIMIT); each batch's rows and state go to
 OUT_DIR/rank<RANK>.jsonl as one line the moment it has them (the test may kill it). Under torchrun
 the ranks take each batch together (a gloo barrier), as DDP training steps do.
 STREAM_WORKER_IDLE=1: after the last batch it idles, its loader open, until the test kills it.
+STREAM_WORKER_LOADER: JSON of loader arguments in place of LOADER's.
 Usage: [torchrun ...] stream_worker.py OUT_DIR NUM_BATCHES [RESUME_JSON]
 """
 import json
@@ -42,8 +43,10 @@ def main():
     together = "WORLD_SIZE" in os.environ
     if together:
         dist.init_process_group("gloo")
+    # STREAM_WORKER_LOADER: JSON of loader arguments that replace LOADER's
+    settings = LOADER | json.loads(os.environ.get("STREAM_WORKER_LOADER", "{}"))
     loader = tokenizing_distributed_data_loader_with_state_bos_bestfit(
-        ByteTokenizer(), resume_state_dict=resume, **LOADER
+        ByteTokenizer(), resume_state_dict=resume, **settings
     )
     with open(os.path.join(out_dir, f"rank{os.environ.get('RANK', '0')}.jsonl"), "w") as f:
         for _ in range(num_batches):

@@ -31,6 +31,7 @@ from nanochat.dataloader import tokenizing_distributed_data_loader_with_state_bo
 from nanochat.dataset import get_dataset, index_to_filename
 from nanochat.download import Limits
 from nanochat.catalog import copies_estimate, read_catalog
+from nanochat.resume import merge_states
 from nanochat.state import decode_keys
 from scripts import shard_server
 from scripts.shard_server import BLOCK, ShardServer
@@ -66,13 +67,13 @@ def equal_docs(num: int, length: int):
 
 
 def on_disk(
-    hosted, num_batches: int, rank: int = 0, world_size: int = 1, resume=None
+    hosted, num_batches: int, rank: int = 0, world_size: int = 1, resume=None, **settings
 ) -> list[dict]:
     """The oracle: the same loader over the hosted shards on disk, each batch as a worker writes
-    it."""
+    it (settings: a worker's STREAM_WORKER_LOADER)."""
     loader = tokenizing_distributed_data_loader_with_state_bos_bestfit(
         ByteTokenizer(), data_dir=str(hosted), rank=rank, world_size=world_size,
-        resume_state_dict=resume, **LOADER)
+        resume_state_dict=resume, **LOADER | settings)
     batches = take(loader, num_batches)
     loader.close()
     return batches
@@ -634,6 +635,61 @@ def test_a_budget_below_what_must_be_held_is_refused_at_the_call(tmp_path):
             and "prefetch_shards=2 ahead" in message)
     assert "and the val shard" in message
     assert str(tmp_path / "cache") in message
+
+
+def test_every_local_rank_checks_the_machines_least_and_a_merged_resume_at_it_runs(
+        tmp_path, monkeypatch):
+    """2 ranks' states merged for 3 ranks of one machine, each given the whole merge. Shards of 4
+    row groups of 25 documents: rank 0 reads 50 of each, ranks 1 and 2 read 25, so their 36
+    documents read ahead span one more shard. Every local rank's start check counts what all of
+    them read first (their plans' shards, from 8 old buffers of 40) and the most any of them packs
+    from, so they accept the same least cache_limit; at it, 3 torchrun ranks resume into an empty
+    cache exactly, without waiting for room."""
+    hosted, out = tmp_path / "hosted", tmp_path / "out"
+    names = host_shards(hosted, 12, lingering_docs, row_group_size=25)
+    out.mkdir()
+    settings = dict(buffer_size=40, tokenizer_batch_size=12, prefetch_shards=0)
+    states = [on_disk(hosted, 150, rank, 2, **settings)[-1]["state"] for rank in range(2)]
+    merged = merge_states(states, 3, data_dir=str(hosted))
+    with open(tmp_path / "merged.json", "w") as f:
+        json.dump(merged, f)
+    server = ShardServer(str(hosted))
+    try:
+        monkeypatch.setenv("LOCAL_WORLD_SIZE", "3")
+        leasts = []
+        for rank in range(3):
+            monkeypatch.setenv("LOCAL_RANK", str(rank))
+            leasts.append(least_accepted(lambda limit: streaming(
+                tmp_path / "probe", server.url, len(names), cache_limit=limit, rank=rank,
+                world_size=3, resume_state_dict=merged, **settings)))
+        assert leasts[0] == leasts[1] == leasts[2], leasts
+        cmd = [*TORCHRUN, "--standalone", "--nproc-per-node=3",
+               os.path.join(HERE, "stream_worker.py"), str(out), "30",
+               str(tmp_path / "merged.json")]
+        env = dict(stream_env(tmp_path / "base", server.url, len(names), leasts[0]),
+                   STREAM_WORKER_LOADER=json.dumps(settings))
+        # (a stall would wait 600 s for room: the timeout ends it)
+        result = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env)
+        assert result.returncode == 0, result.stdout + result.stderr
+    finally:
+        server.close()
+    for rank in range(3):
+        expected = on_disk(hosted, 30, rank, 3, merged, **settings)
+        assert read_lines(out / f"rank{rank}.jsonl") == expected
+
+
+def least_accepted(make) -> int:
+    """The least cache_limit that make(cache_limit) accepts (a loader: closed at once)."""
+    low, high = 1, 1 << 30
+    while low < high:
+        mid = (low + high) // 2
+        try:
+            make(mid).close()
+            high = mid
+        except ValueError as e:
+            assert "is below what this streaming loader must hold" in str(e), e
+            low = mid + 1
+    return low
 
 
 # -----------------------------------------------------------------------------
