@@ -227,11 +227,11 @@ def test_the_ledger_is_one_json_table(small_cache):
     assert table == {
         "loaders": {
             "box-1-0": {"host": HOST, "pid": os.getpid(), "cache_limit": 20_000, "restoring": False,
-                        "needs": NEEDS, "fetching": S[4]},
+                        "needs": NEEDS, "fetching": S[4], "started": None},
             "box-2-0": {"host": HOST, "pid": os.getpid(), "cache_limit": 15_000, "restoring": True,
-                        "needs": {S[1]: "packing"}, "fetching": None},
+                        "needs": {S[1]: "packing"}, "fetching": None, "started": None},
             "box-9-0": {"host": HOST, "pid": "gone", "cache_limit": 10_000, "restoring": False,
-                        "needs": {S[5]: "reading"}, "fetching": None}},
+                        "needs": {S[5]: "reading"}, "fetching": None, "started": None}},
         "shards": {S[0]: {"state": "fetched", "evictions": 1},
                    S[1]: {"state": "fetched", "evictions": 0},
                    S[2]: {"state": "fetched", "evictions": 0},
