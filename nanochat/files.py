@@ -1,11 +1,20 @@
 """
 Small file-system steps that make writes durable and clean-ups quiet, shared by the downloader
-(nanochat/download.py) and the token-shard writer (nanochat/token_shards.py).
+(nanochat/download.py), the token-shard writer (nanochat/token_shards.py) and the streaming cache's
+small files (the ledger, the catalog, the kept copies): a whole-file write that leaves no temporary
+file behind and says what a full disk needs, and a warning given once per version of a bad file.
 
 May import: the standard library only.
 """
 
+import errno
 import os
+import shutil
+
+# what a full disk under a streaming cache asks of its user
+DISK_FULL_FIX = "free some space, pass a smaller cache_limit, or use a data_dir on a bigger disk"
+
+_warned: dict[str, tuple] = {}  # path -> the version of it (file_stamp) last warned about
 
 
 def remove_if_exists(path: str) -> None:
@@ -27,3 +36,51 @@ def fsync_dir(path: str) -> None:
         os.fsync(fd)  # a rename is an entry in the directory: durable once the directory is
     finally:
         os.close(fd)
+
+
+def disk_full(directory: str, needed: int, what: str) -> OSError:
+    """The error for a disk too full to take `needed` more bytes in `directory`: where, how much
+    it needs and has, and the fix."""
+    free = shutil.disk_usage(directory).free
+    return OSError(errno.ENOSPC, f"{directory}: {what} needs {needed} bytes but {free} are free "
+                                 f"(the disk is full); {DISK_FULL_FIX}")
+
+
+def write_atomic(path: str, data: bytes) -> None:
+    """Write a small file whole, then rename it into place: a reader, who takes no lock, never sees
+    half of it. One writer at a time (the caller's lock): the temporary file is path + ".tmp". On
+    any OSError the temporary file goes; a full disk (or quota) is an OSError(ENOSPC) naming the
+    directory, the bytes needed and free, and the fix."""
+    tmp = path + ".tmp"
+    # os.open and os.write, not open(): a loader closed by its __del__ at interpreter exit writes
+    # here when the builtins may be gone already
+    try:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view):]
+        finally:
+            os.close(fd)
+        os.replace(tmp, path)
+    except OSError as e:
+        remove_if_exists(tmp)  # (an empty or partial temporary file would stay for good)
+        if e.errno in (errno.ENOSPC, errno.EDQUOT):
+            raise disk_full(os.path.dirname(path) or ".", len(data),
+                            f"writing {os.path.basename(path)}") from None
+        raise
+
+
+def file_stamp(fd: int) -> tuple[int, int, int]:
+    """Which version of an open file this is: a whole-file write (write_atomic) makes a new inode,
+    an edit in place a new mtime."""
+    stat = os.fstat(fd)
+    return stat.st_ino, stat.st_mtime_ns, stat.st_size
+
+
+def warn_once(logger, path: str, stamp: tuple, message: str, *args) -> None:
+    """logger.warning(message, *args), once per version of the bad file at `path`: a file read at
+    every step stays bad until someone writes it again, and one warning says all there is."""
+    if _warned.get(path) != stamp:
+        _warned[path] = stamp
+        logger.warning(message, *args)

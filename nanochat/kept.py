@@ -1,29 +1,36 @@
 """
 Kept copies of buffered documents: a best-fit buffer can hold a long document for many shards, so
 once a loader has packed every document of a shard it copies the few its recent states still buffer
-to DATA_DIR/.stream/kept/<loader>/<shard>.json.gz ([[row group, row, text], ...], gzip), and the
-shard may go. A resume reads a buffer's documents from any loader's copies. The copies are files
-(they are data); which loader owns which is in the ledger. A copy costs a gzip of a few documents.
-Design: docs/streaming.md.
+to DATA_DIR/.stream/kept/<loader>/<shard>.json.gz, and the shard may go. A copy is gzipped JSON,
+{"sha256": ..., "docs": [[row group, row, text], ...]}, the checksum that of the docs' JSON: a
+damaged or edited copy is removed with a warning, and its shard fetched again. A resume reads a
+buffer's documents from any loader's copies. The copies are files (they are data); which loader
+owns which is in the ledger. A copy costs a gzip of a few documents. Design: docs/streaming.md.
 
 May import: nanochat.dataset, nanochat.files, nanochat.ledger.
 """
 
+import errno
 import gzip
+import hashlib
 import json
 import logging
 import os
 import shutil
+import zlib
 from collections import deque
 
 from nanochat.dataset import open_parquet, read_row_group_column
-from nanochat.files import remove_if_exists
+from nanochat.files import disk_full, remove_if_exists, write_atomic
 from nanochat.ledger import STREAM_DIR, Ledger, Table
 
 logger = logging.getLogger(__name__)
 
 KEPT_DIR = "kept"  # in STREAM_DIR: a directory per loader, a file of kept documents per shard
-KEPT_SUFFIX = ".json.gz"  # [[rg_idx, row, text], ...]
+KEPT_SUFFIX = ".json.gz"  # {"sha256": ..., "docs": [[rg_idx, row, text], ...]}
+# what reading a damaged copy raises: a bad gzip stream or CRC (OSError), a cut-off file
+# (EOFError), a bad deflate block (zlib.error), bad JSON, shape or checksum (ValueError)
+DAMAGED = (OSError, EOFError, zlib.error, ValueError)
 HELD_STATES = 4  # states whose buffered documents are kept, past 2 x prefetch (Keeper.held)
 
 
@@ -88,21 +95,24 @@ def drop_oldest(root: str, table: Table, enough) -> int:
     return dropped
 
 
-def read_copies(root: str, name: str, owners) -> dict[tuple[int, int], str]:
-    """{(rg_idx, row): text} of the given loaders' copies of one shard's documents."""
-    texts = {}
-    for owner in owners:
-        path = os.path.join(root, owner, name + KEPT_SUFFIX)
-        try:
-            with gzip.open(path, "rt", encoding="utf-8") as f:
-                kept = json.load(f)
-        except FileNotFoundError:
-            continue
-        except (OSError, ValueError) as e:  # (written whole and renamed: only a damaged disk)
-            logger.warning("kept documents %s are unreadable (%s); not used", path, e)
-            continue
-        texts.update(((rg_idx, row), text) for rg_idx, row, text in kept)
-    return texts
+def _docs_sum(docs: list) -> str:
+    return hashlib.sha256(json.dumps(docs).encode()).hexdigest()
+
+
+def read_copy(path: str) -> dict[tuple[int, int], str]:
+    """{(rg_idx, row): text} of one copy. Raises FileNotFoundError when it is not there, and one of
+    DAMAGED, saying what is wrong, when it is not a copy as encode() writes them."""
+    with gzip.open(path, "rt", encoding="utf-8") as f:
+        value = json.load(f)
+    if not isinstance(value, dict) or not isinstance(value.get("docs"), list):
+        raise ValueError("not an object with a list of docs")
+    docs = value["docs"]
+    if value.get("sha256") != _docs_sum(docs):  # (an edited text, or a bit flipped on disk)
+        raise ValueError("its documents do not match its sha256")
+    if not all(isinstance(doc, list) and len(doc) == 3 and type(doc[0]) is int
+               and type(doc[1]) is int and isinstance(doc[2], str) for doc in docs):
+        raise ValueError("its docs are not [row group, row, text] entries")
+    return {(rg_idx, row): text for rg_idx, row, text in docs}
 
 
 # -----------------------------------------------------------------------------
@@ -160,11 +170,37 @@ class Keeper:
         return os.path.join(self.directory, self.names[p] + KEPT_SUFFIX)
 
     def copy_texts(self, name: str) -> dict[tuple[int, int], str]:
-        """{(rg_idx, row): text} of every loader's copies of shard `name` (the ledger says
-        whose)."""
+        """{(rg_idx, row): text} of every loader's copies of shard `name` (the ledger says whose).
+        A damaged copy is removed, with a warning: its documents are absent (fetched again)."""
         table = self.ledger.read()
         owners = sorted(owner for owner, copies in table.kept.items() if name in copies)
-        return read_copies(self.root, name, owners)
+        texts = {}
+        for owner in owners:
+            path = os.path.join(self.root, owner, name + KEPT_SUFFIX)
+            try:
+                texts.update(read_copy(path))
+            except FileNotFoundError:  # (dropped by its owner since the ledger was read)
+                continue
+            except DAMAGED:
+                self.discard(owner, name, path)
+        return texts
+
+    def discard(self, owner: str, name: str, path: str) -> None:
+        """Remove a damaged copy and its row in the ledger, if it is still damaged under the lock
+        (its owner writes copies whole, under the lock: it may have written it again)."""
+        with self.ledger.lock:
+            try:
+                read_copy(path)
+                return
+            except FileNotFoundError:
+                pass
+            except DAMAGED as e:
+                logger.warning("kept documents %s are damaged (%s): removed; the documents are "
+                               "read from shard %s again", path, e, name)
+                remove_if_exists(path)
+            table = self.ledger.read()
+            table.kept.get(owner, {}).pop(name, None)
+            self.ledger.write(table)
 
     def restored(self, name: str) -> dict[tuple[int, int], str]:
         """copy_texts(name), read once while restoring a resumed buffer."""
@@ -191,11 +227,14 @@ class Keeper:
     def write(self, p: int, data: bytes, table: Table) -> None:
         """Write our copy of shard p's documents whole, then rename (a resume never reads half of
         one), and its row in the table (the caller holds the ledger's lock)."""
-        os.makedirs(self.directory, exist_ok=True)
-        path = self.path(p)
-        with open(f"{path}.tmp", "wb") as f:
-            f.write(data)
-        os.replace(f"{path}.tmp", path)
+        try:
+            os.makedirs(self.directory, exist_ok=True)
+        except OSError as e:  # (a directory takes a block on most file systems)
+            if e.errno != errno.ENOSPC:
+                raise
+            what = f"a copy of {self.names[p]}'s documents"
+            raise disk_full(self.root, len(data), what) from None
+        write_atomic(self.path(p), data)
         table.kept.setdefault(self.owner, {})[self.names[p]] = len(data)
 
     def remove(self, p: int, table: Table) -> None:
@@ -218,6 +257,8 @@ class Keeper:
 
 
 def encode(texts: dict[tuple[int, int], str]) -> bytes:
-    """A copy's bytes; mtime=0: the same documents give the same bytes."""
-    rows = [[*key, texts[key]] for key in sorted(texts)]
-    return gzip.compress(json.dumps(rows).encode(), mtime=0)
+    """A copy's bytes, with the checksum of its documents; mtime=0: the same documents give the
+    same bytes."""
+    docs = [[*key, texts[key]] for key in sorted(texts)]
+    value = {"sha256": _docs_sum(docs), "docs": docs}
+    return gzip.compress(json.dumps(value).encode(), mtime=0)

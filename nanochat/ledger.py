@@ -2,11 +2,11 @@
 The machine-wide state of a streaming cache: one table in DATA_DIR/.stream/ledger.json, changed only
 under one lock, DATA_DIR/.stream/lock. It says which live loader needs which shard and why, which
 shards the streaming loaders fetched or evicted, which loader owns each kept copy of buffered
-documents, and whether a loader has had to evict. A loader of this host whose process is gone is
-dropped whenever the table is read. Reading it costs one small JSON parse.
-Design and an example: docs/streaming.md.
+documents, and whether a loader has had to evict. A loader of this host whose process is gone (no
+such pid, or a pid that now names a process started at another time) is dropped whenever the table
+is read. Reading it costs one small JSON parse. Design and an example: docs/streaming.md.
 
-May import: nanochat.checks.
+May import: nanochat.checks, nanochat.files.
 """
 
 import json
@@ -18,6 +18,7 @@ from dataclasses import dataclass, field, replace
 from filelock import FileLock
 
 from nanochat.checks import is_int
+from nanochat.files import file_stamp, warn_once, write_atomic
 
 logger = logging.getLogger(__name__)
 
@@ -38,8 +39,22 @@ REASONS = {
 FETCHED, EVICTED = "fetched", "evicted"  # a shard's state in the table
 
 
-def _alive(pid) -> bool:
-    """Whether a process of this host has this pid."""
+def start_time(pid: int) -> int | None:
+    """When process `pid` started, in clock ticks since boot: field 22 of /proc/<pid>/stat (Linux).
+    None where there is no /proc, or no such process."""
+    try:
+        data, _ = _read_bytes(f"/proc/{pid}/stat")
+    except OSError:
+        return None
+    # field 2, the command's name, is in parentheses and may hold spaces and ')': the fields after
+    # its last ')' are fields 3, 4, ..., so field 22 is the 20th of them
+    fields = data[data.rfind(b")") + 1:].split()
+    return int(fields[19]) if len(fields) > 19 and fields[19].isdigit() else None
+
+
+def _alive(pid, started) -> bool:
+    """Whether the process that wrote a row of this host lives: a process has its pid and, where
+    the row recorded one, its start time (a pid is reused once its process is gone)."""
     if not is_int(pid) or pid <= 0:
         return False
     try:
@@ -47,8 +62,10 @@ def _alive(pid) -> bool:
     except ProcessLookupError:
         return False
     except PermissionError:  # another user's process: alive
-        return True
-    return True
+        pass
+    # (no start time recorded, or none to read without /proc: the pid alone says it)
+    now = start_time(pid) if started is not None else None
+    return now is None or now == started
 
 
 # -----------------------------------------------------------------------------
@@ -66,6 +83,7 @@ class Loader:
     restoring: bool = False  # it reads a resumed buffer, maybe from gone loaders' copies: they stay
     # the shards it reads next, past those it needs, soonest first: eviction spares them longest
     later: tuple[str, ...] = ()
+    started: int | None = None  # its process's start_time(pid); None: the pid alone identifies it
 
 
 @dataclass(frozen=True)
@@ -107,6 +125,7 @@ def _loader(value) -> Loader | None:
     fine = isinstance(loader.host, str) and type(loader.pid) is int  # (type: a bool is no pid)
     fine = fine and isinstance(loader.needs, dict) and isinstance(loader.later, (list, tuple))
     fine = fine and all(isinstance(name, str) for name in loader.later)
+    fine = fine and (loader.started is None or type(loader.started) is int)
     fine = fine and all(r in REASONS for r in loader.needs.values())
     return replace(loader, later=tuple(loader.later)) if fine else None
 
@@ -124,24 +143,28 @@ def _copies(value) -> dict[str, int] | None:
     return value if fine else None
 
 
-def _table(value, path: str) -> Table:
-    """The table of a JSON value; a row of the wrong shape is dropped, with a warning."""
+def _table(value, path: str, stamp: tuple) -> Table:
+    """The table of a JSON value; a row of the wrong shape is dropped, with a warning (once for
+    this version of the file: the next write replaces it)."""
     if not isinstance(value, dict):
-        logger.warning("%s is not a table; starting it afresh", path)
+        warn_once(logger, path, stamp, "%s is not a table; starting it afresh", path)
         return Table()
     table, bad = Table(evicting=value.get("evicting") is True), []
     parts = (("loaders", table.loaders, _loader), ("shards", table.shards, _shard_row),
              ("kept", table.kept, _copies))
     for key, part, parse in parts:
-        rows = value.get(key)
-        for name, raw in (rows.items() if isinstance(rows, dict) else ()):
+        rows = value.get(key, {})
+        if not isinstance(rows, dict):
+            bad.append(key)
+            continue
+        for name, raw in rows.items():
             row = parse(raw)
             if row is None:
                 bad.append(name)
             else:
                 part[name] = row
     if bad:
-        logger.warning("%s: dropped rows of the wrong shape: %s", path, bad)
+        warn_once(logger, path, stamp, "%s: dropped rows of the wrong shape: %s", path, bad)
     return table
 
 
@@ -171,21 +194,24 @@ class Ledger:
 
     def read(self) -> Table:
         """The table, less the loaders of this host whose process is gone. Without the lock held it
-        is a snapshot: the file is replaced whole, so it is never half written."""
+        is a snapshot: the file is replaced whole, so it is never half written. A bad file is
+        warned about once, read as an empty table, and replaced by the next write."""
         try:
-            text = _read_text(self.path)
+            data, stamp = _read_bytes(self.path)
         except FileNotFoundError:
             return Table()
         try:
-            table = _table(json.loads(text), self.path)
-        except ValueError as e:
-            logger.warning("%s is unreadable (%s); starting it afresh", self.path, e)
+            text = data.decode()
+            table = _table(json.loads(text), self.path, stamp)
+        except ValueError as e:  # (UnicodeDecodeError too)
+            warn_once(logger, self.path, stamp, "%s is unreadable (%s); starting it afresh",
+                      self.path, e)
             return Table()
         table.text = text
         host = socket.gethostname()
         # (another host's loaders, on a shared disk, cannot be checked from here: they stay)
         gone = [owner for owner, loader in table.loaders.items()
-                if loader.host == host and not _alive(loader.pid)]
+                if loader.host == host and not _alive(loader.pid, loader.started)]
         for owner in gone:
             del table.loaders[owner]
         return table
@@ -194,9 +220,8 @@ class Ledger:
         """Write the table (the caller holds the lock), unless it is what was read."""
         text = json.dumps(table.to_json(), sort_keys=True)
         if text != table.text:
-            tmp = f"{self.path}.tmp"  # (one writer at a time: the lock's holder)
-            _write_text(tmp, text)
-            os.replace(tmp, self.path)  # (whole or not at all: readers take no lock)
+            # (whole or not at all: readers take no lock; one writer at a time: the lock's holder)
+            write_atomic(self.path, text.encode())
             table.text = text
 
 
@@ -204,22 +229,14 @@ class Ledger:
 # when the builtins may be gone already
 
 
-def _read_text(path: str) -> str:
+def _read_bytes(path: str) -> tuple[bytes, tuple]:
+    """A file's bytes and which version of it this is (file_stamp)."""
     fd = os.open(path, os.O_RDONLY)
     try:
+        stamp = file_stamp(fd)
         chunks = []
         while chunk := os.read(fd, 1 << 20):
             chunks.append(chunk)
     finally:
         os.close(fd)
-    return b"".join(chunks).decode()
-
-
-def _write_text(path: str, text: str) -> None:
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-    try:
-        data = memoryview(text.encode())
-        while data:
-            data = data[os.write(fd, data):]
-    finally:
-        os.close(fd)
+    return b"".join(chunks), stamp

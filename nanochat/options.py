@@ -6,6 +6,7 @@ arguments or the environment (NANOCHAT_STREAM, NANOCHAT_CACHE_LIMIT, NANOCHAT_ST
 May import: nanochat.checks, nanochat.common, nanochat.dataset, nanochat.shuffle.
 """
 
+import math
 import os
 import re
 from typing import NamedTuple
@@ -57,6 +58,7 @@ _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
 
 def parse_bytes(value, name: str = "cache_limit") -> int:
     """Bytes from an int or a string such as "20GB", "500 MB", "1.5TiB"."""
+    given = value
     if isinstance(value, bool) or not isinstance(value, (int, float, str)):
         raise ValueError(f"{name} must be a number of bytes or a string like '20GB', got {value!r}")
     if isinstance(value, str):
@@ -66,6 +68,10 @@ def parse_bytes(value, name: str = "cache_limit") -> int:
             raise ValueError(f"{name}={value!r}: expected bytes or a size like "
                              "'20GB', '500MB', '1.5TiB'")
         value = float(match.group(1)) * _UNITS[match.group(2).lower()]
+    # nan and inf (an int cannot hold them), or a string of 309 digits (a float's inf)
+    if isinstance(value, float) and not math.isfinite(value):
+        raise ValueError(f"{name} must be a finite number of bytes, got {given!r}: pass a size "
+                         "like '20GB', or leave it unset for no limit")
     if value <= 0:
         raise ValueError(f"{name} must be > 0 bytes, got {value!r}")
     return int(value)

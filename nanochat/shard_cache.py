@@ -14,7 +14,6 @@ nanochat.download, nanochat.files, nanochat.kept, nanochat.ledger, nanochat.stat
 """
 
 import argparse
-import errno
 import itertools
 import logging
 import os
@@ -31,9 +30,10 @@ from nanochat.catalog import catalog_path, catalog_sizes, read_catalog
 from nanochat.checks import check_int
 from nanochat.dataset import find_data_dir, open_parquet
 from nanochat.download import DownloadError, Limits, download_file, record_path
-from nanochat.files import remove_if_exists
+from nanochat.files import disk_full, remove_if_exists
 from nanochat.kept import Keeper, drop_oldest, encode, file_mtime, kept_bytes, remove_gone
-from nanochat.ledger import EVICTED, FETCHED, REASONS, Ledger, Loader, ShardRow, Table
+from nanochat.ledger import (EVICTED, FETCHED, REASONS, Ledger, Loader, ShardRow, Table,
+                             start_time)
 from nanochat.state import decode_keys, decode_plan
 
 logger = logging.getLogger(__name__)
@@ -250,13 +250,9 @@ class ShardCache:
                 return False
         self.peak_bytes = max(self.peak_bytes, used)
         missing = size_of.get(name, 0) - on_disk.get(name, 0) if name else extra
-        free = shutil.disk_usage(self.data_dir).free
-        if missing > free:
-            what = f"{name} needs" if name else "a copy of buffered documents needs"
-            raise OSError(errno.ENOSPC,
-                          f"{what} {size_words(missing)} more but {self.data_dir} has "
-                          f"{size_words(free)} free (the disk is full); free some space, pass a "
-                          "smaller cache_limit, or a data_dir on a bigger disk")
+        if missing > shutil.disk_usage(self.data_dir).free:
+            raise disk_full(self.data_dir, missing,
+                            f"fetching {name}" if name else "a copy of buffered documents")
         return True
 
     # -- what this loader needs --------------------------------------------------------
@@ -320,7 +316,8 @@ class ShardCache:
         record = (self._needs(), self._fetching, self.keeper.restoring, self._later())
         if record == self._published:
             return
-        row = Loader(socket.gethostname(), os.getpid(), self.limit, *record)
+        row = Loader(socket.gethostname(), os.getpid(), self.limit, *record,
+                     started=start_time(os.getpid()))
         with self.ledger.lock:
             table = self.ledger.read()
             table.loaders[self.owner] = row
@@ -537,7 +534,9 @@ class ShardCache:
                 self._publish()
         meta = open_parquet(path).metadata
         rows = [meta.row_group(g).num_rows for g in range(meta.num_row_groups)]
-        expected = read_catalog(self.data_dir, [name], [url], self.limits)[0]
+        # the size the walk was planned on, and the rows of the shard's catalog entry
+        entry = read_catalog(self.data_dir, [name], [url], self.limits)[0]
+        expected = {"size": self.sizes[p], "rows": entry["rows"]}
         if (os.path.getsize(path), rows) != (expected["size"], expected["rows"]):
             raise ValueError(
                 f"{path} ({url}) is not the shard the walk was planned on: "
@@ -617,10 +616,13 @@ class ShardCache:
         if self._thread is not None:
             self._thread.join(timeout=1.0)  # a download blocked in a read ends at its timeout
         if self._published is not None:  # (a row is written at start())
-            with self.ledger.lock:
-                table = self.ledger.read()
-                table.loaders.pop(self.owner, None)
-                self.ledger.write(table)
+            try:
+                with self.ledger.lock:
+                    table = self.ledger.read()
+                    table.loaders.pop(self.owner, None)
+                    self.ledger.write(table)
+            except OSError as e:  # (a full disk): the row goes at the next read, its process gone
+                logger.debug("could not take %s out of the ledger: %s", self.owner, e)
 
 
 def local_peers(rank: int, world_size: int) -> range:

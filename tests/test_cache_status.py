@@ -167,7 +167,10 @@ def test_a_streaming_loader_reports_the_same_figures(tmp_path):
             next(loader)
         for _ in range(1000):  # 10 s: until the fetch ahead is done (then all waits for next())
             status = loader.cache_status()
-            if (cache / S[1]).exists() and all(n.reason != "fetching" for n in status.needs):
+            # (a fetch's bytes are counted once the shard is checked against the catalog, after
+            # its row says it fetches nothing)
+            done = status.fetched_bytes == sizes[S[0]] + sizes[S[1]]
+            if done and all(n.reason != "fetching" for n in status.needs):
                 break
             time.sleep(0.01)
         command = status_command(cache)
@@ -227,11 +230,11 @@ def test_the_ledger_is_one_json_table(small_cache):
     assert table == {
         "loaders": {
             "box-1-0": {"host": HOST, "pid": os.getpid(), "cache_limit": 20_000, "restoring": False,
-                        "needs": NEEDS, "fetching": S[4], "later": []},
+                        "needs": NEEDS, "fetching": S[4], "started": None, "later": []},
             "box-2-0": {"host": HOST, "pid": os.getpid(), "cache_limit": 15_000, "restoring": True,
-                        "needs": {S[1]: "packing"}, "fetching": None, "later": []},
+                        "needs": {S[1]: "packing"}, "fetching": None, "started": None, "later": []},
             "box-9-0": {"host": HOST, "pid": "gone", "cache_limit": 10_000, "restoring": False,
-                        "needs": {S[5]: "reading"}, "fetching": None, "later": []}},
+                        "needs": {S[5]: "reading"}, "fetching": None, "started": None, "later": []}},
         "shards": {S[0]: {"state": "fetched", "evictions": 1},
                    S[1]: {"state": "fetched", "evictions": 0},
                    S[2]: {"state": "fetched", "evictions": 0},

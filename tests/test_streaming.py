@@ -386,8 +386,8 @@ def _kept(cache, name: str) -> dict[tuple[int, int], str]:
     for owner in os.listdir(kept) if os.path.isdir(kept) else []:
         path = os.path.join(kept, owner, name + ".json.gz")
         if os.path.exists(path):
-            with gzip.open(path, "rt") as f:
-                texts.update(((rg_idx, row), text) for rg_idx, row, text in json.load(f))
+            with gzip.open(path, "rt") as f:  # {"sha256": ..., "docs": [[rg, row, text], ...]}
+                texts.update(((rg_idx, row), text) for rg_idx, row, text in json.load(f)["docs"])
     return texts
 
 

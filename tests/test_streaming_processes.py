@@ -605,8 +605,9 @@ def test_a_full_disk_is_an_enospc_error_naming_the_directory(tmp_path, monkeypat
         server.close()
     assert got + more == expected[:len(got + more)] and len(more) >= 9
     assert isinstance(error, OSError) and error.errno == errno.ENOSPC
-    assert str(error).startswith(f"[Errno {errno.ENOSPC}] {names[1]} needs "), error
-    assert f"{cache} has 1.0 KB free" in str(error)
+    assert str(error).startswith(f"[Errno {errno.ENOSPC}] {cache}: fetching {names[1]} needs "
+                                 ), error
+    assert "bytes but 1000 are free (the disk is full); free some space" in str(error)
     assert not os.path.exists(cache / names[1]) and server.fetched() == names[:1]
 
 
