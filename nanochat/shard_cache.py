@@ -152,10 +152,11 @@ class ShardCache:
         walk = count * largest
         # a resumed walk's first documents (a buffer's, a merged plan's), the local ranks'
         # together, and the file the walk goes on in are held at once, with one for a local rank
-        # out of step (what is fetched ahead waits for room meanwhile)
+        # out of step when there are more (what is fetched ahead waits for room meanwhile)
         restoring = sum(self.sizes[p] for p in restore)
         if restore:
-            walk = max(walk, restoring + largest * (len(restore) < len(self.names)))
+            step = self.local_ranks > 1 and len(restore) < len(self.names)
+            walk = max(walk, restoring + largest * step)
         least = sum(fixed.values()) + walk + later + copies
         val = f" and the val shard ({size_words(later)})" if later else ""
         if restore:
