@@ -11,6 +11,7 @@ Design: docs/downloads.md
 May import: nanochat.checks, nanochat.files, requests, urllib3, pyarrow, filelock, tqdm.
 """
 
+import contextlib
 import errno
 import hashlib
 import json
@@ -517,15 +518,31 @@ def _session() -> requests.Session:
     return session
 
 
-def _stream(response: requests.Response, f, limits: Limits, deadline: float, bar: tqdm,
-            stop) -> None:
-    """Copy the body to f; raise when the rate over a window falls below limits.min_rate, past the
-    deadline, or when the run stops. read1 returns whatever has arrived, so a trickling server is
-    noticed within one window."""
+@contextlib.contextmanager
+def _watchdog(deadline: float):
+    """Within the block, this thread's connection is shut at the deadline (see _SOCKETS). Yields
+    the event that says whether it was: whatever error the cut caused, the deadline is the
+    reason."""
+    # 0.01 s at least: a timer of 0 or less would fire before the request even starts
+    left, fired = max(deadline - time.monotonic(), 0.01), threading.Event()
+    timer = threading.Timer(left, lambda thread: fired.set() or _cut(thread),
+                            args=(threading.get_ident(),))
+    timer.daemon = True  # a pending timer never keeps the process alive
+    timer.start()
+    try:
+        yield fired
+    finally:
+        timer.cancel()
+        _SOCKETS.pop(threading.get_ident(), None)
+
+
+def _chunks(response: requests.Response, limits: Limits, deadline: float, stop):
+    """The body as it arrives; raises when the rate over a window falls below limits.min_rate, past
+    the deadline, or when the run stops. read1 returns whatever has arrived, so a trickling server
+    is noticed within one window; a body shorter than one window is never judged by its rate."""
     window_start, window_bytes = time.monotonic(), 0
     while chunk := response.raw.read1(CHUNK_SIZE):
-        f.write(chunk)
-        bar.update(len(chunk))
+        yield chunk  # the caller keeps it before a check below ends the attempt
         if stop.is_set():
             raise _Stopped()
         now = time.monotonic()
@@ -553,25 +570,16 @@ def _fetch_to_tmp(url: str, tmp: str, limits: Limits, deadline: float, progress:
     if have:
         # If-Range: "the rest, if the file is still this version; else the whole file" (a 200)
         headers.update({"Range": f"bytes={have}-", "If-Range": record["validator"]})
-    # 0.01 s at least: a timer of 0 or less would fire before the request even starts
-    left, fired = max(deadline - time.monotonic(), 0.01), threading.Event()
-    watchdog = threading.Timer(left, lambda thread: fired.set() or _cut(thread),
-                               args=(threading.get_ident(),))
-    watchdog.daemon = True  # a pending timer never keeps the process alive
-    watchdog.start()
-    try:
-        with _session() as session:
-            record = _attempt(session, url, tmp, have, record, headers,
-                              timeout=min(limits.timeout, left), limits=limits, deadline=deadline,
-                              progress=progress, stop=stop)
-    except Exception as e:
-        if not fired.is_set() or isinstance(e, _Stopped):
-            raise
-        # the watchdog cut the connection: whatever that broke, the reason is the deadline
-        record = None
-    finally:
-        watchdog.cancel()
-        _SOCKETS.pop(threading.get_ident(), None)
+    timeout = min(limits.timeout, max(deadline - time.monotonic(), 0.01))
+    with _watchdog(deadline) as fired:
+        try:
+            with _session() as session:
+                record = _attempt(session, url, tmp, have, record, headers, timeout=timeout,
+                                  limits=limits, deadline=deadline, progress=progress, stop=stop)
+        except Exception as e:
+            if not fired.is_set() or isinstance(e, _Stopped):
+                raise
+            record = None  # the watchdog cut the connection: the deadline is the reason
     # a cut can also end headers early (a 200 with no body); a transfer that completed as the timer
     # fired stands
     if fired.is_set() and not (record and record["size"] is not None
@@ -626,7 +634,9 @@ def _attempt(session: requests.Session, url: str, tmp: str, have: int, record: d
                 # never leaves old bytes under a new validator
                 os.fsync(f.fileno())
                 _write_json(record_path(tmp), record)
-            _stream(response, f, limits, deadline, bar, stop)
+            for chunk in _chunks(response, limits, deadline, stop):
+                f.write(chunk)
+                bar.update(len(chunk))
             f.flush()
             os.fsync(f.fileno())
     return record
@@ -766,36 +776,18 @@ TAIL_BYTES = 64 * 1024
 
 
 def fetch_tail(url: str, nbytes: int, limits: Limits | None = None) -> tuple[int, bytes]:
-    """(the file's size, its last min(nbytes, size) bytes) by one HTTP Range request, retried by
-    the rules of a file (limits: attempts, backoff, timeout, deadline). Raises DownloadError naming
-    the URL when it keeps failing or the server ignores Range, HostNotFoundError when the host does
-    not resolve."""
+    """(the file's size, its last min(nbytes, size) bytes) by one HTTP Range request, bounded and
+    retried by the rules of a file (limits: attempts, backoff, timeout, min_rate, deadline for all
+    attempts together). Raises DownloadError naming the URL when it keeps failing or the server
+    ignores Range, HostNotFoundError when the host does not resolve."""
     check_url(url)
     limits = Limits() if limits is None else limits
     deadline = time.monotonic() + limits.deadline
-    headers = {"Range": f"bytes=-{nbytes}", "Accept-Encoding": "identity"}  # -n: the last n bytes
     attempt = 1
     while True:
         wait = limits.backoff_base * 2 ** (attempt - 1)
         try:
-            with _session() as session, \
-                    session.get(url, headers=headers, timeout=limits.timeout) as response:
-                _ANSWERED_HOSTS.update(urllib.parse.urlsplit(r.url).hostname
-                                       for r in [*response.history, response])
-                _check_status(response, url)
-                if response.status_code != 206:  # a 200 would be the whole file, ~100MB
-                    raise _GiveUp("no Range support",
-                                  f"{url}: HTTP {response.status_code} to a Range request; a "
-                                  "streaming loader reads each shard's footer before fetching the "
-                                  "shard, so the server must honour Range requests (the Hugging "
-                                  "Face hub does)")
-                first, total = _parse_content_range(response.headers.get("Content-Range"))
-                body = response.content
-                if total is None or first + len(body) != total:
-                    raise BadFileError("bad Content-Range",
-                                       f"{url}: {len(body)} bytes from byte {first} are not the "
-                                       f"end of a file of {total} bytes")
-                return total, body
+            return _tail_attempt(url, nbytes, limits, deadline)
         except _GiveUp:
             raise
         except _RetryLater as e:
@@ -816,6 +808,38 @@ def fetch_tail(url: str, nbytes: int, limits: Limits | None = None) -> tuple[int
         attempt += 1
 
 
+def _tail_attempt(url: str, nbytes: int, limits: Limits, deadline: float) -> tuple[int, bytes]:
+    """One attempt of fetch_tail, bounded as a download's attempt is: the watchdog at the deadline
+    (the wait for headers included), the per-read timeout, the rate over a window."""
+    headers = {"Range": f"bytes=-{nbytes}", "Accept-Encoding": "identity"}  # -n: the last n bytes
+    timeout = min(limits.timeout, max(deadline - time.monotonic(), 0.01))
+    with _watchdog(deadline) as fired:
+        try:
+            with _session() as session, session.get(url, headers=headers, stream=True,
+                                                    timeout=timeout) as response:
+                _ANSWERED_HOSTS.update(urllib.parse.urlsplit(r.url).hostname
+                                       for r in [*response.history, response])
+                _check_status(response, url)
+                if response.status_code != 206:  # a 200 would be the whole file, ~100MB
+                    raise _GiveUp("no Range support",
+                                  f"{url}: HTTP {response.status_code} to a Range request; a "
+                                  "streaming loader reads each shard's footer before fetching the "
+                                  "shard, so the server must honour Range requests (the Hugging "
+                                  "Face hub does)")
+                first, total = _parse_content_range(response.headers.get("Content-Range"))
+                body = b"".join(_chunks(response, limits, deadline, threading.Event()))
+        except Exception:
+            if not fired.is_set() and time.monotonic() <= deadline:
+                raise
+            raise _GiveUp("past the deadline",
+                          f"{url}: past the deadline of {limits.deadline:g}s for reading the end "
+                          "of the file") from None
+    if total is None or first + len(body) != total:
+        raise BadFileError("bad Content-Range", f"{url}: {len(body)} bytes from byte {first} are "
+                                                f"not the end of a file of {total} bytes")
+    return total, body
+
+
 # -----------------------------------------------------------------------------
 # Many files: the disk check, the pool, the summary
 
@@ -823,8 +847,10 @@ def fetch_tail(url: str, nbytes: int, limits: Limits | None = None) -> tuple[int
 def _probe_bytes(url: str, timeout: float) -> int | None:
     """Content-Length of one file from a HEAD request, or None when the server won't say."""
     try:
-        response = requests.head(url, allow_redirects=True, timeout=timeout,
-                                 headers={"Accept-Encoding": "identity"})
+        # the whole request within timeout: a server that sends its headers a byte at a time too
+        with _watchdog(time.monotonic() + timeout), _session() as session:
+            response = session.head(url, allow_redirects=True, timeout=timeout,
+                                    headers={"Accept-Encoding": "identity"})
     except requests.RequestException as e:
         if _dns_failure(e):
             raise _host_not_found(_failed_url(e, url), _dns_failure(e)) from None

@@ -26,8 +26,9 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from conftest import write_shard
+from conftest import ByteTokenizer, write_shard
 from nanochat import dataset, download
+from nanochat.dataloader import tokenizing_distributed_data_loader_with_state_bos_bestfit
 from nanochat.dataset import (
     DATASETS, DatasetSpec, download_shards, download_single_file, get_data_dir, index_to_filename,
     list_parquet_files, main, split_parquet_files,
@@ -167,7 +168,9 @@ class _Handler(BaseHTTPRequestHandler):
         if_range = self.headers.get("If-Range")
         same_version = if_range is None or if_range == etag or not state.if_range_support
         if requested and state.range_support and same_version:
-            start = int(re.fullmatch(r"bytes=(\d+)-", requested).group(1))
+            first, last_n = re.fullmatch(r"bytes=(\d*)-(\d*)", requested).groups()
+            # bytes=-n: the last n bytes, what a streaming loader reads a footer with
+            start = int(first) if first else max(len(body) - int(last_n), 0)
             if start >= len(body):
                 return self._empty(416, {"Content-Range": f"bytes */{len(body)}"})
             self.send_response(206)
@@ -790,6 +793,73 @@ def test_the_deadline_holds_through_an_http_proxy(server, tmp_path, monkeypatch,
     assert not download_single_file(1, data_dir, url, timeout=2, deadline=1.5, max_attempts=1)
     assert time.monotonic() - t0 < 6
     assert "past the deadline of 1.5s for one file; not retrying" in caplog.text
+
+
+def _raised_within(seconds: float, call) -> tuple[BaseException | None, float]:
+    """(what call raised or None, the seconds it took), run on a daemon thread; the test fails
+    when it is still running after `seconds` (a hang fails the test instead of stalling pytest)."""
+    raised = []
+
+    def run():
+        try:
+            call()
+        except BaseException as e:
+            raised.append(e)
+
+    t0 = time.monotonic()
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(seconds)
+    assert not thread.is_alive(), f"still running after {seconds}s: a hang, not a bounded failure"
+    return (raised[0] if raised else None), time.monotonic() - t0
+
+
+# the limits of the footer tests: a trickle is judged after 1 s, the whole read ends by 5 s
+TAIL_LIMITS = Limits(deadline=5, timeout=3, min_rate=2000, rate_window=1)
+
+
+@pytest.mark.parametrize("fault, limits, reason", [
+    # a valid 206, then ~50 B/s: the 14 KB would take 5 minutes
+    ("trickle", TAIL_LIMITS, "too slow"),
+    # no rate floor: the deadline alone ends it
+    ("trickle", Limits(deadline=2, timeout=3, min_rate=0), "past the deadline"),
+    # every read gets a byte well within the timeout: the deadline cuts the wait for headers
+    ("slow_headers", Limits(deadline=2, timeout=3), "past the deadline"),
+])
+def test_reading_a_footer_from_a_slow_server_fails_in_bounded_time(server, tmp_path, fault,
+                                                                    limits, reason):
+    _serve(server, tmp_path, [0])
+    server.always[NAME] = fault
+    url = f"{server.url}/{NAME}"
+    error, seconds = _raised_within(
+        30, lambda: download.fetch_tail(url, download.TAIL_BYTES, limits))
+    assert isinstance(error, download.DownloadError), error
+    assert seconds < 15  # the deadline (5 s) and some slack: a bound on a hang, not a benchmark
+    assert error.reason == reason and url in str(error)
+    assert server.ranges[NAME][0] == f"bytes=-{download.TAIL_BYTES}"
+
+
+def test_a_trickling_footer_fails_a_streaming_loaders_first_call_in_bounded_time(server,
+                                                                                   tmp_path):
+    _serve(server, tmp_path, [0, 6542])  # one train shard and the val shard
+    for name in server.files:
+        server.always[name] = "trickle"
+
+    def first_call():
+        loader = tokenizing_distributed_data_loader_with_state_bos_bestfit(
+            ByteTokenizer(), 2, 16, "train", device="cpu", stream=True, num_shards=1,
+            base_url=server.url, download_limits=TAIL_LIMITS, data_dir=str(tmp_path / "cache"))
+        try:
+            next(loader)
+        finally:
+            loader.close()
+
+    error, seconds = _raised_within(30, first_call)
+    assert isinstance(error, ConnectionError), error
+    assert seconds < 15
+    # the shard and its URL, then what went wrong
+    assert f"could not read the footer of shard {NAME} from {server.url}/{NAME}: " in str(error)
+    assert "below the minimum of 2 KB/s" in str(error)  # too slow
 
 
 def test_a_redirect_to_a_host_that_does_not_resolve_names_that_host(server, tmp_path):
