@@ -24,6 +24,8 @@ import time
 from collections import Counter, defaultdict, namedtuple
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 
 from conftest import ByteTokenizer, write_shard
@@ -31,7 +33,7 @@ from nanochat import dataset, download
 from nanochat.dataloader import tokenizing_distributed_data_loader_with_state_bos_bestfit
 from nanochat.dataset import (
     DATASETS, DatasetSpec, download_shards, download_single_file, get_data_dir, index_to_filename,
-    list_parquet_files, main, split_parquet_files,
+    list_parquet_files, main, parquets_iter_batched, split_parquet_files,
 )
 from nanochat.download import HostNotFoundError, Limits, summarize
 
@@ -52,6 +54,22 @@ def _sha256(body: bytes) -> str:
     return hashlib.sha256(body).hexdigest()
 
 
+def _corrupt_page(body: bytes) -> bytes:
+    """The shard with one byte flipped in the middle of row group 1's first page (the dictionary
+    page, which holds the texts): same size, PAR1 at both ends, the footer intact, and row group 1
+    no longer decompresses."""
+    chunk = pq.read_metadata(pa.BufferReader(body)).row_group(1).column(0)
+    if chunk.has_dictionary_page:
+        first, end = chunk.dictionary_page_offset, chunk.data_page_offset
+    else:
+        first, end = chunk.data_page_offset, chunk.data_page_offset + chunk.total_compressed_size
+    middle = (first + end) // 2
+    bad = body[:middle] + bytes([body[middle] ^ 0xFF]) + body[middle + 1:]
+    with pytest.raises(OSError, match="ZSTD"):  # or the tests built on it would pass vacuously
+        pq.ParquetFile(pa.BufferReader(bad)).read_row_group(1)
+    return bad
+
+
 # -----------------------------------------------------------------------------
 # A local shard server that misbehaves on request
 
@@ -62,6 +80,7 @@ class _ServerState:
     Behaviours: "500", "503:0", "429:1" (code[:Retry-After]), "drop" (half the body, then close),
     "short" (all but 100 bytes of the body), "cut" (half the body and no Content-Length),
     "garbage" (right length, not parquet), "flip" (right length, one byte changed),
+    "flip_page" (right length, PAR1 and footer intact, a page that does not decompress),
     "html" (a 200 web page), "bad_range" (206 with a Content-Range from 0),
     "slow" (wait 0.3 s before the body), "trickle" (100 bytes, then 1 byte every 20 ms).
     drop_every: every body stops after this many bytes. etag: "sha256" (a quoted sha256 of the
@@ -183,6 +202,8 @@ class _Handler(BaseHTTPRequestHandler):
         payload = body[start:]
         if fault == "garbage":
             payload = b"\x00not parquet" * (len(payload) // 12) + b"!" * (len(payload) % 12)
+        if fault == "flip_page":
+            payload = _corrupt_page(body)[start:]
         if fault == "flip":
             middle = len(payload) // 2
             payload = payload[:middle] + bytes([payload[middle] ^ 1]) + payload[middle + 1:]
@@ -285,8 +306,9 @@ def test_main_downloads_train_and_val_shards(server, tmp_path, capsys):
     assert server.gets == {name: 1 for name in server.files}
     assert list_parquet_files(str(data_dir))[-1].endswith("shard_06542.parquet")
     record = json.loads((data_dir / "shard_00000.parquet.json").read_text())
+    # the server stated the sha256, so the bytes are the publisher's: their pages were not read
     assert record == {"size": len(served[0]), "sha256": _sha256(served[0]),
-                      "sha256_stated_by_server": True}
+                      "sha256_stated_by_server": True, "pages_checked": False}
 
 
 def test_existing_files_are_checked_then_skipped(server, tmp_path):
@@ -640,6 +662,108 @@ def test_symlinked_temp_or_lock_file_is_refused_and_its_target_untouched(
     assert target.read_bytes() == b"PAR1 keep me"
     assert os.path.islink(data_dir / link) and not os.path.exists(data_dir / NAME)
     assert server.gets[NAME] == 0
+
+
+def test_a_corrupt_page_from_a_server_without_a_sha256_is_never_installed(server, tmp_path):
+    # an md5 ETag: a validator, not a sha256, so nothing but the bytes vouches for them
+    served = _serve(server, tmp_path, [0])
+    server.etag = "md5"
+    server.always[NAME] = "flip_page"
+    data_dir = tmp_path / "data"
+    with pytest.raises(download.DownloadError, match="row group 1 does not read") as info:
+        download.download_file(f"{server.url}/{NAME}", str(data_dir / NAME),
+                               Limits(max_attempts=2, backoff_base=0.01))
+    assert info.value.reason == "corrupt page" and "gave up after 2 attempts" in str(info.value)
+    assert server.gets[NAME] == 2
+    assert os.listdir(data_dir) == [f".{NAME}.lock"]  # nothing installed, nothing kept
+    del server.always[NAME]
+    server.faults[NAME] = ["flip_page"] * 3  # (the GETs are counted from the first above)
+    assert _download(server, tmp_path, 0)  # refused once, then the honest body
+    assert server.gets[NAME] == 4
+    _assert_only_complete_shards(data_dir, served)
+    record = json.loads((data_dir / f"{NAME}.json").read_text())
+    assert record["sha256_stated_by_server"] is False and record["pages_checked"] is True
+
+
+def test_pages_are_read_once_per_file(server, tmp_path, monkeypatch):
+    served = _serve(server, tmp_path, [0, 1])
+    data_dir = tmp_path / "data"
+    server.etag = "md5"
+    assert _download(server, tmp_path, 0)  # no sha256 stated: its pages are read to install it
+    server.etag = "sha256"
+    assert _download(server, tmp_path, 1)  # the publisher's sha256 matched: they are not
+    read = []
+    monkeypatch.setattr(download, "check_pages", lambda path: read.append(os.path.basename(path)))
+    for _ in range(2):  # a file's record vouches for its pages from then on
+        assert _download(server, tmp_path, 0) and _download(server, tmp_path, 1)
+        assert download.check_files([str(data_dir / NAME)]) == {}
+    assert read == []
+    # a record without the mark (an earlier downloader's): read once, then marked
+    record = json.loads((data_dir / f"{NAME}.json").read_text())
+    del record["pages_checked"]
+    (data_dir / f"{NAME}.json").write_text(json.dumps(record))
+    for _ in range(2):
+        assert _download(server, tmp_path, 0)
+    assert read == [NAME]
+    assert json.loads((data_dir / f"{NAME}.json").read_text())["pages_checked"] is True
+    assert server.gets == {NAME: 1, "shard_00001.parquet": 1}
+    _assert_only_complete_shards(data_dir, served)
+
+
+def _install_corrupt(data_dir, body: bytes) -> None:
+    """shard 0 with a corrupt page and the record a downloader without the page check wrote for
+    it: the sha256 of those bytes, none stated by the server, no pages_checked."""
+    data_dir.mkdir(exist_ok=True)
+    bad = _corrupt_page(body)
+    (data_dir / NAME).write_bytes(bad)
+    (data_dir / f"{NAME}.json").write_text(json.dumps(
+        {"size": len(bad), "sha256": _sha256(bad), "sha256_stated_by_server": False}))
+
+
+def test_a_corrupt_page_installed_earlier_is_found_and_its_fix_works(server, tmp_path, capsys):
+    served = _serve(server, tmp_path, [0, 1, 6542])
+    data_dir = tmp_path / "data"
+    assert _cli(server, data_dir, "-n", "2") == 0
+    _install_corrupt(data_dir, served[0])
+    # the reader's error names the file, the row group and the fix
+    with pytest.raises(ValueError) as info:
+        list(parquets_iter_batched("train", data_dir=str(data_dir)))
+    message = str(info.value)
+    assert f"{data_dir / NAME} row group 1 could not be read (ZSTD" in message
+    fix = f"python -m nanochat.dataset --verify --data-dir {data_dir}"
+    assert fix in message
+    # the fix as the error states it: --verify names the shard and the command that fetches it
+    capsys.readouterr()
+    assert main(fix.split()[3:]) == 1
+    out = capsys.readouterr().out
+    assert "  1 x corrupt page: shard_00000.parquet\n" in out
+    command = re.search(r"to fix: (python -m nanochat\.dataset .*?) \(", out).group(1)
+    assert main(command.split()[3:] + ["--base-url", server.url, *FAST]) == 0
+    assert "  1 x corrupt page: shard_00000.parquet\n" in capsys.readouterr().out
+    assert main(fix.split()[3:]) == 0
+    _assert_only_complete_shards(data_dir, served)
+    assert len(list(parquets_iter_batched("train", data_dir=str(data_dir)))) == 10
+
+
+def test_a_streaming_loader_replaces_a_corrupt_shard_installed_earlier(server, tmp_path):
+    served = _serve(server, tmp_path, [0, 6542])
+    cache = tmp_path / "cache"
+    _install_corrupt(cache, served[0])
+    args = dict(B=2, T=16, split="train", device="cpu", tokenizer_batch_size=8)
+    expected = tokenizing_distributed_data_loader_with_state_bos_bestfit(
+        ByteTokenizer(), data_dir=str(tmp_path / "served"), **args)
+    streamed = tokenizing_distributed_data_loader_with_state_bos_bestfit(
+        ByteTokenizer(), data_dir=str(cache), stream=True, num_shards=1, base_url=server.url,
+        download_limits=Limits(backoff_base=0.01), **args)
+    try:
+        for _ in range(40):  # the buffer's first fill reads every row group of shard 0
+            (inputs, targets, _), (x, y, _) = next(streamed), next(expected)
+            assert inputs.tolist() == x.tolist() and targets.tolist() == y.tolist()
+    finally:
+        streamed.close()
+        expected.close()
+    assert (cache / NAME).read_bytes() == served[0]
+    assert server.gets[NAME] == 1  # fetched again, whole
 
 
 # -----------------------------------------------------------------------------
