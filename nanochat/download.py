@@ -892,7 +892,7 @@ def _probe_bytes(url: str, timeout: float) -> int | None:
     """Content-Length of one file from a HEAD request, or None when the server won't say."""
     try:
         # the whole request within timeout: a server that sends its headers a byte at a time too
-        with _watchdog(time.monotonic() + timeout), _session() as session:
+        with _watchdog(time.monotonic() + timeout) as fired, _session() as session:
             response = session.head(url, allow_redirects=True, timeout=timeout,
                                     headers={"Accept-Encoding": "identity"})
     except requests.RequestException as e:
@@ -900,7 +900,7 @@ def _probe_bytes(url: str, timeout: float) -> int | None:
             raise _host_not_found(_failed_url(e, url), _dns_failure(e)) from None
         logger.info("HEAD %s failed (%s); using the per-shard estimate", url, e)
         return None
-    if response.status_code != 200:
+    if response.status_code != 200 or fired.is_set():  # a cut can end the headers early
         return None
     return _content_length(response)
 

@@ -130,6 +130,16 @@ class _Handler(BaseHTTPRequestHandler):
         self.send_header("Content-Length", "0")
         self.end_headers()
 
+    def _slow_headers(self) -> None:
+        """The status line and headers a byte at a time, never finished in time."""
+        try:
+            for byte in b"HTTP/1.1 200 OK\r\n" + b"X-Padding: " + b"x" * 10_000:
+                self.wfile.write(bytes([byte]))
+                self.wfile.flush()
+                time.sleep(0.05)
+        except (BrokenPipeError, ConnectionResetError):
+            pass  # the client gave up on us, as it should
+
     def do_HEAD(self):
         state, name = self.server.state, self.path.rsplit("/", 1)[-1]
         with state.lock:
@@ -137,6 +147,8 @@ class _Handler(BaseHTTPRequestHandler):
         body = state.files.get(name)
         if body is None:
             return self._empty(404)
+        if state.always.get(name) == "slow_headers":
+            return self._slow_headers()
         self.send_response(200)
         self.send_header("Content-Length", str(len(body)))
         self.end_headers()
@@ -165,16 +177,8 @@ class _Handler(BaseHTTPRequestHandler):
             return self._empty(int(code), {"Retry-After": retry_after} if retry_after else None)
         if fault == "redirect_invalid":  # to a CDN host that does not resolve
             return self._empty(302, {"Location": f"http://cdn.invalid/x/{name}"})
-        # the status line and headers a byte at a time, never finished in time
         if fault == "slow_headers":
-            try:
-                for byte in b"HTTP/1.1 200 OK\r\n" + b"X-Padding: " + b"x" * 10_000:
-                    self.wfile.write(bytes([byte]))
-                    self.wfile.flush()
-                    time.sleep(0.05)
-            except (BrokenPipeError, ConnectionResetError):
-                pass  # the client gave up on us, as it should
-            return
+            return self._slow_headers()
         if fault == "html":
             page = b"<!DOCTYPE html><html><body>rate limited, try later</body></html>"
             self.send_response(200)
@@ -1243,6 +1247,19 @@ def test_not_enough_disk_space_stops_before_downloading(server, tmp_path, monkey
         _cli(server, data_dir, "-n", "1")
     assert info.value.errno == errno.ENOSPC
     assert server.heads["shard_00000.parquet"] == 1 and not server.gets
+
+
+def test_the_disk_checks_head_request_ends_within_the_timeout(server, tmp_path, monkeypatch):
+    _serve(server, tmp_path, [0])
+    server.always[NAME] = "slow_headers"  # every read gets a byte well within the timeout
+    error, seconds = _raised_within(
+        30, lambda: download.check_disk_space(str(tmp_path), 1, f"{server.url}/{NAME}",
+                                              timeout=1))
+    assert error is None and seconds < 5  # the headers alone would take over 8 minutes
+    # cut off, the server said no size: the estimate stands in
+    monkeypatch.setattr(download.shutil, "disk_usage", lambda path: _DiskUsage(10**9, 0, 10**9))
+    with pytest.raises(OSError, match="estimated"):
+        download.check_disk_space(str(tmp_path), 10, f"{server.url}/{NAME}", timeout=1)
 
 
 def test_disk_check_falls_back_to_the_estimate(tmp_path, monkeypatch):
