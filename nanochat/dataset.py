@@ -224,9 +224,11 @@ def streamed_split(split: str, data_dir: str | None = None, num_shards: int | No
 
 
 def verify_hint(path: str) -> str:
-    """The fix for a shard that cannot be read: find every bad one, then fetch them again."""
-    return (f"to list every bad shard: python -m nanochat.dataset --verify --data-dir "
-            f"{os.path.dirname(path) or '.'} (running the download again re-fetches the bad ones)")
+    """The fix for a shard that cannot be read: find every bad one, then fetch them again (the
+    downloader reads every page of a shard that no sha256 from the server vouches for)."""
+    return (f"python -m nanochat.dataset --verify --data-dir {os.path.dirname(path) or '.'} lists "
+            "every bad shard and the command that fetches them again (a streaming loader fetches "
+            "its bad shards again when it restarts)")
 
 
 def open_parquet(path: str) -> pq.ParquetFile:
@@ -538,8 +540,9 @@ def _download_parser() -> argparse.ArgumentParser:
     parser.add_argument("--data-dir", default=None, help="default: <base dir>/<dataset subdir>")
     parser.add_argument("--verify", action="store_true",
                         help="download nothing: check every shard in the data dir (size and "
-                             "sha256 against its .json record, PAR1 magic, parquet metadata) and "
-                             "exit 1 if any is bad")
+                             "sha256 against its .json record, PAR1 magic, parquet metadata, and "
+                             "every page unless the record vouches for them) and exit 1 if any "
+                             "is bad")
     parser.add_argument("--max-attempts", type=int, default=MAX_ATTEMPTS,
                         help="attempts in a row without progress, per shard (default: "
                              f"{MAX_ATTEMPTS})")
@@ -625,7 +628,7 @@ def _verify_main(spec: DatasetSpec, data_dir: str, num_workers: int) -> int:
           f"{len(bad)} bad")
     if unrecorded:
         print(f"{unrecorded} have no .json record (fetched by another tool, or copied in): for "
-              "them only the parquet magic and metadata were checked, not size and sha256")
+              "them the parquet structure and every page were checked, not size and sha256")
     if not bad:
         return 0
     print("\n".join(summarize({os.path.basename(p): e.reason for p, e in bad.items()})))

@@ -1,16 +1,19 @@
 """
 Fetch parquet files over HTTP so that only complete, verified files appear under their final names.
 A file is fetched into `<name>.tmp` under a per-file lock, checked (the size and sha256 the server
-stated, PAR1 at both ends, readable parquet metadata) and renamed into place; `<name>.json` records
-its size and sha256, so later runs re-check it offline. An attempt ends in bounded time (silence, a
-low rate, a per-file deadline); a dropped connection resumes with Range + If-Range.
+stated, PAR1 at both ends, readable parquet metadata, every page when no sha256 was stated) and
+renamed into place; `<name>.json` records its size and sha256, so later runs re-check it offline.
+An attempt, and the read of a file's end, ends in bounded time (silence, a low rate, a deadline);
+a dropped connection resumes with Range + If-Range.
 
-Cost: checking a ~100MB shard takes ~0.07 s from the page cache (sha256 at ~1.4 GB/s).
+Cost: checking a ~100MB shard takes ~0.07 s from the page cache (sha256 at ~1.4 GB/s); reading
+its pages (once, and only when no sha256 was stated) ~0.6 s.
 Design: docs/downloads.md
 
 May import: nanochat.checks, nanochat.files, requests, urllib3, pyarrow, filelock, tqdm.
 """
 
+import contextlib
 import errno
 import hashlib
 import json
@@ -298,10 +301,32 @@ def check_parquet(path: str) -> None:
                                f"{path} has no readable parquet footer ({e})") from None
 
 
+def check_pages(path: str) -> None:
+    """Raise BadFileError unless every row group of path reads: each page decompresses and decodes,
+    as a reader will need them to (~0.6 s for a 124MB shard of 300 MB of text). Run after
+    check_parquet."""
+    with open(path, "rb") as f:
+        parquet = pq.ParquetFile(f)
+        for i in range(parquet.metadata.num_row_groups):
+            try:
+                parquet.read_row_group(i)  # every column: the text and whatever else is there
+            except (pa.ArrowException, OSError) as e:
+                raise BadFileError("corrupt page",
+                                   f"{path}: row group {i} does not read ({e})") from None
+
+
+def _pages_vouched(record: dict | None) -> bool:
+    """Whether a record whose sha256 the file matches also vouches that every page reads: the server
+    stated that sha256 (the bytes are the publisher's), or the pages were read before."""
+    return record is not None and (record.get("sha256_stated_by_server") is True
+                                   or record.get("pages_checked") is True)
+
+
 def check_file(path: str) -> None:
     """Raise BadFileError unless path is a sound parquet file that matches its record, when it has
-    one (size and sha256, checked in that order; a file without a record gets the parquet checks
-    only)."""
+    one (size and sha256, checked in that order). Every page is read too (check_pages) unless the
+    record vouches for them (_pages_vouched): a shard the server stated no sha256 for is read once,
+    a file without a record at every check."""
     record = _read_json(record_path(path))
     if record is not None and not (isinstance(record.get("size"), int)
                                    and re.fullmatch(r"[0-9a-f]{64}", str(record.get("sha256")))):
@@ -316,6 +341,8 @@ def check_file(path: str) -> None:
         if record is not None and sha256_of(path) != record["sha256"]:
             raise BadFileError("sha256 mismatch",
                                f"{path} does not hash to the sha256 in its record")
+        if not _pages_vouched(record):
+            check_pages(path)
     except OSError as e:  # a directory or an unreadable file under the name
         raise BadFileError("unreadable", f"{path} could not be read ({e})") from None
 
@@ -517,15 +544,31 @@ def _session() -> requests.Session:
     return session
 
 
-def _stream(response: requests.Response, f, limits: Limits, deadline: float, bar: tqdm,
-            stop) -> None:
-    """Copy the body to f; raise when the rate over a window falls below limits.min_rate, past the
-    deadline, or when the run stops. read1 returns whatever has arrived, so a trickling server is
-    noticed within one window."""
+@contextlib.contextmanager
+def _watchdog(deadline: float):
+    """Within the block, this thread's connection is shut at the deadline (see _SOCKETS). Yields
+    the event that says whether it was: whatever error the cut caused, the deadline is the
+    reason."""
+    # 0.01 s at least: a timer of 0 or less would fire before the request even starts
+    left, fired = max(deadline - time.monotonic(), 0.01), threading.Event()
+    timer = threading.Timer(left, lambda thread: fired.set() or _cut(thread),
+                            args=(threading.get_ident(),))
+    timer.daemon = True  # a pending timer never keeps the process alive
+    timer.start()
+    try:
+        yield fired
+    finally:
+        timer.cancel()
+        _SOCKETS.pop(threading.get_ident(), None)
+
+
+def _chunks(response: requests.Response, limits: Limits, deadline: float, stop):
+    """The body as it arrives; raises when the rate over a window falls below limits.min_rate, past
+    the deadline, or when the run stops. read1 returns whatever has arrived, so a trickling server
+    is noticed within one window; a body shorter than one window is never judged by its rate."""
     window_start, window_bytes = time.monotonic(), 0
     while chunk := response.raw.read1(CHUNK_SIZE):
-        f.write(chunk)
-        bar.update(len(chunk))
+        yield chunk  # the caller keeps it before a check below ends the attempt
         if stop.is_set():
             raise _Stopped()
         now = time.monotonic()
@@ -553,25 +596,16 @@ def _fetch_to_tmp(url: str, tmp: str, limits: Limits, deadline: float, progress:
     if have:
         # If-Range: "the rest, if the file is still this version; else the whole file" (a 200)
         headers.update({"Range": f"bytes={have}-", "If-Range": record["validator"]})
-    # 0.01 s at least: a timer of 0 or less would fire before the request even starts
-    left, fired = max(deadline - time.monotonic(), 0.01), threading.Event()
-    watchdog = threading.Timer(left, lambda thread: fired.set() or _cut(thread),
-                               args=(threading.get_ident(),))
-    watchdog.daemon = True  # a pending timer never keeps the process alive
-    watchdog.start()
-    try:
-        with _session() as session:
-            record = _attempt(session, url, tmp, have, record, headers,
-                              timeout=min(limits.timeout, left), limits=limits, deadline=deadline,
-                              progress=progress, stop=stop)
-    except Exception as e:
-        if not fired.is_set() or isinstance(e, _Stopped):
-            raise
-        # the watchdog cut the connection: whatever that broke, the reason is the deadline
-        record = None
-    finally:
-        watchdog.cancel()
-        _SOCKETS.pop(threading.get_ident(), None)
+    timeout = min(limits.timeout, max(deadline - time.monotonic(), 0.01))
+    with _watchdog(deadline) as fired:
+        try:
+            with _session() as session:
+                record = _attempt(session, url, tmp, have, record, headers, timeout=timeout,
+                                  limits=limits, deadline=deadline, progress=progress, stop=stop)
+        except Exception as e:
+            if not fired.is_set() or isinstance(e, _Stopped):
+                raise
+            record = None  # the watchdog cut the connection: the deadline is the reason
     # a cut can also end headers early (a 200 with no body); a transfer that completed as the timer
     # fired stands
     if fired.is_set() and not (record and record["size"] is not None
@@ -626,7 +660,9 @@ def _attempt(session: requests.Session, url: str, tmp: str, have: int, record: d
                 # never leaves old bytes under a new validator
                 os.fsync(f.fileno())
                 _write_json(record_path(tmp), record)
-            _stream(response, f, limits, deadline, bar, stop)
+            for chunk in _chunks(response, limits, deadline, stop):
+                f.write(chunk)
+                bar.update(len(chunk))
             f.flush()
             os.fsync(f.fileno())
     return record
@@ -644,9 +680,13 @@ def _install(tmp: str, path: str, record: dict) -> None:
     if record["sha256"] is not None and digest != record["sha256"]:
         raise BadFileError("sha256 mismatch",
                            f"{tmp} hashes to {digest}, the server stated {record['sha256']}")
-    # the sha256 is recorded either way: from then on a local change to the file is caught
+    stated = record["sha256"] is not None
+    if not stated:  # only the bytes vouch for themselves: read every page, as a reader will
+        check_pages(tmp)
+    # the sha256 is recorded either way: from then on a local change to the file is caught, and
+    # check_file need not read the pages again
     _write_json(record_path(path), {"size": size, "sha256": digest,
-                                    "sha256_stated_by_server": bool(record["sha256"])})
+                                    "sha256_stated_by_server": stated, "pages_checked": not stated})
     with _open_nofollow(tmp, os.O_RDONLY, "rb") as f:
         # its bytes are on disk before its name is (a 416 finish skipped the write's fsync)
         os.fsync(f.fileno())
@@ -729,7 +769,10 @@ def download_file(url: str, path: str, limits: Limits | None = None, *,
     check_url(url)
     limits = Limits() if limits is None else limits
     stop = threading.Event() if stop is None else stop
-    if _problem_with(path) is None:  # without the lock first: a sound file waits for nobody
+    record = _record_or_none(path)
+    # without the lock first: a sound file waits for nobody (unless its record is to say that its
+    # pages were read: records are written under the lock)
+    if (record is None or _pages_vouched(record)) and _problem_with(path) is None:
         return None
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     lock = lock_path(path)
@@ -739,12 +782,23 @@ def download_file(url: str, path: str, limits: Limits | None = None, *,
         # another thread or process may have fetched it while we waited
         problem = _problem_with(path)
         if problem is None:
+            record = _record_or_none(path)
+            if record is not None and not _pages_vouched(record):  # check_file read every page
+                _write_json(record_path(path), record | {"pages_checked": True})
             return None
         if problem:
             logger.warning("%s is bad (%s); fetching it again (it stays until the new one is "
                            "verified)", path, problem)
         _download_locked(url, path, limits, progress, stop)
     return problem.reason if problem else ""
+
+
+def _record_or_none(path: str) -> dict | None:
+    """path's record; None when there is none or it cannot be read (check_file says why)."""
+    try:
+        return _read_json(record_path(path))
+    except BadFileError:
+        return None
 
 
 def _problem_with(path: str) -> BadFileError | str | None:
@@ -766,36 +820,18 @@ TAIL_BYTES = 64 * 1024
 
 
 def fetch_tail(url: str, nbytes: int, limits: Limits | None = None) -> tuple[int, bytes]:
-    """(the file's size, its last min(nbytes, size) bytes) by one HTTP Range request, retried by
-    the rules of a file (limits: attempts, backoff, timeout, deadline). Raises DownloadError naming
-    the URL when it keeps failing or the server ignores Range, HostNotFoundError when the host does
-    not resolve."""
+    """(the file's size, its last min(nbytes, size) bytes) by one HTTP Range request, bounded and
+    retried by the rules of a file (limits: attempts, backoff, timeout, min_rate, deadline for all
+    attempts together). Raises DownloadError naming the URL when it keeps failing or the server
+    ignores Range, HostNotFoundError when the host does not resolve."""
     check_url(url)
     limits = Limits() if limits is None else limits
     deadline = time.monotonic() + limits.deadline
-    headers = {"Range": f"bytes=-{nbytes}", "Accept-Encoding": "identity"}  # -n: the last n bytes
     attempt = 1
     while True:
         wait = limits.backoff_base * 2 ** (attempt - 1)
         try:
-            with _session() as session, \
-                    session.get(url, headers=headers, timeout=limits.timeout) as response:
-                _ANSWERED_HOSTS.update(urllib.parse.urlsplit(r.url).hostname
-                                       for r in [*response.history, response])
-                _check_status(response, url)
-                if response.status_code != 206:  # a 200 would be the whole file, ~100MB
-                    raise _GiveUp("no Range support",
-                                  f"{url}: HTTP {response.status_code} to a Range request; a "
-                                  "streaming loader reads each shard's footer before fetching the "
-                                  "shard, so the server must honour Range requests (the Hugging "
-                                  "Face hub does)")
-                first, total = _parse_content_range(response.headers.get("Content-Range"))
-                body = response.content
-                if total is None or first + len(body) != total:
-                    raise BadFileError("bad Content-Range",
-                                       f"{url}: {len(body)} bytes from byte {first} are not the "
-                                       f"end of a file of {total} bytes")
-                return total, body
+            return _tail_attempt(url, nbytes, limits, deadline)
         except _GiveUp:
             raise
         except _RetryLater as e:
@@ -816,6 +852,38 @@ def fetch_tail(url: str, nbytes: int, limits: Limits | None = None) -> tuple[int
         attempt += 1
 
 
+def _tail_attempt(url: str, nbytes: int, limits: Limits, deadline: float) -> tuple[int, bytes]:
+    """One attempt of fetch_tail, bounded as a download's attempt is: the watchdog at the deadline
+    (the wait for headers included), the per-read timeout, the rate over a window."""
+    headers = {"Range": f"bytes=-{nbytes}", "Accept-Encoding": "identity"}  # -n: the last n bytes
+    timeout = min(limits.timeout, max(deadline - time.monotonic(), 0.01))
+    with _watchdog(deadline) as fired:
+        try:
+            with _session() as session, session.get(url, headers=headers, stream=True,
+                                                    timeout=timeout) as response:
+                _ANSWERED_HOSTS.update(urllib.parse.urlsplit(r.url).hostname
+                                       for r in [*response.history, response])
+                _check_status(response, url)
+                if response.status_code != 206:  # a 200 would be the whole file, ~100MB
+                    raise _GiveUp("no Range support",
+                                  f"{url}: HTTP {response.status_code} to a Range request; a "
+                                  "streaming loader reads each shard's footer before fetching the "
+                                  "shard, so the server must honour Range requests (the Hugging "
+                                  "Face hub does)")
+                first, total = _parse_content_range(response.headers.get("Content-Range"))
+                body = b"".join(_chunks(response, limits, deadline, threading.Event()))
+        except Exception:
+            if not fired.is_set() and time.monotonic() <= deadline:
+                raise
+            raise _GiveUp("past the deadline",
+                          f"{url}: past the deadline of {limits.deadline:g}s for reading the end "
+                          "of the file") from None
+    if total is None or first + len(body) != total:
+        raise BadFileError("bad Content-Range", f"{url}: {len(body)} bytes from byte {first} are "
+                                                f"not the end of a file of {total} bytes")
+    return total, body
+
+
 # -----------------------------------------------------------------------------
 # Many files: the disk check, the pool, the summary
 
@@ -823,14 +891,16 @@ def fetch_tail(url: str, nbytes: int, limits: Limits | None = None) -> tuple[int
 def _probe_bytes(url: str, timeout: float) -> int | None:
     """Content-Length of one file from a HEAD request, or None when the server won't say."""
     try:
-        response = requests.head(url, allow_redirects=True, timeout=timeout,
-                                 headers={"Accept-Encoding": "identity"})
+        # the whole request within timeout: a server that sends its headers a byte at a time too
+        with _watchdog(time.monotonic() + timeout) as fired, _session() as session:
+            response = session.head(url, allow_redirects=True, timeout=timeout,
+                                    headers={"Accept-Encoding": "identity"})
     except requests.RequestException as e:
         if _dns_failure(e):
             raise _host_not_found(_failed_url(e, url), _dns_failure(e)) from None
         logger.info("HEAD %s failed (%s); using the per-shard estimate", url, e)
         return None
-    if response.status_code != 200:
+    if response.status_code != 200 or fired.is_set():  # a cut can end the headers early
         return None
     return _content_length(response)
 

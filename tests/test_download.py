@@ -24,13 +24,16 @@ import time
 from collections import Counter, defaultdict, namedtuple
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 
-from conftest import write_shard
+from conftest import ByteTokenizer, write_shard
 from nanochat import dataset, download
+from nanochat.dataloader import tokenizing_distributed_data_loader_with_state_bos_bestfit
 from nanochat.dataset import (
     DATASETS, DatasetSpec, download_shards, download_single_file, get_data_dir, index_to_filename,
-    list_parquet_files, main, split_parquet_files,
+    list_parquet_files, main, parquets_iter_batched, split_parquet_files,
 )
 from nanochat.download import HostNotFoundError, Limits, summarize
 
@@ -51,6 +54,22 @@ def _sha256(body: bytes) -> str:
     return hashlib.sha256(body).hexdigest()
 
 
+def _corrupt_page(body: bytes) -> bytes:
+    """The shard with one byte flipped in the middle of row group 1's first page (the dictionary
+    page, which holds the texts): same size, PAR1 at both ends, the footer intact, and row group 1
+    no longer decompresses."""
+    chunk = pq.read_metadata(pa.BufferReader(body)).row_group(1).column(0)
+    if chunk.has_dictionary_page:
+        first, end = chunk.dictionary_page_offset, chunk.data_page_offset
+    else:
+        first, end = chunk.data_page_offset, chunk.data_page_offset + chunk.total_compressed_size
+    middle = (first + end) // 2
+    bad = body[:middle] + bytes([body[middle] ^ 0xFF]) + body[middle + 1:]
+    with pytest.raises(OSError, match="ZSTD"):  # or the tests built on it would pass vacuously
+        pq.ParquetFile(pa.BufferReader(bad)).read_row_group(1)
+    return bad
+
+
 # -----------------------------------------------------------------------------
 # A local shard server that misbehaves on request
 
@@ -61,6 +80,7 @@ class _ServerState:
     Behaviours: "500", "503:0", "429:1" (code[:Retry-After]), "drop" (half the body, then close),
     "short" (all but 100 bytes of the body), "cut" (half the body and no Content-Length),
     "garbage" (right length, not parquet), "flip" (right length, one byte changed),
+    "flip_page" (right length, PAR1 and footer intact, a page that does not decompress),
     "html" (a 200 web page), "bad_range" (206 with a Content-Range from 0),
     "slow" (wait 0.3 s before the body), "trickle" (100 bytes, then 1 byte every 20 ms).
     drop_every: every body stops after this many bytes. etag: "sha256" (a quoted sha256 of the
@@ -110,6 +130,16 @@ class _Handler(BaseHTTPRequestHandler):
         self.send_header("Content-Length", "0")
         self.end_headers()
 
+    def _slow_headers(self) -> None:
+        """The status line and headers a byte at a time, never finished in time."""
+        try:
+            for byte in b"HTTP/1.1 200 OK\r\n" + b"X-Padding: " + b"x" * 10_000:
+                self.wfile.write(bytes([byte]))
+                self.wfile.flush()
+                time.sleep(0.05)
+        except (BrokenPipeError, ConnectionResetError):
+            pass  # the client gave up on us, as it should
+
     def do_HEAD(self):
         state, name = self.server.state, self.path.rsplit("/", 1)[-1]
         with state.lock:
@@ -117,6 +147,8 @@ class _Handler(BaseHTTPRequestHandler):
         body = state.files.get(name)
         if body is None:
             return self._empty(404)
+        if state.always.get(name) == "slow_headers":
+            return self._slow_headers()
         self.send_response(200)
         self.send_header("Content-Length", str(len(body)))
         self.end_headers()
@@ -145,16 +177,8 @@ class _Handler(BaseHTTPRequestHandler):
             return self._empty(int(code), {"Retry-After": retry_after} if retry_after else None)
         if fault == "redirect_invalid":  # to a CDN host that does not resolve
             return self._empty(302, {"Location": f"http://cdn.invalid/x/{name}"})
-        # the status line and headers a byte at a time, never finished in time
         if fault == "slow_headers":
-            try:
-                for byte in b"HTTP/1.1 200 OK\r\n" + b"X-Padding: " + b"x" * 10_000:
-                    self.wfile.write(bytes([byte]))
-                    self.wfile.flush()
-                    time.sleep(0.05)
-            except (BrokenPipeError, ConnectionResetError):
-                pass  # the client gave up on us, as it should
-            return
+            return self._slow_headers()
         if fault == "html":
             page = b"<!DOCTYPE html><html><body>rate limited, try later</body></html>"
             self.send_response(200)
@@ -167,7 +191,9 @@ class _Handler(BaseHTTPRequestHandler):
         if_range = self.headers.get("If-Range")
         same_version = if_range is None or if_range == etag or not state.if_range_support
         if requested and state.range_support and same_version:
-            start = int(re.fullmatch(r"bytes=(\d+)-", requested).group(1))
+            first, last_n = re.fullmatch(r"bytes=(\d*)-(\d*)", requested).groups()
+            # bytes=-n: the last n bytes, what a streaming loader reads a footer with
+            start = int(first) if first else max(len(body) - int(last_n), 0)
             if start >= len(body):
                 return self._empty(416, {"Content-Range": f"bytes */{len(body)}"})
             self.send_response(206)
@@ -180,6 +206,8 @@ class _Handler(BaseHTTPRequestHandler):
         payload = body[start:]
         if fault == "garbage":
             payload = b"\x00not parquet" * (len(payload) // 12) + b"!" * (len(payload) % 12)
+        if fault == "flip_page":
+            payload = _corrupt_page(body)[start:]
         if fault == "flip":
             middle = len(payload) // 2
             payload = payload[:middle] + bytes([payload[middle] ^ 1]) + payload[middle + 1:]
@@ -282,8 +310,9 @@ def test_main_downloads_train_and_val_shards(server, tmp_path, capsys):
     assert server.gets == {name: 1 for name in server.files}
     assert list_parquet_files(str(data_dir))[-1].endswith("shard_06542.parquet")
     record = json.loads((data_dir / "shard_00000.parquet.json").read_text())
+    # the server stated the sha256, so the bytes are the publisher's: their pages were not read
     assert record == {"size": len(served[0]), "sha256": _sha256(served[0]),
-                      "sha256_stated_by_server": True}
+                      "sha256_stated_by_server": True, "pages_checked": False}
 
 
 def test_existing_files_are_checked_then_skipped(server, tmp_path):
@@ -639,6 +668,108 @@ def test_symlinked_temp_or_lock_file_is_refused_and_its_target_untouched(
     assert server.gets[NAME] == 0
 
 
+def test_a_corrupt_page_from_a_server_without_a_sha256_is_never_installed(server, tmp_path):
+    # an md5 ETag: a validator, not a sha256, so nothing but the bytes vouches for them
+    served = _serve(server, tmp_path, [0])
+    server.etag = "md5"
+    server.always[NAME] = "flip_page"
+    data_dir = tmp_path / "data"
+    with pytest.raises(download.DownloadError, match="row group 1 does not read") as info:
+        download.download_file(f"{server.url}/{NAME}", str(data_dir / NAME),
+                               Limits(max_attempts=2, backoff_base=0.01))
+    assert info.value.reason == "corrupt page" and "gave up after 2 attempts" in str(info.value)
+    assert server.gets[NAME] == 2
+    assert os.listdir(data_dir) == [f".{NAME}.lock"]  # nothing installed, nothing kept
+    del server.always[NAME]
+    server.faults[NAME] = ["flip_page"] * 3  # (the GETs are counted from the first above)
+    assert _download(server, tmp_path, 0)  # refused once, then the honest body
+    assert server.gets[NAME] == 4
+    _assert_only_complete_shards(data_dir, served)
+    record = json.loads((data_dir / f"{NAME}.json").read_text())
+    assert record["sha256_stated_by_server"] is False and record["pages_checked"] is True
+
+
+def test_pages_are_read_once_per_file(server, tmp_path, monkeypatch):
+    served = _serve(server, tmp_path, [0, 1])
+    data_dir = tmp_path / "data"
+    server.etag = "md5"
+    assert _download(server, tmp_path, 0)  # no sha256 stated: its pages are read to install it
+    server.etag = "sha256"
+    assert _download(server, tmp_path, 1)  # the publisher's sha256 matched: they are not
+    read = []
+    monkeypatch.setattr(download, "check_pages", lambda path: read.append(os.path.basename(path)))
+    for _ in range(2):  # a file's record vouches for its pages from then on
+        assert _download(server, tmp_path, 0) and _download(server, tmp_path, 1)
+        assert download.check_files([str(data_dir / NAME)]) == {}
+    assert read == []
+    # a record without the mark (an earlier downloader's): read once, then marked
+    record = json.loads((data_dir / f"{NAME}.json").read_text())
+    del record["pages_checked"]
+    (data_dir / f"{NAME}.json").write_text(json.dumps(record))
+    for _ in range(2):
+        assert _download(server, tmp_path, 0)
+    assert read == [NAME]
+    assert json.loads((data_dir / f"{NAME}.json").read_text())["pages_checked"] is True
+    assert server.gets == {NAME: 1, "shard_00001.parquet": 1}
+    _assert_only_complete_shards(data_dir, served)
+
+
+def _install_corrupt(data_dir, body: bytes) -> None:
+    """shard 0 with a corrupt page and the record a downloader without the page check wrote for
+    it: the sha256 of those bytes, none stated by the server, no pages_checked."""
+    data_dir.mkdir(exist_ok=True)
+    bad = _corrupt_page(body)
+    (data_dir / NAME).write_bytes(bad)
+    (data_dir / f"{NAME}.json").write_text(json.dumps(
+        {"size": len(bad), "sha256": _sha256(bad), "sha256_stated_by_server": False}))
+
+
+def test_a_corrupt_page_installed_earlier_is_found_and_its_fix_works(server, tmp_path, capsys):
+    served = _serve(server, tmp_path, [0, 1, 6542])
+    data_dir = tmp_path / "data"
+    assert _cli(server, data_dir, "-n", "2") == 0
+    _install_corrupt(data_dir, served[0])
+    # the reader's error names the file, the row group and the fix
+    with pytest.raises(ValueError) as info:
+        list(parquets_iter_batched("train", data_dir=str(data_dir)))
+    message = str(info.value)
+    assert f"{data_dir / NAME} row group 1 could not be read (ZSTD" in message
+    fix = f"python -m nanochat.dataset --verify --data-dir {data_dir}"
+    assert fix in message
+    # the fix as the error states it: --verify names the shard and the command that fetches it
+    capsys.readouterr()
+    assert main(fix.split()[3:]) == 1
+    out = capsys.readouterr().out
+    assert "  1 x corrupt page: shard_00000.parquet\n" in out
+    command = re.search(r"to fix: (python -m nanochat\.dataset .*?) \(", out).group(1)
+    assert main(command.split()[3:] + ["--base-url", server.url, *FAST]) == 0
+    assert "  1 x corrupt page: shard_00000.parquet\n" in capsys.readouterr().out
+    assert main(fix.split()[3:]) == 0
+    _assert_only_complete_shards(data_dir, served)
+    assert len(list(parquets_iter_batched("train", data_dir=str(data_dir)))) == 10
+
+
+def test_a_streaming_loader_replaces_a_corrupt_shard_installed_earlier(server, tmp_path):
+    served = _serve(server, tmp_path, [0, 6542])
+    cache = tmp_path / "cache"
+    _install_corrupt(cache, served[0])
+    args = dict(B=2, T=16, split="train", device="cpu", tokenizer_batch_size=8)
+    expected = tokenizing_distributed_data_loader_with_state_bos_bestfit(
+        ByteTokenizer(), data_dir=str(tmp_path / "served"), **args)
+    streamed = tokenizing_distributed_data_loader_with_state_bos_bestfit(
+        ByteTokenizer(), data_dir=str(cache), stream=True, num_shards=1, base_url=server.url,
+        download_limits=Limits(backoff_base=0.01), **args)
+    try:
+        for _ in range(40):  # the buffer's first fill reads every row group of shard 0
+            (inputs, targets, _), (x, y, _) = next(streamed), next(expected)
+            assert inputs.tolist() == x.tolist() and targets.tolist() == y.tolist()
+    finally:
+        streamed.close()
+        expected.close()
+    assert (cache / NAME).read_bytes() == served[0]
+    assert server.gets[NAME] == 1  # fetched again, whole
+
+
 # -----------------------------------------------------------------------------
 # Bad files already under their final names
 
@@ -790,6 +921,73 @@ def test_the_deadline_holds_through_an_http_proxy(server, tmp_path, monkeypatch,
     assert not download_single_file(1, data_dir, url, timeout=2, deadline=1.5, max_attempts=1)
     assert time.monotonic() - t0 < 6
     assert "past the deadline of 1.5s for one file; not retrying" in caplog.text
+
+
+def _raised_within(seconds: float, call) -> tuple[BaseException | None, float]:
+    """(what call raised or None, the seconds it took), run on a daemon thread; the test fails
+    when it is still running after `seconds` (a hang fails the test instead of stalling pytest)."""
+    raised = []
+
+    def run():
+        try:
+            call()
+        except BaseException as e:
+            raised.append(e)
+
+    t0 = time.monotonic()
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(seconds)
+    assert not thread.is_alive(), f"still running after {seconds}s: a hang, not a bounded failure"
+    return (raised[0] if raised else None), time.monotonic() - t0
+
+
+# the limits of the footer tests: a trickle is judged after 1 s, the whole read ends by 5 s
+TAIL_LIMITS = Limits(deadline=5, timeout=3, min_rate=2000, rate_window=1)
+
+
+@pytest.mark.parametrize("fault, limits, reason", [
+    # a valid 206, then ~50 B/s: the 14 KB would take 5 minutes
+    ("trickle", TAIL_LIMITS, "too slow"),
+    # no rate floor: the deadline alone ends it
+    ("trickle", Limits(deadline=2, timeout=3, min_rate=0), "past the deadline"),
+    # every read gets a byte well within the timeout: the deadline cuts the wait for headers
+    ("slow_headers", Limits(deadline=2, timeout=3), "past the deadline"),
+])
+def test_reading_a_footer_from_a_slow_server_fails_in_bounded_time(server, tmp_path, fault,
+                                                                    limits, reason):
+    _serve(server, tmp_path, [0])
+    server.always[NAME] = fault
+    url = f"{server.url}/{NAME}"
+    error, seconds = _raised_within(
+        30, lambda: download.fetch_tail(url, download.TAIL_BYTES, limits))
+    assert isinstance(error, download.DownloadError), error
+    assert seconds < 15  # the deadline (5 s) and some slack: a bound on a hang, not a benchmark
+    assert error.reason == reason and url in str(error)
+    assert server.ranges[NAME][0] == f"bytes=-{download.TAIL_BYTES}"
+
+
+def test_a_trickling_footer_fails_a_streaming_loaders_first_call_in_bounded_time(server,
+                                                                                   tmp_path):
+    _serve(server, tmp_path, [0, 6542])  # one train shard and the val shard
+    for name in server.files:
+        server.always[name] = "trickle"
+
+    def first_call():
+        loader = tokenizing_distributed_data_loader_with_state_bos_bestfit(
+            ByteTokenizer(), 2, 16, "train", device="cpu", stream=True, num_shards=1,
+            base_url=server.url, download_limits=TAIL_LIMITS, data_dir=str(tmp_path / "cache"))
+        try:
+            next(loader)
+        finally:
+            loader.close()
+
+    error, seconds = _raised_within(30, first_call)
+    assert isinstance(error, ConnectionError), error
+    assert seconds < 15
+    # the shard and its URL, then what went wrong
+    assert f"could not read the footer of shard {NAME} from {server.url}/{NAME}: " in str(error)
+    assert "below the minimum of 2 KB/s" in str(error)  # too slow
 
 
 def test_a_redirect_to_a_host_that_does_not_resolve_names_that_host(server, tmp_path):
@@ -1049,6 +1247,19 @@ def test_not_enough_disk_space_stops_before_downloading(server, tmp_path, monkey
         _cli(server, data_dir, "-n", "1")
     assert info.value.errno == errno.ENOSPC
     assert server.heads["shard_00000.parquet"] == 1 and not server.gets
+
+
+def test_the_disk_checks_head_request_ends_within_the_timeout(server, tmp_path, monkeypatch):
+    _serve(server, tmp_path, [0])
+    server.always[NAME] = "slow_headers"  # every read gets a byte well within the timeout
+    error, seconds = _raised_within(
+        30, lambda: download.check_disk_space(str(tmp_path), 1, f"{server.url}/{NAME}",
+                                              timeout=1))
+    assert error is None and seconds < 5  # the headers alone would take over 8 minutes
+    # cut off, the server said no size: the estimate stands in
+    monkeypatch.setattr(download.shutil, "disk_usage", lambda path: _DiskUsage(10**9, 0, 10**9))
+    with pytest.raises(OSError, match="estimated"):
+        download.check_disk_space(str(tmp_path), 10, f"{server.url}/{NAME}", timeout=1)
 
 
 def test_disk_check_falls_back_to_the_estimate(tmp_path, monkeypatch):
