@@ -228,8 +228,9 @@ def _read_missing(data_dir: str, missing: list[tuple[str, str]], known: dict, li
         try:
             return name, _read_entry(os.path.join(data_dir, name), url, limits)
         except DownloadError as e:
-            raise ConnectionError(
-                f"could not read the footer of shard {name} from {url}: {e}") from None
+            # (the downloader's message starts with the URL, named here already)
+            raise ConnectionError(f"could not read the footer of shard {name} from {url}: "
+                                  f"{str(e).removeprefix(f'{url}: ')}") from None
 
     found: dict[str, dict] = {}
     # (disable=None: a bar on a terminal only)

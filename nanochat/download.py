@@ -35,8 +35,8 @@ import urllib3
 from filelock import FileLock
 from tqdm import tqdm
 
-from nanochat.checks import check_int
-from nanochat.files import fsync_dir, remove_if_exists
+from nanochat.checks import check_int, is_int
+from nanochat.files import disk_full, fsync_dir, remove_if_exists
 
 logger = logging.getLogger(__name__)
 
@@ -719,12 +719,13 @@ def _download_locked(url: str, path: str, limits: Limits, progress: bool | None,
         except DownloadError as e:
             error, wait = e, None
         except (requests.RequestException, urllib3.exceptions.HTTPError, OSError) as e:
-            if getattr(e, "errno", None) == errno.ENOSPC:  # no retry can help: say so at once
-                raise OSError(errno.ENOSPC,
-                              f"{name}: the disk of {os.path.dirname(os.path.abspath(path))} is "
-                              f"full ({_size(tmp)} bytes kept in {tmp}); free some space, or fetch "
-                              "fewer shards (or pass a smaller cache_limit to a streaming "
-                              "loader)") from None
+            if getattr(e, "errno", None) in (errno.ENOSPC, errno.EDQUOT):  # no retry can help
+                have, stated = _size(tmp), (_record_or_none(tmp) or {}).get("size")
+                estimated = "" if is_int(stated) else ", its size estimated (none was stated)"
+                stated = stated if is_int(stated) else max(have, SHARD_BYTES_ESTIMATE)
+                what = f"fetching {name} ({have} bytes kept in {tmp}: a rerun resumes{estimated})"
+                raise disk_full(os.path.dirname(os.path.abspath(path)), stated - have,
+                                what) from None
             # after a redirect, the host that did not resolve is the target's
             failed_url = _failed_url(e, url)
             if (_dns_failure(e)

@@ -33,7 +33,7 @@ from nanochat import catalog, shard_cache
 from nanochat.catalog import catalog_entry, read_catalog
 from nanochat.dataloader import tokenizing_distributed_data_loader_with_state_bos_bestfit
 from nanochat.dataset import index_to_filename
-from nanochat.download import Limits
+from nanochat.download import Limits, download_file
 from nanochat.files import write_atomic
 from nanochat.kept import Keeper, encode
 from nanochat.ledger import STREAM_DIR, Ledger, Table
@@ -294,6 +294,36 @@ def test_a_write_on_a_full_disk_names_the_directory_and_leaves_no_temporary_file
     assert DISK_FULL.search(message) and message.endswith(FIX)
     assert path.read_bytes() == b"{}"  # the file as it was
     assert sorted(os.listdir(small_disk)) == ["filler", "table.json"]  # no temporary file
+
+
+def test_a_download_that_fills_the_disk_names_it_and_keeps_what_it_fetched(small_disk, tmp_path):
+    """A shard of ~2 MB into a disk with ~0.5 MB free: the download fails at once (no retry can
+    help) with the directory, the bytes it still needs and those free, and the fix; what arrived
+    stays in the partial file for a rerun to resume, and nothing has the shard's name."""
+    hosted = tmp_path / "hosted"
+    hosted.mkdir()
+    name = index_to_filename(0)
+    rng = random.Random(0)
+    # (random hex: it does not compress below half)
+    write_shard(str(hosted / name), ["%0512x" % rng.getrandbits(2048) for _ in range(8000)], 1000)
+    server = ShardServer(str(hosted))
+    fill(small_disk / "filler")
+    with open(small_disk / "filler", "r+b") as f:  # (about 0.5 MB free again)
+        f.truncate(os.path.getsize(small_disk / "filler") - 500_000)
+    try:
+        with pytest.raises(OSError) as raised:
+            download_file(f"{server.url}/{name}", str(small_disk / name), FAST)
+    finally:
+        server.close()
+    message, size = str(raised.value), os.path.getsize(hosted / name)
+    assert raised.value.errno == errno.ENOSPC and size > 1_500_000
+    kept = os.path.getsize(small_disk / (name + ".tmp"))
+    assert 0 < kept < size
+    assert message.startswith(f"[Errno {errno.ENOSPC}] {small_disk}: fetching {name} ({kept} "
+                              f"bytes kept in {small_disk / name}.tmp: a rerun resumes) needs "
+                              f"{size - kept} bytes but "), message
+    assert DISK_FULL.search(message) and message.endswith(FIX)
+    assert not (small_disk / name).exists()
 
 
 @pytest.mark.parametrize("what", ["ledger", "catalog", "kept copy"])
