@@ -2,6 +2,8 @@
 and where a state's buffered documents are."""
 
 import os
+import threading
+import time
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -62,6 +64,40 @@ def worker_env() -> dict:
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     return dict(env, OMP_NUM_THREADS="1",
                 PYTHONPATH=os.pathsep.join(filter(None, [root, env.get("PYTHONPATH")])))
+
+
+def outcome(call, seconds: float = 60.0):
+    """What call() returns or raises (the exception, as a value), run on a thread; fails when it
+    has done neither in `seconds`: a stall (the thread is left behind, a daemon)."""
+    result = []
+
+    def run():
+        try:
+            result.append(call())
+        except Exception as e:
+            result.append(e)
+
+    threading.Thread(target=run, daemon=True).start()
+    deadline = time.monotonic() + seconds
+    while not result and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert result, f"neither returned nor raised in {seconds:g}s: a stall"
+    return result[0]
+
+
+def least_accepted(make) -> int:
+    """The least cache_limit that make(cache_limit) accepts (a streaming loader: closed at once),
+    by bisection."""
+    low, high = 1, 1 << 30
+    while low < high:
+        mid = (low + high) // 2
+        try:
+            make(mid).close()
+            high = mid
+        except ValueError as e:
+            assert "is below what this streaming loader must hold" in str(e), e
+            low = mid + 1
+    return low
 
 
 @pytest.fixture

@@ -28,7 +28,7 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from conftest import ByteTokenizer, worker_env, write_shard
+from conftest import ByteTokenizer, outcome, worker_env, write_shard
 from nanochat import catalog, shard_cache
 from nanochat.catalog import catalog_entry, read_catalog
 from nanochat.dataloader import tokenizing_distributed_data_loader_with_state_bos_bestfit
@@ -112,23 +112,6 @@ def warnings_about(caplog, text: str) -> list[str]:
     return [r.getMessage() for r in caplog.records
             if r.levelno == logging.WARNING and text in r.getMessage()]
 
-
-def outcome(call, seconds: float):
-    """What call() returns or raises, on a thread; fails when it has done neither in `seconds`."""
-    result = []
-
-    def run():
-        try:
-            result.append(call())
-        except Exception as e:
-            result.append(e)
-
-    threading.Thread(target=run, daemon=True).start()
-    deadline = time.monotonic() + seconds
-    while not result and time.monotonic() < deadline:
-        time.sleep(0.01)
-    assert result, f"neither returned nor raised in {seconds:g}s: a stall"
-    return result[0]
 
 
 @pytest.fixture(scope="module")

@@ -28,7 +28,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from conftest import ByteTokenizer, write_shard
+from conftest import ByteTokenizer, outcome, write_shard
 from nanochat import dataset, download
 from nanochat.dataloader import tokenizing_distributed_data_loader_with_state_bos_bestfit
 from nanochat.dataset import (
@@ -923,25 +923,6 @@ def test_the_deadline_holds_through_an_http_proxy(server, tmp_path, monkeypatch,
     assert "past the deadline of 1.5s for one file; not retrying" in caplog.text
 
 
-def _raised_within(seconds: float, call) -> tuple[BaseException | None, float]:
-    """(what call raised or None, the seconds it took), run on a daemon thread; the test fails
-    when it is still running after `seconds` (a hang fails the test instead of stalling pytest)."""
-    raised = []
-
-    def run():
-        try:
-            call()
-        except BaseException as e:
-            raised.append(e)
-
-    t0 = time.monotonic()
-    thread = threading.Thread(target=run, daemon=True)
-    thread.start()
-    thread.join(seconds)
-    assert not thread.is_alive(), f"still running after {seconds}s: a hang, not a bounded failure"
-    return (raised[0] if raised else None), time.monotonic() - t0
-
-
 # the limits of the footer tests: a trickle is judged after 1 s, the whole read ends by 5 s
 TAIL_LIMITS = Limits(deadline=5, timeout=3, min_rate=2000, rate_window=1)
 
@@ -959,10 +940,11 @@ def test_reading_a_footer_from_a_slow_server_fails_in_bounded_time(server, tmp_p
     _serve(server, tmp_path, [0])
     server.always[NAME] = fault
     url = f"{server.url}/{NAME}"
-    error, seconds = _raised_within(
-        30, lambda: download.fetch_tail(url, download.TAIL_BYTES, limits))
+    t0 = time.monotonic()
+    error = outcome(lambda: download.fetch_tail(url, download.TAIL_BYTES, limits), 30)
     assert isinstance(error, download.DownloadError), error
-    assert seconds < 15  # the deadline (5 s) and some slack: a bound on a hang, not a benchmark
+    # the deadline (5 s) and some slack: a bound on a hang, not a benchmark
+    assert time.monotonic() - t0 < 15
     assert error.reason == reason and url in str(error)
     assert server.ranges[NAME][0] == f"bytes=-{download.TAIL_BYTES}"
 
@@ -982,9 +964,10 @@ def test_a_trickling_footer_fails_a_streaming_loaders_first_call_in_bounded_time
         finally:
             loader.close()
 
-    error, seconds = _raised_within(30, first_call)
+    t0 = time.monotonic()
+    error = outcome(first_call, 30)
     assert isinstance(error, ConnectionError), error
-    assert seconds < 15
+    assert time.monotonic() - t0 < 15
     # the shard and its URL, then what went wrong
     assert f"could not read the footer of shard {NAME} from {server.url}/{NAME}: " in str(error)
     assert "below the minimum of 2 KB/s" in str(error)  # too slow
@@ -1252,10 +1235,11 @@ def test_not_enough_disk_space_stops_before_downloading(server, tmp_path, monkey
 def test_the_disk_checks_head_request_ends_within_the_timeout(server, tmp_path, monkeypatch):
     _serve(server, tmp_path, [0])
     server.always[NAME] = "slow_headers"  # every read gets a byte well within the timeout
-    error, seconds = _raised_within(
-        30, lambda: download.check_disk_space(str(tmp_path), 1, f"{server.url}/{NAME}",
-                                              timeout=1))
-    assert error is None and seconds < 5  # the headers alone would take over 8 minutes
+    t0 = time.monotonic()
+    result = outcome(lambda: download.check_disk_space(str(tmp_path), 1, f"{server.url}/{NAME}",
+                                                       timeout=1), 30)
+    # the headers alone would take over 8 minutes
+    assert result is None and time.monotonic() - t0 < 5
     # cut off, the server said no size: the estimate stands in
     monkeypatch.setattr(download.shutil, "disk_usage", lambda path: _DiskUsage(10**9, 0, 10**9))
     with pytest.raises(OSError, match="estimated"):

@@ -25,7 +25,7 @@ import pytest
 import torch
 from filelock import FileLock
 
-from conftest import ByteTokenizer, write_shard
+from conftest import ByteTokenizer, least_accepted, outcome, write_shard
 from nanochat import download, shard_cache
 from nanochat.dataloader import (tokenizing_distributed_data_loader_with_state,
                                  tokenizing_distributed_data_loader_with_state_bos_bestfit)
@@ -278,21 +278,6 @@ def test_eviction_spares_what_any_loader_of_the_machine_needs(tmp_path):
     assert evicted == {names[0]: 1, names[1]: 1, names[3]: 1, names[4]: 1}
 
 
-def _least_accepted(make) -> int:
-    """The least cache_limit that make(cache_limit) accepts (a loader: closed at once), by
-    bisection."""
-    low, high = 1, 1 << 30
-    while low < high:
-        mid = (low + high) // 2
-        try:
-            make(mid).close()
-            high = mid
-        except ValueError as e:
-            assert "is below what this streaming loader must hold" in str(e)
-            low = mid + 1
-    return low
-
-
 def _split_dir(hosted_dir, directory, num_train: int) -> str:
     """A directory with the first num_train hosted train shards and the val shard: the on-disk
     oracle's."""
@@ -350,7 +335,7 @@ def test_copies_beyond_their_room_give_way_to_a_waiting_reader(tmp_path, monkeyp
     server = ShardServer(str(hosted_dir))
     settings = dict(num_shards=30, prefetch_shards=1, buffer_size=60)
     try:
-        limit = _least_accepted(lambda limit: _streaming("bestfit", server, tmp_path / "cache",
+        limit = least_accepted(lambda limit: _streaming("bestfit", server, tmp_path / "cache",
                                                          cache_limit=limit, **settings))
         expected = _batches(_on_disk("bestfit", _split_dir(hosted_dir, tmp_path / "split", 30),
                                      buffer_size=60), 1500)
@@ -464,26 +449,6 @@ def test_elastic_merge_of_streamed_states(hosted, tmp_path, monkeypatch):
     assert merge_states(states, 3, data_dir=str(tmp_path / "new")) == merged
 
 
-def _within(seconds: float, fn):
-    """fn()'s value, or an AssertionError when it has not returned in `seconds` (a stall: the
-    thread is left behind, a daemon)."""
-    box = {}
-
-    def run():
-        try:
-            box["value"] = fn()
-        except BaseException as e:  # handed to the test
-            box["error"] = e
-
-    thread = threading.Thread(target=run, daemon=True)
-    thread.start()
-    thread.join(seconds)
-    assert not thread.is_alive(), f"still running after {seconds}s"
-    if "error" in box:
-        raise box["error"]
-    return box["value"]
-
-
 def test_a_merged_state_resumes_into_an_empty_cache_at_the_least_limit_without_a_stall(tmp_path):
     """merge_states of 2 ranks for 1: its plan deals the old buffers' documents, from 8 shards,
     all read before the first state. The start check counts them: at the least limit it accepts,
@@ -501,10 +466,10 @@ def test_a_merged_state_resumes_into_an_empty_cache_at_the_least_limit_without_a
         assert len({unit.get("pq_idx") for unit in first}) >= 6  # the test is about them
         expected = _batches(_on_disk("bestfit", hosted_dir, buffer_size=40,
                                      resume_state_dict=merged), 20)
-        least = _least_accepted(lambda limit: _streaming(
+        least = least_accepted(lambda limit: _streaming(
             "bestfit", server, tmp_path / "probe", cache_limit=limit, resume_state_dict=merged,
             **kwargs))
-        resumed = _within(60, lambda: _batches(_streaming(
+        resumed = outcome(lambda: _batches(_streaming(
             "bestfit", server, tmp_path / "new", cache_limit=least, resume_state_dict=merged,
             **kwargs), 20))
     finally:
@@ -533,11 +498,12 @@ def test_a_reader_short_of_room_fails_within_the_deadline_naming_who_holds_it(ho
     loader = _streaming("bestfit", server, cache, cache_limit=int(5.5 * sizes[-1]),
                         prefetch_shards=0, buffer_size=20, download_limits=limits)
     start = time.monotonic()
-    with pytest.raises(ValueError, match="has had no room for shard_00000.parquet for 3s") as info:
-        _within(30, lambda: next(iter(loader)))
+    error = outcome(lambda: next(iter(loader)), 30)
     assert time.monotonic() - start < 20
     loader.close()
-    assert f"another: {held[0]} (reading), {held[1]} (reading)" in str(info.value)
+    assert isinstance(error, ValueError), error
+    assert "has had no room for shard_00000.parquet for 3s" in str(error)
+    assert f"another: {held[0]} (reading), {held[1]} (reading)" in str(error)
 
 
 # -----------------------------------------------------------------------------

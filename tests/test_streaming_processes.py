@@ -25,7 +25,7 @@ from types import SimpleNamespace
 import pyarrow.parquet as pq
 import pytest
 
-from conftest import ByteTokenizer, worker_env, write_shard
+from conftest import ByteTokenizer, least_accepted, outcome, worker_env, write_shard
 from nanochat import shard_cache
 from nanochat.dataloader import tokenizing_distributed_data_loader_with_state_bos_bestfit
 from nanochat.dataset import get_dataset, index_to_filename
@@ -446,24 +446,6 @@ def streaming(cache, url: str, num_shards: int, **kwargs):
         **{"prefetch_shards": 0, "download_limits": LIMITS, **LOADER, **kwargs})
 
 
-def outcome(call, seconds: float = 60.0):
-    """What call() returns or raises, run on a thread; fails if it has done neither after
-    `seconds` (a hang)."""
-    result = []
-
-    def run():
-        try:
-            result.append(call())
-        except Exception as e:
-            result.append(e)
-
-    threading.Thread(target=run, daemon=True).start()
-    for _ in range(int(seconds * 100)):
-        if result:
-            return result[0]
-        time.sleep(0.01)
-    raise AssertionError(f"neither returned nor raised in {seconds:g}s: a hang")
-
 
 def batches_until_error(loader, max_batches: int) -> tuple[list[dict], Exception]:
     """The batches next() gives, then the error it raises (within a minute); fails after
@@ -677,20 +659,6 @@ def test_every_local_rank_checks_the_machines_least_and_a_merged_resume_at_it_ru
     for rank in range(3):
         expected = on_disk(hosted, 30, rank, 3, merged, **settings)
         assert read_lines(out / f"rank{rank}.jsonl") == expected
-
-
-def least_accepted(make) -> int:
-    """The least cache_limit that make(cache_limit) accepts (a loader: closed at once)."""
-    low, high = 1, 1 << 30
-    while low < high:
-        mid = (low + high) // 2
-        try:
-            make(mid).close()
-            high = mid
-        except ValueError as e:
-            assert "is below what this streaming loader must hold" in str(e), e
-            low = mid + 1
-    return low
 
 
 # -----------------------------------------------------------------------------
