@@ -23,6 +23,7 @@ import re
 import shutil
 import subprocess
 import sys
+import tempfile
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -168,9 +169,11 @@ def main(argv=None) -> int:
     parser.add_argument("--python", default=sys.executable,
                         help="a Python with nanochat's dependencies")
     parser.add_argument("--layout", choices=("climbmix", "fineweb", "own"), default="climbmix")
-    parser.add_argument("--out", default="nanochat_dropin",
-                        help="where the two copies and their logs go")
+    parser.add_argument("--out", default=os.path.join(tempfile.gettempdir(), "nanochat_dropin"),
+                        help="where the two copies and their logs go (default: %(default)s)")
     args = parser.parse_args(argv)
+    # (absolute: the scripts run in the copies, not here)
+    args.out, args.checkout = os.path.abspath(args.out), os.path.abspath(args.checkout)
     print(f"checkout={args.checkout} python={args.python} layout={args.layout} out={args.out}")
     if not os.path.isfile(os.path.join(args.checkout, "scripts", "base_train.py")):
         parser.error(f"{args.checkout} is not a nanochat checkout (no scripts/base_train.py)")
