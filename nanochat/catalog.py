@@ -24,7 +24,8 @@ from tqdm import tqdm
 
 from nanochat.checks import is_int
 from nanochat.dataset import open_parquet, streamed_split
-from nanochat.download import MAGIC, TAIL_BYTES, DownloadError, Limits, fetch_tail
+from nanochat.download import (MAGIC, TAIL_BYTES, DownloadError, Limits, fetch_tail,
+                               recorded_size)
 from nanochat.files import file_stamp, warn_once, write_atomic
 from nanochat.ledger import STREAM_DIR
 
@@ -57,13 +58,15 @@ def catalog_entry(url: str, size: int, rows: list[int]) -> dict:
 
 
 def _valid(entry) -> bool:
-    """Whether a catalog value is an entry as catalog_entry makes them, its checksum right."""
-    if not isinstance(entry, dict) or set(entry) != {"url", "size", "rows", "check"}:
+    """Whether a catalog value is an entry as catalog_entry makes them, its checksum right (an
+    entry without one, as a version of this library before checksums wrote it, is kept by its
+    shape: reading thousands of footers again would cost minutes)."""
+    if not isinstance(entry, dict) or set(entry) - {"check"} != {"url", "size", "rows"}:
         return False
     url, size, rows = entry["url"], entry["size"], entry["rows"]
     fine = isinstance(url, str) and is_int(size) and size >= 0 and isinstance(rows, list)
     fine = fine and all(is_int(n) and n >= 0 for n in rows)
-    return fine and entry["check"] == _check(url, size, rows)
+    return fine and entry.get("check", _check(url, size, rows)) == _check(url, size, rows)
 
 
 def _load(path: str) -> dict[str, dict]:
@@ -79,8 +82,9 @@ def _load(path: str) -> dict[str, dict]:
             data = f.read()
     except FileNotFoundError:
         return {}
-    except OSError as e:
-        logger.warning("%s is unreadable (%s); its entries are read again", path, e)
+    except OSError as e:  # (a directory in its place, no permission: the same until fixed)
+        warn_once(logger, path, (type(e).__name__, e.errno), "%s is unreadable (%s); its entries "
+                  "are read again", path, e)
         return {}
     known = _parse(path, stamp, data)
     _loaded[path] = (stamp, known)
@@ -99,7 +103,8 @@ def _parse(path: str, stamp: tuple, data: bytes) -> dict[str, dict]:
         warn_once(logger, path, stamp, "%s is not an object of shard entries; they are read "
                   "again", path)
         return {}
-    known = {name: entry for name, entry in value.items() if _valid(entry)}
+    known = {name: catalog_entry(entry["url"], entry["size"], entry["rows"])
+             for name, entry in value.items() if _valid(entry)}
     if len(known) < len(value):
         bad = sorted(set(value) - set(known))
         warn_once(logger, path, stamp, "%s: %d entries of the wrong shape or checksum (%s); read "
@@ -135,13 +140,24 @@ def _file_entry(path: str, url: str) -> dict:
     return catalog_entry(url, os.path.getsize(path), rows)
 
 
-def _read_entry(path: str, url: str, limits: Limits) -> dict:
-    """One shard's catalog entry: from the file when it is on disk, else from its footer on the
-    server."""
+def _as_installed(path: str) -> bool:
+    """Whether the shard at path is on disk with the size its download was verified at (its
+    record's): a file cut short or replaced since is not read for the catalog, and the cache
+    fetches it again."""
     try:
-        return _file_entry(path, url)
+        return recorded_size(path) == os.path.getsize(path)
     except FileNotFoundError:  # (not fetched, or evicted)
-        pass
+        return False
+
+
+def _read_entry(path: str, url: str, limits: Limits) -> dict:
+    """One shard's catalog entry: from the file when it is on disk as installed, else from its
+    footer on the server."""
+    if _as_installed(path):
+        try:
+            return _file_entry(path, url)
+        except (FileNotFoundError, ValueError):  # (evicted since, or damaged in place)
+            pass
     size, tail = fetch_tail(url, TAIL_BYTES, limits)
     rows = footer_rows(tail, url)
     if rows is None:  # a footer longer than one request: ask for exactly it
@@ -200,10 +216,12 @@ def _correct(data_dir: str, names: list[str], urls: list[str], known: dict) -> d
     url_of = dict(zip(names, urls))
     fixed = {}
     for name in _disagree(data_dir, names, known):
+        path = os.path.join(data_dir, name)
+        if not _as_installed(path):  # the file is what is wrong: the cache fetches it again
+            continue
         try:
-            entry, fixed[name] = known[name], _file_entry(os.path.join(data_dir, name),
-                                                           url_of[name])
-        except FileNotFoundError:  # (evicted since)
+            entry, fixed[name] = known[name], _file_entry(path, url_of[name])
+        except (FileNotFoundError, ValueError):  # (evicted since, or damaged in place)
             continue
         logger.warning(
             "the catalog %s says shard %s has %d bytes in %d row groups, but the file on disk, "

@@ -59,6 +59,9 @@ RETRY_AFTER_CAP = 60.0  # a server asking for longer than this gets this
 # Used for the disk check when the server gives no Content-Length: FineWeb-Edu and ClimbMix shards
 # are ~90-100MB (zstd), so 100MB errs on the side of asking for too much.
 SHARD_BYTES_ESTIMATE = 100 * 1024**2
+# what a full disk under a download asks of its user
+DOWNLOAD_DISK_FIX = ("free some space, pass --data-dir on a bigger disk, or fetch fewer shards "
+                     "(-n); a streaming loader: pass a smaller cache_limit")
 DISK_MARGIN = 1.1  # shards differ in size by a few percent; keep 10% headroom over the estimate
 MAGIC = b"PAR1"  # every parquet file starts and ends with it
 
@@ -229,11 +232,15 @@ def _write_json(path: str, record: dict) -> None:
     """Write a small JSON record atomically (the caller holds the file's lock, so the temp name is
     ours)."""
     tmp = tmp_path(path)
-    with _open_nofollow(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, "w") as f:
-        json.dump(record, f)
-        f.flush()
-        os.fsync(f.fileno())  # the bytes are on disk before the rename makes them the record
-    os.replace(tmp, path)
+    try:
+        with _open_nofollow(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, "w") as f:
+            json.dump(record, f)
+            f.flush()
+            os.fsync(f.fileno())  # the bytes are on disk before the rename makes them the record
+        os.replace(tmp, path)
+    except OSError:
+        remove_if_exists(tmp)  # (a full disk: an empty temporary file would stay for good)
+        raise
     fsync_dir(os.path.dirname(os.path.abspath(path)))  # and the rename itself survives a crash
 
 
@@ -651,20 +658,25 @@ def _attempt(session: requests.Session, url: str, tmp: str, have: int, record: d
             append = False
         flags = os.O_WRONLY | os.O_CREAT | (os.O_APPEND if append else os.O_TRUNC)
         bar_off = None if progress is None else not progress  # None: bars only on a terminal
-        with _open_nofollow(tmp, flags, "ab" if append else "wb") as f, \
-                tqdm(total=record["size"], initial=have if append else 0, unit="B",
-                     unit_scale=True, desc=os.path.basename(url), leave=False,
-                     disable=bar_off) as bar:
-            if not append:
-                # the truncation is on disk before the record names the new version: a crash
-                # never leaves old bytes under a new validator
+        try:
+            with _open_nofollow(tmp, flags, "ab" if append else "wb") as f, \
+                    tqdm(total=record["size"], initial=have if append else 0, unit="B",
+                         unit_scale=True, desc=os.path.basename(url), leave=False,
+                         disable=bar_off) as bar:
+                if not append:
+                    # the truncation is on disk before the record names the new version: a crash
+                    # never leaves old bytes under a new validator
+                    os.fsync(f.fileno())
+                    _write_json(record_path(tmp), record)
+                for chunk in _chunks(response, limits, deadline, stop):
+                    f.write(chunk)
+                    bar.update(len(chunk))
+                f.flush()
                 os.fsync(f.fileno())
-                _write_json(record_path(tmp), record)
-            for chunk in _chunks(response, limits, deadline, stop):
-                f.write(chunk)
-                bar.update(len(chunk))
-            f.flush()
-            os.fsync(f.fileno())
+        except OSError as e:
+            if e.errno in (errno.ENOSPC, errno.EDQUOT):  # (the size stated, for the message)
+                raise _DiskFull(record["size"]) from e
+            raise
     return record
 
 
@@ -695,6 +707,34 @@ def _install(tmp: str, path: str, record: dict) -> None:
     remove_if_exists(record_path(tmp))
 
 
+class _DiskFull(OSError):
+    """A write of a download found the disk full; `size`: the file's size, as the server stated
+    it (None: it did not)."""
+
+    def __init__(self, size: int | None):
+        super().__init__(errno.ENOSPC, "no space left on the device")
+        self.size = size
+
+
+def _full_disk(name: str, path: str, stated: int | None) -> OSError:
+    """The error for a download that found the disk full (no retry can help): the directory, the
+    bytes still needed (a block at least: what is left may be only a record) and those free, and
+    the fix. An empty partial file goes; one that holds bytes stays for a rerun to resume."""
+    tmp, directory = tmp_path(path), os.path.dirname(os.path.abspath(path))
+    have = _size(tmp)
+    if not is_int(stated):
+        stated = (_record_or_none(tmp) or {}).get("size")
+    estimated = "" if is_int(stated) else ", its size estimated (none was stated)"
+    stated = stated if is_int(stated) else max(have, SHARD_BYTES_ESTIMATE)
+    if have:
+        kept = f"{have} bytes kept in {tmp}" + (": a rerun resumes" if _resumable(tmp) else "")
+    else:
+        _discard(tmp)
+        kept = "nothing kept"
+    return disk_full(directory, max(stated - have, os.statvfs(directory).f_bsize),
+                     f"fetching {name} ({kept}{estimated})", DOWNLOAD_DISK_FIX)
+
+
 def _download_locked(url: str, path: str, limits: Limits, progress: bool | None, stop) -> None:
     """The retry loop; the caller holds the file's lock, so the temp names are ours alone."""
     name, tmp = os.path.basename(path), tmp_path(path)
@@ -720,12 +760,7 @@ def _download_locked(url: str, path: str, limits: Limits, progress: bool | None,
             error, wait = e, None
         except (requests.RequestException, urllib3.exceptions.HTTPError, OSError) as e:
             if getattr(e, "errno", None) in (errno.ENOSPC, errno.EDQUOT):  # no retry can help
-                have, stated = _size(tmp), (_record_or_none(tmp) or {}).get("size")
-                estimated = "" if is_int(stated) else ", its size estimated (none was stated)"
-                stated = stated if is_int(stated) else max(have, SHARD_BYTES_ESTIMATE)
-                what = f"fetching {name} ({have} bytes kept in {tmp}: a rerun resumes{estimated})"
-                raise disk_full(os.path.dirname(os.path.abspath(path)), stated - have,
-                                what) from None
+                raise _full_disk(name, path, getattr(e, "size", None)) from None
             # after a redirect, the host that did not resolve is the target's
             failed_url = _failed_url(e, url)
             if (_dns_failure(e)
@@ -800,6 +835,13 @@ def _record_or_none(path: str) -> dict | None:
         return _read_json(record_path(path))
     except BadFileError:
         return None
+
+
+def recorded_size(path: str) -> int | None:
+    """The size path was verified at when it was installed (its record's); None without a
+    readable record."""
+    size = (_record_or_none(path) or {}).get("size")
+    return size if is_int(size) else None
 
 
 def _problem_with(path: str) -> BadFileError | str | None:

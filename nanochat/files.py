@@ -38,12 +38,15 @@ def fsync_dir(path: str) -> None:
         os.close(fd)
 
 
-def disk_full(directory: str, needed: int, what: str) -> OSError:
+def disk_full(directory: str, needed: int, what: str, fix: str = DISK_FULL_FIX) -> OSError:
     """The error for a disk too full to take `needed` more bytes in `directory`: where, how much
     it needs and has, and the fix."""
-    free = shutil.disk_usage(directory).free
+    existing = directory
+    while not os.path.isdir(existing) and os.path.dirname(existing) != existing:
+        existing = os.path.dirname(existing)  # (a directory the full disk could not create)
+    free = shutil.disk_usage(existing).free
     return OSError(errno.ENOSPC, f"{directory}: {what} needs {needed} bytes but {free} are free "
-                                 f"(the disk is full); {DISK_FULL_FIX}")
+                                 f"(the disk is full); {fix}")
 
 
 def write_atomic(path: str, data: bytes) -> None:

@@ -28,9 +28,10 @@ logger = logging.getLogger(__name__)
 
 KEPT_DIR = "kept"  # in STREAM_DIR: a directory per loader, a file of kept documents per shard
 KEPT_SUFFIX = ".json.gz"  # {"sha256": ..., "docs": [[rg_idx, row, text], ...]}
-# what reading a damaged copy raises: a bad gzip stream or CRC (OSError), a cut-off file
-# (EOFError), a bad deflate block (zlib.error), bad JSON, shape or checksum (ValueError)
-DAMAGED = (OSError, EOFError, zlib.error, ValueError)
+# what reading a damaged copy raises: a bad gzip header or CRC (BadGzipFile), a cut-off file
+# (EOFError), a bad deflate block (zlib.error), bad JSON, shape or checksum (ValueError); not any
+# OSError: a copy is not removed for a passing read error
+DAMAGED = (gzip.BadGzipFile, EOFError, zlib.error, ValueError)
 HELD_STATES = 4  # states whose buffered documents are kept, past 2 x prefetch (Keeper.held)
 
 

@@ -2,10 +2,11 @@
 Shards fetched just ahead of the reader (a loader's stream=True): training starts once the first
 shard is on disk, and the data directory stays within a disk budget, cache_limit. One background
 thread per loader fetches the shard the reader needs, then the next prefetch_shards; before each
-download, shards that no live loader of the machine needs are evicted, oldest first. What every
-loader needs, and why, is in the ledger (nanochat/ledger.py); the catalog (nanochat/catalog.py)
-gives the sizes, and buffered documents are kept as copies (nanochat/kept.py). A budget below what
-must be held at once is a ValueError at the start. Design: docs/streaming.md.
+download, shards that no live loader of the machine needs are evicted: first those none reads
+soon, oldest first, then those read latest. What every loader needs, and why, is in the ledger
+(nanochat/ledger.py); the catalog (nanochat/catalog.py) gives the sizes, and buffered documents
+are kept as copies (nanochat/kept.py). A budget below what must be held at once is a ValueError
+at the start. Design: docs/streaming.md.
 
     python -m nanochat.shard_cache status [DATA_DIR]   # what is on disk, who needs it and why
 
@@ -146,35 +147,38 @@ class ShardCache:
         # ahead and one for a local rank out of step (a split has no more); the val shard when a
         # val loader (an eval during training) has yet to fetch it; every local rank's copies
         count = min(self.packing + self.prefetch_shards + 1, len(self.names))
-        later = sum(size for name, size in self.keep.items()
-                    if name not in on_disk and name not in self.names)
+        val_bytes = sum(size for name, size in self.keep.items()
+                        if name not in on_disk and name not in self.names)
         copies = self.copies * self.local_ranks
         walk = count * largest
+        held = (f"{count} x {size_words(largest)} (the largest shard) for the shards from the one "
+                f"it packs to the one it reads ({self.packing}: its read-ahead against its "
+                f"documents per shard), prefetch_shards={self.prefetch_shards} ahead and one for a "
+                f"local rank out of step (at most the split's {len(self.names)})")
+        fix = "lower prefetch_shards, prefetch, tokenizer_batch_size or buffer_size, "
         # a resumed walk's first documents (a buffer's, a merged plan's), the local ranks'
         # together, and the file the walk goes on in are held at once, with one for a local rank
         # out of step when there are more (what is fetched ahead waits for room meanwhile)
         restoring = sum(self.sizes[p] for p in restore)
-        if restore:
-            step = self.local_ranks > 1 and len(restore) < len(self.names)
-            walk = max(walk, restoring + largest * step)
-        least = sum(fixed.values()) + walk + later + copies
-        val = f" and the val shard ({size_words(later)})" if later else ""
-        if restore:
-            val += (f", {len(restore)} shard(s) ({size_words(restoring)}) holding the first "
-                    "documents of the resumed walks of this machine's ranks (buffers, plans)")
+        step = largest * (self.local_ranks > 1 and len(restore) < len(self.names))
+        if restore and restoring + step > walk:
+            walk = restoring + step
+            held = (f"{len(restore)} shard(s) ({size_words(restoring)}) holding the first "
+                    "documents of the resumed walks of this machine's ranks (their buffers, a "
+                    "merge's plans) and the files the walks go on in"
+                    + (f", and {size_words(step)} for a local rank out of step" if step else "")
+                    + f": more than the {count} x {size_words(largest)} a walk under way holds")
+            fix = ""  # (the state decides what the resume holds)
+        least = sum(fixed.values()) + walk + val_bytes + copies
+        val = f" and the val shard ({size_words(val_bytes)})" if val_bytes else ""
         if self.limit < least:
             raise ValueError(
                 f"cache_limit={size_words(self.limit)} is below what this streaming loader must "
-                f"hold at once, {size_words(least)}: {count} x {size_words(largest)} (the largest "
-                "shard) for the shards from the one it packs to the one it reads "
-                f"({self.packing}: its read-ahead against its documents per shard), "
-                f"prefetch_shards={self.prefetch_shards} ahead and one for a local rank out of "
-                f"step (at most the split's {len(self.names)}){val}, about {size_words(copies)} "
+                f"hold at once, {size_words(least)}: {held}{val}, about {size_words(copies)} "
                 f"for copies of buffered documents ({self.local_ranks} local rank(s)), plus "
                 f"{size_words(sum(fixed.values()))} of shards in {self.data_dir} that it may not "
                 f"evict ({len(fixed)}: the val shard and those it did not fetch); raise "
-                "cache_limit, lower prefetch_shards, prefetch, tokenizer_batch_size or "
-                "buffer_size, or use another data_dir")
+                f"cache_limit, {fix}or use another data_dir")
 
     def _last_resort(self, table: Table, name: str, used: int) -> int:
         """The shard a reader waits for has no room, and the copies of buffered documents have
@@ -233,7 +237,7 @@ class ShardCache:
                     soonest[n] = min(soonest.get(n, i), i)
             # what no loader reads soon goes first (`release` before the rest, then the oldest);
             # then what is read latest
-            victims.sort(key=lambda n: (n in soonest, n != release, -soonest.get(n, 0),
+            victims.sort(key=lambda n: (n in soonest, -soonest.get(n, 0), n != release,
                                         file_mtime(os.path.join(self.data_dir, n))))
             if used > self.limit:
                 table.evicting = True  # (every loader of the machine copies its buffers now)
@@ -554,7 +558,7 @@ class ShardCache:
     def need(self, p: int, in_order: bool = True) -> str:
         """The path of shard p once it is on disk. Moves this loader's place in its order to p when
         p is among its next visits and read in_order (not for a buffer's documents); else it is
-        fetched all the same. Waits at most the downloader's deadline plus ROOM_WAIT and
+        fetched all the same. Waits at most the downloader's deadline plus room_wait and
         NEED_MARGIN, then raises; a fetch that failed while the reader waited raises its error."""
         with self._cond:
             if p in self._first:
@@ -639,7 +643,7 @@ def local_peers(rank: int, world_size: int) -> range:
 def peer_starts(state, rank: int, world_size: int) -> list:
     """What the other local ranks read first from a merged state (every rank is given all of it):
     per rank, (its buffered documents' keys, its plan's items). Their shards are fetched at the
-    same time as this rank's. None for any other state (each rank has only its own)."""
+    same time as this rank's. [] for any other state (each rank has only its own)."""
     if not (isinstance(state, dict) and "merged" in state and isinstance(state.get("states"), list)
             and len(state["states"]) == world_size):
         return []

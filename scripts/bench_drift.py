@@ -3,11 +3,13 @@ Downloads per shard when the ranks of one machine drift apart (stream=True): 3 t
 (gloo, CPU) stream shards of 10 row groups from a 127.0.0.1 server into one cache. Rank 0 reads 4
 row groups of each shard and ranks 1 and 2 read 3, so ranks 1 and 2 move through the shards
 faster; the ranks take each batch together, as DDP training steps do. For each cache_limit (in
-largest shards) it prints how far the ranks drifted, the downloads, the distinct shards downloaded
-and their ratio: 1.00x when no shard was downloaded twice. About 20 s per limit on 2 cores.
+largest shards) it prints how far the ranks drifted, the shard visits (each epoch's shard some rank
+read), the downloads, and downloads per visit and per distinct shard downloaded (1.00x: none
+downloaded twice; shards fetched ahead and not read yet make per visit a little more). About 20 s
+a run on 2 cores.
 
     python -m scripts.bench_drift                       # limits of 10, 30 and 45 shards
-    python -m scripts.bench_drift --limits 45 --steps 400
+    python -m scripts.bench_drift --limits 20 30 45 --runs 3
 """
 
 import argparse
@@ -55,7 +57,8 @@ def worker(out: str, steps: int) -> None:
     read = []
     for _ in range(steps):
         dist.barrier()  # (the ranks step together)
-        read.append(next(loader)[2]["pq_idx"])
+        state = next(loader)[2]
+        read.append((state["epoch"], state["pq_idx"]))
     loader.close()
     with open(os.path.join(out, f"rank{dist.get_rank()}.json"), "w") as f:
         json.dump(read, f)
@@ -74,8 +77,9 @@ def host(directory: str, num_shards: int) -> int:
                for i in range(num_shards))
 
 
-def run(tmp: str, server: ShardServer, cache_limit: int, args) -> tuple[int, Counter]:
-    """One run of 3 ranks: (how far apart the ranks ended, in shards; downloads per shard)."""
+def run(tmp: str, server: ShardServer, cache_limit: int, args) -> tuple[int, int, Counter]:
+    """One run of 3 ranks: (how far apart the ranks ended, in shards; the shard visits, each
+    (epoch, shard) some rank read; downloads per shard)."""
     out = tempfile.mkdtemp(dir=tmp)
     before = len(server.fetched())
     env = dict(os.environ, NANOCHAT_STREAM="1", NANOCHAT_BASE_DIR=tempfile.mkdtemp(dir=tmp),
@@ -85,11 +89,13 @@ def run(tmp: str, server: ShardServer, cache_limit: int, args) -> tuple[int, Cou
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=3",
            "-m", "scripts.bench_drift", "--worker", out, "--steps", str(args.steps)]
     subprocess.run(cmd, check=True, env=env, capture_output=True)
-    ends = []
+    ends, visits = [], set()
     for rank in range(3):
         with open(os.path.join(out, f"rank{rank}.json")) as f:
-            ends.append(json.load(f)[-1])
-    return max(ends) - min(ends), Counter(server.fetched()[before:])
+            read = [tuple(visit) for visit in json.load(f)]
+        ends.append(read[-1][1])
+        visits.update(read)
+    return max(ends) - min(ends), len(visits), Counter(server.fetched()[before:])
 
 
 def main(argv=None) -> int:
@@ -99,6 +105,7 @@ def main(argv=None) -> int:
                         help="cache_limit values, in largest shards")
     parser.add_argument("--steps", type=int, default=400, help="batches each rank takes")
     parser.add_argument("--shards", type=int, default=150, help="train shards hosted")
+    parser.add_argument("--runs", type=int, default=1, help="runs per cache_limit")
     parser.add_argument("--worker", help=argparse.SUPPRESS)  # (a rank, under torchrun)
     args = parser.parse_args(argv)
     if args.worker:
@@ -109,14 +116,17 @@ def main(argv=None) -> int:
         server = ShardServer(os.path.join(tmp, "hosted"))
         print(f"3 local ranks, {args.steps} steps, {args.shards} shards of {DOCS // ROW_GROUP} "
               f"row groups (4, 3, 3 per rank), the largest {largest} bytes")
-        print("| cache_limit | ranks apart at the end | downloads | shards | per shard |")
-        print("| --- | --- | --- | --- | --- |")
+        print("| cache_limit | run | ranks apart at the end | shard visits | downloads | "
+              "of shards | per visit | per shard |")
+        print("| --- | --- | --- | --- | --- | --- | --- | --- |")
         try:
             for limit in args.limits:
-                apart, downloads = run(tmp, server, int(limit * largest), args)
-                total = sum(downloads.values())
-                print(f"| {limit:g} shards | {apart} shards | {total} | {len(downloads)} | "
-                      f"{total / len(downloads):.2f}x |", flush=True)
+                for i in range(args.runs):
+                    apart, visits, downloads = run(tmp, server, int(limit * largest), args)
+                    total = sum(downloads.values())
+                    print(f"| {limit:g} shards | {i + 1} | {apart} shards | {visits} | {total} | "
+                          f"{len(downloads)} | {total / visits:.2f}x | "
+                          f"{total / len(downloads):.2f}x |", flush=True)
         finally:
             server.close()
     return 0

@@ -1,11 +1,13 @@
 """
 Streaming (stream=True) with real processes and real failures, against a ShardServer on
-127.0.0.1: many ranks of one machine share one cache and download each shard once; two torchrun
-"nodes" each fill their own cache; a streaming run killed mid-download resumes exactly; a server
-that goes away or falls silent, a missing shard and a full disk are clear errors, never a hang;
-the least cache_limit is enough while another loader of the machine downloads, or after one was
-interrupted. Every streamed batch and state is compared with the same loader over the hosted
-shards on disk. Run: python -m pytest tests/test_streaming_processes.py -q   (~30 s)
+127.0.0.1: many ranks of one machine share one cache and download each shard once, even when
+they drift apart; every local rank checks the machine's least cache_limit, and a merged state
+resumes at it; two torchrun "nodes" each fill their own cache; a streaming run killed
+mid-download resumes exactly; a server that goes away or falls silent, a missing shard and a full
+disk are clear errors, never a hang; the least cache_limit is enough while another loader of the
+machine downloads, or after one was interrupted. Every streamed batch and state is compared with
+the same loader over the hosted shards on disk.
+Run: python -m pytest tests/test_streaming_processes.py -q   (~90 s)
 """
 
 import errno
