@@ -1,0 +1,190 @@
+"""
+What a loader costs a training step. The trainer has one Python thread that matters: the one that
+launches kernels and steps the optimizer. A modelled step is P ms of pure-Python work that holds
+the GIL (launches, bookkeeping), then G ms that release it (the GPU computing: a sleep), then
+next(loader). Per loader it prints the step time against no loader, how much the Python part
+stretches (the loader's threads take the GIL from it), next()'s wait at p50, p99 and the most, and
+the gen-2 garbage collections in the trainer process. Each run is a fresh process; runs alternate.
+
+    python -m scripts.bench_step                    # (P, G) = (30, 100) and (10, 40) ms, 3 rounds
+    python -m scripts.bench_step --pg 30,100 --rounds 1 --steps 40
+
+Loaders: none (prebuilt batches), nanochat's algorithm in the caller (tests/oracle.py's best-fit,
+rows made a tensor, as nanochat's loader runs), and ours (the default: prefetch=4), each with our
+tokenizer and with one whose encode returns lists (as nanochat's). The corpus and the tokenizer
+are scripts/bench_dataloader.py's. Speed is a measurement here, never a test assertion.
+"""
+
+import argparse
+import gc
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+import numpy as np
+import torch
+
+from nanochat.dataloader import tokenizing_distributed_data_loader_with_state_bos_bestfit
+from nanochat.dataset import split_parquet_files
+from nanochat.tokenizer import RustBPETokenizer
+from scripts.bench_dataloader import ListTokenizer, make_corpus, read_all, write_corpus
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                                "tests"))  # tests/ is no package: its modules by path
+import oracle  # noqa: E402  nanochat's best-fit, written plainly
+
+LOADERS = ("none", "nanochat", "ours")
+TOKENIZERS = ("ours", "lists")
+
+
+# -----------------------------------------------------------------------------
+# One run, in a fresh process
+
+
+def python_work(iterations: int) -> int:
+    """Pure-Python work that holds the GIL throughout: a trainer's launches and bookkeeping."""
+    total = 0
+    for i in range(iterations):
+        total += i * i % 7
+    return total
+
+
+def make_loader(kind: str, tokenizer, data_dir: str, args):
+    """An iterator of (inputs, targets, state) of one kind."""
+    if kind == "ours":
+        return tokenizing_distributed_data_loader_with_state_bos_bestfit(
+            tokenizer, args.B, args.T, "train", device="cpu", data_dir=data_dir)
+    paths = split_parquet_files("train", data_dir)
+    if kind == "nanochat":
+        def rows():
+            for inputs, targets, state in oracle.bestfit_loader(tokenizer, paths, args.B, args.T):
+                yield torch.tensor(inputs), torch.tensor(targets), state
+        return rows()
+    prebuilt = torch.zeros(args.B, args.T, dtype=torch.long)
+    return iter(lambda: (prebuilt, prebuilt, {}), None)
+
+
+def child(config: dict) -> dict:
+    """One run: warm-up steps, then the measured ones; its figures."""
+    args = argparse.Namespace(**config)
+    tokenizer = RustBPETokenizer.from_directory(args.tokenizer_dir)
+    if args.tokenizer == "lists":
+        tokenizer = ListTokenizer(tokenizer)
+    loader = make_loader(args.loader, tokenizer, args.data_dir, args)
+    collections = [0]
+
+    def count(phase, info):
+        if phase == "start" and info["generation"] == 2:
+            collections[0] += 1
+
+    def step():
+        t0 = time.perf_counter()
+        python_work(args.iterations)
+        t1 = time.perf_counter()
+        time.sleep(args.G / 1e3)  # (the GPU's share of the step: the GIL is free)
+        t2 = time.perf_counter()
+        next(loader)
+        return t1 - t0, time.perf_counter() - t2, time.perf_counter() - t0
+
+    for _ in range(args.warmup):  # (the loader's first buffer fill, read-ahead)
+        step()
+    gc.callbacks.append(count)
+    figures = [step() for _ in range(args.steps)]
+    gc.callbacks.remove(count)
+    if hasattr(loader, "close"):
+        loader.close()
+    python, wait, total = (np.array(column) * 1e3 for column in zip(*figures))
+    return {"python_ms": float(np.mean(python)), "step_ms": float(np.mean(total)),
+            "wait_p50": float(np.percentile(wait, 50)), "wait_p99": float(np.percentile(wait, 99)),
+            "wait_max": float(wait.max()), "gen2": collections[0]}
+
+
+# -----------------------------------------------------------------------------
+# The runs, alternating
+
+
+def calibrate(ms: float) -> int:
+    """Iterations of python_work that take `ms` here, alone."""
+    n = 100_000
+    while True:
+        t0 = time.perf_counter()
+        python_work(n)
+        dt = time.perf_counter() - t0
+        if dt > 0.05:
+            return int(n * ms / 1e3 / dt)
+        n *= 2
+
+
+def run(config: dict) -> dict:
+    """A child in a fresh process; its figures."""
+    result = subprocess.run([sys.executable, "-m", "scripts.bench_step", "--child",
+                             json.dumps(config)], capture_output=True, text=True, check=True)
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m scripts.bench_step", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--pg", nargs="+", default=["30,100", "10,40"],
+                        help="P,G: ms of GIL-holding Python, then ms that release it, per step")
+    parser.add_argument("--rounds", type=int, default=3, help="runs of each configuration")
+    parser.add_argument("--steps", type=int, default=60, help="measured steps per run")
+    parser.add_argument("--warmup", type=int, default=10, help="steps before measuring")
+    parser.add_argument("--B", type=int, default=32)
+    parser.add_argument("--T", type=int, default=2048)
+    parser.add_argument("--num-docs", type=int, default=12_000)
+    parser.add_argument("--child", help=argparse.SUPPRESS)  # (one run, in a fresh process)
+    args = parser.parse_args(argv)
+    if args.child:
+        print(json.dumps(child(json.loads(args.child))))
+        return 0
+    with tempfile.TemporaryDirectory(prefix="nanochat-bench-step-") as tmp:
+        data_dir, tokenizer_dir = os.path.join(tmp, "data"), os.path.join(tmp, "tokenizer")
+        write_corpus(make_corpus(args.num_docs), data_dir)
+        sample = (t for batch in read_all(split_parquet_files("train", data_dir)[:1])
+                  for t in batch)
+        RustBPETokenizer.train_from_iterator(sample, 16_384).save(tokenizer_dir)
+        print(f"bench_step: B={args.B} T={args.T}, {args.rounds} rounds of {args.steps} steps "
+              f"after {args.warmup}, {os.cpu_count()} cores")
+        for pg in args.pg:
+            P, G = (float(x) for x in pg.split(","))
+            base = dict(B=args.B, T=args.T, data_dir=data_dir, tokenizer_dir=tokenizer_dir,
+                        steps=args.steps, warmup=args.warmup, P=P, G=G, iterations=calibrate(P))
+            configs = [("none", "ours")] + [(loader, tokenizer) for tokenizer in TOKENIZERS
+                                            for loader in LOADERS[1:]]
+            results = {config: [] for config in configs}
+            for _ in range(args.rounds):  # (alternating: a noisy neighbour hits every one)
+                for loader, tokenizer in configs:
+                    results[(loader, tokenizer)].append(
+                        run(base | {"loader": loader, "tokenizer": tokenizer}))
+            report(P, G, results)
+    return 0
+
+
+def report(P: float, G: float, results: dict) -> None:
+    """One table per (P, G): medians over the rounds."""
+    def median(config, key):
+        return float(np.median([r[key] for r in results[config]]))
+
+    step0, python0 = median(("none", "ours"), "step_ms"), median(("none", "ours"), "python_ms")
+    print(f"\nP={P:g} ms of Python, G={G:g} ms GIL-free: with no loader a step takes "
+          f"{step0:.1f} ms (Python {python0:.1f} ms)")
+    print("| loader | tokenizer | step ms | added | Python part | next() p50 / p99 / max ms | "
+          "gen-2 GCs |")
+    print("| --- | --- | ---: | ---: | ---: | ---: | ---: |")
+    for (loader, tokenizer) in results:
+        step, python = median((loader, tokenizer), "step_ms"), median((loader, tokenizer),
+                                                                       "python_ms")
+        waits = " / ".join(f"{median((loader, tokenizer), k):.2f}"
+                           for k in ("wait_p50", "wait_p99", "wait_max"))
+        gen2 = [r["gen2"] for r in results[(loader, tokenizer)]]
+        print(f"| {loader} | {tokenizer if loader != 'none' else '-'} | {step:.1f} | "
+              f"{100 * (step / step0 - 1):+.1f}% | {100 * (python / python0 - 1):+.1f}% | "
+              f"{waits} | {', '.join(map(str, gen2))} |", flush=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
