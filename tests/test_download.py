@@ -940,11 +940,9 @@ def test_reading_a_footer_from_a_slow_server_fails_in_bounded_time(server, tmp_p
     _serve(server, tmp_path, [0])
     server.always[NAME] = fault
     url = f"{server.url}/{NAME}"
-    t0 = time.monotonic()
-    error = outcome(lambda: download.fetch_tail(url, download.TAIL_BYTES, limits), 30)
-    assert isinstance(error, download.DownloadError), error
     # the deadline (5 s) and some slack: a bound on a hang, not a benchmark
-    assert time.monotonic() - t0 < 15
+    error = outcome(lambda: download.fetch_tail(url, download.TAIL_BYTES, limits), 15)
+    assert isinstance(error, download.DownloadError), error
     assert error.reason == reason and url in str(error)
     assert server.ranges[NAME][0] == f"bytes=-{download.TAIL_BYTES}"
 
@@ -964,10 +962,8 @@ def test_a_trickling_footer_fails_a_streaming_loaders_first_call_in_bounded_time
         finally:
             loader.close()
 
-    t0 = time.monotonic()
-    error = outcome(first_call, 30)
+    error = outcome(first_call, 15)  # (the deadline, 5 s, and slack: a bound on a hang)
     assert isinstance(error, ConnectionError), error
-    assert time.monotonic() - t0 < 15
     # the shard and its URL, then what went wrong
     assert f"could not read the footer of shard {NAME} from {server.url}/{NAME}: " in str(error)
     assert "below the minimum of 2 KB/s" in str(error)  # too slow
@@ -1235,11 +1231,10 @@ def test_not_enough_disk_space_stops_before_downloading(server, tmp_path, monkey
 def test_the_disk_checks_head_request_ends_within_the_timeout(server, tmp_path, monkeypatch):
     _serve(server, tmp_path, [0])
     server.always[NAME] = "slow_headers"  # every read gets a byte well within the timeout
-    t0 = time.monotonic()
-    result = outcome(lambda: download.check_disk_space(str(tmp_path), 1, f"{server.url}/{NAME}",
-                                                       timeout=1), 30)
     # the headers alone would take over 8 minutes
-    assert result is None and time.monotonic() - t0 < 5
+    result = outcome(lambda: download.check_disk_space(str(tmp_path), 1, f"{server.url}/{NAME}",
+                                                       timeout=1), 10)
+    assert result is None
     # cut off, the server said no size: the estimate stands in
     monkeypatch.setattr(download.shutil, "disk_usage", lambda path: _DiskUsage(10**9, 0, 10**9))
     with pytest.raises(OSError, match="estimated"):

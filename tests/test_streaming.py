@@ -497,9 +497,7 @@ def test_a_reader_short_of_room_fails_within_the_deadline_naming_who_holds_it(ho
     # room for 5 shards and a half: the 5 held and not one more
     loader = _streaming("bestfit", server, cache, cache_limit=int(5.5 * sizes[-1]),
                         prefetch_shards=0, buffer_size=20, download_limits=limits)
-    start = time.monotonic()
-    error = outcome(lambda: next(iter(loader)), 30)
-    assert time.monotonic() - start < 20
+    error = outcome(lambda: next(iter(loader)), 20)  # (the deadline, 3 s, not 600 s)
     loader.close()
     assert isinstance(error, ValueError), error
     assert "has had no room for shard_00000.parquet for 3s" in str(error)
