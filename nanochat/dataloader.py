@@ -13,6 +13,7 @@ nanochat.shard_cache, nanochat.catalog, nanochat.dataset, nanochat.download.
 """
 
 import contextlib
+import logging
 import os
 import threading
 import time
@@ -26,16 +27,19 @@ from nanochat.catalog import copies_estimate, packing_shards, streamed_files
 from nanochat.checks import check_int
 from nanochat.dataset import split_parquet_files
 from nanochat.download import Limits
-from nanochat.options import check_options, check_shuffle, check_stream, resolve_rank
+from nanochat.options import (check_options, check_shuffle, check_stream, resolve_rank,
+                              resolve_workers)
 from nanochat.order import ParquetReader, Position, RankOrder, start_order
 from nanochat.packing import check_long_doc_policy
-from nanochat.prefetch import maybe_prefetch
+from nanochat.prefetch import Job, WorkerBatches, WorkerUnavailable, maybe_prefetch
 from nanochat.rows import (Encoder, EntryDocuments, RowBatch, StateRecorder, bestfit_batches,
                            concat_batches, token_batches)
 from nanochat.shard_cache import ShardCache, local_peers, peer_starts
 from nanochat.shuffle import Shuffle
 from nanochat.state import decode_keys, loader_config, tokenizer_fingerprint
 from nanochat.token_reader import TokenShardReader, shard_paths, shard_vocab
+
+logger = logging.getLogger(__name__)
 
 # -----------------------------------------------------------------------------
 # The spec and the one builder
@@ -103,9 +107,7 @@ def build_loader(spec: LoaderSpec, resume_state_dict: dict | None) -> "DataLoade
     else:
         def pack(tokens):
             return concat_batches(tokens, recorder, position, B, T)
-
-        def split_rows(flat):  # B*T+1 tokens: inputs the first B*T, targets the last B*T
-            return flat[:-1].reshape(B, T), flat[1:].reshape(B, T)
+        split_rows = flat_split(B, T)
     # pretokenized reading is a slice of a memory map: it stays on the packing thread, since handing
     # each batch between threads would cost more than the work
     tokenizing = isinstance(spec.encoder, Encoder)
@@ -114,6 +116,35 @@ def build_loader(spec: LoaderSpec, resume_state_dict: dict | None) -> "DataLoade
     return DataLoader(batches, DeviceBatches(B, T, spec.device), split_rows, spec.prefetch,
                       spec.with_state, attention_info=spec.max_docs_per_row is not None,
                       cache=spec.cache)
+
+
+def worker_loader(cls, function, args: dict):
+    """The loader `function(**args)` makes, run in a worker process (nanochat/prefetch.py's
+    WorkerBatches) and handed to the device here by a `cls` (DataLoader or a subclass); None
+    where the job cannot run there (the caller then builds the loader in this process)."""
+    B, T = args["B"], args["T"]
+    check_options(B, T, args["split"], args["prefetch"])  # (a slot's size needs good B and T)
+    transfer = DeviceBatches(B, T, args["device"])  # (no CUDA: refused before a worker starts)
+    # in the worker: no threads of its own beyond the loader's, no device
+    kwargs = args | {"workers": 0, "device": "cpu"}
+    job = Job(f"{function.__module__}:{function.__name__}", kwargs, slots=args["prefetch"] + 1,
+              slot_bytes=2 * B * T * 8)  # [inputs | targets] of int64, as yielded
+    try:
+        worker = WorkerBatches(job)
+    except WorkerUnavailable as e:
+        if str(e) not in _FALLBACKS:  # once per reason, not once per loader
+            _FALLBACKS.add(str(e))
+            logger.warning("the loader runs in this process, on threads, not in a worker process: "
+                           "%s. Pass workers=0 to choose this without a warning", e)
+        return None
+    info = worker.info
+    split_rows = row_split if info["rows"] == "bestfit" else flat_split(B, T)
+    return cls(worker, transfer, split_rows, 0, args["with_state"],
+               attention_info=info["attention_info"], cache=worker if info["streaming"] else None,
+               **info["extras"])
+
+
+_FALLBACKS: set[str] = set()
 
 
 def _pipeline(doc_batches, encoder, depth: int, pack):
@@ -231,7 +262,7 @@ def tokenizing_distributed_data_loader_with_state_bos_bestfit(
         seed: int = 0, shuffle_window: int = 8, stream: bool | None = None,
         cache_limit: int | str | None = None, prefetch_shards: int = 2,
         num_shards: int | None = None, base_url: str | None = None,
-        download_limits: Limits | None = None) -> "DataLoader":
+        download_limits: Limits | None = None, workers: int | None = None) -> "DataLoader":
     """Yield (inputs, targets, state_dict) forever: (B, T) int64 batches of BOS-aligned best-fit
     rows.
 
@@ -241,7 +272,10 @@ def tokenizing_distributed_data_loader_with_state_bos_bestfit(
     buffer_size: documents kept to choose from (larger packs better, costs memory and start-up).
     data_dir: read shards from here instead of the dataset directory.
     rank/world_size: default to torchrun's RANK/WORLD_SIZE.
-    prefetch: batches prepared ahead on background threads (0 runs everything in the caller).
+    prefetch: batches prepared ahead (0 runs everything in the caller).
+    workers: 1 (the default, or NANOCHAT_LOADER_WORKERS) runs reading, tokenizing and packing in a
+    worker process, so that they never take the trainer's GIL (docs/loaders.md); 0 runs them on
+    threads of this process. The tokenizer must then pickle, or the loader warns and runs here.
     attention_info: also yield a dict of doc_ids, position_ids and cu_seqlens (padded to
     B * max_docs_per_row + 1; default bound T).
     long_doc_policy: tokens that do not fit a row are "crop"ped (nanochat's way: about a third at
@@ -254,6 +288,11 @@ def tokenizing_distributed_data_loader_with_state_bos_bestfit(
     docs/streaming.md. Batches and states equal those of the same shards on disk.
     """
     args = dict(locals())
+    if resolve_workers(workers, prefetch):
+        loader = worker_loader(DataLoader, tokenizing_distributed_data_loader_with_state_bos_bestfit,
+                               args)
+        if loader is not None:
+            return loader
     spec = _tokenizing_spec("bestfit", tokenizer, B, T, split, args)
     return build_loader(spec, resume_state_dict)
 
@@ -273,7 +312,7 @@ def tokenizing_distributed_data_loader_with_state(
         shuffle: bool = False, seed: int = 0, shuffle_window: int = 8,
         stream: bool | None = None, cache_limit: int | str | None = None,
         prefetch_shards: int = 2, num_shards: int | None = None, base_url: str | None = None,
-        download_limits: Limits | None = None) -> "DataLoader":
+        download_limits: Limits | None = None, workers: int | None = None) -> "DataLoader":
     """The concatenating loader: documents back to back (each after its BOS), each batch the next
     B*T+1 tokens of the concatenated documents, advancing by B*T, so no token is skipped. Wastes
     nothing, but rows start mid-document. Yields (inputs, targets, state_dict).
@@ -283,6 +322,10 @@ def tokenizing_distributed_data_loader_with_state(
     B*T+1 tokens of every batch that its hash covers. The other arguments: as for the best-fit
     loader."""
     args = dict(locals())
+    if resolve_workers(workers, prefetch):
+        loader = worker_loader(DataLoader, tokenizing_distributed_data_loader_with_state, args)
+        if loader is not None:
+            return loader
     spec = _tokenizing_spec("concat", tokenizer, B, T, split, args)
     return build_loader(spec, resume_state_dict)
 
@@ -300,7 +343,8 @@ def pretokenized_distributed_data_loader_with_state_bos_bestfit(
         allow_state_mismatch: bool = False, trace_documents: bool = False,
         attention_info: bool = False, max_docs_per_row: int | None = None,
         long_doc_policy: str = "crop", split_overlap: int = 0, vocab_size: int | None = None,
-        shuffle: bool = False, seed: int = 0, shuffle_window: int = 8) -> "DataLoader":
+        shuffle: bool = False, seed: int = 0, shuffle_window: int = 8,
+        workers: int | None = None) -> "DataLoader":
     """The best-fit loader over pretokenized shards (python -m nanochat.pretokenize): the same
     rows, rules, state and resume as the parquet loader, with no tokenizer.
 
@@ -313,6 +357,12 @@ def pretokenized_distributed_data_loader_with_state_bos_bestfit(
     Targets that predict a window's overlap with the previous window are -100.
     The other arguments: as for the parquet loader. Details: docs/pretokenized.md.
     """
+    if resolve_workers(workers, prefetch):
+        loader = worker_loader(DataLoader,
+                               pretokenized_distributed_data_loader_with_state_bos_bestfit,
+                               dict(locals()))
+        if loader is not None:
+            return loader
     check_options(B, T, split, prefetch, buffer_size=buffer_size, chunk_size=chunk_size,
                   batch_size=batch_size)
     check_long_doc_policy(long_doc_policy, split_overlap, T)
@@ -380,18 +430,30 @@ class DeviceBatches:
 
     def __call__(self, inputs: np.ndarray, targets: np.ndarray,
                  masked=()) -> tuple[torch.Tensor, torch.Tensor]:
+        i = self._next_staging()
+        write_host_rows(self.staging[i].numpy(), inputs, targets, masked)
+        return self._to_device(i)
+
+    def from_host(self, host: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+        """A batch a worker wrote (write_host_rows) into shared memory: on CPU, views of it
+        (valid until the next batch, as the staging buffer's are); else copied as any batch."""
         BT = self.B * self.T
+        if self.device.type == "cpu":
+            flat = torch.from_numpy(host)
+            return flat[:BT].view(self.B, self.T), flat[BT:].view(self.B, self.T)
+        i = self._next_staging()
+        np.copyto(self.staging[i].numpy(), host)
+        return self._to_device(i)
+
+    def _next_staging(self) -> int:
         i = self.count % len(self.staging)
         self.count += 1
         if self.copied[i] is not None:
             self.copied[i].synchronize()
-        host = self.staging[i].numpy()
-        np.copyto(host[:BT].reshape(self.B, self.T), inputs)
-        host_targets = host[BT:].reshape(self.B, self.T)
-        np.copyto(host_targets, targets)
-        # targets that predict a window's repeated tokens: those tokens are trained once
-        for r, start, end in masked:
-            host_targets[r, start:end] = IGNORE_INDEX
+        return i
+
+    def _to_device(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        BT = self.B * self.T
         if self.buffer is not self.staging[i]:
             self.buffer.copy_(self.staging[i], non_blocking=self.cuda)
             if self.cuda:
@@ -401,8 +463,25 @@ class DeviceBatches:
         return self.buffer[:BT].view(self.B, self.T), self.buffer[BT:].view(self.B, self.T)
 
 
+def write_host_rows(host: np.ndarray, inputs: np.ndarray, targets: np.ndarray, masked) -> None:
+    """A batch's `[inputs | targets]` as int64 into host (2 * B * T), the targets that predict a
+    window's repeated tokens set to IGNORE_INDEX: those tokens are trained once."""
+    BT = inputs.size
+    np.copyto(host[:BT].reshape(inputs.shape), inputs)
+    host_targets = host[BT:].reshape(targets.shape)
+    np.copyto(host_targets, targets)
+    for r, start, end in masked:
+        host_targets[r, start:end] = IGNORE_INDEX
+
+
 def row_split(rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return rows[:, :-1], rows[:, 1:]
+
+
+def flat_split(B: int, T: int):
+    def split_rows(flat):  # B*T+1 tokens: inputs the first B*T, targets the last B*T
+        return flat[:-1].reshape(B, T), flat[1:].reshape(B, T)
+    return split_rows
 
 
 class DataLoader:
@@ -461,13 +540,39 @@ class DataLoader:
             raise
         self._wait_seconds += time.perf_counter() - t0
         self.documents = batch.trace
-        inputs, targets = self._transfer(*self._split_rows(batch.rows), batch.masked)
+        if isinstance(self._batches, WorkerBatches):  # rows written as they are yielded
+            inputs, targets = self._transfer.from_host(batch.rows)
+        else:
+            inputs, targets = self._transfer(*self._split_rows(batch.rows), batch.masked)
         self.stats = batch.stats | {"wait_seconds": self._wait_seconds}
         out = (inputs, targets, batch.state) if self._with_state else (inputs, targets)
         if self._attention_info:
             device = self._transfer.device
             out += ({k: torch.from_numpy(v).to(device) for k, v in batch.info.items()},)
         return out
+
+    def row_batches(self):
+        """The RowBatches this loader's pipeline makes, for a worker process that hands them on
+        (its threads start when it is first iterated)."""
+        return self._batches
+
+    def write_batch(self, batch: RowBatch, host: np.ndarray) -> RowBatch:
+        """For a worker: write the batch's rows as the trainer yields them into host (2 * B * T
+        int64), and return what else it sends (its state, stats...)."""
+        write_host_rows(host, *self._split_rows(batch.rows), batch.masked)
+        return batch._replace(rows=None, masked=())
+
+    def worker_info(self) -> dict:
+        """What the trainer's end of a worker needs to know of this loader: its row shape,
+        whether it yields attention_info and streams, and its class's own arguments."""
+        return {"rows": "bestfit" if self._split_rows is row_split else "concat",
+                "attention_info": self._attention_info, "streaming": self._cache is not None,
+                "extras": {}}
+
+    @property
+    def worker_pid(self) -> int | None:
+        """The pid of the worker process that runs this loader's work; None: it runs here."""
+        return self._batches.pid if isinstance(self._batches, WorkerBatches) else None
 
     def cache_status(self):
         """A streaming loader's shard cache, for a person: what is on disk against cache_limit, who

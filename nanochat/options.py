@@ -1,7 +1,8 @@
 """
 Checking a loader's arguments up front, so that bad input fails at the call with a ValueError that
 names the argument, not later inside a background thread. Streaming's settings come from the
-arguments or the environment (NANOCHAT_STREAM, NANOCHAT_CACHE_LIMIT, NANOCHAT_STREAM_SHARDS).
+arguments or the environment (NANOCHAT_STREAM, NANOCHAT_CACHE_LIMIT, NANOCHAT_STREAM_SHARDS), and
+so may the worker process (NANOCHAT_LOADER_WORKERS).
 
 May import: nanochat.checks, nanochat.common, nanochat.dataset, nanochat.shuffle.
 """
@@ -37,6 +38,19 @@ def resolve_rank(rank: int | None, world_size: int | None) -> tuple[int, int]:
     world_size = env_world_size if world_size is None else world_size
     world_size = check_int("world_size", world_size, 1)
     return check_int("rank", rank, 0, world_size - 1), world_size
+
+
+def resolve_workers(workers: int | None, prefetch: int) -> int:
+    """Worker processes a loader runs in: the argument, else NANOCHAT_LOADER_WORKERS, else 1; none
+    when prefetch=0 (everything in the caller)."""
+    if workers is None:
+        value = os.environ.get("NANOCHAT_LOADER_WORKERS") or "1"
+        if value not in ("0", "1"):
+            raise ValueError(f"NANOCHAT_LOADER_WORKERS must be 0 or 1, got {value!r}")
+        workers = int(value)
+    check_int("workers", workers, 0, 1, hint=" (0 = the loader's threads run in this process)")
+    # (a bad prefetch is refused by check_options, in this process)
+    return workers if isinstance(prefetch, int) and prefetch > 0 else 0
 
 
 def check_shuffle(shuffle, seed, shuffle_window, bucket: str = "") -> Shuffle | None:

@@ -1,19 +1,36 @@
 """
-Running a stage ahead on a background thread: Prefetcher runs an iterator on a daemon thread a few
-items ahead, hands every failure to its consumer, and stops within a bounded time when closed (a
-whole pipeline of them at once). Every one still running is stopped when the interpreter exits.
+Running a stage ahead. Prefetcher runs an iterator on a daemon thread a few items ahead, hands
+every failure to its consumer, and stops within a bounded time when closed (a whole pipeline of
+them at once). WorkerBatches runs a whole loader in a worker process (`python -m
+nanochat.prefetch`), so that none of its Python takes the trainer's GIL: each batch's rows come
+back through shared memory, the rest of the batch through a pipe. Page: docs/loaders.md.
 
-Cost: one thread per stage, and at most `depth` items made ahead of the consumer.
+Cost: one thread per stage, and at most `depth` items made ahead of the consumer. A worker: one
+process per loader (its start: ~2 s, it imports torch), (depth + 1) slots of shared memory of
+B * (T + 1) * 4 bytes, and ~0.1 ms of the trainer's time per batch to unpickle its state.
 
-May import: the standard library only.
+May import: the standard library, numpy.
 """
 
 import atexit
+import importlib
 import logging
+import mmap
+import os
+import pickle
+import signal
+import subprocess
+import sys
+import tempfile
 import threading
 import time
+import traceback
 import weakref
 from collections import deque
+from multiprocessing.connection import Connection
+from typing import NamedTuple
+
+import numpy as np
 
 logger = logging.getLogger(__name__)
 
@@ -155,3 +172,288 @@ def _stop_threads_at_exit() -> None:
 
 def maybe_prefetch(source, depth: int, name: str):
     return Prefetcher(source, depth, name) if depth > 0 else source  # depth 0: no thread at all
+
+
+# -----------------------------------------------------------------------------
+# A whole loader in a worker process
+
+NICENESS = 19  # the worker's, above the trainer's: it yields the CPU to the trainer, not to the GPU
+CLOSE_TIMEOUT = 3.0
+HEADER = 64  # bytes before the slots in the shared file: the count of batches the trainer is done with
+SLOT_POLL = 0.001  # seconds between a worker's looks for a free slot, when all are full  # seconds close() waits for a worker to end before killing it
+_WORKERS: weakref.WeakSet = weakref.WeakSet()  # every worker started, closed at the exit
+
+
+class Job(NamedTuple):
+    """What a worker runs: `function(**kwargs)` makes a loader (a nanochat.dataloader.DataLoader);
+    each of its batches goes through one of `slots` slots of `slot_bytes` bytes, written by its
+    `write_batch`."""
+    function: str  # "module:name" of a public loader function
+    kwargs: dict
+    slots: int
+    slot_bytes: int
+
+
+class WorkerUnavailable(Exception):
+    """The job cannot run in a worker process (its tokenizer cannot be pickled, or imported
+    there): the caller runs the loader in this process instead."""
+
+
+class WorkerTraceback(Exception):
+    """The traceback of an exception raised in a worker process, as the worker printed it: the
+    __cause__ of the exception that next() raises again in the trainer."""
+
+
+class WorkerBatches:
+    """The trainer's end of a worker: an iterator of the loader's batches (each a NamedTuple whose
+    `rows` is what the loader's `write_batch` wrote: int64, `slot_bytes` of them), started at
+    once. A batch's `rows` view shared memory, valid until the next `next()`, which hands its
+    slot back. Raises WorkerUnavailable when the job
+    cannot run in a worker; a failure while the loader is built there is raised here, at once."""
+
+    def __init__(self, job: Job):
+        try:
+            payload = pickle.dumps(job)
+        except Exception as e:  # (a lambda, a lock, a local class: AttributeError, TypeError...)
+            raise WorkerUnavailable(f"its arguments cannot be pickled ({e})") from None
+        self._closed = False
+        self._lock = threading.Lock()  # close() from another thread while next() sends a release
+        self._slot_bytes = job.slot_bytes
+        self._taken = 0  # batches this end has taken: the worker reuses the slots of all but one
+        self._pending: deque = deque()  # batches received while waiting for a status
+        slots_fd = _shared_file(HEADER + job.slots * job.slot_bytes)
+        self._slots = mmap.mmap(slots_fd, HEADER + job.slots * job.slot_bytes)
+        self._done = np.ndarray(1, np.int64, buffer=self._slots)  # see worker_main
+        to_read, to_worker = os.pipe()  # the trainer's messages: the job, releases, close
+        from_worker, to_write = os.pipe()
+        # a fresh interpreter, not a fork: the trainer's threads (CUDA's, the tokenizer's pools)
+        # and locks do not survive a fork, and multiprocessing's spawn would run the trainer's
+        # script again in it
+        env = os.environ | {"PYTHONPATH": os.pathsep.join(_import_path())}
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", __spec__.name, str(to_read), str(to_write), str(slots_fd)],
+            pass_fds=(to_read, to_write, slots_fd), env=env, stdin=subprocess.DEVNULL)
+        for fd in (to_read, to_write, slots_fd):
+            os.close(fd)  # the worker holds them now: its pipe ends when it does, and ours too
+        _WORKERS.add(self)
+        self._to_worker = Connection(to_worker, readable=False)
+        self._from_worker = Connection(from_worker, writable=False)
+        try:
+            self._to_worker.send_bytes(payload)
+            message = self._receive()
+        except BaseException:
+            self.close()
+            raise
+        if message[0] == "unavailable":
+            self.close()
+            raise WorkerUnavailable(message[1])
+        if message[0] != "ready":
+            self.close()
+            self._raise(message)
+        self.info: dict = message[1]  # what the loader there says of itself (worker_info)
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        if self._taken:  # the last batch is done with: its slot may be written again
+            self._done[0] = self._taken
+        message = self._pending.popleft() if self._pending else self._receive()
+        if message[0] != "batch":
+            self._raise(message)
+        _, slot, item = message
+        self._taken += 1
+        rows = np.ndarray(self._slot_bytes // 8, np.int64, buffer=self._slots,
+                          offset=HEADER + slot * self._slot_bytes)
+        return item._replace(rows=rows)
+
+    def status(self):
+        """What the loader there says of its shard cache (DataLoader.cache_status)."""
+        self._send(("status",))
+        while True:
+            message = self._receive()
+            if message[0] == "status":
+                return message[1]
+            self._pending.append(message)  # a batch (or the end) that came first
+
+    def _send(self, message) -> None:
+        with self._lock:
+            if self._closed:
+                raise StopIteration
+            self._to_worker.send(message)
+
+    def _receive(self):
+        if self._closed:
+            raise StopIteration
+        try:
+            return self._from_worker.recv()
+        except (EOFError, OSError):
+            if self._closed:  # close() from another thread ended the worker
+                raise StopIteration from None
+            code = self.process.wait()  # its pipe has ended: so has the process
+            raise RuntimeError(f"the loader's worker process (pid {self.pid}) ended with exit "
+                               f"code {code} before its next batch (see its output above; "
+                               "a negative code is the signal that killed it)") from None
+
+    def _raise(self, message):
+        if message[0] == "end":
+            raise StopIteration
+        if message[0] == "failed":
+            error, text = message[1], message[2]
+            if hasattr(error, "add_note"):  # (Python 3.11+)
+                error.add_note(f"(raised in the loader's worker process, pid {self.pid}: its "
+                               "traceback is above)")
+            raise error from WorkerTraceback(text)
+        raise RuntimeError(f"unexpected message from the loader's worker: {message[0]!r}")
+
+    def close(self) -> None:
+        """End the worker: asked to stop, then killed if it has not after CLOSE_TIMEOUT seconds.
+        Idempotent."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            try:
+                self._to_worker.send(("close",))
+                self._to_worker.close()
+            except OSError:  # it has ended already
+                pass
+        try:
+            self.process.wait(CLOSE_TIMEOUT)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+
+    def __del__(self):
+        if hasattr(self, "process"):  # (None: __init__ failed before starting it)
+            self.close()
+
+
+def _shared_file(size: int) -> int:
+    """An unnamed file in memory of `size` bytes: nothing is left behind, whoever dies first."""
+    if hasattr(os, "memfd_create"):  # Linux
+        fd = os.memfd_create("nanochat-batches")
+    else:
+        with tempfile.TemporaryFile() as f:  # (unlinked at once on POSIX)
+            fd = os.dup(f.fileno())
+    os.ftruncate(fd, size)
+    return fd
+
+
+def _import_path() -> list[str]:
+    """The trainer's sys.path, so that the worker imports the same modules (the tokenizer's own
+    among them), this package's directory first."""
+    package_parent = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    return [package_parent] + [os.path.abspath(p or os.curdir) for p in sys.path]
+
+
+@atexit.register
+def _close_workers_at_exit() -> None:
+    for worker in list(_WORKERS):
+        worker.close()
+
+
+# -- the worker's side ---------------------------------------------------------------
+
+
+def _failure(error: BaseException) -> tuple:
+    """("failed", the exception, its traceback as text), the exception replaced by a
+    RuntimeError that says what it was when it cannot be pickled."""
+    text = "".join(traceback.format_exception(type(error), error, error.__traceback__))
+    try:
+        pickle.loads(pickle.dumps(error))
+    except Exception:
+        error = RuntimeError(f"{type(error).__name__}: {error}")
+    return "failed", error, text
+
+
+def _serve_trainer(jobs: Connection, stop: threading.Event, answer) -> None:
+    """The worker's second thread: status requests, and the end, which is a close or the trainer
+    gone (its pipe ends). Then the main thread has a moment to close the loader; the process ends
+    in any case."""
+    try:
+        while True:
+            message = jobs.recv()
+            if message[0] == "status":
+                answer("status")
+            else:  # "close"
+                break
+    except (EOFError, OSError):  # the trainer has ended, killed perhaps
+        pass
+    stop.set()
+    time.sleep(CLOSE_TIMEOUT / 2)
+    os._exit(0)
+
+
+def worker_main(argv: list[str]) -> None:
+    """A worker process: run the job the trainer sends, and hand it every batch."""
+    # Ctrl-C goes to the whole process group: the trainer decides, and closes us
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    # the trainer's thread comes first where they share a core: a loader that falls behind still
+    # gets every core the trainer leaves while it waits in next(). (Set before any thread starts:
+    # Linux keeps a niceness per thread, and new threads inherit it)
+    os.nice(NICENESS)
+    job_fd, out_fd, slots_fd = (int(arg) for arg in argv)
+    jobs = Connection(job_fd, writable=False)
+    out = Connection(out_fd, readable=False)
+    sending = threading.Lock()  # the two threads both send
+
+    def send(message) -> None:
+        with sending:
+            out.send(message)
+
+    try:
+        job = pickle.loads(jobs.recv_bytes())  # imports the tokenizer's module, among others
+        module, name = job.function.split(":")
+        function = getattr(importlib.import_module(module), name)
+    except Exception as e:
+        send(("unavailable", f"{type(e).__name__}: {e}"))
+        return
+    try:
+        loader = function(**job.kwargs)
+    except BaseException as e:  # a bad argument or state: the trainer raises it at its call
+        send(_failure(e))
+        return
+    slots = mmap.mmap(slots_fd, HEADER + job.slots * job.slot_bytes)
+    # batches the trainer is done with, which it writes: batch n goes to slot n % slots once the
+    # trainer is done with batch n - slots (a write to shared memory costs the trainer no call,
+    # where a message would cost it ~0.5 ms of a write that wakes this process)
+    done = np.ndarray(1, np.int64, buffer=slots)
+    stop = threading.Event()
+
+    def answer(kind: str) -> None:
+        send((kind, loader.cache_status()))
+
+    send(("ready", loader.worker_info()))
+    threading.Thread(target=_serve_trainer, args=(jobs, stop, answer), daemon=True,
+                     name="nanochat-worker-control").start()
+    try:
+        for made, batch in enumerate(loader.row_batches()):
+            while made - done[0] >= job.slots and not stop.is_set():
+                stop.wait(SLOT_POLL)  # every slot holds a batch the trainer has not finished
+            if stop.is_set():
+                break
+            slot = made % job.slots
+            host = np.ndarray(job.slot_bytes // 8, np.int64, buffer=slots,
+                              offset=HEADER + slot * job.slot_bytes)
+            send(("batch", slot, loader.write_batch(batch, host)))
+        else:
+            send(("end",))
+    except BaseException as e:
+        if not stop.is_set():  # (when stopping, a broken pipe is the trainer gone)
+            try:
+                send(_failure(e))
+            except OSError:
+                pass
+    finally:
+        loader.close()
+        stop.wait()  # the trainer reads what was sent, then closes; its close ends us
+        os._exit(0)
+
+
+if __name__ == "__main__":
+    worker_main(sys.argv[1:])

@@ -441,6 +441,10 @@ class RustBPETokenizer:
                                                         thread_name_prefix="tokenizer-encode")
             return pools[num_threads]
 
+    def __getstate__(self) -> dict:
+        # a loader's worker process gets a copy: its thread pools are its own, made there on use
+        return {k: v for k, v in self.__dict__.items() if k != "_pools"}
+
     def __call__(self, *args, **kwargs):
         return self.encode(*args, **kwargs)
 

@@ -36,7 +36,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(
                                 "tests"))  # tests/ is no package: its modules by path
 import oracle  # noqa: E402  nanochat's best-fit, written plainly
 
-LOADERS = ("none", "nanochat", "ours")
+LOADERS = ("none", "nanochat", "threads", "ours")
 TOKENIZERS = ("ours", "lists")
 
 
@@ -54,9 +54,10 @@ def python_work(iterations: int) -> int:
 
 def make_loader(kind: str, tokenizer, data_dir: str, args):
     """An iterator of (inputs, targets, state) of one kind."""
-    if kind == "ours":
+    if kind in ("ours", "threads"):  # ours: the default, a worker process; threads: workers=0
         return tokenizing_distributed_data_loader_with_state_bos_bestfit(
-            tokenizer, args.B, args.T, "train", device="cpu", data_dir=data_dir)
+            tokenizer, args.B, args.T, "train", device="cpu", data_dir=data_dir,
+            workers=0 if kind == "threads" else None)
     paths = split_parquet_files("train", data_dir)
     if kind == "nanochat":
         def rows():
@@ -92,14 +93,28 @@ def child(config: dict) -> dict:
     for _ in range(args.warmup):  # (the loader's first buffer fill, read-ahead)
         step()
     gc.callbacks.append(count)
+    cpu0 = cpu_seconds(os.getpid()), cpu_seconds(getattr(loader, "worker_pid", None))
     figures = [step() for _ in range(args.steps)]
+    cpu1 = cpu_seconds(os.getpid()), cpu_seconds(getattr(loader, "worker_pid", None))
     gc.callbacks.remove(count)
     if hasattr(loader, "close"):
         loader.close()
     python, wait, total = (np.array(column) * 1e3 for column in zip(*figures))
     return {"python_ms": float(np.mean(python)), "step_ms": float(np.mean(total)),
             "wait_p50": float(np.percentile(wait, 50)), "wait_p99": float(np.percentile(wait, 99)),
-            "wait_max": float(wait.max()), "gen2": collections[0]}
+            "wait_max": float(wait.max()), "gen2": collections[0],
+            # CPU time per step: the trainer process (its threads included) and the worker
+            "cpu_trainer_ms": (cpu1[0] - cpu0[0]) * 1e3 / args.steps,
+            "cpu_worker_ms": (cpu1[1] - cpu0[1]) * 1e3 / args.steps}
+
+
+def cpu_seconds(pid: int | None) -> float:
+    """User + system CPU seconds of a process so far (0 for None), from /proc (Linux)."""
+    if pid is None:
+        return 0.0
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()  # (after the name, which may hold spaces)
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime
 
 
 # -----------------------------------------------------------------------------
@@ -173,8 +188,8 @@ def report(P: float, G: float, results: dict) -> None:
     print(f"\nP={P:g} ms of Python, G={G:g} ms GIL-free: with no loader a step takes "
           f"{step0:.1f} ms (Python {python0:.1f} ms)")
     print("| loader | tokenizer | step ms | added | Python part | next() p50 / p99 / max ms | "
-          "gen-2 GCs |")
-    print("| --- | --- | ---: | ---: | ---: | ---: | ---: |")
+          "gen-2 GCs | CPU ms/step: trainer, worker |")
+    print("| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |")
     for (loader, tokenizer) in results:
         step, python = median((loader, tokenizer), "step_ms"), median((loader, tokenizer),
                                                                        "python_ms")
@@ -183,7 +198,9 @@ def report(P: float, G: float, results: dict) -> None:
         gen2 = [r["gen2"] for r in results[(loader, tokenizer)]]
         print(f"| {loader} | {tokenizer if loader != 'none' else '-'} | {step:.1f} | "
               f"{100 * (step / step0 - 1):+.1f}% | {100 * (python / python0 - 1):+.1f}% | "
-              f"{waits} | {', '.join(map(str, gen2))} |", flush=True)
+              f"{waits} | {', '.join(map(str, gen2))} | "
+              f"{median((loader, tokenizer), 'cpu_trainer_ms'):.1f}, "
+              f"{median((loader, tokenizer), 'cpu_worker_ms'):.1f} |", flush=True)
 
 
 if __name__ == "__main__":

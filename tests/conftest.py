@@ -13,6 +13,11 @@ from nanochat.order import UnitIndex
 from nanochat.state import WindowKey, decode_keys
 from nanochat.state_checks import config_shuffle
 
+# Most tests build a loader in this process (on threads): a worker process costs ~1.5 s to start.
+# tests/test_worker.py runs every kind of loader in one (the default) and checks it yields the
+# same batches and states. A subprocess a test starts inherits the setting.
+os.environ.setdefault("NANOCHAT_LOADER_WORKERS", "0")
+
 
 def write_shard(path, texts, row_group_size):
     """Write one shard like the real ones: a single `text` column, zstd, fixed-size row groups."""
