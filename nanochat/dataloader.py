@@ -289,8 +289,8 @@ def tokenizing_distributed_data_loader_with_state_bos_bestfit(
     """
     args = dict(locals())
     if resolve_workers(workers, prefetch):
-        loader = worker_loader(DataLoader, tokenizing_distributed_data_loader_with_state_bos_bestfit,
-                               args)
+        loader = worker_loader(DataLoader,
+                               tokenizing_distributed_data_loader_with_state_bos_bestfit, args)
         if loader is not None:
             return loader
     spec = _tokenizing_spec("bestfit", tokenizer, B, T, split, args)
@@ -559,7 +559,8 @@ class DataLoader:
     def write_batch(self, batch: RowBatch, host: np.ndarray) -> RowBatch:
         """For a worker: write the batch's rows as the trainer yields them into host (2 * B * T
         int64), and return what else it sends (its state, stats...)."""
-        write_host_rows(host, *self._split_rows(batch.rows), batch.masked)
+        if batch.rows is not None:  # (None: a mixture's end)
+            write_host_rows(host, *self._split_rows(batch.rows), batch.masked)
         return batch._replace(rows=None, masked=())
 
     def worker_info(self) -> dict:

@@ -26,9 +26,9 @@ import torch.distributed as dist
 # main: `python -m nanochat.mixture validate ...` runs the curriculum's command line
 from nanochat.curriculum import choose, list_buckets, load_curriculum, main, row_unit, validate
 from nanochat.dataloader import (Assembled, DataLoader, DeviceBatches, LoaderSpec, assemble,
-                                 row_split)
+                                 row_split, worker_loader)
 from nanochat.mixture_state import add_mixture_checksum, mixture_start
-from nanochat.options import check_options, check_shuffle, resolve_rank
+from nanochat.options import check_options, check_shuffle, resolve_rank, resolve_workers
 from nanochat.packing import BestFitPacker, check_long_doc_policy
 from nanochat.rows import DocumentFeed, EntryDocuments, RowBatch, Stop, token_batches
 from nanochat.state import EMPTY_HASH, VERSION, files_fingerprint, hash_tokens, loader_config
@@ -335,6 +335,10 @@ class MixtureLoader(DataLoader):
                 _agree(self.FAILED, _flag_group(self._world_size))
             raise
 
+    def worker_info(self) -> dict:
+        return super().worker_info() | {"extras": {"start_state": self.last_state,
+                                                   "world_size": self._world_size}}
+
     def _check(self, batch: RowBatch) -> None:
         stop = batch.stop
         code = _agree(self.STOP_CODES[stop.kind if stop else None], _flag_group(self._world_size))
@@ -370,7 +374,8 @@ def pretokenized_mixture_loader_with_state_bos_bestfit(
         allow_bucket_exhaustion: bool = False, allow_budget_mismatch: bool = False,
         total_tokens: int | None = None, trace_documents: bool = False,
         long_doc_policy: str = "crop", split_overlap: int = 0, vocab_size: int | None = None,
-        shuffle: bool = False, shuffle_window: int = 8) -> MixtureLoader:
+        shuffle: bool = False, shuffle_window: int = 8,
+        workers: int | None = None) -> MixtureLoader:
     """Yield (inputs, targets, state_dict): best-fit rows, each from one bucket of
     data_dir/split/<bucket>/, mixed by the curriculum. buffer_size is per bucket. seed picks the
     mix's sequence. total_tokens: tokens the run will train (all ranks), checked against the
@@ -378,7 +383,13 @@ def pretokenized_mixture_loader_with_state_bos_bestfit(
     for in data_dir and in each bucket's directory (all that record a BOS must agree). shuffle,
     shuffle_window: each bucket's chunks and entries in a seeded order (seed and the bucket's name).
     Raises BucketExhausted / CurriculumComplete (with .state, the last good state) where it must
-    stop. Details: docs/mixtures.md."""
+    stop. workers: as for the parquet loader (the stop is agreed here, in the trainer's process).
+    Details: docs/mixtures.md."""
+    if resolve_workers(workers, prefetch):
+        loader = worker_loader(MixtureLoader, pretokenized_mixture_loader_with_state_bos_bestfit,
+                               dict(locals()))
+        if loader is not None:
+            return loader
     check_options(B, T, split, prefetch, buffer_size=buffer_size, chunk_size=chunk_size,
                   batch_size=batch_size)
     check_long_doc_policy(long_doc_policy, split_overlap, T)

@@ -177,10 +177,10 @@ def maybe_prefetch(source, depth: int, name: str):
 # -----------------------------------------------------------------------------
 # A whole loader in a worker process
 
-NICENESS = 19  # the worker's, above the trainer's: it yields the CPU to the trainer, not to the GPU
-CLOSE_TIMEOUT = 3.0
-HEADER = 64  # bytes before the slots in the shared file: the count of batches the trainer is done with
-SLOT_POLL = 0.001  # seconds between a worker's looks for a free slot, when all are full  # seconds close() waits for a worker to end before killing it
+NICENESS = 19  # the worker's: where it shares a core with the trainer, the trainer goes first
+CLOSE_TIMEOUT = 3.0  # seconds close() waits for a worker to end before killing it
+HEADER = 64  # bytes before the slots in the shared file: the batches the trainer is done with
+SLOT_POLL = 0.001  # seconds between a worker's looks for a free slot, when all are full
 _WORKERS: weakref.WeakSet = weakref.WeakSet()  # every worker started, closed at the exit
 
 
@@ -267,6 +267,8 @@ class WorkerBatches:
             self._raise(message)
         _, slot, item = message
         self._taken += 1
+        if slot is None:  # nothing written (a mixture's end: no rows)
+            return item
         rows = np.ndarray(self._slot_bytes // 8, np.int64, buffer=self._slots,
                           offset=HEADER + slot * self._slot_bytes)
         return item._replace(rows=rows)
@@ -440,7 +442,8 @@ def worker_main(argv: list[str]) -> None:
             slot = made % job.slots
             host = np.ndarray(job.slot_bytes // 8, np.int64, buffer=slots,
                               offset=HEADER + slot * job.slot_bytes)
-            send(("batch", slot, loader.write_batch(batch, host)))
+            item = loader.write_batch(batch, host)
+            send(("batch", None if batch.rows is None else slot, item))  # (None: a mixture's end)
         else:
             send(("end",))
     except BaseException as e:

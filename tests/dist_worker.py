@@ -37,6 +37,7 @@ def main():
         inputs, targets, state = next(loader)
         concat_stream += inputs.flatten().tolist()
     concat_stream.append(targets[-1, -1].item())
+    workers = [loader.worker_pid is not None]  # (NANOCHAT_LOADER_WORKERS decides)
     loader.close()
     # the best-fit loader: rows (every document starts with BOS), and the states
     rows, states = [], []
@@ -47,8 +48,10 @@ def main():
         full = torch_cat_rows(inputs, targets)
         rows += full
         states.append(state)
+    workers.append(loader.worker_pid is not None)
     loader.close()
-    mine = {"rank": rank, "concat_stream": concat_stream, "bestfit_rows": rows, "states": states}
+    mine = {"rank": rank, "concat_stream": concat_stream, "bestfit_rows": rows, "states": states,
+            "workers": workers}
     gathered = [None] * world_size
     dist.all_gather_object(gathered, mine)
     if rank == 0:

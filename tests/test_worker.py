@@ -1,0 +1,319 @@
+"""
+The loader in a worker process (workers=1, the default outside the tests): every kind of loader
+yields there the batches and states it yields on threads in this process, token for token; a
+state it yields resumes exactly; bad arguments fail at the call; a failure there reaches next()
+with its traceback; close() ends the process within its bound, and so does the trainer's death;
+under torchrun each rank runs its own worker. The worker process is real: `python -m
+nanochat.prefetch`, started and killed here.
+Run: python -m pytest tests/test_worker.py -q   (about a minute: each worker takes ~1.5 s to start)
+"""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import ByteTokenizer, outcome, write_shards
+from nanochat.dataloader import (pretokenized_distributed_data_loader_with_state_bos_bestfit,
+                                 tokenizing_distributed_data_loader_bos_bestfit,
+                                 tokenizing_distributed_data_loader_with_state,
+                                 tokenizing_distributed_data_loader_with_state_bos_bestfit)
+from nanochat.dataset import index_to_filename
+from nanochat.mixture import (CurriculumComplete,
+                              pretokenized_mixture_loader_with_state_bos_bestfit)
+from nanochat.prefetch import CLOSE_TIMEOUT, WorkerTraceback
+from nanochat.token_shards import write_token_shard
+from scripts.shard_server import ShardServer
+
+BOS = ByteTokenizer.bos
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    """Parquet shards of random texts, and pretokenized shards (two buckets for mixtures)."""
+    root = tmp_path_factory.mktemp("worker")
+    rng = np.random.default_rng(0)
+    texts = [[f"{s}.{i} " + "xyz " * int(rng.integers(0, 40)) for i in range(200)]
+             for s in range(4)]
+    write_shards(root / "parquet", texts, row_group_size=25)
+    for name, mean in (("", 30), ("long", 90), ("short", 10)):
+        for split in ("train", "val"):
+            directory = root / "tokens" / split / name
+            os.makedirs(directory, exist_ok=True)
+            for s in range(2):
+                lengths = np.maximum(1, rng.geometric(1 / mean, size=300))
+                entries = [np.concatenate(([BOS], rng.integers(0, 256, k - 1))).astype(np.uint16)
+                           for k in lengths]
+                write_token_shard(str(directory / f"shard_{s:03d}"), entries, [0] * len(entries),
+                                  np.uint16)
+    return root
+
+
+def parquet(function, **kwargs):
+    def make(corpus, **more):
+        return function(ByteTokenizer(), 4, 32, "train", device="cpu",
+                        data_dir=str(corpus / "parquet"), tokenizer_batch_size=8,
+                        **kwargs | more)
+    return make
+
+
+def pretokenized(corpus, **more):
+    return pretokenized_distributed_data_loader_with_state_bos_bestfit(
+        4, 32, "train", device="cpu", data_dir=str(corpus / "tokens"), bos_token=BOS,
+        buffer_size=16, chunk_size=64, batch_size=16, **more)
+
+
+CURRICULUM = [{"tokens": 6_000, "mix": {"long": 0.5, "short": 0.5}},
+              {"tokens": 3_000, "mix": {"long": 0.2, "short": 0.8}}]
+
+
+def mixture(corpus, **more):
+    return pretokenized_mixture_loader_with_state_bos_bestfit(
+        4, 32, "train", CURRICULUM, device="cpu", data_dir=str(corpus / "tokens"),
+        bos_token=BOS, buffer_size=16, chunk_size=64, batch_size=16, **more)
+
+
+LOADERS = {
+    "bestfit": parquet(tokenizing_distributed_data_loader_with_state_bos_bestfit, buffer_size=16),
+    "bestfit, split, attention_info, traced": parquet(
+        tokenizing_distributed_data_loader_with_state_bos_bestfit, buffer_size=16,
+        long_doc_policy="split", split_overlap=4, attention_info=True, trace_documents=True),
+    "bestfit, shuffled, rank 1 of 2": parquet(
+        tokenizing_distributed_data_loader_with_state_bos_bestfit, buffer_size=16, shuffle=True,
+        seed=3, rank=1, world_size=2),
+    "concat": parquet(tokenizing_distributed_data_loader_with_state),
+    "pretokenized": pretokenized,
+    "mixture": mixture,
+}
+
+
+def take(loader, n: int) -> list:
+    """n batches, copied (a yielded batch's memory is reused), with the loader's trace."""
+    out = []
+    for _ in range(n):
+        batch = next(loader)
+        out.append([x.clone() if isinstance(x, torch.Tensor)
+                    else {k: v.clone() for k, v in x.items()} if isinstance(x, dict) and
+                    all(isinstance(v, torch.Tensor) for v in x.values())
+                    else json.loads(json.dumps(x)) for x in batch] + [loader.documents])
+    return out
+
+
+def assert_same(got: list, expected: list) -> None:
+    assert len(got) == len(expected)
+    for i, (a, b) in enumerate(zip(got, expected)):
+        assert len(a) == len(b), f"batch {i}"
+        for x, y in zip(a, b):
+            if isinstance(x, torch.Tensor):
+                assert torch.equal(x, y), f"batch {i}"
+            elif isinstance(x, dict) and x and isinstance(next(iter(x.values())), torch.Tensor):
+                assert x.keys() == y.keys() and all(torch.equal(x[k], y[k]) for k in x)
+            else:
+                assert x == y, f"batch {i}"
+
+
+def gone(pid: int) -> bool:
+    """The process has ended (a zombie counts: it runs nothing, its parent has yet to reap it)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except FileNotFoundError:
+        return True
+
+
+def wait_gone(pid: int, seconds: float) -> bool:
+    deadline = time.monotonic() + seconds
+    while not gone(pid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return gone(pid)
+
+
+# -----------------------------------------------------------------------------
+# The same batches and states, and exact resume
+
+
+@pytest.mark.parametrize("kind", LOADERS)
+def test_a_worker_yields_what_threads_yield(kind, corpus):
+    make = LOADERS[kind]
+    threads = make(corpus, workers=0)
+    worker = make(corpus, workers=1)
+    assert threads.worker_pid is None and worker.worker_pid is not None
+    n = 12
+    assert_same(take(worker, n), take(threads, n))
+    # a state the worker yielded resumes exactly, in a worker
+    state = take(worker, 1)[0][2]
+    expected = take(threads, 6)[1:]
+    resumed = make(corpus, workers=1, resume_state_dict=state)
+    assert_same(take(resumed, 5), expected)
+    for loader in (threads, worker, resumed):
+        loader.close()
+    assert wait_gone(worker.worker_pid, CLOSE_TIMEOUT + 1)
+
+
+def test_a_mixture_stops_in_the_trainer_as_on_threads(corpus):
+    outcomes = []
+    for workers in (0, 1):
+        loader = mixture(corpus, workers=workers)  # (9,000 tokens: 71 batches)
+        with pytest.raises(CurriculumComplete) as stop:
+            for _ in range(1000):
+                next(loader)
+        outcomes.append((stop.value.state, loader.stats["tokens_emitted"]))
+        loader.close()
+    assert outcomes[0] == outcomes[1]
+
+
+def test_without_state_and_the_environment_default(corpus, monkeypatch):
+    monkeypatch.setenv("NANOCHAT_LOADER_WORKERS", "1")
+    loader = tokenizing_distributed_data_loader_bos_bestfit(
+        ByteTokenizer(), 4, 32, "train", device="cpu", data_dir=str(corpus / "parquet"))
+    assert loader.worker_pid is not None and len(next(loader)) == 2
+    loader.close()
+    monkeypatch.setenv("NANOCHAT_LOADER_WORKERS", "2")
+    with pytest.raises(ValueError, match="NANOCHAT_LOADER_WORKERS must be 0 or 1, got '2'"):
+        LOADERS["bestfit"](corpus)
+    with pytest.raises(ValueError, match="workers must be an integer in \\[0, 1\\]"):
+        LOADERS["bestfit"](corpus, workers=3)
+    # prefetch=0 runs everything in the caller: no worker either
+    assert LOADERS["bestfit"](corpus, workers=1, prefetch=0).worker_pid is None
+
+
+def test_streamed_in_a_worker(corpus, tmp_path):
+    hosted = tmp_path / "hosted"  # the dataset's names: the last shard is val
+    os.makedirs(hosted)
+    names = sorted(os.listdir(corpus / "parquet"))
+    for i, name in zip([0, 1, 2, 6542], names):
+        os.link(corpus / "parquet" / name, hosted / index_to_filename(i))
+    server = ShardServer(str(hosted))
+    try:
+        def make(workers):
+            return tokenizing_distributed_data_loader_with_state_bos_bestfit(
+                ByteTokenizer(), 4, 32, "train", device="cpu", data_dir=str(tmp_path / "cache"),
+                stream=True, num_shards=3, base_url=server.url, tokenizer_batch_size=8,
+                buffer_size=16, workers=workers)
+        on_disk = take(tokenizing_distributed_data_loader_with_state_bos_bestfit(
+            ByteTokenizer(), 4, 32, "train", device="cpu", data_dir=str(hosted),
+            tokenizer_batch_size=8, buffer_size=16), 10)
+        loader = make(1)
+        assert loader.worker_pid is not None
+        assert_same(take(loader, 10), on_disk)
+        status = loader.cache_status()  # asked of the worker, which holds the cache
+        assert status.fetched_bytes > 0 and len(status.loaders) == 1, status
+        loader.close()
+    finally:
+        server.close()
+
+
+# -----------------------------------------------------------------------------
+# Failures, and the worker's end
+
+
+class FailingTokenizer(ByteTokenizer):
+    """Fails on a text that holds "2.7 " (importable by the worker: it imports this module)."""
+
+    def encode(self, texts, prepend=None, num_threads=0):
+        if any(t.startswith("2.7 ") for t in texts):
+            raise ValueError("cannot encode document 2.7")
+        return super().encode(texts, prepend=prepend, num_threads=num_threads)
+
+
+def test_a_failure_reaches_next_with_its_traceback(corpus):
+    loader = tokenizing_distributed_data_loader_with_state_bos_bestfit(
+        FailingTokenizer(), 4, 32, "train", device="cpu", data_dir=str(corpus / "parquet"),
+        tokenizer_batch_size=8, workers=1)
+    pid = loader.worker_pid
+    with pytest.raises(ValueError, match="cannot encode document 2.7") as raised:
+        for _ in range(1000):
+            next(loader)
+    cause = raised.value.__cause__
+    assert isinstance(cause, WorkerTraceback)
+    assert "in encode" in str(cause) and "cannot encode document 2.7" in str(cause)
+    with pytest.raises(ValueError, match="cannot encode document 2.7"):  # and it stays failed
+        next(loader)
+    assert wait_gone(pid, CLOSE_TIMEOUT + 1)
+
+
+def test_bad_arguments_fail_at_the_call(corpus):
+    with pytest.raises(ValueError, match="buffer_size must be an integer >= 1"):
+        LOADERS["bestfit"](corpus, workers=1, buffer_size=0)
+    with pytest.raises(ValueError, match="resume_state_dict"):
+        LOADERS["bestfit"](corpus, workers=1, resume_state_dict={"pq_idx": "x"})
+    with pytest.raises(FileNotFoundError):
+        LOADERS["pretokenized"](corpus / "nowhere", workers=1)
+
+
+def test_a_tokenizer_that_cannot_be_pickled_runs_here_with_a_warning(corpus, caplog):
+    class Local(ByteTokenizer):  # (a class inside a function: pickle cannot name it)
+        pass
+
+    loader = tokenizing_distributed_data_loader_with_state_bos_bestfit(
+        Local(), 4, 32, "train", device="cpu", data_dir=str(corpus / "parquet"), workers=1)
+    assert loader.worker_pid is None
+    assert "not in a worker process" in caplog.text and "workers=0" in caplog.text
+    assert_same(take(loader, 3), take(tokenizing_distributed_data_loader_with_state_bos_bestfit(
+        ByteTokenizer(), 4, 32, "train", device="cpu", data_dir=str(corpus / "parquet")), 3))
+    loader.close()
+
+
+def test_close_is_bounded_from_another_thread_while_next_waits(corpus):
+    loader = LOADERS["bestfit"](corpus, workers=1)
+    next(loader)
+    pid = loader.worker_pid
+    closer = threading.Timer(0.2, loader.close)
+    closer.start()
+    result = outcome(lambda: [next(loader) for _ in range(10**6)], CLOSE_TIMEOUT + 5)
+    assert isinstance(result, StopIteration)
+    assert wait_gone(pid, CLOSE_TIMEOUT + 1)
+    with pytest.raises(StopIteration):
+        next(loader)
+
+
+TRAINER = """
+import os, sys, time
+sys.path.insert(0, {tests!r})
+from conftest import ByteTokenizer
+from nanochat.dataloader import tokenizing_distributed_data_loader_with_state_bos_bestfit
+loader = tokenizing_distributed_data_loader_with_state_bos_bestfit(
+    ByteTokenizer(), 4, 32, "train", device="cpu", data_dir={data!r}, workers=1)
+next(loader)
+print(loader.worker_pid, flush=True)
+time.sleep(60)
+"""
+
+
+def test_a_killed_trainer_leaves_no_worker(corpus):
+    trainer = subprocess.Popen(
+        [sys.executable, "-c", TRAINER.format(tests=HERE, data=str(corpus / "parquet"))],
+        stdout=subprocess.PIPE, text=True)
+    try:
+        pid = int(outcome(trainer.stdout.readline, 60))
+        assert not gone(pid)
+        trainer.send_signal(signal.SIGKILL)
+        trainer.wait()
+        assert wait_gone(pid, CLOSE_TIMEOUT + 2), "the worker outlived its trainer"
+    finally:
+        trainer.kill()
+
+
+def test_under_torchrun_each_rank_runs_its_own_worker(tmp_path):
+    from test_distributed import run_torchrun  # (the same ranks, loaders and shards)
+    files = [[f"{s}-{i} " + "ab" * (i % 17) for i in range(40)] for s in range(3)]
+    write_shards(tmp_path / "data", files, row_group_size=5)
+    threads = run_torchrun(2, tmp_path / "data", tmp_path / "threads.json", num_batches=20)
+    os.environ["NANOCHAT_LOADER_WORKERS"] = "1"
+    try:
+        workers = run_torchrun(2, tmp_path / "data", tmp_path / "workers.json", num_batches=20)
+    finally:
+        os.environ["NANOCHAT_LOADER_WORKERS"] = "0"
+    assert [r["workers"] for r in threads] == [[False, False]] * 2
+    assert [r["workers"] for r in workers] == [[True, True]] * 2
+    for r in threads + workers:
+        del r["workers"]
+    assert workers == threads
