@@ -106,12 +106,12 @@ def build_loader(spec: LoaderSpec, resume_state_dict: dict | None) -> "DataLoade
 
         def split_rows(flat):  # B*T+1 tokens: inputs the first B*T, targets the last B*T
             return flat[:-1].reshape(B, T), flat[1:].reshape(B, T)
-    # pretokenized reading is a slice of a memory map: it stays on the packing thread, since handing
-    # each batch between threads would cost more than the work
+    # pretokenized shards: reading is a slice of a memory map and packing holds the GIL, so both
+    # run in the caller; a packing thread made the loader ~1.5x slower (scripts/bench_pretokenized)
     tokenizing = isinstance(spec.encoder, Encoder)
-    batches = _pipeline(order.document_batches(), spec.encoder, spec.prefetch if tokenizing else 0,
-                        pack)
-    return DataLoader(batches, DeviceBatches(B, T, spec.device), split_rows, spec.prefetch,
+    depth = spec.prefetch if tokenizing else 0
+    batches = _pipeline(order.document_batches(), spec.encoder, depth, pack)
+    return DataLoader(batches, DeviceBatches(B, T, spec.device), split_rows, depth,
                       spec.with_state, attention_info=spec.max_docs_per_row is not None,
                       cache=spec.cache)
 
