@@ -108,12 +108,13 @@ def build_loader(spec: LoaderSpec, resume_state_dict: dict | None) -> "DataLoade
         def pack(tokens):
             return concat_batches(tokens, recorder, position, B, T)
         split_rows = flat_split(B, T)
-    # pretokenized reading is a slice of a memory map: it stays on the packing thread, since handing
-    # each batch between threads would cost more than the work
+    # pretokenized shards: reading is a slice of a memory map and packing holds the GIL, so both
+    # run in the caller (in a worker: its main thread); a packing thread made the loader ~1.5x
+    # slower (scripts/bench_pretokenized)
     tokenizing = isinstance(spec.encoder, Encoder)
-    batches = _pipeline(order.document_batches(), spec.encoder, spec.prefetch if tokenizing else 0,
-                        pack)
-    return DataLoader(batches, DeviceBatches(B, T, spec.device), split_rows, spec.prefetch,
+    depth = spec.prefetch if tokenizing else 0
+    batches = _pipeline(order.document_batches(), spec.encoder, depth, pack)
+    return DataLoader(batches, DeviceBatches(B, T, spec.device), split_rows, depth,
                       spec.with_state, attention_info=spec.max_docs_per_row is not None,
                       cache=spec.cache)
 

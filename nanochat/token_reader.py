@@ -233,7 +233,13 @@ class TokenShardReader:
     @staticmethod
     def pick(unit: Chunk, rows) -> list:
         shard, first, _ = unit
-        return [(shard.entry(first + r), int(shard.overlaps[first + r])) for r in rows]
+        at = np.asarray(rows, dtype=np.int64) + first
+        # the bounds and overlaps of every entry at once, as ints: a slice of the map per entry is
+        # then all that is left (~3x cheaper per entry than shard.entry())
+        bounds, overlaps = shard.offsets[at].tolist(), shard.overlaps[at].tolist()
+        ends = shard.offsets[at + 1].tolist()
+        tokens = shard.tokens
+        return [(tokens[a:b], overlap) for a, b, overlap in zip(bounds, ends, overlaps)]
 
 
 def shard_paths(data_dir: str, split: str) -> list[str]:
