@@ -29,6 +29,7 @@ from nanochat.packing import BestFitPacker, token_dtype
 from nanochat.rows import to_documents
 from nanochat.token_reader import check_ids
 from nanochat.tokenizer import RustBPETokenizer
+from scripts.list_tokenizer import ListTokenizer
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(REPO, "tests"))  # tests/ is no package: its modules by path
@@ -176,26 +177,6 @@ def pack_oracle(docs, B, T, buffer_size, n_batches, batch):
 # The whole loader against its tokenizer alone
 
 
-class ListTokenizer:
-    """Our tokenizer as the loader sees nanochat's own RustBPETokenizer, or any duck-typed one:
-    only get_bos_token_id, get_vocab_size and encode(texts, prepend=bos, num_threads=n), which
-    returns lists of Python ints (tiktoken's encode_ordinary_batch, then BOS inserted at the front
-    of each list, as nanochat's does); no encode_to_arrays, so the loader converts the lists
-    itself."""
-
-    def __init__(self, tokenizer: RustBPETokenizer):
-        self._tokenizer = tokenizer
-
-    def get_bos_token_id(self) -> int:
-        return self._tokenizer.get_bos_token_id()
-
-    def get_vocab_size(self) -> int:
-        return self._tokenizer.get_vocab_size()
-
-    def encode(self, texts, prepend=None, num_threads: int = 8) -> list[list[int]]:
-        return self._tokenizer.encode(texts, prepend=prepend, num_threads=num_threads)
-
-
 OURS, LISTS = "ours (encode_to_arrays -> numpy)", "lists (encode -> Python ints)"
 
 
@@ -207,9 +188,33 @@ def ratio_contenders(tokenizer: RustBPETokenizer) -> dict:
 
 def run_loader(tokenizer, method: str, n_batches: int, data_dir: str, args) -> tuple:
     """(tokens through the tokenizer, wall s, CPU s, consumer wait s) of n_batches from a fresh
-    loader, after its first batch (start-up). Tokens are counted as the loader pushes them through
-    `method`, read-ahead included, as tokenization alone counts them (the packer's own count would
-    miss what is queued ahead)."""
+    loader, after its start-up. On threads (--workers 0) tokens are counted as the loader pushes
+    them through `method`, read-ahead included, as tokenization alone counts them. In a worker
+    (the default) the tokenizer goes there by pickle, so the loader's own count is used, after a
+    few batches: a consumer that never waits keeps its queues about as empty at the end as at the
+    start. CPU counts this process and the worker."""
+    if args.workers != 0:
+        loader = tokenizing_distributed_data_loader_with_state_bos_bestfit(
+            tokenizer, args.B, args.T, "train", tokenizer_threads=args.threads,
+            tokenizer_batch_size=args.tokenizer_batch_size, device=args.device,
+            data_dir=data_dir, rank=0, world_size=1, workers=args.workers)
+        pid = loader.worker_pid
+        assert pid is not None, "the loader did not start a worker"
+        for _ in range(5):  # start-up: the first buffer fill
+            next(loader)
+        start, wait_start = loader.stats["tokens_tokenized"], loader.stats["wait_seconds"]
+        c0, w0, t0 = time.process_time(), cpu_seconds(pid), time.perf_counter()
+        for _ in range(n_batches):
+            next(loader)
+        if args.device.startswith("cuda"):
+            import torch
+            torch.cuda.synchronize()
+        dt = time.perf_counter() - t0
+        cpu = time.process_time() - c0 + cpu_seconds(pid) - w0
+        tokens = loader.stats["tokens_tokenized"] - start
+        wait = loader.stats["wait_seconds"] - wait_start
+        loader.close()
+        return tokens, dt, cpu, wait
     counted = {"tokens": 0}
     encode = getattr(tokenizer, method)
 
@@ -223,7 +228,7 @@ def run_loader(tokenizer, method: str, n_batches: int, data_dir: str, args) -> t
         loader = tokenizing_distributed_data_loader_with_state_bos_bestfit(
             tokenizer, args.B, args.T, "train", tokenizer_threads=args.threads,
             tokenizer_batch_size=args.tokenizer_batch_size, device=args.device, data_dir=data_dir,
-            rank=0, world_size=1)
+            rank=0, world_size=1, workers=0)
         next(loader)  # start-up: the first buffer fill
         start, wait_start = counted["tokens"], loader.stats["wait_seconds"]
         c0, t0 = time.process_time(), time.perf_counter()
@@ -238,6 +243,48 @@ def run_loader(tokenizer, method: str, n_batches: int, data_dir: str, args) -> t
     finally:
         delattr(tokenizer, method)  # back to the class's method
     return tokens, dt, cpu, wait
+
+
+def cpu_seconds(pid: int | None) -> float:
+    """User + system CPU seconds of a process so far (0 for None), from /proc (Linux)."""
+    if pid is None:
+        return 0.0
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()  # (after the name, which may hold spaces)
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime
+
+
+def emitted_vs_nanochat(contenders: dict, data_dir: str, args) -> dict:
+    """{label: (ours, nanochat's) tokens emitted per second}: our loader (as --workers says)
+    against nanochat's algorithm run in the caller (tests/oracle.py), with the same tokenizer,
+    --repeats rounds of --oracle-batches batches each, alternating. Each round starts both afresh
+    (untimed start-up), one after the other: a worker left open would run ahead while the other
+    is timed."""
+    paths = split_parquet_files("train", data_dir)
+    row_tokens = args.B * (args.T + 1)
+    out = {}
+    for label, (tokenizer, _) in contenders.items():
+        seconds = {"ours": 0.0, "nanochat": 0.0}
+        for _ in range(args.repeats):
+            for name in seconds:
+                if name == "ours":
+                    source = tokenizing_distributed_data_loader_with_state_bos_bestfit(
+                        tokenizer, args.B, args.T, "train", tokenizer_threads=args.threads,
+                        tokenizer_batch_size=args.tokenizer_batch_size, device=args.device,
+                        data_dir=data_dir, rank=0, world_size=1, workers=args.workers)
+                else:
+                    source = oracle.bestfit_loader(tokenizer, paths, args.B, args.T,
+                                                   args.tokenizer_batch_size, 1000)
+                for _ in range(3):  # start-up: the first buffer fill
+                    next(source)
+                t0 = time.perf_counter()
+                for _ in range(args.oracle_batches):
+                    next(source)
+                seconds[name] += time.perf_counter() - t0
+                source.close()
+        n = args.repeats * args.oracle_batches * row_tokens
+        out[label] = (n / seconds["ours"], n / seconds["nanochat"])
+    return out
 
 
 def loader_vs_tokenizer(contenders: dict, text_batches, data_dir: str, args) -> dict:
@@ -473,6 +520,8 @@ def main(argv=None):
     parser.add_argument("--repeats", type=int, default=8,
                         help="alternating rounds of tokenization alone and the loader")
     parser.add_argument("--device", default="cuda" if _cuda() else "cpu")
+    parser.add_argument("--workers", type=int, choices=[0, 1], default=None,
+                        help="the loader's workers (default: its own, a worker process)")
     parser.add_argument("--only", choices=["ratio"], default=None,
                         help="run one section: ratio = the whole loader against tokenization "
                              "alone, for our tokenizer and for one whose encode returns lists, as "
@@ -509,6 +558,12 @@ def main(argv=None):
             print(f"\nB={B} T={T} threads={threads} tokenizer_batch_size={tbs} "
                   f"device={args.device}")
             print_ratios(rounds)
+            print("  tokens emitted per second, ours / nanochat's loader (its algorithm in the "
+                  "caller; target >= 1.7):")
+            for label, (ours, theirs) in emitted_vs_nanochat(ratio_contenders(tokenizer),
+                                                             data_dir, args).items():
+                print(f"    {label:34s} {ours / theirs:.2f}x  ({ours / 1e6:.2f} M/s against "
+                      f"{theirs / 1e6:.2f} M/s)")
             return
         # the loader's path (numpy arrays, no Python int per token), and plain encode() -> lists
         bos = tokenizer.get_bos_token_id()

@@ -30,7 +30,8 @@ import torch
 from nanochat.dataloader import tokenizing_distributed_data_loader_with_state_bos_bestfit
 from nanochat.dataset import split_parquet_files
 from nanochat.tokenizer import RustBPETokenizer
-from scripts.bench_dataloader import ListTokenizer, make_corpus, read_all, write_corpus
+from scripts.bench_dataloader import cpu_seconds, make_corpus, read_all, write_corpus
+from scripts.list_tokenizer import ListTokenizer
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
                                 "tests"))  # tests/ is no package: its modules by path
@@ -106,15 +107,6 @@ def child(config: dict) -> dict:
             # CPU time per step: the trainer process (its threads included) and the worker
             "cpu_trainer_ms": (cpu1[0] - cpu0[0]) * 1e3 / args.steps,
             "cpu_worker_ms": (cpu1[1] - cpu0[1]) * 1e3 / args.steps}
-
-
-def cpu_seconds(pid: int | None) -> float:
-    """User + system CPU seconds of a process so far (0 for None), from /proc (Linux)."""
-    if pid is None:
-        return 0.0
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()  # (after the name, which may hold spaces)
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime
 
 
 # -----------------------------------------------------------------------------
