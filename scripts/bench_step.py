@@ -9,10 +9,13 @@ the gen-2 garbage collections in the trainer process. Each run is a fresh proces
     python -m scripts.bench_step                    # (P, G) = (30, 100) and (10, 40) ms, 3 rounds
     python -m scripts.bench_step --pg 30,100 --rounds 1 --steps 40
 
-Loaders: none (prebuilt batches), nanochat's algorithm in the caller (tests/oracle.py's best-fit,
-rows made a tensor, as nanochat's loader runs), and ours (the default: prefetch=4), each with our
-tokenizer and with one whose encode returns lists (as nanochat's). The corpus and the tokenizer
-are scripts/bench_dataloader.py's. Speed is a measurement here, never a test assertion.
+Loaders: none (prebuilt batches); nanochat's algorithm in the caller (tests/oracle.py's best-fit,
+rows made a tensor, as nanochat's loader runs); ours on threads of the trainer's process
+(workers=0); and each of ours as it runs by default, in a worker process: tokenizing best-fit,
+concatenating, streamed from a local HTTP server, pretokenized, and a mixture of two buckets. The
+tokenizing ones run with our tokenizer and with one whose encode returns lists (as nanochat's).
+The corpus and the tokenizer are scripts/bench_dataloader.py's. Speed is a measurement here,
+never a test assertion.
 """
 
 import argparse
@@ -27,18 +30,26 @@ import time
 import numpy as np
 import torch
 
-from nanochat.dataloader import tokenizing_distributed_data_loader_with_state_bos_bestfit
-from nanochat.dataset import split_parquet_files
+from nanochat.dataloader import (pretokenized_distributed_data_loader_with_state_bos_bestfit,
+                                 tokenizing_distributed_data_loader_with_state,
+                                 tokenizing_distributed_data_loader_with_state_bos_bestfit)
+from nanochat.dataset import index_to_filename, split_parquet_files
+from nanochat.mixture import pretokenized_mixture_loader_with_state_bos_bestfit
+from nanochat.pretokenize import pretokenize_file
 from nanochat.tokenizer import RustBPETokenizer
 from scripts.bench_dataloader import cpu_seconds, make_corpus, read_all, write_corpus
 from scripts.list_tokenizer import ListTokenizer
+from scripts.shard_server import ShardServer
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
                                 "tests"))  # tests/ is no package: its modules by path
 import oracle  # noqa: E402  nanochat's best-fit, written plainly
 
-LOADERS = ("none", "nanochat", "threads", "ours")
 TOKENIZERS = ("ours", "lists")
+# (loader, tokenizer) in the order the tables show them; "-": the loader takes no tokenizer
+CONFIGS = ([("none", "-")] + [(loader, tokenizer) for tokenizer in TOKENIZERS
+                              for loader in ("nanochat", "threads", "bestfit", "concat", "stream")]
+           + [("pretokenized", "-"), ("mixture", "-")])
 
 
 # -----------------------------------------------------------------------------
@@ -53,19 +64,37 @@ def python_work(iterations: int) -> int:
     return total
 
 
-def make_loader(kind: str, tokenizer, data_dir: str, args):
+def make_loader(kind: str, tokenizer, args):
     """An iterator of (inputs, targets, state) of one kind."""
-    if kind in ("ours", "threads"):  # ours: the default, a worker process; threads: workers=0
+    B, T, data_dir = args.B, args.T, args.data_dir
+    if kind in ("bestfit", "threads"):  # threads: workers=0; the others: the default, a worker
         return tokenizing_distributed_data_loader_with_state_bos_bestfit(
-            tokenizer, args.B, args.T, "train", device="cpu", data_dir=data_dir,
+            tokenizer, B, T, "train", device="cpu", data_dir=data_dir,
             workers=0 if kind == "threads" else None)
-    paths = split_parquet_files("train", data_dir)
+    if kind == "concat":
+        return tokenizing_distributed_data_loader_with_state(tokenizer, B, T, "train",
+                                                             device="cpu", data_dir=data_dir)
+    if kind == "stream":
+        return tokenizing_distributed_data_loader_with_state_bos_bestfit(
+            tokenizer, B, T, "train", device="cpu", stream=True, base_url=args.url,
+            num_shards=len(split_parquet_files("train", data_dir)),
+            data_dir=tempfile.mkdtemp(prefix="nanochat-bench-step-cache-"))
+    # (pretokenize_file writes no pretokenize.json: the BOS and vocabulary are the tokenizer's)
+    vocab = dict(bos_token=tokenizer.get_bos_token_id(), vocab_size=tokenizer.get_vocab_size())
+    if kind == "pretokenized":
+        return pretokenized_distributed_data_loader_with_state_bos_bestfit(
+            B, T, "train", device="cpu", data_dir=args.tokens_dir, **vocab)
+    if kind == "mixture":
+        return pretokenized_mixture_loader_with_state_bos_bestfit(
+            B, T, "train", args.curriculum, device="cpu", data_dir=args.buckets_dir, **vocab)
     if kind == "nanochat":
+        paths = split_parquet_files("train", data_dir)
+
         def rows():
-            for inputs, targets, state in oracle.bestfit_loader(tokenizer, paths, args.B, args.T):
+            for inputs, targets, state in oracle.bestfit_loader(tokenizer, paths, B, T):
                 yield torch.tensor(inputs), torch.tensor(targets), state
         return rows()
-    prebuilt = torch.zeros(args.B, args.T, dtype=torch.long)
+    prebuilt = torch.zeros(B, T, dtype=torch.long)
     return iter(lambda: (prebuilt, prebuilt, {}), None)
 
 
@@ -75,7 +104,7 @@ def child(config: dict) -> dict:
     tokenizer = RustBPETokenizer.from_directory(args.tokenizer_dir)
     if args.tokenizer == "lists":
         tokenizer = ListTokenizer(tokenizer)
-    loader = make_loader(args.loader, tokenizer, args.data_dir, args)
+    loader = make_loader(args.loader, tokenizer, args)
     collections = [0]
 
     def count(phase, info):
@@ -149,26 +178,56 @@ def main(argv=None) -> int:
         print(json.dumps(child(json.loads(args.child))))
         return 0
     with tempfile.TemporaryDirectory(prefix="nanochat-bench-step-") as tmp:
-        data_dir, tokenizer_dir = os.path.join(tmp, "data"), os.path.join(tmp, "tokenizer")
-        write_corpus(make_corpus(args.num_docs), data_dir)
-        sample = (t for batch in read_all(split_parquet_files("train", data_dir)[:1])
-                  for t in batch)
-        RustBPETokenizer.train_from_iterator(sample, 16_384).save(tokenizer_dir)
+        data = prepare(tmp, args.num_docs)
+        server = ShardServer(data["hosted"])  # (on this process's threads: not the trainer's)
         print(f"bench_step: B={args.B} T={args.T}, {args.rounds} rounds of {args.steps} steps "
               f"after {args.warmup}, {os.cpu_count()} cores")
         for pg in args.pg:
             P, G = (float(x) for x in pg.split(","))
-            base = dict(B=args.B, T=args.T, data_dir=data_dir, tokenizer_dir=tokenizer_dir,
-                        steps=args.steps, warmup=args.warmup, P=P, G=G, iterations=calibrate(P))
-            configs = [("none", "ours")] + [(loader, tokenizer) for tokenizer in TOKENIZERS
-                                            for loader in LOADERS[1:]]
-            results = {config: [] for config in configs}
+            base = dict(B=args.B, T=args.T, steps=args.steps, warmup=args.warmup, P=P, G=G,
+                        iterations=calibrate(P), url=server.url) | data
+            results = {config: [] for config in CONFIGS}
             for _ in range(args.rounds):  # (alternating: a noisy neighbour hits every one)
-                for loader, tokenizer in configs:
+                for loader, tokenizer in CONFIGS:
                     results[(loader, tokenizer)].append(
                         run(base | {"loader": loader, "tokenizer": tokenizer}))
             report(P, G, results)
+        server.shutdown()
     return 0
+
+
+def prepare(tmp: str, num_docs: int) -> dict:
+    """The corpus, its tokenizer, the same shards hosted under the dataset's names (the last one is
+    val), pretokenized, and in two buckets for a mixture."""
+    data_dir, tokenizer_dir = os.path.join(tmp, "data"), os.path.join(tmp, "tokenizer")
+    write_corpus(make_corpus(num_docs), data_dir)
+    sample = (t for batch in read_all(split_parquet_files("train", data_dir)[:1]) for t in batch)
+    tokenizer = RustBPETokenizer.train_from_iterator(sample, 16_384)
+    tokenizer.save(tokenizer_dir)
+    hosted, tokens_dir, buckets_dir = (os.path.join(tmp, name)
+                                       for name in ("hosted", "tokens", "buckets"))
+    os.makedirs(hosted)
+    train = split_parquet_files("train", data_dir)
+    for i, path in enumerate(train):
+        os.link(path, os.path.join(hosted, index_to_filename(i)))
+    val = split_parquet_files("val", data_dir)[0]
+    os.link(val, os.path.join(hosted, index_to_filename(6542)))
+    tokens = 0
+    for split, paths in (("train", train), ("val", [val])):
+        for i, path in enumerate(paths):
+            name = os.path.basename(path)[:-len(".parquet")]
+            tokens += pretokenize_file(tokenizer, path, os.path.join(tokens_dir, split, name),
+                                       num_threads=2)["tokens"]
+            for bucket in ("a", "b"):  # every shard in both buckets: each has every token
+                directory = os.path.join(buckets_dir, split, bucket)
+                os.makedirs(directory, exist_ok=True)
+                for ext in (".bin", ".idx"):
+                    os.link(os.path.join(tokens_dir, split, name + ext),
+                            os.path.join(directory, name + ext))
+    # one phase, half of what the buckets hold: it outlasts any run of this script
+    curriculum = [{"tokens": tokens // 2, "mix": {"a": 0.5, "b": 0.5}}]
+    return {"data_dir": data_dir, "tokenizer_dir": tokenizer_dir, "hosted": hosted,
+            "tokens_dir": tokens_dir, "buckets_dir": buckets_dir, "curriculum": curriculum}
 
 
 def report(P: float, G: float, results: dict) -> None:
@@ -176,7 +235,7 @@ def report(P: float, G: float, results: dict) -> None:
     def median(config, key):
         return float(np.median([r[key] for r in results[config]]))
 
-    step0, python0 = median(("none", "ours"), "step_ms"), median(("none", "ours"), "python_ms")
+    step0, python0 = median(("none", "-"), "step_ms"), median(("none", "-"), "python_ms")
     print(f"\nP={P:g} ms of Python, G={G:g} ms GIL-free: with no loader a step takes "
           f"{step0:.1f} ms (Python {python0:.1f} ms)")
     print("| loader | tokenizer | step ms | added | Python part | next() p50 / p99 / max ms | "
@@ -188,7 +247,7 @@ def report(P: float, G: float, results: dict) -> None:
         waits = " / ".join(f"{median((loader, tokenizer), k):.2f}"
                            for k in ("wait_p50", "wait_p99", "wait_max"))
         gen2 = [r["gen2"] for r in results[(loader, tokenizer)]]
-        print(f"| {loader} | {tokenizer if loader != 'none' else '-'} | {step:.1f} | "
+        print(f"| {loader} | {tokenizer} | {step:.1f} | "
               f"{100 * (step / step0 - 1):+.1f}% | {100 * (python / python0 - 1):+.1f}% | "
               f"{waits} | {', '.join(map(str, gen2))} | "
               f"{median((loader, tokenizer), 'cpu_trainer_ms'):.1f}, "
