@@ -254,43 +254,24 @@ def cpu_seconds(pid: int | None) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime
 
 
-def emitted_vs_nanochat(contenders: dict, data_dir: str, args) -> dict:
-    """{label: (ours, nanochat's) tokens emitted per second}: our loader (as --workers says)
-    against nanochat's algorithm run in the caller (tests/oracle.py), with the same tokenizer,
-    --repeats rounds of --oracle-batches batches each, alternating. Each round starts both afresh
-    (untimed start-up), one after the other: a worker left open would run ahead while the other
-    is timed."""
-    paths = split_parquet_files("train", data_dir)
-    row_tokens = args.B * (args.T + 1)
-    out = {}
-    for label, (tokenizer, _) in contenders.items():
-        seconds = {"ours": 0.0, "nanochat": 0.0}
-        for _ in range(args.repeats):
-            for name in seconds:
-                if name == "ours":
-                    source = tokenizing_distributed_data_loader_with_state_bos_bestfit(
-                        tokenizer, args.B, args.T, "train", tokenizer_threads=args.threads,
-                        tokenizer_batch_size=args.tokenizer_batch_size, device=args.device,
-                        data_dir=data_dir, rank=0, world_size=1, workers=args.workers)
-                else:
-                    source = oracle.bestfit_loader(tokenizer, paths, args.B, args.T,
-                                                   args.tokenizer_batch_size, 1000)
-                for _ in range(3):  # start-up: the first buffer fill
-                    next(source)
-                t0 = time.perf_counter()
-                for _ in range(args.oracle_batches):
-                    next(source)
-                seconds[name] += time.perf_counter() - t0
-                source.close()
-        n = args.repeats * args.oracle_batches * row_tokens
-        out[label] = (n / seconds["ours"], n / seconds["nanochat"])
-    return out
+def nanochat_seconds(tokenizer, data_dir: str, args) -> float:
+    """Seconds nanochat's loader (its algorithm run in the caller: tests/oracle.py) takes for
+    --oracle-batches batches, after its first (start-up)."""
+    reference = oracle.bestfit_loader(tokenizer, split_parquet_files("train", data_dir), args.B,
+                                      args.T, args.tokenizer_batch_size, 1000)
+    next(reference)
+    t0 = time.perf_counter()
+    for _ in range(args.oracle_batches):
+        next(reference)
+    seconds = time.perf_counter() - t0
+    reference.close()
+    return seconds
 
 
 def loader_vs_tokenizer(contenders: dict, text_batches, data_dir: str, args) -> dict:
     """{label: rounds}, each round (tokens, wall s, CPU s) of tokenization alone, then (tokens, wall
     s, CPU s, wait s) of the whole loader (reading + tokenizing + packing + transfer), with the
-    loader's own encode method. This 2-core machine is shared and its speed drifts by +-15% from one
+    loader's own encode method, then the seconds of nanochat's loader (nanochat_seconds). This 2-core machine is shared and its speed drifts by +-15% from one
     second to the next, so every contender's two runs alternate, round after round, and are compared
     on their totals."""
     # tokenization alone takes, every round, the texts at the start of the corpus: about what a
@@ -310,13 +291,15 @@ def loader_vs_tokenizer(contenders: dict, text_batches, data_dir: str, args) -> 
             encode, bos = getattr(tokenizer, method), tokenizer.get_bos_token_id()
             docs, dt, cpu = cpu_timed(lambda: tokenize_all(encode, bos, chunk,
                                                            args.tokenizer_batch_size, args.threads))
-            measured = run_loader(tokenizer, method, n_batches, data_dir, args)
-            rounds[label].append((sum(map(len, docs)), dt, cpu, *measured))
+            alone = sum(map(len, docs))
             del docs  # freed before the next contender's run, which would otherwise pay for it
+            measured = run_loader(tokenizer, method, n_batches, data_dir, args)
+            rounds[label].append((alone, dt, cpu, *measured, nanochat_seconds(tokenizer, data_dir,
+                                                                          args)))
     return rounds
 
 
-def print_ratios(rounds: dict) -> None:
+def print_ratios(rounds: dict, n_batches: int, oracle_batches: int, row_tokens: int) -> None:
     """Per tokenizer: whole loader / tokenization alone, on the totals of all rounds (per wall
     second and per CPU-second, the latter immune to a noisy neighbour's steal), and each round's own
     ratio."""
@@ -335,6 +318,13 @@ def print_ratios(rounds: dict) -> None:
               f"CPU-s), loader {loader_tokens / loader_wall / 1e6:.2f} M/s "
               f"({loader_tokens / loader_cpu / 1e6:.2f} M per CPU-s); "
               f"consumer wait {sum(r[6] for r in rs):.2f}s of {loader_wall:.2f}s")
+    print("  tokens emitted per second, ours / nanochat's loader (its algorithm in the caller, run "
+          "in each round; target >= 1.7):")
+    for label, rs in rounds.items():
+        ours = len(rs) * n_batches * row_tokens / sum(r[4] for r in rs)
+        theirs = len(rs) * oracle_batches * row_tokens / sum(r[7] for r in rs)
+        print(f"    {label:34s} {ours / theirs:.2f}x  ({ours / 1e6:.2f} M/s against "
+              f"{theirs / 1e6:.2f} M/s)")
 
 
 POLICY_RUNS = [("crop", 0), ("split", 0), ("split", 128), ("split_reuse", 0), ("split_reuse", 128)]
@@ -557,13 +547,8 @@ def main(argv=None):
             rounds = loader_vs_tokenizer(ratio_contenders(tokenizer), text_batches, data_dir, args)
             print(f"\nB={B} T={T} threads={threads} tokenizer_batch_size={tbs} "
                   f"device={args.device}")
-            print_ratios(rounds)
-            print("  tokens emitted per second, ours / nanochat's loader (its algorithm in the "
-                  "caller; target >= 1.7):")
-            for label, (ours, theirs) in emitted_vs_nanochat(ratio_contenders(tokenizer),
-                                                             data_dir, args).items():
-                print(f"    {label:34s} {ours / theirs:.2f}x  ({ours / 1e6:.2f} M/s against "
-                      f"{theirs / 1e6:.2f} M/s)")
+            print_ratios(rounds, args.loader_batches // args.repeats, args.oracle_batches,
+                         B * (T + 1))
             return
         # the loader's path (numpy arrays, no Python int per token), and plain encode() -> lists
         bos = tokenizer.get_bos_token_id()
@@ -656,7 +641,7 @@ def main(argv=None):
         print(f"{name:42s} {tps:14,.0f}")
     print()
     print("ratios")
-    print_ratios(rounds)
+    print_ratios(rounds, args.loader_batches // args.repeats, args.oracle_batches, row_tokens)
     print(f"  packing / oracle packing (buffer 1,000):                    "
           f"{pack_tps / oracle_pack_tps:.1f}x  (target >= 20)")
     print(f"  packing cost at buffer 10,000 / at 1,000:                   "
