@@ -212,15 +212,20 @@ class WorkerBatches:
     cannot run in a worker; a failure while the loader is built there is raised here, at once."""
 
     def __init__(self, job: Job):
+        if os.name != "posix":  # (pass_fds, memfd: Linux and macOS)
+            raise WorkerUnavailable(f"worker processes need a POSIX system, not {os.name}")
         try:
             payload = pickle.dumps(job)
         except Exception as e:  # (a lambda, a lock, a local class: AttributeError, TypeError...)
             raise WorkerUnavailable(f"its arguments cannot be pickled ({e})") from None
         self._closed = False
-        self._lock = threading.Lock()  # close() from another thread while next() sends a release
+        self._lock = threading.Lock()  # sends: close() from another thread while next() sends
+        # receives: cache_status() from another thread while next() waits; each takes its own kind
+        # of message, and leaves the other kind in _pending
+        self._receiving = threading.Lock()
         self._slot_bytes = job.slot_bytes
         self._taken = 0  # batches this end has taken: the worker reuses the slots of all but one
-        self._pending: deque = deque()  # batches received while waiting for a status
+        self._pending: deque = deque()  # messages received while waiting for the other kind
         slots_fd = _shared_file(HEADER + job.slots * job.slot_bytes)
         self._slots = mmap.mmap(slots_fd, HEADER + job.slots * job.slot_bytes)
         self._done = np.ndarray(1, np.int64, buffer=self._slots)  # see worker_main
@@ -262,7 +267,7 @@ class WorkerBatches:
     def __next__(self):
         if self._taken:  # the last batch is done with: its slot may be written again
             self._done[0] = self._taken
-        message = self._pending.popleft() if self._pending else self._receive()
+        message = self._take(status=False)
         if message[0] != "batch":
             self._raise(message)
         _, slot, item = message
@@ -276,11 +281,20 @@ class WorkerBatches:
     def status(self):
         """What the loader there says of its shard cache (DataLoader.cache_status)."""
         self._send(("status",))
-        while True:
-            message = self._receive()
-            if message[0] == "status":
-                return message[1]
-            self._pending.append(message)  # a batch (or the end) that came first
+        return self._take(status=True)[1]
+
+    def _take(self, status: bool):
+        """The next status reply (status=True), or else the next batch, end or failure."""
+        with self._receiving:
+            for i, message in enumerate(self._pending):
+                if (message[0] == "status") == status:
+                    del self._pending[i]
+                    return message
+            while True:
+                message = self._receive()
+                if (message[0] == "status") == status:
+                    return message
+                self._pending.append(message)
 
     def _send(self, message) -> None:
         with self._lock:

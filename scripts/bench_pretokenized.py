@@ -6,11 +6,12 @@ one process, each run a fresh process, the contenders alternating round after ro
     python -m scripts.bench_pretokenized --litdata-python /work/litenv/bin/python
     python -m scripts.bench_pretokenized --work /tmp/pretok_bench  # keep the corpus for next time
 
-Contenders: ours, best-fit with its exact-resume state (device='cpu', prefetch=4 and 0); a plain
-block slicer over our memory-mapped shards (no BOS alignment, no packing: there is no pretokenized
-concatenating loader); LitData's TokensLoader over an optimized copy of the same tokens (blocks of
-T+1 cut across documents, 0 workers), run by --litdata-python, a venv with litdata, which is never
-a dependency of this package; and a memory copy of the same bytes. The corpus and its BPE are
+Contenders: ours, best-fit with its exact-resume state (device='cpu'; in its worker process, the
+default, and in this one, workers=0); a plain block slicer over our memory-mapped shards (no BOS
+alignment, no packing: there is no pretokenized concatenating loader); LitData's TokensLoader over
+an optimized copy of the same tokens (blocks of T+1 cut across documents, 0 workers), run by
+--litdata-python, a venv with litdata, which is never a dependency of this package; and a memory
+copy of the same bytes. The corpus and its BPE are
 scripts/bench_dataloader.py's. It prints tokens/s (rows of T+1 tokens), the median over rounds,
 and the ratios. Speed is a measurement here, never a test assertion.
 """
@@ -30,10 +31,10 @@ import time
 import numpy as np
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-CONTENDERS = ("bestfit", "bestfit-p0", "slicer", "litdata", "memcpy")
+CONTENDERS = ("bestfit", "bestfit-here", "slicer", "litdata", "memcpy")
 LABELS = {
-    "bestfit": "ours, best-fit (prefetch=4, the default)",
-    "bestfit-p0": "ours, best-fit (prefetch=0)",
+    "bestfit": "ours, best-fit (a worker process, the default)",
+    "bestfit-here": "ours, best-fit (this process, workers=0)",
     "slicer": "block slicer over our shards (concatenation)",
     "litdata": "LitData TokensLoader (0 workers)",
     "memcpy": "memory copy of the same bytes",
@@ -117,8 +118,8 @@ def shard_tokens(item):
 
 def run_one(name: str, tokens_dir: str, B: int, T: int, batches: int, warmup: int) -> dict:
     """Time `batches` batches of `name` after `warmup` untimed ones: {tokens, seconds}."""
-    make = {"bestfit": lambda: ours(tokens_dir, B, T, prefetch=4),
-            "bestfit-p0": lambda: ours(tokens_dir, B, T, prefetch=0),
+    make = {"bestfit": lambda: ours(tokens_dir, B, T, workers=1),
+            "bestfit-here": lambda: ours(tokens_dir, B, T, workers=0),
             "slicer": lambda: slicer(tokens_dir, B, T),
             "litdata": lambda: litdata_batches(tokens_dir, B, T),
             "memcpy": lambda: memcpy(tokens_dir, B, T)}[name]
@@ -132,12 +133,12 @@ def run_one(name: str, tokens_dir: str, B: int, T: int, batches: int, warmup: in
     return {"name": name, "tokens": batches * B * (T + 1), "seconds": seconds}
 
 
-def ours(tokens_dir: str, B: int, T: int, prefetch: int):
+def ours(tokens_dir: str, B: int, T: int, workers: int):
     from nanochat.dataloader import pretokenized_distributed_data_loader_with_state_bos_bestfit
     meta = read_meta(tokens_dir)
     return pretokenized_distributed_data_loader_with_state_bos_bestfit(
         B, T, "train", device="cpu", data_dir=tokens_dir, bos_token=meta["bos_token"],
-        vocab_size=meta["vocab_size"], rank=0, world_size=1, prefetch=prefetch)
+        vocab_size=meta["vocab_size"], rank=0, world_size=1, workers=workers)
 
 
 def slicer(tokens_dir: str, B: int, T: int):
@@ -261,7 +262,7 @@ def report(tps: dict, args) -> None:
         low, high = min(tps[name]), max(tps[name])
         print(f"{LABELS[name]:48s} {value / 1e6:12.1f} M {low / 1e6:7.1f}-{high / 1e6:.1f} M")
     print()
-    for ours_name in ("bestfit", "bestfit-p0"):
+    for ours_name in ("bestfit", "bestfit-here"):
         if ours_name in median and "litdata" in median:
             print(f"{LABELS[ours_name]} / LitData TokensLoader: "
                   f"{median[ours_name] / median['litdata']:.2f}")

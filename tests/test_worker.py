@@ -1,10 +1,10 @@
 """
 The loader in a worker process (workers=1, the default outside the tests): every kind of loader
 yields there the batches and states it yields on threads in this process, token for token; a
-state it yields resumes exactly; bad arguments fail at the call; a failure there reaches next()
-with its traceback; close() ends the process within its bound, and so does the trainer's death;
-under torchrun each rank runs its own worker. The worker process is real: `python -m
-nanochat.prefetch`, started and killed here.
+state it yields resumes exactly, and elastically once merged; bad arguments fail at the call; a
+failure there reaches next() with its traceback; close() ends the process within its bound, and
+so does the trainer's death; under torchrun each rank runs its own worker. The worker process is
+real: `python -m nanochat.prefetch`, started and killed here.
 Run: python -m pytest tests/test_worker.py -q   (about a minute: each worker takes ~1.5 s to start)
 """
 
@@ -29,6 +29,7 @@ from nanochat.dataset import index_to_filename
 from nanochat.mixture import (CurriculumComplete,
                               pretokenized_mixture_loader_with_state_bos_bestfit)
 from nanochat.prefetch import CLOSE_TIMEOUT, WorkerTraceback
+from nanochat.resume import merge_states
 from nanochat.token_shards import write_token_shard
 from scripts.shard_server import ShardServer
 
@@ -158,6 +159,24 @@ def test_a_worker_yields_what_threads_yield(kind, corpus):
     assert wait_gone(worker.worker_pid, CLOSE_TIMEOUT + 1)
 
 
+def test_an_elastic_resume_in_a_worker_is_the_one_on_threads(corpus):
+    # two ranks' states, taken in workers at one step, merged for one rank: the resumed loader
+    # yields in a worker what it yields on threads
+    parquet_dir = str(corpus / "parquet")
+    make = parquet(tokenizing_distributed_data_loader_with_state_bos_bestfit, buffer_size=16)
+    states = []
+    for rank in (0, 1):
+        loader = make(corpus, workers=1, rank=rank, world_size=2)
+        states.append(take(loader, 4)[-1][2])
+        loader.close()
+    merged = merge_states(states, 1, data_dir=parquet_dir)
+    resumed = [make(corpus, workers=workers, rank=0, world_size=1, resume_state_dict=merged)
+               for workers in (1, 0)]
+    assert_same(take(resumed[0], 8), take(resumed[1], 8))
+    for loader in resumed:
+        loader.close()
+
+
 def test_a_mixture_stops_in_the_trainer_as_on_threads(corpus):
     outcomes = []
     for workers in (0, 1):
@@ -203,9 +222,16 @@ def test_streamed_in_a_worker(corpus, tmp_path):
             tokenizer_batch_size=8, buffer_size=16), 10)
         loader = make(1)
         assert loader.worker_pid is not None
+        # the cache lives in the worker: cache_status() asks it, here from another thread while
+        # next() runs, and both get their own answers
+        statuses = []
+        asking = threading.Thread(target=lambda: statuses.extend(
+            loader.cache_status() for _ in range(20)))
+        asking.start()
         assert_same(take(loader, 10), on_disk)
-        status = loader.cache_status()  # asked of the worker, which holds the cache
-        assert status.fetched_bytes > 0 and len(status.loaders) == 1, status
+        asking.join(30)
+        assert len(statuses) == 20 and all(len(s.loaders) == 1 for s in statuses)
+        assert loader.cache_status().fetched_bytes > 0
         loader.close()
     finally:
         server.close()
