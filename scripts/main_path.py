@@ -6,7 +6,9 @@ their lines. What it prints is what docs/ARCHITECTURE.md's walk covers (~2 s on 
     python -m scripts.main_path [--stream]
 
 --stream serves the shards from a local server (scripts/shard_server.py) and streams them
-(stream=True), so the shard cache joins the path. The tokenizer is a byte-level stand-in.
+(stream=True), so the shard cache joins the path. The tokenizer is a byte-level stand-in. The
+loader runs in this process (workers=0), where a tracer sees it: by default a worker process runs
+the same functions, and prefetch.py's WorkerBatches and worker_main carry its batches across.
 """
 
 import argparse
@@ -94,7 +96,7 @@ def run(stream: bool) -> dict[str, set[int]]:
         try:
             loader = tokenizing_distributed_data_loader_with_state_bos_bestfit(
                 ByteTokenizer(), 2, 32, "train", device="cpu", buffer_size=8,
-                tokenizer_batch_size=4, rank=0, world_size=1, **options)
+                tokenizer_batch_size=4, rank=0, world_size=1, workers=0, **options)
             for _ in range(3):
                 next(loader)
             loader.close()
