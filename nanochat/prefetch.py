@@ -281,7 +281,10 @@ class WorkerBatches:
     def status(self):
         """What the loader there says of its shard cache (DataLoader.cache_status)."""
         self._send(("status",))
-        return self._take(status=True)[1]
+        status = self._take(status=True)[1]
+        if isinstance(status, tuple) and status[:1] == ("failed",):
+            self._raise(status)
+        return status
 
     def _take(self, status: bool):
         """The next status reply (status=True), or else the next batch, end or failure."""
@@ -390,30 +393,41 @@ def _failure(error: BaseException) -> tuple:
 def _serve_trainer(jobs: Connection, stop: threading.Event, answer) -> None:
     """The worker's second thread: status requests, and the end, which is a close or the trainer
     gone (its pipe ends). Then the main thread has a moment to close the loader; the process ends
-    in any case."""
+    in any case, whatever ended this thread."""
     try:
         while True:
             message = jobs.recv()
-            if message[0] == "status":
-                answer("status")
-            else:  # "close"
+            if message[0] != "status":  # "close"
                 break
+            answer()
     except (EOFError, OSError):  # the trainer has ended, killed perhaps
         pass
-    stop.set()
-    time.sleep(CLOSE_TIMEOUT / 2)
-    os._exit(0)
+    finally:
+        stop.set()
+        time.sleep(CLOSE_TIMEOUT / 2)
+        os._exit(0)
 
 
 def worker_main(argv: list[str]) -> None:
-    """A worker process: run the job the trainer sends, and hand it every batch."""
+    """A worker process: run the job the trainer sends, and hand it every batch. It ends by
+    os._exit on every path: an interpreter's exit would wait for any thread the loader left
+    running (a download between retries), and a worker must never outlive its trainer."""
+    try:
+        _work(*(int(arg) for arg in argv))
+    finally:
+        for stream in (sys.stdout, sys.stderr):
+            stream.flush()
+        os._exit(0)
+
+
+def _work(job_fd: int, out_fd: int, slots_fd: int) -> None:
     # Ctrl-C goes to the whole process group: the trainer decides, and closes us
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     # the trainer's thread comes first where they share a core: a loader that falls behind still
     # gets every core the trainer leaves while it waits in next(). (Set before any thread starts:
     # Linux keeps a niceness per thread, and new threads inherit it)
     os.nice(NICENESS)
-    job_fd, out_fd, slots_fd = (int(arg) for arg in argv)
+    trainer = os.getppid()
     jobs = Connection(job_fd, writable=False)
     out = Connection(out_fd, readable=False)
     sending = threading.Lock()  # the two threads both send
@@ -441,16 +455,23 @@ def worker_main(argv: list[str]) -> None:
     done = np.ndarray(1, np.int64, buffer=slots)
     stop = threading.Event()
 
-    def answer(kind: str) -> None:
-        send((kind, loader.cache_status()))
+    def answer() -> None:
+        try:
+            status = loader.cache_status()
+        except Exception as e:  # the trainer's cache_status() raises it
+            status = _failure(e)
+        send(("status", status))
 
-    send(("ready", loader.worker_info()))
-    threading.Thread(target=_serve_trainer, args=(jobs, stop, answer), daemon=True,
-                     name="nanochat-worker-control").start()
     try:
+        send(("ready", loader.worker_info()))
+        threading.Thread(target=_serve_trainer, args=(jobs, stop, answer), daemon=True,
+                         name="nanochat-worker-control").start()
         for made, batch in enumerate(loader.row_batches()):
             while made - done[0] >= job.slots and not stop.is_set():
-                stop.wait(SLOT_POLL)  # every slot holds a batch the trainer has not finished
+                # every slot holds a batch the trainer has not finished; (a trainer gone leaves
+                # this process to init: the end of its pipe says so too, this is a second way)
+                if stop.wait(SLOT_POLL) or os.getppid() != trainer:
+                    stop.set()
             if stop.is_set():
                 break
             slot = made % job.slots
@@ -468,8 +489,10 @@ def worker_main(argv: list[str]) -> None:
                 pass
     finally:
         loader.close()
-        stop.wait()  # the trainer reads what was sent, then closes; its close ends us
-        os._exit(0)
+        # the trainer reads what was sent, then closes (or is gone): the other thread then ends
+        # the process; so does a trainer gone without a word
+        while not stop.wait(1.0) and os.getppid() == trainer:
+            pass
 
 
 if __name__ == "__main__":
