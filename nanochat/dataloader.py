@@ -129,7 +129,8 @@ def worker_loader(cls, function, args: dict):
     # in the worker: no threads of its own beyond the loader's, no device
     kwargs = args | {"workers": 0, "device": "cpu"}
     job = Job(f"{function.__module__}:{function.__name__}", kwargs, slots=args["prefetch"] + 1,
-              slot_bytes=2 * B * T * 8)  # [inputs | targets] of int64, as yielded
+              slot_bytes=2 * B * T * 8,  # [inputs | targets] of int64, as yielded
+              log_level=logging.getLogger(__package__).getEffectiveLevel())
     try:
         worker = WorkerBatches(job)
     except WorkerUnavailable as e:
@@ -489,9 +490,10 @@ class DataLoader:
     """What the loader functions return: an iterator of (inputs, targets, state_dict) (or of
     (inputs, targets) without state), with `stats` and `close()`.
 
-    Background threads start at the first `next()` (a streaming loader's shard fetching at the
-    call, so that the first shard is on its way) and stop on `close()`, on garbage collection, or
-    when the loader fails; a failure is raised again by every later `next()`.
+    A worker process (the default) starts its work at the call; background threads in this
+    process (workers=0) start at the first `next()` (a streaming loader's shard fetching at the
+    call, so that the first shard is on its way). Either stops on `close()`, on garbage
+    collection, or when the loader fails; a failure is raised again by every later `next()`.
     `stats` describes the batches yielded so far (not the read-ahead): tokens tokenized, emitted
     and cropped, crop_share (cropped / (emitted + cropped)), documents per row, buffer occupancy,
     masked targets, and wait_seconds, the time `next()` spent waiting for a batch (the stall a GPU
@@ -601,4 +603,7 @@ class DataLoader:
             source.close()
 
     def __del__(self):
+        batches = getattr(self, "_batches", None)  # (None: __init__ failed before setting it)
+        if isinstance(batches, WorkerBatches):
+            batches.close(wait=False)  # garbage collection asks a worker to stop, and goes on
         self.close()

@@ -6,8 +6,8 @@ nanochat.prefetch`), so that none of its Python takes the trainer's GIL: each ba
 back through shared memory, the rest of the batch through a pipe. Page: docs/loaders.md.
 
 Cost: one thread per stage, and at most `depth` items made ahead of the consumer. A worker: one
-process per loader (its start: ~2 s, it imports torch), (depth + 1) slots of shared memory of
-B * (T + 1) * 4 bytes, and ~0.1 ms of the trainer's time per batch to unpickle its state.
+process per loader (its start: ~2 s and ~350 MB, it imports torch), (depth + 1) slots of shared
+memory of 2 * B * T * 8 bytes, and ~0.4 ms of the trainer's time per batch.
 
 May import: the standard library, numpy.
 """
@@ -18,6 +18,7 @@ import logging
 import mmap
 import os
 import pickle
+import queue
 import signal
 import subprocess
 import sys
@@ -180,7 +181,9 @@ def maybe_prefetch(source, depth: int, name: str):
 NICENESS = 19  # the worker's: where it shares a core with the trainer, the trainer goes first
 CLOSE_TIMEOUT = 3.0  # seconds close() waits for a worker to end before killing it
 HEADER = 64  # bytes before the slots in the shared file: the batches the trainer is done with
-SLOT_POLL = 0.001  # seconds between a worker's looks for a free slot, when all are full
+# seconds between a worker's looks for a free slot when all are full: the first wait, then twice
+# as long each time, up to the last (a worker far ahead of its trainer wakes ~60 times a second)
+SLOT_POLL = (0.001, 0.016)
 _WORKERS: weakref.WeakSet = weakref.WeakSet()  # every worker started, closed at the exit
 
 
@@ -192,6 +195,7 @@ class Job(NamedTuple):
     kwargs: dict
     slots: int
     slot_bytes: int
+    log_level: int  # the trainer's for nanochat's loggers: the worker logs to stderr at it
 
 
 class WorkerUnavailable(Exception):
@@ -208,8 +212,8 @@ class WorkerBatches:
     """The trainer's end of a worker: an iterator of the loader's batches (each a NamedTuple whose
     `rows` is what the loader's `write_batch` wrote: int64, `slot_bytes` of them), started at
     once. A batch's `rows` view shared memory, valid until the next `next()`, which hands its
-    slot back. Raises WorkerUnavailable when the job
-    cannot run in a worker; a failure while the loader is built there is raised here, at once."""
+    slot back. Raises WorkerUnavailable when the job cannot run in a worker; a failure while the
+    loader is built there is raised here, at once."""
 
     def __init__(self, job: Job):
         if os.name != "posix":  # (pass_fds, memfd: Linux and macOS)
@@ -220,26 +224,33 @@ class WorkerBatches:
             raise WorkerUnavailable(f"its arguments cannot be pickled ({e})") from None
         self._closed = False
         self._lock = threading.Lock()  # sends: close() from another thread while next() sends
-        # receives: cache_status() from another thread while next() waits; each takes its own kind
-        # of message, and leaves the other kind in _pending
-        self._receiving = threading.Lock()
+        # receives: cache_status() from another thread while next() waits. One thread at a time
+        # reads the pipe; every message goes to _pending, and each thread takes its own kind
+        self._arrived = threading.Condition()
+        self._reading = False
         self._slot_bytes = job.slot_bytes
         self._taken = 0  # batches this end has taken: the worker reuses the slots of all but one
-        self._pending: deque = deque()  # messages received while waiting for the other kind
+        self._pending: deque = deque()  # messages read and not yet taken
         slots_fd = _shared_file(HEADER + job.slots * job.slot_bytes)
         self._slots = mmap.mmap(slots_fd, HEADER + job.slots * job.slot_bytes)
         self._done = np.ndarray(1, np.int64, buffer=self._slots)  # see worker_main
-        to_read, to_worker = os.pipe()  # the trainer's messages: the job, releases, close
+        to_read, to_worker = os.pipe()  # the trainer's messages: the job, status requests, close
         from_worker, to_write = os.pipe()
         # a fresh interpreter, not a fork: the trainer's threads (CUDA's, the tokenizer's pools)
         # and locks do not survive a fork, and multiprocessing's spawn would run the trainer's
         # script again in it
         env = os.environ | {"PYTHONPATH": os.pathsep.join(_import_path())}
-        self.process = subprocess.Popen(
-            [sys.executable, "-m", __spec__.name, str(to_read), str(to_write), str(slots_fd)],
-            pass_fds=(to_read, to_write, slots_fd), env=env, stdin=subprocess.DEVNULL)
-        for fd in (to_read, to_write, slots_fd):
-            os.close(fd)  # the worker holds them now: its pipe ends when it does, and ours too
+        try:
+            self.process = subprocess.Popen(
+                [sys.executable, "-m", __spec__.name, str(to_read), str(to_write), str(slots_fd)],
+                pass_fds=(to_read, to_write, slots_fd), env=env, stdin=subprocess.DEVNULL)
+        except BaseException:
+            for fd in (to_worker, from_worker):
+                os.close(fd)
+            raise
+        finally:
+            for fd in (to_read, to_write, slots_fd):
+                os.close(fd)  # the worker holds them now: its pipe ends when it does, ours too
         _WORKERS.add(self)
         self._to_worker = Connection(to_worker, readable=False)
         self._from_worker = Connection(from_worker, writable=False)
@@ -280,6 +291,9 @@ class WorkerBatches:
 
     def status(self):
         """What the loader there says of its shard cache (DataLoader.cache_status)."""
+        if self._closed:
+            raise RuntimeError("the loader is closed: its worker process, which held the shard "
+                               "cache, has ended")
         self._send(("status",))
         status = self._take(status=True)[1]
         if isinstance(status, tuple) and status[:1] == ("failed",):
@@ -288,16 +302,24 @@ class WorkerBatches:
 
     def _take(self, status: bool):
         """The next status reply (status=True), or else the next batch, end or failure."""
-        with self._receiving:
-            for i, message in enumerate(self._pending):
-                if (message[0] == "status") == status:
-                    del self._pending[i]
-                    return message
-            while True:
+        while True:
+            with self._arrived:
+                for i, message in enumerate(self._pending):
+                    if (message[0] == "status") == status:
+                        del self._pending[i]
+                        return message
+                if self._reading:  # another thread reads: it files what comes, and says so
+                    self._arrived.wait(0.1)
+                    continue
+                self._reading = True
+            try:
                 message = self._receive()
-                if (message[0] == "status") == status:
-                    return message
-                self._pending.append(message)
+                with self._arrived:
+                    self._pending.append(message)
+            finally:
+                with self._arrived:
+                    self._reading = False
+                    self._arrived.notify_all()
 
     def _send(self, message) -> None:
         with self._lock:
@@ -329,9 +351,9 @@ class WorkerBatches:
             raise error from WorkerTraceback(text)
         raise RuntimeError(f"unexpected message from the loader's worker: {message[0]!r}")
 
-    def close(self) -> None:
-        """End the worker: asked to stop, then killed if it has not after CLOSE_TIMEOUT seconds.
-        Idempotent."""
+    def close(self, wait: bool = True) -> None:
+        """End the worker: asked to stop, then killed if it has not after CLOSE_TIMEOUT seconds
+        (wait=False: asked only; it ends on its own). Idempotent."""
         with self._lock:
             if self._closed:
                 return
@@ -341,6 +363,8 @@ class WorkerBatches:
                 self._to_worker.close()
             except OSError:  # it has ended already
                 pass
+        if not wait:  # (subprocess reaps it later)
+            return
         try:
             self.process.wait(CLOSE_TIMEOUT)
         except subprocess.TimeoutExpired:
@@ -349,7 +373,7 @@ class WorkerBatches:
 
     def __del__(self):
         if hasattr(self, "process"):  # (None: __init__ failed before starting it)
-            self.close()
+            self.close(wait=False)  # garbage collection never waits for a process
 
 
 def _shared_file(size: int) -> int:
@@ -430,7 +454,7 @@ def _work(job_fd: int, out_fd: int, slots_fd: int) -> None:
     trainer = os.getppid()
     jobs = Connection(job_fd, writable=False)
     out = Connection(out_fd, readable=False)
-    sending = threading.Lock()  # the two threads both send
+    sending = threading.Lock()  # the three threads all send
 
     def send(message) -> None:
         with sending:
@@ -443,6 +467,8 @@ def _work(job_fd: int, out_fd: int, slots_fd: int) -> None:
     except Exception as e:
         send(("unavailable", f"{type(e).__name__}: {e}"))
         return
+    logging.basicConfig(format="%(message)s")  # (stderr, as the trainer's warnings by default)
+    logging.getLogger(__package__).setLevel(job.log_level)
     try:
         loader = function(**job.kwargs)
     except BaseException as e:  # a bad argument or state: the trainer raises it at its call
@@ -462,31 +488,44 @@ def _work(job_fd: int, out_fd: int, slots_fd: int) -> None:
             status = _failure(e)
         send(("status", status))
 
+    # batches go out from a thread of their own: a message larger than the pipe holds (a batch's
+    # attention_info) must not hold up the next batch; at most `slots` wait in the outbox
+    outbox: queue.SimpleQueue = queue.SimpleQueue()
+
+    def post() -> None:
+        try:
+            while (message := outbox.get()) is not None:
+                send(message)
+        except OSError:  # the trainer has gone
+            stop.set()
+
     try:
         send(("ready", loader.worker_info()))
-        threading.Thread(target=_serve_trainer, args=(jobs, stop, answer), daemon=True,
-                         name="nanochat-worker-control").start()
+        for target, name in ((_serve_trainer, "control"), (post, "post")):
+            args = (jobs, stop, answer) if name == "control" else ()
+            threading.Thread(target=target, args=args, daemon=True,
+                             name=f"nanochat-worker-{name}").start()
         for made, batch in enumerate(loader.row_batches()):
+            wait = SLOT_POLL[0]
             while made - done[0] >= job.slots and not stop.is_set():
                 # every slot holds a batch the trainer has not finished; (a trainer gone leaves
                 # this process to init: the end of its pipe says so too, this is a second way)
-                if stop.wait(SLOT_POLL) or os.getppid() != trainer:
+                if stop.wait(wait) or os.getppid() != trainer:
                     stop.set()
+                wait = min(2 * wait, SLOT_POLL[1])
             if stop.is_set():
                 break
             slot = made % job.slots
             host = np.ndarray(job.slot_bytes // 8, np.int64, buffer=slots,
                               offset=HEADER + slot * job.slot_bytes)
             item = loader.write_batch(batch, host)
-            send(("batch", None if batch.rows is None else slot, item))  # (None: a mixture's end)
+            # (slot None: a mixture's end, no rows)
+            outbox.put(("batch", None if batch.rows is None else slot, item))
         else:
-            send(("end",))
+            outbox.put(("end",))
     except BaseException as e:
         if not stop.is_set():  # (when stopping, a broken pipe is the trainer gone)
-            try:
-                send(_failure(e))
-            except OSError:
-                pass
+            outbox.put(_failure(e))
     finally:
         loader.close()
         # the trainer reads what was sent, then closes (or is gone): the other thread then ends

@@ -271,9 +271,9 @@ def nanochat_seconds(tokenizer, data_dir: str, args) -> float:
 def loader_vs_tokenizer(contenders: dict, text_batches, data_dir: str, args) -> dict:
     """{label: rounds}, each round (tokens, wall s, CPU s) of tokenization alone, then (tokens, wall
     s, CPU s, wait s) of the whole loader (reading + tokenizing + packing + transfer), with the
-    loader's own encode method, then the seconds of nanochat's loader (nanochat_seconds). This 2-core machine is shared and its speed drifts by +-15% from one
-    second to the next, so every contender's two runs alternate, round after round, and are compared
-    on their totals."""
+    loader's own encode method, then the seconds of nanochat's loader (nanochat_seconds). This
+    2-core machine is shared and its speed drifts by +-15% from one second to the next, so the
+    runs alternate, round after round, and are compared on their totals."""
     # tokenization alone takes, every round, the texts at the start of the corpus: about what a
     # fresh loader tokenizes in its timed batches (documents differ in how fast they tokenize)
     n_batches = args.loader_batches // args.repeats

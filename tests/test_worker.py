@@ -8,6 +8,7 @@ real: `python -m nanochat.prefetch`, started and killed here.
 Run: python -m pytest tests/test_worker.py -q   (about a minute: each worker takes ~1.5 s to start)
 """
 
+import gc
 import json
 import os
 import signal
@@ -59,8 +60,8 @@ def corpus(tmp_path_factory):
 
 
 def parquet(function, **kwargs):
-    def make(corpus, **more):
-        return function(ByteTokenizer(), 4, 32, "train", device="cpu",
+    def make(corpus, tokenizer=None, **more):
+        return function(tokenizer or ByteTokenizer(), 4, 32, "train", device="cpu",
                         data_dir=str(corpus / "parquet"), tokenizer_batch_size=8,
                         **kwargs | more)
     return make
@@ -250,6 +251,53 @@ class FailingTokenizer(ByteTokenizer):
         return super().encode(texts, prepend=prepend, num_threads=num_threads)
 
 
+class SlowTokenizer(ByteTokenizer):
+    """Takes 8 s a call after its first: the worker stays inside a call."""
+
+    calls = 0
+
+    def encode(self, texts, prepend=None, num_threads=0):
+        self.calls += 1
+        if self.calls > 1:
+            time.sleep(8)
+        return super().encode(texts, prepend=prepend, num_threads=num_threads)
+
+
+def test_status_while_next_waits_and_a_dropped_loader_waits_for_nothing(corpus, tmp_path):
+    hosted = tmp_path / "hosted"
+    os.makedirs(hosted)
+    for i, name in zip([0, 1, 2, 6542], sorted(os.listdir(corpus / "parquet"))):
+        os.link(corpus / "parquet" / name, hosted / index_to_filename(i))
+    server = ShardServer(str(hosted))
+    try:
+        loader = tokenizing_distributed_data_loader_with_state_bos_bestfit(
+            SlowTokenizer(), 4, 32, "train", device="cpu", data_dir=str(tmp_path / "cache"),
+            stream=True, num_shards=3, base_url=server.url, tokenizer_batch_size=64,
+            buffer_size=16, workers=1)
+        waiting = threading.Thread(target=lambda: outcome(lambda: take(loader, 3), 60),
+                                   daemon=True)
+        waiting.start()  # next() waits for the worker, inside an 8-s call
+        time.sleep(0.5)
+        status = outcome(loader.cache_status, 5)  # answered by the worker's other thread
+        assert not isinstance(status, Exception) and len(status.loaders) == 1, status
+        loader.close()
+    finally:
+        server.close()
+    # a loader dropped without close() while its worker is inside a long call
+    loader = LOADERS["bestfit"](corpus, workers=1, tokenizer=SlowTokenizer())
+    next(loader)  # the calls after the first take 8 s
+    time.sleep(0.5)
+    pid = loader.worker_pid
+
+    def drop():
+        nonlocal loader
+        loader = None
+        gc.collect()
+
+    assert outcome(drop, 1.0) is None  # garbage collection asks the worker to stop, no more
+    assert wait_gone(pid, CLOSE_TIMEOUT + 1)
+
+
 def test_a_failure_reaches_next_with_its_traceback(corpus):
     loader = tokenizing_distributed_data_loader_with_state_bos_bestfit(
         FailingTokenizer(), 4, 32, "train", device="cpu", data_dir=str(corpus / "parquet"),
@@ -299,6 +347,8 @@ def test_close_is_bounded_from_another_thread_while_next_waits(corpus):
     assert wait_gone(pid, CLOSE_TIMEOUT + 1)
     with pytest.raises(StopIteration):
         next(loader)
+    with pytest.raises(RuntimeError, match="the loader is closed"):
+        loader._batches.status()  # (what cache_status() asks of a streaming loader's worker)
 
 
 TRAINER = """
