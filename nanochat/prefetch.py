@@ -7,7 +7,7 @@ back through shared memory, the rest of the batch through a pipe. Page: docs/loa
 
 Cost: one thread per stage, and at most `depth` items made ahead of the consumer. A worker: one
 process per loader (its start: ~2 s and ~350 MB, it imports torch), (depth + 1) slots of shared
-memory of 2 * B * T * 8 bytes, and ~0.4 ms of the trainer's time per batch.
+memory of 2 * B * T * 8 bytes, and ~0.5 ms of the trainer's time per batch.
 
 May import: the standard library, numpy.
 """
