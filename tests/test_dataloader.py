@@ -646,6 +646,15 @@ loader = tokenizing_distributed_data_loader_bos_bestfit(tokenizer, 2, 8, "train"
                                                         data_dir=sys.argv[1], prefetch=2)
 next(loader)
 tokenizer.busy = True
+
+def drain():  # the read-ahead may be full: taking batches makes the loader tokenize again
+    try:
+        for _ in loader:
+            pass
+    except Exception:
+        pass
+
+threading.Thread(target=drain, daemon=True).start()
 in_call.wait(30)
 print("exiting", flush=True)
 """
