@@ -122,7 +122,10 @@ def build_loader(spec: LoaderSpec, resume_state_dict: dict | None) -> "DataLoade
 def worker_loader(cls, function, args: dict):
     """The loader `function(**args)` makes, run in a worker process (nanochat/prefetch.py's
     WorkerBatches) and handed to the device here by a `cls` (DataLoader or a subclass); None
-    where the job cannot run there (the caller then builds the loader in this process)."""
+    where it runs in this process: workers=0 (resolve_workers), or a job that cannot run there
+    (the caller then builds the loader here)."""
+    if not resolve_workers(args["workers"], args["prefetch"]):
+        return None
     B, T = args["B"], args["T"]
     check_options(B, T, args["split"], args["prefetch"])  # (a slot's size needs good B and T)
     transfer = DeviceBatches(B, T, args["device"])  # (no CUDA: refused before a worker starts)
@@ -140,8 +143,8 @@ def worker_loader(cls, function, args: dict):
                            "%s. Pass workers=0 to choose this without a warning", e)
         return None
     info = worker.info
-    split_rows = row_split if info["rows"] == "bestfit" else flat_split(B, T)
-    return cls(worker, transfer, split_rows, 0, args["with_state"],
+    # (no split_rows: the worker writes the rows as they are yielded, DeviceBatches.from_host)
+    return cls(worker, transfer, None, 0, args["with_state"],
                attention_info=info["attention_info"], cache=worker if info["streaming"] else None,
                **info["extras"])
 
@@ -290,11 +293,10 @@ def tokenizing_distributed_data_loader_with_state_bos_bestfit(
     docs/streaming.md. Batches and states equal those of the same shards on disk.
     """
     args = dict(locals())
-    if resolve_workers(workers, prefetch):
-        loader = worker_loader(DataLoader,
-                               tokenizing_distributed_data_loader_with_state_bos_bestfit, args)
-        if loader is not None:
-            return loader
+    loader = worker_loader(DataLoader, tokenizing_distributed_data_loader_with_state_bos_bestfit,
+                           args)
+    if loader is not None:
+        return loader
     spec = _tokenizing_spec("bestfit", tokenizer, B, T, split, args)
     return build_loader(spec, resume_state_dict)
 
@@ -324,10 +326,9 @@ def tokenizing_distributed_data_loader_with_state(
     B*T+1 tokens of every batch that its hash covers. The other arguments: as for the best-fit
     loader."""
     args = dict(locals())
-    if resolve_workers(workers, prefetch):
-        loader = worker_loader(DataLoader, tokenizing_distributed_data_loader_with_state, args)
-        if loader is not None:
-            return loader
+    loader = worker_loader(DataLoader, tokenizing_distributed_data_loader_with_state, args)
+    if loader is not None:
+        return loader
     spec = _tokenizing_spec("concat", tokenizer, B, T, split, args)
     return build_loader(spec, resume_state_dict)
 
@@ -359,12 +360,10 @@ def pretokenized_distributed_data_loader_with_state_bos_bestfit(
     Targets that predict a window's overlap with the previous window are -100.
     The other arguments: as for the parquet loader. Details: docs/pretokenized.md.
     """
-    if resolve_workers(workers, prefetch):
-        loader = worker_loader(DataLoader,
-                               pretokenized_distributed_data_loader_with_state_bos_bestfit,
-                               dict(locals()))
-        if loader is not None:
-            return loader
+    loader = worker_loader(DataLoader, pretokenized_distributed_data_loader_with_state_bos_bestfit,
+                           dict(locals()))
+    if loader is not None:
+        return loader
     check_options(B, T, split, prefetch, buffer_size=buffer_size, chunk_size=chunk_size,
                   batch_size=batch_size)
     check_long_doc_policy(long_doc_policy, split_overlap, T)
@@ -567,10 +566,9 @@ class DataLoader:
         return batch._replace(rows=None, masked=())
 
     def worker_info(self) -> dict:
-        """What the trainer's end of a worker needs to know of this loader: its row shape,
-        whether it yields attention_info and streams, and its class's own arguments."""
-        return {"rows": "bestfit" if self._split_rows is row_split else "concat",
-                "attention_info": self._attention_info, "streaming": self._cache is not None,
+        """What the trainer's end of a worker needs to know of this loader: whether it yields
+        attention_info and streams, and its class's own arguments."""
+        return {"attention_info": self._attention_info, "streaming": self._cache is not None,
                 "extras": {}}
 
     @property

@@ -28,7 +28,7 @@ from nanochat.curriculum import choose, list_buckets, load_curriculum, main, row
 from nanochat.dataloader import (Assembled, DataLoader, DeviceBatches, LoaderSpec, assemble,
                                  row_split, worker_loader)
 from nanochat.mixture_state import add_mixture_checksum, mixture_start
-from nanochat.options import check_options, check_shuffle, resolve_rank, resolve_workers
+from nanochat.options import check_options, check_shuffle, resolve_rank
 from nanochat.packing import BestFitPacker, check_long_doc_policy
 from nanochat.rows import DocumentFeed, EntryDocuments, RowBatch, Stop, token_batches
 from nanochat.state import EMPTY_HASH, VERSION, files_fingerprint, hash_tokens, loader_config
@@ -385,11 +385,10 @@ def pretokenized_mixture_loader_with_state_bos_bestfit(
     Raises BucketExhausted / CurriculumComplete (with .state, the last good state) where it must
     stop. workers: as for the parquet loader (the stop is agreed here, in the trainer's process).
     Details: docs/mixtures.md."""
-    if resolve_workers(workers, prefetch):
-        loader = worker_loader(MixtureLoader, pretokenized_mixture_loader_with_state_bos_bestfit,
-                               dict(locals()))
-        if loader is not None:
-            return loader
+    loader = worker_loader(MixtureLoader, pretokenized_mixture_loader_with_state_bos_bestfit,
+                           dict(locals()))
+    if loader is not None:
+        return loader
     check_options(B, T, split, prefetch, buffer_size=buffer_size, chunk_size=chunk_size,
                   batch_size=batch_size)
     check_long_doc_policy(long_doc_policy, split_overlap, T)
