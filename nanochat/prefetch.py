@@ -501,10 +501,9 @@ def _work(job_fd: int, out_fd: int, slots_fd: int) -> None:
 
     try:
         send(("ready", loader.worker_info()))
-        for target, name in ((_serve_trainer, "control"), (post, "post")):
-            args = (jobs, stop, answer) if name == "control" else ()
-            threading.Thread(target=target, args=args, daemon=True,
-                             name=f"nanochat-worker-{name}").start()
+        threading.Thread(target=_serve_trainer, args=(jobs, stop, answer), daemon=True,
+                         name="nanochat-worker-control").start()
+        threading.Thread(target=post, daemon=True, name="nanochat-worker-post").start()
         for made, batch in enumerate(loader.row_batches()):
             wait = SLOT_POLL[0]
             while made - done[0] >= job.slots and not stop.is_set():
