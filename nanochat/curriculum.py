@@ -167,10 +167,13 @@ def usable_shares(paths: list[str], chunk_size: int, world_size: int, shuffle: S
     return rank_shares(paths, chunk_size, world_size, shuffle, capacity)
 
 
+MORE_DATA = "give the bucket a lower weight or more data"  # the fix when cropping is not the cause
+
+
 def dry_fixes(T: int | None, long_doc_policy: str) -> str:
     """What to do about a bucket that runs dry (validate's and BucketExhausted's messages end with
     it)."""
-    fixes = ["give the bucket a lower weight or more data"]
+    fixes = [MORE_DATA]
     if long_doc_policy == "crop":  # the crop is what a split policy or windows save
         window = T + 1 if T else "T+1"
         fixes[:0] = ['long_doc_policy="split" (long documents in pieces, not cropped)',
@@ -184,7 +187,7 @@ class _Supply(NamedTuple):
     smallest: int  # the smallest rank's share of them
     usable: int  # what rows can take, after the estimated crop (usable_shares)
     smallest_usable: int
-    crop_share: float | None  # the estimated crop: 1 - usable / available; None: not estimated
+    crop_share: float | None  # the estimated crop, 1 - usable / available; None: no T
 
     def short(self, demand: float, world_size: int, usable: bool) -> bool:
         """Whether demand (all ranks) is more than the bucket holds (usable: more than its rows can
@@ -226,7 +229,7 @@ def validate(curriculum, data_dir: str, split: str = "train", *, total_tokens: i
         shares = rank_shares(paths, chunk_size, world_size, order)
         usable = (usable_shares(paths, chunk_size, world_size, order, T, long_doc_policy)
                   if estimated else shares)
-        crop = 1 - sum(usable) / max(1, sum(shares)) if estimated else None
+        crop = 1 - sum(usable) / max(1, sum(shares)) if T else None
         supply[name] = _Supply(sum(shares), min(shares), sum(usable), min(usable), crop)
     scale = (T + 1) / T if T else 1.0  # a row of T + 1 tokens trains T: the last is a target only
     total = sum(p.tokens for p in phases)
@@ -278,7 +281,9 @@ def _when(dry_at: float, step_tokens: int, total: int) -> str:
         return f"after about {dry_at:,.0f} tokens of the job's {total:,}"
     steps = -(-total // step_tokens)  # a step trained from below the total is the last one
     # step k trains job tokens [(k - 1) S, k S): the first whose demand passes the supply
-    return f"at about step {min(steps, int(dry_at // step_tokens) + 1):,} of {steps:,}"
+    # (1e-9: 39,600 tokens at 396 a step is the end of step 100, not 99.99...)
+    step = int(dry_at / step_tokens + 1e-9) + 1
+    return f"at about step {min(steps, step):,} of {steps:,}"
 
 
 def _dry_message(phase: int, name: str, demanded: float, s: _Supply, *, world_size: int,
@@ -289,12 +294,14 @@ def _dry_message(phase: int, name: str, demanded: float, s: _Supply, *, world_si
              f"{s.smallest:,}")
     message = (f"phase {phase}: bucket {name!r} runs dry {when}: {demanded:,.0f} tokens demanded "
                f"by the end of the phase, {where}")
-    if s.crop_share is not None:
+    if long_doc_policy == "crop" and s.crop_share is not None:
         usable = (f"{s.usable:,}" if world_size == 1 else
                   f"{s.usable:,} (the smallest rank's {s.smallest_usable:,})")
         message += (f"; rows can take about {usable} of them: an estimated crop share of "
                     f"{s.crop_share:.2f} (long_doc_policy={long_doc_policy!r}, T={T})")
-    return f"{message}; fixes: {dry_fixes(T, long_doc_policy)}"
+    # short of entry tokens, not of usable ones: less cropping would not be enough
+    short = s.short(demanded, world_size, usable=False)
+    return f"{message}; fixes: {MORE_DATA if short else dry_fixes(T, long_doc_policy)}"
 
 
 def _unit(seed: int, phase: int, generation: int) -> float:
