@@ -203,9 +203,9 @@ TINY_CUR = [{"tokens": 60_000, "mix": {"web": 0.9, "tiny": 0.1}}]
 
 FIXES = ('long_doc_policy="split" (long documents in pieces, not cropped); or pretokenize the '
          'bucket in windows (--max-length 100); or give the bucket a lower weight or more data')
-TINY_DRY = ("phase 1: bucket 'tiny' runs dry {when}: 6,061 tokens demanded by the end of the phase, "
-            "8,000 available; rows can take about 4,000 of them: an estimated crop share of 0.50 "
-            "(long_doc_policy='crop', T=99); fixes: " + FIXES)
+TINY_DRY = ("phase 1: bucket 'tiny' runs dry {when}: 6,061 tokens demanded by the end of the "
+            "phase, 8,000 available; rows can take about 4,000 of them: an estimated crop share of "
+            "0.50 (long_doc_policy='crop', T=99); fixes: " + FIXES)
 
 
 def test_bucket_runs_dry_then_resumes_with_it_dropped(tmp_path, caplog):
