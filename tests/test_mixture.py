@@ -315,6 +315,22 @@ def test_bos_token_comes_from_pretokenize_json_never_a_guess(tmp_path):
         MIX(4, 99, "train", TINY_CUR, **kw)
 
 
+def test_a_worker_process_says_the_same(tmp_path):
+    # the message is made in the trainer's process, from what the worker sends with the stop
+    data = tiny_buckets(tmp_path)
+    messages = []
+    for workers in (0, 1):
+        loader = MIX(4, 99, "train", TINY_CUR, device="cpu", buffer_size=4, chunk_size=8,
+                     batch_size=4, data_dir=data, bos_token=BOS, workers=workers)
+        assert (loader.worker_pid is not None) == bool(workers)
+        with pytest.raises(BucketExhausted) as stop:
+            for _ in range(1000):
+                next(loader)
+        messages.append(str(stop.value))
+        loader.close()
+    assert messages[0] == messages[1] and "(its crop share so far: 0.50)" in messages[0]
+
+
 def test_split_runs_what_crop_runs_dry(tmp_path):
     # the same curriculum under long_doc_policy="split": nothing cropped, no warning, every step
     data = tiny_buckets(tmp_path)
