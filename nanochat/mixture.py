@@ -48,7 +48,8 @@ class MixtureStop(RuntimeError):
 
 class BucketExhausted(MixtureStop):
     """A bucket ran dry on some rank (allow_bucket_exhaustion=False). Save a checkpoint with
-    `.state` and stop; resume with allow_bucket_exhaustion=True to go on without the bucket."""
+    `.state` and stop; resume with allow_bucket_exhaustion=True to go on without the bucket. The
+    message gives the bucket's crop share so far and the fixes for a next run."""
 
     def __init__(self, message: str, state: dict | None, bucket: str | None):
         super().__init__(message, state)
@@ -398,7 +399,9 @@ def pretokenized_mixture_loader_with_state_bos_bestfit(
     for in data_dir and in each bucket's directory (all that record a BOS must agree). shuffle,
     shuffle_window: each bucket's chunks and entries in a seeded order (seed and the bucket's name).
     Raises BucketExhausted / CurriculumComplete (with .state, the last good state) where it must
-    stop. workers: as for the parquet loader (the stop is agreed here, in the trainer's process).
+    stop. A fresh loader checks the curriculum against the buckets first, their crop under T and
+    long_doc_policy estimated: a ValueError for a shortfall of tokens, a logged warning (at the
+    call) for a bucket that cropping will run dry. workers: as for the parquet loader (the stop is agreed here, in the trainer's process).
     Details: docs/mixtures.md."""
     loader = worker_loader(MixtureLoader, pretokenized_mixture_loader_with_state_bos_bestfit,
                            dict(locals()))
