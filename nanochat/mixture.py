@@ -401,8 +401,8 @@ def pretokenized_mixture_loader_with_state_bos_bestfit(
     Raises BucketExhausted / CurriculumComplete (with .state, the last good state) where it must
     stop. A fresh loader checks the curriculum against the buckets first, their crop under T and
     long_doc_policy estimated: a ValueError for a shortfall of tokens, a logged warning (at the
-    call) for a bucket that cropping will run dry. workers: as for the parquet loader (the stop is agreed here, in the trainer's process).
-    Details: docs/mixtures.md."""
+    call) for a bucket that cropping will run dry. workers: as for the parquet loader (the stop is
+    agreed here, in the trainer's process). Details: docs/mixtures.md."""
     loader = worker_loader(MixtureLoader, pretokenized_mixture_loader_with_state_bos_bestfit,
                            dict(locals()))
     if loader is not None:
