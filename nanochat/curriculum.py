@@ -135,20 +135,22 @@ def load_curriculum(spec, buckets=None) -> list[Phase]:
     return phases
 
 
-def rank_shares(paths: list[str], chunk_size: int, world_size: int,
-                shuffle: Shuffle | None = None, row_capacity: int | None = None) -> list[int]:
-    """Tokens each rank reads of a bucket (chunks rank, rank + W, ... of every file; shuffled: of
-    the first epoch's permutation of all chunks), from the .idx files only. With world_size 1: the
-    bucket's size. row_capacity: each entry counts at most that many tokens (what cropping leaves
-    of it, see usable_shares)."""
-    chunks = []  # tokens per chunk, per file
-    for path in paths:
-        offsets = TokenShard(path).offsets  # the index only: the tokens stay unread
-        if row_capacity is not None:  # the offsets of the entries cut to one row each
-            offsets = np.concatenate(([0], np.cumsum(np.minimum(np.diff(offsets), row_capacity))))
-        starts = np.arange(0, len(offsets) - 1, chunk_size)
-        # the last chunk of a file may be shorter: its end is the file's last offset
-        chunks.append(offsets[np.minimum(starts + chunk_size, len(offsets) - 1)] - offsets[starts])
+class Shares(NamedTuple):
+    """What each rank reads of a bucket: its entry tokens, and those its rows can take."""
+    tokens: list[int]
+    usable: list[int]  # after the estimated crop (bucket_shares)
+
+
+def _chunk_sums(offsets: np.ndarray, chunk_size: int) -> np.ndarray:
+    """Tokens per chunk of a file's entries, from its offsets."""
+    starts = np.arange(0, len(offsets) - 1, chunk_size)
+    # the last chunk of a file may be shorter: its end is the file's last offset
+    return offsets[np.minimum(starts + chunk_size, len(offsets) - 1)] - offsets[starts]
+
+
+def _deal(chunks: list[np.ndarray], world_size: int, shuffle: Shuffle | None) -> list[int]:
+    """Tokens per rank of per-file chunk sums: chunks rank, rank + W, ... of every file; shuffled:
+    of the first epoch's permutation of all chunks."""
     if shuffle:
         tokens = np.concatenate(chunks) if chunks else np.zeros(0, dtype=np.int64)
         return [int(tokens[shuffle.units(1, len(tokens), rank, world_size)].sum())
@@ -156,15 +158,32 @@ def rank_shares(paths: list[str], chunk_size: int, world_size: int,
     return [sum(int(c[rank::world_size].sum()) for c in chunks) for rank in range(world_size)]
 
 
-def usable_shares(paths: list[str], chunk_size: int, world_size: int, shuffle: Shuffle | None,
-                  T: int | None, long_doc_policy: str) -> list[int]:
-    """Tokens each rank's rows can take of a bucket, an estimate from the .idx files. Under "crop"
-    a document longer than a row (T+1 tokens) keeps one row's worth at most: its tail is cropped
-    away. Shorter documents are counted whole, though best-fit crops some of them too, so this is
-    an upper bound on what rows take (and a lower bound on the crop). "split" and "split_reuse"
-    use every token (their added BOS and repeated overlap are not counted). No T: every token."""
+def bucket_shares(paths: list[str], chunk_size: int, world_size: int, shuffle: Shuffle | None,
+                  T: int | None, long_doc_policy: str) -> Shares:
+    """Tokens each rank reads of a bucket, and an estimate of those its rows can take, from the .idx
+    files only (one read each). Under "crop" a document longer than a row (T+1 tokens) keeps one
+    row's worth at most: its tail is cropped away. Shorter documents are counted whole, though
+    best-fit crops some of them too, so `usable` is an upper bound on what rows take (and the
+    estimate a lower bound on the crop). "split" and "split_reuse" use every token (their added BOS
+    and repeated overlap are not counted); so does an unknown T."""
     capacity = T + 1 if T and long_doc_policy == "crop" else None
-    return rank_shares(paths, chunk_size, world_size, shuffle, capacity)
+    tokens, usable = [], []
+    for path in paths:
+        offsets = TokenShard(path).offsets  # the index only: the tokens stay unread
+        tokens.append(_chunk_sums(offsets, chunk_size))
+        if capacity is not None:  # the offsets of the entries cut to one row each
+            kept = np.concatenate(([0], np.cumsum(np.minimum(np.diff(offsets), capacity))))
+            usable.append(_chunk_sums(kept, chunk_size))
+    shares = _deal(tokens, world_size, shuffle)
+    return Shares(shares, _deal(usable, world_size, shuffle) if capacity is not None else shares)
+
+
+def rank_shares(paths: list[str], chunk_size: int, world_size: int,
+                shuffle: Shuffle | None = None) -> list[int]:
+    """Tokens each rank reads of a bucket (chunks rank, rank + W, ... of every file; shuffled: of
+    the first epoch's permutation of all chunks), from the .idx files only. With world_size 1: the
+    bucket's size."""
+    return bucket_shares(paths, chunk_size, world_size, shuffle, None, "crop").tokens
 
 
 MORE_DATA = "give the bucket a lower weight or more data"  # the fix when cropping is not the cause
@@ -185,7 +204,7 @@ class _Supply(NamedTuple):
     """A bucket's tokens against what it must supply: all ranks, and the smallest rank's share."""
     available: int  # entry tokens, all ranks
     smallest: int  # the smallest rank's share of them
-    usable: int  # what rows can take, after the estimated crop (usable_shares)
+    usable: int  # what rows can take, after the estimated crop (bucket_shares)
     smallest_usable: int
     crop_share: float | None  # the estimated crop, 1 - usable / available; None: no T
 
@@ -206,7 +225,7 @@ def validate(curriculum, data_dir: str, split: str = "train", *, total_tokens: i
     problems block a run (a predicted shortfall, a budget mismatch), warnings do not (the same under
     their allow_* flag).
     - Demand counts trained tokens; with T given, a row of T+1 tokens per T trained.
-    - With T given, under long_doc_policy="crop", each bucket's crop is estimated (usable_shares).
+    - With T given, under long_doc_policy="crop", each bucket's crop is estimated (bucket_shares).
       A bucket whose tokens cover the demand but whose usable tokens do not is a warning, once per
       bucket, naming the step where it runs dry (with step_tokens) and the fixes; strict=True makes
       it a problem (unless allow_bucket_exhaustion).
@@ -222,13 +241,10 @@ def validate(curriculum, data_dir: str, split: str = "train", *, total_tokens: i
     buckets = list_buckets(data_dir, split)
     loaded = isinstance(curriculum, list) and all(isinstance(p, Phase) for p in curriculum)
     phases = curriculum if loaded else load_curriculum(curriculum, buckets)
-    estimated = bool(T) and long_doc_policy == "crop"  # (the split policies crop ~nothing)
     supply = {}
     for name, paths in buckets.items():
-        order = shuffle and shuffle.bucket(name)
-        shares = rank_shares(paths, chunk_size, world_size, order)
-        usable = (usable_shares(paths, chunk_size, world_size, order, T, long_doc_policy)
-                  if estimated else shares)
+        shares, usable = bucket_shares(paths, chunk_size, world_size,
+                                       shuffle and shuffle.bucket(name), T, long_doc_policy)
         crop = 1 - sum(usable) / max(1, sum(shares)) if T else None
         supply[name] = _Supply(sum(shares), min(shares), sum(usable), min(usable), crop)
     scale = (T + 1) / T if T else 1.0  # a row of T + 1 tokens trains T: the last is a target only

@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from conftest import worker_env
-from nanochat.curriculum import rank_shares, usable_shares
+from nanochat.curriculum import bucket_shares, rank_shares
 from nanochat.mixture import (BucketExhausted, CurriculumComplete, load_curriculum,
                               main as mixture_main,
                               pretokenized_mixture_loader_with_state_bos_bestfit as MIX, validate)
@@ -603,10 +603,10 @@ CODE_DRY = ("phase 1: bucket 'code' runs dry at about step 4 of 5: 100 tokens de
 def test_the_crop_estimate_by_hand(tmp_path):
     paths = lengths_bucket(tmp_path, LENGTHS)
     assert rank_shares(paths, 2, 2) == [82, 51]
-    assert usable_shares(paths, 2, 2, None, 9, "crop") == [35, 30]
-    assert usable_shares(paths, 2, 2, None, 9, "split") == [82, 51]  # nothing cropped
-    assert usable_shares(paths, 2, 1, None, 9, "crop") == [65]
-    assert usable_shares(paths, 2, 1, None, None, "crop") == [133]  # no T: nothing estimated
+    assert bucket_shares(paths, 2, 2, None, 9, "crop") == ([82, 51], [35, 30])
+    assert bucket_shares(paths, 2, 2, None, 9, "split") == ([82, 51], [82, 51])  # nothing cropped
+    assert bucket_shares(paths, 2, 1, None, 9, "crop") == ([133], [65])
+    assert bucket_shares(paths, 2, 1, None, None, "crop") == ([133], [133])  # no T: no estimate
     # 90 tokens trained at T=9 demand 100 row tokens: 50 a rank. Enough tokens (51 on the smaller
     # rank), not enough usable ones (30): the job's rows can take 2 x 30 = 60, which 54 trained
     # tokens use up; a step is B=1 x T=9 x 2 ranks = 18 tokens, so step 4 (tokens 54-72) of 5
