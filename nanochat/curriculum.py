@@ -2,14 +2,14 @@
 Curricula and buckets: what a mixture reads (GPT-Simple's layout and rules). A curriculum is an
 ordered list of phases, each a token budget and a mix of bucket weights; buckets are the
 subdirectories of a pretokenized data directory. validate() sets the tokens each phase demands of
-each bucket against what the buckets (and each rank's share of them) hold; row_unit() and choose()
-pick the bucket of each row of each rank. `python -m nanochat.mixture validate` is main() below;
-the loader itself is mixture.py.
+each bucket against what the buckets (and each rank's share of them) hold, less the estimated crop;
+row_unit() and choose() pick the bucket of each row of each rank. `python -m nanochat.mixture
+validate` is main() below; the loader itself is mixture.py.
 
 Design: docs/mixtures.md
 
-May import: nanochat.checks, nanochat.token_shards, nanochat.shuffle, nanochat.layout, pyyaml,
-numpy.
+May import: nanochat.checks, nanochat.token_shards, nanochat.shuffle, nanochat.layout,
+nanochat.packing, pyyaml, numpy.
 """
 
 import argparse
@@ -26,6 +26,7 @@ import yaml
 
 from nanochat.checks import is_int
 from nanochat.layout import check_kind
+from nanochat.packing import POLICIES
 from nanochat.shuffle import Shuffle
 from nanochat.token_shards import TokenShard, list_token_shards
 
@@ -134,17 +135,22 @@ def load_curriculum(spec, buckets=None) -> list[Phase]:
     return phases
 
 
-def rank_shares(paths: list[str], chunk_size: int, world_size: int,
-                shuffle: Shuffle | None = None) -> list[int]:
-    """Tokens each rank reads of a bucket (chunks rank, rank + W, ... of every file; shuffled: of
-    the first epoch's permutation of all chunks), from the .idx files only. With world_size 1: the
-    bucket's size."""
-    chunks = []  # tokens per chunk, per file
-    for path in paths:
-        offsets = TokenShard(path).offsets  # the index only: the tokens stay unread
-        starts = np.arange(0, len(offsets) - 1, chunk_size)
-        # the last chunk of a file may be shorter: its end is the file's last offset
-        chunks.append(offsets[np.minimum(starts + chunk_size, len(offsets) - 1)] - offsets[starts])
+class Shares(NamedTuple):
+    """What each rank reads of a bucket: its entry tokens, and those its rows can take."""
+    tokens: list[int]
+    usable: list[int]  # after the estimated crop (bucket_shares)
+
+
+def _chunk_sums(offsets: np.ndarray, chunk_size: int) -> np.ndarray:
+    """Tokens per chunk of a file's entries, from its offsets."""
+    starts = np.arange(0, len(offsets) - 1, chunk_size)
+    # the last chunk of a file may be shorter: its end is the file's last offset
+    return offsets[np.minimum(starts + chunk_size, len(offsets) - 1)] - offsets[starts]
+
+
+def _deal(chunks: list[np.ndarray], world_size: int, shuffle: Shuffle | None) -> list[int]:
+    """Tokens per rank of per-file chunk sums: chunks rank, rank + W, ... of every file; shuffled:
+    of the first epoch's permutation of all chunks."""
     if shuffle:
         tokens = np.concatenate(chunks) if chunks else np.zeros(0, dtype=np.int64)
         return [int(tokens[shuffle.units(1, len(tokens), rank, world_size)].sum())
@@ -152,17 +158,77 @@ def rank_shares(paths: list[str], chunk_size: int, world_size: int,
     return [sum(int(c[rank::world_size].sum()) for c in chunks) for rank in range(world_size)]
 
 
+def bucket_shares(paths: list[str], chunk_size: int, world_size: int, shuffle: Shuffle | None,
+                  T: int | None, long_doc_policy: str) -> Shares:
+    """Tokens each rank reads of a bucket, and an estimate of those its rows can take, from the .idx
+    files only (one read each). Under "crop" a document longer than a row (T+1 tokens) keeps one
+    row's worth at most: its tail is cropped away. Shorter documents are counted whole, though
+    best-fit crops some of them too, so `usable` is an upper bound on what rows take (and the
+    estimate a lower bound on the crop). "split" and "split_reuse" use every token (their added BOS
+    and repeated overlap are not counted); so does an unknown T."""
+    capacity = T + 1 if T and long_doc_policy == "crop" else None
+    tokens, usable = [], []
+    for path in paths:
+        offsets = TokenShard(path).offsets  # the index only: the tokens stay unread
+        tokens.append(_chunk_sums(offsets, chunk_size))
+        if capacity is not None:  # the offsets of the entries cut to one row each
+            kept = np.concatenate(([0], np.cumsum(np.minimum(np.diff(offsets), capacity))))
+            usable.append(_chunk_sums(kept, chunk_size))
+    shares = _deal(tokens, world_size, shuffle)
+    return Shares(shares, _deal(usable, world_size, shuffle) if capacity is not None else shares)
+
+
+def rank_shares(paths: list[str], chunk_size: int, world_size: int,
+                shuffle: Shuffle | None = None) -> list[int]:
+    """Tokens each rank reads of a bucket (chunks rank, rank + W, ... of every file; shuffled: of
+    the first epoch's permutation of all chunks), from the .idx files only. With world_size 1: the
+    bucket's size."""
+    return bucket_shares(paths, chunk_size, world_size, shuffle, None, "crop").tokens
+
+
+MORE_DATA = "give the bucket a lower weight or more data"  # the fix when cropping is not the cause
+
+
+def dry_fixes(T: int | None, long_doc_policy: str) -> str:
+    """What to do about a bucket that runs dry (validate's and BucketExhausted's messages end with
+    it)."""
+    fixes = [MORE_DATA]
+    if long_doc_policy == "crop":  # the crop is what a split policy or windows save
+        window = T + 1 if T else "T+1"
+        fixes[:0] = ['long_doc_policy="split" (long documents in pieces, not cropped)',
+                     f"pretokenize the bucket in windows (--max-length {window})"]
+    return "; or ".join(fixes)
+
+
+class _Supply(NamedTuple):
+    """A bucket's tokens against what it must supply: all ranks, and the smallest rank's share."""
+    available: int  # entry tokens, all ranks
+    smallest: int  # the smallest rank's share of them
+    usable: int  # what rows can take, after the estimated crop (bucket_shares)
+    smallest_usable: int
+    crop_share: float | None  # the estimated crop, 1 - usable / available; None: no T
+
+    def short(self, demand: float, world_size: int, usable: bool) -> bool:
+        """Whether demand (all ranks) is more than the bucket holds (usable: more than its rows can
+        take). Every rank draws about 1/W of the demand, so the smallest share runs dry first."""
+        total, smallest = ((self.usable, self.smallest_usable) if usable
+                           else (self.available, self.smallest))
+        return demand > total or demand / world_size > smallest
+
+
 def validate(curriculum, data_dir: str, split: str = "train", *, total_tokens: int | None = None,
              allow_bucket_exhaustion: bool = False, allow_budget_mismatch: bool = False,
              T: int | None = None, world_size: int = 1, chunk_size: int = 1024,
-             step_tokens: int = 0,
-             shuffle: Shuffle | None = None) -> tuple[list[dict], list[str], list[str]]:
+             step_tokens: int = 0, shuffle: Shuffle | None = None, long_doc_policy: str = "crop",
+             strict: bool = False) -> tuple[list[dict], list[str], list[str]]:
     """Tokens demanded versus available, per phase and bucket. Returns (rows, problems, warnings):
     problems block a run (a predicted shortfall, a budget mismatch), warnings do not (the same under
     their allow_* flag).
-    - Demand counts trained tokens; with T given, a row of T+1 tokens per T trained. Cropping
-      consumes more (long_doc_policy="split_reuse" does not), which the loader's run-time check
-      catches.
+    - Demand counts trained tokens; with T given, a row of T+1 tokens per T trained.
+    - With T given, under long_doc_policy="crop", each bucket's crop is estimated (bucket_shares).
+      A bucket whose tokens cover the demand but whose usable tokens do not is a warning, once per
+      bucket, naming the step where it runs dry (with step_tokens) and the fixes; strict=True makes
+      it a problem (unless allow_bucket_exhaustion).
     - With world_size W, each rank reads only its chunks of a bucket and draws about 1/W of the
       demand: the smallest rank share must cover demand / W.
     - total_tokens (what the run trains): a mismatch with the curriculum's total of one step
@@ -170,11 +236,17 @@ def validate(curriculum, data_dir: str, split: str = "train", *, total_tokens: i
       its demand counts.
     - shuffle: the loader's order (each bucket's own, by its name), which deals other chunks to each
       rank."""
+    if long_doc_policy not in POLICIES:
+        raise ValueError(f"long_doc_policy must be one of {POLICIES}, got {long_doc_policy!r}")
     buckets = list_buckets(data_dir, split)
     loaded = isinstance(curriculum, list) and all(isinstance(p, Phase) for p in curriculum)
     phases = curriculum if loaded else load_curriculum(curriculum, buckets)
-    shares = {name: rank_shares(paths, chunk_size, world_size, shuffle and shuffle.bucket(name))
-              for name, paths in buckets.items()}
+    supply = {}
+    for name, paths in buckets.items():
+        shares, usable = bucket_shares(paths, chunk_size, world_size,
+                                       shuffle and shuffle.bucket(name), T, long_doc_policy)
+        crop = 1 - sum(usable) / max(1, sum(shares)) if T else None
+        supply[name] = _Supply(sum(shares), min(shares), sum(usable), min(usable), crop)
     scale = (T + 1) / T if T else 1.0  # a row of T + 1 tokens trains T: the last is a target only
     total = sum(p.tokens for p in phases)
     budgets = [p.tokens for p in phases]
@@ -187,24 +259,65 @@ def validate(curriculum, data_dir: str, split: str = "train", *, total_tokens: i
         if allow_budget_mismatch and total_tokens > total:
             budgets[-1] += total_tokens - total  # the last phase goes on
     demanded: dict[str, float] = dict.fromkeys(buckets, 0.0)
+    told: dict[str, str] = {}  # bucket -> the status its message told ("SHORT" or "CROP")
+    phase_start = 0  # job tokens trained before the phase
     for i, (phase, budget) in enumerate(zip(phases, budgets), 1):
         for name, weight in phase.mix.items():
+            s = supply[name]
             demand = budget * weight * scale
             demanded[name] += demand  # a bucket is read once across phases: demand accumulates
-            available, smallest = sum(shares[name]), min(shares[name])
-            # every rank draws about 1/W of the demand, so the smallest share runs dry first
-            short = demanded[name] > available or demanded[name] / world_size > smallest
+            short = s.short(demanded[name], world_size, usable=False)
+            dry = short or s.short(demanded[name], world_size, usable=True)
+            status = "SHORT" if short else "CROP" if dry else "ok"
             rows.append({"phase": i, "bucket": name, "weight": weight, "demanded": round(demand),
-                         "demanded_so_far": round(demanded[name]), "available": available,
-                         "smallest_rank_share": smallest, "status": "SHORT" if short else "ok"})
-            if short:
-                where = (f"{available:,} available" if world_size == 1 else
-                         f"{available:,} available, the smallest of {world_size} ranks' shares is "
-                         f"{smallest:,}")
-                message = (f"phase {i}: bucket {name!r} runs dry: {demanded[name]:,.0f} tokens "
-                           f"demanded by the end of the phase, {where}")
-                (notes if allow_bucket_exhaustion else problems).append(message)
+                         "demanded_so_far": round(demanded[name]), "available": s.available,
+                         "smallest_rank_share": s.smallest, "usable": s.usable,
+                         "smallest_rank_usable": s.smallest_usable, "crop_share": s.crop_share,
+                         "status": status})
+            if not dry or told.get(name) in (status, "SHORT"):
+                continue  # once per bucket and kind: demand only grows
+            told[name] = status
+            # where it runs dry: the job token at which the demand passes what rows can take
+            can_take = min(s.usable, world_size * s.smallest_usable)
+            before = demanded[name] - demand  # demand of the earlier phases
+            dry_at = phase_start + max(0.0, can_take - before) / (weight * scale)
+            message = _dry_message(i, name, demanded[name], s, world_size=world_size, T=T,
+                                   long_doc_policy=long_doc_policy,
+                                   when=_when(dry_at, step_tokens, sum(budgets)))
+            blocking = (short or strict) and not allow_bucket_exhaustion
+            (problems if blocking else notes).append(message)
+        phase_start += budget
     return rows, problems, notes
+
+
+def _when(dry_at: float, step_tokens: int, total: int) -> str:
+    """Where a bucket runs dry: "step N of M" (1-based), or the job tokens when the step is
+    unknown."""
+    if not step_tokens:
+        return f"after about {dry_at:,.0f} tokens of the job's {total:,}"
+    steps = -(-total // step_tokens)  # a step trained from below the total is the last one
+    # step k trains job tokens [(k - 1) S, k S): the first whose demand passes the supply
+    # (1e-9: 39,600 tokens at 396 a step is the end of step 100, not 99.99...)
+    step = int(dry_at / step_tokens + 1e-9) + 1
+    return f"at about step {min(steps, step):,} of {steps:,}"
+
+
+def _dry_message(phase: int, name: str, demanded: float, s: _Supply, *, world_size: int,
+                 T: int | None, long_doc_policy: str, when: str) -> str:
+    """validate's message for a bucket that runs dry: where, the tokens, the crop, the fixes."""
+    where = (f"{s.available:,} available" if world_size == 1 else
+             f"{s.available:,} available, the smallest of {world_size} ranks' shares is "
+             f"{s.smallest:,}")
+    message = (f"phase {phase}: bucket {name!r} runs dry {when}: {demanded:,.0f} tokens demanded "
+               f"by the end of the phase, {where}")
+    if long_doc_policy == "crop" and s.crop_share is not None:
+        usable = (f"{s.usable:,}" if world_size == 1 else
+                  f"{s.usable:,} (the smallest rank's {s.smallest_usable:,})")
+        message += (f"; rows can take about {usable} of them: an estimated crop share of "
+                    f"{s.crop_share:.2f} (long_doc_policy={long_doc_policy!r}, T={T})")
+    # short of entry tokens, not of usable ones: less cropping would not be enough
+    short = s.short(demanded, world_size, usable=False)
+    return f"{message}; fixes: {MORE_DATA if short else dry_fixes(T, long_doc_policy)}"
 
 
 def _unit(seed: int, phase: int, generation: int) -> float:
@@ -266,6 +379,11 @@ def _parser() -> argparse.ArgumentParser:
                        help="ranks: each must hold its share (default 1)")
     check.add_argument("--chunk-size", type=_positive, default=1024,
                        help="the loader's chunk_size (default 1024)")
+    check.add_argument("--long-doc-policy", default="crop", choices=POLICIES,
+                       help="the loader's long_doc_policy (default crop: with --T, each bucket's "
+                            "crop is estimated)")
+    check.add_argument("--strict", action="store_true",
+                       help="a bucket that the estimated crop runs dry is an error, not a warning")
     check.add_argument("--shuffle", action="store_true",
                        help="the loader shuffles (shuffle=True): ranks get other chunks")
     check.add_argument("--seed", type=int, default=0,
@@ -289,18 +407,24 @@ def main(argv=None) -> int:
             allow_bucket_exhaustion=args.allow_bucket_exhaustion,
             allow_budget_mismatch=args.allow_budget_mismatch, T=args.T,
             world_size=args.world_size, chunk_size=args.chunk_size, step_tokens=step,
-            shuffle=Shuffle(args.seed, args.shuffle_window) if args.shuffle else None)
+            shuffle=Shuffle(args.seed, args.shuffle_window) if args.shuffle else None,
+            long_doc_policy=args.long_doc_policy, strict=args.strict)
     except (ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     per_rank = args.world_size > 1  # the column only means something with several ranks
     print(f"{'phase':>5s}  {'bucket':16s} {'weight':>7s} {'demanded':>16s} "
           f"{'demanded so far':>16s} {'available':>16s}"
-          + (f" {'smallest rank share':>20s}" if per_rank else "") + "  status")
+          + (f" {'smallest rank share':>20s}" if per_rank else "")
+          + f" {'usable':>16s} {'crop':>5s}  status")
     for r in rows:
+        crop = "-" if r["crop_share"] is None else f"{r['crop_share']:.2f}"
         print(f"{r['phase']:5d}  {r['bucket']:16s} {r['weight']:7.3f} {r['demanded']:16,d} "
               f"{r['demanded_so_far']:16,d} {r['available']:16,d}"
-              + (f" {r['smallest_rank_share']:20,d}" if per_rank else "") + f"  {r['status']}")
+              + (f" {r['smallest_rank_share']:20,d}" if per_rank else "")
+              + f" {r['usable']:16,d} {crop:>5s}  {r['status']}")
+    if args.T is None and args.long_doc_policy == "crop":
+        print("crop not estimated: give --T (and --long-doc-policy) to count it")
     for note in notes:
         print(f"warning: {note}")
     for problem in problems:

@@ -24,7 +24,8 @@ import torch
 import torch.distributed as dist
 
 # main: `python -m nanochat.mixture validate ...` runs the curriculum's command line
-from nanochat.curriculum import choose, list_buckets, load_curriculum, main, row_unit, validate
+from nanochat.curriculum import (choose, dry_fixes, list_buckets, load_curriculum, main, row_unit,
+                                 validate)
 from nanochat.dataloader import (Assembled, DataLoader, DeviceBatches, LoaderSpec, assemble,
                                  row_split, worker_loader)
 from nanochat.mixture_state import add_mixture_checksum, mixture_start
@@ -47,7 +48,8 @@ class MixtureStop(RuntimeError):
 
 class BucketExhausted(MixtureStop):
     """A bucket ran dry on some rank (allow_bucket_exhaustion=False). Save a checkpoint with
-    `.state` and stop; resume with allow_bucket_exhaustion=True to go on without the bucket."""
+    `.state` and stop; resume with allow_bucket_exhaustion=True to go on without the bucket. The
+    message gives the bucket's crop share so far and the fixes for a next run."""
 
     def __init__(self, message: str, state: dict | None, bucket: str | None):
         super().__init__(message, state)
@@ -237,7 +239,9 @@ class _Mixture:
                 while True:
                     weights = self._weights(phase)
                     if not weights:  # every bucket of the phase ran dry on this rank
-                        yield RowBatch(None, last_state, {}, stop=Stop("bucket"))
+                        # (the stats: each bucket's crop share, for the message)
+                        yield RowBatch(None, last_state, self.stats(row_buckets),
+                                       stop=Stop("bucket"))
                         return
                     u = row_unit(self.seed, phase, self.generation, self.position, self.rank,
                                  self.world_size)
@@ -247,7 +251,8 @@ class _Mixture:
                     if bucket.fill_row(rows[i:i + 1], self.buffer_size):
                         break
                     if not self.allow_bucket_exhaustion:
-                        yield RowBatch(None, last_state, {}, stop=Stop("bucket", name))
+                        yield RowBatch(None, last_state, self.stats(row_buckets),
+                                       stop=Stop("bucket", name))
                         return
                     self.dropped.add(name)
                     logger.warning("bucket %r ran dry on rank %d in phase %d; dropped, the other "
@@ -313,9 +318,10 @@ class MixtureLoader(DataLoader):
     STOP_CODES = {None: 0, "budget": 1, "bucket": 2}
     FAILED = 3  # this rank's loader failed (a bad shard, ...): the others stop too, not wait
 
-    def __init__(self, *args, start_state=None, world_size=1, **kwargs):
+    def __init__(self, *args, start_state=None, world_size=1, fixes="", **kwargs):
         super().__init__(*args, **kwargs)
         self.last_state = start_state
+        self._fixes = fixes  # what BucketExhausted's message suggests (curriculum.dry_fixes)
         # Looked up at each step, never kept: a loader held until the interpreter's exit (in a
         # reference cycle, or never closed) would keep a gloo group alive after
         # destroy_process_group(), and its worker thread then frees the flag tensors while Python
@@ -337,7 +343,8 @@ class MixtureLoader(DataLoader):
 
     def worker_info(self) -> dict:
         return super().worker_info() | {"extras": {"start_state": self.last_state,
-                                                   "world_size": self._world_size}}
+                                                   "world_size": self._world_size,
+                                                   "fixes": self._fixes}}
 
     def _check(self, batch: RowBatch) -> None:
         stop = batch.stop
@@ -349,20 +356,29 @@ class MixtureLoader(DataLoader):
             raise RuntimeError("the mixture loader failed on another rank (see its error); "
                                "stopping here too")
         if code == 2:
-            if stop and stop.bucket:
-                where = f"bucket {stop.bucket!r} ran dry on this rank"
-            elif stop:
-                where = "every bucket of the current phase ran dry on this rank"
-            else:
-                where = "a bucket ran dry on another rank"
-            raise BucketExhausted(f"{where}; its `state` is the last good state: save a checkpoint "
-                                  "with it and stop, or resume with allow_bucket_exhaustion=True "
-                                  "to drop the bucket",
-                                  self.last_state, stop.bucket if stop else None)
+            raise BucketExhausted(self._dry_message(batch), self.last_state,
+                                  stop.bucket if stop else None)
         if code == 1:
             raise CurriculumComplete("every phase of the curriculum is done; its `state` is the "
                                      "last good state (pass allow_budget_mismatch=True to go on "
                                      "with the last phase)", self.last_state)
+
+    def _dry_message(self, batch: RowBatch) -> str:
+        """BucketExhausted's message: which bucket, its crop share so far, what to do."""
+        stop, crops = batch.stop, {name: s["crop_share"]
+                                   for name, s in batch.stats.get("buckets", {}).items()}
+        if stop and stop.bucket:
+            where = (f"bucket {stop.bucket!r} ran dry on this rank (its crop share so far: "
+                     f"{crops[stop.bucket]:.2f})")
+        elif stop:
+            shares = ", ".join(f"{name} {crop:.2f}" for name, crop in sorted(crops.items()))
+            where = ("every bucket of the current phase ran dry on this rank (crop shares so "
+                     f"far: {shares})")
+        else:
+            where = "a bucket ran dry on another rank (its message says which)"
+        return (f"{where}; its `state` is the last good state: save a checkpoint with it and stop, "
+                "or resume with allow_bucket_exhaustion=True to drop the bucket. For a run that "
+                f"does not run dry, the fixes: {self._fixes}")
 
 
 def pretokenized_mixture_loader_with_state_bos_bestfit(
@@ -383,8 +399,10 @@ def pretokenized_mixture_loader_with_state_bos_bestfit(
     for in data_dir and in each bucket's directory (all that record a BOS must agree). shuffle,
     shuffle_window: each bucket's chunks and entries in a seeded order (seed and the bucket's name).
     Raises BucketExhausted / CurriculumComplete (with .state, the last good state) where it must
-    stop. workers: as for the parquet loader (the stop is agreed here, in the trainer's process).
-    Details: docs/mixtures.md."""
+    stop. A fresh loader checks the curriculum against the buckets first, their crop under T and
+    long_doc_policy estimated: a ValueError for a shortfall of tokens, a logged warning (at the
+    call) for a bucket that cropping will run dry. workers: as for the parquet loader (the stop is
+    agreed here, in the trainer's process). Details: docs/mixtures.md."""
     loader = worker_loader(MixtureLoader, pretokenized_mixture_loader_with_state_bos_bestfit,
                            dict(locals()))
     if loader is not None:
@@ -421,7 +439,8 @@ def pretokenized_mixture_loader_with_state_bos_bestfit(
             phases, data_dir, split, total_tokens=total_tokens,
             allow_bucket_exhaustion=allow_bucket_exhaustion,
             allow_budget_mismatch=allow_budget_mismatch, T=T, world_size=world_size,
-            chunk_size=chunk_size, step_tokens=step_tokens, shuffle=order)
+            chunk_size=chunk_size, step_tokens=step_tokens, shuffle=order,
+            long_doc_policy=long_doc_policy)
         for note in notes:
             logger.warning("mixture: %s", note)
         if problems:
@@ -457,7 +476,8 @@ def pretokenized_mixture_loader_with_state_bos_bestfit(
         yield from _Mixture(phases, made, rules, config, state).mixed_batches()
 
     return MixtureLoader(batches(), DeviceBatches(B, T, device), row_split, prefetch, with_state,
-                         start_state=state, world_size=world_size)
+                         start_state=state, world_size=world_size,
+                         fixes=dry_fixes(T, long_doc_policy))
 
 
 def pretokenized_mixture_loader_bos_bestfit(*args, **kwargs):

@@ -23,7 +23,7 @@ import torch
 from filelock import FileLock
 
 from conftest import worker_env
-from nanochat.mixture import CurriculumComplete
+from nanochat.mixture import BucketExhausted, CurriculumComplete
 from nanochat.mixture import pretokenized_mixture_loader_with_state_bos_bestfit as MIX
 from nanochat.pretokenize import main as pretokenize
 from nanochat.token_shards import TokenShard, list_token_shards
@@ -180,6 +180,90 @@ def test_readme_mixture_walkthrough(tmp_path, tokenizer_dir, monkeypatch, caplog
         next(loader)
     # each bucket's pretokenize.json gave the vocabulary: no warning about ids checked by dtype only
     assert "no vocabulary size" not in caplog.text
+
+
+def _long_texts(seed: int, n: int) -> list[str]:
+    """n code documents of 40 to 58 words: 3 to 5 rows each at T=32."""
+    rng = random.Random(seed)
+    return [f"code {seed}-{i}: " + " ".join(rng.choice(WORDS["code"])
+                                            for _ in range(rng.randint(40, 58)))
+            for i in range(n)]
+
+
+def test_walkthrough_warns_before_a_long_document_bucket_runs_dry(tmp_path, tokenizer_dir,
+                                                                  monkeypatch, caplog):
+    """The walkthrough again, with a code bucket of a few long documents, not windowed: enough
+    tokens for the curriculum, but cropped to one row each under long_doc_policy="crop" far too few
+    are usable. validate warns (exits 1 with --strict), the loader warns at the call, before the
+    first batch, with the same estimate; it then runs dry (BucketExhausted: its crop share and the
+    fixes), and with long_doc_policy="split" it runs every step."""
+    work = tmp_path / "work"
+    for seed, bucket in enumerate(WORDS):
+        texts = _long_texts(10, 8) if bucket == "code" else _texts(bucket, 10 + seed, 40)
+        _jsonl(work / bucket / "part_0.jsonl", texts)
+        _jsonl(work / f"{bucket}_val.jsonl", _texts(bucket, 30 + seed, 10))
+    common = ["--output", "DATA", "--tokenizer-dir", tokenizer_dir, "--num-workers", "1"]
+    for bucket, window in (("web", ["--max-length", "33", "--overlap-size", "8"]), ("code", []),
+                           ("math", [])):
+        done = subprocess.run([sys.executable, "-m", "nanochat.pretokenize", "--input",
+                               f"{bucket}/", "--val-input", f"{bucket}_val.jsonl", "--bucket",
+                               bucket, *window, *common],
+                              cwd=work, env=worker_env(), capture_output=True, text=True,
+                              timeout=120)
+        assert done.returncode == 0, done.stderr
+    B, T, steps = 4, 32, 16
+    code = [len(e) for e in _entries(work / "DATA" / "train" / "code")]
+    # every code document is 3 to 5 rows long: enough tokens, but one row's worth of each usable
+    assert len(code) == 8 and 3 * (T + 1) < min(code) and max(code) < 5 * (T + 1)
+    usable = 8 * (T + 1)
+    assert usable < (0.2 + 0.4) * steps // 2 * B * (T + 1) < sum(code)
+    (work / "curriculum.yaml").write_text(
+        "curriculum:\n"
+        f"  - tokens: {steps // 2 * B * T}\n    mix: {{web: 0.7, code: 0.2, math: 0.1}}\n"
+        f"  - tokens: {steps // 2 * B * T}\n    mix: {{web: 0.4, code: 0.4, math: 0.2}}\n")
+    # code's 264 usable tokens last phase 1 (211 demanded) and 53 more: 128 of phase 2's trained
+    # tokens at 0.4 x 33/32 a token, so job token 1,152 (step 10 of 16, 128 tokens a step)
+    expected = (f"phase 2: bucket 'code' runs dry at about step 10 of 16: 634 tokens demanded by "
+                f"the end of the phase, {sum(code):,} available; rows can take about 264 of them: "
+                f"an estimated crop share of {1 - usable / sum(code):.2f} "
+                "(long_doc_policy='crop', T=32); fixes: long_doc_policy=\"split\" (long documents "
+                "in pieces, not cropped); or pretokenize the bucket in windows (--max-length 33); "
+                "or give the bucket a lower weight or more data")
+    validate = [sys.executable, "-m", "nanochat.mixture", "validate", "curriculum.yaml", "--data",
+                "DATA", "--tokens", str(steps * B * T), "--B", str(B), "--T", str(T)]
+    for strict, code_status in (([], 0), (["--strict"], 1)):
+        done = subprocess.run(validate + strict, cwd=work, env=worker_env(),
+                              capture_output=True, text=True, timeout=120)
+        assert done.returncode == code_status, done.stdout + done.stderr
+        assert (f"{'error' if strict else 'warning'}: {expected}\n" in done.stdout
+                and done.stdout.count("CROP") == 1)
+
+    monkeypatch.chdir(work)
+    caplog.set_level(logging.WARNING)
+    loader = MIX(B, T, "train", "curriculum.yaml", data_dir="DATA", seed=0, device="cpu",
+                 total_tokens=steps * B * T, resume_state_dict=None)
+    # logged at the call: before step 1
+    assert [r.getMessage() for r in caplog.records if r.name == "nanochat.mixture"] == [
+        "mixture: " + expected]
+    done_steps = 0
+    with pytest.raises(BucketExhausted) as stop:
+        for _ in range(steps):
+            next(loader)
+            done_steps += 1
+    # the estimate is a lower bound on the crop: the bucket runs dry at the step or before it
+    assert stop.value.bucket == "code" and done_steps < 10
+    assert re.fullmatch(r"bucket 'code' ran dry on this rank \(its crop share so far: 0\.\d\d\); "
+                        r".* the fixes: long_doc_policy=\"split\" .*--max-length 33.*lower weight"
+                        r" or more data", str(stop.value))
+    share = float(re.search(r"so far: (0\.\d\d)", str(stop.value)).group(1))
+    assert share >= round(1 - usable / sum(code), 2)
+    # the first fix runs the curriculum whole
+    loader = MIX(B, T, "train", "curriculum.yaml", data_dir="DATA", seed=0, device="cpu",
+                 total_tokens=steps * B * T, long_doc_policy="split")
+    for _ in range(steps):
+        next(loader)
+    with pytest.raises(CurriculumComplete):
+        next(loader)
 
 
 # -----------------------------------------------------------------------------

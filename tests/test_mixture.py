@@ -20,6 +20,7 @@ import pytest
 import torch
 
 from conftest import worker_env
+from nanochat.curriculum import bucket_shares, rank_shares
 from nanochat.mixture import (BucketExhausted, CurriculumComplete, load_curriculum,
                               main as mixture_main,
                               pretokenized_mixture_loader_with_state_bos_bestfit as MIX, validate)
@@ -200,19 +201,39 @@ def tiny_buckets(root):
 TINY_CUR = [{"tokens": 60_000, "mix": {"web": 0.9, "tiny": 0.1}}]
 
 
-def test_bucket_runs_dry_then_resumes_with_it_dropped(tmp_path):
+FIXES = ('long_doc_policy="split" (long documents in pieces, not cropped); or pretokenize the '
+         'bucket in windows (--max-length 100); or give the bucket a lower weight or more data')
+TINY_DRY = ("phase 1: bucket 'tiny' runs dry {when}: 6,061 tokens demanded by the end of the "
+            "phase, 8,000 available; rows can take about 4,000 of them: an estimated crop share of "
+            "0.50 (long_doc_policy='crop', T=99); fixes: " + FIXES)
+
+
+def test_bucket_runs_dry_then_resumes_with_it_dropped(tmp_path, caplog):
     data = tiny_buckets(tmp_path)
     kw = dict(device="cpu", buffer_size=4, chunk_size=8, batch_size=4, data_dir=data,
               bos_token=BOS)
-    # validation predicts no shortfall (6,000 tokens of tiny demanded, 8,000 available) ...
-    rows, problems, _ = validate(TINY_CUR, data, T=99)
-    assert not problems and [r["status"] for r in rows] == ["ok", "ok"]
-    # ... but cropping uses tiny up faster: the loader stops with the last good state
+    # tiny's 8,000 tokens cover the 6,061 demanded (6,000 x 100/99), but at T=99 each document
+    # of 200 keeps one row's 100 at most: 4,000 usable, 40 rows, gone after 39,600 of the job's
+    # tokens (40 rows / 0.1 of the rows, 99 trained tokens a row). A warning, not a problem
+    rows, problems, notes = validate(TINY_CUR, data, T=99)
+    assert not problems and [r["status"] for r in rows] == ["CROP", "ok"]
+    assert (rows[0]["usable"], rows[0]["crop_share"]) == (4_000, 0.5)
+    assert notes == [TINY_DRY.format(when="after about 39,600 tokens of the job's 60,000")]
+    # the loader warns at the call, before any batch: step 101 of 152 (39,600 / 396 a step)
     loader = MIX(4, 99, "train", TINY_CUR, **kw)
+    assert [r.getMessage() for r in caplog.records if r.name == "nanochat.mixture"] == [
+        "mixture: " + TINY_DRY.format(when="at about step 101 of 152")]
+    # and it runs dry there: the loader stops with the last good state, its crop share and fixes
     states = []
-    with pytest.raises(BucketExhausted, match="bucket 'tiny' ran dry on this rank") as stop:
+    with pytest.raises(BucketExhausted) as stop:
         while True:
             states.append(next(loader)[2])
+    assert len(states) + 1 == 101
+    assert str(stop.value) == (
+        "bucket 'tiny' ran dry on this rank (its crop share so far: 0.50); its `state` is the "
+        "last good state: save a checkpoint with it and stop, or resume with "
+        "allow_bucket_exhaustion=True to drop the bucket. For a run that does not run dry, the "
+        "fixes: " + FIXES)
     assert stop.value.bucket == "tiny" and stop.value.state == states[-1]
     with pytest.raises(BucketExhausted):  # and it stays stopped
         next(loader)
@@ -294,12 +315,45 @@ def test_bos_token_comes_from_pretokenize_json_never_a_guess(tmp_path):
         MIX(4, 99, "train", TINY_CUR, **kw)
 
 
+def test_a_worker_process_says_the_same(tmp_path):
+    # the message is made in the trainer's process, from what the worker sends with the stop
+    data = tiny_buckets(tmp_path)
+    messages = []
+    for workers in (0, 1):
+        loader = MIX(4, 99, "train", TINY_CUR, device="cpu", buffer_size=4, chunk_size=8,
+                     batch_size=4, data_dir=data, bos_token=BOS, workers=workers)
+        assert (loader.worker_pid is not None) == bool(workers)
+        with pytest.raises(BucketExhausted) as stop:
+            for _ in range(1000):
+                next(loader)
+        messages.append(str(stop.value))
+        loader.close()
+    assert messages[0] == messages[1] and "(its crop share so far: 0.50)" in messages[0]
+
+
+def test_split_runs_what_crop_runs_dry(tmp_path):
+    # the same curriculum under long_doc_policy="split": nothing cropped, no warning, every step
+    data = tiny_buckets(tmp_path)
+    rows, problems, notes = validate(TINY_CUR, data, T=99, long_doc_policy="split")
+    assert [(r["status"], r["usable"], r["crop_share"]) for r in rows] == [
+        ("ok", 8_000, 0.0), ("ok", rows[1]["available"], 0.0)] and not problems and not notes
+    loader = MIX(4, 99, "train", TINY_CUR, device="cpu", buffer_size=4, chunk_size=8,
+                 batch_size=4, data_dir=data, bos_token=BOS, long_doc_policy="split")
+    steps = 0
+    with pytest.raises(CurriculumComplete):
+        while True:
+            next(loader)
+            steps += 1
+    assert steps == 152 and loader.stats["buckets"]["tiny"]["tokens_cropped"] == 0
+
+
 def test_predicted_shortfall_blocks_the_start(tmp_path):
     data = tiny_buckets(tmp_path)
     # 30,000 tokens of tiny: 8,000 exist
     greedy = [{"tokens": 60_000, "mix": {"web": 0.5, "tiny": 0.5}}]
     # 30,303 = 30,000 x 100/99
-    with pytest.raises(ValueError, match="phase 1: bucket 'tiny' runs dry: 30,303 tokens demanded"):
+    with pytest.raises(ValueError, match="phase 1: bucket 'tiny' runs dry at about step 21 of 152: "
+                                         "30,303 tokens demanded"):
         MIX(4, 99, "train", greedy, device="cpu", data_dir=data, bos_token=BOS)
     loader = MIX(4, 99, "train", greedy, device="cpu", data_dir=data, bos_token=BOS,
                  allow_bucket_exhaustion=True, buffer_size=4, chunk_size=8, batch_size=4)
@@ -371,8 +425,8 @@ def test_validate_report_and_exit_codes(tmp_path, capsys):
     # more of tiny than exists: exit 1 and the shortfall, unless exhaustion is allowed
     config.write_text("curriculum:\n  - tokens: 20000\n    mix: {web: 0.5, tiny: 0.5}\n")
     assert mixture_main(["validate", str(config), "--data", data]) == 1
-    assert ("error: phase 1: bucket 'tiny' runs dry: 10,000 tokens demanded"
-            in capsys.readouterr().out)
+    assert ("error: phase 1: bucket 'tiny' runs dry after about 16,000 tokens of the job's 20,000: "
+            "10,000 tokens demanded" in capsys.readouterr().out)
     assert mixture_main(["validate", str(config), "--data", data, "--allow-bucket-exhaustion"]) == 0
     assert "warning: phase 1: bucket 'tiny' runs dry" in capsys.readouterr().out
     # the budget: --tokens different from the curriculum's total
@@ -503,16 +557,95 @@ def test_validate_counts_rank_shares_and_a_longer_run(tmp_path):
     assert not problems  # 4,000 of 8,000 tokens, one rank
     rows, problems, _ = validate(cur, data, world_size=2, chunk_size=32)
     assert [r["smallest_rank_share"] for r in rows if r["bucket"] == "tiny"] == [1_600]
-    assert problems == ["phase 1: bucket 'tiny' runs dry: 4,000 tokens demanded by the end of the "
-                        "phase, 8,000 available, the smallest of 2 ranks' shares is 1,600"]
+    # 3,200 of 4,000 demanded are there (2 ranks x 1,600): dry 80% of the way through
+    assert problems == ["phase 1: bucket 'tiny' runs dry after about 16,000 tokens of the job's "
+                        "20,000: 4,000 tokens demanded by the end of the phase, 8,000 available, "
+                        "the smallest of 2 ranks' shares is 1,600; fixes: give the bucket a lower "
+                        "weight or more data"]
     with pytest.raises(ValueError, match="the smallest of 2 ranks' shares is 1,600"):
         MIX(4, 99, "train", cur, device="cpu", data_dir=data, bos_token=BOS, rank=0, world_size=2,
             chunk_size=32)
     # a longer run than the curriculum, accepted: the last phase goes on, and its demand counts
     rows, problems, notes = validate(cur, data, total_tokens=60_000, allow_budget_mismatch=True)
     assert (notes[0].startswith("budget mismatch")
-            and "runs dry: 12,000 tokens demanded" in problems[0])
+            and "runs dry after about 40,000 tokens of the job's 60,000: 12,000 tokens demanded"
+            in problems[0])
     # within one step of the curriculum's total is no mismatch (budgets are rarely whole steps)
     assert validate(cur, data, total_tokens=20_100, step_tokens=4 * 99)[1] == []
     assert validate(cur, data, total_tokens=20_500,
                     step_tokens=4 * 99)[1][0].startswith("budget mismatch")
+
+
+def lengths_bucket(root, files: dict[str, list[int]]) -> list[str]:
+    """A bucket "code" of one .bin/.idx pair per file, with entries of the given lengths."""
+    directory = os.path.join(root, "train", "code")
+    os.makedirs(directory, exist_ok=True)
+    for name, lengths in files.items():
+        entries = [np.full(n, BOS, dtype=np.uint16) for n in lengths]
+        write_token_shard(os.path.join(directory, name), entries, [0] * len(lengths), np.uint16)
+    return [os.path.join(directory, name + ".bin") for name in files]
+
+
+# T=9: a row holds 10 tokens, so under "crop" an entry counts min(length, 10):
+#   a: 3 25 10 11 40 -> 3 10 10 10 10;  b: 12 2 30 -> 10 2 10  (133 tokens, 65 usable)
+# chunks of 2 entries, dealt to 2 ranks: rank 0 reads a[0:2] a[4:5] b[0:2], rank 1 a[2:4] b[2:3]
+#   rank 0: 3+25 + 40 + 12+2 = 82 tokens, 3+10 + 10 + 10+2 = 35 usable
+#   rank 1: 10+11 + 30 = 51 tokens, 10+10 + 10 = 30 usable
+LENGTHS = {"a": [3, 25, 10, 11, 40], "b": [12, 2, 30]}
+CODE_DRY = ("phase 1: bucket 'code' runs dry at about step 4 of 5: 100 tokens demanded by the end "
+            "of the phase, 133 available, the smallest of 2 ranks' shares is 51; rows can take "
+            "about 65 (the smallest rank's 30) of them: an estimated crop share of 0.51 "
+            "(long_doc_policy='crop', T=9); fixes: long_doc_policy=\"split\" (long documents in "
+            "pieces, not cropped); or pretokenize the bucket in windows (--max-length 10); or give "
+            "the bucket a lower weight or more data")
+
+
+def test_the_crop_estimate_by_hand(tmp_path):
+    paths = lengths_bucket(tmp_path, LENGTHS)
+    assert rank_shares(paths, 2, 2) == [82, 51]
+    assert bucket_shares(paths, 2, 2, None, 9, "crop") == ([82, 51], [35, 30])
+    assert bucket_shares(paths, 2, 2, None, 9, "split") == ([82, 51], [82, 51])  # nothing cropped
+    assert bucket_shares(paths, 2, 1, None, 9, "crop") == ([133], [65])
+    assert bucket_shares(paths, 2, 1, None, None, "crop") == ([133], [133])  # no T: no estimate
+    # 90 tokens trained at T=9 demand 100 row tokens: 50 a rank. Enough tokens (51 on the smaller
+    # rank), not enough usable ones (30): the job's rows can take 2 x 30 = 60, which 54 trained
+    # tokens use up; a step is B=1 x T=9 x 2 ranks = 18 tokens, so step 4 (tokens 54-72) of 5
+    cur = [{"tokens": 90, "mix": {"code": 1}}]
+    rows, problems, notes = validate(cur, str(tmp_path), T=9, world_size=2, chunk_size=2,
+                                     step_tokens=18)
+    assert rows == [{"phase": 1, "bucket": "code", "weight": 1.0, "demanded": 100,
+                     "demanded_so_far": 100, "available": 133, "smallest_rank_share": 51,
+                     "usable": 65, "smallest_rank_usable": 30, "crop_share": 68 / 133,
+                     "status": "CROP"}]
+    assert notes == [CODE_DRY] and problems == []
+    # strict: a problem; allow_bucket_exhaustion wins over it
+    assert validate(cur, str(tmp_path), T=9, world_size=2, chunk_size=2, step_tokens=18,
+                    strict=True)[1:] == ([CODE_DRY], [])
+    assert validate(cur, str(tmp_path), T=9, world_size=2, chunk_size=2, step_tokens=18,
+                    strict=True, allow_bucket_exhaustion=True)[1:] == ([], [CODE_DRY])
+    with pytest.raises(ValueError, match="long_doc_policy must be one of"):
+        validate(cur, str(tmp_path), T=9, long_doc_policy="cut")
+
+
+def test_validate_prints_the_crop_estimate_and_strict_exits_1(tmp_path, capsys):
+    lengths_bucket(tmp_path / "data", LENGTHS)
+    config = tmp_path / "cur.yaml"
+    config.write_text("curriculum:\n  - tokens: 90\n    mix: {code: 1}\n")
+    args = ["validate", str(config), "--data", str(tmp_path / "data"), "--T", "9", "--B", "1",
+            "--world-size", "2", "--chunk-size", "2"]
+    assert mixture_main(args) == 0  # a warning
+    out = capsys.readouterr().out
+    assert [line.split() for line in out.splitlines() if line.strip().startswith("1 ")] == [
+        ["1", "code", "1.000", "100", "100", "133", "51", "65", "0.51", "CROP"]]
+    assert f"warning: {CODE_DRY}" in out and "blocking problems: none" in out
+    assert mixture_main(args + ["--strict"]) == 1
+    out = capsys.readouterr().out
+    assert f"error: {CODE_DRY}" in out and "blocking problems: 1" in out
+    # split crops nothing: all 133 tokens count, the demand fits
+    assert mixture_main(args + ["--strict", "--long-doc-policy", "split"]) == 0
+    out = capsys.readouterr().out
+    assert [line.split()[-3:] for line in out.splitlines() if line.strip().startswith("1 ")] == [
+        ["133", "0.00", "ok"]] and "runs dry" not in out
+    # without --T nothing is estimated, and the report says so
+    assert mixture_main(args[:4]) == 0
+    assert "crop not estimated: give --T" in capsys.readouterr().out
