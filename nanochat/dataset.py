@@ -10,7 +10,7 @@ with one `text` column in row groups of ~1024 documents; its last shard is val, 
 Cost: reading a row group is one pyarrow call, a few ms for ~1024 documents.
 Design: docs/downloads.md
 
-May import: nanochat.checks, nanochat.common, nanochat.download, nanochat.layout.
+May import: nanochat.checks, nanochat.common, nanochat.download, nanochat.files, nanochat.layout.
 """
 
 import argparse
@@ -26,7 +26,6 @@ from dataclasses import dataclass
 
 import pyarrow as pa
 import pyarrow.parquet as pq
-from tqdm import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
 
 from nanochat.checks import check_int
@@ -35,6 +34,7 @@ from nanochat.download import (
     BACKOFF_BASE, DEADLINE, MAX_ATTEMPTS, MIN_RATE, RATE_WINDOW, REQUEST_TIMEOUT, DownloadError,
     Limits, Report, check_files, check_url, download_file, download_files, record_path, summarize,
 )
+from nanochat.files import progress_bar
 from nanochat.layout import check_kind
 
 logger = logging.getLogger(__name__)
@@ -433,8 +433,7 @@ def read_documents(paths: list[str], text_field: str = "text", *,
             raise ValueError(f"input {path} is not a file; pass the files inside it")
         _reader_for(path)  # an unsupported suffix fails now, not after an hour of reading
     docs = []
-    bar_off = None if progress is None else not progress  # None: a bar only on a terminal
-    for path in tqdm(paths, unit="file", desc="reading", disable=bar_off):
+    for path in progress_bar(paths, progress=progress, unit="file", desc="reading"):
         before = len(docs)
         try:
             docs.extend(t for t in _reader_for(path)(path, text_field) if t)
@@ -503,8 +502,8 @@ def repackage(inputs: list[str], out_dir: str, *, shard_size_mb: float | None = 
     random.Random(seed).shuffle(docs)  # neighbours in a file are often related: mix them
     os.makedirs(out_dir, exist_ok=True)
     paths, start = [], 0
-    for index, size in enumerate(tqdm(sizes, unit="shard", desc="writing",
-                                      disable=None if progress is None else not progress)):
+    for index, size in enumerate(progress_bar(sizes, progress=progress, unit="shard",
+                                              desc="writing")):
         path = os.path.join(out_dir, index_to_filename(index))
         _write_shard(path, docs[start:start + size], row_group_size)
         paths.append(path)

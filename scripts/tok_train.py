@@ -12,11 +12,11 @@ import math
 import os
 import time
 
-from tqdm import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
 
 from nanochat.common import get_base_dir
 from nanochat.dataset import find_data_dir, open_parquet, parquets_iter_batched, split_parquet_files
+from nanochat.files import progress_bar
 from nanochat.tokenizer import MIN_VOCAB_SIZE, RustBPETokenizer
 
 SAMPLES = [
@@ -70,7 +70,8 @@ def main(argv=None):
         # footers only: counting the row groups of 8 shards reads no text
         row_groups = sum(open_parquet(path).num_row_groups
                          for path in split_parquet_files("train", data_dir))
-        with tqdm(total=row_groups, unit="row group", desc="reading") as progress:
+        # a bar on a terminal, a line per quarter in a log file
+        with progress_bar(total=row_groups, unit="row group", desc="reading") as progress:
             for texts in parquets_iter_batched("train", data_dir=data_dir):
                 for text in texts:
                     # the last document is cut so the total is max_chars exactly
