@@ -28,7 +28,8 @@ SAMPLES = [
 
 
 def parse_args(argv=None):
-    parser = argparse.ArgumentParser(description="Train a BPE tokenizer on the train shards")
+    parser = argparse.ArgumentParser(prog="python -m scripts.tok_train",
+                                     description="Train a BPE tokenizer on the train shards")
     # the underscore spellings are upstream nanochat's, kept so its recipes still run
     parser.add_argument("--max-chars", "--max_chars", type=int, default=2_000_000_000,
                         help="stop after this many characters of text (default: 2B)")
