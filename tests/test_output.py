@@ -81,7 +81,8 @@ def test_on_a_terminal_a_bar():
     with progress_bar(total=4, desc="reading", file=stream, mininterval=0) as bar:
         bar.update(4)
     # frames drawn over each other, each after a '\r'
-    assert stream.getvalue().startswith("\rreading:   0%|") and "\rreading: 100%|" in stream.getvalue()
+    text = stream.getvalue()
+    assert text.startswith("\rreading:   0%|") and "\rreading: 100%|" in text
 
 
 def test_tok_train_into_a_log_file(tmp_path):
