@@ -92,11 +92,12 @@ def main(argv=None):
                             if counts["chars"] else row_groups)
                 progress.total = min(row_groups, max(expected, progress.n + 1))
 
-    t0 = time.time()
-    try:
-        tokenizer = RustBPETokenizer.train_from_iterator(text_iterator(), args.vocab_size)
-    except FileNotFoundError as e:  # no shards: the message says how to get them
+    try:  # no shards, or a file where their directory belongs: the message says what to do
+        split_parquet_files("train", data_dir)
+    except (FileNotFoundError, ValueError) as e:
         raise SystemExit(f"error: {e}") from None
+    t0 = time.time()
+    tokenizer = RustBPETokenizer.train_from_iterator(text_iterator(), args.vocab_size)
     train_time = time.time() - t0
     if counts["chars"] == 0:
         raise SystemExit(f"error: the train shards in {data_dir} hold no text; nothing to train on")

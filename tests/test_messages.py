@@ -97,6 +97,13 @@ def test_a_file_on_the_cli_is_called_a_file(tmp_path):
                            "directory that holds parquet shards; pass "
                            f"{tmp_path / 'shards'}, the directory it is in\n")
     assert "does not exist" not in done.stderr
+    train = subprocess.run([sys.executable, "-m", "scripts.tok_train", "--vocab-size", "300",
+                            "--data-dir", paths[0]], cwd=REPO_ROOT, capture_output=True,
+                           text=True, timeout=60)
+    assert train.returncode == 1
+    assert train.stderr == (f"error: {paths[0]} is a file, not a directory: data_dir must be the "
+                            "directory that holds parquet shards; pass "
+                            f"{tmp_path / 'shards'}, the directory it is in\n")
 
 
 # -----------------------------------------------------------------------------
