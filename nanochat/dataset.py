@@ -10,7 +10,7 @@ with one `text` column in row groups of ~1024 documents; its last shard is val, 
 Cost: reading a row group is one pyarrow call, a few ms for ~1024 documents.
 Design: docs/downloads.md
 
-May import: nanochat.checks, nanochat.common, nanochat.download, nanochat.layout.
+May import: nanochat.checks, nanochat.common, nanochat.download, nanochat.files, nanochat.layout.
 """
 
 import argparse
@@ -26,7 +26,6 @@ from dataclasses import dataclass
 
 import pyarrow as pa
 import pyarrow.parquet as pq
-from tqdm import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
 
 from nanochat.checks import check_int
@@ -35,6 +34,7 @@ from nanochat.download import (
     BACKOFF_BASE, DEADLINE, MAX_ATTEMPTS, MIN_RATE, RATE_WINDOW, REQUEST_TIMEOUT, DownloadError,
     Limits, Report, check_files, check_url, download_file, download_files, record_path, summarize,
 )
+from nanochat.files import progress_bar
 from nanochat.layout import check_kind
 
 logger = logging.getLogger(__name__)
@@ -143,16 +143,23 @@ def _check_split(split: str) -> None:
         raise ValueError(f"split must be 'train' or 'val', got {split!r}")
 
 
+def _get_shards(data_dir: str) -> str:
+    """How to fill an empty or missing data_dir: the dataset's shards, or shards of your own."""
+    return (f"download some: python -m nanochat.dataset -n 8, or write your own text files "
+            f"({', '.join(INPUT_SUFFIXES)}) as shards: python -m nanochat.dataset repackage "
+            f"INPUTS --out {data_dir}")
+
+
 def list_parquet_files(data_dir: str | None = None) -> list[str]:
     """Sorted full paths of the `*.parquet` files in data_dir (default: find_data_dir()).
     Partial downloads live under other names (`*.parquet.tmp`, ...) and are never listed. A
-    directory of pretokenized shards or buckets is a ValueError that says so (an empty one lists
-    nothing)."""
+    directory of pretokenized shards or buckets, or a file, is a ValueError that says so (an empty
+    directory lists nothing)."""
     data_dir = find_data_dir() if data_dir is None else os.path.expanduser(os.fspath(data_dir))
     if not os.path.isdir(data_dir):
-        raise FileNotFoundError(
-            f"data directory {data_dir} does not exist; download some shards first: "
-            "python -m nanochat.dataset -n 8")
+        check_kind(data_dir, "parquet")  # a file (a shard, most often): a ValueError that says so
+        raise FileNotFoundError(f"data directory {data_dir} does not exist; "
+                                f"{_get_shards(data_dir)}")
     names = sorted(f for f in os.listdir(data_dir) if f.endswith(".parquet"))
     if not names:  # no parquet: say what the directory holds instead, if anything
         check_kind(data_dir, "parquet")
@@ -175,9 +182,7 @@ def split_parquet_files(split: str, data_dir: str | None = None) -> list[str]:
     data_dir = find_data_dir() if data_dir is None else os.path.expanduser(os.fspath(data_dir))
     paths = list_parquet_files(data_dir)
     if not paths:
-        raise FileNotFoundError(
-            f"no parquet shards in {data_dir}; download some first: "
-            "python -m nanochat.dataset -n 8")
+        raise FileNotFoundError(f"no parquet shards in {data_dir}; {_get_shards(data_dir)}")
     val_path = paths[-1]  # nanochat's rule, whatever the names: the loaders agree on val
     spec = _dataset_of(data_dir)
     if spec and os.path.basename(val_path) != spec.val_filename:
@@ -433,8 +438,7 @@ def read_documents(paths: list[str], text_field: str = "text", *,
             raise ValueError(f"input {path} is not a file; pass the files inside it")
         _reader_for(path)  # an unsupported suffix fails now, not after an hour of reading
     docs = []
-    bar_off = None if progress is None else not progress  # None: a bar only on a terminal
-    for path in tqdm(paths, unit="file", desc="reading", disable=bar_off):
+    for path in progress_bar(paths, progress=progress, unit="file", desc="reading"):
         before = len(docs)
         try:
             docs.extend(t for t in _reader_for(path)(path, text_field) if t)
@@ -503,8 +507,8 @@ def repackage(inputs: list[str], out_dir: str, *, shard_size_mb: float | None = 
     random.Random(seed).shuffle(docs)  # neighbours in a file are often related: mix them
     os.makedirs(out_dir, exist_ok=True)
     paths, start = [], 0
-    for index, size in enumerate(tqdm(sizes, unit="shard", desc="writing",
-                                      disable=None if progress is None else not progress)):
+    for index, size in enumerate(progress_bar(sizes, progress=progress, unit="shard",
+                                              desc="writing")):
         path = os.path.join(out_dir, index_to_filename(index))
         _write_shard(path, docs[start:start + size], row_group_size)
         paths.append(path)
@@ -620,34 +624,38 @@ def _verify_main(spec: DatasetSpec, data_dir: str, num_workers: int) -> int:
     fixes it."""
     paths = list_parquet_files(data_dir)
     if not paths:
-        raise FileNotFoundError(f"no parquet shards in {data_dir}; download some first: "
-                                "python -m nanochat.dataset -n 8")
+        raise FileNotFoundError(f"no parquet shards in {data_dir}; {_get_shards(data_dir)}")
     bad = check_files(paths, num_workers)
     unrecorded = sum(not os.path.exists(record_path(p)) for p in paths)
     print(f"checked {len(paths)} shards in {data_dir}: {len(paths) - len(bad)} good, "
           f"{len(bad)} bad")
     if unrecorded:
-        print(f"{unrecorded} have no .json record (fetched by another tool, or copied in): for "
-              "them the parquet structure and every page were checked, not size and sha256")
+        print(f"{unrecorded} have no .json record (your own shards, or fetched by another tool): "
+              "for them the parquet structure and every page were checked, not size and sha256")
     if not bad:
         return 0
     print("\n".join(summarize({os.path.basename(p): e.reason for p, e in bad.items()})))
     for path, error in list(bad.items())[:3]:  # the full messages of a few, for the log
         logger.info("%s", error)
-    indices = {os.path.basename(p): _shard_index(os.path.basename(p), spec) for p in paths}
-    if any(indices[os.path.basename(p)] is not None for p in bad):
-        # -n covers every train shard on disk, so the rerun re-checks them all and fetches the
-        # bad ones again
-        num_files = 1 + max((i for i in indices.values() if i is not None and i < spec.max_shard),
-                            default=-1)
+    # only a shard the downloader fetched (named like the dataset's, with its .json record) is
+    # fetched again: any other is your own, and a download would write the dataset into your data
+    fetched = {os.path.basename(p): _shard_index(os.path.basename(p), spec) for p in paths
+               if os.path.exists(record_path(p))}
+    fetched = {name: i for name, i in fetched.items() if i is not None}
+    if any(os.path.basename(p) in fetched for p in bad):
+        # -n covers every fetched train shard on disk, so the rerun re-checks them all and fetches
+        # the bad ones again
+        num_files = 1 + max((i for i in fetched.values() if i < spec.max_shard), default=-1)
         print(f"to fix: python -m nanochat.dataset --dataset {spec.name} --data-dir {data_dir} "
               f"-n {num_files} (add your --base-url if you used one); it fetches the bad shards "
               "again")
-    others = sorted(os.path.basename(p) for p in bad if indices[os.path.basename(p)] is None)
+    others = sorted(os.path.basename(p) for p in bad if os.path.basename(p) not in fetched)
     if others:
         more = f" and {len(others) - 3} more" if len(others) > 3 else ""
-        print(f"not shards of {spec.name}, so not fetchable: {', '.join(others[:3])}{more}; delete "
-              "them or write them again (e.g. python -m nanochat.dataset repackage)")
+        print(f"not fetched from {spec.name} (no .json record), so nothing here downloads them: "
+              f"{', '.join(others[:3])}{more}; write them again from their source files "
+              "(python -m nanochat.dataset repackage INPUTS --out NEW_DIR, a directory without "
+              "parquet files) or delete them")
     return 1
 
 

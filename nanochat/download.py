@@ -10,7 +10,7 @@ Cost: checking a ~100MB shard takes ~0.07 s from the page cache (sha256 at ~1.4 
 its pages (once, and only when no sha256 was stated) ~0.6 s.
 Design: docs/downloads.md
 
-May import: nanochat.checks, nanochat.files, requests, urllib3, pyarrow, filelock, tqdm.
+May import: nanochat.checks, nanochat.files, requests, urllib3, pyarrow, filelock.
 """
 
 import contextlib
@@ -33,10 +33,9 @@ import pyarrow.parquet as pq
 import requests
 import urllib3
 from filelock import FileLock
-from tqdm import tqdm
 
 from nanochat.checks import check_int, is_int
-from nanochat.files import disk_full, fsync_dir, remove_if_exists
+from nanochat.files import disk_full, fsync_dir, progress_bar, remove_if_exists
 
 logger = logging.getLogger(__name__)
 
@@ -367,8 +366,8 @@ def check_files(paths: list[str], num_workers: int = 4, *,
     bad = {}
     with ThreadPoolExecutor(max_workers=max(num_workers, 1)) as pool:
         results = pool.map(check, paths)  # in the order of paths, so the bar counts in order
-        for path, error in zip(paths, tqdm(results, total=len(paths), unit="file", desc="checking",
-                                           disable=None if progress is None else not progress)):
+        for path, error in zip(paths, progress_bar(results, progress=progress, total=len(paths),
+                                                   unit="file", desc="checking")):
             if error is not None:
                 bad[path] = error
     return bad
@@ -657,12 +656,11 @@ def _attempt(session: requests.Session, url: str, tmp: str, have: int, record: d
                                url)
             append = False
         flags = os.O_WRONLY | os.O_CREAT | (os.O_APPEND if append else os.O_TRUNC)
-        bar_off = None if progress is None else not progress  # None: bars only on a terminal
         try:
             with _open_nofollow(tmp, flags, "ab" if append else "wb") as f, \
-                    tqdm(total=record["size"], initial=have if append else 0, unit="B",
-                         unit_scale=True, desc=os.path.basename(url), leave=False,
-                         disable=bar_off) as bar:
+                    progress_bar(progress=progress, lines=False,  # (the files bar's lines say it)
+                                 total=record["size"], initial=have if append else 0, unit="B",
+                                 unit_scale=True, desc=os.path.basename(url), leave=False) as bar:
                 if not append:
                     # the truncation is on disk before the record names the new version: a crash
                     # never leaves old bytes under a new validator
@@ -1019,8 +1017,7 @@ def download_files(files: list[tuple[str, str]], num_workers: int = 4, limits: L
         elif replaced:  # "" means the file was missing, nothing was replaced
             report.replaced[os.path.basename(path)] = replaced
 
-    bar_off = None if progress is None else not progress
-    with tqdm(total=len(files), unit="file", desc="files", disable=bar_off) as bar:
+    with progress_bar(progress=progress, total=len(files), unit="file", desc="files") as bar:
         if num_workers <= 1:
             for url, path in files:
                 record(*fetch(url, path))

@@ -3,13 +3,17 @@ Small file-system steps that make writes durable and clean-ups quiet, shared by 
 (nanochat/download.py), the token-shard writer (nanochat/token_shards.py) and the streaming cache's
 small files (the ledger, the catalog, the kept copies): a whole-file write that leaves no temporary
 file behind and says what a full disk needs, and a warning given once per version of a bad file.
+Also the one progress bar every long step uses: frames on a terminal, plain lines in a log file.
 
-May import: the standard library only.
+May import: the standard library, tqdm.
 """
 
 import errno
 import os
 import shutil
+import sys
+
+from tqdm import tqdm
 
 # what a full disk under a streaming cache asks of its user
 DISK_FULL_FIX = "free some space, pass a smaller cache_limit, or use a data_dir on a bigger disk"
@@ -87,3 +91,58 @@ def warn_once(logger, path: str, stamp: tuple, message: str, *args) -> None:
     if _warned.get(path) != stamp:
         _warned[path] = stamp
         logger.warning(message, *args)
+
+
+# -----------------------------------------------------------------------------
+# Progress: a bar on a terminal, plain lines in a log
+
+
+class _QuarterLines(tqdm):
+    """A bar for a log file or a pipe: one plain line at the start, at each quarter done and at the
+    end, never a '\\r' frame (each frame of a drawn bar would pile up on one long line)."""
+
+    def __init__(self, *args, **kwargs):
+        self._quarter, self._shown = -1, None  # the last quarter and count written
+        kwargs["leave"] = False  # close() writes the last line itself, then tqdm clears nothing
+        self._format = kwargs.pop("bar_format", "{desc}: {percentage:3.0f}%{r_bar}")
+        super().__init__(*args, **kwargs)
+
+    def _line(self) -> None:
+        self._shown = self.n
+        self.bar_format = self._format if self.total else None  # no total: tqdm's count and rate
+        self.fp.write(str(self) + "\n")
+        self.fp.flush()
+
+    def display(self, msg=None, pos=None):
+        if msg is not None:  # (tqdm clearing the bar: there is none to clear)
+            return False
+        quarter = 4 * self.n // self.total if self.total else 0  # no total: start and end only
+        if quarter > self._quarter:
+            self._quarter = quarter
+            self._line()
+        return True
+
+    def clear(self, nolock=False):  # tqdm.write and log lines clear a bar with '\\r': none here
+        pass
+
+    def moveto(self, n):  # nested bars move the cursor: a log has one line after another
+        pass
+
+    def close(self):
+        if not self.disable and self._shown != self.n:  # the last line says where it ended
+            self._line()
+        super().close()
+
+
+def progress_bar(iterable=None, *, progress: bool | None = None, lines: bool = True,
+                 **kwargs) -> tqdm:
+    """A tqdm bar (kwargs are tqdm's). progress=True: a bar; False: nothing. None: a bar on a
+    terminal; elsewhere (a log file, a pipe) a plain line at the start, at each quarter done and
+    at the end, or nothing when lines=False (a bar per file, under a bar that counts the files)."""
+    if progress is None:
+        stream = kwargs.get("file") or sys.stderr
+        if not (hasattr(stream, "isatty") and stream.isatty()):
+            return _QuarterLines(iterable, **kwargs) if lines else tqdm(iterable, disable=True,
+                                                                          **kwargs)
+        progress = True
+    return tqdm(iterable, disable=not progress, **kwargs)

@@ -8,6 +8,7 @@ never suggests writing into it. The kinds:
     buckets        a mixture's data: pairs in train/<bucket>/ and val/<bucket>/
     pairs          .bin/.idx pairs right in it: one split's directory of an output, or one bucket's
     empty          none of these (other files, or nothing); missing: no such directory
+    file           a file, not a directory (most often a shard, passed for its directory)
 
 Cost: a directory listing or three, only on the way to an error, or once when pretokenize starts.
 
@@ -38,8 +39,10 @@ def _has_pairs(directory: str) -> bool:
 
 
 def data_kind(directory: str) -> str:
-    """The kind of data directory holds: "parquet", "pretokenized", "buckets", "pairs", "empty" or
-    "missing" (see the module docstring)."""
+    """The kind of data directory holds: "parquet", "pretokenized", "buckets", "pairs", "empty",
+    "missing" or "file" (see the module docstring)."""
+    if os.path.exists(directory) and not os.path.isdir(directory):
+        return "file"
     if not os.path.isdir(directory):
         return "missing"
     # parquet first: a directory with parquet shards is a dataset, whatever else it holds
@@ -84,6 +87,18 @@ def _fix(directory: str, kind: str, wanted: str) -> str:
     return f"read them with {MIXTURE_LOADER}{one}{also}"
 
 
+def _file_fix(path: str, wanted: str) -> str:
+    """What to pass instead of a file given as a data directory: the directory that holds it, or
+    the whole output around that one (a pair sits in DIR/train/ or in DIR/train/<bucket>/)."""
+    parent = os.path.dirname(os.path.normpath(path)) or "."
+    enclosing = _enclosing(parent) if data_kind(parent) == "pairs" else None
+    home = enclosing[0] if enclosing else parent
+    if data_kind(home) == WANTED[wanted]:
+        return f"pass {home}, " + ("the directory it is in" if home == parent else
+                                   f"which holds {parent}, the directory it is in")
+    return f"the file is in {parent}"
+
+
 def _enclosing(directory: str) -> tuple[str, str, str | None] | None:
     """(data directory, what directory is in it, bucket name or None) when directory is one
     split's directory of a pretokenize output, or one bucket's directory of a mixture's data (which
@@ -122,6 +137,11 @@ def describe_mismatch(directory: str, wanted: str) -> str | None:
     kind = data_kind(directory)
     writing = wanted in ("output", "bucket output")
     label = "--output " if writing else ""  # a message about pretokenize names its flag
+    if kind == "file":
+        if writing:
+            return f"--output {directory} is a file, not a directory: pass a new directory"
+        return (f"{directory} is a file, not a directory: data_dir must be the directory that "
+                f"holds {WHAT[WANTED[wanted]]}; {_file_fix(directory, wanted)}")
     if kind == "pairs" or (writing and kind in ("missing", "empty")):
         # a directory inside a data directory (when writing, a new one too): say which, and fit
         # the whole

@@ -28,7 +28,8 @@ from nanochat.checks import is_int
 from nanochat.dataset import open_parquet, read_row_group_column
 from nanochat.shuffle import Shuffle
 from nanochat.state import DocKey, PlanUnit, WindowKey, decode_plan
-from nanochat.state_checks import REQUIRED, WALK_FIELDS, check_state, rank_state
+from nanochat.state_checks import (REQUIRED, WALK_FIELDS, check_state, not_a_loader_state,
+                                   rank_state)
 from nanochat.token_shards import entry_count
 
 logger = logging.getLogger(__name__)
@@ -513,6 +514,8 @@ def start_order(reader, rank: int, world_size: int, batch_size: int, state, conf
                        Position(0, 0, 1))
     if not isinstance(state, dict):
         raise TypeError(f"{where} must be a dict, got {type(state).__name__}")
+    if not_a_loader_state(state, where):  # a model's state dict, passed by mistake
+        raise ValueError(not_a_loader_state(state, where))
     if "merged" in state:  # elastic resume: every rank gets the merge, and takes its own part
         state, where = rank_state(state, rank, world_size, where)
     elif "states" in state:

@@ -9,8 +9,8 @@ cut into overlapping windows, under nanochat's convention ([BOS] + document) or 
 Cost: one tokenizer pass, several MB of text per second per worker; a rerun skips written pairs.
 Design: docs/pretokenized.md
 
-May import: nanochat.common, nanochat.dataset, nanochat.tokenizer, nanochat.packing,
-nanochat.token_shards, nanochat.layout.
+May import: nanochat.common, nanochat.dataset, nanochat.files, nanochat.tokenizer,
+nanochat.packing, nanochat.token_shards, nanochat.layout.
 """
 
 import argparse
@@ -31,11 +31,11 @@ from concurrent.futures import ProcessPoolExecutor, as_completed
 import numpy as np
 import pyarrow as pa
 from filelock import FileLock, Timeout
-from tqdm import tqdm
 
 from nanochat.common import get_dist_info
 from nanochat.dataset import (open_parquet, read_jsonl_texts, read_row_group_texts,
                               split_parquet_files)
+from nanochat.files import progress_bar
 from nanochat.layout import check_kind
 from nanochat.packing import next_cut
 from nanochat.tokenizer import TOKENIZER_FILENAME, RustBPETokenizer, get_tokenizer_dir
@@ -562,14 +562,14 @@ def main(argv: list[str] | None = None) -> int:
         totals = {"documents": 0, "entries": 0, "tokens": 0, "windowed": 0}
         failed, written = [], 0
         t0 = time.time()
-        # disable=None: no bar when stderr is not a terminal (logs, CI)
-        with tqdm(total=len(mine), initial=skipped, unit="shard", desc="pretokenize",
-                  disable=None) as bar:
+        # a bar on a terminal, a line per quarter in a log
+        with progress_bar(total=len(mine), initial=skipped, unit="shard",
+                          desc="pretokenize") as bar:
             for path, stats, error in _results(tokenizer, tokenizer_dir, options, todo,
                                                num_workers):
                 if error is not None:
                     failed.append((path, error))
-                    tqdm.write(f"failed: {path}: {error}")  # above the bar, which stays whole
+                    bar.write(f"failed: {path}: {error}")  # above the bar, which stays whole
                 elif stats is None:  # another run on this output wrote it meanwhile
                     skipped += 1
                 else:

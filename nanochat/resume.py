@@ -9,7 +9,7 @@ This module only tells the states apart: nanochat/elastic.py merges a best-fit o
 loader's, nanochat/mixture_state.py a mixture's. Format and guide: docs/resume.md.
 
 May import: nanochat.checks, nanochat.elastic, nanochat.mixture_state, nanochat.options,
-nanochat.download.
+nanochat.download, nanochat.state_checks.
 """
 
 import os
@@ -19,6 +19,7 @@ from nanochat.download import Limits
 from nanochat.elastic import merge_walk_states
 from nanochat.mixture_state import merge_mixture_states
 from nanochat.options import check_stream
+from nanochat.state_checks import not_a_loader_state
 
 
 def merge_states(states: list[dict], world_size: int, *, data_dir: str | None = None,
@@ -38,6 +39,9 @@ def merge_states(states: list[dict], world_size: int, *, data_dir: str | None = 
     world_size = check_int("world_size", world_size, 1)
     if not isinstance(states, (list, tuple)) or not states:
         raise ValueError("merge_states needs the list of every rank's state")
+    for i, state in enumerate(states):  # a model's state dict, saved in its place by mistake
+        if not_a_loader_state(state, f"states[{i}]"):
+            raise ValueError(not_a_loader_state(state, f"states[{i}]"))
     data_dir = None if data_dir is None else os.path.expanduser(os.fspath(data_dir))
     # a mixture's states: one of them is enough to tell (a damaged one is then refused by the
     # mixture's checks)

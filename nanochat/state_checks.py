@@ -45,6 +45,27 @@ CONFIG_FIELDS = ("loader", "split", "files", "num_files", "B", "T", "buffer_size
                  "tokenizer_batch_size", "tokenizer", "rank", "world_size")
 OPTIONAL_CONFIG_FIELDS = ("source", "chunk_size", "long_doc_policy", "split_overlap", "shuffle")
 COUNTERS = {"bestfit": BestFitPacker.COUNTERS, "concat": ConcatPacker.COUNTERS}
+# a key at the top of every loader state: ours, a merge of them, a mixture's, nanochat's
+LOADER_KEYS = {*REQUIRED, "merged", "states", "buckets"}
+_key_repr = reprlib.Repr()
+_key_repr.maxstring = 80  # a model's keys are dotted paths of ~40 characters: show them whole
+
+
+def not_a_loader_state(state, where: str = "resume_state_dict") -> str | None:
+    """The message for a dict with none of a loader state's keys (a model's or an optimizer's
+    state dict, passed by mistake): what it is not, what a loader state is and where it comes from.
+    None for anything else, which the checks of its fields then judge."""
+    if not isinstance(state, dict) or state.keys() & LOADER_KEYS:
+        return None
+    keys = [_key_repr.repr(key) for key in list(state)[:3]]  # (a model has hundreds)
+    more = f" and {len(state) - 3} more" if len(state) > 3 else ""
+    tensors = any(hasattr(v, "shape") and hasattr(v, "dtype") for v in state.values())
+    holds = (f"its keys are {', '.join(keys)}{more}" if state else "it is empty") + (
+        ", and it holds tensors: a model's or an optimizer's state dict?" if tensors else "")
+    return (f"{where} is not a loader state ({holds}). A loader state is the third item the "
+            "loader yields, (inputs, targets, state_dict): a dict of pq_idx, rg_idx, epoch, "
+            "version, plan, ... (nanochat's own: pq_idx, rg_idx, epoch). Save that one with the "
+            "checkpoint, e.g. as checkpoint['dataloader_state_dict'], and pass it back")
 
 
 def check_hex(value, where: str, n: int = 32) -> None:

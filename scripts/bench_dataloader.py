@@ -507,8 +507,9 @@ def window_spread(tokenizer, data_dir, tmp, args, tbs, *, L=257, overlap=32, B=1
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="python -m scripts.bench_dataloader", description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--data-dir", default=None,
                         help="shards to read (default: generate a corpus)")
     parser.add_argument("--tokenizer-dir", default=None,

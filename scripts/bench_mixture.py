@@ -55,8 +55,9 @@ def tokens_per_second(loader, n_batches, B, T):
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="python -m scripts.bench_mixture", description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("-B", type=int, default=32)
     parser.add_argument("-T", type=int, default=2048)
     parser.add_argument("--batches", type=int, default=300, help="batches per speed run")

@@ -204,8 +204,9 @@ def litdata_available(python: str | None) -> str | None:
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="python -m scripts.bench_pretokenized", description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--work", default=None,
                         help="where the corpus is written and kept (default: a temporary folder)")
     parser.add_argument("--num-docs", type=int, default=24_000,

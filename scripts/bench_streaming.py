@@ -161,8 +161,9 @@ def link_rate_run(
 
 
 def parse_args(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="python -m scripts.bench_streaming", description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rates", type=float, nargs="+", default=[80.0, 10.0],
                         help="link rates in MB/s, one pair of runs each (default: 80 10)")
     parser.add_argument("--shards", type=int, default=10,

@@ -163,7 +163,8 @@ def compare(orig: dict, ours: dict) -> bool:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])  # the first paragraph
+    parser = argparse.ArgumentParser(prog="python -m scripts.nanochat_dropin",
+                                     description=__doc__.split("\n\n")[0])  # its first paragraph
     parser.add_argument("checkout",
                         help="a karpathy/nanochat checkout (left unchanged: it is copied)")
     parser.add_argument("--python", default=sys.executable,

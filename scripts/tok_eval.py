@@ -17,6 +17,7 @@ from nanochat.tokenizer import RustBPETokenizer, get_tokenizer_dir
 
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(
+        prog="python -m scripts.tok_eval",
         description="Bytes per token of the tokenizer on train and val shards")
     parser.add_argument("--tokenizer-dir", default=None, help="default: <base_dir>/tokenizer")
     parser.add_argument("--data-dir", default=None,

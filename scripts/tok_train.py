@@ -12,11 +12,11 @@ import math
 import os
 import time
 
-from tqdm import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
 
 from nanochat.common import get_base_dir
 from nanochat.dataset import find_data_dir, open_parquet, parquets_iter_batched, split_parquet_files
+from nanochat.files import progress_bar
 from nanochat.tokenizer import MIN_VOCAB_SIZE, RustBPETokenizer
 
 SAMPLES = [
@@ -28,7 +28,8 @@ SAMPLES = [
 
 
 def parse_args(argv=None):
-    parser = argparse.ArgumentParser(description="Train a BPE tokenizer on the train shards")
+    parser = argparse.ArgumentParser(prog="python -m scripts.tok_train",
+                                     description="Train a BPE tokenizer on the train shards")
     # the underscore spellings are upstream nanochat's, kept so its recipes still run
     parser.add_argument("--max-chars", "--max_chars", type=int, default=2_000_000_000,
                         help="stop after this many characters of text (default: 2B)")
@@ -70,7 +71,8 @@ def main(argv=None):
         # footers only: counting the row groups of 8 shards reads no text
         row_groups = sum(open_parquet(path).num_row_groups
                          for path in split_parquet_files("train", data_dir))
-        with tqdm(total=row_groups, unit="row group", desc="reading") as progress:
+        # a bar on a terminal, a line per quarter in a log file
+        with progress_bar(total=row_groups, unit="row group", desc="reading") as progress:
             for texts in parquets_iter_batched("train", data_dir=data_dir):
                 for text in texts:
                     # the last document is cut so the total is max_chars exactly
@@ -90,11 +92,12 @@ def main(argv=None):
                             if counts["chars"] else row_groups)
                 progress.total = min(row_groups, max(expected, progress.n + 1))
 
-    t0 = time.time()
-    try:
-        tokenizer = RustBPETokenizer.train_from_iterator(text_iterator(), args.vocab_size)
-    except FileNotFoundError as e:  # no shards: the message says how to get them
+    try:  # no shards, or a file where their directory belongs: the message says what to do
+        split_parquet_files("train", data_dir)
+    except (FileNotFoundError, ValueError) as e:
         raise SystemExit(f"error: {e}") from None
+    t0 = time.time()
+    tokenizer = RustBPETokenizer.train_from_iterator(text_iterator(), args.vocab_size)
     train_time = time.time() - t0
     if counts["chars"] == 0:
         raise SystemExit(f"error: the train shards in {data_dir} hold no text; nothing to train on")

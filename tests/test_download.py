@@ -847,9 +847,11 @@ def test_verify_names_bad_shards_and_the_fix(server, tmp_path, capsys):
     assert "2 have no .json record" in out
     assert ("  2 x not parquet: notes.parquet, shard_00002.parquet\n"
             "  1 x sha256 mismatch: shard_00001.parquet\n") in out
+    # the fix fetches only what the downloader fetched (shard_00002 lost its record)
     assert (f"to fix: python -m nanochat.dataset --dataset climbmix-400b --data-dir {data_dir}"
-            " -n 3 ") in out
-    assert "not shards of climbmix-400b, so not fetchable: notes.parquet;" in out
+            " -n 2 ") in out
+    assert ("not fetched from climbmix-400b (no .json record), so nothing here downloads them: "
+            "notes.parquet, shard_00002.parquet; write them again") in out
     assert not server.gets and not server.heads  # offline
     # the fix it names works
     os.remove(data_dir / "notes.parquet")
