@@ -26,7 +26,7 @@ import torch.distributed as dist
 # main: `python -m nanochat.mixture validate ...` runs the curriculum's command line
 from nanochat.curriculum import choose, list_buckets, load_curriculum, main, row_unit, validate
 from nanochat.dataloader import (Assembled, DataLoader, DeviceBatches, LoaderSpec, assemble,
-                                 row_split, worker_loader)
+                                 row_split, start_counters, sum_counters, worker_loader)
 from nanochat.mixture_state import add_mixture_checksum, mixture_start
 from nanochat.options import check_options, check_shuffle, resolve_rank
 from nanochat.packing import BestFitPacker, check_long_doc_policy
@@ -339,6 +339,9 @@ class MixtureLoader(DataLoader):
         return super().worker_info() | {"extras": {"start_state": self.last_state,
                                                    "world_size": self._world_size}}
 
+    def _packer_counters(self, batch: RowBatch) -> dict:
+        return sum_counters(state["counters"] for state in batch.state["buckets"].values())
+
     def _check(self, batch: RowBatch) -> None:
         stop = batch.stop
         code = _agree(self.STOP_CODES[stop.kind if stop else None], _flag_group(self._world_size))
@@ -457,7 +460,9 @@ def pretokenized_mixture_loader_with_state_bos_bestfit(
         yield from _Mixture(phases, made, rules, config, state).mixed_batches()
 
     return MixtureLoader(batches(), DeviceBatches(B, T, device), row_split, prefetch, with_state,
-                         start_state=state, world_size=world_size)
+                         start_state=state, world_size=world_size,
+                         start_counters=start_counters("bestfit", [parts.recorder for parts, _
+                                                                   in buckets.values()]))
 
 
 def pretokenized_mixture_loader_bos_bestfit(*args, **kwargs):
