@@ -88,7 +88,6 @@ def test_best_fit_figures_add_up_and_match_the_batches(corpus, policy, overlap):
     second, again = loader.figures(), loader.figures()
     stats = loader.stats
     loader.close()
-    before_first = [x for x in seen[:2]]
     # the first call covers the 8 batches since `before`; the second the 4 since the first
     assert (first.since_last.batches, second.since_last.batches, second.total.batches) == (8, 4, 12)
     assert second.since_last.tokens_emitted == 4 * B * T
@@ -100,7 +99,7 @@ def test_best_fit_figures_add_up_and_match_the_batches(corpus, policy, overlap):
     assert second.total.docs_per_row == stats["docs_per_row_mean"]
     assert second.total.docs_per_row == sum(d for x in seen for d in x["docs"]) / (12 * B)
     assert second.since_last.docs_per_row == sum(seen[2]["docs"]) / (4 * B)
-    assert first.since_last.docs_per_row == sum(d for x in before_first for d in x["docs"]) / (8 * B)
+    assert first.since_last.docs_per_row == sum(seen[0]["docs"] + seen[1]["docs"]) / (8 * B)
     assert second.total.wait_seconds == stats["wait_seconds"]
     if policy == "crop":  # cropping, and no target masked: nothing is padding
         assert stats["tokens_cropped"] > 0 and second.total.crop_share > 0
@@ -119,7 +118,8 @@ def test_best_fit_figures_add_up_and_match_the_batches(corpus, policy, overlap):
     f = second.since_last
     line = str(second)
     assert line == second.line() and line.startswith(f"loader: wait {f.wait_share:.1%} | ")
-    assert f"| crop {f.crop_share:.1%} pad {f.pad_share:.1%} | {f.docs_per_row:.1f} docs/row" in line
+    shares = f"| crop {f.crop_share:.1%} pad {f.pad_share:.1%} | {f.docs_per_row:.1f} docs/row"
+    assert shares in line
     assert re.fullmatch(r"loader: wait \d+\.\d% \| [\d.]+[kMG]? tok/s in, [\d.]+[kMG]? out \| "
                         r"crop \d+\.\d% pad \d+\.\d% \| \d+\.\d docs/row", line), line
     assert "cache" not in line and (f.bytes_downloaded, f.evictions) == (None, None)
