@@ -599,6 +599,7 @@ def start_counters(kind: str, recorders) -> dict:
 
 
 def sum_counters(counters) -> dict:
+    """The sum, name by name, of packers' running totals (dicts of name -> count)."""
     total: dict = {}
     for one in counters:
         for name, value in one.items():
