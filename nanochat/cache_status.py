@@ -68,7 +68,7 @@ class KeptCopy(NamedTuple):
 @dataclass(frozen=True)
 class CacheStatus:
     """A streaming cache's figures at one moment: ShardCache.status(), DataLoader.cache_status(),
-    and `python -m nanochat.shard_cache status`. The last four fields are one loader's own (None
+    and `python -m nanochat.shard_cache status`. The last five fields are one loader's own (None
     from the command, which is no loader)."""
     data_dir: str
     cache_limit: int | None  # a loader's own; from the command the least of the live loaders'
@@ -83,6 +83,7 @@ class CacheStatus:
     peak_bytes: int | None  # the most its shards and copies took at once, as it measured them
     fetched_bytes: int | None  # what it downloaded
     copying: bool | None  # whether it copies its buffered documents
+    own_evictions: int | None = None  # the shards it evicted (`evictions` counts every loader's)
 
     @property
     def shard_bytes(self) -> int:
@@ -123,6 +124,7 @@ class Own(NamedTuple):
     peak_bytes: int | None
     fetched_bytes: int | None
     copying: bool | None
+    evictions: int | None = None
 
 
 def read_status(data_dir: str, own: Own | None = None) -> CacheStatus:
@@ -158,7 +160,7 @@ def _status(data_dir: str, table: Table, own: Own | None) -> CacheStatus:
         evicted=tuple(sorted(n for n, row in table.shards.items() if row.state == EVICTED)),
         evictions=sum(row.evictions for row in table.shards.values()), evicting=table.evicting,
         owner=own.owner, peak_bytes=own.peak_bytes, fetched_bytes=own.fetched_bytes,
-        copying=own.copying)
+        copying=own.copying, own_evictions=own.evictions)
 
 
 # -----------------------------------------------------------------------------

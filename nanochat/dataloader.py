@@ -30,7 +30,7 @@ from nanochat.download import Limits
 from nanochat.options import (check_options, check_shuffle, check_stream, resolve_rank,
                               resolve_workers)
 from nanochat.order import ParquetReader, Position, RankOrder, start_order
-from nanochat.packing import check_long_doc_policy
+from nanochat.packing import BestFitPacker, ConcatPacker, check_long_doc_policy
 from nanochat.prefetch import Job, WorkerBatches, WorkerUnavailable, maybe_prefetch
 from nanochat.rows import (Encoder, EntryDocuments, RowBatch, StateRecorder, bestfit_batches,
                            concat_batches, token_batches)
@@ -116,7 +116,7 @@ def build_loader(spec: LoaderSpec, resume_state_dict: dict | None) -> "DataLoade
     batches = _pipeline(order.document_batches(), spec.encoder, depth, pack)
     return DataLoader(batches, DeviceBatches(B, T, spec.device), split_rows, depth,
                       spec.with_state, attention_info=spec.max_docs_per_row is not None,
-                      cache=spec.cache)
+                      cache=spec.cache, start_counters=start_counters(spec.kind, [recorder]))
 
 
 def worker_loader(cls, function, args: dict):
@@ -146,7 +146,7 @@ def worker_loader(cls, function, args: dict):
     # (no split_rows: the worker writes the rows as they are yielded, DeviceBatches.from_host)
     return cls(worker, transfer, None, 0, args["with_state"],
                attention_info=info["attention_info"], cache=worker if info["streaming"] else None,
-               **info["extras"])
+               start_counters=info["start_counters"], **info["extras"])
 
 
 _FALLBACKS: set[str] = set()
@@ -485,6 +485,128 @@ def flat_split(B: int, T: int):
     return split_rows
 
 
+# -----------------------------------------------------------------------------
+# Figures: what a loader did, for a training log (docs/loaders.md#figures)
+
+
+class Figures(NamedTuple):
+    """What a loader did over one stretch of time: since the last figures() call, or in total."""
+    seconds: float  # wall time of the stretch
+    batches: int  # batches yielded
+    wait_seconds: float  # time next() waited for a batch: the stall the trainer felt
+    wait_share: float  # wait_seconds / seconds
+    tokens_tokenized: int  # document tokens that entered the buffer (tokenized, or read)
+    tokens_emitted: int  # input tokens yielded: B * T per batch
+    tokenized_per_second: float
+    emitted_per_second: float
+    crop_share: float  # tokens cropped / (cropped + document tokens placed in rows)
+    pad_share: float  # targets yielded as -100 (masked overlaps) / B * T per batch
+    docs_per_row: float | None  # documents and pieces per row; None: the concatenating loader
+    bytes_downloaded: int | None  # streaming: what this loader fetched; None: not streaming
+    evictions: int | None  # streaming: shards this loader evicted to stay within cache_limit
+
+
+class LoaderFigures(NamedTuple):
+    """loader.figures(): since the last call and in total, and a streaming loader's cache now.
+    str() (or .line()) is one short line for a log."""
+    since_last: Figures  # since the last figures() call (the first: since the loader was made)
+    total: Figures  # since the loader was made (after a resume: from the resume)
+    cache_bytes: int | None  # streaming: what cache_limit bounds, on disk now; None: not streaming
+    cache_limit: int | None
+
+    def line(self) -> str:
+        """`loader: wait 0.3% | 1.21M tok/s in, 0.98M out | crop 18.5% pad 0.0% | 2.1 docs/row |
+        cache 1.2/2.0 GB, 3.4 GB down, 5 evicted`: the rates and shares since the last call,
+        the cache's downloads and evictions in total."""
+        f = self.since_last
+        parts = [f"loader: wait {f.wait_share:.1%}",
+                 f"{_count_words(f.tokenized_per_second)} tok/s in, "
+                 f"{_count_words(f.emitted_per_second)} out",
+                 f"crop {f.crop_share:.1%} pad {f.pad_share:.1%}"]
+        if f.docs_per_row is not None:
+            parts.append(f"{f.docs_per_row:.1f} docs/row")
+        if self.cache_bytes is not None:
+            used = (_size_words(self.cache_bytes) if self.cache_limit is None
+                    else _size_words(self.cache_bytes, self.cache_limit))
+            parts.append(f"cache {used}, {_size_words(self.total.bytes_downloaded)} down, "
+                         f"{self.total.evictions} evicted")
+        return " | ".join(parts)
+
+    def __str__(self) -> str:
+        return self.line()
+
+
+def _count_words(n: float) -> str:
+    """1.21M, 987k, 12.3k, 950: three digits at most."""
+    for unit, scale in (("G", 1e9), ("M", 1e6), ("k", 1e3), ("", 1)):
+        if n >= scale or not unit:
+            v = n / scale
+            return f"{v:.2f}{unit}" if v < 10 else f"{v:.1f}{unit}" if v < 100 else f"{v:.0f}{unit}"
+
+
+def _size_words(*sizes: int) -> str:
+    """Sizes in the unit of the largest, one decimal: '1.2/2.0 GB', '3.4 GB', '512 bytes'."""
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
+        if max(sizes) >= scale:
+            return "/".join(f"{n / scale:.1f}" for n in sizes) + f" {unit}"
+    return "/".join(str(n) for n in sizes) + " bytes"
+
+
+class _Mark(NamedTuple):
+    """Where a loader stood at one moment: what figures() subtracts."""
+    time: float  # time.perf_counter()
+    wait_seconds: float
+    batches: int
+    counters: dict  # the packers' running totals (nanochat.packing's COUNTERS)
+    fetched_bytes: int | None  # streaming: downloaded so far; None: not streaming
+    evictions: int | None
+
+
+def _figures(then: _Mark, now: _Mark, BT: int) -> Figures:
+    """The figures of the stretch from `then` to `now` (B * T input tokens a batch)."""
+    seconds = now.time - then.time
+    count = {name: value - then.counters.get(name, 0) for name, value in now.counters.items()}
+    batches = now.batches - then.batches
+    wait = now.wait_seconds - then.wait_seconds
+    emitted = batches * BT
+    cropped = count.get("tokens_cropped", 0)
+    # the BOS and overlap in front of a piece are placed, but are no document's tokens
+    placed = (count.get("tokens_out", 0) - count.get("tokens_bos_added", 0)
+              - count.get("tokens_repeated", 0))
+
+    def rate(n: float) -> float:
+        return n / seconds if seconds > 0 else 0.0
+
+    streaming = now.fetched_bytes is not None
+    return Figures(
+        seconds=seconds, batches=batches, wait_seconds=wait, wait_share=rate(wait),
+        tokens_tokenized=count.get("tokens_in", 0), tokens_emitted=emitted,
+        tokenized_per_second=rate(count.get("tokens_in", 0)), emitted_per_second=rate(emitted),
+        crop_share=cropped / max(1, placed + cropped),  # (as the packer's crop_share)
+        pad_share=count.get("tokens_masked", 0) / max(1, emitted),
+        # (the concatenating packer counts no rows: its rows cut through documents)
+        docs_per_row=count["docs_placed"] / max(1, count["rows"]) if "rows" in count else None,
+        bytes_downloaded=now.fetched_bytes - (then.fetched_bytes or 0) if streaming else None,
+        evictions=now.evictions - (then.evictions or 0) if streaming else None)
+
+
+def start_counters(kind: str, recorders) -> dict:
+    """The packers' running totals before the first batch, summed over `recorders` (a mixture's
+    buckets): zero, or what the resumed state restores (nanochat.rows.StateRecorder.restore)."""
+    packer = BestFitPacker if kind == "bestfit" else ConcatPacker
+    return sum_counters([dict.fromkeys(packer.COUNTERS, 0)]
+                        + [r.start["counters"] for r in recorders if r.start])
+
+
+def sum_counters(counters) -> dict:
+    """The sum, name by name, of packers' running totals (dicts of name -> count)."""
+    total: dict = {}
+    for one in counters:
+        for name, value in one.items():
+            total[name] = total.get(name, 0) + value
+    return total
+
+
 class DataLoader:
     """What the loader functions return: an iterator of (inputs, targets, state_dict) (or of
     (inputs, targets) without state), with `stats` and `close()`.
@@ -496,12 +618,14 @@ class DataLoader:
     `stats` describes the batches yielded so far (not the read-ahead): tokens tokenized, emitted
     and cropped, crop_share (cropped / (emitted + cropped)), documents per row, buffer occupancy,
     masked targets, and wait_seconds, the time `next()` spent waiting for a batch (the stall a GPU
-    would feel). With attention_info, each batch has a fourth element: a dict of doc_ids,
+    would feel). `figures()` gives rates and shares since its last call and in total, for a
+    training log. With attention_info, each batch has a fourth element: a dict of doc_ids,
     position_ids and cu_seqlens on the device (see nanochat.rows.attention_info).
     """
 
     def __init__(self, batches, transfer: DeviceBatches, split_rows, prefetch: int,
-                 with_state: bool, *, attention_info: bool = False, cache=None):
+                 with_state: bool, *, attention_info: bool = False, cache=None,
+                 start_counters: dict | None = None):
         self._batches = batches  # generator of RowBatch
         self._cache = cache  # a streaming loader's shard cache (None when not streaming)
         self._attention_info = attention_info
@@ -517,6 +641,15 @@ class DataLoader:
         self._error: BaseException | None = None
         self._wait_seconds = 0.0
         self.stats: dict = {}
+        # figures(): the packers' totals after the last batch, the batches yielded, and the marks
+        # of the loader's start and of the last call
+        self._start_counters = start_counters or {}
+        self._counters = self._start_counters
+        self._yielded = 0
+        self._cache_seen = None  # the last cache status figures() read (a closed worker has none)
+        nothing = None if cache is None else 0  # (the cache is this loader's own: it starts at 0)
+        self._first_mark = self._last_mark = _Mark(time.perf_counter(), 0.0, 0, self._counters,
+                                                   nothing, nothing)
         # with trace_documents=True: per row of the last batch, the (epoch, pq_idx, rg_idx, row) of
         # every document placed in it, in order (a debugging aid: which documents did a step see?)
         self.documents: list | None = None
@@ -547,11 +680,38 @@ class DataLoader:
         else:
             inputs, targets = self._transfer(*self._split_rows(batch.rows), batch.masked)
         self.stats = batch.stats | {"wait_seconds": self._wait_seconds}
+        self._counters = self._packer_counters(batch)
+        self._yielded += 1
         out = (inputs, targets, batch.state) if self._with_state else (inputs, targets)
         if self._attention_info:
             device = self._transfer.device
             out += ({k: torch.from_numpy(v).to(device) for k, v in batch.info.items()},)
         return out
+
+    def figures(self) -> LoaderFigures:
+        """What this loader did since the last call and since it was made: next()'s wait, tokens
+        per second in and out, crop and pad shares, documents per row, and for a streaming loader
+        its downloads, evictions and cache use. `str()` of it is one line for a log. Cheap, except
+        that a streaming loader reads its cache's status (a listing and the ledger)."""
+        now = self._mark()
+        last, self._last_mark = self._last_mark, now
+        BT = self._transfer.B * self._transfer.T
+        status = self._cache_seen
+        return LoaderFigures(_figures(last, now, BT), _figures(self._first_mark, now, BT),
+                             None if status is None else status.used_bytes,
+                             None if status is None else status.cache_limit)
+
+    def _mark(self) -> _Mark:
+        if self._cache is not None and not self._closed:  # (a closed worker has no cache to ask)
+            self._cache_seen = self.cache_status()
+        status = self._cache_seen
+        return _Mark(time.perf_counter(), self._wait_seconds, self._yielded, self._counters,
+                     None if status is None else status.fetched_bytes,
+                     None if status is None else status.own_evictions)
+
+    def _packer_counters(self, batch: RowBatch) -> dict:
+        """The packer's running totals after this batch (a mixture sums its buckets')."""
+        return batch.state["counters"]
 
     def row_batches(self):
         """The RowBatches this loader's pipeline makes, for a worker process that hands them on
@@ -569,7 +729,7 @@ class DataLoader:
         """What the trainer's end of a worker needs to know of this loader: whether it yields
         attention_info and streams, and its class's own arguments."""
         return {"attention_info": self._attention_info, "streaming": self._cache is not None,
-                "extras": {}}
+                "start_counters": self._start_counters, "extras": {}}
 
     @property
     def worker_pid(self) -> int | None:

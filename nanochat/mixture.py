@@ -27,7 +27,7 @@ import torch.distributed as dist
 from nanochat.curriculum import (choose, dry_fixes, list_buckets, load_curriculum, main, row_unit,
                                  validate)
 from nanochat.dataloader import (Assembled, DataLoader, DeviceBatches, LoaderSpec, assemble,
-                                 row_split, worker_loader)
+                                 row_split, start_counters, sum_counters, worker_loader)
 from nanochat.mixture_state import add_mixture_checksum, mixture_start
 from nanochat.options import check_options, check_shuffle, resolve_rank
 from nanochat.packing import BestFitPacker, check_long_doc_policy
@@ -346,6 +346,9 @@ class MixtureLoader(DataLoader):
                                                    "world_size": self._world_size,
                                                    "fixes": self._fixes}}
 
+    def _packer_counters(self, batch: RowBatch) -> dict:
+        return sum_counters(state["counters"] for state in batch.state["buckets"].values())
+
     def _check(self, batch: RowBatch) -> None:
         stop = batch.stop
         code = _agree(self.STOP_CODES[stop.kind if stop else None], _flag_group(self._world_size))
@@ -477,7 +480,9 @@ def pretokenized_mixture_loader_with_state_bos_bestfit(
 
     return MixtureLoader(batches(), DeviceBatches(B, T, device), row_split, prefetch, with_state,
                          start_state=state, world_size=world_size,
-                         fixes=dry_fixes(T, long_doc_policy))
+                         fixes=dry_fixes(T, long_doc_policy),
+                         start_counters=start_counters("bestfit", [parts.recorder for parts, _
+                                                                   in buckets.values()]))
 
 
 def pretokenized_mixture_loader_bos_bestfit(*args, **kwargs):

@@ -113,12 +113,14 @@ class ShardCache:
         self.later_count = 0 if cache_limit is None else min(cache_limit // smallest, LATER_MAX)
         self._short_since: float | None = None
         self.fetched_bytes = 0  # what this cache downloaded
+        self.evictions = 0  # shards this cache evicted to stay within cache_limit
         self.peak_bytes = 0  # the most the shards and kept copies took at once, as measured here
         self._check_budget()
 
     def status(self) -> CacheStatus:
         """What the cache holds now, who needs it and why, and this loader's own figures."""
-        own = Own(self.owner, self.limit, self.peak_bytes, self.fetched_bytes, self.copying)
+        own = Own(self.owner, self.limit, self.peak_bytes, self.fetched_bytes, self.copying,
+                  self.evictions)
         return read_status(self.data_dir, own)
 
     # -- the budget ------------------------------------------------------------------
@@ -248,6 +250,7 @@ class ShardCache:
                 remove_if_exists(record_path(path))
                 used -= complete[victim]
                 table.shards[victim] = ShardRow(EVICTED, table.shards[victim].evictions + 1)
+                self.evictions += 1
                 logger.debug("evicted %s", victim)
             if used > self.limit and now:
                 used = self._last_resort(table, name, used)

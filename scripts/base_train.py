@@ -176,6 +176,7 @@ def loader_resume_state(states: list[dict], rank: int, world_size: int,
 
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(
+        prog="python -m scripts.base_train",
         description="Pretrain a tiny GPT on the best-fit loader, resumably")
     parser.add_argument("--data-dir", default=None,
                         help="parquet shards (default: the dataset's directory)")
@@ -304,14 +305,14 @@ def main(argv=None) -> int:
         optimizer.zero_grad(set_to_none=True)
         loss = loss.item()
         dt = time.perf_counter() - t0
-        stats = train_loader.stats
-        buffer_docs = stats.get("buffer_docs")
+        buffer_docs = train_loader.stats.get("buffer_docs")
         log["losses"][step] = loss
         log["buffer_docs"][step] = buffer_docs
         print0(f"step {step:5d}/{args.steps} | loss {loss:.6f} | {dt * 1000:.0f} ms | "
                f"{args.B * args.T * world_size / dt:,.0f} tok/s | buffer docs {buffer_docs} | "
-               f"cropped {stats['crop_share']:.1%} | loader wait {stats['wait_seconds']:.2f}s | "
                f"loss {loss!r}")
+        # the loader since the last step: next()'s wait, tokens/s, crop and pad, documents per row
+        print0(train_loader.figures().line())
 
         if step % args.eval_every == 0 or step == args.steps:
             run_eval(step)

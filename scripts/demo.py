@@ -189,6 +189,7 @@ def stream_batches(
                 break
         seconds = time.perf_counter() - t0
         status = loader.cache_status()  # a streaming loader's shard cache figures, else None
+        figures = loader.figures()  # wait, tokens/s, crop and pad shares, downloads, evictions
     finally:
         loader.close()
     rows = num_batches * B
@@ -197,8 +198,8 @@ def stream_batches(
         "first_s": first_s, "bos_row_pct": 100.0 * bos_rows / rows,
         "docs_per_row_mean": sum(docs_per_row) / rows, "docs_per_row_max": max(docs_per_row),
         "state_dict": state_dict, "first_row": first_row, "digest": digest.hexdigest(),
-        # the loader's counts of tokens, crops and waits
-        "loader_stats": getattr(loader, "stats", None),
+        # the loader's counts of tokens and crops, and its figures
+        "loader_stats": loader.stats, "figures": figures,
         "peak_bytes": status and status.peak_bytes, "cache_status": status,
     }
 
@@ -211,17 +212,12 @@ def print_batch_stats(name: str, s: dict) -> None:
     print(f"{name}: documents per row: mean {s['docs_per_row_mean']:.2f}, "
           f"max {s['docs_per_row_max']}")
     stats = s["loader_stats"]
-    if stats:
-        # cropped / (emitted + cropped): the share of the documents the packer took that was thrown
-        # away. tokens_tokenized is not the denominator: it also counts the ~1000 documents still
-        # waiting in the buffer and those read ahead.
-        cropped, emitted = stats.get("tokens_cropped", 0), stats.get("tokens_emitted", 0)
-        crop = stats.get("crop_share", cropped / max(cropped + emitted, 1))
-        print(f"{name}: crop share: {100 * crop:.1f}% ({cropped:,} cropped, {emitted:,} packed; "
-              f"{stats.get('tokens_tokenized', 0):,} tokenized so far)")
-        print(f"{name}: loader stats: {stats}")
-    else:
-        print(f"{name}: crop share: n/a (this loader has no .stats)")
+    # cropped / (emitted + cropped): the share of the documents the packer took that was thrown
+    # away. tokens_tokenized is not the denominator: it also counts the documents still waiting
+    # in the buffer and those read ahead.
+    print(f"{name}: crop share: {stats['crop_share']:.1%} ({stats['tokens_cropped']:,} cropped, "
+          f"{stats['tokens_emitted']:,} packed; {stats['tokens_tokenized']:,} tokenized so far)")
+    print(f"{name} {s['figures']}")  # ("train loader: wait ...", rounded)
     state = s["state_dict"]
     position = {k: state[k] for k in ("pq_idx", "rg_idx", "epoch")}
     print(f"{name}: state_dict of the last batch: {position} + the exact-resume part: "
@@ -278,6 +274,7 @@ def stream_from_server(
 
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(
+        prog="python -m scripts.demo",
         description="Run the data pipeline end to end on a built-in sample, offline")
     parser.add_argument("--out", default=None,
                         help="empty or new directory for hosted/, base_data_climbmix/, tokenizer/, "
@@ -390,6 +387,7 @@ def main(argv=None) -> int:
           f"{peak:,} bytes <= cache_limit {cache_limit:,} bytes (the {len(hosted)} shards: "
           f"{sum(os.path.getsize(path) for path in hosted):,} bytes); shards downloaded, in order: "
           f"{', '.join(name.removesuffix('.parquet') for name in downloads)}")
+    print(f"streamed train {streamed_train['figures']}")  # (with its downloads and evictions)
     print("the cache after the train batches, as `python -m nanochat.shard_cache status` shows it:")
     print(describe(streamed_train["cache_status"]))
 

@@ -112,9 +112,18 @@ def main(argv=None):
     print(f"vocab size: {tokenizer.get_vocab_size():,} (bos id {tokenizer.get_bos_token_id()})")
     for text in SAMPLES:
         ids = tokenizer.encode(text)
-        pieces = "|".join(tokenizer.id_to_token(i) for i in ids)
-        print(f"{len(text.encode('utf-8'))} bytes -> {len(ids)} tokens: {pieces!r}")
+        # each token as a string, or as bytes where it holds part of a UTF-8 character
+        pieces = [_readable(tokenizer.decode_single_token_bytes(i)) for i in ids]
+        print(f"{text!r}: {len(text.encode('utf-8'))} bytes -> {len(ids)} tokens:")
+        print("  " + " ".join(map(repr, pieces)))
     print(f"saved tokenizer to {out_dir}")
+
+
+def _readable(piece: bytes) -> str | bytes:
+    try:
+        return piece.decode("utf-8")
+    except UnicodeDecodeError:
+        return piece
 
 
 if __name__ == "__main__":

@@ -7,6 +7,7 @@ cache_limit smaller than the shards.
     python -m pytest tests/test_demo.py -q
 """
 
+import ast
 import os
 import re
 import subprocess
@@ -49,6 +50,23 @@ def test_demo_end_to_end(tmp_path):
     assert "val: rows starting with BOS: 100.0%" in stdout
     assert "train: 6 batches, 24 rows, 3,072 tokens" in stdout
     assert "state_dict of the last batch: {'pq_idx'" in stdout
+    # the tokenizer's Unicode sample: its text, then each token, as bytes where it holds part of
+    # a UTF-8 character (no U+FFFD), which together give the text back
+    text = "Ünïcödé: 你好世界, привет мир, 🙂"
+    lines = stdout.splitlines()
+    at = [i for i, line in enumerate(lines) if line.startswith(f"{text!r}: 52 bytes -> ")]
+    assert len(at) == 1, stdout[-3000:]
+    pieces = [ast.literal_eval(p) for p in re.findall(r"b?'(?:[^'\\]|\\.)*'", lines[at[0] + 1])]
+    assert b"".join(p if isinstance(p, bytes) else p.encode() for p in pieces) == text.encode()
+    assert any(isinstance(p, bytes) for p in pieces) and "\ufffd" not in stdout
+    # the loader's figures, rounded: one line per loader, the streaming one with its cache
+    figures = (r"loader: wait \d+\.\d% \| [\d.]+[kMG]? tok/s in, [\d.]+[kMG]? out \| "
+               r"crop \d+\.\d% pad 0\.0% \| \d+\.\d docs/row")
+    for name in ("train", "val"):
+        assert re.search(rf"^{name} {figures}$", stdout, re.M), stdout[-3000:]
+    assert re.search(rf"^streamed train {figures} \| cache [\d.]+/[\d.]+ [KM]B, "
+                     r"[\d.]+ [KM]B down, \d+ evicted$", stdout, re.M), stdout[-3000:]
+    assert "loader stats: {" not in stdout  # (no raw dict of floats)
 
     # step 6: the same batches streamed from the server (the demo exits 1 if they differ), within
     # the least cache_limit of prefetch_shards=0 (3 train shards, val, copies), less than the 5
