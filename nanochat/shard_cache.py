@@ -192,7 +192,8 @@ class ShardCache:
             raise ValueError(
                 f"cache_limit={self.limit:,} bytes is below what this streaming loader must hold "
                 f"at once, {least:,} bytes ({size_up(least)}):\n" + "\n".join(lines) + "\n"
-                f"Raise cache_limit to {least:,} or more, {fix}or use another data_dir")
+                f"Raise cache_limit to {least:,} or more, {fix}or use a data_dir other than "
+                f"{self.data_dir}")
 
     def _walk_terms(self) -> list["Term"]:
         """What a walk under way holds at once: the shards from the one packed from to the one

@@ -100,7 +100,8 @@ def test_the_refusal_states_the_least_exactly_and_the_least_is_accepted(hosted, 
     assert lines[4].endswith(f"for each of 1 local rank(s): {copies:,} bytes")
     assert lines[5] == f"  sum: {least:,} bytes"
     assert lines[6] == (f"Raise cache_limit to {least:,} or more, lower prefetch_shards, "
-                        "prefetch, tokenizer_batch_size or buffer_size, or use another data_dir")
+                        "prefetch, tokenizer_batch_size or buffer_size, or use a data_dir other "
+                        f"than {tmp_path / 'cache'}")
     _loader(tmp_path / "cache", server, cache_limit=least).close()
 
 
