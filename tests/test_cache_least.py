@@ -25,7 +25,7 @@ from scripts.shard_server import ShardServer
 
 VAL = index_to_filename(6542)  # the default dataset's val shard
 FAST = Limits(max_attempts=2, backoff_base=0.01, timeout=5, deadline=30)
-# 5 train shards of ~50 KB, row groups of 20 documents of 400 letters; shard 2 holds 20 documents
+# 5 train shards of ~67 KB, row groups of 20 documents of 400 letters; shard 2 holds 20 documents
 DOCS = [200, 200, 20, 200, 200]
 # B=4, T=64; read-ahead: (5 x prefetch + 3) x tokenizer_batch_size = 64 documents, more than
 # shard 2 holds, fewer than the others; prefetch_shards=0
