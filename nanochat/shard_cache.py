@@ -174,8 +174,9 @@ class ShardCache:
             terms.append(Term("the val shard", "not on disk yet, never evicted", val_bytes))
         if copies:
             terms.append(Term("copies of buffered documents", (
-                f"{size_words(copies)} (copies_estimate) for each of {self.local_ranks} local "
-                "rank(s)"), copies * self.local_ranks))
+                f"{copies:,} bytes (copies_estimate: twice buffer_size documents at the split's "
+                f"most bytes per document) for each of {self.local_ranks} local rank(s)"),
+                copies * self.local_ranks))
         if fixed:
             terms.append(Term("shards it may not evict", (
                 f"{len(fixed)} in {self.data_dir}: the val shard and those no streaming loader "
@@ -195,7 +196,7 @@ class ShardCache:
                 f"Raise cache_limit to {least:,} or more, {fix}or use a data_dir other than "
                 f"{self.data_dir}")
 
-    def _walk_terms(self) -> list["Term"]:
+    def _walk_terms(self) -> list[Term]:
         """What a walk under way holds at once: the shards from the one packed from to the one
         read, those fetched ahead and one for a local rank out of step. Its terms count the split's
         largest shards, never more shards than the split has."""
@@ -227,7 +228,7 @@ class ShardCache:
                     "them at most)"), shards_bytes))
         return terms
 
-    def _restore_term(self, restore, walk: int) -> "Term | None":
+    def _restore_term(self, restore, walk: int) -> Term | None:
         """A resumed walk's first documents (a buffer's, a merged plan's), the local ranks'
         together, and the file the walk goes on in are held at once, with one for a local rank out
         of step when there are more (what is fetched ahead waits for room meanwhile): a term when
