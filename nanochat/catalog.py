@@ -5,7 +5,7 @@ in DATA_DIR/.stream/catalog.json: a restart reads nothing over the network for t
 about the files at their URLs, a file of its own beside the ledger, written under its own lock
 (.stream/catalog.lock), held while footers are read: the local ranks read each footer once. An
 entry carries a checksum; one that is damaged, or that disagrees with its shard on disk, is read
-again. Also the two estimates of the start check of cache_limit. Design: docs/streaming.md.
+again. Also the estimates of the start check of cache_limit. Design: docs/streaming.md.
 
 May import: nanochat.checks, nanochat.dataset, nanochat.download, nanochat.files, nanochat.ledger.
 """
@@ -16,6 +16,7 @@ import logging
 import math
 import os
 from concurrent.futures import ThreadPoolExecutor
+from typing import NamedTuple
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -279,12 +280,34 @@ def streamed_files(split: str, data_dir: str | None, num_shards: int | None, bas
 # The estimates of the start check
 
 
+class ReadAhead(NamedTuple):
+    """What the documents a loader has read and not yet packed can span, for the start check: its
+    local ranks' most (they share the cache)."""
+    docs: int  # documents read and not yet packed, at most
+    shards: int  # the most shards from the one packed from to the one read, both included
+    # the most bytes a shard's file takes per document a rank reads of it; inf when a rank reads
+    # a shard that has none of its documents (then only whole shards bound the span)
+    doc_bytes: float
+
+
 def packing_shards(entries: list[dict], rank: int, world_size: int, read_ahead: int) -> int:
     """The most shards that `read_ahead` documents (read and not yet packed) and the one the reader
     has just opened can span for this rank: one more than its fewest documents of a shard (its row
     groups of it) divide them into."""
     shares = [sum(entry["rows"][rank::world_size]) for entry in entries]
     return 1 + math.ceil(read_ahead / max(min((n for n in shares if n), default=1), 1))
+
+
+def read_ahead_span(entries: list[dict], ranks, world_size: int, docs: int) -> ReadAhead:
+    """The span of `docs` documents read ahead, the most over `ranks` (a machine's local ranks)."""
+    shards, doc_bytes = 1, 0.0
+    for rank in ranks:
+        shards = max(shards, packing_shards(entries, rank, world_size, docs))
+        for entry in entries:
+            if len(entry["rows"]) > rank:  # (a shard the rank visits: it has a row group of its)
+                share = sum(entry["rows"][rank::world_size])
+                doc_bytes = max(doc_bytes, entry["size"] / share if share else math.inf)
+    return ReadAhead(docs, shards, doc_bytes)
 
 
 def copies_estimate(entries: list[dict], buffer_docs: int) -> int:

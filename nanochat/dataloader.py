@@ -23,7 +23,7 @@ from typing import Any, NamedTuple
 import numpy as np
 import torch
 
-from nanochat.catalog import copies_estimate, packing_shards, streamed_files
+from nanochat.catalog import copies_estimate, read_ahead_span, streamed_files
 from nanochat.checks import check_int
 from nanochat.dataset import split_parquet_files
 from nanochat.download import Limits
@@ -187,8 +187,8 @@ def _parquet_reader(split: str, data_dir, streaming, read_ahead: dict):
         copies=copies_estimate(catalog, read_ahead["buffer_docs"]),
         # (every local rank's: they share the cache, and the one whose shards hold fewest of its
         # documents spans the most)
-        packing=max(packing_shards(catalog, rank, read_ahead["world_size"], read_ahead["docs"])
-                    for rank in local_peers(read_ahead["rank"], read_ahead["world_size"])),
+        packing=read_ahead_span(catalog, local_peers(read_ahead["rank"], read_ahead["world_size"]),
+                                read_ahead["world_size"], read_ahead["docs"]),
         read_ahead=read_ahead["docs"])
     return ParquetReader(paths, catalog, cache), cache
 

@@ -17,17 +17,19 @@ nanochat.download, nanochat.files, nanochat.kept, nanochat.ledger, nanochat.stat
 import argparse
 import itertools
 import logging
+import math
 import os
 import shutil
 import socket
 import sys
 import threading
 import time
+from typing import NamedTuple
 
 import pyarrow as pa
 
 from nanochat.cache_status import CacheStatus, Own, describe, read_status, size_words
-from nanochat.catalog import catalog_path, catalog_sizes, read_catalog
+from nanochat.catalog import ReadAhead, catalog_path, catalog_sizes, read_catalog
 from nanochat.checks import check_int
 from nanochat.dataset import find_data_dir, open_parquet
 from nanochat.download import DownloadError, Limits, download_file, record_path
@@ -43,6 +45,23 @@ LOOKAHEAD = 64  # distinct shards of the order searched for the one the reader a
 NEED_MARGIN = 120.0  # seconds need() waits past the downloader's deadline (another rank's download)
 ROOM_WAIT = 600.0  # seconds the shard a reader waits for may find no room before that is an error
 LATER_MAX = 256  # the most shards a loader lists as read soon (Loader.later)
+
+
+class Term(NamedTuple):
+    """One term of the least cache_limit (the start check)."""
+    what: str
+    how: str  # how it is counted
+    nbytes: int
+
+
+def size_up(nbytes: int) -> str:
+    """A size in words rounded up, to 3 significant digits: never shown below what it is."""
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
+        if nbytes >= scale:
+            digits = 2 if nbytes < 10 * scale else 1 if nbytes < 100 * scale else 0
+            step = scale / 10 ** digits
+            return f"{math.ceil(nbytes / step) * step / scale:.{digits}f} {unit}"
+    return f"{nbytes} bytes"
 
 
 def shard_files(data_dir: str, partial: bool = True) -> dict[str, int]:
@@ -74,13 +93,14 @@ class ShardCache:
     def __init__(self, data_dir: str, names: list[str], urls: list[str], sizes: list[int], *,
                  prefetch_shards: int, cache_limit: int | None, limits: Limits,
                  keep: dict[str, int] | None = None, prefetch: int = 4, copies: int = 0,
-                 packing: int = 2, read_ahead: int = 0):
+                 packing: ReadAhead = ReadAhead(0, 2, 0.0), read_ahead: int = 0):
         self.data_dir, self.names, self.urls, self.sizes = data_dir, names, urls, sizes
         self.prefetch_shards, self.limit, self.limits = prefetch_shards, cache_limit, limits
         self.keep = dict(keep or {})  # name -> size: never evicted (the val shard)
-        self.copies = copies  # what copies of a buffer may take (copies_estimate), for the budget
+        self.copies_each = copies  # what copies of a buffer may take (copies_estimate)
+        self.copies = copies  # the room the budget sets aside for them (_check_budget)
         self.copying = False  # whether this loader copies them: _check_budget, or once one evicts
-        self.packing = packing  # the most shards from the one packed from to the one read
+        self.packing = packing  # what the shards from the one packed from to the one read hold
         self.read_ahead = read_ahead  # documents read and not yet packed, at most
         self.local_ranks = _local_ranks()
         self.ledger = Ledger(data_dir)
@@ -127,8 +147,8 @@ class ShardCache:
 
     def _check_budget(self, restore: list[int] = ()) -> None:
         """The start check: a ValueError when cache_limit is below what must be held at once
-        (`restore`: the shards of resumed walks' first documents). Also decides whether this
-        loader copies its buffered documents."""
+        (`restore`: the shards of resumed walks' first documents), naming each term in bytes. Also
+        decides whether this loader copies its buffered documents."""
         if self.limit is None:
             self.copies = 0
             return
@@ -137,50 +157,96 @@ class ShardCache:
         # (a partial download is not fixed: it becomes a fetched shard, or this loader resumes it)
         on_disk = shard_files(self.data_dir, partial=False)
         fixed = {n: size for n, size in on_disk.items() if n not in fetched or n in self.keep}
-        largest = max(self.sizes)
-        # copies of buffered documents are made only when the shards may not all fit (else none is
-        # ever evicted, until a loader has to: _make_room); their room is at most the shards' bytes
-        fits = sum(self.sizes) + sum(fixed.values())
-        fits += sum(size for name, size in self.keep.items() if name not in fixed)
-        self.copying = self.limit < fits or table.evicting
+        # all of it at once: every shard the cache may hold and the copies already kept. At a limit
+        # that holds it no shard is ever evicted, so no copies of buffered documents are made and
+        # nothing can wait for room (unless this machine's loaders evict already)
+        everything = (sum((dict(zip(self.names, self.sizes)) | self.keep | fixed).values())
+                      + kept_bytes(self.keeper.root))
+        self.copying = self.limit < everything or table.evicting
         keeps_all = not set(self.names) - set(self.keep)  # (a val loader: its shard never goes)
-        self.copies = min(self.copies, sum(self.sizes)) if self.copying and not keeps_all else 0
-        # the shards from the one it packs to the one it reads (packing_shards), prefetch_shards
-        # ahead and one for a local rank out of step (a split has no more); the val shard when a
-        # val loader (an eval during training) has yet to fetch it; every local rank's copies
-        count = min(self.packing + self.prefetch_shards + 1, len(self.names))
+        copies = 0 if keeps_all else min(self.copies_each, sum(self.sizes))
+        terms = self._walk_terms()
+        restoring = self._restore_term(restore, sum(term.nbytes for term in terms))
+        terms = [restoring] if restoring else terms
+        fix = "" if restoring else (  # (the state decides what a resume holds)
+            "lower prefetch_shards, prefetch, tokenizer_batch_size or buffer_size, ")
         val_bytes = sum(size for name, size in self.keep.items()
                         if name not in on_disk and name not in self.names)
-        copies = self.copies * self.local_ranks
-        walk = count * largest
-        held = (f"{count} x {size_words(largest)} (the largest shard) for the shards from the one "
-                f"it packs to the one it reads ({self.packing}: its read-ahead against its "
-                f"documents per shard), prefetch_shards={self.prefetch_shards} ahead and one for a "
-                f"local rank out of step (at most the split's {len(self.names)})")
-        fix = "lower prefetch_shards, prefetch, tokenizer_batch_size or buffer_size, "
-        # a resumed walk's first documents (a buffer's, a merged plan's), the local ranks'
-        # together, and the file the walk goes on in are held at once, with one for a local rank
-        # out of step when there are more (what is fetched ahead waits for room meanwhile)
+        if val_bytes:  # (a val loader, an eval during training, has yet to fetch it)
+            terms.append(Term("the val shard", "not on disk yet, never evicted", val_bytes))
+        if copies:
+            terms.append(Term("copies of buffered documents", (
+                f"{copies:,} bytes (copies_estimate: twice buffer_size documents at the split's "
+                f"most bytes per document) for each of {self.local_ranks} local rank(s)"),
+                copies * self.local_ranks))
+        if fixed:
+            terms.append(Term("shards it may not evict", (
+                f"{len(fixed)} in {self.data_dir}: the val shard and those no streaming loader "
+                "fetched"), sum(fixed.values())))
+        total = sum(term.nbytes for term in terms)
+        least = total if table.evicting else min(total, everything)
+        self.copies = copies if self.copying else 0
+        if self.limit < least:
+            lines = [f"  {term.what}: {term.how}: {term.nbytes:,} bytes" for term in terms]
+            lines.append(f"  sum: {total:,} bytes")
+            if least < total:
+                lines.append(f"  all the shards it may hold and the copies kept: {everything:,} "
+                             "bytes, less than the sum: at that limit no shard is ever evicted")
+            raise ValueError(
+                f"cache_limit={self.limit:,} bytes is below what this streaming loader must hold "
+                f"at once, {least:,} bytes ({size_up(least)}):\n" + "\n".join(lines) + "\n"
+                f"Raise cache_limit to {least:,} or more, {fix}or use a data_dir other than "
+                f"{self.data_dir}")
+
+    def _walk_terms(self) -> list[Term]:
+        """What a walk under way holds at once: the shards from the one packed from to the one
+        read, those fetched ahead and one for a local rank out of step. Its terms count the split's
+        largest shards, never more shards than the split has."""
+        n, ahead = len(self.names), self.packing
+        largest_first = sorted(self.sizes, reverse=True)
+        # the shard packed from and the shard read are files on disk, whole (one when the reader
+        # reads no more than the packer takes)
+        ends = min(ahead.shards, 2)
+        whole = min(ends + self.prefetch_shards + 1, n)
+        terms = [Term("shards read, packed from and fetched ahead", (
+            f"the {whole} largest whole: the one read, the one packed from, "
+            f"prefetch_shards={self.prefetch_shards} ahead and one for a local rank out of step "
+            f"(at most the split's {n})"), sum(largest_first[:whole]))]
+        # the shards between those two: the reader has read all of them and the packer has yet to
+        # pack them, so their documents (of this rank's) are among the `docs` read ahead
+        middle = min(ahead.shards - ends, n - whole)
+        if middle > 0:
+            shards_bytes = sum(largest_first[whole:whole + middle])
+            # (inf: a rank visits a shard with none of its documents; only whole shards bound it)
+            docs_bytes = ahead.docs * ahead.doc_bytes if ahead.docs else 0
+            if docs_bytes < shards_bytes:
+                terms.append(Term("shards read between those two", (
+                    f"{ahead.docs:,} documents read ahead at most, at the split's most "
+                    f"{ahead.doc_bytes:,.1f} bytes of a shard per document a rank reads"),
+                    math.ceil(docs_bytes)))
+            else:
+                terms.append(Term("shards read between those two", (
+                    f"the next {middle} largest whole ({ahead.docs:,} documents read ahead span "
+                    "them at most)"), shards_bytes))
+        return terms
+
+    def _restore_term(self, restore, walk: int) -> Term | None:
+        """A resumed walk's first documents (a buffer's, a merged plan's), the local ranks'
+        together, and the file the walk goes on in are held at once, with one for a local rank out
+        of step when there are more (what is fetched ahead waits for room meanwhile): a term when
+        that is more than a walk under way holds."""
+        if not restore:
+            return None
+        largest = max(self.sizes)
         restoring = sum(self.sizes[p] for p in restore)
         step = largest * (self.local_ranks > 1 and len(restore) < len(self.names))
-        if restore and restoring + step > walk:
-            walk = restoring + step
-            held = (f"{len(restore)} shard(s) ({size_words(restoring)}) holding the first "
-                    "documents of the resumed walks of this machine's ranks (their buffers, a "
-                    "merge's plans) and the files the walks go on in"
-                    + (f", and {size_words(step)} for a local rank out of step" if step else "")
-                    + f": more than the {count} x {size_words(largest)} a walk under way holds")
-            fix = ""  # (the state decides what the resume holds)
-        least = sum(fixed.values()) + walk + val_bytes + copies
-        val = f" and the val shard ({size_words(val_bytes)})" if val_bytes else ""
-        if self.limit < least:
-            raise ValueError(
-                f"cache_limit={size_words(self.limit)} is below what this streaming loader must "
-                f"hold at once, {size_words(least)}: {held}{val}, about {size_words(copies)} "
-                f"for copies of buffered documents ({self.local_ranks} local rank(s)), plus "
-                f"{size_words(sum(fixed.values()))} of shards in {self.data_dir} that it may not "
-                f"evict ({len(fixed)}: the val shard and those it did not fetch); raise "
-                f"cache_limit, {fix}or use another data_dir")
+        if restoring + step <= walk:
+            return None
+        return Term("shards a resume reads first", (
+            f"{len(restore)} holding the first documents of the resumed walks of this machine's "
+            "ranks (their buffers, a merge's plans) and the files the walks go on in"
+            + (f", and {step:,} bytes for a local rank out of step" if step else "")
+            + f": more than the {walk:,} bytes a walk under way holds"), restoring + step)
 
     def _last_resort(self, table: Table, name: str, used: int) -> int:
         """The shard a reader waits for has no room, and the copies of buffered documents have

@@ -197,8 +197,8 @@ def test_val_shard_and_files_it_did_not_fetch_are_never_evicted(hosted, tmp_path
 
 def test_budget_too_small_is_an_error_at_the_call(hosted, tmp_path):
     _, server, sizes = hosted
-    with pytest.raises(ValueError, match=r"cache_limit=.* is below what this streaming loader "
-                                         r"must hold.*prefetch_shards=2"):
+    with pytest.raises(ValueError, match=r"(?s)cache_limit=.* is below what this streaming "
+                                         r"loader must hold.*prefetch_shards=2"):
         _streaming("bestfit", server, tmp_path / "cache", cache_limit=3 * sizes[-1])
 
 

@@ -114,11 +114,11 @@ def copies(hosted, names) -> int:
 
 
 def least_limit(hosted, names) -> int:
-    """The least cache_limit of a 3-shard split, prefetch_shards=2: 3 x its largest shard and the
-    val shard (it all fits then: no shard is ever evicted, so no copies of buffered documents are
-    made or budgeted)."""
+    """The least cache_limit of a 3-shard split, prefetch_shards=2: its 3 shards and the val shard
+    (it all fits then: no shard is ever evicted, so no copies of buffered documents are made or
+    budgeted)."""
     assert len(names) == 3
-    return (3 * max(shards_in(hosted)[name] for name in names)
+    return (sum(shards_in(hosted)[name] for name in names)
             + shards_in(hosted)[get_dataset().val_filename])
 
 
@@ -598,7 +598,6 @@ def test_a_full_disk_is_an_enospc_error_naming_the_directory(tmp_path, monkeypat
 def test_a_budget_below_what_must_be_held_is_refused_at_the_call(tmp_path):
     hosted = tmp_path / "hosted"
     names = host_shards(hosted, 3, mixed_docs, row_group_size=2)
-    largest = max(shards_in(hosted)[name] for name in names)
     server = ShardServer(str(hosted))
     try:
         # the shard read, the one still being packed, prefetch_shards=2 ahead and one for a rank out
@@ -613,13 +612,24 @@ def test_a_budget_below_what_must_be_held_is_refused_at_the_call(tmp_path):
                   cache_limit=least).close()
     finally:
         server.close()
-    message = str(raised.value)  # the shards are ~150 KB
-    assert message.startswith(f"cache_limit={small / 1e3:.1f} KB is below what this streaming "
-                              f"loader must hold at once, {least / 1e3:.1f} KB"), message
-    assert (f"3 x {largest / 1e3:.1f} KB (the largest shard)" in message
-            and "prefetch_shards=2 ahead" in message)
-    assert "and the val shard" in message
-    assert str(tmp_path / "cache") in message
+    lines = str(raised.value).split("\n")
+    assert lines[0] == (f"cache_limit={small:,} bytes is below what this streaming loader must "
+                        f"hold at once, {least:,} bytes ({shard_cache.size_up(least)}):"), lines
+    # the terms: the 3 shards whole (a split of 3 has no more), the val shard, the copies
+    assert lines[1] == ("  shards read, packed from and fetched ahead: the 3 largest whole: the "
+                        "one read, the one packed from, prefetch_shards=2 ahead and one for a "
+                        "local rank out of step (at most the split's 3): "
+                        f"{sum(shards_in(hosted)[name] for name in names):,} bytes")
+    assert lines[2].startswith("  the val shard: not on disk yet, never evicted: ")
+    room = copies(hosted, names)
+    assert lines[3].endswith(f"for each of 1 local rank(s): {room:,} bytes")
+    # their sum is more than all the data, at which nothing is evicted: the least
+    assert lines[4] == f"  sum: {least + room:,} bytes"
+    assert lines[5] == (f"  all the shards it may hold and the copies kept: {least:,} bytes, less "
+                        "than the sum: at that limit no shard is ever evicted")
+    assert lines[6] == (f"Raise cache_limit to {least:,} or more, lower prefetch_shards, prefetch, "
+                        "tokenizer_batch_size or buffer_size, or use a data_dir other than "
+                        f"{tmp_path / 'cache'}")
 
 
 def test_every_local_rank_checks_the_machines_least_and_a_merged_resume_at_it_runs(
