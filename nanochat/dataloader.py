@@ -9,7 +9,7 @@ Walk-through: docs/ARCHITECTURE.md. Resume and its states: docs/resume.md.
 
 May import: torch, numpy, nanochat.order, nanochat.token_reader, nanochat.rows, nanochat.packing,
 nanochat.state, nanochat.prefetch, nanochat.options, nanochat.checks, nanochat.shuffle,
-nanochat.shard_cache, nanochat.catalog, nanochat.dataset, nanochat.download.
+nanochat.shard_cache, nanochat.catalog, nanochat.dataset, nanochat.download, nanochat.figures.
 """
 
 import contextlib
@@ -30,7 +30,8 @@ from nanochat.download import Limits
 from nanochat.options import (check_options, check_shuffle, check_stream, resolve_rank,
                               resolve_workers)
 from nanochat.order import ParquetReader, Position, RankOrder, start_order
-from nanochat.packing import BestFitPacker, ConcatPacker, check_long_doc_policy
+from nanochat.figures import LoaderFigures, Mark, start_counters, stretch
+from nanochat.packing import check_long_doc_policy
 from nanochat.prefetch import Job, WorkerBatches, WorkerUnavailable, maybe_prefetch
 from nanochat.rows import (Encoder, EntryDocuments, RowBatch, StateRecorder, bestfit_batches,
                            concat_batches, token_batches)
@@ -485,128 +486,6 @@ def flat_split(B: int, T: int):
     return split_rows
 
 
-# -----------------------------------------------------------------------------
-# Figures: what a loader did, for a training log (docs/loaders.md#figures)
-
-
-class Figures(NamedTuple):
-    """What a loader did over one stretch of time: since the last figures() call, or in total."""
-    seconds: float  # wall time of the stretch
-    batches: int  # batches yielded
-    wait_seconds: float  # time next() waited for a batch: the stall the trainer felt
-    wait_share: float  # wait_seconds / seconds
-    tokens_tokenized: int  # document tokens that entered the buffer (tokenized, or read)
-    tokens_emitted: int  # input tokens yielded: B * T per batch
-    tokenized_per_second: float
-    emitted_per_second: float
-    crop_share: float  # tokens cropped / (cropped + document tokens placed in rows)
-    pad_share: float  # targets yielded as -100 (masked overlaps) / B * T per batch
-    docs_per_row: float | None  # documents and pieces per row; None: the concatenating loader
-    bytes_downloaded: int | None  # streaming: what this loader fetched; None: not streaming
-    evictions: int | None  # streaming: shards this loader evicted to stay within cache_limit
-
-
-class LoaderFigures(NamedTuple):
-    """loader.figures(): since the last call and in total, and a streaming loader's cache now.
-    str() (or .line()) is one short line for a log."""
-    since_last: Figures  # since the last figures() call (the first: since the loader was made)
-    total: Figures  # since the loader was made (after a resume: from the resume)
-    cache_bytes: int | None  # streaming: what cache_limit bounds, on disk now; None: not streaming
-    cache_limit: int | None
-
-    def line(self) -> str:
-        """`loader: wait 0.3% | 1.21M tok/s in, 0.98M out | crop 18.5% pad 0.0% | 2.1 docs/row |
-        cache 1.2/2.0 GB, 3.4 GB down, 5 evicted`: the rates and shares since the last call,
-        the cache's downloads and evictions in total."""
-        f = self.since_last
-        parts = [f"loader: wait {f.wait_share:.1%}",
-                 f"{_count_words(f.tokenized_per_second)} tok/s in, "
-                 f"{_count_words(f.emitted_per_second)} out",
-                 f"crop {f.crop_share:.1%} pad {f.pad_share:.1%}"]
-        if f.docs_per_row is not None:
-            parts.append(f"{f.docs_per_row:.1f} docs/row")
-        if self.cache_bytes is not None:
-            used = (_size_words(self.cache_bytes) if self.cache_limit is None
-                    else _size_words(self.cache_bytes, self.cache_limit))
-            parts.append(f"cache {used}, {_size_words(self.total.bytes_downloaded)} down, "
-                         f"{self.total.evictions} evicted")
-        return " | ".join(parts)
-
-    def __str__(self) -> str:
-        return self.line()
-
-
-def _count_words(n: float) -> str:
-    """1.21M, 987k, 12.3k, 950: three digits at most."""
-    for unit, scale in (("G", 1e9), ("M", 1e6), ("k", 1e3), ("", 1)):
-        if n >= scale or not unit:
-            v = n / scale
-            return f"{v:.2f}{unit}" if v < 10 else f"{v:.1f}{unit}" if v < 100 else f"{v:.0f}{unit}"
-
-
-def _size_words(*sizes: int) -> str:
-    """Sizes in the unit of the largest, one decimal: '1.2/2.0 GB', '3.4 GB', '512 bytes'."""
-    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
-        if max(sizes) >= scale:
-            return "/".join(f"{n / scale:.1f}" for n in sizes) + f" {unit}"
-    return "/".join(str(n) for n in sizes) + " bytes"
-
-
-class _Mark(NamedTuple):
-    """Where a loader stood at one moment: what figures() subtracts."""
-    time: float  # time.perf_counter()
-    wait_seconds: float
-    batches: int
-    counters: dict  # the packers' running totals (nanochat.packing's COUNTERS)
-    fetched_bytes: int | None  # streaming: downloaded so far; None: not streaming
-    evictions: int | None
-
-
-def _figures(then: _Mark, now: _Mark, BT: int) -> Figures:
-    """The figures of the stretch from `then` to `now` (B * T input tokens a batch)."""
-    seconds = now.time - then.time
-    count = {name: value - then.counters.get(name, 0) for name, value in now.counters.items()}
-    batches = now.batches - then.batches
-    wait = now.wait_seconds - then.wait_seconds
-    emitted = batches * BT
-    cropped = count.get("tokens_cropped", 0)
-    # the BOS and overlap in front of a piece are placed, but are no document's tokens
-    placed = (count.get("tokens_out", 0) - count.get("tokens_bos_added", 0)
-              - count.get("tokens_repeated", 0))
-
-    def rate(n: float) -> float:
-        return n / seconds if seconds > 0 else 0.0
-
-    streaming = now.fetched_bytes is not None
-    return Figures(
-        seconds=seconds, batches=batches, wait_seconds=wait, wait_share=rate(wait),
-        tokens_tokenized=count.get("tokens_in", 0), tokens_emitted=emitted,
-        tokenized_per_second=rate(count.get("tokens_in", 0)), emitted_per_second=rate(emitted),
-        crop_share=cropped / max(1, placed + cropped),  # (as the packer's crop_share)
-        pad_share=count.get("tokens_masked", 0) / max(1, emitted),
-        # (the concatenating packer counts no rows: its rows cut through documents)
-        docs_per_row=count["docs_placed"] / max(1, count["rows"]) if "rows" in count else None,
-        bytes_downloaded=now.fetched_bytes - (then.fetched_bytes or 0) if streaming else None,
-        evictions=now.evictions - (then.evictions or 0) if streaming else None)
-
-
-def start_counters(kind: str, recorders) -> dict:
-    """The packers' running totals before the first batch, summed over `recorders` (a mixture's
-    buckets): zero, or what the resumed state restores (nanochat.rows.StateRecorder.restore)."""
-    packer = BestFitPacker if kind == "bestfit" else ConcatPacker
-    return sum_counters([dict.fromkeys(packer.COUNTERS, 0)]
-                        + [r.start["counters"] for r in recorders if r.start])
-
-
-def sum_counters(counters) -> dict:
-    """The sum, name by name, of packers' running totals (dicts of name -> count)."""
-    total: dict = {}
-    for one in counters:
-        for name, value in one.items():
-            total[name] = total.get(name, 0) + value
-    return total
-
-
 class DataLoader:
     """What the loader functions return: an iterator of (inputs, targets, state_dict) (or of
     (inputs, targets) without state), with `stats` and `close()`.
@@ -648,7 +527,7 @@ class DataLoader:
         self._yielded = 0
         self._cache_seen = None  # the last cache status figures() read (a closed worker has none)
         nothing = None if cache is None else 0  # (the cache is this loader's own: it starts at 0)
-        self._first_mark = self._last_mark = _Mark(time.perf_counter(), 0.0, 0, self._counters,
+        self._first_mark = self._last_mark = Mark(time.perf_counter(), 0.0, 0, self._counters,
                                                    nothing, nothing)
         # with trace_documents=True: per row of the last batch, the (epoch, pq_idx, rg_idx, row) of
         # every document placed in it, in order (a debugging aid: which documents did a step see?)
@@ -697,15 +576,15 @@ class DataLoader:
         last, self._last_mark = self._last_mark, now
         BT = self._transfer.B * self._transfer.T
         status = self._cache_seen
-        return LoaderFigures(_figures(last, now, BT), _figures(self._first_mark, now, BT),
+        return LoaderFigures(stretch(last, now, BT), stretch(self._first_mark, now, BT),
                              None if status is None else status.used_bytes,
                              None if status is None else status.cache_limit)
 
-    def _mark(self) -> _Mark:
+    def _mark(self) -> Mark:
         if self._cache is not None and not self._closed:  # (a closed worker has no cache to ask)
             self._cache_seen = self.cache_status()
         status = self._cache_seen
-        return _Mark(time.perf_counter(), self._wait_seconds, self._yielded, self._counters,
+        return Mark(time.perf_counter(), self._wait_seconds, self._yielded, self._counters,
                      None if status is None else status.fetched_bytes,
                      None if status is None else status.own_evictions)
 

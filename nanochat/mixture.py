@@ -11,7 +11,8 @@ Design: docs/mixtures.md.
     python -m nanochat.mixture validate CONFIG --data DATA_DIR [--tokens N] [--split train]
 
 May import: torch, numpy, nanochat.curriculum, nanochat.mixture_state, nanochat.dataloader,
-nanochat.options, nanochat.token_reader, nanochat.rows, nanochat.packing, nanochat.state.
+nanochat.options, nanochat.token_reader, nanochat.rows, nanochat.packing, nanochat.state,
+nanochat.figures.
 """
 
 import itertools
@@ -27,7 +28,8 @@ import torch.distributed as dist
 from nanochat.curriculum import (choose, dry_fixes, list_buckets, load_curriculum, main, row_unit,
                                  validate)
 from nanochat.dataloader import (Assembled, DataLoader, DeviceBatches, LoaderSpec, assemble,
-                                 row_split, start_counters, sum_counters, worker_loader)
+                                 row_split, worker_loader)
+from nanochat.figures import start_counters, sum_counters
 from nanochat.mixture_state import add_mixture_checksum, mixture_start
 from nanochat.options import check_options, check_shuffle, resolve_rank
 from nanochat.packing import BestFitPacker, check_long_doc_policy

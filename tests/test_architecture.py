@@ -33,7 +33,7 @@ STREAMING = ["shard_cache"]  # what stream=True adds to the path
 # shuffled order, the resume checks, the pretokenized reader, streaming's helpers
 ASIDE = {"checks", "options", "dataset", "download", "shuffle", "state_checks", "token_reader",
          "token_shards", "common", "files", "layout", "catalog", "kept", "ledger",
-         "cache_status"}
+         "cache_status", "figures"}
 
 
 def parse(module: str) -> ast.Module:

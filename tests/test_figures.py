@@ -16,11 +16,11 @@ import numpy as np
 import pytest
 
 from conftest import ByteTokenizer, write_shard, write_shards
-from nanochat.dataloader import (LoaderFigures,
-                                 pretokenized_distributed_data_loader_with_state_bos_bestfit,
+from nanochat.dataloader import (pretokenized_distributed_data_loader_with_state_bos_bestfit,
                                  tokenizing_distributed_data_loader_with_state,
                                  tokenizing_distributed_data_loader_with_state_bos_bestfit)
 from nanochat.dataset import index_to_filename
+from nanochat.figures import LoaderFigures
 from nanochat.download import Limits
 from nanochat.mixture import pretokenized_mixture_loader_with_state_bos_bestfit
 from nanochat.token_shards import write_token_shard
