@@ -23,7 +23,7 @@ from filelock import FileLock
 from tqdm import tqdm
 
 from nanochat.checks import is_int
-from nanochat.dataset import open_parquet, streamed_split
+from nanochat.dataset import open_parquet, read_listing, streamed_split
 from nanochat.download import (MAGIC, TAIL_BYTES, DownloadError, Limits, fetch_tail,
                                recorded_size)
 from nanochat.files import file_stamp, warn_once, write_atomic
@@ -264,10 +264,15 @@ def _read_missing(data_dir: str, missing: list[tuple[str, str]], known: dict, li
 
 def streamed_files(split: str, data_dir: str | None, num_shards: int | None, base_url: str | None,
                    limits: Limits) -> tuple[str, list[str], list[str], dict[str, int], list[dict]]:
-    """A streamed split (nanochat.dataset.streamed_split) with its catalog entries:
-    (data_dir, paths, URLs, {the val shard's name: its size}, catalog entries)."""
-    data_dir, paths, urls, val_name = streamed_split(split, data_dir, num_shards, base_url)
-    _, _, val_urls, _ = streamed_split("val", data_dir, num_shards, base_url)
+    """A streamed split (nanochat.dataset.streamed_split: by the server's listing when it has one)
+    with its catalog entries: (data_dir, paths, URLs, {the val shard's name: its size}, catalog
+    entries)."""
+    # asked at every start, one small request: a listing kept from an earlier run would hide the
+    # shards added since
+    listing = read_listing(data_dir, base_url, limits)
+    data_dir, paths, urls, val_name = streamed_split(split, data_dir, num_shards, base_url,
+                                                     listing)
+    _, _, val_urls, _ = streamed_split("val", data_dir, num_shards, base_url, listing)
     names = [os.path.basename(p) for p in paths]
     # (the val shard's entry too: every loader's budget holds it)
     entries = read_catalog(data_dir, list(dict.fromkeys(names + [val_name])),

@@ -35,8 +35,8 @@ from nanochat.download import Limits
 from nanochat.catalog import copies_estimate, read_catalog
 from nanochat.resume import merge_states
 from nanochat.state import decode_keys
-from scripts import shard_server
-from scripts.shard_server import BLOCK, ShardServer
+from nanochat import serve as shard_server
+from nanochat.serve import BLOCK, ShardServer
 from stream_worker import LOADER, rows_of
 
 HERE = os.path.dirname(os.path.abspath(__file__))
