@@ -213,7 +213,11 @@ def main(argv: list[str]) -> int:
     if not names and not own:
         raise FileNotFoundError(f"{directory} holds no *.parquet files; write some first: "
                                 "python -m nanochat.dataset repackage my.jsonl --out DIR")
-    server = ShardServer(directory, args.rate, host=args.host, port=args.port)
+    try:
+        server = ShardServer(directory, args.rate, host=args.host, port=args.port)
+    except OSError as e:  # (the port taken, a host not of this machine)
+        raise OSError(e.errno, f"cannot listen on {args.host} port {args.port} ({e.strerror}); "
+                               "pass another --port, or --port 0 for a free one") from None
     split = (f"its own {LISTING}" if own
              else f"{len(names)} parquet files, val {names[-1]}" if len(names) > 1
              else f"1 parquet file, {names[0]}: a loader needs 2, train and val")

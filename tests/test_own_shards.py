@@ -1,10 +1,10 @@
 """
 Your own shards, streamed: docs/streaming.md's recipe ("Your own shards") run as written, the
-serve command (`python -m nanochat.dataset serve DIR`) as a real process on 127.0.0.1, and shards of
-any names streamed by the rule on disk (val is the last in sorted order). Streamed batches and states
-are checked token for token against the same loader over the same directory on disk. Also: the
-listing (made from the directory, or the directory's own index.json), its errors, the refusal of a
-dataset's directory as the cache, the Range error, and --help.
+serve command (`python -m nanochat.dataset serve DIR`) as a real process on 127.0.0.1, and shards
+of any names streamed by the rule on disk (val is the last in sorted order). Streamed batches and
+states are checked token for token against the same loader over the same directory on disk.
+Also: the listing (made from the directory, or the directory's own index.json), its errors, the
+refusal of a dataset's directory as the cache, the Range error, and --help.
 
     python -m pytest tests/test_own_shards.py -q
 """
@@ -27,6 +27,7 @@ import torch
 from conftest import ByteTokenizer, outcome, worker_env, write_shard
 from nanochat.dataloader import tokenizing_distributed_data_loader_with_state_bos_bestfit
 from nanochat.download import Limits
+from nanochat import serve
 from nanochat.serve import ShardServer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -89,8 +90,9 @@ def _same(streamed: list, expected: list) -> None:
 
 def _shards_in(batches: list) -> set[str]:
     """The shards whose documents the batches hold (each document starts with its shard's name)."""
-    text = ByteTokenizer().decode([t for inputs, _, _ in batches for t in inputs.flatten().tolist()])
-    return set(re.findall(r"<([\w.]+\.parquet)>", text))
+    tokens = [t for inputs, _, _ in batches for t in inputs.flatten().tolist()]
+    text = ByteTokenizer().decode(tokens)
+    return set(re.findall(r"<([^<>]+\.parquet)>", text))
 
 
 def _write_own(directory, names: list[str], docs: int = 120) -> None:
@@ -149,9 +151,10 @@ def test_the_recipe_for_your_own_shards_runs_as_written(tmp_path):
 
 @pytest.fixture
 def odd(tmp_path):
-    """Shards named a, b, c and zz_val, served by the serve command; yields (directory, URL)."""
+    """Shards named a, b, c d (a space: %20 in its URL) and zz_val, served by the serve command;
+    yields (directory, URL)."""
     directory = tmp_path / "odd"
-    _write_own(directory, ["b.parquet", "a.parquet", "c.parquet", "zz_val.parquet"])
+    _write_own(directory, ["b.parquet", "a.parquet", "c d.parquet", "zz_val.parquet"])
     served = Served(f"python -m nanochat.dataset serve {directory} --port 0", tmp_path)
     yield directory, served.url
     assert served.stop()[0] == 0
@@ -161,7 +164,7 @@ def test_shards_of_any_names_stream_by_the_rule_on_disk(odd, tmp_path):
     directory, url = odd
     listing = requests.get(f"{url}/index.json", timeout=10).json()
     assert listing == {"files": [{"name": n, "size": os.path.getsize(directory / n)}
-                                 for n in ("a.parquet", "b.parquet", "c.parquet",
+                                 for n in ("a.parquet", "b.parquet", "c d.parquet",
                                            "zz_val.parquet")]}
     assert not os.path.exists(directory / "index.json")  # made per request, never written
     cache = tmp_path / "cache"
@@ -171,13 +174,13 @@ def test_shards_of_any_names_stream_by_the_rule_on_disk(odd, tmp_path):
         expected = _batches(_loader(directory, split), n)
         _same(streamed, expected)
         # val is the last name in sorted order; train the others
-        assert _shards_in(streamed) == ({"a.parquet", "b.parquet", "c.parquet"}
+        assert _shards_in(streamed) == ({"a.parquet", "b.parquet", "c d.parquet"}
                                         if split == "train" else {"zz_val.parquet"})
     # num_shards: the first N train names
     two = _batches(_loader(tmp_path / "cache2", stream=True, base_url=url, num_shards=2,
                            download_limits=FAST), 60)
     assert _shards_in(two) == {"a.parquet", "b.parquet"}
-    assert "c.parquet" not in os.listdir(tmp_path / "cache2")
+    assert "c d.parquet" not in os.listdir(tmp_path / "cache2")
 
 
 def test_a_dataset_directory_is_refused_as_the_cache_of_your_own_shards(odd, tmp_path):
@@ -207,6 +210,26 @@ def test_a_mirror_of_the_dataset_streams_into_its_directory(tmp_path):
     finally:
         server.close()
     _same(streamed, _batches(_loader(hosted), 10))
+
+
+def test_without_a_listing_the_datasets_names_apply(tmp_path, monkeypatch):
+    """A server with no index.json (a 404, as the Hugging Face hub answers): the dataset's names,
+    val shard_06542.parquet, even though a file of your own sorts after it."""
+    monkeypatch.setattr(serve, "LISTING", "not-served.json")  # the server's: it answers 404
+    hosted = tmp_path / "hosted"
+    _write_own(hosted, ["shard_00000.parquet", "shard_00001.parquet", "shard_00002.parquet",
+                        "shard_06542.parquet", "zz_mine.parquet"])
+    server = ShardServer(str(hosted))
+    try:
+        streamed = _batches(_loader(tmp_path / "cache", stream=True, base_url=server.url,
+                                    num_shards=2, download_limits=FAST), 60)
+        val = _batches(_loader(tmp_path / "cache", "val", stream=True, base_url=server.url,
+                               download_limits=FAST), 1)
+    finally:
+        server.close()
+    assert ("index.json", None) in server.gets
+    assert _shards_in(streamed) == {"shard_00000.parquet", "shard_00001.parquet"}
+    assert _shards_in(val) == {"shard_06542.parquet"}
 
 
 def test_the_directorys_own_index_json_is_served_and_followed(tmp_path):
@@ -270,6 +293,16 @@ def test_serve_help_and_its_refusals(tmp_path):
     result = _run(f"python -m nanochat.dataset serve {tmp_path / 'empty'}", tmp_path)
     assert result.returncode == 2 and "holds no *.parquet files" in result.stderr
     assert "repackage" in result.stderr
+    _write_own(tmp_path / "shards", ["a.parquet", "b.parquet"])
+    taken = ShardServer(str(tmp_path / "shards"))  # a port in use
+    try:
+        port = taken.server_address[1]
+        result = _run(f"python -m nanochat.dataset serve shards --port {port}", tmp_path)
+    finally:
+        taken.close()
+    assert result.returncode == 2, result.stderr
+    assert f"cannot listen on 127.0.0.1 port {port} (" in result.stderr
+    assert result.stderr.endswith("); pass another --port, or --port 0 for a free one\n")
 
 
 def test_a_server_that_ignores_range_is_refused_naming_serve(tmp_path):
