@@ -1,9 +1,9 @@
 """
 A shard server: serves a directory's files over HTTP the way the Hugging Face hub serves a
 dataset's, with Range requests (what a streaming loader reads footers with, and what resumes a
-broken download), an ETag that is the body's quoted sha256, and optionally a rate limit shared by
-all connections. It also answers `index.json`: the directory's parquet files and sizes, made on each
-request (the directory's own index.json, when it has one). The demo, the benchmarks and the tests
+broken download), an ETag that is the body's quoted sha256, and optionally a rate limit on files
+shared by all connections. It also answers `index.json`: the directory's parquet files and sizes,
+made on each request (the directory's own index.json, when it has one). The demo, the benchmarks and the tests
 use it; `python -m nanochat.dataset serve DIR` runs it (main below). It logs the GETs it answered.
 
     server = ShardServer(directory, rate=50e6)   # on 127.0.0.1, a free port, a daemon thread
@@ -105,6 +105,8 @@ class _Handler(BaseHTTPRequestHandler):
             self.send_error(404)
             return
         size, etag, f = body
+        # the listing, a few hundred bytes, is not held back: the rate is the shards' link
+        throttle = self.server.throttle if self._name() != LISTING else Throttle(None)
         with f:
             first, last = 0, size - 1
             match = re.fullmatch(r"bytes=(\d*)-(\d*)", (wanted or "").strip())
@@ -129,7 +131,7 @@ class _Handler(BaseHTTPRequestHandler):
             left = last - first + 1
             while left > 0:
                 block = f.read(min(BLOCK, left))
-                self.server.throttle.take(len(block))
+                throttle.take(len(block))
                 try:
                     self.wfile.write(block)
                 except (BrokenPipeError, ConnectionResetError):  # the client hung up
@@ -196,8 +198,8 @@ def main(argv: list[str]) -> int:
                         help="address to listen on (default: 127.0.0.1, this machine only; "
                              "0.0.0.0: every interface, no authentication)")
     parser.add_argument("--rate", type=float, default=None, metavar="BYTES_PER_S",
-                        help="serve at most this many bytes/s, all connections together "
-                             "(default: no limit)")
+                        help="serve at most this many bytes/s of files, all connections "
+                             "together (default: no limit)")
     args = parser.parse_args(argv)
     if not 0 <= args.port <= 65535:
         parser.error(f"--port must be in [0, 65535], got {args.port}")
