@@ -213,6 +213,12 @@ def _stream_source(data_dir, base_url) -> tuple[str, DatasetSpec, str]:
     return data_dir, spec, base_url
 
 
+def stream_source(data_dir: str | None, base_url: str | None) -> tuple[str, str]:
+    """(data_dir, base_url) of a streamed split: the defaults filled in, the URL checked."""
+    data_dir, _, base_url = _stream_source(data_dir, base_url)
+    return data_dir, base_url
+
+
 LISTING_MAX_BYTES = 16 * 2**20  # a listing of 6,543 shards is ~300 KB
 
 
@@ -220,12 +226,12 @@ def listing_url(base_url: str) -> str:
     return f"{base_url.rstrip('/')}/{LISTING}"
 
 
-def read_listing(data_dir: str | None, base_url: str | None, limits: Limits) -> list[str] | None:
+def read_listing(base_url: str, limits: Limits) -> list[str] | None:
     """The sorted names of the parquet files that <base_url>/index.json lists (python -m
     nanochat.dataset serve makes it; docs/streaming.md#your-own-shards gives its format), or None
     when the server has none (the Hugging Face hub). One small request, bounded by limits; a
     listing that cannot be read is a ConnectionError, one that is wrong a ValueError, naming it."""
-    url = listing_url(_stream_source(data_dir, base_url)[2])
+    url = listing_url(base_url)
     try:
         body = fetch_small(url, LISTING_MAX_BYTES, limits)
     except DownloadError as e:

@@ -1,10 +1,10 @@
 """
 A shard server: serves a directory's files over HTTP the way the Hugging Face hub serves a
 dataset's, with Range requests (what a streaming loader reads footers with, and what resumes a
-broken download), an ETag that is the body's quoted sha256, and optionally a rate limit on files
-shared by all connections. It also answers `index.json`: the directory's parquet files and sizes,
-made on each request (the directory's own index.json, when it has one). The demo, the benchmarks and the tests
-use it; `python -m nanochat.dataset serve DIR` runs it (main below). It logs the GETs it answered.
+broken download), an ETag that is the body's quoted sha256, and optionally a rate limit on
+files shared by all connections. It also answers `index.json`: the directory's parquet files and
+sizes, made on each request (the directory's own index.json, when it has one). The demo, the
+benchmarks and the tests use it; `python -m nanochat.dataset serve DIR` runs it (main below).
 
     server = ShardServer(directory, rate=50e6)   # on 127.0.0.1, a free port, a daemon thread
     server.url, server.gets                      # http://127.0.0.1:PORT, [(name, Range or None)]

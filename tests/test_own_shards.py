@@ -251,6 +251,34 @@ def test_the_directorys_own_index_json_is_served_and_followed(tmp_path):
     assert "x3.parquet" not in os.listdir(tmp_path / "cache")
 
 
+def test_a_restart_with_the_server_gone_goes_on_with_the_kept_listing(tmp_path, caplog):
+    """The listing is asked at every start, and kept: a restart that needs nothing from the server
+    (every shard in the cache, the catalog read) goes on without it, as it does on the hub's
+    names."""
+    hosted, cache = tmp_path / "hosted", tmp_path / "cache"
+    _write_own(hosted, ["p.parquet", "q.parquet", "r.parquet"], docs=30)
+    expected = _batches(_loader(hosted), 40)
+    server = ShardServer(str(hosted))
+    try:
+        _same(_batches(_loader(cache, stream=True, base_url=server.url, download_limits=FAST),
+                       40), expected)  # (into the second epoch: every train shard fetched)
+    finally:
+        server.close()
+    kept = json.loads((cache / ".stream" / "listing.json").read_text())
+    assert kept == {"base_url": server.url, "names": ["p.parquet", "q.parquet", "r.parquet"]}
+    with caplog.at_level("WARNING", logger="nanochat.catalog"):
+        again = _batches(_loader(cache, stream=True, base_url=server.url,
+                                 download_limits=FAST), 40)
+    _same(again, expected)
+    assert f"could not read the shard listing {server.url}/index.json: " in caplog.text
+    assert f"going on with the listing kept in {cache / '.stream' / 'listing.json'}" in caplog.text
+    # a fresh cache has none to go on with: the error, naming the listing
+    error = outcome(lambda: _loader(tmp_path / "fresh", stream=True, base_url=server.url,
+                                    download_limits=FAST))
+    assert isinstance(error, ConnectionError)
+    assert str(error).startswith(f"could not read the shard listing {server.url}/index.json: ")
+
+
 @pytest.mark.parametrize("listing, message", [
     ({"files": [{"name": "only.parquet"}]}, "lists 1 parquet files; a loader needs at least 2"),
     ({"files": []}, "lists 0 parquet files; a loader needs at least 2"),
