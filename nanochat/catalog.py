@@ -312,7 +312,8 @@ def _kept_for(record, base_url: str) -> bool:
     if not isinstance(record, dict) or record.get("base_url") != base_url:
         return False
     names = record.get("names")  # (None: the server had no listing)
-    return names is None or isinstance(names, list) and all(isinstance(n, str) for n in names)
+    return names is None or (isinstance(names, list) and len(names) >= 2  # (a train and val)
+                             and all(isinstance(n, str) for n in names))
 
 
 # -----------------------------------------------------------------------------
