@@ -5,7 +5,8 @@ in DATA_DIR/.stream/catalog.json: a restart reads nothing over the network for t
 about the files at their URLs, a file of its own beside the ledger, written under its own lock
 (.stream/catalog.lock), held while footers are read: the local ranks read each footer once. An
 entry carries a checksum; one that is damaged, or that disagrees with its shard on disk, is read
-again. Also the estimates of the start check of cache_limit. Design: docs/streaming.md.
+again. The server's listing of the shards is kept beside it (.stream/listing.json). Also the
+estimates of the start check of cache_limit. Design: docs/streaming.md.
 
 May import: nanochat.checks, nanochat.dataset, nanochat.download, nanochat.files, nanochat.ledger.
 """
@@ -24,9 +25,9 @@ from filelock import FileLock
 from tqdm import tqdm
 
 from nanochat.checks import is_int
-from nanochat.dataset import open_parquet, streamed_split
-from nanochat.download import (MAGIC, TAIL_BYTES, DownloadError, Limits, fetch_tail,
-                               recorded_size)
+from nanochat.dataset import open_parquet, read_listing, stream_source, streamed_split
+from nanochat.download import (MAGIC, TAIL_BYTES, DownloadError, HostNotFoundError, Limits,
+                               fetch_tail, recorded_size)
 from nanochat.files import file_stamp, warn_once, write_atomic
 from nanochat.ledger import STREAM_DIR
 
@@ -36,6 +37,7 @@ CATALOG = "catalog.json"  # in STREAM_DIR: shard name -> {"url", "size", "rows",
 # in STREAM_DIR: held while footers are read and the catalog written. Not the ledger's lock, which
 # loaders take every few ms: reading thousands of footers takes a minute
 CATALOG_LOCK = "catalog.lock"
+LISTING_KEPT = "listing.json"  # in STREAM_DIR: {"base_url", "names"}: the server's last listing
 CHUNK = 256  # footers read between two writes of the catalog: a reader killed loses at most these
 
 # path -> (file_stamp, valid entries) of the catalog last read: a loader looks up sizes before each
@@ -265,15 +267,54 @@ def _read_missing(data_dir: str, missing: list[tuple[str, str]], known: dict, li
 
 def streamed_files(split: str, data_dir: str | None, num_shards: int | None, base_url: str | None,
                    limits: Limits) -> tuple[str, list[str], list[str], dict[str, int], list[dict]]:
-    """A streamed split (nanochat.dataset.streamed_split) with its catalog entries:
-    (data_dir, paths, URLs, {the val shard's name: its size}, catalog entries)."""
-    data_dir, paths, urls, val_name = streamed_split(split, data_dir, num_shards, base_url)
-    _, _, val_urls, _ = streamed_split("val", data_dir, num_shards, base_url)
+    """A streamed split (nanochat.dataset.streamed_split: by the server's listing when it has one)
+    with its catalog entries: (data_dir, paths, URLs, {the val shard's name: its size}, catalog
+    entries)."""
+    listing = kept_listing(data_dir, base_url, limits)
+    data_dir, paths, urls, val_name = streamed_split(split, data_dir, num_shards, base_url,
+                                                     listing)
+    _, _, val_urls, _ = streamed_split("val", data_dir, num_shards, base_url, listing)
     names = [os.path.basename(p) for p in paths]
     # (the val shard's entry too: every loader's budget holds it)
     entries = read_catalog(data_dir, list(dict.fromkeys(names + [val_name])),
                            list(dict.fromkeys(urls + val_urls)), limits, verify=True)
     return data_dir, paths, urls, {val_name: entries[-1]["size"]}, entries[:len(names)]
+
+
+def kept_listing(data_dir: str | None, base_url: str | None, limits: Limits) -> list[str] | None:
+    """The names the server lists (nanochat.dataset.read_listing), asked at every start: a listing
+    kept from an earlier one would hide the shards added since. Kept in DATA_DIR/.stream/
+    listing.json all the same, for when the server cannot be reached: a restart or a merge that
+    needs no shard from it goes on, with a warning, as it does with the catalog."""
+    data_dir, base_url = stream_source(data_dir, base_url)
+    directory = os.path.join(data_dir, STREAM_DIR)
+    path, record = os.path.join(directory, LISTING_KEPT), None
+    try:
+        with open(path, "rb") as f:
+            record = json.loads(f.read())
+    except (OSError, ValueError):  # (none yet, or unreadable: written again below)
+        pass
+    try:
+        names = read_listing(base_url, limits)
+    except (ConnectionError, HostNotFoundError) as e:
+        if not _kept_for(record, base_url):
+            raise
+        logger.warning("%s; going on with the listing kept in %s", e, path)
+        return record["names"]
+    if record != {"base_url": base_url, "names": names}:
+        os.makedirs(directory, exist_ok=True)
+        with FileLock(os.path.join(directory, CATALOG_LOCK)):  # (one writer at a time)
+            write_atomic(path, json.dumps({"base_url": base_url, "names": names}).encode())
+    return names
+
+
+def _kept_for(record, base_url: str) -> bool:
+    """Whether a kept listing is base_url's, of the shape kept_listing writes."""
+    if not isinstance(record, dict) or record.get("base_url") != base_url:
+        return False
+    names = record.get("names")  # (None: the server had no listing)
+    return names is None or (isinstance(names, list) and len(names) >= 2  # (a train and val)
+                             and all(isinstance(n, str) for n in names))
 
 
 # -----------------------------------------------------------------------------

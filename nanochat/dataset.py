@@ -6,11 +6,13 @@ with one `text` column in row groups of ~1024 documents; its last shard is val, 
     python -m nanochat.dataset -n 240 -w 4     # fetch and verify ~100MB shards (download.py)
     python -m nanochat.dataset --verify        # check the shards on disk, offline
     python -m nanochat.dataset repackage a.jsonl b.txt --out DIR   # your own text, in memory
+    python -m nanochat.dataset serve DIR --port 8000   # serve shards to stream (serve.py)
 
 Cost: reading a row group is one pyarrow call, a few ms for ~1024 documents.
 Design: docs/downloads.md
 
-May import: nanochat.checks, nanochat.common, nanochat.download, nanochat.files, nanochat.layout.
+May import: nanochat.checks, nanochat.common, nanochat.download, nanochat.files, nanochat.layout,
+nanochat.serve.
 """
 
 import argparse
@@ -22,6 +24,7 @@ import os
 import random
 import re
 import sys
+import urllib.parse
 from dataclasses import dataclass
 
 import pyarrow as pa
@@ -32,10 +35,13 @@ from nanochat.checks import check_int
 from nanochat.common import get_base_dir
 from nanochat.download import (
     BACKOFF_BASE, DEADLINE, MAX_ATTEMPTS, MIN_RATE, RATE_WINDOW, REQUEST_TIMEOUT, DownloadError,
-    Limits, Report, check_files, check_url, download_file, download_files, record_path, summarize,
+    Limits, Report, check_files, check_url, download_file, download_files, fetch_small,
+    record_path, summarize,
 )
 from nanochat.files import progress_bar
 from nanochat.layout import check_kind
+from nanochat.serve import LISTING
+from nanochat.serve import main as serve_main
 
 logger = logging.getLogger(__name__)
 
@@ -203,25 +209,100 @@ def split_parquet_files(split: str, data_dir: str | None = None) -> list[str]:
     return train
 
 
-def streamed_split(split: str, data_dir: str | None = None, num_shards: int | None = None,
-                   base_url: str | None = None) -> tuple[str, list[str], list[str], str]:
-    """A split of a dataset read while it streams in (a loader's stream=True), whether its files are
-    on disk or not: val is the dataset's last index, train its first num_shards (default: all of
-    them). The dataset is the one data_dir is the directory of, else find_dataset()'s. Returns
-    (data_dir, paths, URLs, the val shard's name)."""
-    _check_split(split)
+def _stream_source(data_dir, base_url) -> tuple[str, DatasetSpec, str]:
+    """(data_dir, the dataset, base_url) of a streamed split, the defaults filled in."""
     data_dir = find_data_dir() if data_dir is None else os.path.expanduser(os.fspath(data_dir))
     spec = _dataset_of(data_dir) or find_dataset()
-    if num_shards is None:
-        num_shards = spec.max_shard  # every train shard: indices 0 .. max_shard - 1
-    check_int("num_shards (or NANOCHAT_STREAM_SHARDS)", num_shards, 1, spec.max_shard,
-              hint=f" (the train shards of {spec.name})")
     base_url = get_base_url(spec.name) if base_url is None else base_url
     check_url(base_url)
-    # val is the dataset's last index even when few train shards are streamed
-    indices = [spec.max_shard] if split == "val" else range(num_shards)
-    return (data_dir, [os.path.join(data_dir, index_to_filename(i)) for i in indices],
-            [shard_url(i, base_url) for i in indices], spec.val_filename)
+    return data_dir, spec, base_url
+
+
+def stream_source(data_dir: str | None, base_url: str | None) -> tuple[str, str]:
+    """(data_dir, base_url) of a streamed split: the defaults filled in, the URL checked."""
+    data_dir, _, base_url = _stream_source(data_dir, base_url)
+    return data_dir, base_url
+
+
+LISTING_MAX_BYTES = 16 * 2**20  # a listing of 6,543 shards is ~300 KB
+
+
+def listing_url(base_url: str) -> str:
+    return f"{base_url.rstrip('/')}/{LISTING}"
+
+
+def read_listing(base_url: str, limits: Limits) -> list[str] | None:
+    """The sorted names of the parquet files that <base_url>/index.json lists (python -m
+    nanochat.dataset serve makes it; docs/streaming.md#your-own-shards gives its format), or None
+    when the server has none (the Hugging Face hub). One small request, bounded by limits; a
+    listing that cannot be read is a ConnectionError, one that is wrong a ValueError, naming it."""
+    url = listing_url(base_url)
+    try:
+        body = fetch_small(url, LISTING_MAX_BYTES, limits)
+    except DownloadError as e:
+        # (the downloader's message starts with the URL, named here already)
+        raise ConnectionError(f"could not read the shard listing {url}: "
+                              f"{str(e).removeprefix(f'{url}: ')}") from None
+    return None if body is None else parse_listing(body, url)
+
+
+def parse_listing(body: bytes, url: str) -> list[str]:
+    """The sorted parquet names of a listing, {"files": [{"name": ..., "size": ...}, ...]} (size
+    optional; names not ending in .parquet are left out, as on disk)."""
+    fix = ("; it must be JSON {\"files\": [{\"name\": \"a.parquet\", \"size\": 123}, ...]}, "
+           "as python -m nanochat.dataset serve DIR answers")
+    try:
+        value = json.loads(body)
+    except ValueError as e:
+        raise ValueError(f"the shard listing {url} is not JSON ({e}){fix}") from None
+    files = value.get("files") if isinstance(value, dict) else None
+    if not isinstance(files, list) or not all(isinstance(f, dict) and isinstance(f.get("name"), str)
+                                              for f in files):
+        raise ValueError(f"the shard listing {url} has no list of files with names{fix}")
+    names = [f["name"] for f in files if f["name"].endswith(".parquet")]
+    bad = [n for n in names if "/" in n or "\\" in n or "\0" in n]
+    if bad:  # the cache writes each under data_dir: a path could write anywhere
+        raise ValueError(f"the shard listing {url} names {bad[0]!r}, which is not a file name; "
+                         "list the files of one directory")
+    if len(set(names)) < len(names):
+        raise ValueError(f"the shard listing {url} names a file twice; list each once")
+    if len(names) < 2:  # val is the last name, train the others: one file leaves train empty
+        raise ValueError(f"the shard listing {url} lists {len(names)} parquet files; a loader "
+                         "needs at least 2: val is the last in sorted order, train the others")
+    return sorted(names)
+
+
+def streamed_split(split: str, data_dir: str | None = None, num_shards: int | None = None,
+                   base_url: str | None = None,
+                   listing: list[str] | None = None) -> tuple[str, list[str], list[str], str]:
+    """A split of shards read while they stream in (a loader's stream=True), whether the files are
+    on disk or not. With a listing (read_listing's names), the rule on disk: val is the last name,
+    train the first num_shards others (default: all), the names kept as they are. Without one, the
+    dataset's names: val is its last index, train its first num_shards; the dataset is the one
+    data_dir is the directory of, else find_dataset()'s. Returns (data_dir, paths, URLs, the val
+    shard's name)."""
+    _check_split(split)
+    data_dir, spec, base_url = _stream_source(data_dir, base_url)
+    if listing is None:
+        names = [index_to_filename(i) for i in range(spec.max_shard + 1)]
+        where = f" (the train shards of {spec.name})"
+    else:
+        names, where = listing, f" (the train shards {listing_url(base_url)} lists)"
+        own = _dataset_of(data_dir)
+        if own and (listing[-1] != own.val_filename
+                    or any(_shard_index(name, own) is None for name in listing)):
+            raise ValueError(
+                f"{listing_url(base_url)} lists shards of your own (val {listing[-1]}), and "
+                f"data_dir {data_dir} is the directory of {own.name}: their names could collide "
+                f"with {own.name}'s shards there. Pass a data_dir of their own as the cache, e.g. "
+                "data_dir=\"~/.cache/nanochat/my_shards\" (scripts.base_train: --data-dir)")
+    if num_shards is None:
+        num_shards = len(names) - 1  # every train shard
+    check_int("num_shards (or NANOCHAT_STREAM_SHARDS)", num_shards, 1, len(names) - 1, hint=where)
+    # val is the last name even when few train shards are streamed
+    chosen = names[-1:] if split == "val" else names[:num_shards]
+    return (data_dir, [os.path.join(data_dir, name) for name in chosen],
+            [f"{base_url.rstrip('/')}/{urllib.parse.quote(name)}" for name in chosen], names[-1])
 
 
 # -----------------------------------------------------------------------------
@@ -523,7 +604,8 @@ def repackage(inputs: list[str], out_dir: str, *, shard_size_mb: float | None = 
 
 DOWNLOAD_HELP = ("Download pretraining shards (plus, always, the validation shard); shards already "
                  "there are checked and fetched again when bad. To convert your own text instead: "
-                 "python -m nanochat.dataset repackage --help")
+                 "python -m nanochat.dataset repackage --help; to serve shards to a streaming "
+                 "loader: python -m nanochat.dataset serve --help")
 REPACKAGE_HELP = ("Shuffle your own documents into nanochat shards (the last shard is val). .txt: "
                   "one document per non-empty line; .jsonl/.jsonl.gz: one JSON object per line; "
                   ".parquet: one row per document.")
@@ -692,12 +774,14 @@ def _repackage_main(argv: list[str]) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     """`python -m nanochat.dataset [-n N -w W ...]` downloads, `... --verify` checks the local
-    shards, `... repackage INPUTS --out DIR` converts. Returns the exit status (1 when a shard
-    failed or is bad); bad input raises ValueError/FileNotFoundError/OSError (HostNotFoundError
-    when the host does not resolve)."""
+    shards, `... repackage INPUTS --out DIR` converts, `... serve DIR` serves. Returns the exit
+    status (1 when a shard failed or is bad); bad input raises ValueError/FileNotFoundError/OSError
+    (HostNotFoundError when the host does not resolve)."""
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["repackage"]:  # a subcommand by hand: the download takes no positional
         return _repackage_main(argv[1:])
+    if argv[:1] == ["serve"]:
+        return serve_main(argv[1:])
     return _download_main(argv)
 
 

@@ -865,6 +865,21 @@ def fetch_tail(url: str, nbytes: int, limits: Limits | None = None) -> tuple[int
     retried by the rules of a file (limits: attempts, backoff, timeout, min_rate, deadline for all
     attempts together). Raises DownloadError naming the URL when it keeps failing or the server
     ignores Range, HostNotFoundError when the host does not resolve."""
+    return _retried(url, limits, "reading the end of",
+                    lambda limits, deadline: _tail_attempt(url, nbytes, limits, deadline))
+
+
+def fetch_small(url: str, max_bytes: int, limits: Limits | None = None) -> bytes | None:
+    """A small file whole (a listing), by one GET bounded and retried as fetch_tail's; None when
+    the server has no such file (HTTP 404, or 403 and 410, which S3-like stores answer for a
+    missing key). Raises DownloadError naming the URL past max_bytes or when it keeps failing."""
+    return _retried(url, limits, "reading",
+                    lambda limits, deadline: _small_attempt(url, max_bytes, limits, deadline))
+
+
+def _retried(url: str, limits: Limits | None, doing: str, attempt_once):
+    """attempt_once(limits, deadline), retried by the rules of a file; `doing` names the work in
+    the messages ("reading the end of" URL)."""
     check_url(url)
     limits = Limits() if limits is None else limits
     deadline = time.monotonic() + limits.deadline
@@ -872,7 +887,7 @@ def fetch_tail(url: str, nbytes: int, limits: Limits | None = None) -> tuple[int
     while True:
         wait = limits.backoff_base * 2 ** (attempt - 1)
         try:
-            return _tail_attempt(url, nbytes, limits, deadline)
+            return attempt_once(limits, deadline)
         except _GiveUp:
             raise
         except _RetryLater as e:
@@ -885,18 +900,17 @@ def fetch_tail(url: str, nbytes: int, limits: Limits | None = None) -> tuple[int
                 raise _host_not_found(_failed_url(e, url), _dns_failure(e)) from None
             error = DownloadError(_reason_of(e), f"{url}: {e}")
         if attempt == limits.max_attempts or time.monotonic() + wait > deadline:
-            raise DownloadError(error.reason, f"{error}; gave up reading the end of {url} after "
+            raise DownloadError(error.reason, f"{error}; gave up {doing} {url} after "
                                               f"{attempt} attempt{'s' if attempt > 1 else ''}")
-        logger.warning("reading the end of %s, attempt %d/%d: %s; retrying in %gs", url, attempt,
+        logger.warning("%s %s, attempt %d/%d: %s; retrying in %gs", doing, url, attempt,
                        limits.max_attempts, error, wait)
         time.sleep(wait)
         attempt += 1
 
 
-def _tail_attempt(url: str, nbytes: int, limits: Limits, deadline: float) -> tuple[int, bytes]:
-    """One attempt of fetch_tail, bounded as a download's attempt is: the watchdog at the deadline
+def _bounded_get(url: str, headers: dict, limits: Limits, deadline: float, read):
+    """read(response) of one GET, bounded as a download's attempt is: the watchdog at the deadline
     (the wait for headers included), the per-read timeout, the rate over a window."""
-    headers = {"Range": f"bytes=-{nbytes}", "Accept-Encoding": "identity"}  # -n: the last n bytes
     timeout = min(limits.timeout, max(deadline - time.monotonic(), 0.01))
     with _watchdog(deadline) as fired:
         try:
@@ -904,25 +918,52 @@ def _tail_attempt(url: str, nbytes: int, limits: Limits, deadline: float) -> tup
                                                     timeout=timeout) as response:
                 _ANSWERED_HOSTS.update(urllib.parse.urlsplit(r.url).hostname
                                        for r in [*response.history, response])
-                _check_status(response, url)
-                if response.status_code != 206:  # a 200 would be the whole file, ~100MB
-                    raise _GiveUp("no Range support",
-                                  f"{url}: HTTP {response.status_code} to a Range request; a "
-                                  "streaming loader reads each shard's footer before fetching the "
-                                  "shard, so the server must honour Range requests (the Hugging "
-                                  "Face hub does)")
-                first, total = _parse_content_range(response.headers.get("Content-Range"))
-                body = b"".join(_chunks(response, limits, deadline, threading.Event()))
+                return read(response)
         except Exception:
             if not fired.is_set() and time.monotonic() <= deadline:
                 raise
             raise _GiveUp("past the deadline",
-                          f"{url}: past the deadline of {limits.deadline:g}s for reading the end "
-                          "of the file") from None
+                          f"{url}: past the deadline of {limits.deadline:g}s for reading "
+                          "it") from None
+
+
+def _tail_attempt(url: str, nbytes: int, limits: Limits, deadline: float) -> tuple[int, bytes]:
+    """One attempt of fetch_tail."""
+    def read(response):
+        _check_status(response, url)
+        if response.status_code != 206:  # a 200 would be the whole file, ~100MB
+            raise _GiveUp("no Range support",
+                          f"{url}: HTTP {response.status_code} to a Range request; a streaming "
+                          "loader reads each shard's footer before fetching the shard, so the "
+                          "server must honour Range requests, as the Hugging Face hub does "
+                          "(python -m http.server does not). To serve a directory of shards: "
+                          "python -m nanochat.dataset serve DIR")
+        first, total = _parse_content_range(response.headers.get("Content-Range"))
+        return first, total, b"".join(_chunks(response, limits, deadline, threading.Event()))
+
+    # -n: the last n bytes
+    headers = {"Range": f"bytes=-{nbytes}", "Accept-Encoding": "identity"}
+    first, total, body = _bounded_get(url, headers, limits, deadline, read)
     if total is None or first + len(body) != total:
         raise BadFileError("bad Content-Range", f"{url}: {len(body)} bytes from byte {first} are "
                                                 f"not the end of a file of {total} bytes")
     return total, body
+
+
+def _small_attempt(url: str, max_bytes: int, limits: Limits, deadline: float) -> bytes | None:
+    """One attempt of fetch_small."""
+    def read(response):
+        if response.status_code in (403, 404, 410):
+            return None
+        _check_status(response, url)
+        body = bytearray()
+        for chunk in _chunks(response, limits, deadline, threading.Event()):
+            body += chunk
+            if len(body) > max_bytes:  # a listing is small: this is not one
+                raise _GiveUp("too large", f"{url}: more than {max_bytes} bytes")
+        return bytes(body)
+
+    return _bounded_get(url, {"Accept-Encoding": "identity"}, limits, deadline, read)
 
 
 # -----------------------------------------------------------------------------

@@ -39,7 +39,7 @@ from nanochat.pretokenize import pretokenize_file
 from nanochat.tokenizer import RustBPETokenizer
 from scripts.bench_dataloader import cpu_seconds, make_corpus, read_all, write_corpus
 from scripts.list_tokenizer import ListTokenizer
-from scripts.shard_server import ShardServer
+from nanochat.serve import ShardServer
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
                                 "tests"))  # tests/ is no package: its modules by path

@@ -6,7 +6,7 @@ against fetching them all first, on one corpus in one run (about a minute on 2 c
     python -m scripts.bench_streaming --rates 80 10 1   # link rates in MB/s
     python -m scripts.bench_streaming --step-ms 0       # no training step: the loader's top pace
 
-It serves shards of scripts/demo.py's corpus from scripts/shard_server.py on 127.0.0.1 at each
+It serves shards of scripts/demo.py's corpus from nanochat/serve.py on 127.0.0.1 at each
 link rate; each batch is followed by a simulated training step (--step-ms). Per rate: fetch all,
 then train; and stream=True into an empty cache with cache_limit = --cache-shards x the largest
 shard. For each it prints the time to the first batch, next()'s waits after it, the rate shards
@@ -29,7 +29,7 @@ from nanochat.dataloader import tokenizing_distributed_data_loader_with_state_bo
 from nanochat.dataset import download_shards, get_dataset
 from nanochat.tokenizer import RustBPETokenizer
 from scripts.demo import generate_documents, write_hosted_shards
-from scripts.shard_server import ShardServer
+from nanochat.serve import ShardServer
 
 ROW_GROUP_SIZE = 1024  # documents per row group, as the hosted shards
 

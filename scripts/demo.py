@@ -6,7 +6,7 @@ defaults (4000 documents, 4+1 shards of ~470KB, a 2048-token vocab, 40 batches o
     python -m scripts.demo --out /tmp/nc-demo   # or a directory of your choice (must be empty)
 
 Each stage is the real code that speedrun.sh runs: 1. write a seeded English-like corpus as shards
-named like the hosted dataset; 2. serve them on 127.0.0.1 (scripts/shard_server.py); 3. download
+named like the hosted dataset; 2. serve them on 127.0.0.1 (nanochat/serve.py); 3. download
 them with `python -m nanochat.dataset`; 4. train and measure a tokenizer (scripts.tok_train,
 scripts.tok_eval); 5. stream best-fit packed batches on the CPU; 6. stream the same batches from
 the server (stream=True) into a cache smaller than the shards and check they equal step 5's.
@@ -33,7 +33,7 @@ from nanochat.dataset import get_dataset, index_to_filename, repackage
 from nanochat.catalog import copies_estimate
 from nanochat.state import decode_keys
 from nanochat.tokenizer import RustBPETokenizer
-from scripts.shard_server import ShardServer
+from nanochat.serve import ShardServer
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

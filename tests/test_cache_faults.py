@@ -39,8 +39,8 @@ from nanochat.kept import Keeper, encode
 from nanochat.ledger import STREAM_DIR, Ledger, Table
 from nanochat.options import parse_bytes
 from nanochat.state import decode_keys
-from scripts import shard_server
-from scripts.shard_server import ShardServer
+from nanochat import serve as shard_server
+from nanochat.serve import ShardServer
 from stream_worker import LOADER, rows_of
 
 HERE = os.path.dirname(os.path.abspath(__file__))

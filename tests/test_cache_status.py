@@ -23,7 +23,7 @@ from nanochat.download import Limits
 from nanochat.ledger import EVICTED, FETCHED, STREAM_DIR, Ledger, Loader, ShardRow, Table
 from nanochat.cache_status import (CacheStatus, KeptCopy, LiveLoader, ShardFile, ShardNeed,
                                    describe, read_status)
-from scripts.shard_server import ShardServer
+from nanochat.serve import ShardServer
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 HOST = socket.gethostname()

@@ -1,6 +1,6 @@
 """
 Streaming (stream=True, nanochat/shard_cache.py) in one process: the shards are served by a real
-HTTP server on 127.0.0.1 (scripts/shard_server.py), and every streamed batch and state is checked
+HTTP server on 127.0.0.1 (nanochat/serve.py), and every streamed batch and state is checked
 against the same loader over the served files on disk, the oracle here (tests/test_dataloader.py
 checks that one against tests/oracle.py). Also: the budget (peak disk use, the val shard and the
 shards still read never evicted), resume (exact, and the buffered documents' shards fetched
@@ -38,7 +38,7 @@ from nanochat.ledger import FETCHED, Ledger, Loader, ShardRow, Table
 from nanochat.ledger import STREAM_DIR
 from nanochat.shard_cache import ShardCache
 from nanochat.state import decode_keys
-from scripts.shard_server import ShardServer
+from nanochat.serve import ShardServer
 
 VAL = index_to_filename(6542)  # the default dataset's (ClimbMix's) val shard
 FAST = Limits(max_attempts=2, backoff_base=0.01, timeout=5, deadline=30)

@@ -35,8 +35,8 @@ from nanochat.download import Limits
 from nanochat.catalog import copies_estimate, read_catalog
 from nanochat.resume import merge_states
 from nanochat.state import decode_keys
-from scripts import shard_server
-from scripts.shard_server import BLOCK, ShardServer
+from nanochat import serve as shard_server
+from nanochat.serve import BLOCK, ShardServer
 from stream_worker import LOADER, rows_of
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -568,8 +568,8 @@ def test_a_server_down_at_the_start_is_an_error_at_the_call(tmp_path):
     server.close()
     error = outcome(lambda: streaming(tmp_path / "cache", server.url, len(names)))
     assert isinstance(error, ConnectionError), error
-    assert str(error).startswith(
-        f"could not read the footer of shard {names[0]} from {server.url}/{names[0]}: ")
+    # (its first request: the listing of the shards)
+    assert str(error).startswith(f"could not read the shard listing {server.url}/index.json: ")
 
 
 def test_a_full_disk_is_an_enospc_error_naming_the_directory(tmp_path, monkeypatch):

@@ -32,7 +32,7 @@ from nanochat.mixture import (CurriculumComplete,
 from nanochat.prefetch import CLOSE_TIMEOUT, WorkerTraceback
 from nanochat.resume import merge_states
 from nanochat.token_shards import write_token_shard
-from scripts.shard_server import ShardServer
+from nanochat.serve import ShardServer
 
 BOS = ByteTokenizer.bos
 HERE = os.path.dirname(os.path.abspath(__file__))
