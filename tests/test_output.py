@@ -118,9 +118,8 @@ def test_repackage_into_a_log_file(tmp_path):
 
 
 def _commands() -> list[str]:
-    elsewhere = {"shard_server"}  # (moved to nanochat/serve.py: `python -m nanochat.dataset serve`)
     scripts = sorted(name[:-3] for name in os.listdir(os.path.join(REPO_ROOT, "scripts"))
-                     if name.endswith(".py") and name[:-3] not in elsewhere
+                     if name.endswith(".py")
                      and "\ndef main(" in open(os.path.join(REPO_ROOT, "scripts", name)).read())
     nanochat = ["dataset", "pretokenize", "tokenizer", "shard_cache", "mixture"]
     return [f"scripts.{name}" for name in scripts] + [f"nanochat.{name}" for name in nanochat]
