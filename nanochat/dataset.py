@@ -123,7 +123,11 @@ def _has_train_shards(data_dir: str, spec: DatasetSpec) -> bool:
 
 
 def find_data_dir() -> str:
-    """The directory the readers use when given no data_dir (see find_dataset)."""
+    """The directory the readers use when given no data_dir: $NANOCHAT_DATA_DIR when set (your own
+    shards, or the cache they stream into, for scripts that pass no data_dir, such as nanochat's),
+    else the found dataset's (see find_dataset)."""
+    if os.environ.get("NANOCHAT_DATA_DIR"):  # "" counts as unset
+        return os.path.expanduser(os.environ["NANOCHAT_DATA_DIR"])
     return get_data_dir(find_dataset().name)
 
 
@@ -295,7 +299,8 @@ def streamed_split(split: str, data_dir: str | None = None, num_shards: int | No
                 f"{listing_url(base_url)} lists shards of your own (val {listing[-1]}), and "
                 f"data_dir {data_dir} is the directory of {own.name}: their names could collide "
                 f"with {own.name}'s shards there. Pass a data_dir of their own as the cache, e.g. "
-                "data_dir=\"~/.cache/nanochat/my_shards\" (scripts.base_train: --data-dir)")
+                "data_dir=\"~/.cache/nanochat/my_shards\" (scripts.base_train: --data-dir; scripts that "
+                "pass none, such as nanochat's: NANOCHAT_DATA_DIR)")
     if num_shards is None:
         num_shards = len(names) - 1  # every train shard
     check_int("num_shards (or NANOCHAT_STREAM_SHARDS)", num_shards, 1, len(names) - 1, hint=where)

@@ -116,6 +116,7 @@ def _isolated_base_dir(tmp_path, monkeypatch):
     monkeypatch.setenv("NANOCHAT_BASE_DIR", str(tmp_path / "nanochat_base"))
     monkeypatch.delenv("NANOCHAT_DATASET", raising=False)
     monkeypatch.delenv("NANOCHAT_DATA_URL", raising=False)
+    monkeypatch.delenv("NANOCHAT_DATA_DIR", raising=False)
     for var in ("RANK", "LOCAL_RANK", "WORLD_SIZE"):
         monkeypatch.delenv(var, raising=False)
 

@@ -20,8 +20,8 @@ from nanochat.catalog import ReadAhead, copies_estimate, read_ahead_span
 from nanochat.dataloader import tokenizing_distributed_data_loader_with_state_bos_bestfit as bestfit
 from nanochat.dataset import index_to_filename
 from nanochat.download import Limits
+from nanochat.serve import ShardServer
 from nanochat.shard_cache import size_up
-from scripts.shard_server import ShardServer
 
 VAL = index_to_filename(6542)  # the default dataset's val shard
 FAST = Limits(max_attempts=2, backoff_base=0.01, timeout=5, deadline=30)

@@ -20,11 +20,11 @@ from nanochat.dataloader import (pretokenized_distributed_data_loader_with_state
                                  tokenizing_distributed_data_loader_with_state,
                                  tokenizing_distributed_data_loader_with_state_bos_bestfit)
 from nanochat.dataset import index_to_filename
-from nanochat.figures import LoaderFigures
 from nanochat.download import Limits
+from nanochat.figures import LoaderFigures
 from nanochat.mixture import pretokenized_mixture_loader_with_state_bos_bestfit
+from nanochat.serve import ShardServer
 from nanochat.token_shards import write_token_shard
-from scripts.shard_server import ShardServer
 
 BOS = ByteTokenizer.bos
 B, T = 4, 32

@@ -26,6 +26,7 @@ import torch
 
 from conftest import ByteTokenizer, outcome, worker_env, write_shard
 from nanochat.dataloader import tokenizing_distributed_data_loader_with_state_bos_bestfit
+from nanochat.dataset import split_parquet_files
 from nanochat.download import Limits
 from nanochat import serve
 from nanochat.serve import ShardServer
@@ -197,6 +198,27 @@ def test_a_dataset_directory_is_refused_as_the_cache_of_your_own_shards(odd, tmp
                                   "zz_val.parquet), and data_dir "), message
         assert "is the directory of climbmix-400b" in message
         assert "Pass a data_dir of their own as the cache" in message
+
+
+def test_scripts_that_pass_no_data_dir_stream_them_by_the_environment(odd, tmp_path,
+                                                                     monkeypatch):
+    """nanochat's own scripts pass no data_dir, stream or base_url: NANOCHAT_DATA_DIR names the
+    cache, NANOCHAT_DATA_URL the server, NANOCHAT_STREAM=1 turns streaming on. On disk,
+    NANOCHAT_DATA_DIR names your shards themselves."""
+    directory, url = odd
+    monkeypatch.setenv("NANOCHAT_DATA_DIR", str(directory))
+    assert split_parquet_files("val") == [str(directory / "zz_val.parquet")]
+    expected = _batches(tokenizing_distributed_data_loader_with_state_bos_bestfit(
+        ByteTokenizer(), B=4, T=64, split="train", device="cpu", tokenizer_batch_size=8), 30)
+    cache = tmp_path / "my_cache"
+    for name, value in (("NANOCHAT_DATA_DIR", str(cache)), ("NANOCHAT_DATA_URL", url),
+                        ("NANOCHAT_STREAM", "1")):
+        monkeypatch.setenv(name, value)
+    streamed = _batches(tokenizing_distributed_data_loader_with_state_bos_bestfit(
+        ByteTokenizer(), B=4, T=64, split="train", device="cpu", tokenizer_batch_size=8,
+        download_limits=FAST), 30)
+    _same(streamed, expected)
+    assert "a.parquet" in os.listdir(cache)  # streamed into the cache the environment names
 
 
 def test_a_mirror_of_the_dataset_streams_into_its_directory(tmp_path):
