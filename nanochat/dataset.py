@@ -299,8 +299,8 @@ def streamed_split(split: str, data_dir: str | None = None, num_shards: int | No
                 f"{listing_url(base_url)} lists shards of your own (val {listing[-1]}), and "
                 f"data_dir {data_dir} is the directory of {own.name}: their names could collide "
                 f"with {own.name}'s shards there. Pass a data_dir of their own as the cache, e.g. "
-                "data_dir=\"~/.cache/nanochat/my_shards\" (scripts.base_train: --data-dir; scripts that "
-                "pass none, such as nanochat's: NANOCHAT_DATA_DIR)")
+                "data_dir=\"~/.cache/nanochat/my_shards\" (scripts.base_train: --data-dir; "
+                "scripts that pass none, such as nanochat's: NANOCHAT_DATA_DIR)")
     if num_shards is None:
         num_shards = len(names) - 1  # every train shard
     check_int("num_shards (or NANOCHAT_STREAM_SHARDS)", num_shards, 1, len(names) - 1, hint=where)
