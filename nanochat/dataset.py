@@ -724,10 +724,12 @@ def _verify_main(spec: DatasetSpec, data_dir: str, num_workers: int) -> int:
     print("\n".join(summarize({os.path.basename(p): e.reason for p, e in bad.items()})))
     for path, error in list(bad.items())[:3]:  # the full messages of a few, for the log
         logger.info("%s", error)
-    # only a shard the downloader fetched (named like the dataset's, with its .json record) is
-    # fetched again: any other is your own, and a download would write the dataset into your data
+    # only a shard of the dataset is fetched again: named like its shards, and either in its own
+    # directory (nanochat's downloader writes no .json record) or with our downloader's record.
+    # Any other is your own, and a download would write the dataset into your data
+    ours = _dataset_of(data_dir) == spec
     fetched = {os.path.basename(p): _shard_index(os.path.basename(p), spec) for p in paths
-               if os.path.exists(record_path(p))}
+               if ours or os.path.exists(record_path(p))}
     fetched = {name: i for name, i in fetched.items() if i is not None}
     if any(os.path.basename(p) in fetched for p in bad):
         # -n covers every fetched train shard on disk, so the rerun re-checks them all and fetches
@@ -739,7 +741,8 @@ def _verify_main(spec: DatasetSpec, data_dir: str, num_workers: int) -> int:
     others = sorted(os.path.basename(p) for p in bad if os.path.basename(p) not in fetched)
     if others:
         more = f" and {len(others) - 3} more" if len(others) > 3 else ""
-        print(f"not fetched from {spec.name} (no .json record), so nothing here downloads them: "
+        print(f"not fetchable from {spec.name} (named unlike its shards, or outside its "
+              "directory with no .json record), so nothing here downloads them: "
               f"{', '.join(others[:3])}{more}; write them again from their source files "
               "(python -m nanochat.dataset repackage INPUTS --out NEW_DIR, a directory without "
               "parquet files) or delete them")

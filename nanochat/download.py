@@ -366,8 +366,9 @@ def check_files(paths: list[str], num_workers: int = 4, *,
     bad = {}
     with ThreadPoolExecutor(max_workers=max(num_workers, 1)) as pool:
         results = pool.map(check, paths)  # in the order of paths, so the bar counts in order
-        for path, error in zip(paths, progress_bar(results, progress=progress, total=len(paths),
-                                                   unit="file", desc="checking")):
+        # the bar first: zip then asks it once more, and it counts the last file and closes
+        for error, path in zip(progress_bar(results, progress=progress, total=len(paths),
+                                            unit="file", desc="checking"), paths):
             if error is not None:
                 bad[path] = error
     return bad

@@ -147,7 +147,7 @@ class ShardServer(ThreadingHTTPServer):
         super().__init__((host, port), _Handler)  # port 0: a free port, chosen by the kernel
         self.directory, self.throttle = directory, Throttle(rate)
         self.gets: list[tuple[str, str | None]] = []
-        self.etags: dict[str, str] = {}
+        self.etags: dict[tuple, str] = {}  # (path, size, mtime_ns) -> sha256
         self.lock = threading.Lock()
         # (a URL names the host to reach: 0.0.0.0 listens everywhere, and is reached here)
         shown = "127.0.0.1" if host in ("", "0.0.0.0") else host
@@ -156,14 +156,18 @@ class ShardServer(ThreadingHTTPServer):
         threading.Thread(target=self.serve_forever, name="shard-server", daemon=True).start()
 
     def etag(self, path: str) -> str:
+        """The file's sha256, hashed once per version: a file is served many times, and one
+        replaced while serving (another size or mtime) gets its new hash."""
+        stat = os.stat(path)
+        version = (path, stat.st_size, stat.st_mtime_ns)
         with self.lock:
-            if path not in self.etags:  # hashed once: a file is served many times
+            if version not in self.etags:
                 h = hashlib.sha256()
                 with open(path, "rb") as f:
                     while block := f.read(1 << 20):
                         h.update(block)
-                self.etags[path] = h.hexdigest()
-            return self.etags[path]
+                self.etags[version] = h.hexdigest()
+            return self.etags[version]
 
     def fetched(self) -> list[str]:
         """The names of whole-file GETs of shards (not of a footer, nor of the listing), in

@@ -70,7 +70,9 @@ def main(argv=None):
         tokenizers = {"ours": RustBPETokenizer.from_directory(tokenizer_dir)}
         split_docs = {split: sample_docs(split, args.max_docs, data_dir)
                       for split in ("train", "val")}
-    except FileNotFoundError as e:  # no tokenizer or no shards: the message says how to make them
+    # no tokenizer or no shards, or a file or another kind of data where the shards should be: the
+    # message says what to do
+    except (FileNotFoundError, ValueError) as e:
         raise SystemExit(f"error: {e}") from None
     tokenizers.update(load_references(names))
 

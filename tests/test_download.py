@@ -850,7 +850,8 @@ def test_verify_names_bad_shards_and_the_fix(server, tmp_path, capsys):
     # the fix fetches only what the downloader fetched (shard_00002 lost its record)
     assert (f"to fix: python -m nanochat.dataset --dataset climbmix-400b --data-dir {data_dir}"
             " -n 2 ") in out
-    assert ("not fetched from climbmix-400b (no .json record), so nothing here downloads them: "
+    assert ("not fetchable from climbmix-400b (named unlike its shards, or outside its "
+            "directory with no .json record), so nothing here downloads them: "
             "notes.parquet, shard_00002.parquet; write them again") in out
     assert not server.gets and not server.heads  # offline
     # the fix it names works

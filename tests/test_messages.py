@@ -9,6 +9,7 @@ Run: python -m pytest tests/test_messages.py -q
 """
 
 import os
+import shutil
 import subprocess
 import sys
 
@@ -24,6 +25,7 @@ from nanochat.dataset import list_parquet_files, main as dataset_main, split_par
 from nanochat.resume import merge_states
 from nanochat.token_reader import shard_paths
 from nanochat.token_shards import write_token_shard
+from nanochat.tokenizer import RustBPETokenizer
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 REPACKAGE = "python -m nanochat.dataset repackage INPUTS --out"
@@ -104,6 +106,14 @@ def test_a_file_on_the_cli_is_called_a_file(tmp_path):
     assert train.stderr == (f"error: {paths[0]} is a file, not a directory: data_dir must be the "
                             "directory that holds parquet shards; pass "
                             f"{tmp_path / 'shards'}, the directory it is in\n")
+    RustBPETokenizer.train_from_iterator(_docs(10, 0), 300).save(str(tmp_path / "tok"))
+    evaluate = subprocess.run([sys.executable, "-m", "scripts.tok_eval", "--data-dir", paths[0],
+                               "--tokenizer-dir", str(tmp_path / "tok"), "--compare", "none"],
+                              cwd=REPO_ROOT, capture_output=True, text=True, timeout=60)
+    assert evaluate.returncode == 1 and "Traceback" not in evaluate.stderr, evaluate.stderr
+    assert evaluate.stderr.endswith(f"error: {paths[0]} is a file, not a directory: data_dir must "
+                                    "be the directory that holds parquet shards; pass "
+                                    f"{tmp_path / 'shards'}, the directory it is in\n")
 
 
 # -----------------------------------------------------------------------------
@@ -128,10 +138,23 @@ def test_verify_on_your_own_shards_never_suggests_a_download(tmp_path, capsys):
     out = capsys.readouterr().out
     assert f"checked 3 shards in {data_dir}: 2 good, 1 bad\n" in out
     assert "to fix" not in out and "-n " not in out and "--base-url" not in out
-    assert ("not fetched from climbmix-400b (no .json record), so nothing here downloads them: "
+    assert ("not fetchable from climbmix-400b (named unlike its shards, or outside its "
+            "directory with no .json record), so nothing here downloads them: "
             "shard_00001.parquet; write them again from their source files (python -m "
             "nanochat.dataset repackage INPUTS --out NEW_DIR, a directory without parquet files) "
             "or delete them\n") in out
+    # the dataset's own directory, as nanochat's downloader leaves it (no .json records): a bad
+    # shard of the dataset there is fetched again, not written again
+    own = tmp_path / "base_data_climbmix"
+    os.makedirs(own)
+    shutil.copy(data_dir / "shard_00000.parquet", own / "shard_00000.parquet")
+    shutil.copy(data_dir / "shard_00002.parquet", own / "shard_06542.parquet")  # its val
+    (own / "shard_00001.parquet").write_bytes(b"PAR1 cut short")
+    assert dataset_main(["--verify", "--data-dir", str(own)]) == 1
+    out = capsys.readouterr().out
+    assert (f"to fix: python -m nanochat.dataset --dataset climbmix-400b --data-dir {own} -n 2 "
+            in out)
+    assert "not fetchable" not in out and "repackage" not in out
 
 
 # -----------------------------------------------------------------------------

@@ -100,6 +100,16 @@ def test_tok_train_into_a_log_file(tmp_path):
     assert "trained on " in log and "saved tokenizer to " in log
 
 
+def test_verify_into_a_log_file_counts_every_file(tmp_path):
+    """--verify's bar ends at 100%: the checks are zipped with their paths, the bar asked first."""
+    write_shards(str(tmp_path / "data"), [[f"doc {i}" for i in range(8)] for _ in range(5)], 4)
+    log = _run_logged(["nanochat.dataset", "--verify", "--data-dir", str(tmp_path / "data")],
+                      str(tmp_path / "verify.log"))
+    assert "\r" not in log
+    lines = [line.split("|")[0] for line in log.splitlines() if line.startswith("checking:")]
+    assert lines[0] == "checking:   0%" and lines[-1] == "checking: 100%", log
+
+
 def test_repackage_into_a_log_file(tmp_path):
     source = tmp_path / "docs.txt"
     source.write_text("".join(f"document number {i}\n\n" for i in range(50)))

@@ -9,6 +9,7 @@ refusal of a dataset's directory as the cache, the Range error, and --help.
     python -m pytest tests/test_own_shards.py -q
 """
 
+import hashlib
 import json
 import os
 import random
@@ -182,6 +183,23 @@ def test_shards_of_any_names_stream_by_the_rule_on_disk(odd, tmp_path):
                            download_limits=FAST), 60)
     assert _shards_in(two) == {"a.parquet", "b.parquet"}
     assert "c d.parquet" not in os.listdir(tmp_path / "cache2")
+
+
+def test_a_shard_replaced_while_served_gets_its_new_etag(tmp_path):
+    """The ETag is the body's sha256, which the downloader checks: a file replaced while the server
+    runs must not keep its old one."""
+    _write_own(tmp_path / "d", ["a.parquet", "b.parquet"])
+    server = ShardServer(str(tmp_path / "d"))
+    try:
+        def etag():
+            return requests.head(f"{server.url}/a.parquet", timeout=10).headers["ETag"]
+
+        first = etag()
+        os.replace(tmp_path / "d" / "b.parquet", tmp_path / "d" / "a.parquet")
+        with open(tmp_path / "d" / "a.parquet", "rb") as f:
+            assert etag() == f'"{hashlib.sha256(f.read()).hexdigest()}"' != first
+    finally:
+        server.close()
 
 
 def test_a_dataset_directory_is_refused_as_the_cache_of_your_own_shards(odd, tmp_path):
