@@ -247,7 +247,15 @@ def read_listing(base_url: str, limits: Limits) -> list[str] | None:
         # (the downloader's message starts with the URL, named here already)
         raise ConnectionError(f"could not read the shard listing {url}: "
                               f"{str(e).removeprefix(f'{url}: ')}") from None
-    return None if body is None else parse_listing(body, url)
+    if body is not None:
+        return parse_listing(body, url)
+    if base_url.rstrip("/") not in {spec.base_url.rstrip("/") for spec in DATASETS.values()}:
+        # a server of your own with no listing: its files must then bear the dataset's names
+        _log_once(logging.WARNING, "%s not found: streaming the dataset's shard names from %s "
+                  "(shard_00000.parquet on, val the dataset's last index). For shards of other "
+                  "names, serve them with python -m nanochat.dataset serve DIR, or write an "
+                  "index.json beside them (docs/streaming.md, \"Your own shards\")", url, base_url)
+    return None
 
 
 def parse_listing(body: bytes, url: str) -> list[str]:

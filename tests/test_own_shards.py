@@ -252,7 +252,7 @@ def test_a_mirror_of_the_dataset_streams_into_its_directory(tmp_path):
     _same(streamed, _batches(_loader(hosted), 10))
 
 
-def test_without_a_listing_the_datasets_names_apply(tmp_path, monkeypatch):
+def test_without_a_listing_the_datasets_names_apply(tmp_path, monkeypatch, caplog):
     """A server with no index.json (a 404, as the Hugging Face hub answers): the dataset's names,
     val shard_06542.parquet, even though a file of your own sorts after it."""
     monkeypatch.setattr(serve, "LISTING", "not-served.json")  # the server's: it answers 404
@@ -268,6 +268,9 @@ def test_without_a_listing_the_datasets_names_apply(tmp_path, monkeypatch):
     finally:
         server.close()
     assert ("index.json", None) in server.gets
+    # one warning says why the names are the dataset's, and how to stream names of your own
+    said = [r.getMessage() for r in caplog.records if "/index.json not found" in r.getMessage()]
+    assert len(said) == 1 and "python -m nanochat.dataset serve DIR" in said[0], said
     assert _shards_in(streamed) == {"shard_00000.parquet", "shard_00001.parquet"}
     assert _shards_in(val) == {"shard_06542.parquet"}
 
