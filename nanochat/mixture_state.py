@@ -13,7 +13,8 @@ import reprlib
 from nanochat.checks import check_int, is_int
 from nanochat.elastic import merge_walk_states
 from nanochat.state import EMPTY_HASH, VERSION, checksum, checksum_matches
-from nanochat.state_checks import check_emitted, check_hex, check_keys, check_list, rank_state
+from nanochat.state_checks import (check_emitted, check_hex, check_keys, check_list,
+                                   not_a_loader_state, rank_state)
 
 FIELDS = ("version", "loader", "phase", "phase_tokens_done", "tokens_done", "position",
           "generation", "dropped", "buckets", "config", "emitted", "checksum")
@@ -45,6 +46,8 @@ def mixture_start(state, config, rank, world_size, allow_mismatch) -> tuple[dict
         return None, where
     if not isinstance(state, dict):
         raise TypeError(f"resume_state_dict must be a dict, got {type(state).__name__}")
+    if message := not_a_loader_state(state, where):  # a model's state dict, passed by mistake
+        raise ValueError(message)
     if "merged" in state:  # every new rank is given the whole merge and takes its own part
         state, where = rank_state(state, rank, world_size)
     if state.get("version") != VERSION or state.get("loader") != "mixture":

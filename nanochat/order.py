@@ -514,8 +514,8 @@ def start_order(reader, rank: int, world_size: int, batch_size: int, state, conf
                        Position(0, 0, 1))
     if not isinstance(state, dict):
         raise TypeError(f"{where} must be a dict, got {type(state).__name__}")
-    if not_a_loader_state(state, where):  # a model's state dict, passed by mistake
-        raise ValueError(not_a_loader_state(state, where))
+    if message := not_a_loader_state(state, where):  # a model's state dict, passed by mistake
+        raise ValueError(message)
     if "merged" in state:  # elastic resume: every rank gets the merge, and takes its own part
         state, where = rank_state(state, rank, world_size, where)
     elif "states" in state:

@@ -40,8 +40,8 @@ def merge_states(states: list[dict], world_size: int, *, data_dir: str | None = 
     if not isinstance(states, (list, tuple)) or not states:
         raise ValueError("merge_states needs the list of every rank's state")
     for i, state in enumerate(states):  # a model's state dict, saved in its place by mistake
-        if not_a_loader_state(state, f"states[{i}]"):
-            raise ValueError(not_a_loader_state(state, f"states[{i}]"))
+        if message := not_a_loader_state(state, f"states[{i}]"):
+            raise ValueError(message)
     data_dir = None if data_dir is None else os.path.expanduser(os.fspath(data_dir))
     # a mixture's states: one of them is enough to tell (a damaged one is then refused by the
     # mixture's checks)

@@ -22,6 +22,7 @@ from nanochat.curriculum import list_buckets
 from nanochat.dataloader import (pretokenized_distributed_data_loader_with_state_bos_bestfit,
                                  tokenizing_distributed_data_loader_with_state_bos_bestfit)
 from nanochat.dataset import list_parquet_files, main as dataset_main, split_parquet_files
+from nanochat.mixture_state import mixture_start
 from nanochat.resume import merge_states
 from nanochat.token_reader import shard_paths
 from nanochat.token_shards import write_token_shard
@@ -224,6 +225,14 @@ def test_merge_states_of_a_models_state_dict(tmp_path):
     with pytest.raises(ValueError) as info:
         merge_states([MODEL], 2, data_dir=str(tmp_path))
     assert str(info.value).startswith("states[0] is not a loader state (its keys are ")
+    assert str(info.value).endswith(WHAT_IT_IS)
+
+
+def test_a_mixture_loader_given_a_models_state_dict_says_so():
+    """(mixture_start is the mixture loader's first look at resume_state_dict)"""
+    with pytest.raises(ValueError) as info:
+        mixture_start(MODEL, {}, 0, 1, False)
+    assert str(info.value).startswith("resume_state_dict is not a loader state (its keys are ")
     assert str(info.value).endswith(WHAT_IT_IS)
 
 
