@@ -62,11 +62,12 @@ class LoaderFigures(NamedTuple):
 
 
 def _count_words(n: float) -> str:
-    """1.21M, 987k, 12.3k, 950: three digits at most."""
-    for unit, scale in (("G", 1e9), ("M", 1e6), ("k", 1e3), ("", 1)):
-        if n >= scale or not unit:
-            v = n / scale
-            return f"{v:.2f}{unit}" if v < 10 else f"{v:.1f}{unit}" if v < 100 else f"{v:.0f}{unit}"
+    """1.21M, 987k, 12.3k, 950: three digits at most (999,999 is 1.00M, not 1000k)."""
+    for unit, scale in (("", 1), ("k", 1e3), ("M", 1e6), ("G", 1e9)):
+        v = n / scale
+        text = f"{v:.2f}" if v < 10 else f"{v:.1f}" if v < 100 else f"{v:.0f}"
+        if float(text) < 1000 or unit == "G":
+            return text + unit
 
 
 def _size_words(*sizes: int) -> str:

@@ -56,12 +56,14 @@ class Term(NamedTuple):
 
 def size_up(nbytes: int) -> str:
     """A size in words rounded up, to 3 significant digits: never shown below what it is."""
-    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
-        if nbytes >= scale:
-            digits = 2 if nbytes < 10 * scale else 1 if nbytes < 100 * scale else 0
-            step = scale / 10 ** digits
-            return f"{math.ceil(nbytes / step) * step / scale:.{digits}f} {unit}"
-    return f"{nbytes} bytes"
+    if nbytes < 1e3:
+        return f"{nbytes} bytes"
+    for unit, scale in (("KB", 1e3), ("MB", 1e6), ("GB", 1e9)):
+        digits = 2 if nbytes < 10 * scale else 1 if nbytes < 100 * scale else 0
+        step = scale / 10 ** digits
+        up = math.ceil(nbytes / step) * step / scale
+        if up < 1000 or unit == "GB":  # 999.9 MB rounded up is 1.00 GB, not "1000 MB"
+            return f"{up:.{digits}f} {unit}"
 
 
 def shard_files(data_dir: str, partial: bool = True) -> dict[str, int]:

@@ -21,7 +21,7 @@ from nanochat.dataloader import (pretokenized_distributed_data_loader_with_state
                                  tokenizing_distributed_data_loader_with_state_bos_bestfit)
 from nanochat.dataset import index_to_filename
 from nanochat.download import Limits
-from nanochat.figures import LoaderFigures
+from nanochat.figures import Figures, LoaderFigures
 from nanochat.mixture import pretokenized_mixture_loader_with_state_bos_bestfit
 from nanochat.serve import ShardServer
 from nanochat.token_shards import write_token_shard
@@ -255,3 +255,18 @@ def test_streaming_figures_count_downloads_and_evictions(tmp_path):
                          f"{total.bytes_downloaded / 1e3:.1f} KB down, "
                          f"{total.evictions} evicted"), line
 
+
+
+def test_the_line_rounds_to_three_digits_and_climbs_units():
+    """A rate that rounds to 1000 of a unit is shown in the next one: 1.00M, never 1000k."""
+    def line(tokenized_per_second: float) -> str:
+        f = Figures(seconds=1.0, batches=1, wait_seconds=0.0, wait_share=0.0, tokens_tokenized=0,
+                    tokens_emitted=0, tokenized_per_second=tokenized_per_second,
+                    emitted_per_second=950, crop_share=0.1854, pad_share=0.0, docs_per_row=2.06,
+                    bytes_downloaded=None, evictions=None)
+        return LoaderFigures(f, f, None, None).line()
+
+    assert line(999_999) == ("loader: wait 0.0% | 1.00M tok/s in, 950 out | crop 18.5% pad 0.0% "
+                             "| 2.1 docs/row")
+    assert line(987_000).startswith("loader: wait 0.0% | 987k tok/s in, ")
+    assert line(12_345).startswith("loader: wait 0.0% | 12.3k tok/s in, ")
