@@ -170,8 +170,6 @@ class ShardCache:
         terms = self._walk_terms()
         restoring = self._restore_term(restore, sum(term.nbytes for term in terms))
         terms = [restoring] if restoring else terms
-        fix = "" if restoring else (  # (the state decides what a resume holds)
-            "lower prefetch_shards, prefetch, tokenizer_batch_size or buffer_size, ")
         val_bytes = sum(size for name, size in self.keep.items()
                         if name not in on_disk and name not in self.names)
         if val_bytes:  # (a val loader, an eval during training, has yet to fetch it)
@@ -187,6 +185,10 @@ class ShardCache:
                 "fetched"), sum(fixed.values())))
         total = sum(term.nbytes for term in terms)
         least = total if table.evicting else min(total, everything)
+        # a smaller read-ahead lowers the least, unless a resume's state decides what it holds, or
+        # the least is all the data
+        fix = "" if restoring or least < total else (
+            "lower prefetch_shards, prefetch, tokenizer_batch_size or buffer_size, ")
         self.copies = copies if self.copying else 0
         if self.limit < least:
             lines = [f"  {term.what}: {term.how}: {term.nbytes:,} bytes" for term in terms]

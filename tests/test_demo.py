@@ -69,7 +69,8 @@ def test_demo_end_to_end(tmp_path):
     assert "loader stats: {" not in stdout  # (no raw dict of floats)
 
     # step 6: the same batches streamed from the server (the demo exits 1 if they differ), within
-    # the least cache_limit of prefetch_shards=0 (3 train shards, val, copies), less than the 5
+    # a cache_limit just above the least of prefetch_shards=0 (3 train shards, val, copies), below
+    # the 5
     # shards; only the shards read were fetched (prefetch_shards=0), the first train shard and the
     # val shard among them
     line = re.search(r"stream=True: 6 train batches and 1 val batch equal to step 5's "
