@@ -113,7 +113,7 @@ def _write_own(directory, names: list[str], docs: int = 120) -> None:
 # The recipe, as written
 
 
-def test_the_recipe_for_your_own_shards_runs_as_written(tmp_path):
+def test_the_recipe_for_your_own_shards_runs_as_written(tmp_path, monkeypatch):
     doc = open(os.path.join(ROOT, "docs", "streaming.md"), encoding="utf-8").read()
     section = doc[doc.index("## Your own shards"):]
     section = section[:section.index("\n## ", 1)]
@@ -134,6 +134,16 @@ def test_the_recipe_for_your_own_shards_runs_as_written(tmp_path):
     try:
         assert f'base_url="{served.url}"' in served.line
         assert "(4 parquet files, val shard_00003.parquet)" in served.line
+        # the doc's Python, run as written: only the port (and, without a GPU, the device) differ
+        snippet = section.split("```python\n")[1].split("```")[0]
+        code = snippet.replace(URL, served.url)
+        if not torch.cuda.is_available():
+            code = code.replace('device="cuda"', 'device="cpu"')
+        monkeypatch.chdir(tmp_path)  # its data_dir is relative: shards_cache/ here
+        namespace = {"tokenizer": ByteTokenizer(), "tokenizing_distributed_data_loader_with_state"
+                     "_bos_bestfit": tokenizing_distributed_data_loader_with_state_bos_bestfit}
+        exec(code, namespace)
+        first = _batches(namespace["train_loader"], 1)
         cache = tmp_path / "shards_cache"
         streamed = _batches(_loader(cache, stream=True, base_url=served.url, cache_limit="2GB",
                                     download_limits=FAST), 40)
@@ -141,6 +151,10 @@ def test_the_recipe_for_your_own_shards_runs_as_written(tmp_path):
         code, rest = served.stop()
     assert (code, rest) == (0, "stopped\n")
     _same(streamed, _batches(_loader(tmp_path / "shards"), 40))
+    _same([(x.cpu(), y.cpu(), state) for x, y, state in first],
+          _batches(tokenizing_distributed_data_loader_with_state_bos_bestfit(
+              ByteTokenizer(), B=32, T=2048, split="train", device="cpu",
+              data_dir=str(tmp_path / "shards")), 1))
     # the train shards were fetched under their own names (val's footer only: a train loader);
     # nothing was written into shards/
     assert sorted(n for n in os.listdir(cache) if n.endswith(".parquet")) == names[:-1]
