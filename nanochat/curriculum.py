@@ -310,13 +310,15 @@ def _dry_message(phase: int, name: str, demanded: float, s: _Supply, *, world_si
              f"{s.smallest:,}")
     message = (f"phase {phase}: bucket {name!r} runs dry {when}: {demanded:,.0f} tokens demanded "
                f"by the end of the phase, {where}")
-    if long_doc_policy == "crop" and s.crop_share is not None:
+    # short of entry tokens, not of usable ones: less cropping would not be enough
+    short = s.short(demanded, world_size, usable=False)
+    # (the crop, unless it is too small to matter to a bucket short of tokens)
+    if long_doc_policy == "crop" and s.crop_share is not None and (
+            not short or s.crop_share >= 0.005):
         usable = (f"{s.usable:,}" if world_size == 1 else
                   f"{s.usable:,} (the smallest rank's {s.smallest_usable:,})")
         message += (f"; rows can take about {usable} of them: an estimated crop share of "
                     f"{s.crop_share:.2f} (long_doc_policy={long_doc_policy!r}, T={T})")
-    # short of entry tokens, not of usable ones: less cropping would not be enough
-    short = s.short(demanded, world_size, usable=False)
     return f"{message}; fixes: {MORE_DATA if short else dry_fixes(T, long_doc_policy)}"
 
 
