@@ -185,9 +185,9 @@ class ShardCache:
                 "fetched"), sum(fixed.values())))
         total = sum(term.nbytes for term in terms)
         least = total if table.evicting else min(total, everything)
-        # a smaller read-ahead lowers the least, unless a resume's state decides what it holds, or
-        # the least is all the data
-        fix = "" if restoring or least < total else (
+        # a smaller read-ahead lowers the least (at all the data too: the sum may fall below it),
+        # unless a resume's state decides what it holds
+        fix = "" if restoring else (
             "lower prefetch_shards, prefetch, tokenizer_batch_size or buffer_size, ")
         self.copies = copies if self.copying else 0
         if self.limit < least:

@@ -246,10 +246,10 @@ def stream_from_server(
     """Step 5's train batches, then its val batch, again: each shard fetched from a server on
     127.0.0.1 just before it is read (stream=True), into cache_dir, within a cache_limit a little
     above the least that prefetch_shards=0 accepts (README: "The least cache_limit"): 3 x the
-    largest train shard (the one read, the one still being packed, one for a rank out of step),
-    the val shard at its size, and the room set aside for copies of buffered documents; less than
-    the train and val shards together from 4 train shards on. Returns the train and val results of stream_batches, cache_limit and the shards
-    downloaded, in order."""
+    largest train shard (the one read, the one still being packed, one for a rank out of
+    step), the val shard at its size, and the room set aside for copies of buffered documents;
+    less than the train and val shards together from 4 train shards on. Returns the train and val
+    results of stream_batches, cache_limit and the shards downloaded, in order."""
     val_path = [path for path in hosted
                 if os.path.basename(path) == get_dataset().val_filename][0]
     train_paths = [path for path in hosted if path != val_path]
