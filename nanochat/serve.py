@@ -230,8 +230,8 @@ def main(argv: list[str]) -> int:
     # one line: where, what, and the settings that stream from it (flush: a pipe sees it now)
     print(f"serving {directory} ({split}) at {server.url}; stream it with stream=True, "
           f"base_url=\"{server.url}\", data_dir=CACHE (a directory of its own), or "
-          f"NANOCHAT_STREAM=1 NANOCHAT_DATA_URL={server.url} and scripts.base_train's "
-          "--data-dir CACHE; Ctrl-C stops", flush=True)
+          f"NANOCHAT_STREAM=1 NANOCHAT_DATA_URL={server.url} NANOCHAT_DATA_DIR=CACHE for scripts "
+          "that pass no data_dir (nanochat's); Ctrl-C stops", flush=True)
     try:
         threading.Event().wait()  # the server runs on its thread; Ctrl-C ends this wait
     except KeyboardInterrupt:
