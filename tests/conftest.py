@@ -1,6 +1,7 @@
 """Shared fixtures: tiny parquet shards written with pyarrow into tmp dirs, a byte-level tokenizer,
 and where a state's buffered documents are."""
 
+import json
 import os
 import threading
 import time
@@ -8,6 +9,7 @@ import time
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+import torch
 
 from nanochat.order import UnitIndex
 from nanochat.state import WindowKey, decode_keys
@@ -59,6 +61,26 @@ class ByteTokenizer:
 
     def decode(self, ids):
         return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
+
+
+def take_batches(loader, n: int) -> list:
+    """The first n (inputs, targets, state) of a loader, cloned (the tensors are views the next
+    batch overwrites) and the state through JSON, as a checkpoint saves it; the loader closed."""
+    out = []
+    for inputs, targets, state in loader:
+        out.append((inputs.clone(), targets.clone(), json.loads(json.dumps(state))))
+        if len(out) == n:
+            break
+    loader.close()
+    return out
+
+
+def assert_same_batches(got: list, expected: list) -> None:
+    """take_batches' results equal, tensor for tensor and state for state (and not both empty)."""
+    assert len(got) == len(expected) > 0
+    for i, ((a, b, s), (x, y, t)) in enumerate(zip(got, expected)):
+        assert torch.equal(a, x) and torch.equal(b, y), f"batch {i}"
+        assert s == t, f"state {i}"
 
 
 def worker_env() -> dict:

@@ -26,6 +26,8 @@ import requests
 import torch
 
 from conftest import ByteTokenizer, outcome, worker_env, write_shard
+from conftest import assert_same_batches as _same
+from conftest import take_batches as _batches
 from nanochat.dataloader import tokenizing_distributed_data_loader_with_state_bos_bestfit
 from nanochat.dataset import split_parquet_files
 from nanochat.download import Limits
@@ -71,23 +73,6 @@ def _loader(data_dir, split="train", **kwargs):
     return tokenizing_distributed_data_loader_with_state_bos_bestfit(
         ByteTokenizer(), B=4, T=64, split=split, device="cpu", data_dir=str(data_dir),
         tokenizer_batch_size=8, **kwargs)
-
-
-def _batches(loader, n: int) -> list:
-    out = []
-    for inputs, targets, state in loader:
-        out.append((inputs.clone(), targets.clone(), json.loads(json.dumps(state))))
-        if len(out) == n:
-            break
-    loader.close()
-    return out
-
-
-def _same(streamed: list, expected: list) -> None:
-    assert len(streamed) == len(expected) > 0
-    for i, ((a, b, s), (x, y, t)) in enumerate(zip(streamed, expected)):
-        assert torch.equal(a, x) and torch.equal(b, y), f"batch {i}"
-        assert s == t, f"state {i}"
 
 
 def _shards_in(batches: list) -> set[str]:

@@ -22,10 +22,11 @@ from functools import partial
 
 import pyarrow.parquet as pq
 import pytest
-import torch
 from filelock import FileLock
 
 from conftest import ByteTokenizer, least_accepted, outcome, write_shard
+from conftest import assert_same_batches as _same
+from conftest import take_batches as _batches
 from nanochat import download, shard_cache
 from nanochat.dataloader import (tokenizing_distributed_data_loader_with_state,
                                  tokenizing_distributed_data_loader_with_state_bos_bestfit)
@@ -66,23 +67,6 @@ def hosted(tmp_path):
     server = ShardServer(str(directory))
     yield str(directory), server, sizes
     server.close()
-
-
-def _batches(loader, n: int) -> list:
-    out = []
-    for inputs, targets, state in loader:
-        out.append((inputs.clone(), targets.clone(), json.loads(json.dumps(state))))
-        if len(out) == n:
-            break
-    loader.close()
-    return out
-
-
-def _same(streamed: list, expected: list) -> None:
-    assert len(streamed) == len(expected)
-    for i, ((a, b, s), (x, y, t)) in enumerate(zip(streamed, expected)):
-        assert torch.equal(a, x) and torch.equal(b, y), f"batch {i}"
-        assert s == t, f"state {i}"
 
 
 # tokenizer batches of 8: what a loader reads ahead stays within a shard of these small ones (300
