@@ -230,12 +230,19 @@ def test_streaming_figures_count_downloads_and_evictions(tmp_path):
         first = loader.figures()
         for _ in range(200):  # through the epoch's last shard
             next(loader)
-        for _ in range(1000):  # 10 s at most: until no download is in flight
+        # 10 s at most: until no download is in flight and the cache has stopped changing (a
+        # kept copy may still be written just after a download ends)
+        steady, used = 0, None
+        for _ in range(1000):
             status = loader.cache_status()
-            if all(need.reason != "fetching" for need in status.needs):
+            fetching = any(need.reason == "fetching" for need in status.needs)
+            steady = steady + 1 if not fetching and status.used_bytes == used else 0
+            used = status.used_bytes
+            if steady == 5:
                 break
             time.sleep(0.01)
         second = loader.figures()
+        status = loader.cache_status()
         fetched = server.fetched()
         on_disk = [name for name in os.listdir(cache) if name.endswith(".parquet")]
         loader.close()
