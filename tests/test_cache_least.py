@@ -11,7 +11,6 @@ import math
 import os
 import random
 
-import pyarrow.parquet as pq
 import pytest
 import torch
 

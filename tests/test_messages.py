@@ -195,30 +195,30 @@ WHAT_IT_IS = ("A loader state is the third item the loader yields, (inputs, targ
               "checkpoint['dataloader_state_dict'], and pass it back")
 
 
-def test_a_models_state_dict_is_not_a_loader_state(tmp_path, byte_tokenizer):
+def _resume_error(tmp_path, tokenizer, state) -> str:
+    """The ValueError a best-fit loader over two small shards raises for resume_state_dict=state."""
     data_dir = str(tmp_path / "shards")
     write_shards(data_dir, [_docs(20, 0), _docs(5, 1)], 5)
     with pytest.raises(ValueError) as info:
         next(tokenizing_distributed_data_loader_with_state_bos_bestfit(
-            byte_tokenizer, 2, 8, "train", device="cpu", data_dir=data_dir,
-            resume_state_dict=MODEL))
-    assert str(info.value) == (
+            tokenizer, 2, 8, "train", device="cpu", data_dir=data_dir, resume_state_dict=state))
+    return str(info.value)
+
+
+def test_a_models_state_dict_is_not_a_loader_state(tmp_path, byte_tokenizer):
+    message = _resume_error(tmp_path, byte_tokenizer, MODEL)
+    assert message == (
         "resume_state_dict is not a loader state (its keys are 'transformer.wte.weight', "
         "'transformer.h.0.attn.c_q.weight', 'lm_head.weight' and 1 more, and it holds tensors: a "
         f"model's or an optimizer's state dict?). {WHAT_IT_IS}")
-    assert "missing" not in str(info.value)
+    assert "missing" not in message
 
 
 def test_an_optimizers_state_dict_is_not_a_loader_state(tmp_path, byte_tokenizer):
-    data_dir = str(tmp_path / "shards")
-    write_shards(data_dir, [_docs(20, 0), _docs(5, 1)], 5)
     optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(2))], lr=0.1).state_dict()
-    with pytest.raises(ValueError) as info:
-        next(tokenizing_distributed_data_loader_with_state_bos_bestfit(
-            byte_tokenizer, 2, 8, "train", device="cpu", data_dir=data_dir,
-            resume_state_dict=optimizer))
-    assert str(info.value) == ("resume_state_dict is not a loader state (its keys are 'state', "
-                               f"'param_groups'). {WHAT_IT_IS}")
+    assert _resume_error(tmp_path, byte_tokenizer, optimizer) == (
+        "resume_state_dict is not a loader state (its keys are 'state', 'param_groups'). "
+        f"{WHAT_IT_IS}")
 
 
 def test_merge_states_of_a_models_state_dict(tmp_path):
@@ -237,10 +237,5 @@ def test_a_mixture_loader_given_a_models_state_dict_says_so():
 
 
 def test_a_truncated_state_still_says_what_is_missing(tmp_path, byte_tokenizer):
-    data_dir = str(tmp_path / "shards")
-    write_shards(data_dir, [_docs(20, 0), _docs(5, 1)], 5)
-    with pytest.raises(ValueError) as info:
-        next(tokenizing_distributed_data_loader_with_state_bos_bestfit(
-            byte_tokenizer, 2, 8, "train", device="cpu", data_dir=data_dir,
-            resume_state_dict={"pq_idx": 0}))
-    assert str(info.value) == "resume_state_dict is missing ['rg_idx']"
+    assert (_resume_error(tmp_path, byte_tokenizer, {"pq_idx": 0})
+            == "resume_state_dict is missing ['rg_idx']")
