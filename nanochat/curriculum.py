@@ -281,7 +281,7 @@ def validate(curriculum, data_dir: str, split: str = "train", *, total_tokens: i
             can_take = min(s.usable, world_size * s.smallest_usable)
             before = demanded[name] - demand  # demand of the earlier phases
             dry_at = phase_start + max(0.0, can_take - before) / (weight * scale)
-            message = _dry_message(i, name, demanded[name], s, world_size=world_size, T=T,
+            message = _dry_message(i, name, demanded[name], s, short, world_size=world_size, T=T,
                                    long_doc_policy=long_doc_policy,
                                    when=_when(dry_at, step_tokens, sum(budgets)))
             blocking = (short or strict) and not allow_bucket_exhaustion
@@ -302,16 +302,15 @@ def _when(dry_at: float, step_tokens: int, total: int) -> str:
     return f"at about step {min(steps, step):,} of {steps:,}"
 
 
-def _dry_message(phase: int, name: str, demanded: float, s: _Supply, *, world_size: int,
-                 T: int | None, long_doc_policy: str, when: str) -> str:
-    """validate's message for a bucket that runs dry: where, the tokens, the crop, the fixes."""
+def _dry_message(phase: int, name: str, demanded: float, s: _Supply, short: bool, *,
+                 world_size: int, T: int | None, long_doc_policy: str, when: str) -> str:
+    """validate's message for a bucket that runs dry: where, the tokens, the crop, the fixes.
+    short: it lacks entry tokens, not only usable ones (less cropping would not be enough)."""
     where = (f"{s.available:,} available" if world_size == 1 else
              f"{s.available:,} available, the smallest of {world_size} ranks' shares is "
              f"{s.smallest:,}")
     message = (f"phase {phase}: bucket {name!r} runs dry {when}: {demanded:,.0f} tokens demanded "
                f"by the end of the phase, {where}")
-    # short of entry tokens, not of usable ones: less cropping would not be enough
-    short = s.short(demanded, world_size, usable=False)
     # (the crop, unless it is too small to matter to a bucket short of tokens)
     if long_doc_policy == "crop" and s.crop_share is not None and (
             not short or s.crop_share >= 0.005):
