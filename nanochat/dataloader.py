@@ -27,10 +27,10 @@ from nanochat.catalog import copies_estimate, read_ahead_span, streamed_files
 from nanochat.checks import check_int
 from nanochat.dataset import split_parquet_files
 from nanochat.download import Limits
+from nanochat.figures import LoaderFigures, Mark, start_counters, stretch
 from nanochat.options import (check_options, check_shuffle, check_stream, resolve_rank,
                               resolve_workers)
 from nanochat.order import ParquetReader, Position, RankOrder, start_order
-from nanochat.figures import LoaderFigures, Mark, start_counters, stretch
 from nanochat.packing import check_long_doc_policy
 from nanochat.prefetch import Job, WorkerBatches, WorkerUnavailable, maybe_prefetch
 from nanochat.rows import (Encoder, EntryDocuments, RowBatch, StateRecorder, bestfit_batches,
