@@ -1,0 +1,336 @@
+"""
+Shards where they live: an address is an http(s) URL (download.py's own path), s3://, gs://, az://,
+hf://, file:// or a local directory. This module reads the non-HTTP ones through fsspec and each
+store's package (the extras s3, gcs, azure, hf): stat (size, version, the hashes the store states),
+read_range, list_names. Every call is bounded (timeout); retrying is the caller's. A store's error
+becomes a StoreError that says whether a retry can help; its message never holds a credential.
+Credentials come from each store's own chain (environment, config files, instance roles).
+
+Imported only when needed: fsspec, fsspec.asyn, and the store's package (s3fs, gcsfs, adlfs,
+huggingface_hub).
+May import: nothing of ours.
+"""
+
+import base64
+import importlib
+import os
+import re
+import urllib.parse
+from dataclasses import dataclass, field
+
+PACKAGE = "nanochat-data"  # what `pip install` names
+
+
+@dataclass(frozen=True)
+class Store:
+    """A kind of address: fsspec's protocol for it, the package that implements it, our extra."""
+    name: str  # for messages: "S3", "GCS", ...
+    protocol: str
+    package: str
+    extra: str | None  # None: nothing to install
+    credentials: str = ""  # where its own tools look for credentials
+
+    def install_hint(self) -> str:
+        return f"pip install '{PACKAGE}[{self.extra}]'"
+
+
+_S3 = Store("S3", "s3", "s3fs", "s3", "AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, "
+            "~/.aws/credentials (AWS_PROFILE) or an instance role; AWS_ENDPOINT_URL for another "
+            "S3-compatible service")
+_GCS = Store("GCS", "gcs", "gcsfs", "gcs", "`gcloud auth application-default login`, "
+             "GOOGLE_APPLICATION_CREDENTIALS or the instance's service account")
+_AZURE = "AZURE_STORAGE_ACCOUNT_NAME with AZURE_STORAGE_ACCOUNT_KEY or a SAS token, or `az login`"
+STORES = {"s3": _S3, "gs": _GCS, "gcs": _GCS,
+          "az": Store("Azure", "az", "adlfs", "azure", _AZURE),
+          "abfs": Store("Azure", "abfs", "adlfs", "azure", _AZURE),
+          "hf": Store("the Hugging Face hub", "hf", "huggingface_hub", "hf",
+                      "HF_TOKEN or `hf auth login`"),
+          "file": Store("a local directory", "file", "fsspec", None)}
+LOCAL = STORES["file"]
+ADDRESS_FORMS = ("https://..., s3://bucket/prefix, gs://bucket/prefix, az://container/prefix, "
+                 "hf://datasets/owner/name/folder, file:///path or a local directory")
+
+
+class MissingExtra(ImportError):
+    """A store's package is not installed: the message is one line with the pip install."""
+
+
+class StoreError(OSError):
+    """A store call failed. reason: a short category for summaries ("not found", "slow down");
+    retry: whether trying again can help."""
+
+    def __init__(self, reason: str, message: str, retry: bool):
+        super().__init__(message)
+        self.reason, self.retry = reason, retry
+
+    def __str__(self):
+        return self.args[0]
+
+
+@dataclass(frozen=True)
+class ObjectInfo:
+    """What the store says of one object. version changes when the object is replaced (S3's ETag,
+    GCS's generation, ...); hashes: {"md5" | "sha256" | "sha1": hex, "crc32" | "crc32c": int} of
+    the whole object, only those the store states."""
+    size: int
+    version: str | None
+    hashes: dict = field(default_factory=dict)
+
+
+# -----------------------------------------------------------------------------
+# Addresses
+
+
+def scheme_of(address: str) -> str:
+    """"http", "https", a key of STORES, or "" for a local path."""
+    match = re.match(r"([a-zA-Z][a-zA-Z0-9+.-]*)://", address)
+    return match.group(1).lower() if match else ""
+
+
+def is_http(address: str) -> bool:
+    return scheme_of(address) in ("http", "https")
+
+
+def store_of(address: str) -> Store:
+    """The Store of a non-HTTP address (a local path is file://). ValueError for other schemes."""
+    scheme = scheme_of(address)
+    if scheme == "":
+        return LOCAL
+    if scheme not in STORES:
+        raise ValueError(f"unknown address {address!r}: use {ADDRESS_FORMS}; fix --base-url or "
+                         "NANOCHAT_DATA_URL")
+    return STORES[scheme]
+
+
+def check_address(address: str) -> None:
+    """Raise ValueError unless address has one of the accepted forms (an http(s) URL with a host,
+    a store's scheme with a bucket or repository, or a local path)."""
+    if not isinstance(address, str) or not address:
+        raise ValueError(f"address {address!r} must be a non-empty string: {ADDRESS_FORMS}")
+    scheme = scheme_of(address)
+    if scheme in ("http", "https"):
+        if not urllib.parse.urlsplit(address).netloc:
+            raise ValueError(f"URL {address!r} names no host; fix --base-url or "
+                             "NANOCHAT_DATA_URL")
+        return
+    store = store_of(address)
+    if scheme and scheme != "file" and not address[len(scheme) + 3:].strip("/"):
+        raise ValueError(f"{address!r} names no {store.name} bucket or repository, e.g. "
+                         f"{scheme}://bucket/prefix; fix --base-url or NANOCHAT_DATA_URL")
+
+
+def path_in_store(address: str) -> str:
+    """The path fsspec's filesystem takes: s3://bucket/key -> bucket/key; a local path or file://
+    -> its absolute path."""
+    scheme = scheme_of(address)
+    if scheme in ("", "file"):
+        path = urllib.parse.unquote(address[len("file://"):]) if scheme else address
+        return os.path.abspath(os.path.expanduser(path))
+    return address[len(scheme) + 3:].rstrip("/")
+
+
+def join(base: str, name: str) -> str:
+    """base/name: a URL quotes the name, a store's path does not."""
+    return f"{base.rstrip('/')}/{urllib.parse.quote(name) if is_http(base) else name}"
+
+
+def is_local(address: str) -> bool:
+    return store_of(address) is LOCAL if not is_http(address) else False
+
+
+# -----------------------------------------------------------------------------
+# Filesystems: one per (store, timeout), made on first use
+
+_FILESYSTEMS: dict = {}
+
+
+def _import(store: Store):
+    try:
+        return importlib.import_module(store.package)
+    except ImportError:
+        raise MissingExtra(f"{store.name} addresses need the package {store.package}: "
+                           f"{store.install_hint()}") from None
+
+
+def filesystem(address: str, timeout: float):
+    """The fsspec filesystem for address's store. Each call it makes is one request (the store's
+    own retries are off: the caller retries with its backoff and logs each try)."""
+    store = store_of(address)
+    key = (store.protocol, timeout)
+    if key not in _FILESYSTEMS:
+        _import(store)
+        fsspec = importlib.import_module("fsspec")
+        options = {"use_listings_cache": False}  # a listing or a version is always asked afresh
+        if store.protocol == "s3":  # botocore's timeouts and one attempt per call
+            options["config_kwargs"] = {"connect_timeout": timeout, "read_timeout": timeout,
+                                        "retries": {"total_max_attempts": 1}}
+        fs = fsspec.filesystem(store.protocol, skip_instance_cache=True, **options)
+        if store.protocol == "s3":
+            fs.retries = 1  # s3fs's own retry loop: one try
+        _FILESYSTEMS[key] = fs
+    return _FILESYSTEMS[key]
+
+
+def forget_filesystems() -> None:
+    """Drop the filesystems made so far: the next call reads the environment (endpoint,
+    credentials) afresh."""
+    _FILESYSTEMS.clear()
+
+
+def _call(fs, method: str, *args, timeout: float, **kwargs):
+    """fs.method(*args, **kwargs) within timeout seconds. fsspec's async filesystems (S3, GCS,
+    Azure) take the bound as an argument; the others bound their own requests."""
+    asyn = importlib.import_module("fsspec.asyn")
+    if isinstance(fs, asyn.AsyncFileSystem):
+        kwargs["timeout"] = timeout
+    return getattr(fs, method)(*args, **kwargs)
+
+
+# -----------------------------------------------------------------------------
+# Errors: what happened, whether a retry can help, and never a credential
+
+# environment variables whose values are secrets: never shown, whatever a store's message holds
+_SECRET_NAME = re.compile(r"KEY|SECRET|TOKEN|PASSWORD|CREDENTIAL|SAS|CONNECTION_STRING")
+THROTTLED = ("SlowDown", "reduce your request rate", "Throttl", "TooManyRequests", "429", "503")
+
+
+def redact(text: str) -> str:
+    """text with the value of every secret-looking environment variable replaced by ***."""
+    for name, value in os.environ.items():
+        if _SECRET_NAME.search(name.upper()) and len(value) >= 4:
+            text = text.replace(value, "***")
+    return text
+
+
+def store_error(error: BaseException, address: str) -> StoreError:
+    """The StoreError for a store's exception: its category, whether to retry, and a redacted
+    message that names the address and the fix."""
+    store, kinds = store_of(address), {cls.__name__ for cls in type(error).__mro__}
+    said = redact(f"{type(error).__name__}: {error}")
+    if isinstance(error, StoreError):
+        return error
+    if any("Credential" in kind for kind in kinds):  # botocore, google.auth, azure
+        return StoreError("no credentials",
+                          f"{address}: no {store.name} credentials were found ({said}); set them "
+                          f"as {store.name}'s own tools expect: {store.credentials}", False)
+    if isinstance(error, FileNotFoundError):
+        return StoreError("not found", f"{address}: not found in {store.name}; check the bucket "
+                                       "and the prefix (--base-url, NANOCHAT_DATA_URL)", False)
+    if isinstance(error, PermissionError):
+        return StoreError("access denied", f"{address}: access denied by {store.name} ({said}); "
+                                           "check the credentials' rights on it", False)
+    if any(word in said for word in THROTTLED) or getattr(error, "errno", None) == 16:  # EBUSY
+        return StoreError("slow down", f"{address}: {store.name} asks to slow down ({said})", True)
+    if kinds & {"FSTimeoutError", "TimeoutError", "ReadTimeoutError", "ConnectTimeoutError"}:
+        return StoreError("timed out", f"{address}: {said}", True)
+    return StoreError("connection failed", f"{address}: {said}", True)
+
+
+def _guarded(address: str, work):
+    """work() with every store error (not a missing extra) turned into a StoreError."""
+    try:
+        return work()
+    except MissingExtra:
+        raise
+    except Exception as e:
+        raise store_error(e, address) from None
+
+
+# -----------------------------------------------------------------------------
+# Calls
+
+
+def _b64_hex(value) -> str | None:
+    try:
+        return base64.b64decode(value).hex()
+    except (ValueError, TypeError):
+        return None
+
+
+def stated_hashes(protocol: str, info: dict) -> dict:
+    """The whole-object hashes in an fsspec info dict (or S3's HeadObject answer), by store.
+    S3: the ETag of a single-part object is its md5 (a multipart one ends in -N: no hash); its
+    FULL_OBJECT checksums. GCS: md5Hash, crc32c. Azure: content_md5. The hub: an LFS file's
+    sha256."""
+    hashes = {}
+    if protocol == "s3":
+        etag = str(info.get("ETag", "")).strip('"')
+        if re.fullmatch(r"[0-9a-f]{32}", etag):
+            hashes["md5"] = etag
+        if info.get("ChecksumType", "FULL_OBJECT") == "FULL_OBJECT":  # COMPOSITE: of parts
+            for name in ("CRC32", "CRC32C", "SHA1", "SHA256"):
+                value = _b64_hex(info.get(f"Checksum{name}")) if info.get(f"Checksum{name}") \
+                    else None
+                if value is not None:
+                    hashes[name.lower()] = int(value, 16) if name.startswith("CRC") else value
+    elif protocol == "gcs":
+        if info.get("md5Hash"):
+            hashes["md5"] = _b64_hex(info["md5Hash"])
+        if info.get("crc32c"):
+            hashes["crc32c"] = int(_b64_hex(info["crc32c"]), 16)
+    elif protocol in ("az", "abfs"):
+        md5 = (info.get("content_settings") or {}).get("content_md5")
+        if md5:
+            hashes["md5"] = bytes(md5).hex()
+    elif protocol == "hf":
+        sha256 = (info.get("lfs") or {}).get("sha256")
+        if sha256:
+            hashes["sha256"] = sha256
+    return {name: value for name, value in hashes.items() if value is not None}
+
+
+def _version(protocol: str, info: dict) -> str | None:
+    """What changes when the object is replaced."""
+    for key in ("generation", "VersionId", "ETag", "etag", "blob_id"):
+        if info.get(key):
+            return f"{key}:{info[key]}"
+    if protocol == "hf" and (info.get("lfs") or {}).get("sha256"):
+        return f"sha256:{info['lfs']['sha256']}"
+    if info.get("mtime") is not None:  # a local file: its modification time and size
+        return f"mtime:{info['mtime']}:{info.get('size')}"
+    return None
+
+
+def stat(address: str, timeout: float) -> ObjectInfo:
+    """Size, version and stated hashes of the object at address (StoreError: "not found", ...)."""
+    fs, path = filesystem(address, timeout), path_in_store(address)
+
+    protocol = store_of(address).protocol
+
+    def work():
+        if protocol == "s3" and "/" in path:  # HeadObject states the checksums only when asked
+            bucket, key = path.split("/", 1)
+            head = _call(fs, "call_s3", "head_object", Bucket=bucket, Key=key,
+                         ChecksumMode="ENABLED", timeout=timeout)
+            return head | {"size": head["ContentLength"]}
+        info = _call(fs, "info", path, timeout=timeout)
+        if info.get("type") == "directory":
+            raise FileNotFoundError(path)
+        return info
+
+    info = _guarded(address, work)
+    return ObjectInfo(int(info["size"]), _version(protocol, info), stated_hashes(protocol, info))
+
+
+def read_range(address: str, start: int, end: int, timeout: float) -> bytes:
+    """Bytes [start, end) of the object at address."""
+    fs, path = filesystem(address, timeout), path_in_store(address)
+    return _guarded(address, lambda: _call(fs, "cat_file", path, start=start, end=end,
+                                           timeout=timeout))
+
+
+def list_names(base: str, timeout: float) -> list[str]:
+    """The sorted names of the parquet files directly under base (StoreError "not found" when
+    base holds none or does not exist)."""
+    fs, path = filesystem(base, timeout), path_in_store(base)
+
+    def work():
+        entries = _call(fs, "ls", path, detail=True, timeout=timeout)
+        return sorted(os.path.basename(e["name"].rstrip("/")) for e in entries
+                      if e.get("type") != "directory" and e["name"].endswith(".parquet"))
+
+    names = _guarded(base, work)
+    if not names:
+        raise StoreError("not found", f"{base} holds no .parquet files; check the bucket and the "
+                                      "prefix (--base-url, NANOCHAT_DATA_URL)", False)
+    return names
