@@ -11,6 +11,7 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
+from nanochat import stores
 from nanochat.order import UnitIndex
 from nanochat.state import WindowKey, decode_keys
 from nanochat.state_checks import config_shuffle
@@ -198,6 +199,7 @@ def _s3_env(monkeypatch, tmp_path, endpoint):
     monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "no-aws" / "config"))
     monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "no-aws" / "credentials"))
     s3fs.S3FileSystem.clear_instance_cache()  # an instance keeps the endpoint it was made with
+    stores.forget_filesystems()  # and so do the ones nanochat.stores keeps
 
 
 @pytest.fixture
@@ -209,6 +211,7 @@ def s3(s3_server, tmp_path, monkeypatch):
     _s3_env(monkeypatch, tmp_path, s3_server.endpoint)
     yield S3Bucket(s3_server.endpoint)
     s3fs.S3FileSystem.clear_instance_cache()
+    stores.forget_filesystems()
 
 
 @pytest.fixture
@@ -224,3 +227,4 @@ def s3_faulty(s3_server, tmp_path, monkeypatch):
     finally:
         proxy.close()
         s3fs.S3FileSystem.clear_instance_cache()
+        stores.forget_filesystems()
