@@ -838,7 +838,7 @@ def _listed_names(base_url: str, data_dir: str, num_files: int, limits: Limits) 
 def _checked_words(paths: list[str], base_url: str) -> str:
     """How the files fetched from a store were checked: against a hash the store stated
     (verified), or only their size and parquet structure (the store stated none)."""
-    stated = sum(bool(_stated_check(path)) for path in paths)
+    stated = sum(_stated_check(path) is not None for path in paths)
     words = [f"{stated} verified against the hash {shown(base_url)} stated"] if stated else []
     if stated < len(paths):
         words.append(f"{len(paths) - stated} size and structure checked ({shown(base_url)} "
@@ -892,16 +892,16 @@ def _verify_main(spec: DatasetSpec, data_dir: str, num_workers: int, base_url: s
     return 1
 
 
-def _stated_check(path: str) -> bool:
-    """Whether path was verified against a hash its source stated.
+def _stated_check(path: str) -> str | None:
+    """The hashes its source stated that path matched (download.stated_check's record fields).
     TODO(stores): download.stated_check(path), once download.py gives it."""
     try:
         with open(record_path(path), encoding="utf-8") as f:
             record = json.load(f)
     except (OSError, ValueError):
-        return False
-    return isinstance(record, dict) and bool(record.get("sha256_stated_by_server")
-                                             or record.get("stated"))
+        return None
+    names = record.get("stated_hashes") if isinstance(record, dict) else None
+    return ", ".join(names) or None if isinstance(names, list) else None
 
 
 def _is_store(base_url: str) -> bool:
