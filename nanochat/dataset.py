@@ -259,13 +259,17 @@ def check_base_url(base_url: str) -> None:
 
 
 def check_source(base_url: str, data_dir: str) -> None:
-    """check_base_url, and for a local directory as the source, that data_dir (the copies, the
-    cache) is another directory, not inside it: nothing is ever written to or deleted from the
-    source."""
+    """check_base_url, and for a local directory as the source, that it is one, and that data_dir
+    (the copies, the cache) is another directory, not inside it: nothing is ever written to or
+    deleted from the source."""
     check_base_url(base_url)
     if not stores.is_local(base_url):
         return
     named = stores.path_in_store(base_url)
+    if not os.path.isdir(named):  # most often a URL without its scheme
+        raise ValueError(f"base_url {shown(base_url)!r} is not a directory here; a URL must start "
+                         f"with http:// or https:// (forms: {stores.ADDRESS_FORMS}); fix "
+                         "--base-url or NANOCHAT_DATA_URL")
     source = os.path.realpath(named)
     target = os.path.realpath(os.path.abspath(os.path.expanduser(os.fspath(data_dir))))
     if target == source or target.startswith(source.rstrip(os.sep) + os.sep):

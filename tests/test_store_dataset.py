@@ -240,3 +240,14 @@ def test_messages_show_an_address_without_its_credentials(monkeypatch, tmp_path)
         streamed_split("train", str(dataset_dir), base_url="https://user:hunter22@example.com/x",
                        listing=NAMES)
     assert "example.com/x" in str(error.value) and "hunter22" not in str(error.value)
+
+
+@pytest.mark.parametrize("address", ["127.0.0.1:8000/resolve/main", "/no/such/shards"])
+def test_a_path_that_is_no_directory_is_refused_as_a_url_without_its_scheme(tmp_path, address):
+    data_dir = str(tmp_path / "data")
+    for call in (lambda: download_shards([0], data_dir, address),
+                 lambda: main(["-n", "1", "--base-url", address, "--data-dir", data_dir])):
+        with pytest.raises(ValueError, match="is not a directory here; a URL must start with "
+                                             "http:// or https://"):
+            call()
+    assert not os.path.exists(data_dir)
