@@ -291,9 +291,11 @@ def _version(protocol: str, info: dict) -> str | None:
     return None
 
 
-def stat(address: str, timeout: float) -> ObjectInfo:
-    """Size, version and stated hashes of the object at address (StoreError: "not found", ...)."""
+def stat(address: str, timeout: float, *, within: float | None = None) -> ObjectInfo:
+    """Size, version and stated hashes of the object at address (StoreError: "not found", ...).
+    timeout bounds each wait for the store; within (default: timeout) the whole call."""
     fs, path = filesystem(address, timeout), path_in_store(address)
+    within = timeout if within is None else within
 
     protocol = store_of(address).protocol
 
@@ -301,9 +303,9 @@ def stat(address: str, timeout: float) -> ObjectInfo:
         if protocol == "s3" and "/" in path:  # HeadObject states the checksums only when asked
             bucket, key = path.split("/", 1)
             head = _call(fs, "call_s3", "head_object", Bucket=bucket, Key=key,
-                         ChecksumMode="ENABLED", timeout=timeout)
+                         ChecksumMode="ENABLED", timeout=within)
             return head | {"size": head["ContentLength"]}
-        info = _call(fs, "info", path, timeout=timeout)
+        info = _call(fs, "info", path, timeout=within)
         if info.get("type") == "directory":
             raise FileNotFoundError(path)
         return info
@@ -312,11 +314,15 @@ def stat(address: str, timeout: float) -> ObjectInfo:
     return ObjectInfo(int(info["size"]), _version(protocol, info), stated_hashes(protocol, info))
 
 
-def read_range(address: str, start: int, end: int, timeout: float) -> bytes:
-    """Bytes [start, end) of the object at address."""
+def read_range(address: str, start: int, end: int, timeout: float, *,
+               within: float | None = None) -> bytes:
+    """Bytes [start, end) of the object at address. timeout bounds each wait for the store (the
+    filesystem is made once per timeout); within (default: timeout) the whole call, which a large
+    range at a low rate may need to be longer."""
     fs, path = filesystem(address, timeout), path_in_store(address)
+    within = timeout if within is None else within
     return _guarded(address, lambda: _call(fs, "cat_file", path, start=start, end=end,
-                                           timeout=timeout))
+                                           timeout=within))
 
 
 def list_names(base: str, timeout: float) -> list[str]:
