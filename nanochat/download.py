@@ -753,8 +753,9 @@ def _read_object(address: str, start: int, end: int, limits: Limits, deadline: f
         body = stores.read_range(address, start, end, limits.timeout,
                                  within=_call_bound(limits, deadline, end - start))
     if len(body) != end - start:
-        raise BadFileError("changed on the store", f"{address}: asked for bytes {start}-{end}, "
-                                                   f"got {len(body)}: it changed on the store")
+        raise BadFileError("changed on the store",
+                           f"{stores.redact(address)}: asked for bytes {start}-{end}, got "
+                           f"{len(body)}: it changed on the store")
     return body
 
 
@@ -768,14 +769,15 @@ def _fetch_object_to_tmp(address: str, tmp: str, limits: Limits, deadline: float
     have, record = _resume_point(tmp)
     if have and (record.get("validator") != info.version or record.get("size") != info.size):
         logger.info("%s: the object changed on the store since %s was started; starting over",
-                    address, tmp)
+                    stores.redact(address), tmp)
         have = 0
     if not have:
         record = {"url": address, "validator": info.version, "size": info.size,
                   "hashes": info.hashes}
         if info.version is None:
             logger.warning("%s: the store states no version of it, so a broken transfer of it "
-                           "cannot be resumed: each attempt starts from byte 0", address)
+                           "cannot be resumed: each attempt starts from byte 0",
+                           stores.redact(address))
     flags = os.O_WRONLY | os.O_CREAT | (os.O_APPEND if have else os.O_TRUNC)
     pace = _Pace(limits, deadline, stop)
     try:
@@ -805,7 +807,8 @@ def _fetch_object_to_tmp(address: str, tmp: str, limits: Limits, deadline: float
     after = _stat_object(address, limits, deadline)
     if (after.version, after.size) != (info.version, info.size):
         raise BadFileError("changed on the store",
-                           f"{address} changed on the store during the download of {tmp}")
+                           f"{stores.redact(address)} changed on the store during the "
+                           f"download of {tmp}")
     return record
 
 
@@ -890,7 +893,7 @@ def _check_stated(tmp: str, record: dict, digests: dict) -> list[str]:
         if digests[name] != want:
             raise BadFileError(f"{name} mismatch",
                                f"{tmp} has {name} {_shown(digests[name])}, the store stated "
-                               f"{_shown(want)} for {record['url']}")
+                               f"{_shown(want)} for {stores.redact(record['url'])}")
         matched.append(name)
     return matched
 
@@ -1106,6 +1109,7 @@ def _retried(url: str, limits: Limits | None, doing: str, attempt_once):
     check_address(url)
     limits = Limits() if limits is None else limits
     deadline = time.monotonic() + limits.deadline
+    shown = url if stores.is_http(url) else stores.redact(url)  # (a store's address: no secret)
     attempt = 1
     while True:
         wait = limits.backoff_base * 2 ** (attempt - 1)
@@ -1123,9 +1127,9 @@ def _retried(url: str, limits: Limits | None, doing: str, attempt_once):
                 raise _host_not_found(_failed_url(e, url), _dns_failure(e)) from None
             error = DownloadError(_reason_of(e), f"{url}: {e}")
         if attempt == limits.max_attempts or time.monotonic() + wait > deadline:
-            raise DownloadError(error.reason, f"{error}; gave up {doing} {url} after "
+            raise DownloadError(error.reason, f"{error}; gave up {doing} {shown} after "
                                               f"{attempt} attempt{'s' if attempt > 1 else ''}")
-        logger.warning("%s %s, attempt %d/%d: %s; retrying in %gs", doing, url, attempt,
+        logger.warning("%s %s, attempt %d/%d: %s; retrying in %gs", doing, shown, attempt,
                        limits.max_attempts, error, wait)
         time.sleep(wait)
         attempt += 1

@@ -206,7 +206,7 @@ def store_error(error: BaseException, address: str) -> StoreError:
     """The StoreError for a store's exception: its category, whether to retry, and a redacted
     message that names the address and the fix."""
     store, kinds = store_of(address), {cls.__name__ for cls in type(error).__mro__}
-    said = redact(f"{type(error).__name__}: {error}")
+    said, address = redact(f"{type(error).__name__}: {error}"), redact(address)
     if isinstance(error, StoreError):
         return error
     if any("Credential" in kind for kind in kinds):  # botocore, google.auth, azure
