@@ -797,7 +797,8 @@ def _fetch_object_to_tmp(address: str, tmp: str, limits: Limits, deadline: float
                 f.flush()  # on disk for a next attempt, whatever ends this one
                 have += len(body)
                 bar.update(len(body))
-                pace.check(len(body))
+                if have < info.size:  # (a complete file is installed whatever its rate)
+                    pace.check(len(body))
             os.fsync(f.fileno())
     except OSError as e:
         if e.errno in (errno.ENOSPC, errno.EDQUOT):

@@ -258,6 +258,29 @@ def test_an_object_replaced_between_runs_starts_over(faulty, tmp_path, monkeypat
     assert "changed on the store since" in caplog.text
 
 
+def test_a_server_that_stays_down_fails_at_the_deadline(faulty, tmp_path):
+    _put_shard(faulty, tmp_path)
+    faulty.proxy.stop()
+    dest = tmp_path / "out" / "shard_00000.parquet"
+    with pytest.raises(DownloadError) as caught:
+        download.download_file(faulty.url(KEY), str(dest),
+                               Limits(max_attempts=1000, backoff_base=0.05, timeout=2.0,
+                                      deadline=0.5))
+    assert caught.value.reason == "past the deadline"
+    assert not dest.exists() and _no_temp(dest)
+
+
+def test_a_rate_below_min_rate_ends_the_attempt_between_chunks(bucket, tmp_path, caplog):
+    body = _put_shard(bucket, tmp_path)
+    dest = tmp_path / "out" / "shard_00000.parquet"
+    # no link reaches 1 TB/s: every attempt ends after one chunk, which is kept (progress)
+    download.download_file(bucket.url(KEY), str(dest),
+                           Limits(backoff_base=0.01, timeout=5.0, min_rate=1e12,
+                                  rate_window=1e-6))
+    assert _read(dest) == body
+    assert caplog.text.count("below the minimum of 1e+09 KB/s") == -(-len(body) // CHUNK) - 1
+
+
 # -----------------------------------------------------------------------------
 # Errors no retry can help, and a storm that retries do
 
