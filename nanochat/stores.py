@@ -156,7 +156,8 @@ def filesystem(address: str, timeout: float):
     """The fsspec filesystem for address's store. Each call it makes is one request (the store's
     own retries are off: the caller retries with its backoff and logs each try)."""
     store = store_of(address)
-    key = (store.protocol, timeout)
+    # a forked process makes its own: a client's connections and event loop stay with its parent
+    key = (store.protocol, timeout, os.getpid())
     if key not in _FILESYSTEMS:
         _import(store)
         fsspec = importlib.import_module("fsspec")
