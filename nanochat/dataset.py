@@ -39,7 +39,7 @@ from nanochat import stores
 from nanochat.download import (
     BACKOFF_BASE, DEADLINE, MAX_ATTEMPTS, MIN_RATE, RATE_WINDOW, REQUEST_TIMEOUT, DownloadError,
     Limits, Report, check_files, check_url, download_file, download_files, fetch_small,
-    record_path, summarize,
+    record_path, stated_check, summarize,
 )
 from nanochat.files import progress_bar
 from nanochat.layout import check_kind
@@ -842,7 +842,7 @@ def _listed_names(base_url: str, data_dir: str, num_files: int, limits: Limits) 
 def _checked_words(paths: list[str], base_url: str) -> str:
     """How the files fetched from a store were checked: against a hash the store stated
     (verified), or only their size and parquet structure (the store stated none)."""
-    stated = sum(_stated_check(path) is not None for path in paths)
+    stated = sum(stated_check(path) is not None for path in paths)
     words = [f"{stated} verified against the hash {shown(base_url)} stated"] if stated else []
     if stated < len(paths):
         words.append(f"{len(paths) - stated} size and structure checked ({shown(base_url)} "
@@ -894,18 +894,6 @@ def _verify_main(spec: DatasetSpec, data_dir: str, num_workers: int, base_url: s
               "(python -m nanochat.dataset repackage INPUTS --out NEW_DIR, a directory without "
               "parquet files) or delete them")
     return 1
-
-
-def _stated_check(path: str) -> str | None:
-    """The hashes its source stated that path matched (download.stated_check's record fields).
-    TODO(stores): download.stated_check(path), once download.py gives it."""
-    try:
-        with open(record_path(path), encoding="utf-8") as f:
-            record = json.load(f)
-    except (OSError, ValueError):
-        return None
-    names = record.get("stated_hashes") if isinstance(record, dict) else None
-    return ", ".join(names) or None if isinstance(names, list) else None
 
 
 def _is_store(base_url: str) -> bool:
