@@ -962,6 +962,7 @@ def main(argv: list[str] | None = None) -> int:
 if __name__ == "__main__":
     logging.basicConfig(level=logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    stores.quiet_clients()
     try:
         with logging_redirect_tqdm():  # log lines go above the progress bars, not through them
             sys.exit(main())

@@ -13,6 +13,7 @@ May import: nothing of ours.
 
 import base64
 import importlib
+import logging
 import os
 import re
 import urllib.parse
@@ -170,6 +171,14 @@ def filesystem(address: str, timeout: float):
             fs.retries = 1  # s3fs's own retry loop: one try
         _FILESYSTEMS[key] = fs
     return _FILESYSTEMS[key]
+
+
+def quiet_clients() -> None:
+    """The stores' clients log at INFO ("Found credentials in environment variables"): a command
+    line's INFO shows ours, theirs from WARNING."""
+    for name in ("botocore", "aiobotocore", "s3fs", "gcsfs", "adlfs", "azure", "huggingface_hub",
+                 "fsspec"):
+        logging.getLogger(name).setLevel(logging.WARNING)
 
 
 def forget_filesystems() -> None:
