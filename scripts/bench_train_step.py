@@ -55,6 +55,14 @@ def tokenizing_distributed_data_loader_with_state_bos_bestfit(*args, **kwargs):
             yield from batches
     return cycle()
 '''
+# base_train with every torch.compile on another backend ("eager": no code generation, so no C
+# compiler): nanochat's fused optimizer steps compile with fullgraph=True, which fails when
+# compilation is disabled (TORCH_COMPILE_DISABLE=1) instead
+WITH_BACKEND = """import runpy, sys, torch
+compile, backend = torch.compile, sys.argv.pop(1)
+torch.compile = lambda *args, **kwargs: compile(*args, **kwargs | {"backend": backend})
+runpy.run_module("scripts.base_train", run_name="__main__", alter_sys=True)
+"""
 
 
 def copy_checkout(checkout: str, src: str, side: str) -> None:
@@ -126,7 +134,9 @@ def run_side(side: str, args, extra: list, tokenizer_dir: str | None) -> dict:
              f"--num-iterations={args.steps}", f"--warmup-steps={max(1, args.steps // 10)}",
              # no evaluation, sampling or checkpoint along the way (one checkpoint at the end)
              "--eval-every=-1", "--core-metric-every=-1", "--sample-every=-1", "--save-every=-1"]
-    log = run(args.python, ["-m", "scripts.base_train", *flags, *extra], src, env,
+    launch = (["-c", WITH_BACKEND, args.compile_backend] if args.compile_backend
+              else ["-m", "scripts.base_train"])
+    log = run(args.python, [*launch, *flags, *extra], src, env,
               os.path.join(root, "base_train.log"))
     steps = [(int(step), float(dt)) for step, dt in STEP.findall(log)]
     dts = np.array([dt for step, dt in steps if step >= 10])  # (0-9: compilation, warm-up)
@@ -153,6 +163,9 @@ def main(argv=None) -> int:
     parser.add_argument("--out", default=os.path.join(tempfile.gettempdir(), "bench_train_step"),
                         help="where the copies and their logs go (default: %(default)s)")
     parser.add_argument("--sides", default=",".join(SIDES), help="default: %(default)s")
+    parser.add_argument("--compile-backend",
+                        help="run base_train's torch.compile calls with this backend (eager: "
+                             "where Triton cannot build, for want of a C compiler)")
     args, extra = parser.parse_known_args(argv)
     args.out, args.checkout = os.path.abspath(args.out), os.path.abspath(args.checkout)
     sides = args.sides.split(",")
@@ -163,8 +176,8 @@ def main(argv=None) -> int:
     if args.steps <= 10:
         parser.error(f"--steps must be over 10 (the first 10 are not measured), got {args.steps}")
     print(f"bench_train_step: depth={args.depth} B={args.B} T={args.T} steps={args.steps} "
-          f"sides={args.sides} base_train extra={extra} python={args.python} out={args.out}",
-          flush=True)
+          f"sides={args.sides} compile_backend={args.compile_backend} base_train extra={extra} "
+          f"python={args.python} out={args.out}", flush=True)
     results, failed, tokenizer_dir = {}, [], None
     for side in sides:
         try:

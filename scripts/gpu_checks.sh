@@ -22,8 +22,12 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader \
 "$PY" -c "import sys, torch; print('python', sys.version.split()[0], 'torch', torch.__version__,
 'cuda', torch.version.cuda, 'available:', torch.cuda.is_available())"
 # (a wheel for another Python is refused: where rustbpe is installed already, that is fine)
-"$PY" -m pip install -q --no-index --no-deps --target /tmp/site "$wheels"/*.whl \
-    || echo "pip install of $wheels failed; going on with the rustbpe $PY has, if any"
+if "$PY" -m pip --version >/dev/null 2>&1; then
+    "$PY" -m pip install -q --no-index --no-deps --target /tmp/site "$wheels"/*.whl \
+        || echo "pip install of $wheels failed; going on with the rustbpe $PY has, if any"
+else  # no pip: a wheel is a zip of what goes into site-packages
+    for wheel in "$wheels"/*.whl; do "$PY" -m zipfile -e "$wheel" /tmp/site; done
+fi
 export PYTHONPATH=/tmp/site:$PWD
 
 codes=""
@@ -42,20 +46,37 @@ step() {  # step NAME SECONDS COMMAND...: run it under a timeout, log it, keep i
     fi
     echo "=== $name: exit $rc after $((SECONDS - t0)) s"
     codes="$codes $name=$rc"
+    last_rc=$rc
 }
+
+# 0. torch.compile (nanochat's base_train uses it) needs a C compiler and Python's headers for
+#    Triton: without them, step 3 compiles with the eager backend (slower steps, the same ratios)
+step compile_probe 60 "$PY" -c "import torch; d = 'cuda' if torch.cuda.is_available() else 'cpu'
+f = torch.compile(lambda x: (2 * x).sin()); print('torch.compile works on', d, f(torch.ones(8,
+device=d)).sum().item())"
+backend=""
+if [ "$last_rc" != 0 ]; then
+    echo "torch.compile failed: step 3 runs base_train with --compile-backend eager"
+    backend="--compile-backend eager"
+fi
 
 # 1. our tests that take a device: the CUDA-marked ones and the doc recipe that uses device="cuda"
 #    (-p no:cacheprovider: nothing written into the repo)
-step cuda_tests 90 "$PY" -m pytest -q -rs -p no:cacheprovider \
+step cuda_tests 60 "$PY" -m pytest -q -rs -p no:cacheprovider \
     tests/test_dataloader.py::test_cuda_batches_match_cpu \
     tests/test_own_shards.py::test_the_recipe_for_your_own_shards_runs_as_written
 
 # 2. the modelled step, every loader yielding on the GPU (without one: refused in a line, exit 2)
-step bench_step 200 "$PY" -m scripts.bench_step --device cuda \
+step bench_step 180 "$PY" -m scripts.bench_step --device cuda \
     ${BENCH_STEP_ARGS:---pg 30,100 --rounds 1 --steps 40}
 
 # 3. nanochat's own training step at depth 4 with its loader, ours, and prebuilt batches
-step bench_train_step 270 "$PY" -m scripts.bench_train_step --checkout "$checkout" \
-    --python "$PY" --out /tmp/bench_train_step ${TRAIN_STEP_ARGS:---steps 100}
+step bench_train_step 260 "$PY" -m scripts.bench_train_step --checkout "$checkout" \
+    --python "$PY" --out /tmp/bench_train_step $backend ${TRAIN_STEP_ARGS:---steps 100}
+if [ -n "${OUT:-}" ]; then  # nanochat's own logs (not the copies: their checkpoints are large)
+    for log in /tmp/bench_train_step/*/*.log; do
+        [ -e "$log" ] && cp "$log" "$OUT/train_$(basename "$(dirname "$log")")_$(basename "$log")"
+    done
+fi
 
 echo "exit codes:$codes"
