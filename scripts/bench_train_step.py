@@ -91,7 +91,7 @@ def side_env(root: str, src: str, python: str) -> dict:
     module where `python` has none: base_train imports wandb, and with --run=dummy (the default)
     never calls it."""
     path = [src] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep)
-                    if p and os.path.abspath(p) != REPO]
+                    if p and os.path.realpath(p) != os.path.realpath(REPO)]
     if subprocess.run([python, "-c", "import wandb"], capture_output=True).returncode != 0:
         stub = os.path.join(root, "stub")
         os.makedirs(stub, exist_ok=True)
@@ -182,7 +182,7 @@ def main(argv=None) -> int:
     for side in sides:
         try:
             results[side] = run_side(side, args, extra, tokenizer_dir)
-        except RuntimeError as e:  # (the other sides still run and report)
+        except (RuntimeError, ValueError) as e:  # (the other sides still run and report)
             print(f"  {side} FAILED: {e}", flush=True)
             failed.append(side)
             continue

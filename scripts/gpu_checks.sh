@@ -67,11 +67,11 @@ step cuda_tests 60 "$PY" -m pytest -q -rs -p no:cacheprovider \
     tests/test_own_shards.py::test_the_recipe_for_your_own_shards_runs_as_written
 
 # 2. the modelled step, every loader yielding on the GPU (without one: refused in a line, exit 2)
-step bench_step 180 "$PY" -m scripts.bench_step --device cuda \
-    ${BENCH_STEP_ARGS:---pg 30,100 --rounds 1 --steps 40}
+step bench_step 210 "$PY" -m scripts.bench_step --device cuda \
+    ${BENCH_STEP_ARGS:---pg 30,100 --rounds 1 --steps 30}
 
 # 3. nanochat's own training step at depth 4 with its loader, ours, and prebuilt batches
-step bench_train_step 260 "$PY" -m scripts.bench_train_step --checkout "$checkout" \
+step bench_train_step 240 "$PY" -m scripts.bench_train_step --checkout "$checkout" \
     --python "$PY" --out /tmp/bench_train_step $backend ${TRAIN_STEP_ARGS:---steps 100}
 if [ -n "${OUT:-}" ]; then  # nanochat's own logs (not the copies: their checkpoints are large)
     for log in /tmp/bench_train_step/*/*.log; do
