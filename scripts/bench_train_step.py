@@ -104,14 +104,17 @@ def side_env(root: str, src: str, python: str) -> dict:
 
 
 def run(python: str, args: list, src: str, env: dict, log: str) -> str:
-    """One nanochat script in a side's copy; its output, also in log. Raises when it fails."""
-    done = subprocess.run([python, *args], cwd=src, env=env, capture_output=True, text=True)
+    """One nanochat script in a side's copy; its output (written to log as it comes, so a run
+    stopped from outside leaves it). Raises when it fails."""
     with open(log, "w") as f:
-        f.write(done.stdout + done.stderr)
-    if done.returncode != 0:
-        tail = "\n".join((done.stdout + done.stderr).splitlines()[-15:])
-        raise RuntimeError(f"{' '.join(args[:2])} exited {done.returncode} (log {log}):\n{tail}")
-    return done.stdout + done.stderr
+        returncode = subprocess.run([python, *args], cwd=src, env=env, stdout=f,
+                                    stderr=subprocess.STDOUT).returncode
+    with open(log) as f:
+        output = f.read()
+    if returncode != 0:
+        tail = "\n".join(output.splitlines()[-15:])
+        raise RuntimeError(f"{' '.join(args[:2])} exited {returncode} (log {log}):\n{tail}")
+    return output
 
 
 def run_side(side: str, args, extra: list, tokenizer_dir: str | None) -> dict:
@@ -143,10 +146,12 @@ def run_side(side: str, args, extra: list, tokenizer_dir: str | None) -> dict:
     if dts.size == 0:
         raise RuntimeError(f"{side}: no step line after step 9 in {root}/base_train.log")
     loss = [line for line in log.splitlines() if STEP.match(line)][-1]
-    print(f"  {side}: tokenizer {t1 - t0:.0f} s, base_train {time.time() - t1:.0f} s", flush=True)
-    return {"steps": dts.size, "median": float(np.median(dts)),
-            "p90": float(np.percentile(dts, 90)), "last": loss,
-            "tokenizer": os.path.join(root, "base", "tokenizer")}
+    result = {"steps": dts.size, "median": float(np.median(dts)),
+              "p90": float(np.percentile(dts, 90)), "last": loss,
+              "tokenizer": os.path.join(root, "base", "tokenizer")}
+    print(f"  {side}: tokenizer {t1 - t0:.0f} s, base_train {time.time() - t1:.0f} s, "
+          f"median dt {result['median']:.2f} ms over {dts.size} steps", flush=True)
+    return result
 
 
 def main(argv=None) -> int:
