@@ -8,6 +8,7 @@ the gen-2 garbage collections in the trainer process. Each run is a fresh proces
 
     python -m scripts.bench_step                    # (P, G) = (30, 100) and (10, 40) ms, 3 rounds
     python -m scripts.bench_step --pg 30,100 --rounds 1 --steps 40
+    python -m scripts.bench_step --device cuda   # every loader yields on the GPU (pinned staging)
 
 Loaders: none (prebuilt batches); nanochat's algorithm in the caller (tests/oracle.py's best-fit,
 rows made a tensor, as nanochat's loader runs); ours on threads of the trainer's process
@@ -66,35 +67,44 @@ def python_work(iterations: int) -> int:
 
 def make_loader(kind: str, tokenizer, args):
     """An iterator of (inputs, targets, state) of one kind."""
-    B, T, data_dir = args.B, args.T, args.data_dir
+    B, T, data_dir, device = args.B, args.T, args.data_dir, args.device
     if kind in ("bestfit", "threads"):  # threads: workers=0; the others: the default, a worker
         return tokenizing_distributed_data_loader_with_state_bos_bestfit(
-            tokenizer, B, T, "train", device="cpu", data_dir=data_dir,
+            tokenizer, B, T, "train", device=device, data_dir=data_dir,
             workers=0 if kind == "threads" else None)
     if kind == "concat":
         return tokenizing_distributed_data_loader_with_state(tokenizer, B, T, "train",
-                                                             device="cpu", data_dir=data_dir)
+                                                             device=device, data_dir=data_dir)
     if kind == "stream":
         return tokenizing_distributed_data_loader_with_state_bos_bestfit(
-            tokenizer, B, T, "train", device="cpu", stream=True, base_url=args.url,
+            tokenizer, B, T, "train", device=device, stream=True, base_url=args.url,
             num_shards=len(split_parquet_files("train", data_dir)),
             data_dir=tempfile.mkdtemp(prefix="nanochat-bench-step-cache-"))
     # (pretokenize_file writes no pretokenize.json: the BOS and vocabulary are the tokenizer's)
     vocab = dict(bos_token=tokenizer.get_bos_token_id(), vocab_size=tokenizer.get_vocab_size())
     if kind == "pretokenized":
         return pretokenized_distributed_data_loader_with_state_bos_bestfit(
-            B, T, "train", device="cpu", data_dir=args.tokens_dir, **vocab)
+            B, T, "train", device=device, data_dir=args.tokens_dir, **vocab)
     if kind == "mixture":
         return pretokenized_mixture_loader_with_state_bos_bestfit(
-            B, T, "train", args.curriculum, device="cpu", data_dir=args.buckets_dir, **vocab)
+            B, T, "train", args.curriculum, device=device, data_dir=args.buckets_dir, **vocab)
     if kind == "nanochat":
         paths = split_parquet_files("train", data_dir)
 
         def rows():
             for inputs, targets, state in oracle.bestfit_loader(tokenizer, paths, B, T):
                 yield torch.tensor(inputs), torch.tensor(targets), state
-        return rows()
-    prebuilt = torch.zeros(B, T, dtype=torch.long)
+
+        def on_cuda():  # as nanochat: a pinned [inputs | targets] buffer, one non-blocking copy
+            staging = torch.empty(2 * B * T, dtype=torch.long, pin_memory=True)
+            buffer = torch.empty(2 * B * T, dtype=torch.long, device=device)
+            for inputs, targets, state in rows():
+                staging[:B * T].view(B, T).copy_(inputs)
+                staging[B * T:].view(B, T).copy_(targets)
+                buffer.copy_(staging, non_blocking=True)
+                yield buffer[:B * T].view(B, T), buffer[B * T:].view(B, T), state
+        return on_cuda() if torch.device(device).type == "cuda" else rows()
+    prebuilt = torch.zeros(B, T, dtype=torch.long, device=device)
     return iter(lambda: (prebuilt, prebuilt, {}), None)
 
 
@@ -106,6 +116,7 @@ def child(config: dict) -> dict:
         tokenizer = ListTokenizer(tokenizer)
     loader = make_loader(args.loader, tokenizer, args)
     collections = [0]
+    cuda = torch.device(args.device).type == "cuda"
 
     def count(phase, info):
         if phase == "start" and info["generation"] == 2:
@@ -118,6 +129,8 @@ def child(config: dict) -> dict:
         time.sleep(args.G / 1e3)  # (the GPU's share of the step: the GIL is free)
         t2 = time.perf_counter()
         next(loader)
+        if cuda:  # (a trainer's step ends in a sync: the batch's copy is part of the wait)
+            torch.cuda.synchronize()
         return t1 - t0, time.perf_counter() - t2, time.perf_counter() - t0
 
     for _ in range(args.warmup):  # (the loader's first buffer fill, read-ahead)
@@ -172,20 +185,30 @@ def main(argv=None) -> int:
     parser.add_argument("--B", type=int, default=32)
     parser.add_argument("--T", type=int, default=2048)
     parser.add_argument("--num-docs", type=int, default=12_000)
+    parser.add_argument("--device", default="cpu",
+                        help="where every loader yields, and the prebuilt batches live: cpu, cuda")
     parser.add_argument("--child", help=argparse.SUPPRESS)  # (one run, in a fresh process)
     args = parser.parse_args(argv)
     if args.child:
         print(json.dumps(child(json.loads(args.child))))
         return 0
+    try:
+        device_type = torch.device(args.device).type
+    except RuntimeError:
+        parser.error(f"--device must be a torch device such as cpu or cuda, got {args.device!r}")
+    if device_type == "cuda" and not torch.cuda.is_available():
+        parser.error(f"--device {args.device} but torch {torch.__version__} sees no CUDA GPU "
+                     f"(CUDA build: {torch.version.cuda}); run with --device cpu")
     with tempfile.TemporaryDirectory(prefix="nanochat-bench-step-") as tmp:
         data = prepare(tmp, args.num_docs)
         server = ShardServer(data["hosted"])  # (on this process's threads: not the trainer's)
-        print(f"bench_step: B={args.B} T={args.T}, {args.rounds} rounds of {args.steps} steps "
-              f"after {args.warmup}, {os.cpu_count()} cores")
+        print(f"bench_step: device={args.device} B={args.B} T={args.T}, {args.rounds} rounds of "
+              f"{args.steps} steps after {args.warmup}, {os.cpu_count()} cores")
         for pg in args.pg:
             P, G = (float(x) for x in pg.split(","))
-            base = dict(B=args.B, T=args.T, steps=args.steps, warmup=args.warmup, P=P, G=G,
-                        iterations=calibrate(P), url=server.url) | data
+            base = dict(B=args.B, T=args.T, device=args.device, steps=args.steps,
+                        warmup=args.warmup, P=P, G=G, iterations=calibrate(P),
+                        url=server.url) | data
             results = {config: [] for config in CONFIGS}
             for _ in range(args.rounds):  # (alternating: a noisy neighbour hits every one)
                 for loader, tokenizer in CONFIGS:
