@@ -73,9 +73,9 @@ step bench_step 210 "$PY" -m scripts.bench_step --device cuda \
 # 3. nanochat's own training step at depth 4 with its loader, ours, and prebuilt batches
 step bench_train_step 240 "$PY" -m scripts.bench_train_step --checkout "$checkout" \
     --python "$PY" --out /tmp/bench_train_step $backend ${TRAIN_STEP_ARGS:---steps 100}
-if [ -n "${OUT:-}" ]; then  # nanochat's own logs (not the copies: their checkpoints are large)
+if [ -n "${OUT:-}" ]; then  # nanochat's own logs, in one file (few files come back from $OUT)
     for log in /tmp/bench_train_step/*/*.log; do
-        [ -e "$log" ] && cp "$log" "$OUT/train_$(basename "$(dirname "$log")")_$(basename "$log")"
+        [ -e "$log" ] && { echo "===== $log"; cat "$log"; } >>"$OUT/train_logs.txt"
     done
 fi
 
