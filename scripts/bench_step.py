@@ -187,8 +187,20 @@ def main(argv=None) -> int:
     parser.add_argument("--num-docs", type=int, default=12_000)
     parser.add_argument("--device", default="cpu",
                         help="where every loader yields, and the prebuilt batches live: cpu, cuda")
+    parser.add_argument("--only", nargs="+", metavar="LOADER[:TOKENIZER]",
+                        help="run only these configurations, e.g. bestfit:ours pretokenized "
+                             "(none, the step without a loader, always runs)")
     parser.add_argument("--child", help=argparse.SUPPRESS)  # (one run, in a fresh process)
     args = parser.parse_args(argv)
+    configs = CONFIGS
+    if args.only:
+        wanted = {tuple((name + ":-").split(":")[:2]) if ":" not in name else
+                  tuple(name.split(":", 1)) for name in args.only}
+        unknown = wanted - set(CONFIGS)
+        if unknown:
+            parser.error(f"--only: unknown {sorted(unknown)}; choose from "
+                         + ", ".join(f"{loader}:{tokenizer}" for loader, tokenizer in CONFIGS))
+        configs = [config for config in CONFIGS if config == ("none", "-") or config in wanted]
     if args.child:
         print(json.dumps(child(json.loads(args.child))))
         return 0
@@ -209,11 +221,14 @@ def main(argv=None) -> int:
             base = dict(B=args.B, T=args.T, device=args.device, steps=args.steps,
                         warmup=args.warmup, P=P, G=G, iterations=calibrate(P),
                         url=server.url) | data
-            results = {config: [] for config in CONFIGS}
+            results = {config: [] for config in configs}
             for _ in range(args.rounds):  # (alternating: a noisy neighbour hits every one)
-                for loader, tokenizer in CONFIGS:
+                for loader, tokenizer in configs:
                     results[(loader, tokenizer)].append(
                         run(base | {"loader": loader, "tokenizer": tokenizer}))
+                    done = results[(loader, tokenizer)][-1]  # (a run cut short still says this)
+                    print(f"  {loader}/{tokenizer}: step {done['step_ms']:.1f} ms, next() p99 "
+                          f"{done['wait_p99']:.2f} ms", flush=True)
             report(P, G, results)
         server.shutdown()
     return 0
