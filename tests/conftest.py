@@ -11,6 +11,7 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
+from nanochat import stores
 from nanochat.order import UnitIndex
 from nanochat.state import WindowKey, decode_keys
 from nanochat.state_checks import config_shuffle
@@ -156,3 +157,74 @@ def buffered_places(state, paths, chunk_size=None) -> list[tuple]:
             key = (key[0], *shuffle.entry(table, key[2]))
         places.append(key)
     return places
+
+
+# -----------------------------------------------------------------------------
+# A real S3 API on 127.0.0.1 (tests/s3_server.py): one moto server for the session
+
+def _require_s3_tools():
+    """Skip without the dev extras, except in CI, which must never skip these silently."""
+    import importlib.util
+
+    missing = [m for m in ("moto", "s3fs", "boto3") if importlib.util.find_spec(m) is None]
+    if missing:
+        reason = f"{', '.join(missing)} not installed: pip install -e \".[dev]\""
+        if os.environ.get("CI"):
+            pytest.fail(f"CI is set and {reason}")
+        pytest.skip(reason)
+
+
+@pytest.fixture(scope="session")
+def s3_server():
+    """One moto S3 server (tests/s3_server.py's S3Server) for the whole session."""
+    _require_s3_tools()
+    from s3_server import S3Server
+
+    with S3Server() as server:
+        yield server
+
+
+def _s3_env(monkeypatch, tmp_path, endpoint):
+    """Point every AWS client at endpoint with test credentials; no ~/.aws, no developer env."""
+    import s3fs
+
+    for name in list(os.environ):
+        if name.startswith("AWS_"):
+            monkeypatch.delenv(name)
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "testing")
+    monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")
+    monkeypatch.setenv("AWS_ENDPOINT_URL", endpoint)
+    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "no-aws" / "config"))
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "no-aws" / "credentials"))
+    s3fs.S3FileSystem.clear_instance_cache()  # an instance keeps the endpoint it was made with
+    stores.forget_filesystems()  # and so do the ones nanochat.stores keeps
+
+
+@pytest.fixture
+def s3(s3_server, tmp_path, monkeypatch):
+    """A fresh bucket on the session's server, with the AWS env pointing at it (S3Bucket)."""
+    import s3fs
+    from s3_server import S3Bucket
+
+    _s3_env(monkeypatch, tmp_path, s3_server.endpoint)
+    yield S3Bucket(s3_server.endpoint)
+    s3fs.S3FileSystem.clear_instance_cache()
+    stores.forget_filesystems()
+
+
+@pytest.fixture
+def s3_faulty(s3_server, tmp_path, monkeypatch):
+    """Like `s3`, but the AWS env points at a fresh FaultProxy (`.proxy`) before the server."""
+    import s3fs
+    from s3_server import FaultProxy, S3Bucket
+
+    proxy = FaultProxy(s3_server.endpoint)
+    try:
+        _s3_env(monkeypatch, tmp_path, proxy.endpoint)
+        yield S3Bucket(s3_server.endpoint, proxy)
+    finally:
+        proxy.close()
+        s3fs.S3FileSystem.clear_instance_cache()
+        stores.forget_filesystems()
