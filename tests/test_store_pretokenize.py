@@ -73,7 +73,7 @@ def _cli(*args: str, hide: str | None = None) -> subprocess.CompletedProcess:
                           cwd=ROOT, timeout=120)
 
 
-def test_from_s3_equals_from_disk(s3, parquet_dir, tokenizer_dir, tmp_path):
+def test_from_s3_equals_from_disk(s3, parquet_dir, tokenizer_dir, tmp_path, capsys):
     keys = s3.upload_dir(parquet_dir, "datasets/climb")
     assert len(keys) == 4
     local, one, two = (str(tmp_path / name) for name in ("local", "s3-one", "s3-two"))
@@ -90,8 +90,10 @@ def test_from_s3_equals_from_disk(s3, parquet_dir, tokenizer_dir, tmp_path):
         assert _files(out) == expected  # every file, byte for byte: no downloaded shard is left
         assert os.path.isdir(os.path.join(out, STAGING, "train"))  # where they were downloaded
 
-    # a rerun skips every pair and downloads nothing
+    # a rerun skips every pair, before any download
+    capsys.readouterr()
     assert _run(tokenizer_dir, s3.url("datasets/climb"), one) == 0
+    assert "4 already done (their .idx exists), skipped; 0 to write" in capsys.readouterr().out
     assert _files(one) == expected
 
 
