@@ -1,6 +1,6 @@
 """
 The catalog of a streamed split: each shard's size and documents per row group, known before the
-shard is fetched. Both come from the end of the file, one HTTP Range request per shard, and are kept
+shard is fetched. Both come from the end of the file, one ranged read per shard, and are kept
 in DATA_DIR/.stream/catalog.json: a restart reads nothing over the network for them. It is data
 about the files at their URLs, a file of its own beside the ledger, written under its own lock
 (.stream/catalog.lock), held while footers are read: the local ranks read each footer once. An
@@ -25,7 +25,7 @@ from filelock import FileLock
 from tqdm import tqdm
 
 from nanochat.checks import is_int
-from nanochat.dataset import open_parquet, read_listing, stream_source, streamed_split
+from nanochat.dataset import open_parquet, read_listing, shown, stream_source, streamed_split
 from nanochat.download import (MAGIC, TAIL_BYTES, DownloadError, HostNotFoundError, Limits,
                                fetch_tail, recorded_size)
 from nanochat.files import file_stamp, warn_once, write_atomic
@@ -242,7 +242,7 @@ def _read_missing(data_dir: str, missing: list[tuple[str, str]], known: dict, li
         return {}
     path = catalog_path(data_dir)
     logger.info("reading the footers of %d shards from %s (kept in %s)", len(missing),
-                missing[0][1].rsplit("/", 1)[0], path)
+                shown(missing[0][1].rsplit("/", 1)[0]), path)
 
     def one(item):
         name, url = item
@@ -250,8 +250,8 @@ def _read_missing(data_dir: str, missing: list[tuple[str, str]], known: dict, li
             return name, _read_entry(os.path.join(data_dir, name), url, limits)
         except DownloadError as e:
             # (the downloader's message starts with the URL, named here already)
-            raise ConnectionError(f"could not read the footer of shard {name} from {url}: "
-                                  f"{str(e).removeprefix(f'{url}: ')}") from None
+            raise ConnectionError(f"could not read the footer of shard {name} from {shown(url)}: "
+                                  f"{shown(str(e).removeprefix(f'{url}: '))}") from None
 
     found: dict[str, dict] = {}
     # (disable=None: a bar on a terminal only)
@@ -282,9 +282,9 @@ def streamed_files(split: str, data_dir: str | None, num_shards: int | None, bas
 
 
 def kept_listing(data_dir: str | None, base_url: str | None, limits: Limits) -> list[str] | None:
-    """The names the server lists (nanochat.dataset.read_listing), asked at every start: a listing
-    kept from an earlier one would hide the shards added since. Kept in DATA_DIR/.stream/
-    listing.json all the same, for when the server cannot be reached: a restart or a merge that
+    """The names the server or store lists (nanochat.dataset.read_listing), asked at every start:
+    a listing kept from an earlier one would hide the shards added since. Kept in DATA_DIR/.stream/
+    listing.json all the same, for when the source cannot be reached: a restart or a merge that
     needs no shard from it goes on, with a warning, as it does with the catalog."""
     data_dir, base_url = stream_source(data_dir, base_url)
     directory = os.path.join(data_dir, STREAM_DIR)

@@ -4,6 +4,7 @@ and repackaging them. A dataset is a numbered run of parquet shards (`shard_0000
 with one `text` column in row groups of ~1024 documents; its last shard is val, the others train.
 
     python -m nanochat.dataset -n 240 -w 4     # fetch and verify ~100MB shards (download.py)
+    python -m nanochat.dataset -n 8 --base-url s3://bucket/prefix --data-dir DIR   # from a store
     python -m nanochat.dataset --verify        # check the shards on disk, offline
     python -m nanochat.dataset repackage a.jsonl b.txt --out DIR   # your own text, in memory
     python -m nanochat.dataset serve DIR --port 8000   # serve shards to stream (serve.py)
@@ -12,7 +13,7 @@ Cost: reading a row group is one pyarrow call, a few ms for ~1024 documents.
 Design: docs/downloads.md
 
 May import: nanochat.checks, nanochat.common, nanochat.download, nanochat.files, nanochat.layout,
-nanochat.serve.
+nanochat.serve, nanochat.stores.
 """
 
 import argparse
@@ -24,6 +25,7 @@ import os
 import random
 import re
 import sys
+import time
 import urllib.parse
 from dataclasses import dataclass
 
@@ -33,10 +35,11 @@ from tqdm.contrib.logging import logging_redirect_tqdm
 
 from nanochat.checks import check_int
 from nanochat.common import get_base_dir
+from nanochat import stores
 from nanochat.download import (
     BACKOFF_BASE, DEADLINE, MAX_ATTEMPTS, MIN_RATE, RATE_WINDOW, REQUEST_TIMEOUT, DownloadError,
     Limits, Report, check_files, check_url, download_file, download_files, fetch_small,
-    record_path, summarize,
+    record_path, stated_check, summarize,
 )
 from nanochat.files import progress_bar
 from nanochat.layout import check_kind
@@ -218,14 +221,63 @@ def _stream_source(data_dir, base_url) -> tuple[str, DatasetSpec, str]:
     data_dir = find_data_dir() if data_dir is None else os.path.expanduser(os.fspath(data_dir))
     spec = _dataset_of(data_dir) or find_dataset()
     base_url = get_base_url(spec.name) if base_url is None else base_url
-    check_url(base_url)
+    check_source(base_url, data_dir)
     return data_dir, spec, base_url
 
 
 def stream_source(data_dir: str | None, base_url: str | None) -> tuple[str, str]:
-    """(data_dir, base_url) of a streamed split: the defaults filled in, the URL checked."""
+    """(data_dir, base_url) of a streamed split: the defaults filled in, the address checked."""
     data_dir, _, base_url = _stream_source(data_dir, base_url)
     return data_dir, base_url
+
+
+# -----------------------------------------------------------------------------
+# Addresses: an http(s) URL (download.py's own path) or a store's (nanochat/stores.py)
+
+
+def shown(address: str) -> str:
+    """address as messages show it: without a URL's user:password@, and no secret of the
+    environment in it."""
+    parts = urllib.parse.urlsplit(address)
+    if "@" in parts.netloc:
+        address = urllib.parse.urlunsplit(parts._replace(netloc=parts.netloc.rsplit("@", 1)[1]))
+    return stores.redact(address)
+
+
+def check_base_url(base_url: str) -> None:
+    """Raise ValueError unless base_url is an http(s) URL with a host (download.check_url's
+    message), a store's address (s3://bucket/prefix, ...) or a local directory."""
+    if not isinstance(base_url, str) or stores.is_http(base_url):
+        check_url(base_url)
+        return
+    scheme = stores.scheme_of(base_url)
+    if scheme and scheme not in stores.STORES:
+        raise ValueError(f"base_url {shown(base_url)!r} must start with http:// or https:// or be "
+                         f"a store's address: {stores.ADDRESS_FORMS}; fix --base-url or "
+                         "NANOCHAT_DATA_URL")
+    stores.check_address(base_url)
+
+
+def check_source(base_url: str, data_dir: str) -> None:
+    """check_base_url, and for a local directory as the source, that it is one, and that data_dir
+    (the copies, the cache) is another directory, not inside it: nothing is ever written to or
+    deleted from the source."""
+    check_base_url(base_url)
+    if not stores.is_local(base_url):
+        return
+    named = stores.path_in_store(base_url)
+    if not os.path.isdir(named):  # most often a URL without its scheme
+        raise ValueError(f"base_url {shown(base_url)!r} is not a directory here; a URL must start "
+                         f"with http:// or https:// (forms: {stores.ADDRESS_FORMS}); fix "
+                         "--base-url or NANOCHAT_DATA_URL")
+    source = os.path.realpath(named)
+    target = os.path.realpath(os.path.abspath(os.path.expanduser(os.fspath(data_dir))))
+    if target == source or target.startswith(source.rstrip(os.sep) + os.sep):
+        raise ValueError(
+            f"data_dir {data_dir} is {'the' if target == source else 'inside the'} source "
+            f"directory {named} (base_url): the shards are copied from it into data_dir, and "
+            "nothing may be written into the source; pass a data_dir outside it, e.g. "
+            f"{named.rstrip(os.sep)}_cache")
 
 
 LISTING_MAX_BYTES = 16 * 2**20  # a listing of 6,543 shards is ~300 KB
@@ -235,11 +287,20 @@ def listing_url(base_url: str) -> str:
     return f"{base_url.rstrip('/')}/{LISTING}"
 
 
+def listing_source(base_url: str) -> str:
+    """What lists base_url's shards, for messages: its index.json (http), else the store's
+    listing of the prefix."""
+    return listing_url(shown(base_url)) if stores.is_http(base_url) else shown(base_url)
+
+
 def read_listing(base_url: str, limits: Limits) -> list[str] | None:
     """The sorted names of the parquet files that <base_url>/index.json lists (python -m
     nanochat.dataset serve makes it; docs/streaming.md#your-own-shards gives its format), or None
-    when the server has none (the Hugging Face hub). One small request, bounded by limits; a
-    listing that cannot be read is a ConnectionError, one that is wrong a ValueError, naming it."""
+    when the server has none (the Hugging Face hub); a store's address: the parquet files directly
+    under it. Small requests, bounded by limits; a listing that cannot be read is a ConnectionError,
+    one that is wrong a ValueError, naming it."""
+    if not stores.is_http(base_url):
+        return _store_listing(base_url, limits)
     url = listing_url(base_url)
     try:
         body = fetch_small(url, LISTING_MAX_BYTES, limits)
@@ -258,6 +319,40 @@ def read_listing(base_url: str, limits: Limits) -> list[str] | None:
     return None
 
 
+def _store_listing(base_url: str, limits: Limits) -> list[str]:
+    """The parquet names directly under a store's address (stores.list_names), retried with the
+    download limits' backoff while the store says a retry can help; then a ConnectionError."""
+    for attempt in range(1, limits.max_attempts + 1):
+        try:
+            names = stores.list_names(base_url, limits.timeout)
+            break
+        except stores.StoreError as e:
+            if not e.retry:
+                raise
+            if attempt == limits.max_attempts:
+                raise ConnectionError(f"could not list the shards in {shown(base_url)}: {e}; "
+                                      f"gave up after {attempt} attempts") from None
+            wait = limits.backoff_base * 2 ** (attempt - 1)
+            logger.warning("listing %s, attempt %d/%d: %s; retrying in %gs", shown(base_url),
+                           attempt, limits.max_attempts, e, wait)
+            time.sleep(wait)
+    _check_names(names, f"the shards in {shown(base_url)}")
+    return names
+
+
+def _check_names(names: list[str], what: str) -> None:
+    """ValueError unless the names can be a split's: file names, each once, at least 2."""
+    bad = [n for n in names if "/" in n or "\\" in n or "\0" in n]
+    if bad:  # the cache writes each under data_dir: a path could write anywhere
+        raise ValueError(f"{what} names {bad[0]!r}, which is not a file name; "
+                         "list the files of one directory")
+    if len(set(names)) < len(names):
+        raise ValueError(f"{what} names a file twice; list each once")
+    if len(names) < 2:  # val is the last name, train the others: one file leaves train empty
+        raise ValueError(f"{what} lists {len(names)} parquet files; a loader "
+                         "needs at least 2: val is the last in sorted order, train the others")
+
+
 def parse_listing(body: bytes, url: str) -> list[str]:
     """The sorted parquet names of a listing, {"files": [{"name": ..., "size": ...}, ...]} (size
     optional; names not ending in .parquet are left out, as on disk)."""
@@ -272,15 +367,7 @@ def parse_listing(body: bytes, url: str) -> list[str]:
                                               for f in files):
         raise ValueError(f"the shard listing {url} has no list of files with names{fix}")
     names = [f["name"] for f in files if f["name"].endswith(".parquet")]
-    bad = [n for n in names if "/" in n or "\\" in n or "\0" in n]
-    if bad:  # the cache writes each under data_dir: a path could write anywhere
-        raise ValueError(f"the shard listing {url} names {bad[0]!r}, which is not a file name; "
-                         "list the files of one directory")
-    if len(set(names)) < len(names):
-        raise ValueError(f"the shard listing {url} names a file twice; list each once")
-    if len(names) < 2:  # val is the last name, train the others: one file leaves train empty
-        raise ValueError(f"the shard listing {url} lists {len(names)} parquet files; a loader "
-                         "needs at least 2: val is the last in sorted order, train the others")
+    _check_names(names, f"the shard listing {url}")
     return sorted(names)
 
 
@@ -299,23 +386,28 @@ def streamed_split(split: str, data_dir: str | None = None, num_shards: int | No
         names = [index_to_filename(i) for i in range(spec.max_shard + 1)]
         where = f" (the train shards of {spec.name})"
     else:
-        names, where = listing, f" (the train shards {listing_url(base_url)} lists)"
-        own = _dataset_of(data_dir)
-        if own and (listing[-1] != own.val_filename
-                    or any(_shard_index(name, own) is None for name in listing)):
-            raise ValueError(
-                f"{listing_url(base_url)} lists shards of your own (val {listing[-1]}), and "
-                f"data_dir {data_dir} is the directory of {own.name}: their names could collide "
-                f"with {own.name}'s shards there. Pass a data_dir of their own as the cache, e.g. "
-                "data_dir=\"~/.cache/nanochat/my_shards\" (scripts.base_train: --data-dir; "
-                "scripts that pass none, such as nanochat's: NANOCHAT_DATA_DIR)")
+        names, where = listing, f" (the train shards {listing_source(base_url)} lists)"
+        _check_own(listing, data_dir, listing_source(base_url))
     if num_shards is None:
         num_shards = len(names) - 1  # every train shard
     check_int("num_shards (or NANOCHAT_STREAM_SHARDS)", num_shards, 1, len(names) - 1, hint=where)
     # val is the last name even when few train shards are streamed
     chosen = names[-1:] if split == "val" else names[:num_shards]
     return (data_dir, [os.path.join(data_dir, name) for name in chosen],
-            [f"{base_url.rstrip('/')}/{urllib.parse.quote(name)}" for name in chosen], names[-1])
+            [stores.join(base_url, name) for name in chosen], names[-1])
+
+
+def _check_own(listing: list[str], data_dir: str, source: str) -> None:
+    """ValueError when a listing of shards of your own would go into a dataset's directory."""
+    own = _dataset_of(data_dir)
+    if own and (listing[-1] != own.val_filename
+                or any(_shard_index(name, own) is None for name in listing)):
+        raise ValueError(
+            f"{source} lists shards of your own (val {listing[-1]}), and "
+            f"data_dir {data_dir} is the directory of {own.name}: their names could collide "
+            f"with {own.name}'s shards there. Pass a data_dir of their own as the cache, e.g. "
+            "data_dir=\"~/.cache/nanochat/my_shards\" (scripts.base_train: --data-dir; "
+            "scripts that pass none, such as nanochat's: NANOCHAT_DATA_DIR)")
 
 
 # -----------------------------------------------------------------------------
@@ -383,7 +475,7 @@ def parquets_iter_batched(split: str, start: int = 0, step: int = 1, data_dir: s
 
 
 # -----------------------------------------------------------------------------
-# Downloading: which shards, their names and URLs (the HTTP machinery is in download.py)
+# Downloading: which shards, their names and addresses (the machinery is in download.py)
 
 
 def get_base_url(dataset: str | None = None) -> str:
@@ -392,7 +484,7 @@ def get_base_url(dataset: str | None = None) -> str:
 
 
 def shard_url(index: int, base_url: str) -> str:
-    return f"{base_url.rstrip('/')}/{index_to_filename(index)}"
+    return stores.join(base_url, index_to_filename(index))
 
 
 def download_single_file(index: int, data_dir: str | None = None, base_url: str | None = None,
@@ -411,7 +503,7 @@ def download_single_file(index: int, data_dir: str | None = None, base_url: str 
     data_dir = (get_data_dir(dataset) if data_dir is None
                 else os.path.expanduser(os.fspath(data_dir)))
     base_url = get_base_url(dataset) if base_url is None else base_url
-    check_url(base_url)
+    check_source(base_url, data_dir)
     try:
         download_file(shard_url(index, base_url), os.path.join(data_dir, index_to_filename(index)),
                       limits, progress=progress)
@@ -424,7 +516,8 @@ def download_single_file(index: int, data_dir: str | None = None, base_url: str 
 def _fetch_shards(indices: list[int], data_dir: str, base_url: str, num_workers: int,
                   limits: Limits, *, progress: bool | None, check_disk: bool) -> Report:
     """What fetching these shards did: the CLI prints it, download_shards returns its failures."""
-    check_url(base_url)  # before the per-shard URLs, so that the error names what the user passed
+    # before the per-shard addresses, so that the error names what the user passed
+    check_source(base_url, data_dir)
     files = [(shard_url(i, base_url), os.path.join(data_dir, index_to_filename(i)))
              for i in indices]
     return download_files(files, num_workers, limits, progress=progress, check_disk=check_disk)
@@ -439,9 +532,9 @@ def download_shards(indices, data_dir: str | None = None, base_url: str | None =
     """Fetch the given shard indices with num_workers threads (0: in this thread); shards already
     there are checked and fetched again when bad. Returns the sorted indices that failed; empty
     means every shard is now on disk and verified. Raises ValueError before any download when
-    base_url is not http(s)://, OSError when check_disk finds the missing shards won't fit, and
-    HostNotFoundError as soon as the host does not resolve (the whole run stops: no retry can
-    help)."""
+    base_url is not an address (check_base_url), OSError when check_disk finds the missing shards
+    won't fit, and HostNotFoundError as soon as the host does not resolve (the whole run stops:
+    no retry can help)."""
     limits = Limits(max_attempts, backoff_base, timeout, min_rate, rate_window, deadline)
     indices = sorted(set(indices))  # a repeated index would fetch one file twice, in two threads
     data_dir = (get_data_dir(dataset) if data_dir is None
@@ -628,14 +721,20 @@ def _download_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m nanochat.dataset", description=DOWNLOAD_HELP)
     parser.add_argument("-n", "--num-files", type=int, default=-1,
                         help="train shards to fetch, from shard 0 (default: -1, every shard; 0: "
-                             "only val)")
+                             "only val). From a store's address (s3://..., a directory): the "
+                             "first N train names it lists in sorted order (its last name is "
+                             "val, always fetched)")
     parser.add_argument("-w", "--num-workers", type=int, default=4,
                         help="parallel downloads or checks (default: 4; 0: one at a time)")
     parser.add_argument("--dataset", default=None,
                         help=f"one of {sorted(DATASETS)} (default: $NANOCHAT_DATASET, "
                              f"else {DEFAULT_DATASET})")
     parser.add_argument("--base-url", default=None,
-                        help="default: $NANOCHAT_DATA_URL, else the dataset's URL")
+                        help="where the shards are: an https:// URL, s3://bucket/prefix, "
+                             "gs://bucket/prefix, az://container/prefix, hf://datasets/owner/"
+                             "name/folder, file:///path or a local directory (default: "
+                             "$NANOCHAT_DATA_URL, else the dataset's URL). A store's shards keep "
+                             "the names it lists; with --verify, names the source in the fix")
     parser.add_argument("--data-dir", default=None, help="default: <base dir>/<dataset subdir>")
     parser.add_argument("--verify", action="store_true",
                         help="download nothing: check every shard in the data dir (size and "
@@ -683,26 +782,38 @@ def _download_main(argv: list[str]) -> int:
     spec = get_dataset(args.dataset)
     data_dir = os.path.expanduser(args.data_dir) if args.data_dir else get_data_dir(spec.name)
     if args.verify:
-        return _verify_main(spec, data_dir, args.num_workers)
+        source = args.base_url or get_base_url(spec.name)
+        return _verify_main(spec, data_dir, args.num_workers, source)
     base_url = args.base_url or get_base_url(spec.name)
-    check_url(base_url)
-    num_train = spec.max_shard  # train shards are 0 .. max_shard-1
-    num_files = num_train if args.num_files == -1 else args.num_files
-    if num_files > num_train:
-        print(f"-n {num_files} is past the last train shard of {spec.name}; clamping to "
-              f"{num_train}")
-        num_files = num_train
-    indices = list(range(num_files)) + [spec.max_shard]  # val always: every loader needs it
+    check_source(base_url, data_dir)
     limits = Limits(args.max_attempts, args.backoff_base, args.timeout, args.min_rate * 1e3,
                     args.rate_window, args.deadline)  # --min-rate is in KB/s, Limits in bytes/s
-    print(f"dataset={spec.name} train_shards={num_files} val_shard={spec.max_shard} "
-          f"workers={args.num_workers} data_dir={data_dir} base_url={base_url} "
-          f"max_attempts={args.max_attempts} backoff_base={args.backoff_base:g}s "
-          f"timeout={args.timeout:g}s min_rate={args.min_rate:g}KB/s "
-          f"rate_window={args.rate_window:g}s deadline={args.deadline:g}s")
-    report = _fetch_shards(indices, data_dir, base_url, args.num_workers, limits, progress=None,
-                           check_disk=True)
-    print(f"downloaded {len(indices) - len(report.failed)}/{len(indices)} shards to {data_dir}")
+    bounds = (f"max_attempts={args.max_attempts} backoff_base={args.backoff_base:g}s "
+              f"timeout={args.timeout:g}s min_rate={args.min_rate:g}KB/s "
+              f"rate_window={args.rate_window:g}s deadline={args.deadline:g}s")
+    if stores.is_http(base_url):
+        num_train = spec.max_shard  # train shards are 0 .. max_shard-1
+        num_files = num_train if args.num_files == -1 else args.num_files
+        if num_files > num_train:
+            print(f"-n {num_files} is past the last train shard of {spec.name}; clamping to "
+                  f"{num_train}")
+            num_files = num_train
+        indices = list(range(num_files)) + [spec.max_shard]  # val always: every loader needs it
+        print(f"dataset={spec.name} train_shards={num_files} val_shard={spec.max_shard} "
+              f"workers={args.num_workers} data_dir={data_dir} base_url={base_url} {bounds}")
+        report = _fetch_shards(indices, data_dir, base_url, args.num_workers, limits,
+                               progress=None, check_disk=True)
+        names = [index_to_filename(i) for i in indices]
+    else:
+        names = _listed_names(base_url, data_dir, args.num_files, limits)
+        print(f"source={shown(base_url)} train_shards={len(names) - 1} val_shard={names[-1]} "
+              f"workers={args.num_workers} data_dir={data_dir} {bounds}")
+        files = [(stores.join(base_url, name), os.path.join(data_dir, name)) for name in names]
+        report = download_files(files, args.num_workers, limits, progress=None, check_disk=True)
+    print(f"downloaded {len(names) - len(report.failed)}/{len(names)} shards to {data_dir}")
+    if not stores.is_http(base_url):
+        print(_checked_words([os.path.join(data_dir, n) for n in names if n not in report.failed],
+                             base_url))
     if report.replaced:
         print(f"replaced {len(report.replaced)} bad shards that were there:")
         print("\n".join(summarize(report.replaced)))
@@ -714,9 +825,35 @@ def _download_main(argv: list[str]) -> int:
     return 0
 
 
-def _verify_main(spec: DatasetSpec, data_dir: str, num_workers: int) -> int:
+def _listed_names(base_url: str, data_dir: str, num_files: int, limits: Limits) -> list[str]:
+    """The names the CLI fetches from a store: the first num_files (-1: all) train names it lists
+    in sorted order, then val, the last."""
+    listing = read_listing(base_url, limits)
+    _check_own(listing, data_dir, shown(base_url))
+    train = listing[:-1]
+    num_files = len(train) if num_files == -1 else num_files
+    if num_files > len(train):
+        print(f"-n {num_files} is past the last train shard {shown(base_url)} lists; clamping to "
+              f"{len(train)}")
+        num_files = len(train)
+    return train[:num_files] + listing[-1:]
+
+
+def _checked_words(paths: list[str], base_url: str) -> str:
+    """How the files fetched from a store were checked: against a hash the store stated
+    (verified), or only their size and parquet structure (the store stated none)."""
+    stated = sum(stated_check(path) is not None for path in paths)
+    words = [f"{stated} verified against the hash {shown(base_url)} stated"] if stated else []
+    if stated < len(paths):
+        words.append(f"{len(paths) - stated} size and structure checked ({shown(base_url)} "
+                     "stated no hash for them: their size, parquet structure and every page "
+                     "were checked)")
+    return "; ".join(words)
+
+
+def _verify_main(spec: DatasetSpec, data_dir: str, num_workers: int, base_url: str) -> int:
     """--verify: check every shard in data_dir, offline; 1 when any is bad, with the command that
-    fixes it."""
+    fixes it (from base_url when it is a store's address)."""
     paths = list_parquet_files(data_dir)
     if not paths:
         raise FileNotFoundError(f"no parquet shards in {data_dir}; {_get_shards(data_dir)}")
@@ -732,6 +869,8 @@ def _verify_main(spec: DatasetSpec, data_dir: str, num_workers: int) -> int:
     print("\n".join(summarize({os.path.basename(p): e.reason for p, e in bad.items()})))
     for path, error in list(bad.items())[:3]:  # the full messages of a few, for the log
         logger.info("%s", error)
+    if _is_store(base_url):
+        return _store_fix(paths, data_dir, base_url)
     # only a shard of the dataset is fetched again: named like its shards, and either in its own
     # directory (nanochat's downloader writes no .json record) or with our downloader's record.
     # Any other is your own, and a download would write the dataset into your data
@@ -754,6 +893,25 @@ def _verify_main(spec: DatasetSpec, data_dir: str, num_workers: int) -> int:
               f"{', '.join(others[:3])}{more}; write them again from their source files "
               "(python -m nanochat.dataset repackage INPUTS --out NEW_DIR, a directory without "
               "parquet files) or delete them")
+    return 1
+
+
+def _is_store(base_url: str) -> bool:
+    """Whether base_url is a store's address (not http, and well formed)."""
+    try:
+        check_base_url(base_url)
+    except ValueError:
+        return False
+    return not stores.is_http(base_url)
+
+
+def _store_fix(paths: list[str], data_dir: str, base_url: str) -> int:
+    """--verify's fix for shards from a store: the download again, which re-checks every shard it
+    names and fetches the bad ones. The files there are, in sorted order, the first train names
+    the store lists and its val, as the download left them; -n counts the train ones."""
+    print(f"to fix: python -m nanochat.dataset --base-url {shown(base_url)} --data-dir "
+          f"{data_dir} -n {len(paths) - 1}; it fetches the bad shards again from there (a file "
+          "it does not list stays bad: write it again from its source, or delete it)")
     return 1
 
 
@@ -807,6 +965,7 @@ if __name__ == "__main__":
     try:
         with logging_redirect_tqdm():  # log lines go above the progress bars, not through them
             sys.exit(main())
-    except (ValueError, OSError) as e:  # FileNotFoundError is an OSError; one line, no traceback
+    # FileNotFoundError is an OSError; one line, no traceback
+    except (ValueError, OSError, stores.MissingExtra) as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)

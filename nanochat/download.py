@@ -1,21 +1,23 @@
 """
-Fetch parquet files over HTTP so that only complete, verified files appear under their final names.
-A file is fetched into `<name>.tmp` under a per-file lock, checked (the size and sha256 the server
-stated, PAR1 at both ends, readable parquet metadata, every page when no sha256 was stated) and
-renamed into place; `<name>.json` records its size and sha256, so later runs re-check it offline.
-An attempt, and the read of a file's end, ends in bounded time (silence, a low rate, a deadline);
-a dropped connection resumes with Range + If-Range.
+Fetch parquet files over HTTP, or from a store (S3, GCS, ..., a local directory: stores.py, in
+chunks), so that only complete, verified files appear under their final names. A file is fetched
+into `<name>.tmp` under a per-file lock, checked (the size and hashes the source stated, PAR1 at
+both ends, readable parquet metadata, every page when no hash was stated) and renamed into place;
+`<name>.json` records its size and sha256, so later runs re-check it offline. An attempt, and the
+read of a file's end, ends in bounded time (silence, a low rate, a deadline); a dropped transfer
+resumes (Range + If-Range; a store: from the temp's end while the object's version is unchanged).
 
 Cost: checking a ~100MB shard takes ~0.07 s from the page cache (sha256 at ~1.4 GB/s); reading
-its pages (once, and only when no sha256 was stated) ~0.6 s.
+its pages (once, and only when no hash was stated) ~0.6 s.
 Design: docs/downloads.md
 
-May import: nanochat.checks, nanochat.files, requests, urllib3, pyarrow, filelock.
+May import: nanochat.checks, nanochat.files, nanochat.stores, requests, urllib3, pyarrow, filelock.
 """
 
 import contextlib
 import errno
 import hashlib
+import importlib.util
 import json
 import logging
 import os
@@ -25,6 +27,7 @@ import socket
 import threading
 import time
 import urllib.parse
+import zlib
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass, field
 
@@ -34,6 +37,7 @@ import requests
 import urllib3
 from filelock import FileLock
 
+from nanochat import stores
 from nanochat.checks import check_int, is_int
 from nanochat.files import disk_full, fsync_dir, progress_bar, remove_if_exists
 
@@ -54,6 +58,10 @@ DEADLINE = 3600.0  # seconds for one file, all attempts together; past it the fi
 # not.
 PROGRESS_BYTES = 64 * 1024
 CHUNK_SIZE = 64 * 1024  # the most one read returns; a read returns as soon as any bytes arrive
+# A store is read in ranged requests of this many bytes: a ~100MB shard in 12, so a request's
+# latency (~20-50 ms to S3) costs little beside its transfer, while a broken request loses at most
+# this much (a ranged read returns all of it or nothing) and 4 workers hold 32 MiB in memory.
+STORE_CHUNK_BYTES = 8 * 1024**2
 RETRY_AFTER_CAP = 60.0  # a server asking for longer than this gets this
 # Used for the disk check when the server gives no Content-Length: FineWeb-Edu and ClimbMix shards
 # are ~90-100MB (zstd), so 100MB errs on the side of asking for too much.
@@ -130,6 +138,14 @@ def check_url(url: str) -> None:
         raise ValueError(f"download URL {url!r} must start with http:// or https:// and name a "
                          "host, e.g. https://huggingface.co/datasets/...; fix --base-url or "
                          "NANOCHAT_DATA_URL")
+
+
+def check_address(address: str) -> None:
+    """Raise ValueError unless address is an http(s) URL with a host (check_url) or a store's
+    address (stores.check_address: s3://bucket/prefix, ..., file://..., a local path)."""
+    if isinstance(address, str) and stores.is_http(address):
+        return check_url(address)
+    stores.check_address(address)
 
 
 def _dns_failure(error: BaseException) -> socket.gaierror | None:
@@ -323,9 +339,11 @@ def check_pages(path: str) -> None:
 
 def _pages_vouched(record: dict | None) -> bool:
     """Whether a record whose sha256 the file matches also vouches that every page reads: the server
-    stated that sha256 (the bytes are the publisher's), or the pages were read before."""
+    stated that sha256, or a store a hash it matched (the bytes are the publisher's), or the pages
+    were read before."""
     return record is not None and (record.get("sha256_stated_by_server") is True
-                                   or record.get("pages_checked") is True)
+                                   or record.get("pages_checked") is True
+                                   or bool(record.get("stated_hashes")))
 
 
 def check_file(path: str) -> None:
@@ -569,27 +587,42 @@ def _watchdog(deadline: float):
         _SOCKETS.pop(threading.get_ident(), None)
 
 
-def _chunks(response: requests.Response, limits: Limits, deadline: float, stop):
-    """The body as it arrives; raises when the rate over a window falls below limits.min_rate, past
-    the deadline, or when the run stops. read1 returns whatever has arrived, so a trickling server
-    is noticed within one window; a body shorter than one window is never judged by its rate."""
-    window_start, window_bytes = time.monotonic(), 0
-    while chunk := response.raw.read1(CHUNK_SIZE):
-        yield chunk  # the caller keeps it before a check below ends the attempt
-        if stop.is_set():
+class _Pace:
+    """The checks after each piece of a body arrives: the run's stop, the deadline, and the rate
+    over disjoint windows of limits.rate_window (a body shorter than one window is never judged by
+    its rate)."""
+
+    def __init__(self, limits: Limits, deadline: float, stop):
+        self.limits, self.deadline, self.stop = limits, deadline, stop
+        self.window_start, self.window_bytes = time.monotonic(), 0
+
+    def check(self, nbytes: int) -> None:
+        """Raise when the attempt must end, nbytes having just arrived."""
+        if self.stop.is_set():
             raise _Stopped()
         now = time.monotonic()
-        if now > deadline:
+        if now > self.deadline:
             raise _GiveUp("past the deadline",
-                          f"past the deadline of {limits.deadline:g}s for one file")
-        window_bytes += len(chunk)
-        if now - window_start >= limits.rate_window:
-            rate = window_bytes / (now - window_start)
-            if rate < limits.min_rate:
+                          f"past the deadline of {self.limits.deadline:g}s for one file")
+        self.window_bytes += nbytes
+        if now - self.window_start >= self.limits.rate_window:
+            rate = self.window_bytes / (now - self.window_start)
+            if rate < self.limits.min_rate:
                 raise DownloadError("too slow", f"{rate / 1e3:.3g} KB/s over "
-                                                f"{now - window_start:.1f}s, below the minimum of "
-                                                f"{limits.min_rate / 1e3:g} KB/s")
-            window_start, window_bytes = now, 0  # disjoint windows: a fast start hides no stall
+                                                f"{now - self.window_start:.1f}s, below the "
+                                                f"minimum of {self.limits.min_rate / 1e3:g} KB/s")
+            # disjoint windows: a fast start hides no stall
+            self.window_start, self.window_bytes = now, 0
+
+
+def _chunks(response: requests.Response, limits: Limits, deadline: float, stop):
+    """The body as it arrives; raises when the rate over a window falls below limits.min_rate, past
+    the deadline, or when the run stops (_Pace). read1 returns whatever has arrived, so a
+    trickling server is noticed within one window."""
+    pace = _Pace(limits, deadline, stop)
+    while chunk := response.raw.read1(CHUNK_SIZE):
+        yield chunk  # the caller keeps it before a check below ends the attempt
+        pace.check(len(chunk))
 
 
 def _fetch_to_tmp(url: str, tmp: str, limits: Limits, deadline: float, progress: bool | None,
@@ -679,31 +712,202 @@ def _attempt(session: requests.Session, url: str, tmp: str, have: int, record: d
     return record
 
 
+# -----------------------------------------------------------------------------
+# One attempt from a store: stat, then ranged reads in chunks, then stat again
+
+
+@contextlib.contextmanager
+def _store_errors(limits: Limits, deadline: float):
+    """Within the block, a store's error becomes ours: one a retry cannot help (not found, access
+    denied) gives up at once, the others (slow down, timed out, connection failed) go to the
+    backoff. Missing credentials stop the run (the StoreError itself, an OSError): no file of that
+    store can be fetched. A missing extra (MissingExtra) passes unchanged."""
+    try:
+        yield
+    except stores.StoreError as e:
+        if e.reason == "no credentials":
+            raise
+        if time.monotonic() >= deadline:  # the call was cut at the deadline
+            raise _GiveUp("past the deadline", f"{e}; past the deadline of {limits.deadline:g}s "
+                                               "for one file") from None
+        if not e.retry:
+            raise _GiveUp(e.reason, str(e)) from None
+        raise DownloadError(e.reason, str(e)) from None
+
+
+def _call_bound(limits: Limits, deadline: float, nbytes: int) -> float:
+    """Seconds one store call may take: limits.timeout, plus what a transfer of nbytes at exactly
+    min_rate needs (no rate floor: no bound but the deadline), never past the deadline."""
+    need = limits.timeout + (nbytes / limits.min_rate if limits.min_rate > 0 else float("inf"))
+    return max(min(need, deadline - time.monotonic()), 0.01)
+
+
+def _stat_object(address: str, limits: Limits, deadline: float) -> stores.ObjectInfo:
+    with _store_errors(limits, deadline):
+        return stores.stat(address, limits.timeout, within=_call_bound(limits, deadline, 0))
+
+
+def _read_object(address: str, start: int, end: int, limits: Limits, deadline: float) -> bytes:
+    """Bytes [start, end) of the object; a short answer means it shrank: BadFileError."""
+    with _store_errors(limits, deadline):
+        body = stores.read_range(address, start, end, limits.timeout,
+                                 within=_call_bound(limits, deadline, end - start))
+    if len(body) != end - start:
+        raise BadFileError("changed on the store",
+                           f"{stores.redact(address)}: asked for bytes {start}-{end}, got "
+                           f"{len(body)}: it changed on the store")
+    return body
+
+
+def _fetch_object_to_tmp(address: str, tmp: str, limits: Limits, deadline: float,
+                         progress: bool | None, stop) -> dict:
+    """One attempt from a store: bring tmp up to the whole object, resuming when tmp holds a prefix
+    of the version the store has now. Returns tmp's record: the version (validator), size and the
+    hashes the store states. An object replaced during the attempt: BadFileError (the caller
+    discards tmp and starts over), so two versions are never spliced."""
+    info = _stat_object(address, limits, deadline)
+    have, record = _resume_point(tmp)
+    if have and (record.get("validator") != info.version or record.get("size") != info.size):
+        logger.info("%s: the object changed on the store since %s was started; starting over",
+                    stores.redact(address), tmp)
+        have = 0
+    if not have:
+        record = {"url": address, "validator": info.version, "size": info.size,
+                  "hashes": info.hashes}
+        if info.version is None:
+            logger.warning("%s: the store states no version of it, so a broken transfer of it "
+                           "cannot be resumed: each attempt starts from byte 0",
+                           stores.redact(address))
+    flags = os.O_WRONLY | os.O_CREAT | (os.O_APPEND if have else os.O_TRUNC)
+    pace = _Pace(limits, deadline, stop)
+    try:
+        with _open_nofollow(tmp, flags, "ab" if have else "wb") as f, \
+                progress_bar(progress=progress, lines=False, total=info.size, initial=have,
+                             unit="B", unit_scale=True, desc=os.path.basename(address),
+                             leave=False) as bar:
+            if not have:  # as for HTTP: the truncation is on disk before the record names it
+                os.fsync(f.fileno())
+                _write_json(record_path(tmp), record)
+            while have < info.size:
+                # stop, the deadline and the rate are checked between chunks: a chunk itself is
+                # bounded by _call_bound
+                body = _read_object(address, have, min(have + STORE_CHUNK_BYTES, info.size),
+                                    limits, deadline)
+                f.write(body)
+                f.flush()  # on disk for a next attempt, whatever ends this one
+                have += len(body)
+                bar.update(len(body))
+                if have < info.size:  # (a complete file is installed whatever its rate)
+                    pace.check(len(body))
+            os.fsync(f.fileno())
+    except OSError as e:
+        if e.errno in (errno.ENOSPC, errno.EDQUOT):
+            raise _DiskFull(info.size) from e
+        raise
+    # the ranged reads name no version: one replaced between them would splice two
+    after = _stat_object(address, limits, deadline)
+    if (after.version, after.size) != (info.version, info.size):
+        raise BadFileError("changed on the store",
+                           f"{stores.redact(address)} changed on the store during the "
+                           f"download of {tmp}")
+    return record
+
+
 def _install(tmp: str, path: str, record: dict) -> None:
-    """Check tmp against what the server stated and as parquet, then rename it to path; its record
-    first. A bad file that was at path stays there until this moment, so the name is never empty."""
+    """Check tmp against what the server (or store) stated and as parquet, then rename it to path;
+    its record first. A bad file that was at path stays there until this moment, so the name is
+    never empty."""
     size = os.path.getsize(tmp)
+    who = "the store" if "hashes" in record else "the server"
     if record["size"] is not None and size != record["size"]:
-        raise BadFileError("wrong size",
-                           f"{tmp} has {size} bytes, the server stated {record['size']}")
+        raise BadFileError("wrong size", f"{tmp} has {size} bytes, {who} stated {record['size']}")
     check_parquet(tmp)
-    digest = sha256_of(tmp)
-    if record["sha256"] is not None and digest != record["sha256"]:
+    digests = _digests(tmp, record.get("hashes") or {})  # one read for every hash
+    digest = digests["sha256"]
+    if record.get("sha256") is not None and digest != record["sha256"]:
         raise BadFileError("sha256 mismatch",
                            f"{tmp} hashes to {digest}, the server stated {record['sha256']}")
-    stated = record["sha256"] is not None
-    if not stated:  # only the bytes vouch for themselves: read every page, as a reader will
+    matched = _check_stated(tmp, record, digests) if "hashes" in record else []
+    stated = record.get("sha256") is not None or "sha256" in matched
+    vouched = stated or bool(matched)  # the bytes are the publisher's: their pages read
+    if not vouched:  # only the bytes vouch for themselves: read every page, as a reader will
         check_pages(tmp)
     # the sha256 is recorded either way: from then on a local change to the file is caught, and
     # check_file need not read the pages again
-    _write_json(record_path(path), {"size": size, "sha256": digest,
-                                    "sha256_stated_by_server": stated, "pages_checked": not stated})
+    installed = {"size": size, "sha256": digest, "sha256_stated_by_server": stated,
+                 "pages_checked": not vouched}
+    if "hashes" in record:  # which of the store's hashes matched (none: size and structure only)
+        installed["stated_hashes"] = matched
+    _write_json(record_path(path), installed)
     with _open_nofollow(tmp, os.O_RDONLY, "rb") as f:
         # its bytes are on disk before its name is (a 416 finish skipped the write's fsync)
         os.fsync(f.fileno())
     os.replace(tmp, path)
     fsync_dir(os.path.dirname(os.path.abspath(path)))
     remove_if_exists(record_path(tmp))
+
+
+def _crc32c():
+    """crc32c(data, value) -> value from google_crc32c or crc32c when one is installed (GCS states
+    crc32c); None: not checked."""
+    for name in ("google_crc32c", "crc32c"):
+        if importlib.util.find_spec(name) is not None:
+            module = importlib.import_module(name)
+            if name == "google_crc32c":
+                return lambda data, value: module.extend(value, data)
+            return lambda data, value: module.crc32c(data, value)
+    return None
+
+
+def _digests(path: str, stated: dict) -> dict:
+    """{"sha256": hex} of path, with each hash named in stated that we can compute (md5, sha1,
+    sha256 hex; crc32, crc32c int), all in one read of the file."""
+    hashers = {"sha256": hashlib.sha256()}
+    hashers |= {name: hashlib.new(name, usedforsecurity=False) for name in ("md5", "sha1")
+                if name in stated}
+    crcs = {"crc32": lambda data, value: zlib.crc32(data, value)} if "crc32" in stated else {}
+    if "crc32c" in stated and _crc32c() is not None:
+        crcs["crc32c"] = _crc32c()
+    values = dict.fromkeys(crcs, 0)
+    with open(path, "rb") as f:
+        while chunk := f.read(1024 * 1024):
+            for hasher in hashers.values():
+                hasher.update(chunk)
+            for name, update in crcs.items():
+                values[name] = update(chunk, values[name])
+    return {name: hasher.hexdigest() for name, hasher in hashers.items()} | values
+
+
+def _shown(value) -> str:
+    return f"{value:08x}" if isinstance(value, int) else str(value)  # a crc as 8 hex digits
+
+
+def _check_stated(tmp: str, record: dict, digests: dict) -> list[str]:
+    """The names of the store's stated hashes tmp matches (sorted); BadFileError on a mismatch.
+    One that cannot be computed here (crc32c without its package) is skipped, not counted."""
+    matched = []
+    for name, want in sorted(record["hashes"].items()):
+        if name not in digests:
+            logger.info("%s: %s stated by the store not checked (pip install google-crc32c)",
+                        tmp, name)
+            continue
+        if digests[name] != want:
+            raise BadFileError(f"{name} mismatch",
+                               f"{tmp} has {name} {_shown(digests[name])}, the store stated "
+                               f"{_shown(want)} for {stores.redact(record['url'])}")
+        matched.append(name)
+    return matched
+
+
+def stated_check(path: str) -> str | None:
+    """The hashes the server or store stated that path matched when it was installed, e.g.
+    "sha256" or "crc32, md5"; None when none was stated (only its size and parquet structure were
+    checked: never call it "verified") or path has no readable record."""
+    record = _record_or_none(path) or {}
+    names = record.get("stated_hashes")
+    if not isinstance(names, list):
+        names = ["sha256"] if record.get("sha256_stated_by_server") is True else []
+    return ", ".join(names) or None
 
 
 class _DiskFull(OSError):
@@ -739,10 +943,11 @@ def _download_locked(url: str, path: str, limits: Limits, progress: bool | None,
     name, tmp = os.path.basename(path), tmp_path(path)
     deadline = time.monotonic() + limits.deadline
     attempt = 1  # attempts in a row without progress, this one included
+    fetch = _fetch_to_tmp if stores.is_http(url) else _fetch_object_to_tmp
     while True:
         before = _resumable(tmp)
         try:
-            record = _fetch_to_tmp(url, tmp, limits, deadline, progress, stop)
+            record = fetch(url, tmp, limits, deadline, progress, stop)
             _install(tmp, path, record)
             logger.info("downloaded %s (%.1f MB)", name, os.path.getsize(path) / 1e6)
             return
@@ -757,6 +962,8 @@ def _download_locked(url: str, path: str, limits: Limits, progress: bool | None,
             error, wait = e, None
         except DownloadError as e:
             error, wait = e, None
+        except stores.StoreError:  # (missing credentials: no file of that store can be fetched)
+            raise
         except (requests.RequestException, urllib3.exceptions.HTTPError, OSError) as e:
             if getattr(e, "errno", None) in (errno.ENOSPC, errno.EDQUOT):  # no retry can help
                 raise _full_disk(name, path, getattr(e, "size", None)) from None
@@ -795,13 +1002,15 @@ def _download_locked(url: str, path: str, limits: Limits, progress: bool | None,
 
 def download_file(url: str, path: str, limits: Limits | None = None, *,
                   progress: bool | None = None, stop: threading.Event | None = None) -> str | None:
-    """Make path a verified copy of the parquet file at url. Returns None when it was already there
-    and passed check_file; else it was fetched, and the return value says what was wrong with the
-    file that was there ("" when there was none). Raises DownloadError when it could not be fetched
-    (a bad file that was there stays), HostNotFoundError when no file from that host can be. Safe
-    to call from several threads or processes at once: one downloads, the others wait and find the
-    file there."""
-    check_url(url)
+    """Make path a verified copy of the parquet file at url (an http(s) URL or a store's address,
+    check_address). Returns None when it was already there and passed check_file; else it was
+    fetched, and the return value says what was wrong with the file that was there ("" when there
+    was none). Raises DownloadError when it could not be fetched (a bad file that was there stays),
+    HostNotFoundError when no file from that host can be, stores.StoreError when the store finds
+    no credentials, stores.MissingExtra when the store's package is missing. Safe to call from
+    several threads or processes at once: one downloads, the others wait and find the file there."""
+    check_address(url)
+    _check_not_the_source(url, path)
     limits = Limits() if limits is None else limits
     stop = threading.Event() if stop is None else stop
     record = _record_or_none(path)
@@ -826,6 +1035,17 @@ def download_file(url: str, path: str, limits: Limits | None = None, *,
                            "verified)", path, problem)
         _download_locked(url, path, limits, progress, stop)
     return problem.reason if problem else ""
+
+
+def _check_not_the_source(url: str, path: str) -> None:
+    """A local directory we copy from is never written to: path (with its temp file and lock
+    beside it) must be in another directory."""
+    if stores.is_http(url) or not stores.is_local(url):
+        return
+    source = os.path.dirname(os.path.realpath(stores.path_in_store(url)))
+    if source == os.path.dirname(os.path.realpath(path)):
+        raise ValueError(f"{path} would be written into the directory it is copied from "
+                         f"({source}), which is never written to; pass another --data-dir")
 
 
 def _record_or_none(path: str) -> dict | None:
@@ -862,18 +1082,24 @@ TAIL_BYTES = 64 * 1024
 
 
 def fetch_tail(url: str, nbytes: int, limits: Limits | None = None) -> tuple[int, bytes]:
-    """(the file's size, its last min(nbytes, size) bytes) by one HTTP Range request, bounded and
-    retried by the rules of a file (limits: attempts, backoff, timeout, min_rate, deadline for all
-    attempts together). Raises DownloadError naming the URL when it keeps failing or the server
-    ignores Range, HostNotFoundError when the host does not resolve."""
+    """(the file's size, its last min(nbytes, size) bytes) by one HTTP Range request (a store: a
+    stat and one ranged read), bounded and retried by the rules of a file (limits: attempts,
+    backoff, timeout, min_rate, deadline for all attempts together). Raises DownloadError naming
+    the URL when it keeps failing or the server ignores Range, HostNotFoundError when the host does
+    not resolve (a store: StoreError without credentials, MissingExtra without its package)."""
+    attempt = _tail_attempt if stores.is_http(url) else _object_tail_attempt
     return _retried(url, limits, "reading the end of",
-                    lambda limits, deadline: _tail_attempt(url, nbytes, limits, deadline))
+                    lambda limits, deadline: attempt(url, nbytes, limits, deadline))
 
 
 def fetch_small(url: str, max_bytes: int, limits: Limits | None = None) -> bytes | None:
     """A small file whole (a listing), by one GET bounded and retried as fetch_tail's; None when
     the server has no such file (HTTP 404, or 403 and 410, which S3-like stores answer for a
-    missing key). Raises DownloadError naming the URL past max_bytes or when it keeps failing."""
+    missing key). Raises DownloadError naming the URL past max_bytes or when it keeps failing.
+    HTTP only: a store lists its files (stores.list_names)."""
+    if isinstance(url, str) and not stores.is_http(url):
+        raise ValueError(f"fetch_small reads http(s) URLs only, not {url!r}: a store's files are "
+                         "listed with stores.list_names")
     return _retried(url, limits, "reading",
                     lambda limits, deadline: _small_attempt(url, max_bytes, limits, deadline))
 
@@ -881,15 +1107,16 @@ def fetch_small(url: str, max_bytes: int, limits: Limits | None = None) -> bytes
 def _retried(url: str, limits: Limits | None, doing: str, attempt_once):
     """attempt_once(limits, deadline), retried by the rules of a file; `doing` names the work in
     the messages ("reading the end of" URL)."""
-    check_url(url)
+    check_address(url)
     limits = Limits() if limits is None else limits
     deadline = time.monotonic() + limits.deadline
+    shown = url if stores.is_http(url) else stores.redact(url)  # (a store's address: no secret)
     attempt = 1
     while True:
         wait = limits.backoff_base * 2 ** (attempt - 1)
         try:
             return attempt_once(limits, deadline)
-        except _GiveUp:
+        except (_GiveUp, stores.StoreError):  # (StoreError: missing credentials)
             raise
         except _RetryLater as e:
             error, wait = e, e.seconds
@@ -901,9 +1128,9 @@ def _retried(url: str, limits: Limits | None, doing: str, attempt_once):
                 raise _host_not_found(_failed_url(e, url), _dns_failure(e)) from None
             error = DownloadError(_reason_of(e), f"{url}: {e}")
         if attempt == limits.max_attempts or time.monotonic() + wait > deadline:
-            raise DownloadError(error.reason, f"{error}; gave up {doing} {url} after "
+            raise DownloadError(error.reason, f"{error}; gave up {doing} {shown} after "
                                               f"{attempt} attempt{'s' if attempt > 1 else ''}")
-        logger.warning("%s %s, attempt %d/%d: %s; retrying in %gs", doing, url, attempt,
+        logger.warning("%s %s, attempt %d/%d: %s; retrying in %gs", doing, shown, attempt,
                        limits.max_attempts, error, wait)
         time.sleep(wait)
         attempt += 1
@@ -951,6 +1178,13 @@ def _tail_attempt(url: str, nbytes: int, limits: Limits, deadline: float) -> tup
     return total, body
 
 
+def _object_tail_attempt(address: str, nbytes: int, limits: Limits,
+                         deadline: float) -> tuple[int, bytes]:
+    """One attempt of fetch_tail from a store."""
+    size = _stat_object(address, limits, deadline).size
+    return size, _read_object(address, max(size - nbytes, 0), size, limits, deadline)
+
+
 def _small_attempt(url: str, max_bytes: int, limits: Limits, deadline: float) -> bytes | None:
     """One attempt of fetch_small."""
     def read(response):
@@ -988,16 +1222,31 @@ def _probe_bytes(url: str, timeout: float) -> int | None:
     return _content_length(response)
 
 
+def _probe_object_bytes(address: str, timeout: float) -> int | None:
+    """The size of one object, or None when the store won't say (StoreError without credentials
+    and MissingExtra are raised: no file of the store can be fetched)."""
+    try:
+        return stores.stat(address, timeout).size
+    except stores.StoreError as e:
+        if e.reason == "no credentials":
+            raise
+        logger.info("%s; using the per-shard estimate", e)
+        return None
+
+
 def check_disk_space(data_dir: str, num_shards: int, probe_url: str | None = None, *,
                      timeout: float = REQUEST_TIMEOUT) -> None:
     """Raise OSError(ENOSPC) if num_shards more shards would not fit in data_dir.
-    Shard size comes from a HEAD of probe_url (shards of one dataset are within a few percent of
-    each other), else SHARD_BYTES_ESTIMATE; 10% headroom is added either way. An unresolvable host
-    raises HostNotFoundError here, before any download."""
+    Shard size comes from a HEAD of probe_url (a store: its stat; shards of one dataset are within
+    a few percent of each other), else SHARD_BYTES_ESTIMATE; 10% headroom is added either way. An
+    unresolvable host raises HostNotFoundError here, before any download (a store without
+    credentials, StoreError)."""
     if num_shards <= 0:
         return
-    shard_bytes = _probe_bytes(probe_url, timeout) if probe_url else None
-    source = "from a HEAD request" if shard_bytes else "estimated"
+    probe = _probe_bytes if probe_url and stores.is_http(probe_url) else _probe_object_bytes
+    shard_bytes = probe(probe_url, timeout) if probe_url else None
+    asked = "from a HEAD request" if stores.is_http(probe_url or "http:") else "from the store"
+    source = asked if shard_bytes else "estimated"
     shard_bytes = shard_bytes or SHARD_BYTES_ESTIMATE
     need = int(shard_bytes * num_shards * DISK_MARGIN)
     free = shutil.disk_usage(data_dir).free
@@ -1021,12 +1270,13 @@ class Report:
 def download_files(files: list[tuple[str, str]], num_workers: int = 4, limits: Limits | None = None,
                    *, progress: bool | None = None, check_disk: bool = True) -> Report:
     """download_file for each (url, path) with num_workers threads (0 or 1: in this thread). Every
-    URL is checked first; the disk check (when asked) covers the missing files. HostNotFoundError
-    stops the run: the other threads stop at their next read or wait, keeping their partial files,
+    URL (or store address) is checked first; the disk check (when asked) covers the missing files.
+    HostNotFoundError stops the run (so do a store's StoreError for missing credentials and
+    MissingExtra): the other threads stop at their next read or wait, keeping their partial files,
     and it is raised."""
     check_int("num_workers", num_workers, 0, hint=" (0: download in this thread)")
     for url, _ in files:  # every URL before any download: a typo fails at once, not file by file
-        check_url(url)
+        check_address(url)
     limits = Limits() if limits is None else limits
     missing = [(url, path) for url, path in files if not os.path.exists(path)]
     if files:

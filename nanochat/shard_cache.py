@@ -31,7 +31,7 @@ import pyarrow as pa
 from nanochat.cache_status import CacheStatus, Own, describe, read_status, size_words
 from nanochat.catalog import ReadAhead, catalog_path, catalog_sizes, read_catalog
 from nanochat.checks import check_int
-from nanochat.dataset import find_data_dir, open_parquet
+from nanochat.dataset import find_data_dir, open_parquet, shown
 from nanochat.download import DownloadError, Limits, download_file, record_path
 from nanochat.files import disk_full, remove_if_exists
 from nanochat.kept import Keeper, drop_oldest, encode, file_mtime, kept_bytes, remove_gone
@@ -605,7 +605,8 @@ class ShardCache:
         try:
             replaced = download_file(url, path, self.limits, stop=self._stop)
         except DownloadError as e:
-            raise ConnectionError(f"could not fetch shard {name} from {url}: {e}") from None
+            raise ConnectionError(f"could not fetch shard {name} from {shown(url)}: "
+                                  f"{shown(str(e))}") from None
         finally:
             with self._cond:
                 self._fetching = None
@@ -617,10 +618,10 @@ class ShardCache:
         expected = {"size": self.sizes[p], "rows": entry["rows"]}
         if (os.path.getsize(path), rows) != (expected["size"], expected["rows"]):
             raise ValueError(
-                f"{path} ({url}) is not the shard the walk was planned on: "
+                f"{path} ({shown(url)}) is not the shard the walk was planned on: "
                 f"{os.path.getsize(path)} bytes and {len(rows)} row groups, the catalog "
                 f"{catalog_path(self.data_dir)} says {expected['size']} and "
-                f"{len(expected['rows'])}; the file changed on the server. Remove the catalog to "
+                f"{len(expected['rows'])}; the file changed at its source. Remove the catalog to "
                 "start over (states taken on the old files will be refused)")
         if replaced is not None:
             self.fetched_bytes += os.path.getsize(path)
@@ -678,7 +679,8 @@ class ShardCache:
                 raise RuntimeError("the shard cache is closed")
             left = deadline - time.monotonic()
             if left <= 0:
-                raise TimeoutError(f"shard {self.names[p]} ({self.urls[p]}) is not on disk after "
+                raise TimeoutError(f"shard {self.names[p]} ({shown(self.urls[p])}) is not on disk "
+                                   "after "
                                    f"{self.limits.deadline + self.room_wait + NEED_MARGIN:g}s")
             self._cond.wait(min(left, 1.0))
 

@@ -156,7 +156,8 @@ def filesystem(address: str, timeout: float):
     """The fsspec filesystem for address's store. Each call it makes is one request (the store's
     own retries are off: the caller retries with its backoff and logs each try)."""
     store = store_of(address)
-    key = (store.protocol, timeout)
+    # a forked process makes its own: a client's connections and event loop stay with its parent
+    key = (store.protocol, timeout, os.getpid())
     if key not in _FILESYSTEMS:
         _import(store)
         fsspec = importlib.import_module("fsspec")
@@ -206,7 +207,7 @@ def store_error(error: BaseException, address: str) -> StoreError:
     """The StoreError for a store's exception: its category, whether to retry, and a redacted
     message that names the address and the fix."""
     store, kinds = store_of(address), {cls.__name__ for cls in type(error).__mro__}
-    said = redact(f"{type(error).__name__}: {error}")
+    said, address = redact(f"{type(error).__name__}: {error}"), redact(address)
     if isinstance(error, StoreError):
         return error
     if any("Credential" in kind for kind in kinds):  # botocore, google.auth, azure
@@ -291,9 +292,11 @@ def _version(protocol: str, info: dict) -> str | None:
     return None
 
 
-def stat(address: str, timeout: float) -> ObjectInfo:
-    """Size, version and stated hashes of the object at address (StoreError: "not found", ...)."""
+def stat(address: str, timeout: float, *, within: float | None = None) -> ObjectInfo:
+    """Size, version and stated hashes of the object at address (StoreError: "not found", ...).
+    timeout bounds each wait for the store; within (default: timeout) the whole call."""
     fs, path = filesystem(address, timeout), path_in_store(address)
+    within = timeout if within is None else within
 
     protocol = store_of(address).protocol
 
@@ -301,9 +304,9 @@ def stat(address: str, timeout: float) -> ObjectInfo:
         if protocol == "s3" and "/" in path:  # HeadObject states the checksums only when asked
             bucket, key = path.split("/", 1)
             head = _call(fs, "call_s3", "head_object", Bucket=bucket, Key=key,
-                         ChecksumMode="ENABLED", timeout=timeout)
+                         ChecksumMode="ENABLED", timeout=within)
             return head | {"size": head["ContentLength"]}
-        info = _call(fs, "info", path, timeout=timeout)
+        info = _call(fs, "info", path, timeout=within)
         if info.get("type") == "directory":
             raise FileNotFoundError(path)
         return info
@@ -312,11 +315,15 @@ def stat(address: str, timeout: float) -> ObjectInfo:
     return ObjectInfo(int(info["size"]), _version(protocol, info), stated_hashes(protocol, info))
 
 
-def read_range(address: str, start: int, end: int, timeout: float) -> bytes:
-    """Bytes [start, end) of the object at address."""
+def read_range(address: str, start: int, end: int, timeout: float, *,
+               within: float | None = None) -> bytes:
+    """Bytes [start, end) of the object at address. timeout bounds each wait for the store (the
+    filesystem is made once per timeout); within (default: timeout) the whole call, which a large
+    range at a low rate may need to be longer."""
     fs, path = filesystem(address, timeout), path_in_store(address)
+    within = timeout if within is None else within
     return _guarded(address, lambda: _call(fs, "cat_file", path, start=start, end=end,
-                                           timeout=timeout))
+                                           timeout=within))
 
 
 def list_names(base: str, timeout: float) -> list[str]:

@@ -1,0 +1,181 @@
+"""
+Streaming (stream=True) from a store: shards written with pyarrow, kept on disk and uploaded to
+moto's S3 server on 127.0.0.1 (the `s3` fixtures of tests/conftest.py). Every streamed batch and
+state is checked token for token against the same loader over the copy on disk, with a cache_limit
+below the data's size (the peak measured); states move between S3 and disk both ways, and into an
+empty cache; the cache evicts only what it fetched; the store's listing is kept for a restart
+while the store cannot be reached.
+
+    python -m pytest tests/test_store_streaming.py -q
+"""
+
+import json
+import logging
+import os
+import random
+import threading
+import time
+
+import pytest
+
+from conftest import ByteTokenizer, least_accepted, write_shard
+from conftest import assert_same_batches as _same
+from conftest import take_batches as _batches
+from nanochat import stores
+from nanochat.dataloader import (tokenizing_distributed_data_loader_with_state,
+                                 tokenizing_distributed_data_loader_with_state_bos_bestfit)
+from nanochat.download import Limits
+from nanochat.ledger import STREAM_DIR
+
+FAST = Limits(max_attempts=2, backoff_base=0.01, timeout=5, deadline=30)
+LOADERS = {"bestfit": tokenizing_distributed_data_loader_with_state_bos_bestfit,
+           "concat": tokenizing_distributed_data_loader_with_state}
+NAMES = [f"part-{i:03d}.parquet" for i in range(13)]  # sorted; the last, part-012, is val
+EPOCH = 280  # batches past the end of the first epoch, for both loaders
+
+
+@pytest.fixture(autouse=True)
+def _fresh_filesystems():
+    """Each test's endpoint and credentials are read afresh (the fixtures change them)."""
+    stores.forget_filesystems()
+    yield
+    stores.forget_filesystems()
+
+
+def _upload(bucket, tmp_path) -> tuple[str, str, list[int]]:
+    """The shards written to tmp_path/disk (several row groups each) and uploaded under
+    "corpus": (the directory, the store's address, the sizes, sorted)."""
+    rng = random.Random(0)
+    disk = tmp_path / "disk"
+    os.makedirs(disk)
+    for name in NAMES:
+        texts = [f"{name} doc {j}: " + "".join(rng.choice("abcdefgh ")
+                                               for _ in range(rng.randint(1, 60)))
+                 for j in range(100)]
+        write_shard(disk / name, texts, 16)
+    bucket.upload_dir(disk, "corpus")
+    return str(disk), bucket.url("corpus"), sorted(os.path.getsize(disk / n) for n in NAMES)
+
+
+def _streaming(kind, base_url, cache, **kwargs):
+    kwargs = dict(B=4, T=64, split="train", device="cpu", stream=True, base_url=base_url,
+                  download_limits=FAST, tokenizer_batch_size=8) | kwargs
+    return LOADERS[kind](ByteTokenizer(), data_dir=str(cache), **kwargs)
+
+
+def _on_disk(kind, directory, **kwargs):
+    kwargs = dict(B=4, T=64, split="train", device="cpu", tokenizer_batch_size=8) | kwargs
+    return LOADERS[kind](ByteTokenizer(), data_dir=directory, **kwargs)
+
+
+def _cache_bytes(directory) -> int:
+    """What cache_limit bounds: the shards in a cache, partial downloads included, and the
+    documents kept for buffers (.stream/kept/*/*)."""
+    total = 0
+    for root, _, names in os.walk(directory):
+        kept = os.path.join(directory, STREAM_DIR, "kept") in root
+        for name in names:
+            if kept or (root == str(directory) and name.endswith((".parquet", ".parquet.tmp"))):
+                try:
+                    total += os.path.getsize(os.path.join(root, name))
+                except FileNotFoundError:  # (evicted while this was looking)
+                    pass
+    return total
+
+
+def _peak_while(cache, work):
+    """(work(), the most _cache_bytes(cache) was while it ran)."""
+    peak, stop = [0], threading.Event()
+
+    def watch():
+        while not stop.is_set():
+            peak[0] = max(peak[0], _cache_bytes(cache) if os.path.isdir(cache) else 0)
+            time.sleep(0.001)
+
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    try:
+        return work(), peak[0]
+    finally:
+        stop.set()
+        watcher.join()
+
+
+# -----------------------------------------------------------------------------
+# Streamed from S3 is the loader on disk, within the budget
+
+
+@pytest.mark.parametrize("kind", ["bestfit", "concat"])
+def test_streamed_from_s3_equals_on_disk_below_the_datas_size(s3, tmp_path, kind):
+    disk, url, sizes = _upload(s3, tmp_path)
+    extra = {"buffer_size": 20} if kind == "bestfit" else {}
+    expected = _batches(_on_disk(kind, disk, **extra), EPOCH)
+    limit = least_accepted(lambda limit: _streaming(kind, url, tmp_path / "least",
+                                                    cache_limit=limit, **extra))
+    assert limit < 0.8 * sum(sizes)
+    cache = tmp_path / "cache"
+    streamed, peak = _peak_while(cache, lambda: _batches(
+        _streaming(kind, url, cache, prefetch_shards=2, cache_limit=limit, **extra), EPOCH))
+    _same(streamed, expected)
+    assert streamed[-1][2]["next"][0] == 2  # the second epoch began
+    assert 0 < peak <= limit
+    assert len([f for f in os.listdir(cache) if f.endswith(".parquet")]) < len(NAMES) - 1
+
+
+def test_states_move_between_s3_and_disk_both_ways_and_into_an_empty_cache(s3, tmp_path):
+    disk, url, sizes = _upload(s3, tmp_path)
+    limit = least_accepted(lambda limit: _streaming("bestfit", url, tmp_path / "least",
+                                                    cache_limit=limit, buffer_size=40))
+    expected = _batches(_on_disk("bestfit", disk, buffer_size=40), 130)
+    first = _batches(_streaming("bestfit", url, tmp_path / "a", cache_limit=limit,
+                                buffer_size=40), 100)
+    _same(first, expected[:100])
+    from_s3 = first[-1][2]
+    assert from_s3["buffer"]  # a buffer's documents to restore: the test is about them
+    # a state taken while streaming from S3 goes on on disk, and in an empty cache from S3
+    _same(_batches(_on_disk("bestfit", disk, buffer_size=40, resume_state_dict=from_s3), 30),
+          expected[100:])
+    _same(_batches(_streaming("bestfit", url, tmp_path / "b", buffer_size=40,
+                              resume_state_dict=from_s3), 30), expected[100:])
+    assert not os.path.exists(tmp_path / "b" / NAMES[-1])  # (a train loader never fetches val)
+    # and a state taken on disk goes on streaming from S3, into an empty cache
+    from_disk = expected[59][2]
+    _same(_batches(_streaming("bestfit", url, tmp_path / "c", buffer_size=40,
+                              resume_state_dict=from_disk), 40), expected[60:100])
+
+
+# -----------------------------------------------------------------------------
+# What the cache may evict, and the kept listing
+
+
+def test_evicts_only_what_it_fetched_and_restarts_on_the_kept_listing(s3_faulty, tmp_path,
+                                                                       caplog):
+    disk, url, sizes = _upload(s3_faulty, tmp_path)
+    cache = tmp_path / "cache"
+    val_expected = _batches(_on_disk("bestfit", disk, split="val", buffer_size=20), 5)
+    _same(_batches(_streaming("bestfit", url, cache, split="val", buffer_size=20), 5),
+          val_expected)
+    mine = cache / NAMES[3]  # the user's own copy of a train shard, placed in the cache
+    with open(os.path.join(disk, NAMES[3]), "rb") as src, open(mine, "wb") as dst:
+        dst.write(src.read())
+    stamp = os.stat(mine).st_mtime_ns
+    limit = least_accepted(lambda limit: _streaming("bestfit", url, tmp_path / "cache",
+                                                    cache_limit=limit, buffer_size=20))
+    expected = _batches(_on_disk("bestfit", disk, buffer_size=20), EPOCH)
+    streamed, peak = _peak_while(cache, lambda: _batches(
+        _streaming("bestfit", url, cache, cache_limit=limit, buffer_size=20), EPOCH))
+    _same(streamed, expected)
+    assert peak <= limit
+    ledger = json.loads((cache / STREAM_DIR / "ledger.json").read_text())["shards"]
+    assert any(row["evictions"] for row in ledger.values())  # it did evict
+    assert NAMES[3] not in ledger and os.stat(mine).st_mtime_ns == stamp  # never fetched it
+    assert (cache / NAMES[-1]).exists()  # nor evicted val, which the val loader fetched
+    kept = json.loads((cache / STREAM_DIR / "listing.json").read_text())
+    assert kept == {"base_url": url, "names": NAMES}
+    # the store out of reach: the val loader starts again on the kept listing and catalog
+    s3_faulty.proxy.stop()
+    with caplog.at_level(logging.WARNING, logger="nanochat.catalog"):
+        again = _batches(_streaming("bestfit", url, cache, split="val", buffer_size=20), 5)
+    _same(again, val_expected)
+    assert f"could not list the shards in {url}" in caplog.text
+    assert "going on with the listing kept in" in caplog.text
