@@ -6,11 +6,13 @@ cut into overlapping windows, under nanochat's convention ([BOS] + document) or 
 
     python -m nanochat.pretokenize --input DATA_DIR --output DATA_DIR_tokens --num-workers 8
 
+--input may also be a store's address (s3://bucket/prefix, gs://, az://, hf://): each shard is
+downloaded and verified into OUTPUT/.inputs/, tokenized, and removed once its pair is written.
 Cost: one tokenizer pass, several MB of text per second per worker; a rerun skips written pairs.
-Design: docs/pretokenized.md
+Design: docs/pretokenized.md, docs/streaming.md (stores)
 
-May import: nanochat.common, nanochat.dataset, nanochat.files, nanochat.tokenizer,
-nanochat.packing, nanochat.token_shards, nanochat.layout.
+May import: nanochat.common, nanochat.dataset, nanochat.download, nanochat.files,
+nanochat.tokenizer, nanochat.packing, nanochat.token_shards, nanochat.layout, nanochat.stores.
 """
 
 import argparse
@@ -27,15 +29,18 @@ import sys
 import threading
 import time
 from concurrent.futures import ProcessPoolExecutor, as_completed
+from typing import NamedTuple
 
 import numpy as np
 import pyarrow as pa
 from filelock import FileLock, Timeout
 
+from nanochat import stores
 from nanochat.common import get_dist_info
 from nanochat.dataset import (open_parquet, read_jsonl_texts, read_row_group_texts,
                               split_parquet_files)
-from nanochat.files import progress_bar
+from nanochat.download import DownloadError, Limits, download_file, lock_path, record_path
+from nanochat.files import progress_bar, remove_if_exists
 from nanochat.layout import check_kind
 from nanochat.packing import next_cut
 from nanochat.tokenizer import TOKENIZER_FILENAME, RustBPETokenizer, get_tokenizer_dir
@@ -50,6 +55,10 @@ JSONL_SUFFIXES = (".jsonl.gz", ".jsonl")
 TEXTS_PER_BATCH = 1024  # texts per encode call: a parquet row group, and as many jsonl lines
 # what a mixture's buckets must share: it reads all of their ids as one vocabulary
 SHARED_KEYS = ("tokenizer_sha256", "vocab_size", "bos_token_id", "dtype", "convention")
+# a store's shards are downloaded under OUTPUT/.inputs/<split>/[<bucket>/]: hidden, so that no
+# listing of pairs or buckets sees it, and per split and bucket, so that two buckets' shards of one
+# name never meet
+STAGING = ".inputs"
 
 # -----------------------------------------------------------------------------
 # Windowing long documents
@@ -147,13 +156,36 @@ def _expand_jsonl(paths: list[str], flag: str) -> list[str]:
     return files
 
 
+class Job(NamedTuple):
+    """One input to tokenize into one pair."""
+    source: str  # a local file, or a store's address (s3://bucket/prefix/name.parquet, ...)
+    prefix: str  # the pair's path without .bin/.idx
+    staged: str | None = None  # a store's shard: where it is downloaded to before tokenizing
+
+
+def is_store(path: str) -> bool:
+    """Whether an --input is an address (s3://, gs://, az://, hf://; http(s):// is refused), whose
+    shards are downloaded to be read; file:// and plain paths are read in place."""
+    return stores.scheme_of(path) not in ("", "file")
+
+
+def local_input(path: str) -> str:
+    """A plain path for a local --input: "~" expanded, file:///x read as /x; a store's address
+    unchanged."""
+    return stores.path_in_store(path) if stores.scheme_of(path) == "file" else \
+        os.path.expanduser(path)
+
+
 def plan_jobs(inputs: list[str], output: str, val_inputs: list[str] | None = None,
-              bucket: str | None = None) -> list[tuple[str, str]]:
-    """[(input_path, output_prefix), ...]: train inputs, then val inputs, to output/<split>/ (with a
-    bucket: output/<split>/<bucket>/). One --input directory of parquet shards is split by
-    split_parquet_files (its last shard is val); otherwise the inputs are jsonl files or directories
-    of them, all train, with val_inputs going to val."""
-    if len(inputs) == 1 and os.path.isdir(inputs[0]) and any(
+              bucket: str | None = None) -> list[Job]:
+    """[Job(input, output_prefix), ...]: train inputs, then val inputs, to output/<split>/ (with a
+    bucket: output/<split>/<bucket>/). One --input directory of parquet shards, or one store
+    address, is split as on disk (its last shard in sorted order is val); otherwise the inputs are
+    jsonl files or directories of them, all train, with val_inputs going to val."""
+    address = next((p for p in inputs if is_store(p)), None)
+    if address is not None:
+        splits = _store_splits(address, inputs, val_inputs)
+    elif len(inputs) == 1 and os.path.isdir(inputs[0]) and any(
             f.endswith(".parquet") for f in os.listdir(inputs[0])):
         if val_inputs:
             raise ValueError(f"{inputs[0]} is a parquet dataset, whose last shard is val already; "
@@ -170,10 +202,31 @@ def plan_jobs(inputs: list[str], output: str, val_inputs: list[str] | None = Non
         if dupes:
             raise ValueError(f"{split} inputs {dupes} would write the same output pair; rename or "
                              "drop one")
-        directory = os.path.join(output, split) if bucket is None else os.path.join(output, split,
-                                                                                     bucket)
-        jobs += [(p, os.path.join(directory, n)) for p, n in zip(paths, names)]
+        within = split if bucket is None else os.path.join(split, bucket)
+        directory, staging = os.path.join(output, within), os.path.join(output, STAGING, within)
+        jobs += [Job(p, os.path.join(directory, n),
+                     os.path.join(staging, os.path.basename(p)) if address else None)
+                 for p, n in zip(paths, names)]
     return jobs
+
+
+def _store_splits(address: str, inputs: list[str], val_inputs: list[str] | None) -> dict:
+    """{"train": [address, ...], "val": [address]}: the parquet shards the store lists under
+    address, split by the on-disk rule (the last name in sorted order is val)."""
+    if stores.is_http(address):
+        raise ValueError(f"--input {address}: pretokenize reads a local directory or a store "
+                         "(s3://, gs://, az://, hf://); download over HTTP first (python -m "
+                         "nanochat.dataset --base-url URL --data-dir DIR) and pass --input DIR")
+    if len(inputs) > 1 or val_inputs:
+        raise ValueError(f"--input {address} is a store's dataset, whose last shard is val "
+                         "already: pass it alone, without other --input paths or --val-input")
+    stores.check_address(address)
+    names = stores.list_names(address, Limits().timeout)
+    if len(names) < 2:
+        raise FileNotFoundError(f"{address} holds only {names[0]}, the val shard (the last in "
+                                "sorted order), so the train split is empty; add train shards")
+    paths = [stores.join(address, name) for name in names]
+    return {"train": paths[:-1], "val": paths[-1:]}
 
 
 def _read_text_batches(path: str, text_field: str):
@@ -263,24 +316,39 @@ def _exit_with_parent(parent_pid: int) -> None:
     threading.Thread(target=watch, name="nanochat-parent-watch", daemon=True).start()
 
 
-def _run_job(job: tuple[str, str]) -> tuple[str, dict | None, str | None]:
+def _run_job(job: Job) -> tuple[str, dict | None, str | None]:
     return _try_job(_worker_tokenizer, _worker_options, job)
 
 
-def _try_job(tokenizer, options: dict,
-             job: tuple[str, str]) -> tuple[str, dict | None, str | None]:
-    """(input path, counts, None), (input path, None, error message): a bad input fails alone, or
-    (input path, None, None): another run on this output wrote the pair meanwhile."""
-    path, prefix = job
+def _try_job(tokenizer, options: dict, job: Job) -> tuple[str, dict | None, str | None]:
+    """(input, counts, None), (input, None, error message): a bad input fails alone, or
+    (input, None, None): another run on this output wrote the pair meanwhile."""
+    path, prefix, staged = job
     try:
         # no timeout: the holder is a live process writing this pair (the lock ends with it)
         with _pair_lock(prefix):
             # written while we waited; the output is deterministic, so it is the pair we would write
             if os.path.exists(prefix + ".idx"):
+                _unstage(staged)
                 return path, None, None
-            return path, pretokenize_file(tokenizer, path, prefix, **options), None
-    except (ValueError, OSError, EOFError, pa.ArrowException) as e:  # BadGzipFile is an OSError
-        return path, None, f"{type(e).__name__}: {e}"
+            if staged is not None:  # a verified copy (a rerun finds one left by a failed run)
+                download_file(path, staged, progress=False)
+            stats = pretokenize_file(tokenizer, path if staged is None else staged, prefix,
+                                     **options)
+            _unstage(staged)
+            return path, stats, None
+    # BadGzipFile is an OSError, and so is a store's error
+    except (ValueError, OSError, EOFError, pa.ArrowException, DownloadError) as e:
+        return path, None, f"{type(e).__name__}: {stores.redact(str(e))}"
+
+
+def _unstage(staged: str | None) -> None:
+    """Remove a store's shard downloaded for a pair now written: the pair is the product, and a
+    rerun skips it, so the copy would not be read again. Its download lock goes too: only the
+    holder of the pair's lock ever takes it, so nobody can be waiting on it."""
+    if staged is not None:
+        for path in (staged, record_path(staged), lock_path(staged)):
+            remove_if_exists(path)
 
 
 def _settings(tokenizer, tokenizer_dir: str, max_length: int | None, overlap: int,
@@ -447,8 +515,10 @@ def _parser() -> argparse.ArgumentParser:
                     "per input, under OUTPUT/train and OUTPUT/val. Rerun to resume: complete pairs "
                     "are skipped.")
     parser.add_argument("--input", nargs="+", required=True,
-                        help="a parquet dataset directory (last shard = val), or .jsonl/.jsonl.gz "
-                             "files or directories of them (all train)")
+                        help="a parquet dataset directory or a store's address "
+                             "(s3://bucket/prefix, gs://, az://, hf://datasets/owner/name/folder, "
+                             "file://; last shard = val), or .jsonl/.jsonl.gz files or directories "
+                             "of them (all train)")
     parser.add_argument("--val-input", nargs="+", default=None,
                         help="jsonl files or directories for val/")
     parser.add_argument("--output", required=True,
@@ -504,9 +574,9 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--bucket must be a directory name (no '/'), got {args.bucket!r}")
     # "~" works in every path, also where no shell expanded it (--output=~/x, a subprocess's
     # argument list)
-    args.input = [os.path.expanduser(p) for p in args.input]
+    args.input = [local_input(p) for p in args.input]
     args.val_input = (None if args.val_input is None
-                      else [os.path.expanduser(p) for p in args.val_input])
+                      else [local_input(p) for p in args.val_input])
     args.output = os.path.expanduser(args.output)
     args.tokenizer_dir = (None if args.tokenizer_dir is None
                           else os.path.expanduser(args.tokenizer_dir))
@@ -536,14 +606,14 @@ def main(argv: list[str] | None = None) -> int:
     # bucket's vocabulary.
     home = args.output if args.bucket is None else os.path.join(args.output, "train", args.bucket)
     settings_dirs = ([args.output] if args.bucket is None
-                     else sorted({os.path.dirname(p) for _, p in all_jobs}))
+                     else sorted({os.path.dirname(job.prefix) for job in all_jobs}))
     if args.bucket is not None:
         _check_other_buckets(args.output, args.bucket, settings)
     # a second run of this rank would write the same pairs: refused (the lock is taken after every
     # check, so a mistyped command never waits for it). Other runs on this output (a plain run
     # beside ranks) may still share a pair: _pair_lock keeps its writers apart
     with _output_lock(home, rank, world_size, args.lock_timeout):
-        todo = [job for job in mine if not os.path.exists(job[1] + ".idx")]  # .idx: a whole pair
+        todo = [job for job in mine if not os.path.exists(job.prefix + ".idx")]  # a whole pair
         skipped = len(mine) - len(todo)
         _check_or_write_settings(settings_dirs, settings,
                                  "a new --output directory" if args.bucket is None
@@ -596,6 +666,7 @@ if __name__ == "__main__":
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         sys.exit(main())
-    except (ValueError, OSError) as e:  # FileNotFoundError is an OSError; one line, not a traceback
+    # FileNotFoundError and a store's error are OSErrors; a store's missing package is one line too
+    except (ValueError, OSError, stores.MissingExtra) as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)

@@ -7,14 +7,16 @@ against fetching them all first, on one corpus in one run (about a minute on 2 c
     python -m scripts.bench_streaming --step-ms 0       # no training step: the loader's top pace
 
 It serves shards of scripts/demo.py's corpus from nanochat/serve.py on 127.0.0.1 at each
-link rate; each batch is followed by a simulated training step (--step-ms). Per rate: fetch all,
-then train; and stream=True into an empty cache with cache_limit = --cache-shards x the largest
-shard. For each it prints the time to the first batch, next()'s waits after it, the rate shards
-were consumed at and the peak disk use, and checks the batches equal the on-disk loader's. Speed
-is a measurement here, never a test assertion; docs/benchmarks.md has the figures.
+link rate, and (unless --no-s3) from an S3 API: moto's server on 127.0.0.1, unthrottled, as the
+tests start it (the dev extras). Each batch is followed by a simulated training step (--step-ms).
+Per link: fetch all, then train; and stream=True into an empty cache with cache_limit =
+--cache-shards x the largest shard. Each prints the time to the first batch, next()'s waits after
+it, the rate shards were consumed at and the peak disk use, and checks the batches equal the
+on-disk loader's. Speed is a measurement, never a test assertion; docs/benchmarks.md has figures.
 """
 
 import argparse
+import contextlib
 import hashlib
 import os
 import shutil
@@ -25,6 +27,7 @@ import time
 
 import pyarrow.parquet as pq
 
+from nanochat import stores
 from nanochat.dataloader import tokenizing_distributed_data_loader_with_state_bos_bestfit
 from nanochat.dataset import download_shards, get_dataset
 from nanochat.tokenizer import RustBPETokenizer
@@ -122,39 +125,93 @@ def run_loader(tokenizer, args, data_dir: str, num_batches: int, step_s: float,
     return result
 
 
+def both_runs(base_url: str, fetched, tokenizer, args, work: str, step_s: float,
+              cache_limit: int) -> dict:
+    """Fetch all then train, and stream=True, from base_url; fetched() lists the shards the source
+    has sent whole so far, in order."""
+    # a dataset's directory name: streamed_split reads its val index from it
+    subdir = get_dataset().subdir
+    fetched_dir = os.path.join(work, "fetched", subdir)
+    t0 = time.perf_counter()
+    indices = list(range(args.shards)) + [get_dataset().max_shard]  # -n N fetches val too
+    failed = download_shards(indices, fetched_dir, base_url=base_url, progress=False)
+    if failed:
+        raise RuntimeError(f"could not fetch shards {failed} from {base_url}")
+    download_s = time.perf_counter() - t0
+    fetch_all = run_loader(tokenizer, args, fetched_dir, args.batches, step_s, t_start=t0)
+    fetch_all |= {"download_s": download_s, "disk_bytes": shard_bytes(fetched_dir)}
+    shutil.rmtree(os.path.dirname(fetched_dir))
+
+    cache_dir = os.path.join(work, "stream", subdir)
+    sampler, before = DiskSampler(cache_dir), len(fetched())
+    try:
+        stream = run_loader(tokenizer, args, cache_dir, args.batches, step_s, stream=True,
+                            cache_limit=cache_limit, prefetch_shards=args.prefetch_shards,
+                            num_shards=args.shards, base_url=base_url)
+    finally:
+        peak = sampler.stop()
+    stream |= {"disk_bytes": peak, "gets": fetched()[before:]}
+    shutil.rmtree(os.path.dirname(cache_dir))
+    return {"fetch_all": fetch_all, "stream": stream}
+
+
 def link_rate_run(
     hosted: str, rate: float, tokenizer, args, work: str, step_s: float, cache_limit: int
 ) -> dict:
     """Both runs against one server throttled to `rate` bytes/s: fetch all then train, and
     stream=True."""
     server = ShardServer(hosted, rate=rate)
-    # a dataset's directory name: streamed_split reads its val index from it
-    subdir = get_dataset().subdir
     try:
-        fetched_dir = os.path.join(work, "fetched", subdir)
-        t0 = time.perf_counter()
-        indices = list(range(args.shards)) + [get_dataset().max_shard]  # -n N fetches val too
-        failed = download_shards(indices, fetched_dir, base_url=server.url, progress=False)
-        if failed:
-            raise RuntimeError(f"could not fetch shards {failed} from {server.url}")
-        download_s = time.perf_counter() - t0
-        fetch_all = run_loader(tokenizer, args, fetched_dir, args.batches, step_s, t_start=t0)
-        fetch_all |= {"download_s": download_s, "disk_bytes": shard_bytes(fetched_dir)}
-        shutil.rmtree(os.path.dirname(fetched_dir))
-
-        cache_dir = os.path.join(work, "stream", subdir)
-        sampler, before = DiskSampler(cache_dir), len(server.fetched())
-        try:
-            stream = run_loader(tokenizer, args, cache_dir, args.batches, step_s, stream=True,
-                                cache_limit=cache_limit, prefetch_shards=args.prefetch_shards,
-                                num_shards=args.shards, base_url=server.url)
-        finally:
-            peak = sampler.stop()
-        stream |= {"disk_bytes": peak, "gets": server.fetched()[before:]}
-        shutil.rmtree(os.path.dirname(cache_dir))
+        return both_runs(server.url, server.fetched, tokenizer, args, work, step_s, cache_limit)
     finally:
         server.close()
-    return {"fetch_all": fetch_all, "stream": stream}
+
+
+@contextlib.contextmanager
+def aws_environment(endpoint: str):
+    """AWS clients pointed at endpoint with the test server's credentials (no ~/.aws, no instance
+    role), the environment restored after; nanochat.stores forgets its filesystems each way."""
+    saved = {name: value for name, value in os.environ.items() if name.startswith("AWS_")}
+    for name in saved:
+        del os.environ[name]
+    os.environ.update({"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
+                       "AWS_DEFAULT_REGION": "us-east-1", "AWS_ENDPOINT_URL": endpoint,
+                       "AWS_EC2_METADATA_DISABLED": "true", "AWS_CONFIG_FILE": os.devnull,
+                       "AWS_SHARED_CREDENTIALS_FILE": os.devnull})
+    stores.forget_filesystems()
+    try:
+        yield
+    finally:
+        for name in [name for name in os.environ if name.startswith("AWS_")]:
+            del os.environ[name]
+        os.environ.update(saved)
+        stores.forget_filesystems()
+
+
+def s3_run(hosted: str, tokenizer, args, work: str, step_s: float, cache_limit: int) -> dict:
+    """Both runs against moto's S3 server on 127.0.0.1, the shards uploaded to a fresh bucket.
+    The loader reaches it through tests/s3_server.py's FaultProxy with no fault set: a
+    pass-through whose request log says which shards were fetched (a GET from byte 0)."""
+    from tests.s3_server import FaultProxy, S3Bucket, S3Server  # the dev extras
+
+    with S3Server() as server:
+        bucket, proxy = S3Bucket(server.endpoint), FaultProxy(server.endpoint)
+        try:
+            bucket.upload_dir(hosted, "shards")
+
+            def fetched() -> list[str]:
+                return [os.path.basename(seen.path.split("?")[0]) for seen in proxy.seen()
+                        if seen.method == "GET" and seen.path.split("?")[0].endswith(".parquet")
+                        and (seen.range is None or seen.range.startswith("bytes=0-"))]
+
+            with aws_environment(proxy.endpoint):
+                runs = both_runs(bucket.url("shards"), fetched, tokenizer, args, work, step_s,
+                                 cache_limit)
+        finally:
+            proxy.close()
+    total = shard_bytes(hosted)
+    runs["rate"] = total / runs["fetch_all"]["download_s"]  # what the fetch-all download reached
+    return runs
 
 
 # -----------------------------------------------------------------------------
@@ -184,6 +241,8 @@ def parse_args(argv=None):
     parser.add_argument("--prefetch-shards", type=int, default=2,
                         help="the loader's prefetch_shards (default: 2)")
     parser.add_argument("--seed", type=int, default=0, help="corpus seed (default: 0)")
+    parser.add_argument("--no-s3", action="store_true",
+                        help="skip the run against moto's S3 server (it needs the dev extras)")
     args = parser.parse_args(argv)
     for name in ("shards", "docs_per_shard", "batches", "B", "T"):
         if getattr(args, name) < 1:
@@ -237,13 +296,18 @@ def main(argv=None) -> int:
               f"prefetch_shards {args.prefetch_shards}")
 
         work = os.path.join(tmp, "runs")
-        results = [(rate, link_rate_run(hosted, rate * 1e6, tokenizer, args, work, step_s,
-                                        cache_limit))
+        results = [(f"link {rate:g} MB/s", rate,
+                    link_rate_run(hosted, rate * 1e6, tokenizer, args, work, step_s, cache_limit))
                    for rate in args.rates]
+        if not args.no_s3:
+            runs = s3_run(hosted, tokenizer, args, work, step_s, cache_limit)
+            results.append((f"S3 API (moto_server on 127.0.0.1, unthrottled: the fetch-all "
+                            f"download reached {runs['rate'] / 1e6:.0f} MB/s)",
+                            runs["rate"] / 1e6, runs))
 
     same = True
-    for rate, runs in results:
-        print(f"\nlink {rate:g} MB/s")
+    for title, rate, runs in results:
+        print(f"\n{title}")
         print(f"  {'':22s} {'first batch':>11s} {'last batch':>10s} "
               f"{'next() waited after the first':>30s} {'consumed':>10s}   peak disk")
         for name, label in (("fetch_all", "fetch all, then train"), ("stream", "stream=True")):
