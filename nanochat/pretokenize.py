@@ -37,7 +37,7 @@ from filelock import FileLock, Timeout
 
 from nanochat import stores
 from nanochat.common import get_dist_info
-from nanochat.dataset import (open_parquet, read_jsonl_texts, read_row_group_texts,
+from nanochat.dataset import (open_parquet, read_jsonl_texts, read_listing, read_row_group_texts,
                               split_parquet_files)
 from nanochat.download import DownloadError, Limits, download_file, lock_path, record_path
 from nanochat.files import progress_bar, remove_if_exists
@@ -221,10 +221,7 @@ def _store_splits(address: str, inputs: list[str], val_inputs: list[str] | None)
         raise ValueError(f"--input {address} is a store's dataset, whose last shard is val "
                          "already: pass it alone, without other --input paths or --val-input")
     stores.check_address(address)
-    names = stores.list_names(address, Limits().timeout)
-    if len(names) < 2:
-        raise FileNotFoundError(f"{address} holds only {names[0]}, the val shard (the last in "
-                                "sorted order), so the train split is empty; add train shards")
+    names = read_listing(address, Limits())  # retried while the store asks to slow down
     paths = [stores.join(address, name) for name in names]
     return {"train": paths[:-1], "val": paths[-1:]}
 
@@ -664,6 +661,7 @@ def main(argv: list[str] | None = None) -> int:
 if __name__ == "__main__":
     logging.basicConfig(level=logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    stores.quiet_clients()
     try:
         sys.exit(main())
     # FileNotFoundError and a store's error are OSErrors; a store's missing package is one line too

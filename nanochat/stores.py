@@ -116,8 +116,10 @@ def check_address(address: str) -> None:
         return
     store = store_of(address)
     if scheme and scheme != "file" and not address[len(scheme) + 3:].strip("/"):
-        raise ValueError(f"{address!r} names no {store.name} bucket or repository, e.g. "
-                         f"{scheme}://bucket/prefix; fix --base-url or NANOCHAT_DATA_URL")
+        example = ("hf://datasets/owner/name/folder" if scheme == "hf"
+                   else f"{scheme}://bucket/prefix")
+        raise ValueError(f"{address!r} names no bucket or repository of {store.name}, e.g. "
+                         f"{example}; fix --base-url or NANOCHAT_DATA_URL")
 
 
 def path_in_store(address: str) -> str:

@@ -215,7 +215,8 @@ def test_a_missing_extra_is_one_line_with_the_pip_install(tmp_path):
 
 
 @pytest.mark.parametrize("address, words", [
-    ("s3://", "names no S3 bucket"), ("gs:///", "names no GCS bucket"),
+    ("s3://", "names no bucket or repository of S3"),
+    ("gs:///", "names no bucket or repository of GCS"),
     ("ftp://x", "must start with http:// or https:// or be a store's address"),
     ("http://", "must start with http:// or https://")])
 def test_a_bad_address_is_a_value_error_up_front(tmp_path, address, words):

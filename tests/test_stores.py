@@ -59,8 +59,10 @@ def test_check_address_accepts(address):
 
 @pytest.mark.parametrize("address, words", [
     ("ftp://host/x", "unknown address 'ftp://host/x'"),
-    ("s3://", "names no S3 bucket"), ("s3:///", "names no S3 bucket"),
-    ("gs://", "names no GCS bucket"), ("hf://", "names no"),
+    ("s3://", "names no bucket or repository of S3"),
+    ("s3:///", "names no bucket or repository of S3"),
+    ("gs://", "names no bucket or repository of GCS"),
+    ("hf://", "e.g. hf://datasets/owner/name/folder"),
     ("", "must be a non-empty string"), (None, "must be a non-empty string"),
     ("https:///path", "names no host")])
 def test_check_address_refuses(address, words):
