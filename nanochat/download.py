@@ -847,27 +847,39 @@ def _install(tmp: str, path: str, record: dict) -> None:
     remove_if_exists(record_path(tmp))
 
 
-def _crc32c():
-    """crc32c(data, value) -> value from google_crc32c or crc32c when one is installed (GCS states
-    crc32c); None: not checked."""
-    for name in ("google_crc32c", "crc32c"):
-        if importlib.util.find_spec(name) is not None:
-            module = importlib.import_module(name)
-            if name == "google_crc32c":
-                return lambda data, value: module.extend(value, data)
-            return lambda data, value: module.crc32c(data, value)
+# the CRCs a store may state that the standard library lacks: (module, how to extend a value), in
+# order of preference; none installed: the CRC is not checked (and not counted as checked)
+_OPTIONAL_CRCS = {
+    "crc32c": (("google_crc32c", lambda m, data, value: m.extend(value, data)),
+               ("crc32c", lambda m, data, value: m.crc32c(data, value)),
+               ("awscrt.checksums", lambda m, data, value: m.crc32c(data, value))),
+    "crc64nvme": (("awscrt.checksums", lambda m, data, value: m.crc64nvme(data, value)),)}
+_CRC_PACKAGES = {"crc32c": "google-crc32c", "crc64nvme": "awscrt"}
+
+
+def _optional_crc(name: str):
+    """update(data, value) -> value for a CRC of _OPTIONAL_CRCS, or None when no module for it is
+    installed."""
+    for module_name, extend in _OPTIONAL_CRCS[name]:
+        try:
+            module = importlib.import_module(module_name)
+        except ImportError:
+            continue
+        return lambda data, value: extend(module, data, value)
     return None
 
 
 def _digests(path: str, stated: dict) -> dict:
     """{"sha256": hex} of path, with each hash named in stated that we can compute (md5, sha1,
-    sha256 hex; crc32, crc32c int), all in one read of the file."""
+    sha256 hex; crc32, crc32c, crc64nvme int), all in one read of the file."""
     hashers = {"sha256": hashlib.sha256()}
     hashers |= {name: hashlib.new(name, usedforsecurity=False) for name in ("md5", "sha1")
                 if name in stated}
     crcs = {"crc32": lambda data, value: zlib.crc32(data, value)} if "crc32" in stated else {}
-    if "crc32c" in stated and _crc32c() is not None:
-        crcs["crc32c"] = _crc32c()
+    for name in _OPTIONAL_CRCS:
+        update = _optional_crc(name) if name in stated else None
+        if update is not None:
+            crcs[name] = update
     values = dict.fromkeys(crcs, 0)
     with open(path, "rb") as f:
         while chunk := f.read(1024 * 1024):
@@ -888,8 +900,8 @@ def _check_stated(tmp: str, record: dict, digests: dict) -> list[str]:
     matched = []
     for name, want in sorted(record["hashes"].items()):
         if name not in digests:
-            logger.info("%s: %s stated by the store not checked (pip install google-crc32c)",
-                        tmp, name)
+            logger.info("%s: %s stated by the store not checked (pip install %s)", tmp, name,
+                        _CRC_PACKAGES.get(name, "its package"))
             continue
         if digests[name] != want:
             raise BadFileError(f"{name} mismatch",

@@ -16,6 +16,7 @@ import importlib
 import logging
 import os
 import re
+import threading
 import urllib.parse
 from dataclasses import dataclass, field
 
@@ -115,6 +116,13 @@ def check_address(address: str) -> None:
                              "NANOCHAT_DATA_URL")
         return
     store = store_of(address)
+    if scheme == "file" and not address[len("file://"):].strip("/"):
+        raise ValueError(f"{address!r} names no directory, e.g. file:///data/shards; fix "
+                         "--base-url or NANOCHAT_DATA_URL")
+    if scheme == "hf" and len(address[len("hf://"):].strip("/").split("/")) < (
+            3 if address[len("hf://"):].startswith(("datasets/", "spaces/")) else 2):
+        raise ValueError(f"{address!r} names no repository of the Hugging Face hub, e.g. "
+                         "hf://datasets/owner/name/folder; fix --base-url or NANOCHAT_DATA_URL")
     if scheme and scheme != "file" and not address[len(scheme) + 3:].strip("/"):
         example = ("hf://datasets/owner/name/folder" if scheme == "hf"
                    else f"{scheme}://bucket/prefix")
@@ -145,6 +153,7 @@ def is_local(address: str) -> bool:
 # Filesystems: one per (store, timeout), made on first use
 
 _FILESYSTEMS: dict = {}
+_FILESYSTEMS_LOCK = threading.Lock()
 
 
 def _import(store: Store):
@@ -156,23 +165,30 @@ def _import(store: Store):
 
 
 def filesystem(address: str, timeout: float):
-    """The fsspec filesystem for address's store. Each call it makes is one request (the store's
-    own retries are off: the caller retries with its backoff and logs each try)."""
+    """The fsspec filesystem for address's store. S3's makes one request a call (s3fs's and
+    botocore's retries off: the caller retries with its backoff and logs each try); GCS's, Azure's
+    and the hub's clients may retry within a call, which the call's bound still ends (the hub's:
+    its own request timeouts, its client being synchronous)."""
     store = store_of(address)
     # a forked process makes its own: a client's connections and event loop stay with its parent
     key = (store.protocol, timeout, os.getpid())
-    if key not in _FILESYSTEMS:
-        _import(store)
-        fsspec = importlib.import_module("fsspec")
-        options = {"use_listings_cache": False}  # a listing or a version is always asked afresh
-        if store.protocol == "s3":  # botocore's timeouts and one attempt per call
-            options["config_kwargs"] = {"connect_timeout": timeout, "read_timeout": timeout,
-                                        "retries": {"total_max_attempts": 1}}
-        fs = fsspec.filesystem(store.protocol, skip_instance_cache=True, **options)
-        if store.protocol == "s3":
-            fs.retries = 1  # s3fs's own retry loop: one try
-        _FILESYSTEMS[key] = fs
-    return _FILESYSTEMS[key]
+    with _FILESYSTEMS_LOCK:  # (download threads start together: one client, not four)
+        if key not in _FILESYSTEMS:
+            _FILESYSTEMS[key] = _make_filesystem(store, timeout)
+        return _FILESYSTEMS[key]
+
+
+def _make_filesystem(store: Store, timeout: float):
+    _import(store)
+    fsspec = importlib.import_module("fsspec")
+    options = {"use_listings_cache": False}  # a listing or a version is always asked afresh
+    if store.protocol == "s3":  # botocore's timeouts and one attempt per call
+        options["config_kwargs"] = {"connect_timeout": timeout, "read_timeout": timeout,
+                                    "retries": {"total_max_attempts": 1}}
+    fs = fsspec.filesystem(store.protocol, skip_instance_cache=True, **options)
+    if store.protocol == "s3":
+        fs.retries = 1  # s3fs's own retry loop: one try
+    return fs
 
 
 def quiet_clients() -> None:
@@ -206,10 +222,15 @@ _SECRET_NAME = re.compile(r"KEY|SECRET|TOKEN|PASSWORD|CREDENTIAL|SAS|CONNECTION_
 THROTTLED = ("SlowDown", "reduce your request rate", "Throttl", "TooManyRequests", "429", "503")
 
 
+# values that name no secret, whatever the variable (TOKENIZERS_PARALLELISM=false)
+_PLAIN_VALUES = {"true", "false", "yes", "no", "on", "off", "none", "null"}
+
+
 def redact(text: str) -> str:
     """text with the value of every secret-looking environment variable replaced by ***."""
     for name, value in os.environ.items():
-        if _SECRET_NAME.search(name.upper()) and len(value) >= 4:
+        if (_SECRET_NAME.search(name.upper()) and len(value) >= 4
+                and value.lower() not in _PLAIN_VALUES and not value.isdigit()):
             text = text.replace(value, "***")
     return text
 
@@ -253,8 +274,9 @@ def _guarded(address: str, work):
 
 
 def _b64_hex(value) -> str | None:
+    """The hex of a base64 digest; None for anything else (a composite checksum ends in -N)."""
     try:
-        return base64.b64decode(value).hex()
+        return base64.b64decode(value, validate=True).hex()
     except (ValueError, TypeError):
         return None
 
@@ -267,10 +289,13 @@ def stated_hashes(protocol: str, info: dict) -> dict:
     hashes = {}
     if protocol == "s3":
         etag = str(info.get("ETag", "")).strip('"')
-        if re.fullmatch(r"[0-9a-f]{32}", etag):
+        # encrypted with KMS or a customer's key, even a single-part object's ETag is no md5
+        encrypted = (str(info.get("ServerSideEncryption", "")).startswith("aws:kms")
+                     or info.get("SSECustomerAlgorithm"))
+        if re.fullmatch(r"[0-9a-f]{32}", etag) and not encrypted:
             hashes["md5"] = etag
         if info.get("ChecksumType", "FULL_OBJECT") == "FULL_OBJECT":  # COMPOSITE: of parts
-            for name in ("CRC32", "CRC32C", "SHA1", "SHA256"):
+            for name in ("CRC32", "CRC32C", "CRC64NVME", "SHA1", "SHA256"):
                 value = _b64_hex(info.get(f"Checksum{name}")) if info.get(f"Checksum{name}") \
                     else None
                 if value is not None:
@@ -293,7 +318,9 @@ def stated_hashes(protocol: str, info: dict) -> dict:
 
 def _version(protocol: str, info: dict) -> str | None:
     """What changes when the object is replaced."""
-    for key in ("generation", "VersionId", "ETag", "etag", "blob_id"):
+    if protocol == "s3":  # (a bucket with versioning suspended states VersionId "null")
+        return f"ETag:{info.get('ETag')}:VersionId:{info.get('VersionId')}"
+    for key in ("generation", "etag", "blob_id"):
         if info.get(key):
             return f"{key}:{info[key]}"
     if protocol == "hf" and (info.get("lfs") or {}).get("sha256"):
@@ -306,12 +333,11 @@ def _version(protocol: str, info: dict) -> str | None:
 def stat(address: str, timeout: float, *, within: float | None = None) -> ObjectInfo:
     """Size, version and stated hashes of the object at address (StoreError: "not found", ...).
     timeout bounds each wait for the store; within (default: timeout) the whole call."""
-    fs, path = filesystem(address, timeout), path_in_store(address)
+    path, protocol = path_in_store(address), store_of(address).protocol
     within = timeout if within is None else within
 
-    protocol = store_of(address).protocol
-
     def work():
+        fs = filesystem(address, timeout)  # (inside: a client that cannot be made says why)
         if protocol == "s3" and "/" in path:  # HeadObject states the checksums only when asked
             bucket, key = path.split("/", 1)
             head = _call(fs, "call_s3", "head_object", Bucket=bucket, Key=key,
@@ -331,24 +357,23 @@ def read_range(address: str, start: int, end: int, timeout: float, *,
     """Bytes [start, end) of the object at address. timeout bounds each wait for the store (the
     filesystem is made once per timeout); within (default: timeout) the whole call, which a large
     range at a low rate may need to be longer."""
-    fs, path = filesystem(address, timeout), path_in_store(address)
     within = timeout if within is None else within
-    return _guarded(address, lambda: _call(fs, "cat_file", path, start=start, end=end,
+    return _guarded(address, lambda: _call(filesystem(address, timeout), "cat_file",
+                                           path_in_store(address), start=start, end=end,
                                            timeout=within))
 
 
 def list_names(base: str, timeout: float) -> list[str]:
     """The sorted names of the parquet files directly under base (StoreError "not found" when
     base holds none or does not exist)."""
-    fs, path = filesystem(base, timeout), path_in_store(base)
-
     def work():
-        entries = _call(fs, "ls", path, detail=True, timeout=timeout)
+        entries = _call(filesystem(base, timeout), "ls", path_in_store(base), detail=True,
+                        timeout=timeout)
         return sorted(os.path.basename(e["name"].rstrip("/")) for e in entries
                       if e.get("type") != "directory" and e["name"].endswith(".parquet"))
 
     names = _guarded(base, work)
     if not names:
-        raise StoreError("not found", f"{base} holds no .parquet files; check the bucket and the "
-                                      "prefix (--base-url, NANOCHAT_DATA_URL)", False)
+        raise StoreError("not found", f"{redact(base)} holds no .parquet files; check the bucket "
+                                      "and the prefix (--base-url, NANOCHAT_DATA_URL)", False)
     return names

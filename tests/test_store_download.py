@@ -176,7 +176,7 @@ def test_a_stated_crc32c_without_its_package_is_skipped_not_counted(bucket, tmp_
     real = stores.stat
     monkeypatch.setattr(stores, "stat", lambda address, timeout, **kwargs: stores.ObjectInfo(
         len(body), real(address, timeout, **kwargs).version, {"crc32c": 12345}))
-    monkeypatch.setattr(download, "_crc32c", lambda: None)  # neither package installed
+    monkeypatch.setattr(download, "_optional_crc", lambda name: None)  # no package installed
     dest = tmp_path / "out" / "shard_00000.parquet"
     download.download_file(bucket.url(KEY), str(dest), FAST)
     assert _read(dest) == body
@@ -185,6 +185,46 @@ def test_a_stated_crc32c_without_its_package_is_skipped_not_counted(bucket, tmp_
     # nothing stated was checked: every page was read, and no hash is claimed
     assert record["stated_hashes"] == [] and record["pages_checked"] is True
     assert download.stated_check(str(dest)) is None
+
+
+def _crc32c_bitwise(data: bytes, crc: int = 0) -> int:
+    """CRC-32C (Castagnoli, reflected 0x82F63B78), one bit at a time: slow and plainly right."""
+    crc ^= 0xFFFFFFFF
+    for byte in data:
+        crc ^= byte
+        for _ in range(8):
+            crc = (crc >> 1) ^ (0x82F63B78 if crc & 1 else 0)
+    return crc ^ 0xFFFFFFFF
+
+
+class _FakeGoogleCrc32c:
+    """google_crc32c's one call we use, extend(value, data), computed bit by bit."""
+
+    @staticmethod
+    def extend(value: int, data: bytes) -> int:
+        return _crc32c_bitwise(data, value)
+
+
+@pytest.mark.parametrize("right", [True, False])
+def test_a_stated_crc32c_is_checked_when_its_package_is_there(bucket, tmp_path, monkeypatch,
+                                                              right):
+    body = _put_shard(bucket, tmp_path)
+    assert _crc32c_bitwise(b"123456789") == 0xE3069283  # the standard check value
+    stated = _crc32c_bitwise(body) if right else _crc32c_bitwise(body) ^ 1
+    real = stores.stat
+    monkeypatch.setattr(stores, "stat", lambda address, timeout, **kwargs: stores.ObjectInfo(
+        len(body), real(address, timeout, **kwargs).version, {"crc32c": stated}))
+    monkeypatch.setitem(sys.modules, "google_crc32c", _FakeGoogleCrc32c)
+    dest = tmp_path / "out" / "shard_00000.parquet"
+    if right:
+        download.download_file(bucket.url(KEY), str(dest), FAST)
+        assert _read(dest) == body and download.stated_check(str(dest)) == "crc32c"
+    else:
+        with pytest.raises(download.DownloadError) as caught:
+            download.download_file(bucket.url(KEY), str(dest), FAST)
+        assert caught.value.reason == "crc32c mismatch"
+        assert f"crc32c {_crc32c_bitwise(body):08x}" in str(caught.value)
+        assert not dest.exists() and _no_temp(dest)
 
 
 # -----------------------------------------------------------------------------

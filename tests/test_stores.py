@@ -63,6 +63,8 @@ def test_check_address_accepts(address):
     ("s3:///", "names no bucket or repository of S3"),
     ("gs://", "names no bucket or repository of GCS"),
     ("hf://", "e.g. hf://datasets/owner/name/folder"),
+    ("hf://datasets/owner", "names no repository of the Hugging Face hub"),
+    ("file://", "names no directory"),
     ("", "must be a non-empty string"), (None, "must be a non-empty string"),
     ("https:///path", "names no host")])
 def test_check_address_refuses(address, words):
@@ -143,6 +145,17 @@ def test_s3_hashes():
                  "ChecksumType": "COMPOSITE"}
     assert stores.stated_hashes("s3", multipart) == {}
     assert stores.stated_hashes("s3", {"ETag": f'"{md5}-3"'}) == {}
+    # a composite checksum from a service that states no ChecksumType: not a whole-object CRC
+    assert stores.stated_hashes("s3", {"ChecksumCRC32": b64(crc.to_bytes(4, "big")) + "-2"}) == {}
+    # encrypted with KMS or a customer's key: the ETag is no md5, though it looks like one
+    assert stores.stated_hashes("s3", {"ETag": f'"{md5}"', "ServerSideEncryption": "aws:kms"}) == {}
+    assert stores.stated_hashes("s3", {"ETag": f'"{md5}"', "SSECustomerAlgorithm": "AES256"}) == {}
+    assert stores.stated_hashes("s3", {"ETag": f'"{md5}"', "ServerSideEncryption": "AES256"}) == {
+        "md5": md5}
+    # S3's default checksum for new objects
+    nvme = 0x1234_5678_9ABC_DEF0
+    assert stores.stated_hashes("s3", {"ChecksumCRC64NVME": b64(nvme.to_bytes(8, "big"))}) == {
+        "crc64nvme": nvme}
 
 
 def test_gcs_azure_and_hub_hashes():
@@ -175,6 +188,9 @@ def test_redact_hides_secret_values(monkeypatch):
     error = stores.store_error(ConnectionError("refused for wJalrXUtnFEMI-example-secret"),
                                "s3://public-bucket/p")
     assert "wJalrXUtnFEMI-example-secret" not in str(error) and "***" in str(error)
+    # a setting of a secret-sounding name is no secret: "false" stays readable everywhere
+    monkeypatch.setenv("TOKENIZERS_PARALLELISM", "false")
+    assert stores.redact("retry: false") == "retry: false"
 
 
 class NoCredentialsError(Exception):
