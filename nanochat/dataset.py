@@ -321,7 +321,9 @@ def read_listing(base_url: str, limits: Limits) -> list[str] | None:
 
 def _store_listing(base_url: str, limits: Limits) -> list[str]:
     """The parquet names directly under a store's address (stores.list_names), retried with the
-    download limits' backoff while the store says a retry can help; then a ConnectionError."""
+    download limits' backoff while the store says a retry can help, within their deadline; then a
+    ConnectionError. One a retry cannot help (not found, no credentials) is raised as it is."""
+    deadline = time.monotonic() + limits.deadline
     for attempt in range(1, limits.max_attempts + 1):
         try:
             names = stores.list_names(base_url, limits.timeout)
@@ -329,10 +331,10 @@ def _store_listing(base_url: str, limits: Limits) -> list[str]:
         except stores.StoreError as e:
             if not e.retry:
                 raise
-            if attempt == limits.max_attempts:
+            wait = limits.backoff_base * 2 ** (attempt - 1)
+            if attempt == limits.max_attempts or time.monotonic() + wait > deadline:
                 raise ConnectionError(f"could not list the shards in {shown(base_url)}: {e}; "
                                       f"gave up after {attempt} attempts") from None
-            wait = limits.backoff_base * 2 ** (attempt - 1)
             logger.warning("listing %s, attempt %d/%d: %s; retrying in %gs", shown(base_url),
                            attempt, limits.max_attempts, e, wait)
             time.sleep(wait)
@@ -783,6 +785,7 @@ def _download_main(argv: list[str]) -> int:
     data_dir = os.path.expanduser(args.data_dir) if args.data_dir else get_data_dir(spec.name)
     if args.verify:
         source = args.base_url or get_base_url(spec.name)
+        check_base_url(source)  # a mistyped address says so, rather than a fix for another
         return _verify_main(spec, data_dir, args.num_workers, source)
     base_url = args.base_url or get_base_url(spec.name)
     check_source(base_url, data_dir)
@@ -869,7 +872,7 @@ def _verify_main(spec: DatasetSpec, data_dir: str, num_workers: int, base_url: s
     print("\n".join(summarize({os.path.basename(p): e.reason for p, e in bad.items()})))
     for path, error in list(bad.items())[:3]:  # the full messages of a few, for the log
         logger.info("%s", error)
-    if _is_store(base_url):
+    if not stores.is_http(base_url):
         return _store_fix(paths, data_dir, base_url)
     # only a shard of the dataset is fetched again: named like its shards, and either in its own
     # directory (nanochat's downloader writes no .json record) or with our downloader's record.
@@ -894,15 +897,6 @@ def _verify_main(spec: DatasetSpec, data_dir: str, num_workers: int, base_url: s
               "(python -m nanochat.dataset repackage INPUTS --out NEW_DIR, a directory without "
               "parquet files) or delete them")
     return 1
-
-
-def _is_store(base_url: str) -> bool:
-    """Whether base_url is a store's address (not http, and well formed)."""
-    try:
-        check_base_url(base_url)
-    except ValueError:
-        return False
-    return not stores.is_http(base_url)
 
 
 def _store_fix(paths: list[str], data_dir: str, base_url: str) -> int:

@@ -224,6 +224,7 @@ def test_a_bad_address_is_a_value_error_up_front(tmp_path, address, words):
     for call in (lambda: download_shards([0], data_dir, address),
                  lambda: download_single_file(0, data_dir, address),
                  lambda: main(["-n", "1", "--base-url", address, "--data-dir", data_dir]),
+                 lambda: main(["--verify", "--base-url", address, "--data-dir", data_dir]),
                  lambda: streamed_split("train", data_dir, base_url=address)):
         with pytest.raises(ValueError, match=words):
             call()

@@ -47,24 +47,25 @@ def _no_secret_shown(caplog, capsys):
     assert SECRET not in caplog.text + out + err
 
 
-@pytest.fixture
-def bucket(s3, monkeypatch, caplog, capsys):
-    """The `s3` bucket, with SECRET as the secret key; afterwards nothing showed it."""
+def _with_secret(bucket, monkeypatch, caplog, capsys):
+    """bucket, with SECRET as the secret key; afterwards nothing showed it."""
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", SECRET)
     stores.forget_filesystems()
     caplog.set_level(logging.DEBUG, logger="nanochat")
-    yield s3
+    yield bucket
     _no_secret_shown(caplog, capsys)
+
+
+@pytest.fixture
+def bucket(s3, monkeypatch, caplog, capsys):
+    """The `s3` bucket, with SECRET as the secret key."""
+    yield from _with_secret(s3, monkeypatch, caplog, capsys)
 
 
 @pytest.fixture
 def faulty(s3_faulty, monkeypatch, caplog, capsys):
     """The `s3_faulty` bucket (its proxy: .proxy), with SECRET as the secret key."""
-    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", SECRET)
-    stores.forget_filesystems()
-    caplog.set_level(logging.DEBUG, logger="nanochat")
-    yield s3_faulty
-    _no_secret_shown(caplog, capsys)
+    yield from _with_secret(s3_faulty, monkeypatch, caplog, capsys)
 
 
 def _shard(path, seed: int, n: int = 1000) -> bytes:
