@@ -4,7 +4,7 @@ moto's S3 server on 127.0.0.1 (the `s3` fixtures of tests/conftest.py). Every st
 state is checked token for token against the same loader over the copy on disk, with a cache_limit
 below the data's size (the peak measured); states move between S3 and disk both ways, and into an
 empty cache; the cache evicts only what it fetched; the store's listing is kept for a restart
-while the store cannot be reached.
+while the store cannot be reached; two ranks of one machine under torchrun fetch each object once.
 
     python -m pytest tests/test_store_streaming.py -q
 """
@@ -13,8 +13,10 @@ import json
 import logging
 import os
 import random
+import subprocess
 import threading
 import time
+from collections import Counter
 
 import pytest
 
@@ -26,6 +28,8 @@ from nanochat.dataloader import (tokenizing_distributed_data_loader_with_state,
                                  tokenizing_distributed_data_loader_with_state_bos_bestfit)
 from nanochat.download import Limits
 from nanochat.ledger import STREAM_DIR
+from test_streaming_processes import (HERE, TORCHRUN, cache_dir, equal_docs, host_shards, on_disk,
+                                      read_lines, shards_in, stream_env)
 
 FAST = Limits(max_attempts=2, backoff_base=0.01, timeout=5, deadline=30)
 LOADERS = {"bestfit": tokenizing_distributed_data_loader_with_state_bos_bestfit,
@@ -179,3 +183,29 @@ def test_evicts_only_what_it_fetched_and_restarts_on_the_kept_listing(s3_faulty,
     _same(again, val_expected)
     assert f"could not list the shards in {url}" in caplog.text
     assert "going on with the listing kept in" in caplog.text
+
+
+def test_ranks_of_one_machine_under_torchrun_fetch_each_object_once(s3_faulty, tmp_path):
+    # real processes: two ranks of one machine stream the hub's names from S3 into one cache
+    hosted, out = tmp_path / "hosted", tmp_path / "out"
+    names = host_shards(hosted, 6, equal_docs(48, 20), row_group_size=2)
+    out.mkdir()
+    s3_faulty.upload_dir(hosted, "hub")
+    s3_faulty.proxy.clear()
+    cmd = [*TORCHRUN, "--standalone", "--nproc-per-node=2",
+           os.path.join(HERE, "stream_worker.py"), str(out), "20"]
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=120,
+                            env=stream_env(tmp_path / "base", s3_faulty.url("hub"), len(names)))
+    assert result.returncode == 0, result.stdout + result.stderr
+    for rank in range(2):
+        assert read_lines(out / f"rank{rank}.jsonl") == on_disk(hosted, 20, rank, 2)
+    # A footer read is a stat (HEAD) and a ranged GET; a download, a stat, GETs of its chunks (one
+    # for shards this small) and a stat at the end. So per object: downloads = HEADs - GETs, and
+    # footer reads = 2 GETs - HEADs.
+    seen = Counter((s.method, s.path) for s in s3_faulty.proxy.seen())
+    fetched = sorted(shards_in(cache_dir(tmp_path / "base")))
+    assert fetched == names  # every train shard was read, so every one was fetched
+    for name in names:
+        path = f"/{s3_faulty.bucket}/hub/{name}"
+        heads, gets = seen[("HEAD", path)], seen[("GET", path)]
+        assert (heads - gets, 2 * gets - heads) == (1, 1), (name, heads, gets)
