@@ -6,8 +6,8 @@ read_range, list_names. Every call is bounded (timeout); retrying is the caller'
 becomes a StoreError that says whether a retry can help; its message never holds a credential.
 Credentials come from each store's own chain (environment, config files, instance roles).
 
-Imported only when needed: fsspec, fsspec.asyn, and the store's package (s3fs, gcsfs, adlfs,
-huggingface_hub).
+Imported only when needed: fsspec, fsspec.asyn, fsspec.implementations.local, and the store's
+package (s3fs, gcsfs, adlfs, huggingface_hub).
 May import: nothing of ours.
 """
 
@@ -167,8 +167,7 @@ def _import(store: Store):
 def filesystem(address: str, timeout: float):
     """The fsspec filesystem for address's store. S3's makes one request a call (s3fs's and
     botocore's retries off: the caller retries with its backoff and logs each try); GCS's, Azure's
-    and the hub's clients may retry within a call, which the call's bound still ends (the hub's:
-    its own request timeouts, its client being synchronous)."""
+    and the hub's clients may retry within a call, which the call's bound still ends."""
     store = store_of(address)
     # a forked process makes its own: a client's connections and event loop stay with its parent
     key = (store.protocol, timeout, os.getpid())
@@ -207,11 +206,34 @@ def forget_filesystems() -> None:
 
 def _call(fs, method: str, *args, timeout: float, **kwargs):
     """fs.method(*args, **kwargs) within timeout seconds. fsspec's async filesystems (S3, GCS,
-    Azure) take the bound as an argument; the others bound their own requests."""
-    asyn = importlib.import_module("fsspec.asyn")
-    if isinstance(fs, asyn.AsyncFileSystem):
-        kwargs["timeout"] = timeout
-    return getattr(fs, method)(*args, **kwargs)
+    Azure) take the bound as an argument; a synchronous client over the network (the hub's) is
+    awaited on a thread; local files answer at once."""
+    if isinstance(fs, importlib.import_module("fsspec.asyn").AsyncFileSystem):
+        return getattr(fs, method)(*args, timeout=timeout, **kwargs)
+    if isinstance(fs, importlib.import_module("fsspec.implementations.local").LocalFileSystem):
+        return getattr(fs, method)(*args, **kwargs)
+    return _within(lambda: getattr(fs, method)(*args, **kwargs), timeout)
+
+
+def _within(work, seconds: float):
+    """work() awaited at most seconds, on a daemon thread; past them TimeoutError, and the thread
+    is left to end by itself (its client's own timeouts end it)."""
+    result = {}
+
+    def run():
+        try:
+            result["value"] = work()
+        except BaseException as e:  # handed to the caller, whatever it is
+            result["error"] = e
+
+    thread = threading.Thread(target=run, daemon=True, name="nanochat-store-call")
+    thread.start()
+    thread.join(seconds)
+    if thread.is_alive():
+        raise TimeoutError(f"no answer in {seconds:g}s")
+    if "error" in result:
+        raise result["error"]
+    return result["value"]
 
 
 # -----------------------------------------------------------------------------

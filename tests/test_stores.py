@@ -14,6 +14,7 @@ import errno
 import hashlib
 import json
 import sys
+import threading
 import zlib
 
 import pytest
@@ -323,3 +324,26 @@ def test_download_file_through_a_stand_in(stand_ins, tmp_path, protocol, base, s
         record = json.load(f)
     assert record["size"] == len(data) and record["sha256"] == hashlib.sha256(data).hexdigest()
     assert download_file(address, str(path)) is None  # already there and sound
+
+
+def test_a_synchronous_client_that_never_answers_is_cut_at_the_bound(stand_ins, monkeypatch):
+    # the hub's client is synchronous: its call is awaited on a thread, at most `within` seconds
+    answer, answered = threading.Event(), threading.Event()
+    fs = stand_ins["hf"]
+    base = "hf://datasets/owner/name/data"
+    fs.pipe_file(f"{stores.path_in_store(base)}/a.parquet", DATA)
+    real_info = type(fs).info
+
+    def info(self, path, **kwargs):  # silent until the test lets it answer
+        answer.wait(60)  # (without the bound, the call would return after these 60 s)
+        answered.set()
+        return real_info(self, path, **kwargs)
+
+    monkeypatch.setattr(type(fs), "info", info)
+    with pytest.raises(StoreError) as e:
+        stores.stat(stores.join(base, "a.parquet"), 5.0, within=0.3)
+    assert e.value.reason == "timed out" and e.value.retry
+    assert not answered.is_set()  # the call ended while the client was still silent
+    answer.set()  # the thread left behind ends
+    assert answered.wait(5)
+    assert stores.stat(stores.join(base, "a.parquet"), 5.0).size == len(DATA)
