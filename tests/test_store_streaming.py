@@ -203,9 +203,14 @@ def test_ranks_of_one_machine_under_torchrun_fetch_each_object_once(s3_faulty, t
     # for shards this small) and a stat at the end. So per object: downloads = HEADs - GETs, and
     # footer reads = 2 GETs - HEADs.
     seen = Counter((s.method, s.path) for s in s3_faulty.proxy.seen())
-    fetched = sorted(shards_in(cache_dir(tmp_path / "base")))
-    assert fetched == names  # every train shard was read, so every one was fetched
-    for name in names:
+    # no cache_limit: nothing is evicted, so the cache holds every shard fetched; how far the
+    # loaders fetched ahead of the shard they read last depends on timing
+    fetched = set(shards_in(cache_dir(tmp_path / "base")))
+    last_read = max(read_lines(out / f"rank{rank}.jsonl")[-1]["state"]["pq_idx"]
+                    for rank in range(2))
+    assert set(names[:last_read + 1]) <= fetched <= set(names)
+    for name in sorted(fetched):  # (a shard not fetched may have had a download stopped at close)
         path = f"/{s3_faulty.bucket}/hub/{name}"
         heads, gets = seen[("HEAD", path)], seen[("GET", path)]
-        assert (heads - gets, 2 * gets - heads) == (1, 1), (name, heads, gets)
+        downloads, footer_reads = heads - gets, 2 * gets - heads
+        assert downloads == 1 and footer_reads <= 1, (name, heads, gets)
