@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from nanochat import stores
+from nanochat.ledger import STREAM_DIR
 from nanochat.order import UnitIndex
 from nanochat.state import WindowKey, decode_keys
 from nanochat.state_checks import config_shuffle
@@ -62,6 +63,49 @@ class ByteTokenizer:
 
     def decode(self, ids):
         return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
+
+
+def cache_bytes(directory) -> int:
+    """What cache_limit bounds: the shards in a streaming cache, partial downloads included, and
+    the documents kept for buffers (.stream/kept/*/*); 0 before the cache exists."""
+    directory = str(directory)
+    if not os.path.isdir(directory):
+        return 0
+    kept = os.path.join(directory, STREAM_DIR, "kept")
+    owners = os.listdir(kept) if os.path.isdir(kept) else []
+    files = [os.path.join(directory, name) for name in os.listdir(directory)
+             if name.endswith(".parquet") or name.endswith(".parquet.tmp")]
+    total = 0
+    for owner in owners:
+        try:
+            files += [os.path.join(kept, owner, name)
+                      for name in os.listdir(os.path.join(kept, owner))]
+        except FileNotFoundError:  # (dropped while this was looking)
+            pass
+    for path in files:
+        try:
+            total += os.path.getsize(path)
+        except FileNotFoundError:  # (evicted or dropped while this was looking)
+            pass
+    return total
+
+
+def peak_while(cache, work):
+    """(work(), the most cache_bytes(cache) was while it ran, looked at every millisecond)."""
+    peak, stop = [0], threading.Event()
+
+    def watch():
+        while not stop.is_set():
+            peak[0] = max(peak[0], cache_bytes(cache))
+            time.sleep(0.001)
+
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    try:
+        return work(), peak[0]
+    finally:
+        stop.set()
+        watcher.join()
 
 
 def take_batches(loader, n: int) -> list:

@@ -14,13 +14,11 @@ import logging
 import os
 import random
 import subprocess
-import threading
-import time
 from collections import Counter
 
 import pytest
 
-from conftest import ByteTokenizer, least_accepted, write_shard
+from conftest import ByteTokenizer, least_accepted, peak_while, write_shard
 from conftest import assert_same_batches as _same
 from conftest import take_batches as _batches
 from nanochat import stores
@@ -72,39 +70,6 @@ def _on_disk(kind, directory, **kwargs):
     return LOADERS[kind](ByteTokenizer(), data_dir=directory, **kwargs)
 
 
-def _cache_bytes(directory) -> int:
-    """What cache_limit bounds: the shards in a cache, partial downloads included, and the
-    documents kept for buffers (.stream/kept/*/*)."""
-    total = 0
-    for root, _, names in os.walk(directory):
-        kept = os.path.join(directory, STREAM_DIR, "kept") in root
-        for name in names:
-            if kept or (root == str(directory) and name.endswith((".parquet", ".parquet.tmp"))):
-                try:
-                    total += os.path.getsize(os.path.join(root, name))
-                except FileNotFoundError:  # (evicted while this was looking)
-                    pass
-    return total
-
-
-def _peak_while(cache, work):
-    """(work(), the most _cache_bytes(cache) was while it ran)."""
-    peak, stop = [0], threading.Event()
-
-    def watch():
-        while not stop.is_set():
-            peak[0] = max(peak[0], _cache_bytes(cache) if os.path.isdir(cache) else 0)
-            time.sleep(0.001)
-
-    watcher = threading.Thread(target=watch)
-    watcher.start()
-    try:
-        return work(), peak[0]
-    finally:
-        stop.set()
-        watcher.join()
-
-
 # -----------------------------------------------------------------------------
 # Streamed from S3 is the loader on disk, within the budget
 
@@ -118,7 +83,7 @@ def test_streamed_from_s3_equals_on_disk_below_the_datas_size(s3, tmp_path, kind
                                                     cache_limit=limit, **extra))
     assert limit < 0.8 * sum(sizes)
     cache = tmp_path / "cache"
-    streamed, peak = _peak_while(cache, lambda: _batches(
+    streamed, peak = peak_while(cache, lambda: _batches(
         _streaming(kind, url, cache, prefetch_shards=2, cache_limit=limit, **extra), EPOCH))
     _same(streamed, expected)
     assert streamed[-1][2]["next"][0] == 2  # the second epoch began
@@ -166,7 +131,7 @@ def test_evicts_only_what_it_fetched_and_restarts_on_the_kept_listing(s3_faulty,
     limit = least_accepted(lambda limit: _streaming("bestfit", url, tmp_path / "cache",
                                                     cache_limit=limit, buffer_size=20))
     expected = _batches(_on_disk("bestfit", disk, buffer_size=20), EPOCH)
-    streamed, peak = _peak_while(cache, lambda: _batches(
+    streamed, peak = peak_while(cache, lambda: _batches(
         _streaming("bestfit", url, cache, cache_limit=limit, buffer_size=20), EPOCH))
     _same(streamed, expected)
     assert peak <= limit

@@ -16,7 +16,6 @@ import random
 import shutil
 import socket
 import threading
-import time
 from http.server import SimpleHTTPRequestHandler, ThreadingHTTPServer
 from functools import partial
 
@@ -24,7 +23,7 @@ import pyarrow.parquet as pq
 import pytest
 from filelock import FileLock
 
-from conftest import ByteTokenizer, least_accepted, outcome, write_shard
+from conftest import ByteTokenizer, least_accepted, outcome, peak_while, write_shard
 from conftest import assert_same_batches as _same
 from conftest import take_batches as _batches
 from nanochat import download, shard_cache
@@ -82,24 +81,6 @@ def _on_disk(kind, hosted_dir, **kwargs):
     return LOADERS[kind](ByteTokenizer(), data_dir=hosted_dir, **kwargs)
 
 
-def _shard_bytes(directory) -> int:
-    """What cache_limit bounds: the shards in a cache, partial downloads included, and the
-    documents kept for buffers (.stream/kept/*/*)."""
-    kept = os.path.join(directory, STREAM_DIR, "kept")
-    owners = os.listdir(kept) if os.path.isdir(kept) else []
-    files = [os.path.join(directory, name) for name in os.listdir(directory)
-             if name.endswith(".parquet") or name.endswith(".parquet.tmp")]
-    files += [os.path.join(kept, owner, name)
-              for owner in owners for name in os.listdir(os.path.join(kept, owner))]
-    total = 0
-    for path in files:
-        try:
-            total += os.path.getsize(path)
-        except FileNotFoundError:  # (evicted or dropped while this was looking)
-            pass
-    return total
-
-
 # -----------------------------------------------------------------------------
 # Streamed batches are the on-disk loader's, within the budget
 
@@ -120,29 +101,13 @@ def test_streamed_batches_equal_on_disk_across_epochs(hosted, tmp_path, kind, wo
         n = 500 // world_size  # past the end of the first epoch
         expected = _batches(_on_disk(kind, hosted_dir, rank=rank, world_size=world_size,
                                      prefetch=prefetch, **extra), n)
-        peak, stop = [0], threading.Event()
-
-        def watch():
-            while not stop.is_set():
-                try:
-                    peak[0] = max(peak[0], _shard_bytes(cache))
-                except FileNotFoundError:
-                    pass
-                time.sleep(0.001)
-
-        watcher = threading.Thread(target=watch)
-        watcher.start()
-        try:
-            streamed = _batches(_streaming(kind, server, cache, rank=rank, world_size=world_size,
-                                           prefetch=prefetch, prefetch_shards=prefetch_shards,
-                                           cache_limit=limit, **extra), n)
-        finally:
-            stop.set()
-            watcher.join()
+        streamed, peak = peak_while(cache, lambda: _batches(_streaming(
+            kind, server, cache, rank=rank, world_size=world_size, prefetch=prefetch,
+            prefetch_shards=prefetch_shards, cache_limit=limit, **extra), n))
         _same(streamed, expected)
         assert streamed[-1][2]["next"][0] == 2  # the second epoch began
         if limit is not None:
-            assert peak[0] <= limit
+            assert peak <= limit
             assert len([f for f in os.listdir(cache) if f.endswith(".parquet")]) < 7  # it evicted
 
 
@@ -323,26 +288,13 @@ def test_copies_beyond_their_room_give_way_to_a_waiting_reader(tmp_path, monkeyp
                                                          cache_limit=limit, **settings))
         expected = _batches(_on_disk("bestfit", _split_dir(hosted_dir, tmp_path / "split", 30),
                                      buffer_size=60), 1500)
-        peak, stop = [0], threading.Event()
-
-        def watch():
-            while not stop.is_set():
-                peak[0] = max(peak[0], _shard_bytes(tmp_path / "cache"))
-                time.sleep(0.001)
-
-        watcher = threading.Thread(target=watch)
-        watcher.start()
-        try:
-            with caplog.at_level(logging.WARNING, logger="nanochat.shard_cache"):
-                streamed = _batches(_streaming("bestfit", server, tmp_path / "cache",
-                                               cache_limit=limit, **settings), 1500)
-        finally:
-            stop.set()
-            watcher.join()
+        with caplog.at_level(logging.WARNING, logger="nanochat.shard_cache"):
+            streamed, peak = peak_while(tmp_path / "cache", lambda: _batches(_streaming(
+                "bestfit", server, tmp_path / "cache", cache_limit=limit, **settings), 1500))
     finally:
         server.close()
     _same(streamed, expected)
-    assert peak[0] <= limit
+    assert peak <= limit
     assert any("the copies of buffered documents" in record.getMessage()
                for record in caplog.records)
 
