@@ -38,7 +38,7 @@ from nanochat.common import get_base_dir
 from nanochat import stores
 from nanochat.download import (
     BACKOFF_BASE, DEADLINE, MAX_ATTEMPTS, MIN_RATE, RATE_WINDOW, REQUEST_TIMEOUT, DownloadError,
-    Limits, Report, check_files, check_url, download_file, download_files, fetch_small,
+    Limits, Report, check_address, check_files, download_file, download_files, fetch_small,
     record_path, stated_check, summarize,
 )
 from nanochat.files import progress_bar
@@ -244,25 +244,11 @@ def shown(address: str) -> str:
     return stores.redact(address)
 
 
-def check_base_url(base_url: str) -> None:
-    """Raise ValueError unless base_url is an http(s) URL with a host (download.check_url's
-    message), a store's address (s3://bucket/prefix, ...) or a local directory."""
-    if not isinstance(base_url, str) or stores.is_http(base_url):
-        check_url(base_url)
-        return
-    scheme = stores.scheme_of(base_url)
-    if scheme and scheme not in stores.STORES:
-        raise ValueError(f"base_url {shown(base_url)!r} must start with http:// or https:// or be "
-                         f"a store's address: {stores.ADDRESS_FORMS}; fix --base-url or "
-                         "NANOCHAT_DATA_URL")
-    stores.check_address(base_url)
-
-
 def check_source(base_url: str, data_dir: str) -> None:
-    """check_base_url, and for a local directory as the source, that it is one, and that data_dir
+    """check_address, and for a local directory as the source, that it is one, and that data_dir
     (the copies, the cache) is another directory, not inside it: nothing is ever written to or
     deleted from the source."""
-    check_base_url(base_url)
+    check_address(base_url)
     if not stores.is_local(base_url):
         return
     named = stores.path_in_store(base_url)
@@ -534,7 +520,7 @@ def download_shards(indices, data_dir: str | None = None, base_url: str | None =
     """Fetch the given shard indices with num_workers threads (0: in this thread); shards already
     there are checked and fetched again when bad. Returns the sorted indices that failed; empty
     means every shard is now on disk and verified. Raises ValueError before any download when
-    base_url is not an address (check_base_url), OSError when check_disk finds the missing shards
+    base_url is not an address (check_address), OSError when check_disk finds the missing shards
     won't fit, and HostNotFoundError as soon as the host does not resolve (the whole run stops:
     no retry can help)."""
     limits = Limits(max_attempts, backoff_base, timeout, min_rate, rate_window, deadline)
@@ -785,7 +771,7 @@ def _download_main(argv: list[str]) -> int:
     data_dir = os.path.expanduser(args.data_dir) if args.data_dir else get_data_dir(spec.name)
     if args.verify:
         source = args.base_url or get_base_url(spec.name)
-        check_base_url(source)  # a mistyped address says so, rather than a fix for another
+        check_address(source)  # a mistyped address says so, rather than a fix for another
         return _verify_main(spec, data_dir, args.num_workers, source)
     base_url = args.base_url or get_base_url(spec.name)
     check_source(base_url, data_dir)

@@ -17,7 +17,7 @@ May import: nanochat.checks, nanochat.files, nanochat.stores, requests, urllib3,
 import contextlib
 import errno
 import hashlib
-import importlib.util
+import importlib
 import json
 import logging
 import os
@@ -143,8 +143,13 @@ def check_url(url: str) -> None:
 def check_address(address: str) -> None:
     """Raise ValueError unless address is an http(s) URL with a host (check_url) or a store's
     address (stores.check_address: s3://bucket/prefix, ..., file://..., a local path)."""
-    if isinstance(address, str) and stores.is_http(address):
+    if not isinstance(address, str) or stores.is_http(address):
         return check_url(address)
+    if stores.scheme_of(address) and stores.scheme_of(address) not in stores.STORES:
+        netloc = urllib.parse.urlsplit(address).netloc  # (shown without a user:password@)
+        shown = stores.redact(address.replace(netloc, netloc.rsplit("@", 1)[-1], 1))
+        raise ValueError(f"base_url {shown!r} must start with http:// or https:// or be a store's "
+                         f"address: {stores.ADDRESS_FORMS}; fix --base-url or NANOCHAT_DATA_URL")
     stores.check_address(address)
 
 
