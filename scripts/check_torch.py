@@ -37,7 +37,8 @@ def main(argv=None):
     problem = mismatch(requirement)
     if problem:
         sys.exit(f"{problem}: remove .venv and rerun bash scripts/setup.sh")
-    print(f"torch {torch.__version__} (cuda: {torch.version.cuda}) is the one setup asked for: {requirement}")
+    cuda = torch.version.cuda
+    print(f"torch {torch.__version__} (cuda: {cuda}) is the one setup asked for: {requirement}")
 
 
 if __name__ == "__main__":
