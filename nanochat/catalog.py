@@ -26,8 +26,9 @@ from tqdm import tqdm
 
 from nanochat.checks import is_int
 from nanochat.dataset import open_parquet, read_listing, shown, stream_source, streamed_split
-from nanochat.download import (MAGIC, TAIL_BYTES, DownloadError, HostNotFoundError, Limits,
-                               fetch_tail, recorded_size)
+from nanochat.download import (MAGIC, SOURCE_FIX, TAIL_BYTES, DownloadError, HostNotFoundError,
+                               Limits, check_sources, fetch_tail, recorded_size, recorded_source,
+                               source_of)
 from nanochat.files import file_stamp, warn_once, write_atomic
 from nanochat.ledger import STREAM_DIR
 
@@ -143,20 +144,21 @@ def _file_entry(path: str, url: str) -> dict:
     return catalog_entry(url, os.path.getsize(path), rows)
 
 
-def _as_installed(path: str) -> bool:
+def _as_installed(path: str, url: str) -> bool:
     """Whether the shard at path is on disk with the size its download was verified at (its
-    record's): a file cut short or replaced since is not read for the catalog, and the cache
-    fetches it again."""
+    record's), fetched from url's source: a file cut short or replaced since is not read for the
+    catalog, and the cache fetches it again; one from another source is not url's shard."""
     try:
-        return recorded_size(path) == os.path.getsize(path)
+        size_ok = recorded_size(path) == os.path.getsize(path)
     except FileNotFoundError:  # (not fetched, or evicted)
         return False
+    return size_ok and recorded_source(path) in (None, source_of(url))
 
 
 def _read_entry(path: str, url: str, limits: Limits) -> dict:
     """One shard's catalog entry: from the file when it is on disk as installed, else from its
     footer on the server."""
-    if _as_installed(path):
+    if _as_installed(path, url):
         try:
             return _file_entry(path, url)
         except (FileNotFoundError, ValueError):  # (evicted since, or damaged in place)
@@ -220,7 +222,7 @@ def _correct(data_dir: str, names: list[str], urls: list[str], known: dict) -> d
     fixed = {}
     for name in _disagree(data_dir, names, known):
         path = os.path.join(data_dir, name)
-        if not _as_installed(path):  # the file is what is wrong: the cache fetches it again
+        if not _as_installed(path, url_of[name]):  # the file is what is wrong: fetched again
             continue
         try:
             entry, fixed[name] = known[name], _file_entry(path, url_of[name])
@@ -273,7 +275,10 @@ def streamed_files(split: str, data_dir: str | None, num_shards: int | None, bas
     listing = kept_listing(data_dir, base_url, limits)
     data_dir, paths, urls, val_name = streamed_split(split, data_dir, num_shards, base_url,
                                                      listing)
-    _, _, val_urls, _ = streamed_split("val", data_dir, num_shards, base_url, listing)
+    _, val_paths, val_urls, _ = streamed_split("val", data_dir, num_shards, base_url, listing)
+    # a cache holds one source's shards: another's under the same names are refused here, at the
+    # start, before any is read
+    check_sources(list(zip(urls + val_urls, paths + val_paths)), SOURCE_FIX)
     names = [os.path.basename(p) for p in paths]
     # (the val shard's entry too: every loader's budget holds it)
     entries = read_catalog(data_dir, list(dict.fromkeys(names + [val_name])),

@@ -298,7 +298,7 @@ def read_listing(base_url: str, limits: Limits) -> list[str] | None:
         return parse_listing(body, url)
     if base_url.rstrip("/") not in {spec.base_url.rstrip("/") for spec in DATASETS.values()}:
         # a server of your own with no listing: its files must then bear the dataset's names
-        _log_once(logging.WARNING, "%s not found: streaming the dataset's shard names from %s "
+        _log_once(logging.WARNING, "%s not found: reading the dataset's shard names from %s "
                   "(shard_00000.parquet on, val the dataset's last index). For shards of other "
                   "names, serve them with python -m nanochat.dataset serve DIR, or write an "
                   "index.json beside them (docs/streaming.md, \"Your own shards\")", url, base_url)
@@ -780,57 +780,66 @@ def _download_main(argv: list[str]) -> int:
     bounds = (f"max_attempts={args.max_attempts} backoff_base={args.backoff_base:g}s "
               f"timeout={args.timeout:g}s min_rate={args.min_rate:g}KB/s "
               f"rate_window={args.rate_window:g}s deadline={args.deadline:g}s")
-    if stores.is_http(base_url):
-        num_train = spec.max_shard  # train shards are 0 .. max_shard-1
-        num_files = num_train if args.num_files == -1 else args.num_files
-        if num_files > num_train:
-            print(f"-n {num_files} is past the last train shard of {spec.name}; clamping to "
-                  f"{num_train}")
-            num_files = num_train
-        indices = list(range(num_files)) + [spec.max_shard]  # val always: every loader needs it
-        print(f"dataset={spec.name} train_shards={num_files} val_shard={spec.max_shard} "
-              f"workers={args.num_workers} data_dir={data_dir} base_url={base_url} {bounds}")
-        report = _fetch_shards(indices, data_dir, base_url, args.num_workers, limits,
-                               progress=None, check_disk=True)
-        names = [index_to_filename(i) for i in indices]
+    listing, where, listed = _listing_to_fetch(spec, base_url, data_dir, limits)
+    train = listing[:-1]
+    asked = len(train) if args.num_files == -1 else args.num_files
+    names = train[:asked] + listing[-1:]  # val always: every loader needs it
+    print(f"{'' if listed else 'dataset=' + spec.name + ' '}"
+          f"train_shards={len(names) - 1} val_shard={names[-1]} workers={args.num_workers} "
+          f"data_dir={data_dir} base_url={shown(base_url)} {bounds}")
+    short = asked > len(train)  # a shortfall: fetch what there is, then say so and exit 1
+    if short:
+        print(f"-n {asked} asks for more train shards than the {len(train)} {where}: fetching "
+              f"those {len(train)} and val, then exiting 1")
+    files = [(stores.join(base_url, name), os.path.join(data_dir, name)) for name in names]
+    report = download_files(files, args.num_workers, limits, progress=None, check_disk=True)
+    got = len(names) - len(report.failed)
+    if short:  # never N/N for fewer than were asked for
+        print(f"downloaded {got} of the {asked + 1} shards asked for ({asked} train and val) to "
+              f"{data_dir}: {where} only {len(train)} train shards")
     else:
-        names = _listed_names(base_url, data_dir, args.num_files, limits)
-        print(f"source={shown(base_url)} train_shards={len(names) - 1} val_shard={names[-1]} "
-              f"workers={args.num_workers} data_dir={data_dir} {bounds}")
-        files = [(stores.join(base_url, name), os.path.join(data_dir, name)) for name in names]
-        report = download_files(files, args.num_workers, limits, progress=None, check_disk=True)
-    print(f"downloaded {len(names) - len(report.failed)}/{len(names)} shards to {data_dir}")
-    if not stores.is_http(base_url):
-        print(_checked_words([os.path.join(data_dir, n) for n in names if n not in report.failed],
-                             base_url))
+        print(f"downloaded {got}/{len(names)} shards to {data_dir}")
+    fetched = [os.path.join(data_dir, n) for n in names if n not in report.failed]
+    if fetched:
+        print(_checked_words(fetched, base_url))
+    _print_problems(report)
+    return 1 if report.failed or short else 0
+
+
+def _listing_to_fetch(spec: DatasetSpec, base_url: str, data_dir: str,
+                      limits: Limits) -> tuple[list[str], str, bool]:
+    """(the names the download picks from, train first and val last; who names them, for
+    messages; whether a listing named them). A server's index.json (python -m nanochat.dataset serve makes one) or a store's
+    listing names them, as it does for a streaming loader; a server with none (the Hugging Face
+    hub) has the dataset's names."""
+    listing = read_listing(base_url, limits)
+    if listing is None:
+        train = [index_to_filename(i) for i in range(spec.max_shard)]  # val: the last index
+        return train + [spec.val_filename], f"{spec.name} has", False
+    _check_own(listing, data_dir, listing_source(base_url))
+    return listing, f"{listing_source(base_url)} lists", True
+
+
+def _print_problems(report: Report) -> None:
+    """The shards replaced and those that failed, and a rerun's advice only where it can help."""
     if report.replaced:
         print(f"replaced {len(report.replaced)} bad shards that were there:")
         print("\n".join(summarize(report.replaced)))
-    if report.failed:
-        print(f"failed ({len(report.failed)}); rerun the same command to retry (partial downloads "
-              "resume):")
-        print("\n".join(summarize(report.failed)))
-        return 1
-    return 0
-
-
-def _listed_names(base_url: str, data_dir: str, num_files: int, limits: Limits) -> list[str]:
-    """The names the CLI fetches from a store: the first num_files (-1: all) train names it lists
-    in sorted order, then val, the last."""
-    listing = read_listing(base_url, limits)
-    _check_own(listing, data_dir, shown(base_url))
-    train = listing[:-1]
-    num_files = len(train) if num_files == -1 else num_files
-    if num_files > len(train):
-        print(f"-n {num_files} is past the last train shard {shown(base_url)} lists; clamping to "
-              f"{len(train)}")
-        num_files = len(train)
-    return train[:num_files] + listing[-1:]
+    if not report.failed:
+        return
+    retry = len(report.failed) - len(report.final)
+    if not retry:
+        advice = "a rerun cannot help: check the source and the names it has"
+    else:
+        which = f" the {retry} that may succeed" if report.final else ""
+        advice = f"rerun the same command to retry{which} (partial downloads resume)"
+    print(f"failed ({len(report.failed)}); {advice}:")
+    print("\n".join(summarize(report.failed)))
 
 
 def _checked_words(paths: list[str], base_url: str) -> str:
-    """How the files fetched from a store were checked: against a hash the store stated
-    (verified), or only their size and parquet structure (the store stated none)."""
+    """How the files fetched were checked: against a hash the server or store stated (verified),
+    or only their size and parquet structure (it stated none)."""
     stated = sum(stated_check(path) is not None for path in paths)
     words = [f"{stated} verified against the hash {shown(base_url)} stated"] if stated else []
     if stated < len(paths):

@@ -69,6 +69,9 @@ SHARD_BYTES_ESTIMATE = 100 * 1024**2
 # what a full disk under a download asks of its user
 DOWNLOAD_DISK_FIX = ("free some space, pass --data-dir on a bigger disk, or fetch fewer shards "
                      "(-n); a streaming loader: pass a smaller cache_limit")
+SOURCE_FIX = ("Pass another data directory for this source (--data-dir, data_dir=), or the source "
+              "its shards came from (--base-url, base_url=, NANOCHAT_DATA_URL), or remove those "
+              "shards and their .json records to fetch this source's in their place")
 DISK_MARGIN = 1.1  # shards differ in size by a few percent; keep 10% headroom over the estimate
 MAGIC = b"PAR1"  # every parquet file starts and ends with it
 
@@ -840,7 +843,9 @@ def _install(tmp: str, path: str, record: dict) -> None:
     # the sha256 is recorded either way: from then on a local change to the file is caught, and
     # check_file need not read the pages again
     installed = {"size": size, "sha256": digest, "sha256_stated_by_server": stated,
-                 "pages_checked": not vouched}
+                 "pages_checked": not vouched, "source": source_of(record["url"]),
+                 # the version the source stated: an ETag (or Last-Modified), a store's version
+                 "source_version": record.get("validator")}
     if "hashes" in record:  # which of the store's hashes matched (none: size and structure only)
         installed["stated_hashes"] = matched
     _write_json(record_path(path), installed)
@@ -1028,12 +1033,14 @@ def download_file(url: str, path: str, limits: Limits | None = None, *,
     several threads or processes at once: one downloads, the others wait and find the file there."""
     check_address(url)
     _check_not_the_source(url, path)
+    check_sources([(url, path)], SOURCE_FIX)
     limits = Limits() if limits is None else limits
     stop = threading.Event() if stop is None else stop
     record = _record_or_none(path)
     # without the lock first: a sound file waits for nobody (unless its record is to say that its
-    # pages were read: records are written under the lock)
-    if (record is None or _pages_vouched(record)) and _problem_with(path) is None:
+    # pages were read, or where it came from: records are written under the lock)
+    if ((record is None or (_pages_vouched(record) and "source" in record))
+            and _problem_with(path) is None):
         return None
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     lock = lock_path(path)
@@ -1041,11 +1048,13 @@ def download_file(url: str, path: str, limits: Limits | None = None, *,
     _open_nofollow(lock, os.O_RDWR | os.O_CREAT, "rb").close()
     with FileLock(lock):
         # another thread or process may have fetched it while we waited
+        check_sources([(url, path)], SOURCE_FIX)  # (as the last holder left it)
         problem = _problem_with(path)
         if problem is None:
             record = _record_or_none(path)
             if record is not None and not _pages_vouched(record):  # check_file read every page
                 _write_json(record_path(path), record | {"pages_checked": True})
+            adopt_source(url, path)
             return None
         if problem:
             logger.warning("%s is bad (%s); fetching it again (it stays until the new one is "
@@ -1071,6 +1080,62 @@ def _record_or_none(path: str) -> dict | None:
         return _read_json(record_path(path))
     except BadFileError:
         return None
+
+
+def source_of(address: str) -> str:
+    """What a shard's record names as its source: the address without a URL's user:password@, a
+    local directory's file by its real path (two spellings of one source are one)."""
+    if stores.is_http(address):
+        parts = urllib.parse.urlsplit(address)
+        return urllib.parse.urlunsplit(parts._replace(netloc=parts.netloc.rsplit("@", 1)[-1]))
+    if stores.is_local(address):
+        return os.path.realpath(stores.path_in_store(address))
+    return address
+
+
+def recorded_source(path: str) -> str | None:
+    """The source path's record names (source_of the address it was fetched from); None when it
+    has no readable record, or a record written before sources were recorded."""
+    source = (_record_or_none(path) or {}).get("source")
+    return source if isinstance(source, str) else None
+
+
+class OtherSourceError(ValueError):
+    """A directory holds shards from another source than the one asked for: one directory holds
+    one source's shards, so that no run reads another dataset's files under the same names."""
+
+
+def check_sources(files: list[tuple[str, str]], fix: str) -> None:
+    """OtherSourceError, in one line naming both sources and `fix`, when a file on disk of
+    files' (address, path) was fetched from another source than its address. A file without a
+    recorded source (your own, or fetched before sources were recorded) passes: see
+    adopt_source."""
+    others: dict[str, list[str]] = {}
+    for address, path in files:
+        source = recorded_source(path) if os.path.exists(path) else None
+        if source is not None and source != source_of(address):
+            others.setdefault(source, []).append(path)
+    if not others:
+        return
+    source, paths = next(iter(others.items()))
+    address = next(a for a, p in files if p == paths[0])
+    names = ", ".join(os.path.basename(p) for p in paths[:2]) + (", ..." if len(paths) > 2 else "")
+    directory = os.path.dirname(os.path.abspath(paths[0]))
+    raise OtherSourceError(
+        f"{directory} holds {len(paths)} shard(s) fetched from {stores.redact(source)} ({names}), "
+        f"not from {stores.redact(source_of(address))}, which this run reads them from: one "
+        f"directory holds one source's shards. {fix}")
+
+
+def adopt_source(address: str, path: str) -> None:
+    """Write address as the source of a shard whose record names none (installed before sources
+    were recorded): from then on it counts only for that source. The caller holds path's lock."""
+    record = _record_or_none(path)
+    if record is not None and "source" not in record:
+        logger.info("%s records no source: taken as from %s, the source that asks for it first",
+                    path, stores.redact(source_of(address)))
+        _write_json(record_path(path), record | {"source": source_of(address),
+                                                 "source_version": None})
 
 
 def recorded_size(path: str) -> int | None:
@@ -1282,6 +1347,7 @@ class Report:
     # name -> what was wrong with the file that was there
     replaced: dict[str, str] = field(default_factory=dict)
     failed: dict[str, str] = field(default_factory=dict)  # name -> why it could not be fetched
+    final: set[str] = field(default_factory=set)  # those of failed a rerun cannot fetch (a 404)
 
 
 def download_files(files: list[tuple[str, str]], num_workers: int = 4, limits: Limits | None = None,
@@ -1294,6 +1360,7 @@ def download_files(files: list[tuple[str, str]], num_workers: int = 4, limits: L
     check_int("num_workers", num_workers, 0, hint=" (0: download in this thread)")
     for url, _ in files:  # every URL before any download: a typo fails at once, not file by file
         check_address(url)
+    check_sources(files, SOURCE_FIX)  # and every file's source: nothing is fetched into a mix
     limits = Limits() if limits is None else limits
     missing = [(url, path) for url, path in files if not os.path.exists(path)]
     if files:
@@ -1323,6 +1390,8 @@ def download_files(files: list[tuple[str, str]], num_workers: int = 4, limits: L
     def record(path, replaced, error):
         if error is not None:
             report.failed[os.path.basename(path)] = error.reason
+            if isinstance(error, _GiveUp):
+                report.final.add(os.path.basename(path))
         elif replaced:  # "" means the file was missing, nothing was replaced
             report.replaced[os.path.basename(path)] = replaced
 

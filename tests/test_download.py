@@ -98,6 +98,7 @@ class _ServerState:
         self.redirect = False
         self.drop_every = None
         self.gets = Counter()
+        self.listings = 0  # GETs of index.json when it is not served (as the hub has none)
         self.heads = Counter()
         self.sent = Counter()  # body bytes written, by name
         self.ranges = defaultdict(list)  # name -> the Range header of each GET (None when absent)
@@ -162,6 +163,10 @@ class _Handler(BaseHTTPRequestHandler):
         state, name = self.server.state, self.path.rsplit("/", 1)[-1]
         body = state.files.get(name)
         cdn = self.path.startswith("/cdn/")
+        if name == "index.json" and body is None:  # the downloader asks for a listing first
+            with state.lock:
+                state.listings += 1
+            return self._empty(404)
         if state.redirect and not cdn and body is not None:
             return self._empty(302, {"Location": f"/cdn/{name}",
                                      "X-Linked-Etag": f'"{_sha256(body)}"'})
@@ -312,7 +317,9 @@ def test_main_downloads_train_and_val_shards(server, tmp_path, capsys):
     record = json.loads((data_dir / "shard_00000.parquet.json").read_text())
     # the server stated the sha256, so the bytes are the publisher's: their pages were not read
     assert record == {"size": len(served[0]), "sha256": _sha256(served[0]),
-                      "sha256_stated_by_server": True, "pages_checked": False}
+                      "sha256_stated_by_server": True, "pages_checked": False,
+                      "source": f"{server.url}/shard_00000.parquet",
+                      "source_version": f'"{_sha256(served[0])}"'}
 
 
 def test_existing_files_are_checked_then_skipped(server, tmp_path):
@@ -339,11 +346,16 @@ def tiny_dataset(monkeypatch):
     return DATASETS["tiny"]
 
 
-def test_n_past_the_end_is_clamped(server, tmp_path, tiny_dataset, capsys):
+def test_n_past_the_end_fetches_what_there_is_and_says_so(server, tmp_path, tiny_dataset,
+                                                          capsys):
     served = _serve(server, tmp_path, range(4))
     data_dir = tmp_path / "data"
-    assert _cli(server, data_dir, "-n", "10", "--dataset", "tiny") == 0
-    assert "clamping to 3" in capsys.readouterr().out
+    assert _cli(server, data_dir, "-n", "10", "--dataset", "tiny") == 1
+    out = capsys.readouterr().out
+    assert "-n 10 asks for more train shards than the 3 tiny has: fetching those 3 and val, " \
+           "then exiting 1\n" in out
+    assert f"downloaded 4 of the 11 shards asked for (10 train and val) to {data_dir}: tiny has " \
+           "only 3 train shards\n" in out
     _assert_only_complete_shards(data_dir, served)
 
 
@@ -800,7 +812,8 @@ def test_bad_existing_shard_is_fetched_again_and_reported(
     capsys.readouterr()
     assert _cli(server, data_dir, "-n", "2") == 0
     out = capsys.readouterr().out
-    assert f"downloaded 3/3 shards to {data_dir}\nreplaced 1 bad shards that were there:\n" \
+    assert f"downloaded 3/3 shards to {data_dir}\n3 verified against the hash {server.url} " \
+           f"stated\nreplaced 1 bad shards that were there:\n" \
            f"  1 x {reason}: shard_00000.parquet\n" in out
     assert server.gets == {name: 1 + (name == NAME) for name in server.files}
     _assert_only_complete_shards(data_dir, served)
@@ -1145,7 +1158,9 @@ def test_summary_stays_short_for_many_failures(server, tmp_path, monkeypatch, ca
     out = capsys.readouterr().out
     assert out.splitlines()[-4:] == [
         "downloaded 0/1001 shards to " + str(tmp_path / "data"),
-        "failed (1001); rerun the same command to retry (partial downloads resume):",
+        # a 404 will be one on a rerun too: the advice is for the one that may succeed
+        "failed (1001); rerun the same command to retry the 1 that may succeed (partial "
+        "downloads resume):",
         "  1000 x HTTP 404: shard_00000.parquet, shard_00001.parquet, shard_00002.parquet"
         " and 997 more",
         "  1 x HTTP 500: shard_01000.parquet",

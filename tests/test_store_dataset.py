@@ -106,7 +106,7 @@ def test_download_from_s3_fetches_the_first_n_listed_names_and_a_rerun_fetches_n
     assert s3_faulty.proxy.count() > 0 and reads == []  # it listed, and read no shard
 
 
-def test_minus_one_fetches_every_listed_name_and_too_many_is_clamped(s3, tmp_path):
+def test_minus_one_fetches_every_listed_name_and_too_many_is_a_shortfall(s3, tmp_path):
     source = _write_source(tmp_path / "source")
     s3.upload_dir(source, "corpus")
     result = _cli("-n", "-1", "--base-url", s3.url("corpus/"), "--data-dir",
@@ -115,9 +115,12 @@ def test_minus_one_fetches_every_listed_name_and_too_many_is_clamped(s3, tmp_pat
     assert _parquet(tmp_path / "all") == NAMES
     result = _cli("-n", "9", "--base-url", s3.url("corpus"), "--data-dir",
                   str(tmp_path / "nine"), *FAST)
-    assert result.returncode == 0, result.stdout + result.stderr
-    assert f"-n 9 is past the last train shard {s3.url('corpus')} lists; clamping to 4" \
-        in result.stdout
+    # a shortfall: what there is is fetched, and the run says so and exits 1
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert f"-n 9 asks for more train shards than the 4 {s3.url('corpus')} lists: fetching " \
+           "those 4 and val, then exiting 1" in result.stdout
+    assert "downloaded 5 of the 10 shards asked for (9 train and val)" in result.stdout
+    assert "/5 shards" not in result.stdout
     assert _parquet(tmp_path / "nine") == NAMES
     result = _cli("-n", "0", "--base-url", s3.url("corpus"), "--data-dir",
                   str(tmp_path / "val"), *FAST)

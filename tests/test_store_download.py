@@ -138,8 +138,10 @@ def test_a_shard_is_installed_byte_identical_with_the_hashes_s3_stated(bucket, t
     # S3's ETag of a single-part upload is its md5; boto3 uploads with a CRC32 checksum
     assert record == {"size": len(body), "sha256": hashlib.sha256(body).hexdigest(),
                       "sha256_stated_by_server": False, "pages_checked": False,
-                      "stated_hashes": ["crc32", "md5"]}
+                      "stated_hashes": ["crc32", "md5"], "source": bucket.url(KEY),
+                      "source_version": record["source_version"]}
     info = stores.stat(bucket.url(KEY), 5.0)
+    assert record["source_version"] == info.version  # the version the store stated
     assert info.hashes == {"md5": hashlib.md5(body).hexdigest(), "crc32": zlib.crc32(body)}
     assert download.stated_check(str(dest)) == "crc32, md5"
     assert _no_temp(dest)
