@@ -848,6 +848,8 @@ def _install(tmp: str, path: str, record: dict) -> None:
                  "source_version": record.get("validator")}
     if "hashes" in record:  # which of the store's hashes matched (none: size and structure only)
         installed["stated_hashes"] = matched
+    if record.get("streamed"):  # a streaming cache's: it may evict it (ledger.py rebuilds by it)
+        installed["streamed"] = True
     _write_json(record_path(path), installed)
     with _open_nofollow(tmp, os.O_RDONLY, "rb") as f:
         # its bytes are on disk before its name is (a 416 finish skipped the write's fsync)
@@ -960,7 +962,8 @@ def _full_disk(name: str, path: str, stated: int | None) -> OSError:
                      f"fetching {name} ({kept}{estimated})", DOWNLOAD_DISK_FIX)
 
 
-def _download_locked(url: str, path: str, limits: Limits, progress: bool | None, stop) -> None:
+def _download_locked(url: str, path: str, limits: Limits, progress: bool | None, stop, *,
+                     streamed: bool) -> None:
     """The retry loop; the caller holds the file's lock, so the temp names are ours alone."""
     name, tmp = os.path.basename(path), tmp_path(path)
     deadline = time.monotonic() + limits.deadline
@@ -970,7 +973,7 @@ def _download_locked(url: str, path: str, limits: Limits, progress: bool | None,
         before = _resumable(tmp)
         try:
             record = fetch(url, tmp, limits, deadline, progress, stop)
-            _install(tmp, path, record)
+            _install(tmp, path, record | {"streamed": True} if streamed else record)
             logger.info("downloaded %s (%.1f MB)", name, os.path.getsize(path) / 1e6)
             return
         except _GiveUp as e:
@@ -1023,14 +1026,17 @@ def _download_locked(url: str, path: str, limits: Limits, progress: bool | None,
 
 
 def download_file(url: str, path: str, limits: Limits | None = None, *,
-                  progress: bool | None = None, stop: threading.Event | None = None) -> str | None:
+                  progress: bool | None = None, stop: threading.Event | None = None,
+                  streamed: bool = False) -> str | None:
     """Make path a verified copy of the parquet file at url (an http(s) URL or a store's address,
     check_address). Returns None when it was already there and passed check_file; else it was
     fetched, and the return value says what was wrong with the file that was there ("" when there
     was none). Raises DownloadError when it could not be fetched (a bad file that was there stays),
     HostNotFoundError when no file from that host can be, stores.StoreError when the store finds
-    no credentials, stores.MissingExtra when the store's package is missing. Safe to call from
-    several threads or processes at once: one downloads, the others wait and find the file there."""
+    no credentials, stores.MissingExtra when the store's package is missing, OtherSourceError when
+    path holds a shard from another source. Safe to call from several threads or processes at
+    once: one downloads, the others wait and find the file there. streamed: a streaming cache
+    fetches it (its record says so: the cache may evict it)."""
     check_address(url)
     _check_not_the_source(url, path)
     check_sources([(url, path)], SOURCE_FIX)
@@ -1059,7 +1065,7 @@ def download_file(url: str, path: str, limits: Limits | None = None, *,
         if problem:
             logger.warning("%s is bad (%s); fetching it again (it stays until the new one is "
                            "verified)", path, problem)
-        _download_locked(url, path, limits, progress, stop)
+        _download_locked(url, path, limits, progress, stop, streamed=streamed)
     return problem.reason if problem else ""
 
 

@@ -603,7 +603,7 @@ class ShardCache:
             return False
         self._short_since = None
         try:
-            replaced = download_file(url, path, self.limits, stop=self._stop)
+            replaced = download_file(url, path, self.limits, stop=self._stop, streamed=True)
         except DownloadError as e:
             raise ConnectionError(f"could not fetch shard {name} from {shown(url)}: "
                                   f"{shown(str(e))}") from None
