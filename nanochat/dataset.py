@@ -809,9 +809,9 @@ def _download_main(argv: list[str]) -> int:
 def _listing_to_fetch(spec: DatasetSpec, base_url: str, data_dir: str,
                       limits: Limits) -> tuple[list[str], str, bool]:
     """(the names the download picks from, train first and val last; who names them, for
-    messages; whether a listing named them). A server's index.json (python -m nanochat.dataset serve makes one) or a store's
-    listing names them, as it does for a streaming loader; a server with none (the Hugging Face
-    hub) has the dataset's names."""
+    messages; whether a listing named them). A server's index.json (python -m nanochat.dataset
+    serve makes one) or a store's listing names them, as it does for a streaming loader; a server
+    with none (the Hugging Face hub) has the dataset's names."""
     listing = read_listing(base_url, limits)
     if listing is None:
         train = [index_to_filename(i) for i in range(spec.max_shard)]  # val: the last index
