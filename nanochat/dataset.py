@@ -916,8 +916,12 @@ def _repackage_main(argv: list[str]) -> int:
                         help="JSON field or parquet column holding the text")
     parser.add_argument("--seed", type=int, default=42, help="shuffle seed")
     args = parser.parse_args(argv)
-    print(f"inputs={len(args.inputs)} out={args.out} shard_size_mb={args.shard_size_mb} "
-          f"docs_per_shard={args.docs_per_shard} text_field={args.text_field} seed={args.seed}")
+    # the size rule this run uses: one of the two, the default size when neither is given
+    size = (f"docs_per_shard={args.docs_per_shard}" if args.docs_per_shard is not None
+            else f"shard_size_mb={args.shard_size_mb:g}" if args.shard_size_mb is not None
+            else f"shard_size_mb={SHARD_SIZE_MB:g}")
+    print(f"inputs={len(args.inputs)} out={args.out} {size} text_field={args.text_field} "
+          f"seed={args.seed}")
     paths = repackage(args.inputs, args.out, shard_size_mb=args.shard_size_mb,
                       docs_per_shard=args.docs_per_shard, text_field=args.text_field,
                       seed=args.seed)
