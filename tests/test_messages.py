@@ -1,14 +1,17 @@
 """
-Four messages a new user meets, each saying what is true and what to do:
+Messages a new user meets, each saying what is true and what to do:
 - a shard file passed as a data directory is called a file, and the directory it is in is named;
 - `--verify` on shards the downloader did not fetch never suggests downloading into them;
 - an empty or missing data directory names `repackage` beside the download;
-- a model's state dict passed as resume_state_dict is called not a loader state.
+- a model's state dict passed as resume_state_dict is called not a loader state;
+- every command's --help says what it does, in sentences that end.
 
 Run: python -m pytest tests/test_messages.py -q
 """
 
+import importlib
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -239,3 +242,33 @@ def test_a_mixture_loader_given_a_models_state_dict_says_so():
 def test_a_truncated_state_still_says_what_is_missing(tmp_path, byte_tokenizer):
     assert (_resume_error(tmp_path, byte_tokenizer, {"pq_idx": 0})
             == "resume_state_dict is missing ['rg_idx']")
+
+
+# -----------------------------------------------------------------------------
+# --help
+
+# (module, subcommand): every command a user runs, as `python -m MODULE [SUBCOMMAND] --help`
+COMMANDS = [("nanochat.dataset", []), ("nanochat.dataset", ["repackage"]),
+            ("nanochat.dataset", ["serve"]), ("nanochat.pretokenize", []),
+            ("nanochat.mixture", ["validate"]), ("nanochat.tokenizer", ["convert"]),
+            ("nanochat.tokenizer", ["export-hf"]), ("nanochat.shard_cache", ["status"]),
+            ("scripts.demo", []), ("scripts.tok_train", []), ("scripts.tok_eval", []),
+            ("scripts.base_train", []), ("scripts.record_behaviour", []),
+            ("scripts.nanochat_dropin", []), ("scripts.main_path", [])]
+
+
+@pytest.mark.parametrize("module, command", COMMANDS,
+                         ids=[" ".join([m, *c]) for m, c in COMMANDS])
+def test_every_help_says_what_the_command_does(module, command, capsys, monkeypatch):
+    """The description, between the usage and the first list of arguments, is there, and ends on
+    a whole sentence: not on a colon that introduces nothing."""
+    monkeypatch.setenv("COLUMNS", "100")  # (argparse wraps to the terminal's width)
+    with pytest.raises(SystemExit) as done:
+        importlib.import_module(module).main([*command, "--help"])
+    assert done.value.code == 0
+    text = capsys.readouterr().out
+    usage, _, rest = text.partition("\n\n")
+    assert usage.startswith(f"usage: python -m {module} {' '.join(command)}".rstrip()), usage
+    description = re.split(r"^(?:positional arguments|options):$", rest, flags=re.M)[0].strip()
+    assert description, f"python -m {module} {' '.join(command)} --help has no description"
+    assert not description.endswith(":"), description[-200:]
