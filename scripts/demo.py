@@ -189,7 +189,7 @@ def stream_batches(
                 break
         seconds = time.perf_counter() - t0
         status = loader.cache_status()  # a streaming loader's shard cache figures, else None
-        figures = loader.figures()  # wait, tokens/s, crop and pad shares, downloads, evictions
+        figures = loader.figures()  # wait, tokens/s, crop and masked shares, downloads, evictions
     finally:
         loader.close()
     rows = num_batches * B

@@ -61,7 +61,7 @@ def test_demo_end_to_end(tmp_path):
     assert any(isinstance(p, bytes) for p in pieces) and "\ufffd" not in stdout
     # the loader's figures, rounded: one line per loader, the streaming one with its cache
     figures = (r"loader: wait \d+\.\d% \| [\d.]+[kMG]? tok/s in, [\d.]+[kMG]? out \| "
-               r"crop \d+\.\d% pad 0\.0% \| \d+\.\d docs/row")
+               r"crop \d+\.\d% masked 0\.0% \| \d+\.\d docs/row")
     for name in ("train", "val"):
         assert re.search(rf"^{name} {figures}$", stdout, re.M), stdout[-3000:]
     assert re.search(rf"^streamed train {figures} \| cache [\d.]+/[\d.]+ [KM]B, "
