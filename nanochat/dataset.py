@@ -157,10 +157,32 @@ def _check_split(split: str) -> None:
 
 
 def _get_shards(data_dir: str) -> str:
-    """How to fill an empty or missing data_dir: the dataset's shards, or shards of your own."""
+    """How to fill an empty or missing data_dir: the dataset's shards, or shards of your own; and
+    for the directory the readers found by themselves, how it was found."""
     return (f"download some: python -m nanochat.dataset -n 8, or write your own text files "
             f"({', '.join(INPUT_SUFFIXES)}) as shards: python -m nanochat.dataset repackage "
-            f"INPUTS --out {data_dir}")
+            f"INPUTS --out {data_dir}{_found_words(data_dir)}")
+
+
+def _found_words(data_dir: str) -> str:
+    """Where the directory the readers use when given no data_dir came from, and how to choose
+    another; "" for any other directory (one passed by hand)."""
+    own = os.environ.get("NANOCHAT_DATA_DIR")  # "" counts as unset
+    if own:
+        if os.path.abspath(os.path.expanduser(own)) != os.path.abspath(data_dir):
+            return ""
+        return (". It is $NANOCHAT_DATA_DIR, which the readers use when given no data_dir: "
+                "point it at the directory of your shards, or unset it")
+    spec = _dataset_of(data_dir)
+    if spec is None or (os.path.abspath(os.path.dirname(os.path.normpath(data_dir)))
+                        != os.path.abspath(get_base_dir())):
+        return ""
+    where = ("from NANOCHAT_BASE_DIR" if os.environ.get("NANOCHAT_BASE_DIR")
+             else "~/.cache/nanochat, as NANOCHAT_BASE_DIR is unset")
+    return (f". Given no data_dir, the readers use <base_dir>/{spec.subdir}, with <base_dir> "
+            f"{where}; to read shards elsewhere, pass data_dir (--data-dir), or export "
+            "NANOCHAT_DATA_DIR=DIR (the shards' directory) or NANOCHAT_BASE_DIR=DIR (DIR holds "
+            f"{spec.subdir}/)")
 
 
 def list_parquet_files(data_dir: str | None = None) -> list[str]:

@@ -4,6 +4,8 @@ Messages a new user meets, each saying what is true and what to do:
 - `--verify` on shards the downloader did not fetch never suggests downloading into them;
 - an empty or missing data directory names `repackage` beside the download;
 - a model's state dict passed as resume_state_dict is called not a loader state;
+- a missing tokenizer or missing shards, where none was passed, name NANOCHAT_BASE_DIR (and
+  NANOCHAT_DATA_DIR) and how to set it;
 - every command's --help says what it does, in sentences that end.
 
 Run: python -m pytest tests/test_messages.py -q
@@ -29,7 +31,7 @@ from nanochat.mixture_state import mixture_start
 from nanochat.resume import merge_states
 from nanochat.token_reader import shard_paths
 from nanochat.token_shards import write_token_shard
-from nanochat.tokenizer import RustBPETokenizer
+from nanochat.tokenizer import RustBPETokenizer, get_tokenizer
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 REPACKAGE = "python -m nanochat.dataset repackage INPUTS --out"
@@ -183,6 +185,69 @@ def test_verify_of_an_empty_directory_names_repackage(tmp_path):
     assert done.returncode == 2
     assert done.stderr.startswith(f"error: no parquet shards in {tmp_path}; download some: ")
     assert done.stderr.endswith(f"{REPACKAGE} {tmp_path}\n")
+
+
+# -----------------------------------------------------------------------------
+# Where the data lives: <base_dir>, NANOCHAT_BASE_DIR and NANOCHAT_DATA_DIR
+
+BASE_DIR_FIX = "export NANOCHAT_BASE_DIR=DIR"
+
+
+def test_a_missing_tokenizer_names_the_base_dir_variable(tmp_path, monkeypatch):
+    base = os.environ["NANOCHAT_BASE_DIR"]  # (conftest's, under tmp_path)
+    with pytest.raises(FileNotFoundError) as info:
+        get_tokenizer()
+    assert str(info.value) == (
+        f"tokenizer directory {base}/tokenizer does not exist; train a tokenizer first: "
+        "python -m scripts.tok_train. It is <base_dir>/tokenizer, with <base_dir> from "
+        f"NANOCHAT_BASE_DIR; a tokenizer trained under another base dir is found with "
+        f"{BASE_DIR_FIX} (DIR holds tokenizer/)")
+    os.makedirs(os.path.join(base, "tokenizer"))  # there, but empty: the same words
+    with pytest.raises(FileNotFoundError) as info:
+        get_tokenizer()
+    assert "tokenizer.json does not exist" in str(info.value)
+    assert str(info.value).endswith(f"{BASE_DIR_FIX} (DIR holds tokenizer/)")
+    # unset: the default, said as such
+    monkeypatch.delenv("NANOCHAT_BASE_DIR")
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    with pytest.raises(FileNotFoundError) as info:
+        get_tokenizer()
+    assert (f"{tmp_path / 'home'}/.cache/nanochat/tokenizer does not exist; " in str(info.value)
+            and "with <base_dir> ~/.cache/nanochat, as NANOCHAT_BASE_DIR is unset; "
+            in str(info.value) and BASE_DIR_FIX in str(info.value))
+    # a directory passed by hand is the caller's: no word of the base dir
+    with pytest.raises(FileNotFoundError) as info:
+        RustBPETokenizer.from_directory(str(tmp_path / "mine"))
+    assert "NANOCHAT_BASE_DIR" not in str(info.value)
+
+
+def test_missing_shards_name_the_variables_where_none_was_passed(tmp_path, monkeypatch):
+    base = os.environ["NANOCHAT_BASE_DIR"]
+    found = (". Given no data_dir, the readers use <base_dir>/base_data_climbmix, with "
+             "<base_dir> from NANOCHAT_BASE_DIR; to read shards elsewhere, pass data_dir "
+             "(--data-dir), or export NANOCHAT_DATA_DIR=DIR (the shards' directory) or "
+             "NANOCHAT_BASE_DIR=DIR (DIR holds base_data_climbmix/)")
+    with pytest.raises(FileNotFoundError) as info:
+        split_parquet_files("train")
+    assert str(info.value).startswith(f"data directory {base}/base_data_climbmix does not exist; ")
+    assert str(info.value).endswith(found)
+    os.makedirs(os.path.join(base, "base_data_climbmix"))  # there, but empty
+    with pytest.raises(FileNotFoundError) as info:
+        split_parquet_files("val")
+    assert str(info.value).startswith(f"no parquet shards in {base}/base_data_climbmix; ")
+    assert str(info.value).endswith(found)
+    # a script that looks the directory up itself says the same (tok_train, a real process)
+    done = subprocess.run([sys.executable, "-m", "scripts.tok_train"], cwd=REPO_ROOT,
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 1 and done.stderr.strip().endswith(found), done.stderr
+    # NANOCHAT_DATA_DIR, when it names the directory
+    monkeypatch.setenv("NANOCHAT_DATA_DIR", str(tmp_path / "mine"))
+    (tmp_path / "mine").mkdir()
+    with pytest.raises(FileNotFoundError) as info:
+        split_parquet_files("train")
+    assert str(info.value).endswith(
+        ". It is $NANOCHAT_DATA_DIR, which the readers use when given no data_dir: point it at "
+        "the directory of your shards, or unset it")
 
 
 # -----------------------------------------------------------------------------
