@@ -193,6 +193,17 @@ def test_verify_of_an_empty_directory_names_repackage(tmp_path):
 BASE_DIR_FIX = "export NANOCHAT_BASE_DIR=DIR"
 
 
+def test_the_readmes_usage_says_how_base_dir_is_set():
+    with open(os.path.join(REPO_ROOT, "README.md"), encoding="utf-8") as f:
+        readme = f.read()
+    usage = readme[readme.index("## Using it from a training script"):]
+    usage = usage[:usage.index("\n## ")]
+    assert "get_tokenizer()" in usage and "<base_dir>" in usage
+    for words in ("`<base_dir>` is `$NANOCHAT_BASE_DIR`, or `~/.cache/nanochat` when it is unset",
+                  "`$NANOCHAT_DATA_DIR` when it is set"):
+        assert words in " ".join(usage.split()), words
+
+
 def test_a_missing_tokenizer_names_the_base_dir_variable(tmp_path, monkeypatch):
     base = os.environ["NANOCHAT_BASE_DIR"]  # (conftest's, under tmp_path)
     with pytest.raises(FileNotFoundError) as info:
