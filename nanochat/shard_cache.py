@@ -748,7 +748,7 @@ def main(argv: list[str] | None = None) -> int:
                                  description="Print what a streaming cache holds: its bytes on "
                                  "disk against cache_limit, which live loader needs which shard "
                                  "and why, the kept copies of buffered documents, and the shards "
-                                 "evicted. Reads only; changes nothing.")
+                                 "evicted.")
     status.add_argument("data_dir", nargs="?", help="the streaming cache: a loader's data_dir "
                         "(default: the dataset's directory, as the loaders find it)")
     args = parser.parse_args(argv)
