@@ -363,8 +363,16 @@ def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m nanochat.mixture",
                                      description="Check a curriculum against the buckets on disk.")
     sub = parser.add_subparsers(dest="command", required=True)
-    check = sub.add_parser("validate", help="tokens demanded vs available per phase and bucket; "
-                                            "exit 1 on a blocking problem")
+    check = sub.add_parser(
+        "validate", help="tokens demanded vs available per phase and bucket; exit 1 on a blocking "
+                         "problem",
+        description="Check a curriculum against the pretokenized buckets in --data before a run. "
+                    "Prints, per phase and bucket, the tokens the phase demands, those the bucket "
+                    "holds (and the smallest rank's share, with --world-size), and with --T what "
+                    "cropping long documents costs. A bucket that runs dry or a --tokens budget "
+                    "the phases do not add up to is a blocking problem (the --allow-* flags make "
+                    "it a warning). Exits 0 when there is none, 1 when there is one, 2 on bad "
+                    "input.")
     check.add_argument("config", help="curriculum file (.yaml/.yml/.json): a list of phases or "
                                       "{curriculum: [...]}")
     check.add_argument("--data", required=True,

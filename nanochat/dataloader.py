@@ -569,7 +569,7 @@ class DataLoader:
 
     def figures(self) -> LoaderFigures:
         """What this loader did since the last call and since it was made: next()'s wait, tokens
-        per second in and out, crop and pad shares, documents per row, and for a streaming loader
+        per second in and out, crop and masked shares, documents per row, and for a streaming loader
         its downloads, evictions and cache use. `str()` of it is one line for a log. Cheap, except
         that a streaming loader reads its cache's status (a listing and the ledger)."""
         now = self._mark()

@@ -157,10 +157,32 @@ def _check_split(split: str) -> None:
 
 
 def _get_shards(data_dir: str) -> str:
-    """How to fill an empty or missing data_dir: the dataset's shards, or shards of your own."""
+    """How to fill an empty or missing data_dir: the dataset's shards, or shards of your own; and
+    for the directory the readers found by themselves, how it was found."""
     return (f"download some: python -m nanochat.dataset -n 8, or write your own text files "
             f"({', '.join(INPUT_SUFFIXES)}) as shards: python -m nanochat.dataset repackage "
-            f"INPUTS --out {data_dir}")
+            f"INPUTS --out {data_dir}{_found_words(data_dir)}")
+
+
+def _found_words(data_dir: str) -> str:
+    """Where the directory the readers use when given no data_dir came from, and how to choose
+    another; "" for any other directory (one passed by hand)."""
+    own = os.environ.get("NANOCHAT_DATA_DIR")  # "" counts as unset
+    if own:
+        if os.path.abspath(os.path.expanduser(own)) != os.path.abspath(data_dir):
+            return ""
+        return (". It is $NANOCHAT_DATA_DIR, which the readers use when given no data_dir: "
+                "point it at the directory of your shards, or unset it")
+    spec = _dataset_of(data_dir)
+    if spec is None or (os.path.abspath(os.path.dirname(os.path.normpath(data_dir)))
+                        != os.path.abspath(get_base_dir())):
+        return ""
+    where = ("from NANOCHAT_BASE_DIR" if os.environ.get("NANOCHAT_BASE_DIR")
+             else "~/.cache/nanochat, as NANOCHAT_BASE_DIR is unset")
+    return (f". Given no data_dir, the readers use <base_dir>/{spec.subdir}, with <base_dir> "
+            f"{where}; to read shards elsewhere, pass data_dir (--data-dir), or export "
+            "NANOCHAT_DATA_DIR=DIR (the shards' directory) or NANOCHAT_BASE_DIR=DIR (DIR holds "
+            f"{spec.subdir}/)")
 
 
 def list_parquet_files(data_dir: str | None = None) -> list[str]:
@@ -925,8 +947,12 @@ def _repackage_main(argv: list[str]) -> int:
                         help="JSON field or parquet column holding the text")
     parser.add_argument("--seed", type=int, default=42, help="shuffle seed")
     args = parser.parse_args(argv)
-    print(f"inputs={len(args.inputs)} out={args.out} shard_size_mb={args.shard_size_mb} "
-          f"docs_per_shard={args.docs_per_shard} text_field={args.text_field} seed={args.seed}")
+    # the size rule this run uses: one of the two, the default size when neither is given
+    size = (f"docs_per_shard={args.docs_per_shard}" if args.docs_per_shard is not None
+            else f"shard_size_mb={args.shard_size_mb:g}" if args.shard_size_mb is not None
+            else f"shard_size_mb={SHARD_SIZE_MB:g}")
+    print(f"inputs={len(args.inputs)} out={args.out} {size} text_field={args.text_field} "
+          f"seed={args.seed}")
     paths = repackage(args.inputs, args.out, shard_size_mb=args.shard_size_mb,
                       docs_per_shard=args.docs_per_shard, text_field=args.text_field,
                       seed=args.seed)

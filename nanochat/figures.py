@@ -1,10 +1,10 @@
 """
 A loader's figures for a training log: what it did since the last figures() call and in total
-(next()'s wait, tokens per second in and out, crop and pad shares, documents per row, and for a
-streaming loader its downloads, evictions and cache use), and the one short line that prints them.
-DataLoader.figures() (nanochat/dataloader.py) takes a Mark after each call and subtracts. The
-counts come from the packers' running totals that every state carries, so nothing new crosses
-from a worker process. Design: docs/loaders.md#figures.
+(next()'s wait, tokens per second in and out, crop and masked shares, documents per row, and for
+a streaming loader its downloads, evictions and cache use), and the one short line that prints
+them. DataLoader.figures() (nanochat/dataloader.py) takes a Mark after each call and subtracts.
+The counts come from the packers' running totals that every state carries, so nothing new
+crosses from a worker process. Design: docs/loaders.md#figures.
 
 May import: the standard library, nanochat.packing.
 """
@@ -25,7 +25,9 @@ class Figures(NamedTuple):
     tokenized_per_second: float
     emitted_per_second: float
     crop_share: float  # tokens cropped / (cropped + document tokens placed in rows)
-    pad_share: float  # targets yielded as -100 (masked overlaps) / B * T per batch
+    # targets yielded as -100 / B * T per batch: the repeated overlap in front of a piece or a
+    # window. No row is padded, so this is 0 unless split_overlap or windows overlap.
+    masked_share: float
     docs_per_row: float | None  # documents and pieces per row; None: the concatenating loader
     bytes_downloaded: int | None  # streaming: what this loader fetched; None: not streaming
     evictions: int | None  # streaming: shards this loader evicted to stay within cache_limit
@@ -40,14 +42,15 @@ class LoaderFigures(NamedTuple):
     cache_limit: int | None
 
     def line(self) -> str:
-        """`loader: wait 0.3% | 1.21M tok/s in, 0.98M out | crop 18.5% pad 0.0% | 2.1 docs/row |
-        cache 1.2/2.0 GB, 3.4 GB down, 5 evicted`: the rates and shares since the last call,
-        the cache's downloads and evictions in total."""
+        """`loader: wait 0.3% | 1.21M tok/s in, 0.98M out | crop 18.5% masked 0.0% |
+        2.1 docs/row | cache 1.2/2.0 GB, 3.4 GB down, 5 evicted`: the rates and shares since the
+        last call, the cache's downloads and evictions in total. masked: targets yielded as -100
+        (repeated overlaps), never padding: rows are always full."""
         f = self.since_last
         parts = [f"loader: wait {f.wait_share:.1%}",
                  f"{_count_words(f.tokenized_per_second)} tok/s in, "
                  f"{_count_words(f.emitted_per_second)} out",
-                 f"crop {f.crop_share:.1%} pad {f.pad_share:.1%}"]
+                 f"crop {f.crop_share:.1%} masked {f.masked_share:.1%}"]
         if f.docs_per_row is not None:
             parts.append(f"{f.docs_per_row:.1f} docs/row")
         if self.cache_bytes is not None:
@@ -109,7 +112,7 @@ def stretch(then: Mark, now: Mark, BT: int) -> Figures:
         tokens_tokenized=count.get("tokens_in", 0), tokens_emitted=emitted,
         tokenized_per_second=rate(count.get("tokens_in", 0)), emitted_per_second=rate(emitted),
         crop_share=cropped / max(1, placed + cropped),  # (as the packer's crop_share)
-        pad_share=count.get("tokens_masked", 0) / max(1, emitted),
+        masked_share=count.get("tokens_masked", 0) / max(1, emitted),
         # (the concatenating packer counts no rows: its rows cut through documents)
         docs_per_row=count["docs_placed"] / max(1, count["rows"]) if "rows" in count else None,
         bytes_downloaded=now.fetched_bytes - (then.fetched_bytes or 0) if streaming else None,

@@ -470,18 +470,27 @@ def _output_lock(output: str, rank: int, world_size: int, timeout: float):
             else f".pretokenize.rank{rank}-of-{world_size}.lock")
     path = os.path.join(output, name)
     os.makedirs(output, exist_ok=True)
-    holder = ""
+    holder = "pid unknown"
     if os.path.exists(path):  # read before FileLock opens it: some filelock versions truncate it
         with open(path, encoding="utf-8", errors="replace") as f:
-            holder = f.read().strip()
+            holder = f.read().strip() or holder
     lock = FileLock(path, timeout=timeout)
     try:
-        lock.acquire()
+        lock.acquire(timeout=0)  # free, as it most often is: nothing to say
     except Timeout:
-        raise TimeoutError(f"another pretokenize run ({holder or 'pid unknown'}) is writing to "
-                           f"{output}: {path} stayed locked for {timeout:g}s; let that run finish "
-                           "(or stop it), then run again: the rerun skips the pairs it "
-                           "wrote") from None
+        if timeout > 0:  # a wait of up to 10 s by default: say so when it starts
+            print(f"waiting up to {timeout:g}s (--lock-timeout) for another pretokenize run "
+                  f"({holder}) that is writing to {output}", flush=True)
+        try:
+            lock.acquire()
+        except Timeout:
+            error = TimeoutError(
+                f"another pretokenize run ({holder}) is writing to {output}: {path} stayed locked "
+                f"for {timeout:g}s; let that run finish (or stop it), then run again: the rerun "
+                "skips the pairs it wrote. To run several at once, give each its own share of the "
+                "inputs: --rank R --world-size N, with R from 0 to N-1, on one machine or several"
+                + (f" (that run is rank {rank} of {world_size} too)" if world_size > 1 else ""))
+            raise error from None
     try:
         since = time.strftime('%Y-%m-%d %H:%M:%S')
         _note_holder(path, f"pid {os.getpid()} on {socket.gethostname()}, since {since}\n")

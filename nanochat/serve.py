@@ -1,10 +1,11 @@
 """
-A shard server: serves a directory's files over HTTP the way the Hugging Face hub serves a
-dataset's, with Range requests (what a streaming loader reads footers with, and what resumes a
-broken download), an ETag that is the body's quoted sha256, and optionally a rate limit on
-files shared by all connections. It also answers `index.json`: the directory's parquet files and
-sizes, made on each request (the directory's own index.json, when it has one). The demo, the
-benchmarks and the tests use it; `python -m nanochat.dataset serve DIR` runs it (main below).
+A shard server: serves a directory's `*.parquet` shards over HTTP the way the Hugging Face hub
+serves a dataset's, with Range requests (what a streaming loader reads footers with, and what
+resumes a broken download), an ETag that is the body's quoted sha256, and optionally a rate limit
+shared by all connections. It also answers `index.json`: the shards and their sizes, made on each
+request (the directory's own index.json, when it has one). Any other name is a 404: other files
+in the directory are never served. The demo, the benchmarks and the tests use it;
+`python -m nanochat.dataset serve DIR` runs it (main below).
 
     server = ShardServer(directory, rate=50e6)   # on 127.0.0.1, a free port, a daemon thread
     server.url, server.gets                      # http://127.0.0.1:PORT, [(name, Range or None)]
@@ -28,6 +29,12 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 BLOCK = 64 * 1024  # bytes written at a time (and the rate limiter's step)
 LISTING = "index.json"  # <base_url>/index.json: {"files": [{"name": ..., "size": ...}, ...]}
+
+
+def servable(name: str) -> bool:
+    """Whether a name is one the server answers for: a shard (`*.parquet`) or the listing, as a
+    plain file name. Nothing outside the directory, and nothing else in it (notes, keys)."""
+    return (name.endswith(".parquet") or name == LISTING) and "/" not in name and "\\" not in name
 
 
 def directory_listing(directory: str) -> dict:
@@ -68,10 +75,10 @@ class _Handler(BaseHTTPRequestHandler):
     def _body(self) -> tuple[int, str, io.BufferedIOBase] | None:
         """(size, ETag, an open file) of what the request names, or None when there is nothing."""
         name = self._name()
+        if not servable(name):
+            return None
         path = os.path.join(self.server.directory, name)
-        # a plain file name only: nothing outside the directory is ever served
-        if name not in ("", ".", "..") and "/" not in name and "\\" not in name \
-                and os.path.isfile(path):
+        if os.path.isfile(path):  # (a symlinked shard is followed)
             return os.path.getsize(path), self.server.etag(path), open(path, "rb")
         if name == LISTING:  # none in the directory: made now, so it is never out of date
             body = json.dumps(directory_listing(self.server.directory)).encode()
@@ -185,9 +192,10 @@ class ShardServer(ThreadingHTTPServer):
 # Command line: python -m nanochat.dataset serve DIR
 
 SERVE_HELP = ("Serve a directory of parquet shards over HTTP, with Range requests, so that a "
-              "streaming loader (stream=True) can read them: the files, and index.json, their "
-              "listing (the directory's own index.json when it has one). Val is the last name in "
-              "sorted order, train the others, as on disk. Runs until Ctrl-C.")
+              "streaming loader (stream=True) can read them: its *.parquet files (symlinks "
+              "followed), and index.json, their listing (the directory's own index.json when it "
+              "has one). Nothing else: any other name, or another file in DIR, is a 404. Val is "
+              "the last name in sorted order, train the others, as on disk. Runs until Ctrl-C.")
 
 
 def main(argv: list[str]) -> int:

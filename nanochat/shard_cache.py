@@ -744,7 +744,11 @@ def main(argv: list[str] | None = None) -> int:
                                      description="What a streaming cache (stream=True) holds.")
     commands = parser.add_subparsers(dest="command", required=True)
     status = commands.add_parser("status", help="what is on disk against cache_limit, which live "
-                                 "loader needs which shard and why, the kept copies, the evicted")
+                                 "loader needs which shard and why, the kept copies, the evicted",
+                                 description="Print what a streaming cache holds: its bytes on "
+                                 "disk against cache_limit, which live loader needs which shard "
+                                 "and why, the kept copies of buffered documents, and the shards "
+                                 "evicted.")
     status.add_argument("data_dir", nargs="?", help="the streaming cache: a loader's data_dir "
                         "(default: the dataset's directory, as the loaders find it)")
     args = parser.parse_args(argv)

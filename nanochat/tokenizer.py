@@ -133,7 +133,8 @@ class RustBPETokenizer:
         both exist."""
         if not os.path.isdir(tokenizer_dir):
             raise FileNotFoundError(f"tokenizer directory {tokenizer_dir} does not exist; "
-                                    f"train a tokenizer first: {TRAIN_HINT}")
+                                    f"train a tokenizer first: {TRAIN_HINT}"
+                                    f"{_base_dir_words(tokenizer_dir)}")
         json_path = os.path.join(tokenizer_dir, TOKENIZER_FILENAME)
         pkl_path = os.path.join(tokenizer_dir, PICKLE_FILENAME)
         if os.path.exists(json_path):
@@ -147,7 +148,8 @@ class RustBPETokenizer:
         if os.path.exists(pkl_path):
             return cls._from_pickle(pkl_path)
         raise FileNotFoundError(f"tokenizer file {json_path} does not exist (nor nanochat's "
-                                f"{PICKLE_FILENAME}); train a tokenizer first: {TRAIN_HINT}")
+                                f"{PICKLE_FILENAME}); train a tokenizer first: {TRAIN_HINT}"
+                                f"{_base_dir_words(tokenizer_dir)}")
 
     @classmethod
     def from_pretrained(cls, tiktoken_name: str):
@@ -773,6 +775,17 @@ def get_tokenizer_dir() -> str:
 def get_tokenizer() -> RustBPETokenizer:
     """The tokenizer saved under <base_dir>/tokenizer (see get_base_dir: $NANOCHAT_BASE_DIR)."""
     return RustBPETokenizer.from_directory(get_tokenizer_dir())
+
+
+def _base_dir_words(tokenizer_dir: str) -> str:
+    """For a missing tokenizer in <base_dir>/tokenizer: where <base_dir> came from, and how to
+    point it at another; "" for a directory passed by hand."""
+    if os.path.abspath(tokenizer_dir) != os.path.abspath(get_tokenizer_dir()):
+        return ""
+    where = ("from NANOCHAT_BASE_DIR" if os.environ.get("NANOCHAT_BASE_DIR")  # "" counts as unset
+             else "~/.cache/nanochat, as NANOCHAT_BASE_DIR is unset")
+    return (f". It is <base_dir>/tokenizer, with <base_dir> {where}; a tokenizer trained under "
+            "another base dir is found with export NANOCHAT_BASE_DIR=DIR (DIR holds tokenizer/)")
 
 
 def get_token_bytes(device="cpu", tokenizer_dir: str | None = None):

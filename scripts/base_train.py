@@ -311,7 +311,7 @@ def main(argv=None) -> int:
         print0(f"step {step:5d}/{args.steps} | loss {loss:.6f} | {dt * 1000:.0f} ms | "
                f"{args.B * args.T * world_size / dt:,.0f} tok/s | buffer docs {buffer_docs} | "
                f"loss {loss!r}")
-        # the loader since the last step: next()'s wait, tokens/s, crop and pad, documents per row
+        # the loader since the last step: next()'s wait, tokens/s, crop, masked, documents per row
         print0(train_loader.figures().line())
 
         if step % args.eval_every == 0 or step == args.steps:

@@ -11,7 +11,8 @@ them with `python -m nanochat.dataset`; 4. train and measure a tokenizer (script
 scripts.tok_eval); 5. stream best-fit packed batches on the CPU; 6. stream the same batches from
 the server (stream=True) into a cache smaller than the shards and check they equal step 5's.
 --out is laid out like $NANOCHAT_BASE_DIR plus hosted/ and stream_cache/; nothing under
-~/.cache/nanochat is read or written.
+~/.cache/nanochat is read or written. The demo ends with the lines that point your own scripts
+at it: export NANOCHAT_BASE_DIR=OUT, then get_tokenizer() and a loader given no data_dir.
 """
 
 import argparse
@@ -20,6 +21,7 @@ import json
 import math
 import os
 import random
+import shlex
 import subprocess
 import sys
 import tempfile
@@ -36,6 +38,12 @@ from nanochat.tokenizer import RustBPETokenizer
 from nanochat.serve import ShardServer
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# what a script of yours runs on the demo's base dir: get_tokenizer() and a loader given no
+# data_dir find its tokenizer/ and shards there, once NANOCHAT_BASE_DIR names it
+REUSE = ("from nanochat.tokenizer import get_tokenizer; "
+         "from nanochat.dataloader import tokenizing_distributed_data_loader_bos_bestfit as L; "
+         "x, y = next(L(get_tokenizer(), B={B}, T={T}, split=\"train\", device=\"cpu\")); "
+         "print(x.shape)")
 
 # -----------------------------------------------------------------------------
 # 1. A sample corpus
@@ -189,7 +197,7 @@ def stream_batches(
                 break
         seconds = time.perf_counter() - t0
         status = loader.cache_status()  # a streaming loader's shard cache figures, else None
-        figures = loader.figures()  # wait, tokens/s, crop and pad shares, downloads, evictions
+        figures = loader.figures()  # wait, tokens/s, crop and masked shares, downloads, evictions
     finally:
         loader.close()
     rows = num_batches * B
@@ -402,6 +410,10 @@ def main(argv=None) -> int:
     print(f"streamed: the same batches straight from the server into {cache_dir}, "
           f"within cache_limit={cache_limit:,} bytes")
     print(f"done in {time.perf_counter() - t_start:.1f}s; everything is under {out}")
+    print(f"base dir: {out}. Your scripts find its tokenizer/ and {get_dataset().subdir}/ "
+          "(get_tokenizer(), the loaders given no data_dir) once NANOCHAT_BASE_DIR names it:")
+    print(f"  export NANOCHAT_BASE_DIR={shlex.quote(out)}")
+    print(f"  python -c {shlex.quote(REUSE.format(B=args.B, T=args.T))}")
     return 0
 
 

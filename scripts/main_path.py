@@ -109,8 +109,8 @@ def run(stream: bool) -> dict[str, set[int]]:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m scripts.main_path",
-                                     description=__doc__.split("\n\n")[0].strip())
+    parser = argparse.ArgumentParser(prog="python -m scripts.main_path", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--stream", action="store_true", help="stream the shards (stream=True)")
     args = parser.parse_args(argv)
     ran = run(args.stream)

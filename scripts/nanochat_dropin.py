@@ -163,13 +163,14 @@ def compare(orig: dict, ours: dict) -> bool:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m scripts.nanochat_dropin",
-                                     description=__doc__.split("\n\n")[0])  # its first paragraph
+    parser = argparse.ArgumentParser(prog="python -m scripts.nanochat_dropin", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("checkout",
                         help="a karpathy/nanochat checkout (left unchanged: it is copied)")
     parser.add_argument("--python", default=sys.executable,
                         help="a Python with nanochat's dependencies")
-    parser.add_argument("--layout", choices=("climbmix", "fineweb", "own"), default="climbmix")
+    parser.add_argument("--layout", choices=("climbmix", "fineweb", "own"), default="climbmix",
+                        help="the shards' names: a dataset's, or your own (default: climbmix)")
     parser.add_argument("--out", default=os.path.join(tempfile.gettempdir(), "nanochat_dropin"),
                         help="where the two copies and their logs go (default: %(default)s)")
     args = parser.parse_args(argv)

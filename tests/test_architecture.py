@@ -8,7 +8,8 @@ not in a reviewer's head:
   each named in docs/ARCHITECTURE.md's walk;
 - habits: a README of at most 16 KB, module docstrings of at most 15 lines, lines of at most 100
   columns, at most 6 positional parameters for internal functions, one integer validator, no name
-  imported only to be re-exported, and no project history in the README, docs/ or the code.
+  imported only to be re-exported, no project history in the README, docs/ or the code, and
+  markdown tables that render whole (no row cut off from its header).
 
 Run: python -m pytest tests/test_architecture.py -q
 """
@@ -238,6 +239,34 @@ PUBLIC_SIGNATURES: set[str] = set()
 def test_the_readme_is_at_most_16_kb():
     size = len(read("README.md").encode())
     assert size <= 16 * 1024, f"README.md is {size:,} bytes: move the depth to a page in docs/"
+
+
+def _cells(row: str) -> int:
+    """The cells of a markdown table row: its unescaped pipes, less one (GitHub splits a row at
+    every unescaped pipe, inside backticks too)."""
+    return len(re.findall(r"(?<!\\)\|", row.strip())) - 1
+
+
+@pytest.mark.parametrize("path", ["README.md"] + sorted(
+    os.path.join("docs", name) for name in os.listdir(os.path.join(ROOT, "docs"))
+    if name.endswith(".md")))
+def test_markdown_tables_render_whole(path):
+    """Each run of table rows starts with a header and its `| --- |` line, and every row has the
+    header's cells: a row cut off from its table (a paragraph between) renders as stray text."""
+    broken, block, fenced = [], [], False
+    for n, line in enumerate(read(path).splitlines() + [""], 1):
+        fenced ^= line.startswith("```")
+        if not fenced and line.startswith("|"):
+            block.append((n, line))
+            continue
+        if block:
+            header = _cells(block[0][1])
+            if len(block) < 2 or not re.fullmatch(r"\|( *:?-{3,}:? *\|)+", block[1][1].strip()):
+                broken.append(f"{path}:{block[0][0]}: rows without a header and its | --- | line")
+            broken += [f"{path}:{k}: {_cells(row)} cells, the header has {header}"
+                       for k, row in block if _cells(row) != header]
+            block = []
+    assert not broken, f"tables that do not render as one table: {broken}"
 
 
 @pytest.mark.parametrize("module", MODULES)

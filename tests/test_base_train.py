@@ -95,12 +95,12 @@ def test_straight_run_is_deterministic_and_learns(corpus, straight, tmp_path):
         assert math.isfinite(result["loss"]) and 0 < result["bpb"] < 10
     # every step prints its loss in full, for people who compare by eye
     assert f"loss {losses[-1]!r}" in straight["stdout"]
-    # and the loader's figures since the step before, in one rounded line: no padding under crop
+    # and the loader's figures since the step before, in one rounded line: nothing masked under crop
     figures = [line for line in straight["stdout"].splitlines() if line.startswith("loader:")]
     assert len(figures) == STEPS, straight["stdout"][-2000:]
     for line in figures:
         assert re.fullmatch(r"loader: wait \d+\.\d% \| [\d.]+[kMG]? tok/s in, [\d.]+[kMG]? out \| "
-                            r"crop \d+\.\d% pad 0\.0% \| \d+\.\d docs/row", line), line
+                            r"crop \d+\.\d% masked 0\.0% \| \d+\.\d docs/row", line), line
 
 
 def test_checkpoints_are_complete_and_plain(checkpoint_dir):
@@ -231,7 +231,7 @@ def test_resume_is_exact_with_split_documents(corpus, tmp_path):
     resumed = train(corpus, tmp_path, "resumed", *policy, "--resume-from-step", str(RESUME_STEP))
     assert resumed["losses"] == {s: v for s, v in straight["losses"].items()
                                  if int(s) > RESUME_STEP}
-    # split_reuse crops nothing; the pieces' repeated tokens are masked: targets that are padding
+    # split_reuse crops nothing; the pieces' repeated tokens are masked (their targets are -100)
     figures = [line for line in straight["stdout"].splitlines() if line.startswith("loader:")]
-    assert len(figures) == STEPS and all("| crop 0.0% pad " in line for line in figures)
-    assert any(not re.search(r"pad 0\.0%", line) for line in figures), figures
+    assert len(figures) == STEPS and all("| crop 0.0% masked " in line for line in figures)
+    assert any(not re.search(r"masked 0\.0%", line) for line in figures), figures

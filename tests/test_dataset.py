@@ -325,6 +325,17 @@ def test_repackage_cli_by_size_and_seed(tmp_path, capsys):
     assert same == [pq.read_table(p).column("text").to_pylist() for p in shards]
 
 
+def test_repackage_cli_echoes_the_size_it_uses(tmp_path, capsys):
+    paths, _ = _write_inputs(tmp_path)
+    assert main(["repackage", *paths, "--out", str(tmp_path / "a")]) == 0
+    first = capsys.readouterr().out.splitlines()[0]
+    assert f" shard_size_mb={dataset.SHARD_SIZE_MB:g} " in first and "None" not in first
+    assert "docs_per_shard" not in first  # (not the rule this run uses)
+    assert main(["repackage", *paths, "--out", str(tmp_path / "b"), "--docs-per-shard", "7"]) == 0
+    first = capsys.readouterr().out.splitlines()[0]
+    assert " docs_per_shard=7 " in first and "shard_size_mb" not in first
+
+
 def test_repackage_few_documents_still_makes_train_and_val(tmp_path):
     (tmp_path / "few.txt").write_text("one\ntwo\nthree\n", encoding="utf-8")
     shards = repackage([str(tmp_path / "few.txt")], str(tmp_path / "out"))

@@ -2,7 +2,8 @@
 The end-to-end demo (scripts/demo.py) and the speedrun recipes. The demo runs in a subprocess, as a
 user runs it, with small sizes (a few seconds): it serves its own shards on 127.0.0.1, so no
 network and no ~/.cache are touched; it downloads them, and streams them (stream=True) within a
-cache_limit smaller than the shards.
+cache_limit smaller than the shards. The lines it ends on, to reuse its base dir, are run as
+printed.
 
     python -m pytest tests/test_demo.py -q
 """
@@ -10,6 +11,7 @@ cache_limit smaller than the shards.
 import ast
 import os
 import re
+import shlex
 import subprocess
 import sys
 
@@ -61,7 +63,7 @@ def test_demo_end_to_end(tmp_path):
     assert any(isinstance(p, bytes) for p in pieces) and "\ufffd" not in stdout
     # the loader's figures, rounded: one line per loader, the streaming one with its cache
     figures = (r"loader: wait \d+\.\d% \| [\d.]+[kMG]? tok/s in, [\d.]+[kMG]? out \| "
-               r"crop \d+\.\d% pad 0\.0% \| \d+\.\d docs/row")
+               r"crop \d+\.\d% masked 0\.0% \| \d+\.\d docs/row")
     for name in ("train", "val"):
         assert re.search(rf"^{name} {figures}$", stdout, re.M), stdout[-3000:]
     assert re.search(rf"^streamed train {figures} \| cache [\d.]+/[\d.]+ [KM]B, "
@@ -100,6 +102,21 @@ def test_demo_end_to_end(tmp_path):
             (cache / f"{name}.tmp").read_bytes()), name
     assert "== summary" in stdout
     assert not os.path.exists(base_dir)
+
+    # the base dir it used, and the lines that reuse it: run as printed, they load its tokenizer
+    # and a batch of its shards, here B=4 and T=128 as the demo ran
+    tail = stdout.splitlines()[-3:]
+    assert tail[0] == (f"base dir: {out}. Your scripts find its tokenizer/ and base_data_climbmix/ "
+                       "(get_tokenizer(), the loaders given no data_dir) once NANOCHAT_BASE_DIR "
+                       "names it:")
+    assert tail[1] == f"  export NANOCHAT_BASE_DIR={out}"
+    command = shlex.split(tail[2])
+    assert command[:2] == ["python", "-c"] and len(command) == 3, tail[2]
+    env = dict(os.environ, NANOCHAT_BASE_DIR=str(out),
+               PYTHONPATH=os.pathsep.join(filter(None, [REPO_ROOT, os.environ.get("PYTHONPATH")])))
+    reused = subprocess.run([sys.executable, "-c", command[2]], cwd=tmp_path, env=env,
+                            capture_output=True, text=True, timeout=120)
+    assert (reused.returncode, reused.stdout) == (0, "torch.Size([4, 128])\n"), reused.stderr
 
 
 def test_demo_refuses_a_non_empty_out(tmp_path):

@@ -1,9 +1,10 @@
 """
-A loader's figures (DataLoader.figures(), docs/loaders.md#figures): tokens in and out, crop and pad
-shares and documents per row, since the last call and in total, checked exactly against the
-loader's stats and against the batches themselves; for the best-fit, concatenating, pretokenized
-and mixture loaders, on threads, in a worker process, after a resume, and streaming from a real
-HTTP server on 127.0.0.1 (bytes downloaded, evictions, the cache against cache_limit).
+A loader's figures (DataLoader.figures(), docs/loaders.md#figures): tokens in and out, crop
+and masked shares (its line says "masked", never "pad": rows are never padded) and documents per
+row, since the last call and in total, checked exactly against the loader's stats and against the
+batches themselves; for the best-fit, concatenating, pretokenized and mixture loaders, on
+threads, in a worker process, after a resume, and streaming from a real HTTP server on 127.0.0.1
+(bytes downloaded, evictions, the cache against cache_limit).
 Run: python -m pytest tests/test_figures.py -q   (about 15 s; the worker's test starts one)
 """
 
@@ -81,7 +82,8 @@ def check_sums(first: LoaderFigures, second: LoaderFigures) -> None:
 def test_best_fit_figures_add_up_and_match_the_batches(corpus, policy, overlap):
     loader = parquet_loader(corpus, buffer_size=16, long_doc_policy=policy, split_overlap=overlap)
     before = loader.figures()
-    assert (before.total.batches, before.total.tokens_emitted, before.total.pad_share) == (0, 0, 0)
+    assert (before.total.batches, before.total.tokens_emitted,
+            before.total.masked_share) == (0, 0, 0)
     seen = [run(loader, 3), run(loader, 5)]
     first = loader.figures()  # (after 8 batches)
     seen.append(run(loader, 4))
@@ -101,16 +103,16 @@ def test_best_fit_figures_add_up_and_match_the_batches(corpus, policy, overlap):
     assert second.since_last.docs_per_row == sum(seen[2]["docs"]) / (4 * B)
     assert first.since_last.docs_per_row == sum(seen[0]["docs"] + seen[1]["docs"]) / (8 * B)
     assert second.total.wait_seconds == stats["wait_seconds"]
-    if policy == "crop":  # cropping, and no target masked: nothing is padding
+    if policy == "crop":  # cropping, and no target masked
         assert stats["tokens_cropped"] > 0 and second.total.crop_share > 0
-        assert second.total.pad_share == second.since_last.pad_share == 0.0
+        assert second.total.masked_share == second.since_last.masked_share == 0.0
     else:  # split pieces repeat 4 tokens, whose targets are -100
-        assert second.total.pad_share == sum(x["masked"] for x in seen) / (12 * B * T) > 0
-        assert second.since_last.pad_share == seen[2]["masked"] / (4 * B * T)
+        assert second.total.masked_share == sum(x["masked"] for x in seen) / (12 * B * T) > 0
+        assert second.since_last.masked_share == seen[2]["masked"] / (4 * B * T)
     # a call right after another: nothing happened in between
     assert (again.since_last.batches, again.since_last.tokens_tokenized,
             again.since_last.tokens_emitted, again.since_last.crop_share,
-            again.since_last.pad_share) == (0, 0, 0, 0.0, 0.0)
+            again.since_last.masked_share) == (0, 0, 0, 0.0, 0.0)
     assert again.total._replace(seconds=0, wait_share=0, tokenized_per_second=0,
                                 emitted_per_second=0) == second.total._replace(
         seconds=0, wait_share=0, tokenized_per_second=0, emitted_per_second=0)
@@ -118,10 +120,11 @@ def test_best_fit_figures_add_up_and_match_the_batches(corpus, policy, overlap):
     f = second.since_last
     line = str(second)
     assert line == second.line() and line.startswith(f"loader: wait {f.wait_share:.1%} | ")
-    shares = f"| crop {f.crop_share:.1%} pad {f.pad_share:.1%} | {f.docs_per_row:.1f} docs/row"
+    shares = (f"| crop {f.crop_share:.1%} masked {f.masked_share:.1%} "
+              f"| {f.docs_per_row:.1f} docs/row")
     assert shares in line
     assert re.fullmatch(r"loader: wait \d+\.\d% \| [\d.]+[kMG]? tok/s in, [\d.]+[kMG]? out \| "
-                        r"crop \d+\.\d% pad \d+\.\d% \| \d+\.\d docs/row", line), line
+                        r"crop \d+\.\d% masked \d+\.\d% \| \d+\.\d docs/row", line), line
     assert "cache" not in line and (f.bytes_downloaded, f.evictions) == (None, None)
     assert (second.cache_bytes, second.cache_limit) == (None, None)
 
@@ -134,7 +137,7 @@ def test_concatenated_rows_have_no_documents_per_row(corpus):
     loader.close()
     assert figures.total.tokens_emitted == 3 * B * T == stats["tokens_emitted"]
     assert figures.total.tokens_tokenized == stats["tokens_tokenized"]
-    assert (figures.total.crop_share, figures.total.pad_share) == (0.0, 0.0)
+    assert (figures.total.crop_share, figures.total.masked_share) == (0.0, 0.0)
     assert figures.total.docs_per_row is None and "docs/row" not in figures.line()
 
 
@@ -177,7 +180,7 @@ def test_figures_from_a_worker_process(corpus):
     assert (total.batches, total.tokens_emitted) == (6, 6 * B * T)
     assert total.tokens_tokenized == stats["tokens_tokenized"] - state["counters"]["tokens_in"]
     assert total.docs_per_row == sum(seen["docs"]) / (6 * B)
-    assert total.pad_share == seen["masked"] / (6 * B * T) > 0
+    assert total.masked_share == seen["masked"] / (6 * B * T) > 0
     assert after.total.tokens_emitted == total.tokens_emitted
 
 
@@ -198,7 +201,7 @@ def test_pretokenized_and_mixture_figures(corpus):
         assert total.tokens_tokenized == stats["tokens_tokenized"]
         assert total.crop_share == stats["crop_share"] > 0
         assert total.docs_per_row == sum(seen["docs"]) / (5 * B)
-        assert total.pad_share == 0.0
+        assert total.masked_share == 0.0
     # the mixture's figures are its buckets' together
     assert total.tokens_tokenized == sum(s["tokens_tokenized"] for s in stats["buckets"].values())
 
@@ -269,11 +272,11 @@ def test_the_line_rounds_to_three_digits_and_climbs_units():
     def line(tokenized_per_second: float) -> str:
         f = Figures(seconds=1.0, batches=1, wait_seconds=0.0, wait_share=0.0, tokens_tokenized=0,
                     tokens_emitted=0, tokenized_per_second=tokenized_per_second,
-                    emitted_per_second=950, crop_share=0.1854, pad_share=0.0, docs_per_row=2.06,
+                    emitted_per_second=950, crop_share=0.1854, masked_share=0.0, docs_per_row=2.06,
                     bytes_downloaded=None, evictions=None)
         return LoaderFigures(f, f, None, None).line()
 
-    assert line(999_999) == ("loader: wait 0.0% | 1.00M tok/s in, 950 out | crop 18.5% pad 0.0% "
+    assert line(999_999) == ("loader: wait 0.0% | 1.00M tok/s in, 950 out | crop 18.5% masked 0.0% "
                              "| 2.1 docs/row")
     assert line(987_000).startswith("loader: wait 0.0% | 987k tok/s in, ")
     assert line(12_345).startswith("loader: wait 0.0% | 12.3k tok/s in, ")

@@ -1,14 +1,19 @@
 """
-Four messages a new user meets, each saying what is true and what to do:
+Messages a new user meets, each saying what is true and what to do:
 - a shard file passed as a data directory is called a file, and the directory it is in is named;
 - `--verify` on shards the downloader did not fetch never suggests downloading into them;
 - an empty or missing data directory names `repackage` beside the download;
-- a model's state dict passed as resume_state_dict is called not a loader state.
+- a model's state dict passed as resume_state_dict is called not a loader state;
+- a missing tokenizer or missing shards, where none was passed, name NANOCHAT_BASE_DIR (and
+  NANOCHAT_DATA_DIR) and how to set it;
+- every command's --help says what it does, in sentences that end.
 
 Run: python -m pytest tests/test_messages.py -q
 """
 
+import importlib
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -26,7 +31,7 @@ from nanochat.mixture_state import mixture_start
 from nanochat.resume import merge_states
 from nanochat.token_reader import shard_paths
 from nanochat.token_shards import write_token_shard
-from nanochat.tokenizer import RustBPETokenizer
+from nanochat.tokenizer import RustBPETokenizer, get_tokenizer
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 REPACKAGE = "python -m nanochat.dataset repackage INPUTS --out"
@@ -183,6 +188,80 @@ def test_verify_of_an_empty_directory_names_repackage(tmp_path):
 
 
 # -----------------------------------------------------------------------------
+# Where the data lives: <base_dir>, NANOCHAT_BASE_DIR and NANOCHAT_DATA_DIR
+
+BASE_DIR_FIX = "export NANOCHAT_BASE_DIR=DIR"
+
+
+def test_the_readmes_usage_says_how_base_dir_is_set():
+    with open(os.path.join(REPO_ROOT, "README.md"), encoding="utf-8") as f:
+        readme = f.read()
+    usage = readme[readme.index("## Using it from a training script"):]
+    usage = usage[:usage.index("\n## ")]
+    assert "get_tokenizer()" in usage and "<base_dir>" in usage
+    for words in ("`<base_dir>` is `$NANOCHAT_BASE_DIR`, or `~/.cache/nanochat` when it is unset",
+                  "`$NANOCHAT_DATA_DIR` when it is set"):
+        assert words in " ".join(usage.split()), words
+
+
+def test_a_missing_tokenizer_names_the_base_dir_variable(tmp_path, monkeypatch):
+    base = os.environ["NANOCHAT_BASE_DIR"]  # (conftest's, under tmp_path)
+    with pytest.raises(FileNotFoundError) as info:
+        get_tokenizer()
+    assert str(info.value) == (
+        f"tokenizer directory {base}/tokenizer does not exist; train a tokenizer first: "
+        "python -m scripts.tok_train. It is <base_dir>/tokenizer, with <base_dir> from "
+        f"NANOCHAT_BASE_DIR; a tokenizer trained under another base dir is found with "
+        f"{BASE_DIR_FIX} (DIR holds tokenizer/)")
+    os.makedirs(os.path.join(base, "tokenizer"))  # there, but empty: the same words
+    with pytest.raises(FileNotFoundError) as info:
+        get_tokenizer()
+    assert "tokenizer.json does not exist" in str(info.value)
+    assert str(info.value).endswith(f"{BASE_DIR_FIX} (DIR holds tokenizer/)")
+    # unset: the default, said as such
+    monkeypatch.delenv("NANOCHAT_BASE_DIR")
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    with pytest.raises(FileNotFoundError) as info:
+        get_tokenizer()
+    assert (f"{tmp_path / 'home'}/.cache/nanochat/tokenizer does not exist; " in str(info.value)
+            and "with <base_dir> ~/.cache/nanochat, as NANOCHAT_BASE_DIR is unset; "
+            in str(info.value) and BASE_DIR_FIX in str(info.value))
+    # a directory passed by hand is the caller's: no word of the base dir
+    with pytest.raises(FileNotFoundError) as info:
+        RustBPETokenizer.from_directory(str(tmp_path / "mine"))
+    assert "NANOCHAT_BASE_DIR" not in str(info.value)
+
+
+def test_missing_shards_name_the_variables_where_none_was_passed(tmp_path, monkeypatch):
+    base = os.environ["NANOCHAT_BASE_DIR"]
+    found = (". Given no data_dir, the readers use <base_dir>/base_data_climbmix, with "
+             "<base_dir> from NANOCHAT_BASE_DIR; to read shards elsewhere, pass data_dir "
+             "(--data-dir), or export NANOCHAT_DATA_DIR=DIR (the shards' directory) or "
+             "NANOCHAT_BASE_DIR=DIR (DIR holds base_data_climbmix/)")
+    with pytest.raises(FileNotFoundError) as info:
+        split_parquet_files("train")
+    assert str(info.value).startswith(f"data directory {base}/base_data_climbmix does not exist; ")
+    assert str(info.value).endswith(found)
+    os.makedirs(os.path.join(base, "base_data_climbmix"))  # there, but empty
+    with pytest.raises(FileNotFoundError) as info:
+        split_parquet_files("val")
+    assert str(info.value).startswith(f"no parquet shards in {base}/base_data_climbmix; ")
+    assert str(info.value).endswith(found)
+    # a script that looks the directory up itself says the same (tok_train, a real process)
+    done = subprocess.run([sys.executable, "-m", "scripts.tok_train"], cwd=REPO_ROOT,
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 1 and done.stderr.strip().endswith(found), done.stderr
+    # NANOCHAT_DATA_DIR, when it names the directory
+    monkeypatch.setenv("NANOCHAT_DATA_DIR", str(tmp_path / "mine"))
+    (tmp_path / "mine").mkdir()
+    with pytest.raises(FileNotFoundError) as info:
+        split_parquet_files("train")
+    assert str(info.value).endswith(
+        ". It is $NANOCHAT_DATA_DIR, which the readers use when given no data_dir: point it at "
+        "the directory of your shards, or unset it")
+
+
+# -----------------------------------------------------------------------------
 # A state that is not a loader state
 
 
@@ -239,3 +318,33 @@ def test_a_mixture_loader_given_a_models_state_dict_says_so():
 def test_a_truncated_state_still_says_what_is_missing(tmp_path, byte_tokenizer):
     assert (_resume_error(tmp_path, byte_tokenizer, {"pq_idx": 0})
             == "resume_state_dict is missing ['rg_idx']")
+
+
+# -----------------------------------------------------------------------------
+# --help
+
+# (module, subcommand): every command a user runs, as `python -m MODULE [SUBCOMMAND] --help`
+COMMANDS = [("nanochat.dataset", []), ("nanochat.dataset", ["repackage"]),
+            ("nanochat.dataset", ["serve"]), ("nanochat.pretokenize", []),
+            ("nanochat.mixture", ["validate"]), ("nanochat.tokenizer", ["convert"]),
+            ("nanochat.tokenizer", ["export-hf"]), ("nanochat.shard_cache", ["status"]),
+            ("scripts.demo", []), ("scripts.tok_train", []), ("scripts.tok_eval", []),
+            ("scripts.base_train", []), ("scripts.record_behaviour", []),
+            ("scripts.nanochat_dropin", []), ("scripts.main_path", [])]
+
+
+@pytest.mark.parametrize("module, command", COMMANDS,
+                         ids=[" ".join([m, *c]) for m, c in COMMANDS])
+def test_every_help_says_what_the_command_does(module, command, capsys, monkeypatch):
+    """The description, between the usage and the first list of arguments, is there, and ends on
+    a whole sentence: not on a colon that introduces nothing."""
+    monkeypatch.setenv("COLUMNS", "100")  # (argparse wraps to the terminal's width)
+    with pytest.raises(SystemExit) as done:
+        importlib.import_module(module).main([*command, "--help"])
+    assert done.value.code == 0
+    text = capsys.readouterr().out
+    usage, _, rest = text.partition("\n\n")
+    assert usage.startswith(f"usage: python -m {module} {' '.join(command)}".rstrip()), usage
+    description = re.split(r"^(?:positional arguments|options):$", rest, flags=re.M)[0].strip()
+    assert description, f"python -m {module} {' '.join(command)} --help has no description"
+    assert not description.endswith(":"), description[-200:]

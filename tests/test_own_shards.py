@@ -375,6 +375,36 @@ def test_serve_help_and_its_refusals(tmp_path):
     assert result.stderr.endswith("); pass another --port, or --port 0 for a free one\n")
 
 
+def test_serve_answers_only_for_shards_and_the_listing(tmp_path):
+    """Other files in the directory (notes, credentials, partial downloads, a subdirectory's
+    shards) are a 404, by GET and HEAD; shards, a symlinked one too, and the listing are served."""
+    hosted, elsewhere = tmp_path / "hosted", tmp_path / "elsewhere"
+    _write_own(hosted, ["a.parquet", "b.parquet"])
+    _write_own(elsewhere, ["c.parquet"])
+    (hosted / "c.parquet").symlink_to(elsewhere / "c.parquet")
+    secrets = {"notes.txt": "mine", ".env": "TOKEN=x", "credentials.json": '{"key": "x"}',
+               "a.parquet.tmp": "PAR1", "sub/d.parquet": "PAR1"}
+    for name, text in secrets.items():
+        os.makedirs(os.path.dirname(hosted / name), exist_ok=True)
+        (hosted / name).write_text(text)
+    server = ShardServer(str(hosted))
+    try:
+        for name in [*secrets, "sub", "sub%2Fd.parquet", "..%2Fhosted%2Fnotes.txt"]:
+            for method in (requests.get, requests.head):
+                assert method(f"{server.url}/{name}", timeout=10).status_code == 404, name
+        for name in ("a.parquet", "b.parquet", "c.parquet"):
+            got = requests.get(f"{server.url}/{name}", timeout=10)
+            assert got.status_code == 200 and got.content == (hosted / name).read_bytes(), name
+        listing = requests.get(f"{server.url}/index.json", timeout=10).json()
+        assert [entry["name"] for entry in listing["files"]] == ["a.parquet", "b.parquet",
+                                                                 "c.parquet"]
+    finally:
+        server.close()
+    result = _run("python -m nanochat.dataset serve --help", tmp_path)
+    assert "Nothing else: any other name, or another file in DIR, is a 404" in " ".join(
+        result.stdout.split())
+
+
 def test_a_server_that_ignores_range_is_refused_naming_serve(tmp_path):
     hosted = tmp_path / "hosted"
     _write_own(hosted, ["a.parquet", "b.parquet"])

@@ -770,6 +770,7 @@ def test_cli_two_runs_on_one_output(many_inputs, tmp_path, capsys):
         lock = out / ".pretokenize.lock"
         _wait_for(lambda: lock.is_file() and lock.read_text().startswith(f"pid {first.pid} on"),
                   60, "lock")
+        capsys.readouterr()
         with pytest.raises(TimeoutError) as info:
             main(argv + ["--output", str(out), "--lock-timeout", "0.2"])
         message = str(info.value)
@@ -777,6 +778,17 @@ def test_cli_two_runs_on_one_output(many_inputs, tmp_path, capsys):
             f"another pretokenize run (pid {first.pid} on {socket.gethostname()}, since ")
         assert (f") is writing to {out}: {lock} stayed locked for 0.2s; "
                 "let that run finish (or stop it)") in message
+        # how to run several at once
+        assert message.endswith("To run several at once, give each its own share of the inputs: "
+                                "--rank R --world-size N, with R from 0 to N-1, on one machine "
+                                "or several")
+        # the wait was said, once, as it started
+        printed = capsys.readouterr().out.splitlines()
+        waiting = [line for line in printed if line.startswith("waiting ")]
+        assert len(waiting) == 1, printed
+        assert waiting[0].startswith("waiting up to 0.2s (--lock-timeout) for another pretokenize "
+                                     f"run (pid {first.pid} on {socket.gethostname()}, since ")
+        assert waiting[0].endswith(f") that is writing to {out}")
         assert first.wait(timeout=120) == 0
     finally:
         first.kill()
@@ -786,7 +798,8 @@ def test_cli_two_runs_on_one_output(many_inputs, tmp_path, capsys):
     capsys.readouterr()
     # free again: all 24 skipped
     assert main(argv + ["--output", str(out), "--lock-timeout", "0"]) == 0
-    assert "24 already done" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "24 already done" in printed and "waiting" not in printed  # (a free lock: no wait)
 
 
 def test_cli_plain_run_and_a_rank_on_one_output_at_once(many_inputs, tmp_path):
