@@ -172,7 +172,8 @@ PARTS = ("loaders", "shards", "kept", "evicting")
 
 def _table(value) -> tuple[Table, list[str], set[str]]:
     """The table of a JSON value less its rows of the wrong shape; what was wrong (a part, or a
-    row's name), and the parts it lost: those the disk fills in (rebuild)."""
+    row's name), and the parts it lost, whole or in part: those the disk fills in (rebuild). A
+    loader's row of the wrong shape is dropped alone: no disk holds it."""
     if not isinstance(value, dict):
         return Table(), ["not a table"], set(PARTS)
     table, bad, lost = Table(evicting=value.get("evicting") is True), [], set()
@@ -191,7 +192,7 @@ def _table(value) -> tuple[Table, list[str], set[str]]:
             row = parse(raw)
             if row is None:
                 bad.append(name)
-                lost.add(key)
+                lost.update([key] if key != "loaders" else [])
             else:
                 part[name] = row
     return table, bad, lost
@@ -303,15 +304,15 @@ class Ledger:
         """The table of the file's bytes (None: there is no file), a damaged one's parts filled in
         from the disk."""
         if data is None:
-            table, lost, problem = Table(), set(PARTS), "is missing"
+            table, lost, problem = Table(), set(PARTS), " is missing"
         else:
             try:
                 text = data.decode()
                 table, bad, lost = _table(json.loads(text))
-                problem = f"has parts or rows of the wrong shape, {bad}"
+                problem = f": dropped parts or rows of the wrong shape: {bad}"
             except ValueError as e:  # (UnicodeDecodeError too)
-                table, bad, lost, problem = Table(), [], set(PARTS), f"is unreadable ({e})"
-            if not (lost - {"loaders"}):  # (a loader's row cannot be rebuilt; a live one returns)
+                table, bad, lost, problem = Table(), [], set(PARTS), f" is unreadable ({e})"
+            if not lost:  # (only loaders' rows dropped: a live loader writes its own again)
                 if bad:
                     warn_once(logger, self.path, stamp, "%s: dropped rows of the wrong shape: %s",
                               self.path, bad)
@@ -330,7 +331,7 @@ class Ledger:
         if stamp is not None:  # (no file: listed at each read, until the first write, soon)
             self._rebuilt = (stamp, table.to_json())
         if data is not None or disk.shards or disk.kept:  # (else a new cache: nothing to say)
-            warn_once(logger, self.path, stamp, "%s %s; rebuilt from what is on disk: %s",
+            warn_once(logger, self.path, stamp, "%s%s; rebuilt from what is on disk: %s",
                       self.path, problem, _rebuilt_words(disk, lost))
         return table
 
