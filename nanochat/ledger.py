@@ -308,8 +308,10 @@ class Ledger:
         else:
             try:
                 text = data.decode()
-                table, bad, lost = _table(json.loads(text))
-                problem = f": dropped parts or rows of the wrong shape: {bad}"
+                value = json.loads(text)
+                table, bad, lost = _table(value)
+                problem = (f": dropped parts or rows of the wrong shape: {bad}"
+                           if isinstance(value, dict) else " is not a table")
             except ValueError as e:  # (UnicodeDecodeError too)
                 table, bad, lost, problem = Table(), [], set(PARTS), f" is unreadable ({e})"
             if not lost:  # (only loaders' rows dropped: a live loader writes its own again)
@@ -331,7 +333,8 @@ class Ledger:
         if stamp is not None:  # (no file: listed at each read, until the first write, soon)
             self._rebuilt = (stamp, table.to_json())
         if data is not None or disk.shards or disk.kept:  # (else a new cache: nothing to say)
-            warn_once(logger, self.path, stamp, "%s%s; rebuilt from what is on disk: %s",
+            version = ("missing",) if stamp is None else stamp  # (warn_once's None: none yet)
+            warn_once(logger, self.path, version, "%s%s; rebuilt from what is on disk: %s",
                       self.path, problem, _rebuilt_words(disk, lost))
         return table
 

@@ -1,10 +1,12 @@
 """
 The least cache_limit of a streaming loader (nanochat/shard_cache.py's start check,
 docs/streaming.md "The least cache_limit"): the refusal states it in bytes, exactly, one line per
-term, and it is what the check compares against (one byte less is refused, it is accepted). Small
-shards: the shards between the one packed from and the one read are counted by the documents read
-ahead, and the least is never more than all the data; a run at exactly the least gives the on-disk
-loader's batches. Shards are served by a real HTTP server on 127.0.0.1.
+term, and it is what the check compares against (one byte less is refused, it is accepted). It says
+the least once, ends on the one number to pass, and advises another data_dir only where the cache
+holds something that counts against the limit. Small shards: the shards between the one packed
+from and the one read are counted by the documents read ahead, and the least is never more than
+all the data; a run at exactly the least gives the on-disk loader's batches. Shards are served by a
+real HTTP server on 127.0.0.1.
 """
 
 import math
