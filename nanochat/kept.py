@@ -22,12 +22,10 @@ from collections import deque
 
 from nanochat.dataset import open_parquet, read_row_group_column
 from nanochat.files import disk_full, remove_if_exists, write_atomic
-from nanochat.ledger import STREAM_DIR, Ledger, Table
+from nanochat.ledger import KEPT_DIR, KEPT_SUFFIX, STREAM_DIR, Ledger, Table, listdir
 
 logger = logging.getLogger(__name__)
 
-KEPT_DIR = "kept"  # in STREAM_DIR: a directory per loader, a file of kept documents per shard
-KEPT_SUFFIX = ".json.gz"  # {"sha256": ..., "docs": [[rg_idx, row, text], ...]}
 # what reading a damaged copy raises: a bad gzip header or CRC (BadGzipFile), a cut-off file
 # (EOFError), a bad deflate block (zlib.error), bad JSON, shape or checksum (ValueError); not any
 # OSError: a copy is not removed for a passing read error
@@ -37,14 +35,6 @@ HELD_STATES = 4  # states whose buffered documents are kept, past 2 x prefetch (
 
 def kept_root(data_dir: str) -> str:
     return os.path.join(data_dir, STREAM_DIR, KEPT_DIR)
-
-
-def listdir(path: str) -> list[str]:
-    """The names in a directory; none when it is not there."""
-    try:
-        return os.listdir(path)
-    except FileNotFoundError:
-        return []
 
 
 def kept_files(root: str) -> list[tuple[str, str, str]]:

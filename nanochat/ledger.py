@@ -4,9 +4,11 @@ under one lock, DATA_DIR/.stream/lock. It says which live loader needs which sha
 shards the streaming loaders fetched or evicted, which loader owns each kept copy of buffered
 documents, and whether a loader has had to evict. A loader of this host whose process is gone (no
 such pid, or a pid that now names a process started at another time) is dropped whenever the table
-is read. Reading it costs one small JSON parse. Design and an example: docs/streaming.md.
+is read. A damaged or missing file is rebuilt from the disk: the shards whose download records say
+a streaming loader fetched them, and the kept copies. Reading it costs one small JSON parse (a
+rebuild, once per damaged version: a listing of the directory). Design: docs/streaming.md.
 
-May import: nanochat.checks, nanochat.files.
+May import: nanochat.checks, nanochat.download, nanochat.files.
 """
 
 import json
@@ -18,6 +20,7 @@ from dataclasses import dataclass, field, replace
 from filelock import FileLock
 
 from nanochat.checks import is_int
+from nanochat.download import record_path
 from nanochat.files import file_stamp, warn_once, write_atomic
 
 logger = logging.getLogger(__name__)
@@ -25,6 +28,8 @@ logger = logging.getLogger(__name__)
 STREAM_DIR = ".stream"  # in the data directory: the ledger, its lock, the catalog, the kept copies
 LEDGER = "ledger.json"
 LOCK = "lock"
+KEPT_DIR = "kept"  # in STREAM_DIR: a directory per loader, a file of kept documents per shard
+KEPT_SUFFIX = ".json.gz"  # {"sha256": ..., "docs": [[rg_idx, row, text], ...]} (nanochat/kept.py)
 
 # why a loader needs a shard, most pressing first: a shard is listed under the first that holds
 REASONS = {
@@ -52,20 +57,39 @@ def start_time(pid: int) -> int | None:
     return int(fields[19]) if len(fields) > 19 and fields[19].isdigit() else None
 
 
-def _alive(pid, started) -> bool:
-    """Whether the process that wrote a row of this host lives: a process has its pid and, where
-    the row recorded one, its start time (a pid is reused once its process is gone)."""
-    if not is_int(pid) or pid <= 0:
-        return False
+# why a row's liveness cannot be told from here: such a row pins its shards for one bounded wait of
+# a reader (ShardCache), then counts as stale
+UNKNOWN = {
+    "another host": "a row of another host: its process cannot be checked from here",
+    "no start time": "no start time recorded (an older writer): a reused pid would pass for it",
+    "no /proc": "its process's start time cannot be read (no /proc)",
+}
+
+
+def liveness(loader: "Loader", host: str) -> str:
+    """Whether the process that wrote a row lives: "alive", "gone" (no process has its pid, or one
+    started at another time: a pid is reused once its process is gone), or a key of UNKNOWN."""
+    if loader.host != host:
+        return "another host"
+    if not is_int(loader.pid) or loader.pid <= 0:
+        return "gone"
     try:
-        os.kill(pid, 0)  # signal 0: only the check that the process exists
+        os.kill(loader.pid, 0)  # signal 0: only the check that the process exists
     except ProcessLookupError:
-        return False
-    except PermissionError:  # another user's process: alive
+        return "gone"
+    except PermissionError:  # another user's process: its start time says whether it is the row's
         pass
-    # (no start time recorded, or none to read without /proc: the pid alone says it)
-    now = start_time(pid) if started is not None else None
-    return now is None or now == started
+    if loader.started is None:
+        return "no start time"
+    now = start_time(loader.pid)
+    return "no /proc" if now is None else "alive" if now == loader.started else "gone"
+
+
+def unknown_rows(table: "Table") -> dict[str, str]:
+    """owner -> why its liveness cannot be told (a key of UNKNOWN), for every such loader's row."""
+    host = socket.gethostname()
+    return {owner: why for owner, row in table.loaders.items()
+            if (why := liveness(row, host)) in UNKNOWN}
 
 
 # -----------------------------------------------------------------------------
@@ -83,7 +107,7 @@ class Loader:
     restoring: bool = False  # it reads a resumed buffer, maybe from gone loaders' copies: they stay
     # the shards it reads next, past those it needs, soonest first: eviction spares them longest
     later: tuple[str, ...] = ()
-    started: int | None = None  # its process's start_time(pid); None: the pid alone identifies it
+    started: int | None = None  # its process's start_time(pid); None: liveness unknown (UNKNOWN)
 
 
 @dataclass(frozen=True)
@@ -143,35 +167,99 @@ def _copies(value) -> dict[str, int] | None:
     return value if fine else None
 
 
-def _table(value, path: str, stamp: tuple) -> Table:
-    """The table of a JSON value; a row of the wrong shape is dropped, with a warning (once for
-    this version of the file: the next write replaces it)."""
+PARTS = ("loaders", "shards", "kept", "evicting")
+
+
+def _table(value) -> tuple[Table, list[str], set[str]]:
+    """The table of a JSON value less its rows of the wrong shape; what was wrong (a part, or a
+    row's name), and the parts it lost, whole or in part: those the disk fills in (rebuild). A
+    loader's row of the wrong shape is dropped alone: no disk holds it."""
     if not isinstance(value, dict):
-        warn_once(logger, path, stamp, "%s is not a table; starting it afresh", path)
-        return Table()
-    table, bad = Table(evicting=value.get("evicting") is True), []
+        return Table(), ["not a table"], set(PARTS)
+    table, bad, lost = Table(evicting=value.get("evicting") is True), [], set()
+    if type(value.get("evicting")) is not bool:
+        bad.append("evicting")
+        lost.add("evicting")
     parts = (("loaders", table.loaders, _loader), ("shards", table.shards, _shard_row),
              ("kept", table.kept, _copies))
     for key, part, parse in parts:
-        rows = value.get(key, {})
+        rows = value.get(key)
         if not isinstance(rows, dict):
             bad.append(key)
+            lost.add(key)
             continue
         for name, raw in rows.items():
             row = parse(raw)
             if row is None:
                 bad.append(name)
+                lost.update([key] if key != "loaders" else [])
             else:
                 part[name] = row
-    if bad:
-        warn_once(logger, path, stamp, "%s: dropped rows of the wrong shape: %s", path, bad)
+    return table, bad, lost
+
+
+def rebuild(data_dir: str) -> Table:
+    """What the disk says of a data directory's table: a shard is FETCHED when its download record
+    says a streaming loader fetched it ("streamed": true), each kept copy is its directory's
+    loader's, and evicting is set when copies are kept (a loader copies its buffered documents
+    only when shards are evicted, or its cache_limit cannot hold them all). No loader's row: a
+    live loader writes its own again at its next change."""
+    table = Table()
+    for name in listdir(data_dir):
+        if name.endswith(".parquet") and _streamed(record_path(os.path.join(data_dir, name))):
+            table.shards[name] = ShardRow(FETCHED)
+    root = os.path.join(data_dir, STREAM_DIR, KEPT_DIR)
+    for owner in listdir(root):
+        for name in listdir(os.path.join(root, owner)):
+            if name.endswith(KEPT_SUFFIX):  # (not a killed writer's .tmp)
+                try:
+                    size = os.stat(os.path.join(root, owner, name)).st_size
+                except FileNotFoundError:  # (removed by a loader since it was listed)
+                    continue
+                table.kept.setdefault(owner, {})[name.removesuffix(KEPT_SUFFIX)] = size
+    table.evicting = bool(table.kept)
     return table
+
+
+def _streamed(path: str) -> bool:
+    """Whether the download record at path says a streaming loader fetched its shard."""
+    try:
+        record = json.loads(_read_bytes(path)[0])
+    except (OSError, ValueError):  # (no record, or a bad one: not known to be streamed)
+        return False
+    return isinstance(record, dict) and record.get("streamed") is True
+
+
+def listdir(path: str) -> list[str]:
+    """The names in a directory; none when it is not there."""
+    try:
+        return os.listdir(path)
+    except (FileNotFoundError, NotADirectoryError):
+        return []
+
+
+def _rebuilt_words(disk: Table, lost: set[str]) -> str:
+    """What a rebuild took from the disk, for its warning."""
+    words = []
+    if "shards" in lost:
+        words.append(f"{len(disk.shards)} shard(s) whose download records say a streaming loader "
+                     "fetched them (evictable)")
+    if "kept" in lost:
+        copies = sum(len(copies) for copies in disk.kept.values())
+        words.append(f"{copies} kept cop(ies) of {len(disk.kept)} loader(s)")
+    if "evicting" in lost:
+        words.append("evicting: " + ("yes, as copies of buffered documents are kept" if
+                                     disk.evicting else "no, as no copies are kept"))
+    if "loaders" in lost:
+        words.append("no loader rows (a live loader writes its own again at its next change)")
+    return "; ".join(words)
 
 
 class Ledger:
     """A data directory's ledger; `lock` is the directory's one lock (a FileLock: reentrant)."""
 
     def __init__(self, data_dir: str):
+        self.data_dir = data_dir
         self.directory = os.path.join(data_dir, STREAM_DIR)
         self.path = os.path.join(self.directory, LEDGER)
         # a wait polls every 5 ms (filelock's default: 50): the reader and the fetching thread take
@@ -179,6 +267,9 @@ class Ledger:
         self.lock = FileLock(os.path.join(self.directory, LOCK), poll_interval=0.005)
         self._seen: tuple | None = None  # (inode, mtime) of the file evicting() last read
         self._evicting = False
+        # (the version of a damaged file, and the table rebuilt for it): rebuilt once, not at
+        # every read until the next write replaces it
+        self._rebuilt: tuple[tuple, dict] | None = None
 
     def evicting(self) -> bool:
         """read().evicting, parsed again only when the file changed: a loader asks at every state,
@@ -194,26 +285,57 @@ class Ledger:
 
     def read(self) -> Table:
         """The table, less the loaders of this host whose process is gone. Without the lock held it
-        is a snapshot: the file is replaced whole, so it is never half written. A bad file is
-        warned about once, read as an empty table, and replaced by the next write."""
+        is a snapshot: the file is replaced whole, so it is never half written. A damaged file
+        (not JSON, not a table, a part or row of the wrong shape), or none beside shards streaming
+        fetched, is rebuilt from the disk (rebuild) with one warning; the next write replaces it."""
         try:
             data, stamp = _read_bytes(self.path)
         except FileNotFoundError:
-            return Table()
-        try:
-            text = data.decode()
-            table = _table(json.loads(text), self.path, stamp)
-        except ValueError as e:  # (UnicodeDecodeError too)
-            warn_once(logger, self.path, stamp, "%s is unreadable (%s); starting it afresh",
-                      self.path, e)
-            return Table()
-        table.text = text
+            data, stamp = None, None
+        table = self._parse(data, stamp)
         host = socket.gethostname()
         # (another host's loaders, on a shared disk, cannot be checked from here: they stay)
-        gone = [owner for owner, loader in table.loaders.items()
-                if loader.host == host and not _alive(loader.pid, loader.started)]
+        gone = [owner for owner, row in table.loaders.items() if liveness(row, host) == "gone"]
         for owner in gone:
             del table.loaders[owner]
+        return table
+
+    def _parse(self, data: bytes | None, stamp: tuple | None) -> Table:
+        """The table of the file's bytes (None: there is no file), a damaged one's parts filled in
+        from the disk."""
+        if data is None:
+            table, lost, problem = Table(), set(PARTS), " is missing"
+        else:
+            try:
+                text = data.decode()
+                value = json.loads(text)
+                table, bad, lost = _table(value)
+                problem = (f": dropped parts or rows of the wrong shape: {bad}"
+                           if isinstance(value, dict) else " is not a table")
+            except ValueError as e:  # (UnicodeDecodeError too)
+                table, bad, lost, problem = Table(), [], set(PARTS), f" is unreadable ({e})"
+            if not lost:  # (only loaders' rows dropped: a live loader writes its own again)
+                if bad:
+                    warn_once(logger, self.path, stamp, "%s: dropped rows of the wrong shape: %s",
+                              self.path, bad)
+                table.text = text
+                return table
+        if stamp is not None and self._rebuilt is not None and self._rebuilt[0] == stamp:
+            return _table(self._rebuilt[1])[0]
+        disk = rebuild(self.data_dir)
+        if "shards" in lost:
+            table.shards = disk.shards | table.shards  # (a row read whole stands)
+        if "kept" in lost:
+            for owner, copies in disk.kept.items():
+                table.kept[owner] = copies | table.kept.get(owner, {})
+        if "evicting" in lost:
+            table.evicting = table.evicting or disk.evicting
+        if stamp is not None:  # (no file: listed at each read, until the first write, soon)
+            self._rebuilt = (stamp, table.to_json())
+        if data is not None or disk.shards or disk.kept:  # (else a new cache: nothing to say)
+            version = ("missing",) if stamp is None else stamp  # (warn_once's None: none yet)
+            warn_once(logger, self.path, version, "%s%s; rebuilt from what is on disk: %s",
+                      self.path, problem, _rebuilt_words(disk, lost))
         return table
 
     def write(self, table: Table) -> None:

@@ -35,8 +35,8 @@ from nanochat.dataset import find_data_dir, open_parquet, shown
 from nanochat.download import DownloadError, Limits, download_file, record_path
 from nanochat.files import disk_full, remove_if_exists
 from nanochat.kept import Keeper, drop_oldest, encode, file_mtime, kept_bytes, remove_gone
-from nanochat.ledger import (EVICTED, FETCHED, REASONS, Ledger, Loader, ShardRow, Table,
-                             start_time)
+from nanochat.ledger import (EVICTED, FETCHED, REASONS, UNKNOWN, Ledger, Loader, ShardRow, Table,
+                             start_time, unknown_rows)
 from nanochat.state import decode_keys, decode_plan
 
 logger = logging.getLogger(__name__)
@@ -44,6 +44,9 @@ logger = logging.getLogger(__name__)
 LOOKAHEAD = 64  # distinct shards of the order searched for the one the reader asks for
 NEED_MARGIN = 120.0  # seconds need() waits past the downloader's deadline (another rank's download)
 ROOM_WAIT = 600.0  # seconds the shard a reader waits for may find no room before that is an error
+# seconds a reader waits for room before the ledger's rows of unknown liveness (ledger.UNKNOWN)
+# count as stale: a live loader moves on within seconds, and writes its row again if it was one
+STALE_WAIT = 30.0
 LATER_MAX = 256  # the most shards a loader lists as read soon (Loader.later)
 
 
@@ -129,6 +132,8 @@ class ShardCache:
         self._thread: threading.Thread | None = None
         # a reader waits this long for room the other loaders hold (they move on within seconds)
         self.room_wait = min(ROOM_WAIT, limits.deadline)
+        self.stale_wait = min(STALE_WAIT, self.room_wait / 2)  # (well within room_wait)
+        self._stale: set[str] = set()  # the rows of unknown liveness dropped (and warned about)
         # the shards past those it needs that this loader lists as read soon (_later): as many as
         # the budget holds, a few hundred at most (the ledger stays small)
         smallest = max(min(sizes), 1)
@@ -179,28 +184,52 @@ class ShardCache:
                 f"{copies:,} bytes (copies_estimate: twice buffer_size documents at the split's "
                 f"most bytes per document) for each of {self.local_ranks} local rank(s)"),
                 copies * self.local_ranks))
+        own = sorted(n for n in fixed if n not in self.keep)  # (the user's, by the ledger)
         if fixed:
+            kinds = ["the val shard"] if len(own) < len(fixed) else []
+            if own:
+                kinds.append(f"{len(own)} that the ledger {self.ledger.path} does not list as "
+                             "fetched by a streaming loader")
             terms.append(Term("shards it may not evict", (
-                f"{len(fixed)} in {self.data_dir}: the val shard and those no streaming loader "
-                "fetched"), sum(fixed.values())))
+                f"{len(fixed)} in {self.data_dir}: " + " and ".join(kinds)), sum(fixed.values())))
         total = sum(term.nbytes for term in terms)
         least = total if table.evicting else min(total, everything)
-        # a smaller read-ahead lowers the least (at all the data too: the sum may fall below it),
-        # unless a resume's state decides what it holds
-        fix = "" if restoring else (
-            "lower prefetch_shards, prefetch, tokenizer_batch_size or buffer_size, ")
         self.copies = copies if self.copying else 0
         if self.limit < least:
-            lines = [f"  {term.what}: {term.how}: {term.nbytes:,} bytes" for term in terms]
-            lines.append(f"  sum: {total:,} bytes")
-            if least < total:
-                lines.append(f"  all the shards it may hold and the copies kept: {everything:,} "
-                             "bytes, less than the sum: at that limit no shard is ever evicted")
-            raise ValueError(
-                f"cache_limit={self.limit:,} bytes is below what this streaming loader must hold "
-                f"at once, {least:,} bytes ({size_up(least)}):\n" + "\n".join(lines) + "\n"
-                f"Raise cache_limit to {least:,} or more, {fix}or use a data_dir other than "
-                f"{self.data_dir}")
+            raise ValueError(self._refusal(terms, least, everything, own,
+                                           restoring=restoring is not None))
+
+    def _refusal(self, terms: list[Term], least: int, everything: int, own: list[str], *,
+                 restoring: bool) -> str:
+        """The start check's message: the least, its terms, what lowers it, and last the one
+        number to pass."""
+        lines = [f"cache_limit={self.limit:,} bytes is below what this streaming loader must hold "
+                 f"at once, {least:,} bytes ({size_up(least)}):"]
+        lines += [f"  {term.what}: {term.how}: {term.nbytes:,} bytes" for term in terms]
+        total = sum(term.nbytes for term in terms)
+        if least < total:
+            lines.append(f"  these add up to {total:,} bytes, more than all the shards it may hold "
+                         f"and the copies kept, {everything:,} bytes: at that limit no shard is "
+                         "ever evicted, so that is the least")
+        elif everything < total:
+            lines.append(f"  all the shards it may hold and the copies kept take {everything:,} "
+                         f"bytes, less, but the ledger {self.ledger.path} says this machine's "
+                         "loaders evict already: the least is the terms' sum")
+        # a smaller read-ahead lowers the least (at all the data too: the sum may fall below it),
+        # unless a resume's state decides what it holds
+        fixes = [] if restoring else [
+            "lower prefetch_shards, prefetch, tokenizer_batch_size or buffer_size"]
+        kept = kept_bytes(self.keeper.root) if least < total else 0  # (in all of it)
+        if own or kept:  # (another data_dir lowers the least only when this one holds something)
+            held = [f"{len(own)} shard(s) no streaming loader fetched"] if own else []
+            if kept:
+                held.append(f"{kept:,} bytes of copies kept")
+            fixes.append(f"use another data_dir: in {self.data_dir}, "
+                         f"{' and '.join(held)} count against the limit")
+        if fixes:
+            lines.append("To need less: " + "; or ".join(fixes) + ".")
+        lines.append(f"pass cache_limit={least} or more")
+        return "\n".join(lines)
 
     def _walk_terms(self) -> list[Term]:
         """What a walk under way holds at once: the shards from the one packed from to the one
@@ -506,6 +535,23 @@ class ShardCache:
         self._thread = threading.Thread(target=self._run, name="nanochat-shards", daemon=True)
         self._thread.start()
 
+    def _drop_unknown(self, table: Table, waited: float) -> None:
+        """A reader has waited `waited` seconds for room: the rows whose liveness cannot be told
+        (another host's, or one with no start time to check its pid by) count as stale, and go
+        from the table (the caller holds the lock and writes it). One warning for each."""
+        for owner, why in unknown_rows(table).items():
+            row = table.loaders[owner]
+            if owner == self.owner or not (row.needs or row.fetching or row.restoring):
+                continue  # (a row that holds nothing stalls no one)
+            del table.loaders[owner]
+            if owner not in self._stale:
+                self._stale.add(owner)
+                logger.warning(
+                    "%s: loader %s (host %s, pid %d) holds shards a reader has waited %.0fs for, "
+                    "and whether it lives cannot be told (%s): its row is dropped as stale, and "
+                    "what it held may be evicted", self.ledger.path, owner, row.host, row.pid,
+                    waited, UNKNOWN[why])
+
     def _held(self) -> str:
         """What fills the budget, for an error: each live loader's shards and why, and the copies
         of buffered documents."""
@@ -577,6 +623,9 @@ class ShardCache:
             self._publish()
         with self.ledger.lock:
             table = self.ledger.read()
+            waited = 0.0 if self._short_since is None else time.monotonic() - self._short_since
+            if waited > self.stale_wait:
+                self._drop_unknown(table, waited)
             # (the last resort only for a reader waiting)
             room = self._make_room(table, name, now=p in self._waiting)
             if room and not os.path.exists(path):  # listed before it exists: a kill mid-way
@@ -597,9 +646,9 @@ class ShardCache:
             if time.monotonic() - self._short_since > self.room_wait:
                 raise ValueError(
                     f"cache_limit={size_words(self.limit)} has had no room for {name} for "
-                    f"{self.room_wait:g}s: {self._held()} fill it (python -m nanochat.shard_cache "
-                    f"status {self.data_dir} lists them); raise cache_limit, or lower "
-                    "prefetch_shards or buffer_size")
+                    f"{self.room_wait:g}s: {self._held()} fill it (the ledger {self.ledger.path}; "
+                    f"python -m nanochat.shard_cache status {self.data_dir} lists them); raise "
+                    "cache_limit, or lower prefetch_shards or buffer_size")
             return False
         self._short_since = None
         try:

@@ -1,10 +1,11 @@
 """
 The streaming cache's own files under faults, against a ShardServer on 127.0.0.1: kept copies that
 are damaged, truncated or edited; a disk that another program fills (a real tmpfs of a few MB,
-mounted here: root only, else skipped); a catalog or ledger of the wrong shape; a catalog entry
-with a wrong size; a ledger row whose pid now names an unrelated process; cache_limit nan or inf;
-and the local ranks of a machine reading each footer once. Every streamed batch is compared with
-the same loader over the hosted shards on disk.
+mounted here: root only, else skipped); a catalog or ledger of the wrong shape; a damaged or missing
+ledger rebuilt from the disk, and a resume at the least cache_limit after it; a catalog entry with
+a wrong size; a ledger row whose pid now names an unrelated process; a row of unknown liveness,
+stale after one bounded wait; cache_limit nan or inf; and the local ranks of a machine reading each
+footer once. Every streamed batch is compared with the same loader over the hosted shards on disk.
 Run: python -m pytest tests/test_cache_faults.py -q   (~1 min)
 """
 
@@ -28,8 +29,9 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from conftest import ByteTokenizer, outcome, worker_env, write_shard
+from conftest import ByteTokenizer, least_accepted, outcome, worker_env, write_shard
 from nanochat import catalog, download, shard_cache
+from nanochat import ledger as ledger_module
 from nanochat.catalog import catalog_entry, read_catalog
 from nanochat.dataloader import tokenizing_distributed_data_loader_with_state_bos_bestfit
 from nanochat.dataset import index_to_filename
@@ -511,7 +513,7 @@ def test_a_row_whose_pid_now_names_another_process_pins_nothing(hosted, expected
                                 "unknown": row()}
             (cache / STREAM_DIR / "ledger.json").write_text(json.dumps(table))
         # the same pid: its own process is alive; a process started at another time is not it;
-        # without a start time the pid alone says it
+        # without a start time it may be alive: it stays (for one bounded wait of a reader)
         assert sorted(ledger.read().loaders) == ["live", "unknown"]
         with ledger.lock:
             table["loaders"] = {"reused": row(started=started + 1)}
@@ -525,6 +527,138 @@ def test_a_row_whose_pid_now_names_another_process_pins_nothing(hosted, expected
         sleeper.wait()
     same(got, expected[:150])
     assert len([n for n in os.listdir(cache) if n.endswith(".parquet")]) < 7  # it evicted
+
+
+def fresh_copy(template, directory):
+    """A copy of a cache, at a new path each call (a loader changes the cache it starts on)."""
+    path = directory / f"copy{len(os.listdir(directory)) if directory.exists() else 0}"
+    shutil.copytree(template, path)
+    return path
+
+
+def fetched_on_disk(cache) -> list[str]:
+    """The shards in the cache that the ledger lists as fetched by a streaming loader."""
+    shards = json.loads((cache / STREAM_DIR / "ledger.json").read_text())["shards"]
+    return sorted(n for n, row in shards.items()
+                  if row["state"] == "fetched" and (cache / n).exists())
+
+
+@pytest.mark.parametrize("garbage", [b"\x00garbage{", b'{"shards": {"x": 1}}', None])
+def test_a_damaged_ledger_is_rebuilt_from_the_disk_once(streamed, tmp_path, caplog, monkeypatch,
+                                                        garbage):
+    """The ledger is garbage, its shard rows have the wrong shape, or it is gone (None). It is
+    rebuilt from what is on disk, once for that version of the file, with one warning naming it:
+    the shards whose download records say a streaming loader fetched them (a shard of the user's
+    stays the user's), the kept copies and their owners, and evicting, set as copies are kept."""
+    template, _, _ = streamed
+    cache = tmp_path / "cache"
+    shutil.copytree(template, cache)
+    path = cache / STREAM_DIR / "ledger.json"
+    good = json.loads(path.read_text())
+    assert good["evicting"] and good["kept"]  # (the test is about both)
+    streamed_shards = fetched_on_disk(cache)
+    assert streamed_shards
+    write_shard(cache / "mine.parquet", ["a document of the user's"] * 4, 2)  # no record
+    if garbage is None:
+        path.unlink()
+    else:
+        path.write_bytes(garbage)
+    ledger = Ledger(str(cache))
+    with caplog.at_level(logging.WARNING, logger="nanochat.ledger"):
+        for _ in range(100):
+            table = ledger.read()
+            assert table.fetched() == streamed_shards
+            assert table.kept == good["kept"] and table.evicting
+    said = warnings_about(caplog, str(path))
+    assert len(said) == 1 and "rebuilt from what is on disk" in said[0], caplog.text
+    assert f"{len(streamed_shards)} shard(s) whose download records say a streaming loader " \
+           "fetched them" in said[0]
+    # a loader reads the ledger every few ms: the disk is listed once for a version of the file
+    rebuilds, real = [], ledger_module.rebuild
+    monkeypatch.setattr(ledger_module, "rebuild", lambda d: rebuilds.append(d) or real(d))
+    ledger = Ledger(str(cache))
+    for _ in range(100):
+        assert ledger.read().fetched() == streamed_shards
+    # (no file: listed at each read, until the first write, a loader's at its start)
+    assert len(rebuilds) == (1 if garbage else 100)
+    with ledger.lock:  # the next write replaces the file with the rebuilt table
+        ledger.write(ledger.read())
+    assert Ledger(str(cache)).read().fetched() == streamed_shards
+    assert json.loads(path.read_text())["kept"] == good["kept"]
+
+
+def test_a_resume_at_the_least_after_the_ledger_is_damaged_is_accepted_and_evicts(
+        hosted, expected, streamed, tmp_path, caplog):
+    """A streaming run left its shards and copies; then its ledger became garbage. The shards it
+    fetched stay evictable (their download records say so), so a resume at the least cache_limit of
+    the intact cache is accepted, evicts what it fetched before, and gives the on-disk batches.
+    Else they would count as the user's own, never evicted, and the resume be refused."""
+    _, server, _ = hosted
+    template, state, _ = streamed
+    resume = dict(prefetch_shards=0, prefetch=0, resume_state_dict=state, workers=0)
+    least = least_accepted(lambda limit: streaming(fresh_copy(template, tmp_path / "probes"),
+                                                   server, cache_limit=limit, **resume))
+    cache = tmp_path / "cache"
+    shutil.copytree(template, cache)
+    before = fetched_on_disk(cache)
+    path = cache / STREAM_DIR / "ledger.json"
+    path.write_bytes(b"\x00garbage{")
+    with caplog.at_level(logging.WARNING, logger="nanochat.ledger"):
+        loader = streaming(cache, server, cache_limit=least, **resume)
+        resumed = batches_of(loader, 60)
+        status = loader.cache_status()
+        loader.close()
+    same(resumed, expected[200:])
+    assert status.own_evictions > 0 and status.peak_bytes <= least
+    assert [n for n in before if not (cache / n).exists()]  # shards fetched before the damage went
+    said = warnings_about(caplog, str(path))
+    assert len(said) == 1 and "rebuilt from what is on disk" in said[0], caplog.text
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/stat"), reason="start times come from /proc")
+@pytest.mark.parametrize("unknown", ["no start time", "no /proc", "another host"])
+def test_a_row_of_unknown_liveness_pins_shards_for_one_bounded_wait(
+        hosted, expected, tmp_path, monkeypatch, caplog, unknown):
+    """A row whose liveness cannot be told holds every train shard: it has no start time and names
+    a live pid (this process's, as an older writer's row would), or its start time cannot be read
+    (no /proc), or it is another host's. A reader waits for room for STALE_WAIT, then the row counts
+    as stale: one warning names it and the ledger, and the loader goes on, its batches exact.
+    Pinned, the reader would wait ROOM_WAIT, then raise."""
+    _, server, sizes = hosted
+    monkeypatch.setattr(shard_cache, "ROOM_WAIT", 5.0)  # (a stall is an error within seconds)
+    monkeypatch.setattr(shard_cache, "STALE_WAIT", 0.2, raising=False)
+    cache = tmp_path / "cache"
+    names = [index_to_filename(i) for i in range(7)]
+    loader = streaming(cache, server, prefetch_shards=6, workers=0)
+    batches_of(loader, 1)
+    for _ in range(1000):
+        if all((cache / name).exists() for name in names):
+            break
+        time.sleep(0.01)
+    loader.close()
+    row = dict(host=socket.gethostname(), pid=os.getpid(), cache_limit=None, fetching=None,
+               restoring=False, needs={name: "ahead" for name in names})
+    if unknown == "no /proc":  # (a start time recorded, none to read)
+        row["started"] = proc_start_time(os.getpid())
+        monkeypatch.setattr(ledger_module, "start_time", lambda pid: None)
+    elif unknown == "another host":
+        row["host"] = "another-host"
+    ledger = Ledger(str(cache))
+    with ledger.lock:
+        table = json.loads((cache / STREAM_DIR / "ledger.json").read_text())
+        table["loaders"] = {"old-writer-0": row}
+        (cache / STREAM_DIR / "ledger.json").write_text(json.dumps(table))
+    assert list(ledger.read().loaders) == ["old-writer-0"]  # (not dropped at a read: it may live)
+    with caplog.at_level(logging.WARNING, logger="nanochat.shard_cache"):
+        got = outcome(lambda: batches(streaming(cache, server, cache_limit=int(5.2 * sizes[-1]),
+                                                prefetch_shards=1, workers=0), 150), 60)
+    assert not isinstance(got, Exception), got
+    same(got, expected[:150])
+    assert len([n for n in os.listdir(cache) if n.endswith(".parquet")]) < 7  # it evicted
+    said = warnings_about(caplog, "old-writer-0")
+    assert len(said) == 1, caplog.text
+    assert str(cache / STREAM_DIR / "ledger.json") in said[0]
+    assert f"(host {row['host']}, pid {os.getpid()})" in said[0] and "stale" in said[0]
 
 
 def test_a_wrong_size_in_the_catalog_is_corrected_and_the_resume_is_exact(

@@ -1,10 +1,12 @@
 """
 The least cache_limit of a streaming loader (nanochat/shard_cache.py's start check,
 docs/streaming.md "The least cache_limit"): the refusal states it in bytes, exactly, one line per
-term, and it is what the check compares against (one byte less is refused, it is accepted). Small
-shards: the shards between the one packed from and the one read are counted by the documents read
-ahead, and the least is never more than all the data; a run at exactly the least gives the on-disk
-loader's batches. Shards are served by a real HTTP server on 127.0.0.1.
+term, and it is what the check compares against (one byte less is refused, it is accepted). It says
+the least once, ends on the one number to pass, and advises another data_dir only where the cache
+holds something that counts against the limit. Small shards: the shards between the one packed
+from and the one read are counted by the documents read ahead, and the least is never more than
+all the data; a run at exactly the least gives the on-disk loader's batches. Shards are served by a
+real HTTP server on 127.0.0.1.
 """
 
 import math
@@ -19,6 +21,7 @@ from nanochat.catalog import ReadAhead, copies_estimate, read_ahead_span
 from nanochat.dataloader import tokenizing_distributed_data_loader_with_state_bos_bestfit as bestfit
 from nanochat.dataset import index_to_filename
 from nanochat.download import Limits
+from nanochat.ledger import STREAM_DIR
 from nanochat.serve import ShardServer
 from nanochat.shard_cache import size_up
 
@@ -97,11 +100,42 @@ def test_the_refusal_states_the_least_exactly_and_the_least_is_accepted(hosted, 
     assert lines[3] == f"  the val shard: not on disk yet, never evicted: {val:,} bytes"
     assert lines[4].startswith("  copies of buffered documents: ")
     assert lines[4].endswith(f"for each of 1 local rank(s): {copies:,} bytes")
-    assert lines[5] == f"  sum: {least:,} bytes"
-    assert lines[6] == (f"Raise cache_limit to {least:,} or more, lower prefetch_shards, "
-                        "prefetch, tokenizer_batch_size or buffer_size, or use a data_dir other "
-                        f"than {tmp_path / 'cache'}")
+    # the terms add up to the least, said once (the first line); a read-ahead lowers it, and the
+    # new, empty cache holds nothing another data_dir would spare; last, the number to pass
+    assert lines[5:] == ["To need less: lower prefetch_shards, prefetch, tokenizer_batch_size or "
+                         "buffer_size.", f"pass cache_limit={least} or more"]
     _loader(tmp_path / "cache", server, cache_limit=least).close()
+
+
+def test_the_refusal_says_each_thing_once_and_ends_on_the_number_to_pass(hosted, tmp_path):
+    """The least is said once, on the first line, beside its terms; the last line is the one
+    number to pass. Another data_dir is advised only where the cache holds something that counts
+    against the limit (not a new, empty one): here a shard of the user's, which the ledger (named)
+    does not list as fetched by a streaming loader."""
+    directory, server = hosted
+    least = least_accepted(lambda limit: _loader(tmp_path / "probe", server, cache_limit=limit))
+    with pytest.raises(ValueError) as raised:
+        _loader(tmp_path / "new", server, cache_limit=least // 2)
+    message = str(raised.value)
+    lines = message.split("\n")
+    assert lines[-1] == f"pass cache_limit={least} or more"
+    assert len(lines) == len(set(lines)) and message.count(f"{least:,}") == 1
+    assert "data_dir" not in message
+    own = tmp_path / "own"
+    os.makedirs(own)
+    write_shard(own / "mine.parquet", ["a document of the user's own"] * 40, 20)
+    mine = os.path.getsize(own / "mine.parquet")
+    with pytest.raises(ValueError) as raised:
+        _loader(own, server, cache_limit=least)
+    lines = str(raised.value).split("\n")
+    ledger = own / STREAM_DIR / "ledger.json"
+    assert (f"  shards it may not evict: 1 in {own}: 1 that the ledger {ledger} does not list as "
+            f"fetched by a streaming loader: {mine:,} bytes") in lines
+    assert lines[-2] == ("To need less: lower prefetch_shards, prefetch, tokenizer_batch_size or "
+                         f"buffer_size; or use another data_dir: in {own}, 1 shard(s) no streaming "
+                         "loader fetched count against the limit.")
+    assert lines[-1] == f"pass cache_limit={least + mine} or more"
+    _loader(own, server, cache_limit=least + mine).close()
 
 
 def test_small_shards_least_is_below_whole_shards_and_a_run_at_it_gives_the_on_disk_batches(
@@ -152,10 +186,14 @@ def test_the_least_is_never_more_than_all_the_data(hosted, tmp_path):
         _loader(tmp_path / "cache", server, cache_limit=least - 1, **settings)
     lines = str(raised.value).split("\n")
     assert lines[0].endswith(f"must hold at once, {everything:,} bytes ({size_up(everything)}):")
-    total = int(lines[-3].removeprefix("  sum: ").removesuffix(" bytes").replace(",", ""))
+    # the terms' sum is said as theirs, beside all the data, the least; the number to pass last
+    total = sum(int(line.rsplit(": ", 1)[1].removesuffix(" bytes").replace(",", ""))
+                for line in lines[1:-3])
     assert total > everything
-    assert lines[-2] == (f"  all the shards it may hold and the copies kept: {everything:,} "
-                         "bytes, less than the sum: at that limit no shard is ever evicted")
+    assert lines[-3] == (f"  these add up to {total:,} bytes, more than all the shards it may hold "
+                         f"and the copies kept, {everything:,} bytes: at that limit no shard is "
+                         "ever evicted, so that is the least")
+    assert lines[-1] == f"pass cache_limit={everything} or more"
     probed = server.fetched()
     n = sum(DOCS) // 4 + 5  # past the end of the first epoch
     expected = _batches(_loader(directory, **settings), n)

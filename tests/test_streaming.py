@@ -34,7 +34,7 @@ from nanochat.download import DownloadError, Limits
 from nanochat.options import parse_bytes
 from nanochat.resume import merge_states
 from nanochat.catalog import footer_rows
-from nanochat.ledger import FETCHED, Ledger, Loader, ShardRow, Table
+from nanochat.ledger import FETCHED, Ledger, Loader, ShardRow, Table, start_time
 from nanochat.ledger import STREAM_DIR
 from nanochat.shard_cache import ShardCache
 from nanochat.state import decode_keys
@@ -413,6 +413,7 @@ def test_a_merged_state_resumes_into_an_empty_cache_at_the_least_limit_without_a
     _same(resumed, expected)
 
 
+@pytest.mark.skipif(not os.path.exists("/proc/self/stat"), reason="start times come from /proc")
 def test_a_reader_short_of_room_fails_within_the_deadline_naming_who_holds_it(hosted, tmp_path):
     """Another live loader of the machine needs every shard in the cache, and the budget has no
     room for one more: the reader fails within the download deadline (not after 600 s), and the
@@ -426,7 +427,9 @@ def test_a_reader_short_of_room_fails_within_the_deadline_naming_who_holds_it(ho
     (cache / STREAM_DIR).mkdir()
     ledger = Ledger(str(cache))
     with ledger.lock:
-        another = Loader(socket.gethostname(), os.getpid(), None, dict.fromkeys(held, "reading"))
+        # (its start time: a live loader's row, not one of unknown liveness, dropped as stale)
+        another = Loader(socket.gethostname(), os.getpid(), None, dict.fromkeys(held, "reading"),
+                         started=start_time(os.getpid()))
         ledger.write(Table(loaders={"another": another},
                            shards={name: ShardRow(FETCHED) for name in held}))
     limits = Limits(max_attempts=2, backoff_base=0.01, timeout=5, deadline=3)
@@ -438,6 +441,7 @@ def test_a_reader_short_of_room_fails_within_the_deadline_naming_who_holds_it(ho
     assert isinstance(error, ValueError), error
     assert "has had no room for shard_00000.parquet for 3s" in str(error)
     assert f"another: {held[0]} (reading), {held[1]} (reading)" in str(error)
+    assert f"(the ledger {ledger.path};" in str(error)
 
 
 # -----------------------------------------------------------------------------

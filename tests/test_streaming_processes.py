@@ -624,12 +624,12 @@ def test_a_budget_below_what_must_be_held_is_refused_at_the_call(tmp_path):
     room = copies(hosted, names)
     assert lines[3].endswith(f"for each of 1 local rank(s): {room:,} bytes")
     # their sum is more than all the data, at which nothing is evicted: the least
-    assert lines[4] == f"  sum: {least + room:,} bytes"
-    assert lines[5] == (f"  all the shards it may hold and the copies kept: {least:,} bytes, less "
-                        "than the sum: at that limit no shard is ever evicted")
-    assert lines[6] == (f"Raise cache_limit to {least:,} or more, lower prefetch_shards, prefetch, "
-                        "tokenizer_batch_size or buffer_size, or use a data_dir other than "
-                        f"{tmp_path / 'cache'}")
+    assert lines[4] == (f"  these add up to {least + room:,} bytes, more than all the shards it "
+                        f"may hold and the copies kept, {least:,} bytes: at that limit no shard "
+                        "is ever evicted, so that is the least")
+    # (a new, empty cache: no other data_dir would need less); the number to pass last
+    assert lines[5:] == ["To need less: lower prefetch_shards, prefetch, tokenizer_batch_size or "
+                         "buffer_size.", f"pass cache_limit={least} or more"]
 
 
 def test_every_local_rank_checks_the_machines_least_and_a_merged_resume_at_it_runs(
