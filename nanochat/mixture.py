@@ -10,9 +10,9 @@ Design: docs/mixtures.md.
 
     python -m nanochat.mixture validate CONFIG --data DATA_DIR [--tokens N] [--split train]
 
-May import: torch, numpy, nanochat.curriculum, nanochat.mixture_state, nanochat.dataloader,
-nanochat.options, nanochat.token_reader, nanochat.rows, nanochat.packing, nanochat.state,
-nanochat.figures.
+May import: torch, numpy, nanochat.cli, nanochat.curriculum, nanochat.mixture_state,
+nanochat.dataloader, nanochat.options, nanochat.token_reader, nanochat.rows, nanochat.packing,
+nanochat.state, nanochat.figures.
 """
 
 import itertools
@@ -24,9 +24,10 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from nanochat.cli import run
 # main: `python -m nanochat.mixture validate ...` runs the curriculum's command line
-from nanochat.curriculum import (choose, dry_fixes, list_buckets, load_curriculum, main, row_unit,
-                                 validate)
+from nanochat.curriculum import (INTERRUPTED, choose, dry_fixes, list_buckets, load_curriculum,
+                                 main, row_unit, validate)
 from nanochat.dataloader import (Assembled, DataLoader, DeviceBatches, LoaderSpec, Prepared,
                                  assemble, make_loader, row_split)
 from nanochat.figures import start_counters, sum_counters
@@ -511,4 +512,4 @@ def pretokenized_mixture_loader_bos_bestfit(*args, **kwargs):
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    run(main, INTERRUPTED)
