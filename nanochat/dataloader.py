@@ -135,6 +135,10 @@ def make_loader(cls, function, args: dict, prepare) -> "DataLoader":
     in the worker, which reads them), so that a mistake found before data is read is raised here,
     at the call: docs/loaders.md."""
     workers = resolve_workers(args["workers"], args["prefetch"])
+    transfer = None
+    if workers:  # no CUDA: refused at once, before a listing or a catalog is read
+        check_options(args["B"], args["T"], args["split"], args["prefetch"])  # (B, T: its size)
+        transfer = DeviceBatches(args["B"], args["T"], args["device"])
     with noting_logs(__package__) as said:  # (the worker runs the same checks: it says them once)
         prepared = prepare()
         for spec, state in prepared.walks if workers else ():
@@ -142,16 +146,15 @@ def make_loader(cls, function, args: dict, prepare) -> "DataLoader":
                 check_resume(spec.reader, spec.rank, spec.world_size, state, spec.config,
                              allow_state_mismatch=spec.allow_state_mismatch, where=spec.where,
                              shuffle=spec.shuffle, data=False)
-    loader = worker_loader(cls, function, args, tuple(said)) if workers else None
+    loader = worker_loader(cls, function, args, transfer, tuple(said)) if workers else None
     return prepared.build() if loader is None else loader
 
 
-def worker_loader(cls, function, args: dict, said: tuple[str, ...]):
+def worker_loader(cls, function, args: dict, transfer: "DeviceBatches", said: tuple[str, ...]):
     """The loader `function(**args)` makes, run in a worker process and handed to the device here
-    by a `cls`; None when the job cannot run there (the caller then builds the loader here). said:
-    what the checks at the call logged here."""
+    by a `cls` through `transfer`; None when the job cannot run there (the caller then builds the
+    loader here). said: what the checks at the call logged here."""
     B, T = args["B"], args["T"]
-    transfer = DeviceBatches(B, T, args["device"])  # (no CUDA: refused before a worker starts)
     # in the worker: no threads of its own beyond the loader's, no device
     kwargs = args | {"workers": 0, "device": "cpu"}
     job = Job(f"{function.__module__}:{function.__name__}", kwargs, slots=args["prefetch"] + 1,

@@ -511,10 +511,11 @@ def check_nanochat_state(state: dict, reader, where: str = "resume_state_dict") 
 def check_resume(reader, rank: int, world_size: int, state: dict, config: dict, *,
                  allow_state_mismatch: bool, where: str = "resume_state_dict",
                  shuffle: Shuffle | None = None, data: bool = True) -> Resume:
-    """Check a resume state against a loader's config and, unless data=False, against the data's
-    units (their footers or indexes). Exactly from a version-2 state; approximately from nanochat's
-    {pq_idx, rg_idx, epoch}, or from another walk's state when allowed, after the saved unit; a
-    shuffled walk only from another rank's state of its own run, after that rank's window."""
+    """Check a resume state against a loader's config and the places it names against the data's
+    units (their footers or indexes; data=False: a version-2 state's places are not checked, which
+    may read every footer). Exactly from a version-2 state; approximately from nanochat's {pq_idx,
+    rg_idx, epoch}, or from another walk's state when allowed, after the saved unit; a shuffled
+    walk only from another rank's state of its own run, after that rank's window."""
     if not isinstance(state, dict):
         raise TypeError(f"{where} must be a dict, got {type(state).__name__}")
     if message := not_a_loader_state(state, where):  # a model's state dict, passed by mistake

@@ -195,7 +195,7 @@ def noting_logs(package: str):
     try:
         yield said
     finally:
-        noting.clear()  # (another thread may have put its own factory over this one: then it stays)
+        noting.clear()  # inert from now on, also where another thread's factory wraps this one
         if logging.getLogRecordFactory() is noted:
             logging.setLogRecordFactory(make)
 

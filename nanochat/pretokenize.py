@@ -293,8 +293,11 @@ _worker_options: dict = {}
 def _init_worker(tokenizer_dir: str, options: dict, parent_pid: int) -> None:
     global _worker_tokenizer, _worker_options
     # Ctrl-C reaches the whole process group: between jobs the main process alone acts on it (an
-    # idle worker would print a traceback); within one, _run_job lets it stop the job
+    # idle worker would print a traceback); within one, _run_job lets it stop the job. It was
+    # blocked since this process started (_results): one sent meanwhile is dropped now
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    if hasattr(signal, "pthread_sigmask"):  # (POSIX)
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
     _exit_with_parent(parent_pid)
     _worker_tokenizer = RustBPETokenizer.from_directory(tokenizer_dir)
     _worker_options = options
@@ -449,13 +452,29 @@ def _results(tokenizer, tokenizer_dir: str, options: dict, jobs: list, num_worke
     ctx = multiprocessing.get_context("spawn")
     with ProcessPoolExecutor(num_workers, mp_context=ctx, initializer=_init_worker,
                              initargs=(tokenizer_dir, options, os.getpid())) as pool:
-        futures = [pool.submit(_run_job, job) for job in jobs]
+        with _sigint_blocked():  # (the workers start at the first submits)
+            futures = [pool.submit(_run_job, job) for job in jobs]
         try:
             for future in as_completed(futures):
                 yield future.result()
         finally:
             for future in futures:  # on an error, do not start the inputs still queued
                 future.cancel()
+
+
+@contextlib.contextmanager
+def _sigint_blocked():
+    """Ctrl-C held back while the block runs, then raised. A process started meanwhile starts
+    with it blocked (a signal mask is inherited), so that one still importing prints no traceback:
+    the way multiprocessing starts its resource tracker."""
+    if not hasattr(signal, "pthread_sigmask"):  # (not POSIX)
+        yield
+        return
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
 
 
 def _pair_lock(prefix: str) -> FileLock:

@@ -411,7 +411,8 @@ def mistakes(corpus, tmp_path) -> dict:
 def test_a_mistake_found_before_reading_fails_at_the_call_in_this_process(
         case, corpus, tmp_path, monkeypatch):
     call, kind, message = mistakes(corpus, tmp_path)[case]
-    monkeypatch.setattr("nanochat.dataloader.WorkerBatches", NoWorker)  # (after the states)
+    monkeypatch.setenv("NANOCHAT_LOADER_WORKERS", "1")  # the default outside the tests
+    monkeypatch.setattr("nanochat.dataloader.WorkerBatches", NoWorker)
     with pytest.raises(kind, match=re.escape(message)) as raised:
         call()
     # one traceback, from this call, ending with the error: no worker's, no message twice
