@@ -8,8 +8,8 @@ validate` is main() below; the loader itself is mixture.py.
 
 Design: docs/mixtures.md
 
-May import: nanochat.checks, nanochat.token_shards, nanochat.shuffle, nanochat.layout,
-nanochat.packing, pyyaml, numpy.
+May import: nanochat.checks, nanochat.cli, nanochat.token_shards, nanochat.shuffle,
+nanochat.layout, nanochat.packing, pyyaml, numpy.
 """
 
 import argparse
@@ -25,6 +25,7 @@ import numpy as np
 import yaml
 
 from nanochat.checks import is_int
+from nanochat.cli import run
 from nanochat.layout import check_kind
 from nanochat.packing import POLICIES
 from nanochat.shuffle import Shuffle
@@ -442,5 +443,7 @@ def main(argv=None) -> int:
     return 1 if problems else 0
 
 
+INTERRUPTED = "validate stopped; it only reads: rerun it"  # what Ctrl-C prints (nanochat.cli.run)
+
 if __name__ == "__main__":  # (documented as python -m nanochat.mixture validate)
-    raise SystemExit(main())
+    run(main, INTERRUPTED)

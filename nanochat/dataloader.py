@@ -30,9 +30,9 @@ from nanochat.download import Limits
 from nanochat.figures import LoaderFigures, Mark, start_counters, stretch
 from nanochat.options import (check_options, check_shuffle, check_stream, resolve_rank,
                               resolve_workers)
-from nanochat.order import ParquetReader, Position, RankOrder, start_order
+from nanochat.order import ParquetReader, Position, RankOrder, check_resume, start_order
 from nanochat.packing import check_long_doc_policy
-from nanochat.prefetch import Job, WorkerBatches, WorkerUnavailable, maybe_prefetch
+from nanochat.prefetch import Job, WorkerBatches, WorkerUnavailable, maybe_prefetch, noting_logs
 from nanochat.rows import (Encoder, EntryDocuments, RowBatch, StateRecorder, bestfit_batches,
                            concat_batches, token_batches)
 from nanochat.shard_cache import ShardCache, local_peers, peer_starts
@@ -120,21 +120,46 @@ def build_loader(spec: LoaderSpec, resume_state_dict: dict | None) -> "DataLoade
                       cache=spec.cache, start_counters=start_counters(spec.kind, [recorder]))
 
 
-def worker_loader(cls, function, args: dict):
-    """The loader `function(**args)` makes, run in a worker process (nanochat/prefetch.py's
-    WorkerBatches) and handed to the device here by a `cls` (DataLoader or a subclass); None
-    where it runs in this process: workers=0 (resolve_workers), or a job that cannot run there
-    (the caller then builds the loader here)."""
-    if not resolve_workers(args["workers"], args["prefetch"]):
-        return None
+class Prepared(NamedTuple):
+    """What a public loader function makes at its call, every argument checked."""
+    walks: list  # [(LoaderSpec, the state it resumes from or None)]: one, or a mixture's buckets
+    build: Any  # () -> the loader, built in this process
+
+
+def make_loader(cls, function, args: dict, prepare) -> "DataLoader":
+    """The loader `function(**args)` returns. prepare() checks every argument at the call and
+    returns a Prepared. Then the loader runs in a worker process (nanochat/prefetch.py's
+    WorkerBatches), handed to the device here by a `cls` (DataLoader or a subclass), or, where it
+    cannot (workers=0, or a job that cannot run there), it is built here. For a worker, each walk's
+    resume state is checked here first, against the data's names and sizes (its units are checked
+    in the worker, which reads them), so that a mistake found before data is read is raised here,
+    at the call: docs/loaders.md."""
+    workers = resolve_workers(args["workers"], args["prefetch"])
+    transfer = None
+    if workers:  # no CUDA: refused at once, before a listing or a catalog is read
+        check_options(args["B"], args["T"], args["split"], args["prefetch"])  # (B, T: its size)
+        transfer = DeviceBatches(args["B"], args["T"], args["device"])
+    with noting_logs(__package__) as said:  # (the worker runs the same checks: it says them once)
+        prepared = prepare()
+        for spec, state in prepared.walks if workers else ():
+            if state is not None:
+                check_resume(spec.reader, spec.rank, spec.world_size, state, spec.config,
+                             allow_state_mismatch=spec.allow_state_mismatch, where=spec.where,
+                             shuffle=spec.shuffle, data=False)
+    loader = worker_loader(cls, function, args, transfer, tuple(said)) if workers else None
+    return prepared.build() if loader is None else loader
+
+
+def worker_loader(cls, function, args: dict, transfer: "DeviceBatches", said: tuple[str, ...]):
+    """The loader `function(**args)` makes, run in a worker process and handed to the device here
+    by a `cls` through `transfer`; None when the job cannot run there (the caller then builds the
+    loader here). said: what the checks at the call logged here."""
     B, T = args["B"], args["T"]
-    check_options(B, T, args["split"], args["prefetch"])  # (a slot's size needs good B and T)
-    transfer = DeviceBatches(B, T, args["device"])  # (no CUDA: refused before a worker starts)
     # in the worker: no threads of its own beyond the loader's, no device
     kwargs = args | {"workers": 0, "device": "cpu"}
     job = Job(f"{function.__module__}:{function.__name__}", kwargs, slots=args["prefetch"] + 1,
               slot_bytes=2 * B * T * 8,  # [inputs | targets] of int64, as yielded
-              log_level=logging.getLogger(__package__).getEffectiveLevel())
+              log_level=logging.getLogger(__package__).getEffectiveLevel(), said=said)
     try:
         worker = WorkerBatches(job)
     except WorkerUnavailable as e:
@@ -148,6 +173,11 @@ def worker_loader(cls, function, args: dict):
     return cls(worker, transfer, None, 0, args["with_state"],
                attention_info=info["attention_info"], cache=worker if info["streaming"] else None,
                start_counters=info["start_counters"], **info["extras"])
+
+
+def one_walk(spec: LoaderSpec, resume_state_dict: dict | None) -> Prepared:
+    """A loader of one walk (not a mixture): built by build_loader."""
+    return Prepared([(spec, resume_state_dict)], lambda: build_loader(spec, resume_state_dict))
 
 
 _FALLBACKS: set[str] = set()
@@ -253,6 +283,34 @@ def _tokenizing_spec(kind: str, tokenizer, B: int, T: int, split: str, args: dic
                       max_docs_per_row=max_docs)
 
 
+def _pretokenized_spec(args: dict) -> LoaderSpec:
+    """The spec of the pretokenized loader, every argument checked first."""
+    B, T, split, chunk_size = args["B"], args["T"], args["split"], args["chunk_size"]
+    buffer_size, batch_size = args["buffer_size"], args["batch_size"]
+    policy = (args["long_doc_policy"], args["split_overlap"])
+    check_options(B, T, split, args["prefetch"], buffer_size=buffer_size, chunk_size=chunk_size,
+                  batch_size=batch_size)
+    check_long_doc_policy(*policy, T)
+    shuffle = check_shuffle(args["shuffle"], args["seed"], args["shuffle_window"])
+    rank, world_size = resolve_rank(args["rank"], args["world_size"])
+    data_dir = os.path.expanduser(os.fspath(args["data_dir"]))
+    paths = shard_paths(data_dir, split)
+    vocab = shard_vocab(paths[0], args["bos_token"], args["vocab_size"], [data_dir])
+    config = loader_config("bestfit", "pretokenized", split, paths, B=B, T=T,
+                           buffer_size=buffer_size, batch_size=batch_size,
+                           tokenizer=f"bos:{vocab.bos_token}", rank=rank, world_size=world_size,
+                           chunk_size=chunk_size, policy=policy, shuffle=shuffle)
+    max_docs = _max_docs(args["attention_info"], args["max_docs_per_row"], T)
+    encoder = EntryDocuments(vocab.bos_token, always=vocab.convention == "gpt-simple")
+    return LoaderSpec(kind="bestfit", reader=TokenShardReader(paths, chunk_size, vocab),
+                      encoder=encoder, config=config, rank=rank, world_size=world_size,
+                      batch_size=batch_size, B=B, T=T, buffer_size=buffer_size,
+                      shuffle=shuffle, allow_state_mismatch=args["allow_state_mismatch"],
+                      device=args["device"], prefetch=args["prefetch"],
+                      with_state=args["with_state"], trace_documents=args["trace_documents"],
+                      max_docs_per_row=max_docs)
+
+
 # -----------------------------------------------------------------------------
 # The public loaders: nanochat's names and signatures
 
@@ -294,12 +352,9 @@ def tokenizing_distributed_data_loader_with_state_bos_bestfit(
     docs/streaming.md. Batches and states equal those of the same shards on disk.
     """
     args = dict(locals())
-    loader = worker_loader(DataLoader, tokenizing_distributed_data_loader_with_state_bos_bestfit,
-                           args)
-    if loader is not None:
-        return loader
-    spec = _tokenizing_spec("bestfit", tokenizer, B, T, split, args)
-    return build_loader(spec, resume_state_dict)
+    return make_loader(DataLoader, tokenizing_distributed_data_loader_with_state_bos_bestfit, args,
+                       lambda: one_walk(_tokenizing_spec("bestfit", tokenizer, B, T, split, args),
+                                        resume_state_dict))
 
 
 def tokenizing_distributed_data_loader_bos_bestfit(*args, **kwargs):
@@ -327,11 +382,9 @@ def tokenizing_distributed_data_loader_with_state(
     B*T+1 tokens of every batch that its hash covers. The other arguments: as for the best-fit
     loader."""
     args = dict(locals())
-    loader = worker_loader(DataLoader, tokenizing_distributed_data_loader_with_state, args)
-    if loader is not None:
-        return loader
-    spec = _tokenizing_spec("concat", tokenizer, B, T, split, args)
-    return build_loader(spec, resume_state_dict)
+    return make_loader(DataLoader, tokenizing_distributed_data_loader_with_state, args,
+                       lambda: one_walk(_tokenizing_spec("concat", tokenizer, B, T, split, args),
+                                        resume_state_dict))
 
 
 def tokenizing_distributed_data_loader(*args, **kwargs):
@@ -361,33 +414,9 @@ def pretokenized_distributed_data_loader_with_state_bos_bestfit(
     Targets that predict a window's overlap with the previous window are -100.
     The other arguments: as for the parquet loader. Details: docs/pretokenized.md.
     """
-    loader = worker_loader(DataLoader, pretokenized_distributed_data_loader_with_state_bos_bestfit,
-                           dict(locals()))
-    if loader is not None:
-        return loader
-    check_options(B, T, split, prefetch, buffer_size=buffer_size, chunk_size=chunk_size,
-                  batch_size=batch_size)
-    check_long_doc_policy(long_doc_policy, split_overlap, T)
-    shuffle_order = check_shuffle(shuffle, seed, shuffle_window)
-    rank, world_size = resolve_rank(rank, world_size)
-    data_dir = os.path.expanduser(os.fspath(data_dir))
-    paths = shard_paths(data_dir, split)
-    vocab = shard_vocab(paths[0], bos_token, vocab_size, [data_dir])
-    config = loader_config("bestfit", "pretokenized", split, paths, B=B, T=T,
-                           buffer_size=buffer_size, batch_size=batch_size,
-                           tokenizer=f"bos:{vocab.bos_token}", rank=rank, world_size=world_size,
-                           chunk_size=chunk_size, policy=(long_doc_policy, split_overlap),
-                           shuffle=shuffle_order)
-    max_docs = _max_docs(attention_info, max_docs_per_row, T)
-    encoder = EntryDocuments(vocab.bos_token, always=vocab.convention == "gpt-simple")
-    spec = LoaderSpec(kind="bestfit", reader=TokenShardReader(paths, chunk_size, vocab),
-                      encoder=encoder, config=config, rank=rank, world_size=world_size,
-                      batch_size=batch_size, B=B, T=T, buffer_size=buffer_size,
-                      shuffle=shuffle_order, allow_state_mismatch=allow_state_mismatch,
-                      device=device, prefetch=prefetch,
-                      with_state=with_state, trace_documents=trace_documents,
-                      max_docs_per_row=max_docs)
-    return build_loader(spec, resume_state_dict)
+    args = dict(locals())
+    return make_loader(DataLoader, pretokenized_distributed_data_loader_with_state_bos_bestfit,
+                       args, lambda: one_walk(_pretokenized_spec(args), resume_state_dict))
 
 
 def pretokenized_distributed_data_loader_bos_bestfit(*args, **kwargs):

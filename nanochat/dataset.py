@@ -12,8 +12,8 @@ with one `text` column in row groups of ~1024 documents; its last shard is val, 
 Cost: reading a row group is one pyarrow call, a few ms for ~1024 documents.
 Design: docs/downloads.md
 
-May import: nanochat.checks, nanochat.common, nanochat.download, nanochat.files, nanochat.layout,
-nanochat.serve, nanochat.stores.
+May import: nanochat.checks, nanochat.cli, nanochat.common, nanochat.download, nanochat.files,
+nanochat.layout, nanochat.serve, nanochat.stores.
 """
 
 import argparse
@@ -34,6 +34,7 @@ import pyarrow.parquet as pq
 from tqdm.contrib.logging import logging_redirect_tqdm
 
 from nanochat.checks import check_int
+from nanochat.cli import run
 from nanochat.common import get_base_dir
 from nanochat import stores
 from nanochat.download import (
@@ -41,7 +42,7 @@ from nanochat.download import (
     Limits, Report, check_address, check_files, download_file, download_files, fetch_small,
     record_path, stated_check, summarize,
 )
-from nanochat.files import progress_bar
+from nanochat.files import progress_bar, remove_if_exists
 from nanochat.layout import check_kind
 from nanochat.serve import LISTING
 from nanochat.serve import main as serve_main
@@ -685,8 +686,12 @@ def plan_shard_sizes(docs: list[str], *, shard_size_mb: float | None = None,
 def _write_shard(path: str, texts: list[str], row_group_size: int) -> None:
     table = pa.table({"text": pa.array(texts, type=pa.string())})
     tmp = path + ".tmp"  # never a *.parquet name, so a crash leaves nothing the loaders would read
-    pq.write_table(table, tmp, row_group_size=row_group_size, compression="zstd")
-    os.replace(tmp, path)
+    try:
+        pq.write_table(table, tmp, row_group_size=row_group_size, compression="zstd")
+        os.replace(tmp, path)
+    except BaseException:  # Ctrl-C too: no temporary file is left behind
+        remove_if_exists(tmp)
+        raise
 
 
 def repackage(inputs: list[str], out_dir: str, *, shard_size_mb: float | None = None,
@@ -704,12 +709,17 @@ def repackage(inputs: list[str], out_dir: str, *, shard_size_mb: float | None = 
     random.Random(seed).shuffle(docs)  # neighbours in a file are often related: mix them
     os.makedirs(out_dir, exist_ok=True)
     paths, start = [], 0
-    for index, size in enumerate(progress_bar(sizes, progress=progress, unit="shard",
-                                              desc="writing")):
-        path = os.path.join(out_dir, index_to_filename(index))
-        _write_shard(path, docs[start:start + size], row_group_size)
-        paths.append(path)
-        start += size
+    try:
+        for index, size in enumerate(progress_bar(sizes, progress=progress, unit="shard",
+                                                  desc="writing")):
+            path = os.path.join(out_dir, index_to_filename(index))
+            _write_shard(path, docs[start:start + size], row_group_size)
+            paths.append(path)
+            start += size
+    except BaseException:  # Ctrl-C too: out_dir held no parquet file, and a part of the shards
+        for path in paths:  # would be read with the wrong val, its last: none is left
+            remove_if_exists(path)
+        raise
     assert start == len(docs)
     logger.info("wrote %d shards (%d documents) to %s", len(paths), len(docs), out_dir)
     return paths
@@ -974,14 +984,29 @@ def main(argv: list[str] | None = None) -> int:
     return _download_main(argv)
 
 
+def interrupted(argv: list[str]) -> str:
+    """What Ctrl-C on `python -m nanochat.dataset ARGS` stopped, what it left and what a rerun
+    does (nanochat.cli.run prints it)."""
+    if argv[:1] == ["repackage"]:
+        return ("repackage stopped; the shards it had written are removed (a part of them would "
+                "split train and val wrongly), the input files are untouched: rerun the same "
+                "command")
+    if argv[:1] == ["serve"]:
+        return "serve stopped; it changed nothing: rerun the same command to serve again"
+    if any(arg.startswith("--v") for arg in argv):  # --verify, or argparse's abbreviation of it
+        return "--verify stopped; it changes nothing: rerun it to check every shard"
+    return ("the download stopped; the shards it installed are complete, partial ones stay as "
+            ".tmp files: rerun the same command to resume them")
+
+
+def _main() -> int:
+    with logging_redirect_tqdm():  # log lines go above the progress bars, not through them
+        return main()
+
+
 if __name__ == "__main__":
     logging.basicConfig(level=logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     stores.quiet_clients()
-    try:
-        with logging_redirect_tqdm():  # log lines go above the progress bars, not through them
-            sys.exit(main())
-    # FileNotFoundError is an OSError; one line, no traceback
-    except (ValueError, OSError, stores.MissingExtra) as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
+    # FileNotFoundError is an OSError: one line, no traceback
+    run(_main, interrupted, (ValueError, OSError, stores.MissingExtra))

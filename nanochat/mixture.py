@@ -10,9 +10,9 @@ Design: docs/mixtures.md.
 
     python -m nanochat.mixture validate CONFIG --data DATA_DIR [--tokens N] [--split train]
 
-May import: torch, numpy, nanochat.curriculum, nanochat.mixture_state, nanochat.dataloader,
-nanochat.options, nanochat.token_reader, nanochat.rows, nanochat.packing, nanochat.state,
-nanochat.figures.
+May import: torch, numpy, nanochat.cli, nanochat.curriculum, nanochat.mixture_state,
+nanochat.dataloader, nanochat.options, nanochat.token_reader, nanochat.rows, nanochat.packing,
+nanochat.state, nanochat.figures.
 """
 
 import itertools
@@ -24,11 +24,12 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from nanochat.cli import run
 # main: `python -m nanochat.mixture validate ...` runs the curriculum's command line
-from nanochat.curriculum import (choose, dry_fixes, list_buckets, load_curriculum, main, row_unit,
-                                 validate)
-from nanochat.dataloader import (Assembled, DataLoader, DeviceBatches, LoaderSpec, assemble,
-                                 row_split, worker_loader)
+from nanochat.curriculum import (INTERRUPTED, choose, dry_fixes, list_buckets, load_curriculum,
+                                 main, row_unit, validate)
+from nanochat.dataloader import (Assembled, DataLoader, DeviceBatches, LoaderSpec, Prepared,
+                                 assemble, make_loader, row_split)
 from nanochat.figures import start_counters, sum_counters
 from nanochat.mixture_state import add_mixture_checksum, mixture_start
 from nanochat.options import check_options, check_shuffle, resolve_rank
@@ -408,21 +409,32 @@ def pretokenized_mixture_loader_with_state_bos_bestfit(
     long_doc_policy estimated: a ValueError for a shortfall of tokens, a logged warning (at the
     call) for a bucket that cropping will run dry. workers: as for the parquet loader (the stop is
     agreed here, in the trainer's process). Details: docs/mixtures.md."""
-    loader = worker_loader(MixtureLoader, pretokenized_mixture_loader_with_state_bos_bestfit,
-                           dict(locals()))
-    if loader is not None:
-        return loader
-    check_options(B, T, split, prefetch, buffer_size=buffer_size, chunk_size=chunk_size,
+    args = dict(locals())
+    return make_loader(MixtureLoader, pretokenized_mixture_loader_with_state_bos_bestfit, args,
+                       lambda: _prepare(args))
+
+
+def _prepare(args: dict) -> Prepared:
+    """The mixture loader's arguments checked, its state too, and the curriculum against the
+    buckets when it starts afresh; then each bucket's spec."""
+    B, T, split, seed = args["B"], args["T"], args["split"], args["seed"]
+    buffer_size, batch_size = args["buffer_size"], args["batch_size"]
+    chunk_size = args["chunk_size"]
+    long_doc_policy, split_overlap = args["long_doc_policy"], args["split_overlap"]
+    allow_bucket_exhaustion = args["allow_bucket_exhaustion"]
+    allow_budget_mismatch = args["allow_budget_mismatch"]
+    allow_state_mismatch, total_tokens = args["allow_state_mismatch"], args["total_tokens"]
+    check_options(B, T, split, args["prefetch"], buffer_size=buffer_size, chunk_size=chunk_size,
                   batch_size=batch_size)
     check_long_doc_policy(long_doc_policy, split_overlap, T)
-    order = check_shuffle(shuffle, seed, shuffle_window)
-    rank, world_size = resolve_rank(rank, world_size)
-    data_dir = os.path.expanduser(os.fspath(data_dir))
+    order = check_shuffle(args["shuffle"], seed, args["shuffle_window"])
+    rank, world_size = resolve_rank(args["rank"], args["world_size"])
+    data_dir = os.path.expanduser(os.fspath(args["data_dir"]))
     paths = list_buckets(data_dir, split)
-    phases = load_curriculum(curriculum, paths)
+    phases = load_curriculum(args["curriculum"], paths)
     # the vocabulary and the BOS: the arguments, or pretokenize.json in data_dir or in a bucket's
     # directory (all must agree)
-    vocab = shard_vocab(next(iter(paths.values()))[0], bos_token, vocab_size,
+    vocab = shard_vocab(next(iter(paths.values()))[0], args["bos_token"], args["vocab_size"],
                         [data_dir] + [os.path.join(data_dir, split, name) for name in paths])
     bos_token = vocab.bos_token
     used = sorted({name for p in phases for name in p.mix})
@@ -435,9 +447,10 @@ def pretokenized_mixture_loader_with_state_bos_bestfit(
                              for p in phases],
               "rank": rank, "world_size": world_size, "long_doc_policy": long_doc_policy,
               "split_overlap": split_overlap}
-    if shuffle:  # (an unshuffled mixture's config has no "shuffle" key at all)
-        config["shuffle"] = {"window": shuffle_window}
-    state, where = mixture_start(resume_state_dict, config, rank, world_size, allow_state_mismatch)
+    if args["shuffle"]:  # (an unshuffled mixture's config has no "shuffle" key at all)
+        config["shuffle"] = {"window": args["shuffle_window"]}
+    state, where = mixture_start(args["resume_state_dict"], config, rank, world_size,
+                                 allow_state_mismatch)
     planned = sum(p.tokens for p in phases)
     if state is None:  # a fresh run: refuse a curriculum that is predicted to run dry
         _, problems, notes = validate(
@@ -457,7 +470,7 @@ def pretokenized_mixture_loader_with_state_bos_bestfit(
         raise ValueError(f"budget mismatch: the curriculum totals {planned:,} tokens, the run will "
                          f"train {total_tokens:,}; pass allow_budget_mismatch=True to accept it")
     encoder = EntryDocuments(bos_token, always=vocab.convention == "gpt-simple")
-    buckets = {}
+    walks = []
     for name in used:
         bucket_order = order and order.bucket(name)
         sub_config = loader_config("bestfit", "pretokenized", f"{split}/{name}", paths[name],
@@ -470,21 +483,27 @@ def pretokenized_mixture_loader_with_state_bos_bestfit(
                           batch_size=batch_size, B=B, T=T, buffer_size=buffer_size,
                           shuffle=bucket_order, allow_state_mismatch=allow_state_mismatch,
                           epochs=1, where=f"{where}['buckets'][{name!r}]")
-        parts = assemble(spec, state["buckets"][name] if state else None)
-        buckets[name] = (parts, BestFitPacker(T + 1, long_doc_policy, split_overlap))
+        walks.append((spec, state["buckets"][name] if state else None))
     rules = _MixRules(B, T, rank, world_size, seed, buffer_size, allow_bucket_exhaustion,
                       allow_budget_mismatch)
 
-    def batches():
-        made = {name: _Bucket(name, parts, packer, trace_documents)
-                for name, (parts, packer) in buckets.items()}
-        yield from _Mixture(phases, made, rules, config, state).mixed_batches()
+    def build() -> MixtureLoader:
+        buckets = {name: (assemble(spec, bucket_state),
+                          BestFitPacker(T + 1, long_doc_policy, split_overlap))
+                   for name, (spec, bucket_state) in zip(used, walks)}
 
-    return MixtureLoader(batches(), DeviceBatches(B, T, device), row_split, prefetch, with_state,
-                         start_state=state, world_size=world_size,
-                         fixes=dry_fixes(T, long_doc_policy),
-                         start_counters=start_counters("bestfit", [parts.recorder for parts, _
-                                                                   in buckets.values()]))
+        def batches():
+            made = {name: _Bucket(name, parts, packer, args["trace_documents"])
+                    for name, (parts, packer) in buckets.items()}
+            yield from _Mixture(phases, made, rules, config, state).mixed_batches()
+
+        return MixtureLoader(batches(), DeviceBatches(B, T, args["device"]), row_split,
+                             args["prefetch"], args["with_state"], start_state=state,
+                             world_size=world_size, fixes=dry_fixes(T, long_doc_policy),
+                             start_counters=start_counters("bestfit", [
+                                 parts.recorder for parts, _ in buckets.values()]))
+
+    return Prepared(walks, build)
 
 
 def pretokenized_mixture_loader_bos_bestfit(*args, **kwargs):
@@ -493,4 +512,4 @@ def pretokenized_mixture_loader_bos_bestfit(*args, **kwargs):
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    run(main, INTERRUPTED)

@@ -185,6 +185,14 @@ class DocBatch(NamedTuple):
     starts: tuple | None = None  # a plan's pieces: per item, None or the token it starts at
 
 
+class Resume(NamedTuple):
+    """Where a walk resumes from a checked state: what check_resume returns."""
+    state: dict | None  # the version-2 state it continues exactly (None: approximately)
+    where: str  # what messages call that state (a merge's: this rank's part of it)
+    start: Cursor | WindowCursor  # where the regular walk goes on
+    position: Position  # nanochat's keys of the last batch consumed before it
+
+
 class Started(NamedTuple):
     """Where a loader's walk starts: what start_order returns."""
     order: "RankOrder"
@@ -500,18 +508,14 @@ def check_nanochat_state(state: dict, reader, where: str = "resume_state_dict") 
     return Position(pq_idx, rg_idx, epoch)
 
 
-def start_order(reader, rank: int, world_size: int, batch_size: int, state, config: dict, *,
-                allow_state_mismatch: bool, epochs: int | None = None,
-                where: str = "resume_state_dict", shuffle: Shuffle | None = None):
-    """The walk a loader starts from: fresh; resumed exactly from a version-2 state; or, from
-    nanochat's {pq_idx, rg_idx, epoch} (or another walk's state, when allowed), approximately,
-    after the saved unit. A shuffled walk resumes approximately only from another rank's state of
-    its own run: after that rank's window. where: what messages call the state.
-    Returns a Started."""
-    walk = dict(epochs=epochs, shuffle=shuffle)
-    if state is None:
-        return Started(RankOrder(reader, rank, world_size, batch_size, **walk), None,
-                       Position(0, 0, 1))
+def check_resume(reader, rank: int, world_size: int, state: dict, config: dict, *,
+                 allow_state_mismatch: bool, where: str = "resume_state_dict",
+                 shuffle: Shuffle | None = None, data: bool = True) -> Resume:
+    """Check a resume state against a loader's config and the places it names against the data's
+    units (their footers or indexes; data=False: a version-2 state's places are not checked, which
+    may read every footer). Exactly from a version-2 state; approximately from nanochat's {pq_idx,
+    rg_idx, epoch}, or from another walk's state when allowed, after the saved unit; a shuffled
+    walk only from another rank's state of its own run, after that rank's window."""
     if not isinstance(state, dict):
         raise TypeError(f"{where} must be a dict, got {type(state).__name__}")
     if message := not_a_loader_state(state, where):  # a model's state dict, passed by mistake
@@ -525,13 +529,11 @@ def start_order(reader, rank: int, world_size: int, batch_size: int, state, conf
     if "version" not in state and state.keys() & set(REQUIRED) - set(NANOCHAT_KEYS):
         raise ValueError(f"{where} is missing 'version' but has this loader's other keys "
                          f"({sorted(state.keys() & set(REQUIRED))}): a truncated state?")
-    if "version" in state and check_state(state, config, reader.index,
+    if "version" in state and check_state(state, config, reader.index if data else None,
                                           allow_mismatch=allow_state_mismatch, where=where):
-        plan = decode_plan(state["plan"], reader.index)
         start = WindowCursor(*state["next"]) if shuffle else Cursor(*state["next"])
-        order = RankOrder(reader, rank, world_size, batch_size, plan=plan, start=start,
-                          where=where, **walk)
-        return Started(order, state, Position(state["pq_idx"], state["rg_idx"], state["epoch"]))
+        return Resume(state, where, start,
+                      Position(state["pq_idx"], state["rg_idx"], state["epoch"]))
     position = Position(state.get("pq_idx"), state.get("rg_idx"), state.get("epoch"))
     if shuffle:
         # another rank's state of this run (nanochat's base_train) is all a shuffled walk can
@@ -549,9 +551,7 @@ def start_order(reader, rank: int, world_size: int, batch_size: int, state, conf
         logger.warning("%s is another rank's state: resuming approximately, after its window %d "
                        "of epoch %d", where, window, epoch)
         # as nanochat does after the saved unit: from the next window on
-        start = WindowCursor(epoch, window + 1, 0)
-        return Started(RankOrder(reader, rank, world_size, batch_size, start=start, **walk), None,
-                       position)
+        return Resume(None, where, WindowCursor(epoch, window + 1, 0), position)
     if "version" in state and allow_state_mismatch:  # (another rank's state has said so already)
         logger.warning("%s is from another walk of the documents; resuming approximately after "
                        "its file %s, %s %s", where, state.get("pq_idx"), reader.unit_name,
@@ -560,5 +560,24 @@ def start_order(reader, rank: int, world_size: int, batch_size: int, state, conf
     pq_idx, rg_idx, epoch = check_nanochat_state(state, reader, where)
     # as nanochat: this rank's unit in the round of world_size units after the saved one
     start = Cursor(epoch, pq_idx, (rg_idx // world_size + 1) * world_size + rank, 0)
-    order = RankOrder(reader, rank, world_size, batch_size, start=start, epochs=epochs)
-    return Started(order, None, Position(pq_idx, rg_idx, epoch))
+    return Resume(None, where, start, Position(pq_idx, rg_idx, epoch))
+
+
+def start_order(reader, rank: int, world_size: int, batch_size: int, state, config: dict, *,
+                allow_state_mismatch: bool, epochs: int | None = None,
+                where: str = "resume_state_dict", shuffle: Shuffle | None = None):
+    """The walk a loader starts from: fresh, or resumed from a state that check_resume checks
+    (against the data too). where: what messages call the state. Returns a Started."""
+    walk = dict(epochs=epochs, shuffle=shuffle)
+    if state is None:
+        return Started(RankOrder(reader, rank, world_size, batch_size, **walk), None,
+                       Position(0, 0, 1))
+    resume = check_resume(reader, rank, world_size, state, config,
+                          allow_state_mismatch=allow_state_mismatch, where=where, shuffle=shuffle)
+    if resume.state is None:  # approximately: from resume.start
+        return Started(RankOrder(reader, rank, world_size, batch_size, start=resume.start, **walk),
+                       None, resume.position)
+    plan = decode_plan(resume.state["plan"], reader.index)
+    order = RankOrder(reader, rank, world_size, batch_size, plan=plan, start=resume.start,
+                      where=resume.where, **walk)
+    return Started(order, resume.state, resume.position)

@@ -13,6 +13,7 @@ May import: the standard library, numpy.
 """
 
 import atexit
+import contextlib
 import importlib
 import logging
 import mmap
@@ -175,6 +176,30 @@ def maybe_prefetch(source, depth: int, name: str):
     return Prefetcher(source, depth, name) if depth > 0 else source  # depth 0: no thread at all
 
 
+@contextlib.contextmanager
+def noting_logs(package: str):
+    """Yields a list of the messages this thread logs through `package`'s loggers while the block
+    runs (they are handled as usual): what the checks at a loader's call said, which its worker,
+    running them again, does not say twice (Job.said)."""
+    said: list[str] = []
+    thread, noting = threading.get_ident(), [True]
+    make = logging.getLogRecordFactory()
+
+    def noted(*args, **kwargs) -> logging.LogRecord:
+        record = make(*args, **kwargs)
+        if noting and record.thread == thread and (record.name + ".").startswith(package + "."):
+            said.append(record.getMessage())
+        return record
+
+    logging.setLogRecordFactory(noted)
+    try:
+        yield said
+    finally:
+        noting.clear()  # inert from now on, also where another thread's factory wraps this one
+        if logging.getLogRecordFactory() is noted:
+            logging.setLogRecordFactory(make)
+
+
 # -----------------------------------------------------------------------------
 # A whole loader in a worker process
 
@@ -196,6 +221,9 @@ class Job(NamedTuple):
     slots: int
     slot_bytes: int
     log_level: int  # the trainer's for nanochat's loggers: the worker logs to stderr at it
+    # what the trainer's checks at the call logged (noting_logs): the worker, building the same
+    # loader, does not say it again
+    said: tuple[str, ...] = ()
 
 
 class WorkerUnavailable(Exception):
@@ -204,8 +232,9 @@ class WorkerUnavailable(Exception):
 
 
 class WorkerTraceback(Exception):
-    """The traceback of an exception raised in a worker process, as the worker printed it: the
-    __cause__ of the exception that next() raises again in the trainer."""
+    """Where in the worker process an exception was raised: its traceback there, less its last
+    line. The __cause__ of the exception the trainer raises again, whose own traceback ends with
+    that line, the exception and its message, once (docs/loaders.md)."""
 
 
 class WorkerBatches:
@@ -344,11 +373,9 @@ class WorkerBatches:
         if message[0] == "end":
             raise StopIteration
         if message[0] == "failed":
-            error, text = message[1], message[2]
-            if hasattr(error, "add_note"):  # (Python 3.11+)
-                error.add_note(f"(raised in the loader's worker process, pid {self.pid}: its "
-                               "traceback is above)")
-            raise error from WorkerTraceback(text)
+            error, frames = message[1], message[2]
+            raise error from WorkerTraceback(f"the loader's worker process (pid {self.pid}) "
+                                             f"raised the error below:\n{frames.rstrip()}")
         raise RuntimeError(f"unexpected message from the loader's worker: {message[0]!r}")
 
     def close(self, wait: bool = True) -> None:
@@ -404,14 +431,32 @@ def _close_workers_at_exit() -> None:
 
 
 def _failure(error: BaseException) -> tuple:
-    """("failed", the exception, its traceback as text), the exception replaced by a
-    RuntimeError that says what it was when it cannot be pickled."""
-    text = "".join(traceback.format_exception(type(error), error, error.__traceback__))
+    """("failed", the exception, its traceback as text less its last line: the exception and its
+    message, which end the trainer's traceback), the exception replaced by a RuntimeError that
+    says what it was when it cannot be pickled."""
+    text = "".join(traceback.format_exception(error))
+    text = text.removesuffix("".join(traceback.format_exception_only(error)))
     try:
         pickle.loads(pickle.dumps(error))
     except Exception:
         error = RuntimeError(f"{type(error).__name__}: {error}")
     return "failed", error, text
+
+
+class _Said(logging.Filter):
+    """Drops, once each, the messages the trainer logged at the call (Job.said) that this
+    process's main thread logs again while it builds the same loader."""
+
+    def __init__(self, said: tuple[str, ...]):
+        super().__init__()
+        self.said = list(said)
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        if record.thread != threading.main_thread().ident or message not in self.said:
+            return True
+        self.said.remove(message)
+        return False
 
 
 def _serve_trainer(jobs: Connection, stop: threading.Event, answer) -> None:
@@ -469,11 +514,18 @@ def _work(job_fd: int, out_fd: int, slots_fd: int) -> None:
         return
     logging.basicConfig(format="%(message)s")  # (stderr, as the trainer's warnings by default)
     logging.getLogger(__package__).setLevel(job.log_level)
+    said = _Said(job.said)
+    handlers = logging.getLogger().handlers
+    for handler in handlers:
+        handler.addFilter(said)
     try:
         loader = function(**job.kwargs)
-    except BaseException as e:  # a bad argument or state: the trainer raises it at its call
+    except BaseException as e:  # the trainer raises it at its call
         send(_failure(e))
         return
+    finally:
+        for handler in handlers:
+            handler.removeFilter(said)
     slots = mmap.mmap(slots_fd, HEADER + job.slots * job.slot_bytes)
     # batches the trainer is done with, which it writes: batch n goes to slot n % slots once the
     # trainer is done with batch n - slots (a write to shared memory costs the trainer no call,

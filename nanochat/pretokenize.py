@@ -11,7 +11,7 @@ downloaded and verified into OUTPUT/.inputs/, tokenized, and removed once its pa
 Cost: one tokenizer pass, several MB of text per second per worker; a rerun skips written pairs.
 Design: docs/pretokenized.md, docs/streaming.md (stores)
 
-May import: nanochat.common, nanochat.dataset, nanochat.download, nanochat.files,
+May import: nanochat.cli, nanochat.common, nanochat.dataset, nanochat.download, nanochat.files,
 nanochat.tokenizer, nanochat.packing, nanochat.token_shards, nanochat.layout, nanochat.stores.
 """
 
@@ -36,6 +36,7 @@ import pyarrow as pa
 from filelock import FileLock, Timeout
 
 from nanochat import stores
+from nanochat.cli import run
 from nanochat.common import get_dist_info
 from nanochat.dataset import (open_parquet, read_jsonl_texts, read_listing, read_row_group_texts,
                               split_parquet_files)
@@ -291,6 +292,12 @@ _worker_options: dict = {}
 
 def _init_worker(tokenizer_dir: str, options: dict, parent_pid: int) -> None:
     global _worker_tokenizer, _worker_options
+    # Ctrl-C reaches the whole process group: between jobs the main process alone acts on it (an
+    # idle worker would print a traceback); within one, _run_job lets it stop the job. It was
+    # blocked since this process started (_results): one sent meanwhile is dropped now
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    if hasattr(signal, "pthread_sigmask"):  # (POSIX)
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
     _exit_with_parent(parent_pid)
     _worker_tokenizer = RustBPETokenizer.from_directory(tokenizer_dir)
     _worker_options = options
@@ -314,7 +321,13 @@ def _exit_with_parent(parent_pid: int) -> None:
 
 
 def _run_job(job: Job) -> tuple[str, dict | None, str | None]:
-    return _try_job(_worker_tokenizer, _worker_options, job)
+    # Ctrl-C stops the job at once, its temporary files removed (write_token_pairs); the main
+    # process, stopped too, says so
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        return _try_job(_worker_tokenizer, _worker_options, job)
+    finally:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
 def _try_job(tokenizer, options: dict, job: Job) -> tuple[str, dict | None, str | None]:
@@ -439,13 +452,29 @@ def _results(tokenizer, tokenizer_dir: str, options: dict, jobs: list, num_worke
     ctx = multiprocessing.get_context("spawn")
     with ProcessPoolExecutor(num_workers, mp_context=ctx, initializer=_init_worker,
                              initargs=(tokenizer_dir, options, os.getpid())) as pool:
-        futures = [pool.submit(_run_job, job) for job in jobs]
+        with _sigint_blocked():  # (the workers start at the first submits)
+            futures = [pool.submit(_run_job, job) for job in jobs]
         try:
             for future in as_completed(futures):
                 yield future.result()
         finally:
             for future in futures:  # on an error, do not start the inputs still queued
                 future.cancel()
+
+
+@contextlib.contextmanager
+def _sigint_blocked():
+    """Ctrl-C held back while the block runs, then raised. A process started meanwhile starts
+    with it blocked (a signal mask is inherited), so that one still importing prints no traceback:
+    the way multiprocessing starts its resource tracker."""
+    if not hasattr(signal, "pthread_sigmask"):  # (not POSIX)
+        yield
+        return
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
 
 
 def _pair_lock(prefix: str) -> FileLock:
@@ -667,13 +696,19 @@ def main(argv: list[str] | None = None) -> int:
         return 0
 
 
-if __name__ == "__main__":
+INTERRUPTED = ("pretokenize stopped; the pairs it wrote are complete and no partial one is left: "
+               "rerun the same command to write the rest (it skips the pairs done)")
+
+
+def command() -> None:
+    """`python -m nanochat.pretokenize`: main() with its log on stderr, a bad input and Ctrl-C
+    in one line each (nanochat.cli.run)."""
     logging.basicConfig(level=logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     stores.quiet_clients()
-    try:
-        sys.exit(main())
     # FileNotFoundError and a store's error are OSErrors; a store's missing package is one line too
-    except (ValueError, OSError, stores.MissingExtra) as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
+    run(main, INTERRUPTED, (ValueError, OSError, stores.MissingExtra))
+
+
+if __name__ == "__main__":
+    command()

@@ -10,8 +10,8 @@ at the start. Design: docs/streaming.md.
 
     python -m nanochat.shard_cache status [DATA_DIR]   # what is on disk, who needs it and why
 
-May import: nanochat.cache_status, nanochat.catalog, nanochat.checks, nanochat.dataset,
-nanochat.download, nanochat.files, nanochat.kept, nanochat.ledger, nanochat.state.
+May import: nanochat.cache_status, nanochat.catalog, nanochat.checks, nanochat.cli,
+nanochat.dataset, nanochat.download, nanochat.files, nanochat.kept, nanochat.ledger, nanochat.state.
 """
 
 import argparse
@@ -31,6 +31,7 @@ import pyarrow as pa
 from nanochat.cache_status import CacheStatus, Own, describe, read_status, size_words
 from nanochat.catalog import ReadAhead, catalog_path, catalog_sizes, read_catalog
 from nanochat.checks import check_int
+from nanochat.cli import run
 from nanochat.dataset import find_data_dir, open_parquet, shown
 from nanochat.download import DownloadError, Limits, download_file, record_path
 from nanochat.files import disk_full, remove_if_exists
@@ -810,4 +811,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run(main, "status stopped; it only reads: rerun it")

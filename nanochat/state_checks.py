@@ -383,10 +383,11 @@ def rank_state(merged: dict, rank: int, world_size: int,
 
 def check_state(state: dict, config: dict, index, *, allow_mismatch: bool,
                 where: str = "resume_state_dict") -> bool:
-    """Validate a version-2 state against this loader's config and data. Returns True when the
-    state continues this loader's walk exactly (or, with allow_mismatch, at least the same
-    document walk), False when only nanochat's approximate keys {pq_idx, rg_idx, epoch} can be
-    used (another rank's state, or allow_mismatch and another walk)."""
+    """Validate a version-2 state against this loader's config and data (index: the data's units;
+    None: not against the data, which reads the files' footers). Returns True when the state
+    continues this loader's walk exactly (or, with allow_mismatch, at least the same document
+    walk), False when only nanochat's approximate keys {pq_idx, rg_idx, epoch} can be used
+    (another rank's state, or allow_mismatch and another walk)."""
     if state.get("version") != VERSION:
         raise ValueError(f"{where}['version'] is {reprlib.repr(state.get('version'))}; this loader "
                          f"reads version {VERSION} (and nanochat's {{pq_idx, rg_idx, epoch}} form)")
@@ -415,6 +416,6 @@ def check_state(state: dict, config: dict, index, *, allow_mismatch: bool,
     # only a state of this very walk names places in this data; an approximate resume reads
     # just pq_idx, rg_idx and epoch
     exact = all(saved.get(k) == config.get(k) for k in WALK_FIELDS)
-    if exact:
+    if exact and index is not None:
         check_data(state, index, where)
     return exact

@@ -9,7 +9,7 @@ Face tokenizer.json.
 Cost: training on ~2B characters takes minutes; encoding runs at tiktoken speed (MB/s per thread).
 Design and file formats: docs/tokenizer.md
 
-May import: nanochat.checks, nanochat.common, tiktoken, numpy.
+May import: nanochat.checks, nanochat.cli, nanochat.common, tiktoken, numpy.
 Imported only when needed: rustbpe (training), torch (get_token_bytes): importing the tokenizer
 stays light, as a pretokenize worker or a tokenizer CLI needs it.
 """
@@ -20,7 +20,6 @@ import json
 import logging
 import os
 import pickle
-import sys
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
@@ -28,6 +27,7 @@ import numpy as np
 import tiktoken
 
 from nanochat.checks import check_int, is_int
+from nanochat.cli import run
 from nanochat.common import get_base_dir
 
 logger = logging.getLogger(__name__)
@@ -914,8 +914,6 @@ def _export_hf_command(out_dir: str, tokenizer_dir: str | None) -> int:
 if __name__ == "__main__":
     logging.basicConfig(level=logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    try:
-        sys.exit(main())
-    except (ValueError, OSError) as e:  # FileNotFoundError is an OSError; one line, no traceback
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(1)
+    # FileNotFoundError is an OSError: one line, no traceback
+    run(main, "the tokenizer command stopped; it writes each file whole or not at all: rerun the "
+              "same command", (ValueError, OSError), error_status=1)

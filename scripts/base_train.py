@@ -26,6 +26,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
+from nanochat.cli import run
 from nanochat.common import get_base_dir, get_dist_info, print0
 from nanochat.dataloader import (tokenizing_distributed_data_loader_bos_bestfit,
                                  tokenizing_distributed_data_loader_with_state_bos_bestfit)
@@ -349,4 +350,5 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    run(main, "training stopped; every checkpoint it saved (--save-every) is whole: rerun with "
+              "--resume-from-step and the last step saved to go on from there")

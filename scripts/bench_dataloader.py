@@ -23,6 +23,7 @@ import time
 import numpy as np
 import pyarrow.parquet as pq
 
+from nanochat.cli import run
 from nanochat.dataloader import tokenizing_distributed_data_loader_with_state_bos_bestfit
 from nanochat.dataset import read_row_group_texts, split_parquet_files
 from nanochat.packing import BestFitPacker, token_dtype
@@ -740,4 +741,5 @@ def _cuda() -> bool:
 
 
 if __name__ == "__main__":
-    main()
+    run(main, "bench_dataloader stopped; it only measures, on data in temporary directories: "
+              "rerun it")

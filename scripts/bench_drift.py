@@ -24,6 +24,7 @@ from collections import Counter
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from nanochat.cli import run
 from nanochat.dataset import get_dataset, index_to_filename
 from nanochat.serve import ShardServer
 
@@ -133,4 +134,5 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run(main, "bench_drift stopped; it only measures, on data in temporary directories: "
+              "rerun it")

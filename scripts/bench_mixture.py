@@ -20,6 +20,7 @@ import time
 
 import numpy as np
 
+from nanochat.cli import run
 from nanochat.dataloader import pretokenized_distributed_data_loader_with_state_bos_bestfit
 from nanochat.mixture import pretokenized_mixture_loader_with_state_bos_bestfit
 from nanochat.token_shards import write_token_shard
@@ -137,4 +138,5 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    run(main, "bench_mixture stopped; it only measures, on data in temporary directories: "
+              "rerun it")

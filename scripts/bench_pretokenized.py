@@ -16,8 +16,8 @@ scripts/bench_dataloader.py's. It prints tokens/s (rows of T+1 tokens), the medi
 and the ratios. Speed is a measurement here, never a test assertion.
 """
 
-# numpy and the standard library only at the top: the LitData runs import this module in a venv
-# that may lack our dependencies (pyarrow, tiktoken)
+# numpy, the standard library and nanochat.cli (itself the standard library's only) at the top:
+# the LitData runs import this module in a venv that may lack our dependencies (pyarrow, tiktoken)
 import argparse
 import glob
 import json
@@ -29,6 +29,8 @@ import tempfile
 import time
 
 import numpy as np
+
+from nanochat.cli import run
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONTENDERS = ("bestfit", "bestfit-here", "slicer", "litdata", "memcpy")
@@ -274,4 +276,5 @@ def report(tps: dict, args) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run(main, "bench_pretokenized stopped; it only measures, on data in temporary directories: "
+              "rerun it")

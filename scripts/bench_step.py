@@ -31,6 +31,7 @@ import time
 import numpy as np
 import torch
 
+from nanochat.cli import run
 from nanochat.dataloader import (pretokenized_distributed_data_loader_with_state_bos_bestfit,
                                  tokenizing_distributed_data_loader_with_state,
                                  tokenizing_distributed_data_loader_with_state_bos_bestfit)
@@ -293,4 +294,5 @@ def report(P: float, G: float, results: dict) -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run(main, "bench_step stopped; it only measures, on data in temporary directories: "
+              "rerun it")

@@ -20,13 +20,13 @@ import contextlib
 import hashlib
 import os
 import shutil
-import sys
 import tempfile
 import threading
 import time
 
 import pyarrow.parquet as pq
 
+from nanochat.cli import run
 from nanochat import stores
 from nanochat.dataloader import tokenizing_distributed_data_loader_with_state_bos_bestfit
 from nanochat.dataset import download_shards, get_dataset
@@ -342,4 +342,5 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run(main, "bench_streaming stopped; it only measures, on data in temporary directories: "
+              "rerun it")

@@ -25,6 +25,7 @@ import time
 
 import numpy as np
 
+from nanochat.cli import run
 from scripts.nanochat_dropin import OUR_MODULES, REPO, write_layout
 
 SIDES = ("orig", "ours", "prebuilt")
@@ -206,4 +207,5 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run(main, "bench_train_step stopped; it changes only its copies of the checkout, under --out: "
+              "rerun it (it copies afresh)")

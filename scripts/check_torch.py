@@ -13,6 +13,8 @@ import sys
 import torch
 from packaging.requirements import Requirement
 
+from nanochat.cli import run
+
 
 def mismatch(requirement: str) -> str | None:
     """What is wrong with the installed torch for this requirement, or None when it is the one."""
@@ -42,4 +44,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    run(main, "check_torch stopped; it only reads: rerun it")

@@ -30,6 +30,7 @@ import time
 import pyarrow.parquet as pq
 
 from nanochat.cache_status import describe
+from nanochat.cli import run
 from nanochat.dataloader import tokenizing_distributed_data_loader_with_state_bos_bestfit
 from nanochat.dataset import get_dataset, index_to_filename, repackage
 from nanochat.catalog import copies_estimate
@@ -159,7 +160,10 @@ def write_hosted_shards(
 def run_cli(args: list[str], env: dict) -> None:
     """Run `python -m ...` from the repo root like a user would; raise if it fails."""
     print(f"\n$ python -m {' '.join(args)}", flush=True)
-    result = subprocess.run([sys.executable, "-m", *args], cwd=REPO_ROOT, env=env)
+    # a session of its own: Ctrl-C reaches the demo alone, which ends it (subprocess.run kills it)
+    # and says so once, rather than each command saying how to rerun itself
+    result = subprocess.run([sys.executable, "-m", *args], cwd=REPO_ROOT, env=env,
+                            start_new_session=True)
     if result.returncode != 0:
         raise RuntimeError(f"`python -m {' '.join(args)}` exited with status {result.returncode}")
 
@@ -418,8 +422,6 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    try:
-        sys.exit(main())
-    except (ValueError, OSError, RuntimeError, AssertionError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(1)
+    run(main, "the demo stopped; what it made so far is in the out directory it printed first: "
+              "run it again with a new --out, or none (it starts over)",
+        (ValueError, OSError, RuntimeError, AssertionError), error_status=1)

@@ -22,6 +22,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 import nanochat
+from nanochat.cli import run
 from nanochat.dataloader import tokenizing_distributed_data_loader_with_state_bos_bestfit
 from nanochat.serve import ShardServer
 
@@ -133,4 +134,5 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    run(main, "main_path stopped; it only traces a loader, on data in a temporary directory: "
+              "rerun it")

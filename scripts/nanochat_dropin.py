@@ -29,6 +29,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
 
+from nanochat.cli import run
 from nanochat.tokenizer import RustBPETokenizer
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -191,4 +192,5 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run(main, "nanochat_dropin stopped; it changes only its copies of the checkout, under --out: "
+              "rerun it (it copies afresh)")

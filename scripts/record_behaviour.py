@@ -33,6 +33,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
 
+from nanochat.cli import run
 from nanochat.dataloader import (
     pretokenized_distributed_data_loader_bos_bestfit,
     pretokenized_distributed_data_loader_with_state_bos_bestfit,
@@ -671,4 +672,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run(main, "record_behaviour stopped; it writes a recording whole or not at all: rerun it")

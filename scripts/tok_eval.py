@@ -11,6 +11,7 @@ tiktoken can load them (it downloads them once into its cache; offline they are 
 
 import argparse
 
+from nanochat.cli import run
 from nanochat.dataset import find_data_dir, parquets_iter_batched
 from nanochat.tokenizer import RustBPETokenizer, get_tokenizer_dir
 
@@ -92,4 +93,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    run(main, "tok_eval stopped; it only reads: rerun it")

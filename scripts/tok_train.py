@@ -14,6 +14,7 @@ import time
 
 from tqdm.contrib.logging import logging_redirect_tqdm
 
+from nanochat.cli import run
 from nanochat.common import get_base_dir
 from nanochat.dataset import find_data_dir, open_parquet, parquets_iter_batched, split_parquet_files
 from nanochat.files import progress_bar
@@ -126,6 +127,11 @@ def _readable(piece: bytes) -> str | bytes:
         return piece
 
 
-if __name__ == "__main__":
+def _main() -> None:
     with logging_redirect_tqdm():  # a warning while the bar is drawn goes above it, not through it
         main()
+
+
+if __name__ == "__main__":
+    run(_main, "tok_train stopped; it saves the tokenizer whole at the end, or not at all: "
+               "rerun it (it trains from the start)")

@@ -3,6 +3,8 @@ and where a state's buffered documents are."""
 
 import json
 import os
+import signal
+import subprocess
 import threading
 import time
 
@@ -155,6 +157,38 @@ def outcome(call, seconds: float = 60.0):
         time.sleep(0.01)
     assert result, f"neither returned nor raised in {seconds:g}s: a stall"
     return result[0]
+
+
+def ctrl_c(args: list[str], when, *, seconds: float = 60.0, **popen) -> tuple[int, str, str]:
+    """Run args in a session of its own, and once when() is true send SIGINT to its whole process
+    group, as Ctrl-C on a terminal does (its worker processes get it too): (exit status, stdout,
+    stderr). Fails if when() is not true within `seconds`, or the command ends first."""
+    process = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                               start_new_session=True, **popen)
+    try:
+        deadline = time.monotonic() + seconds
+        while not when():
+            if process.poll() is not None:
+                raise AssertionError("it ended before it was interrupted: "
+                                     + process.communicate()[1])
+            assert time.monotonic() < deadline, f"not under way within {seconds:g}s"
+            time.sleep(0.01)
+        os.killpg(process.pid, signal.SIGINT)
+        out, err = process.communicate(timeout=seconds)
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+    return process.returncode, out, err
+
+
+def assert_interrupted(code: int, err: str, line: str) -> None:
+    """What Ctrl-C must leave on stderr: the one line nanochat.cli.run prints, last, exit status
+    130, and no traceback (of this process or of its workers)."""
+    assert code == 130, (code, err)
+    assert "Traceback" not in err and "KeyboardInterrupt" not in err, err
+    assert [x for x in err.splitlines() if x.startswith("interrupted:")] == [line], err
+    assert err.endswith(line + "\n"), err
 
 
 def least_accepted(make) -> int:

@@ -7,7 +7,6 @@ Spawned workers import this script as their main module too, so they run the slo
 """
 
 import os
-import sys
 import time
 
 from nanochat import pretokenize
@@ -24,4 +23,4 @@ def _slow_encode_to_arrays(self, *args, **kwargs):
 RustBPETokenizer.encode_to_arrays = _slow_encode_to_arrays
 
 if __name__ == "__main__":
-    sys.exit(pretokenize.main())
+    pretokenize.command()  # as `python -m nanochat.pretokenize` runs it

@@ -4,7 +4,8 @@ serve command (`python -m nanochat.dataset serve DIR`) as a real process on 127.
 of any names streamed by the rule on disk (val is the last in sorted order). Streamed batches and
 states are checked token for token against the same loader over the same directory on disk.
 Also: the listing (made from the directory, or the directory's own index.json), its errors, the
-refusal of a dataset's directory as the cache, the Range error, and --help.
+refusal of a dataset's directory as the cache, the Range error, --help, and Ctrl-C, which stops
+the server in one line with exit status 130.
 
     python -m pytest tests/test_own_shards.py -q
 """
@@ -25,7 +26,7 @@ import pytest
 import requests
 import torch
 
-from conftest import ByteTokenizer, outcome, worker_env, write_shard
+from conftest import ByteTokenizer, assert_interrupted, outcome, worker_env, write_shard
 from conftest import assert_same_batches as _same
 from conftest import take_batches as _batches
 from nanochat.dataloader import tokenizing_distributed_data_loader_with_state_bos_bestfit
@@ -62,11 +63,12 @@ class Served:
         assert match, (self.line, self.process.stderr.read() if not self.line else "")
         self.url = match.group(1)
 
-    def stop(self) -> tuple[int, str]:
-        """Ctrl-C, as a user stops it: (exit status, what it printed after its first line)."""
+    def stop(self) -> tuple[int, str, str]:
+        """Ctrl-C, as a user stops it: (exit status, what it printed after its first line, what
+        it printed to stderr)."""
         self.process.send_signal(signal.SIGINT)
-        rest, _ = self.process.communicate(timeout=30)
-        return self.process.returncode, rest
+        rest, err = self.process.communicate(timeout=30)
+        return self.process.returncode, rest, err
 
 
 def _loader(data_dir, split="train", **kwargs):
@@ -133,8 +135,10 @@ def test_the_recipe_for_your_own_shards_runs_as_written(tmp_path, monkeypatch):
         streamed = _batches(_loader(cache, stream=True, base_url=served.url, cache_limit="2GB",
                                     download_limits=FAST), 40)
     finally:
-        code, rest = served.stop()
-    assert (code, rest) == (0, "stopped\n")
+        code, rest, err = served.stop()
+    assert rest == ""
+    assert_interrupted(code, err, "interrupted: serve stopped; it changed nothing: rerun the same "
+                                  "command to serve again")
     _same(streamed, _batches(_loader(tmp_path / "shards"), 40))
     _same([(x.cpu(), y.cpu(), state) for x, y, state in first],
           _batches(tokenizing_distributed_data_loader_with_state_bos_bestfit(
@@ -158,7 +162,7 @@ def odd(tmp_path):
     _write_own(directory, ["b.parquet", "a.parquet", "c d.parquet", "zz_val.parquet"])
     served = Served(f"python -m nanochat.dataset serve {directory} --port 0", tmp_path)
     yield directory, served.url
-    assert served.stop()[0] == 0
+    assert served.stop()[0] == 130  # Ctrl-C
 
 
 def test_shards_of_any_names_stream_by_the_rule_on_disk(odd, tmp_path):

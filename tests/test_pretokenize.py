@@ -3,9 +3,9 @@ Tests for nanochat/pretokenize.py: the .bin/.idx bytes field by field, the round
 TokenShard (uint16 and uint32), crash-safe writing, windowing in both conventions (hypothesis
 property tests plus the docstring's worked examples; GPT-Simple's labelling rule on gpt-simple
 entries), a clear error naming the file for every kind of damaged pair, and the CLI end to end:
-parquet and jsonl inputs, 2 worker processes, --convention, rerun-skips, resume after a killed run,
-and --rank/--world-size. Hermetic: tiny shards and a 300-token tokenizer trained in-process, all
-under tmp_path. Run:
+parquet and jsonl inputs, 2 worker processes, --convention, rerun-skips, resume after a killed run
+or Ctrl-C (one line, exit status 130), and --rank/--world-size. Hermetic: tiny shards and a
+300-token tokenizer trained in-process, all under tmp_path. Run:
     python -m pytest tests/test_pretokenize.py -q
 """
 
@@ -27,9 +27,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from conftest import write_shards
+from conftest import assert_interrupted, ctrl_c, worker_env, write_shards
 from nanochat import pretokenize
-from nanochat.pretokenize import main, window_document, window_gpt_simple
+from nanochat.pretokenize import INTERRUPTED, main, window_document, window_gpt_simple
 from nanochat.token_shards import MAGIC, VERSION, TokenShard, list_token_shards, write_token_shard
 from nanochat.tokenizer import RustBPETokenizer
 
@@ -689,7 +689,6 @@ def many_inputs(tmp_path_factory, tokenizer_dir):
 
 
 def _start_slow_run(argv, log_path):
-    from conftest import worker_env
     with open(log_path, "w") as log:
         return subprocess.Popen([sys.executable, SLOW_SCRIPT] + argv, env=worker_env(), stdout=log,
                                 stderr=subprocess.STDOUT)
@@ -758,6 +757,29 @@ def test_cli_kill_9_leaves_no_process_and_a_rerun_matches(many_inputs, tmp_path,
     # the killed run's workers and resource tracker are gone, not left running
     _wait_for(lambda: not any(_alive(pid, start) for pid, (start, _) in children.items()), 5,
               "exit of all")
+
+
+@pytest.mark.parametrize("num_workers", ["2", "1"])
+def test_cli_ctrl_c_says_so_in_one_line_and_a_rerun_matches(many_inputs, tmp_path, capsys,
+                                                           num_workers):
+    """Ctrl-C to the whole process group, as a terminal sends it, with its workers inside a job or
+    between two: one line, exit status 130, no partial pair; the rerun writes the rest."""
+    argv, reference = many_inputs
+    argv = argv[:-1] + [num_workers]  # (--num-workers)
+    out = tmp_path / "tokens"
+    train = out / "train"
+    code, _, err = ctrl_c(
+        [sys.executable, SLOW_SCRIPT] + argv + ["--output", str(out)],
+        lambda: train.is_dir() and any(n.endswith(".idx") for n in os.listdir(train)),
+        env=worker_env())
+    assert_interrupted(code, err, "interrupted: " + INTERRUPTED)
+    done = [n for n in os.listdir(train) if n.endswith(".idx")]
+    assert 1 <= len(done) < 24  # stopped in the middle
+    assert not [n for n in os.listdir(train) if n.endswith(".tmp")]  # nothing half written
+    capsys.readouterr()
+    assert main(argv + ["--output", str(out)]) == 0
+    assert f"{len(done)} already done" in capsys.readouterr().out
+    assert {k: data for k, (data, _) in _files(out).items()} == reference  # byte for byte
 
 
 def test_cli_two_runs_on_one_output(many_inputs, tmp_path, capsys):

@@ -1,21 +1,25 @@
 """
 The loader in a worker process (workers=1, the default outside the tests): every kind of loader
 yields there the batches and states it yields on threads in this process, token for token; a
-state it yields resumes exactly, and elastically once merged; bad arguments fail at the call; a
-failure there reaches next() with its traceback; close() ends the process within its bound, and
-so does the trainer's death; under torchrun each rank runs its own worker. The worker process is
-real: `python -m nanochat.prefetch`, started and killed here.
+state it yields resumes exactly, and elastically once merged; every mistake that can be found
+before data is read (arguments, data_dir, the resume state, a streamed source) fails at the call,
+in this process, before a worker starts, and what those checks log is said once; a failure in the
+worker reaches next() printed once, its message the last line; close() ends the process within
+its bound, and so does the trainer's death; under torchrun each rank runs its own worker. The
+worker process is real: `python -m nanochat.prefetch`, started and killed here.
 Run: python -m pytest tests/test_worker.py -q   (about a minute: each worker takes ~1.5 s to start)
 """
 
 import gc
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
 import threading
 import time
+import traceback
 
 import numpy as np
 import pytest
@@ -27,6 +31,7 @@ from nanochat.dataloader import (pretokenized_distributed_data_loader_with_state
                                  tokenizing_distributed_data_loader_with_state,
                                  tokenizing_distributed_data_loader_with_state_bos_bestfit)
 from nanochat.dataset import index_to_filename
+from nanochat.download import HostNotFoundError
 from nanochat.mixture import (CurriculumComplete,
                               pretokenized_mixture_loader_with_state_bos_bestfit)
 from nanochat.prefetch import CLOSE_TIMEOUT, WorkerTraceback
@@ -243,11 +248,13 @@ def test_streamed_in_a_worker(corpus, tmp_path):
 
 
 class FailingTokenizer(ByteTokenizer):
-    """Fails on a text that holds "2.7 " (importable by the worker: it imports this module)."""
+    """Fails on a text that holds "2.7 " (importable by the worker: it imports this module); its
+    message is made from the text, so that the source line that raises it does not show it."""
 
     def encode(self, texts, prepend=None, num_threads=0):
-        if any(t.startswith("2.7 ") for t in texts):
-            raise ValueError("cannot encode document 2.7")
+        for text in texts:
+            if text.startswith("2.7 "):
+                raise ValueError("cannot encode document " + text.split()[0])
         return super().encode(texts, prepend=prepend, num_threads=num_threads)
 
 
@@ -298,7 +305,12 @@ def test_status_while_next_waits_and_a_dropped_loader_waits_for_nothing(corpus, 
     assert wait_gone(pid, CLOSE_TIMEOUT + 1)
 
 
-def test_a_failure_reaches_next_with_its_traceback(corpus):
+def printed(error: BaseException) -> str:
+    """What Python prints for an exception nobody catches: its traceback, its causes first."""
+    return "".join(traceback.format_exception(error))
+
+
+def test_a_failure_in_the_worker_is_printed_once_its_message_last(corpus):
     loader = tokenizing_distributed_data_loader_with_state_bos_bestfit(
         FailingTokenizer(), 4, 32, "train", device="cpu", data_dir=str(corpus / "parquet"),
         tokenizer_batch_size=8, workers=1)
@@ -306,21 +318,135 @@ def test_a_failure_reaches_next_with_its_traceback(corpus):
     with pytest.raises(ValueError, match="cannot encode document 2.7") as raised:
         for _ in range(1000):
             next(loader)
+    text = printed(raised.value)
+    # the worker's traceback once, as the cause: where it was raised there, and which process
     cause = raised.value.__cause__
     assert isinstance(cause, WorkerTraceback)
-    assert "in encode" in str(cause) and "cannot encode document 2.7" in str(cause)
+    assert f"pid {pid}" in str(cause) and "in encode" in str(cause)
+    # the error's own text once, on the last line; no frame twice
+    assert text.count("cannot encode document 2.7") == 1
+    assert text.rstrip("\n").splitlines()[-1] == "ValueError: cannot encode document 2.7"
+    frames = [line for line in text.splitlines() if line.lstrip().startswith('File "')]
+    assert len(frames) == len(set(frames)) and len(frames) < 25
     with pytest.raises(ValueError, match="cannot encode document 2.7"):  # and it stays failed
         next(loader)
     assert wait_gone(pid, CLOSE_TIMEOUT + 1)
 
 
-def test_bad_arguments_fail_at_the_call(corpus):
-    with pytest.raises(ValueError, match="buffer_size must be an integer >= 1"):
-        LOADERS["bestfit"](corpus, workers=1, buffer_size=0)
-    with pytest.raises(ValueError, match="resume_state_dict"):
-        LOADERS["bestfit"](corpus, workers=1, resume_state_dict={"pq_idx": "x"})
-    with pytest.raises(FileNotFoundError):
-        LOADERS["pretokenized"](corpus / "nowhere", workers=1)
+class NoWorker:
+    """Stands in for WorkerBatches where a mistake must be found before any worker starts."""
+
+    def __init__(self, job):
+        raise AssertionError(f"a worker process was started for {job.function}")
+
+
+def _state(make, **more) -> dict:
+    """The state after 2 batches of a loader on threads."""
+    loader = make(workers=0, **more)
+    state = take(loader, 2)[-1][2]
+    loader.close()
+    return state
+
+
+def mistakes(corpus, tmp_path) -> dict:
+    """A loader call with a mistake it can find before reading data -> (exception, message)."""
+    parquet_dir = str(corpus / "parquet")
+
+    def bestfit(data_dir=parquet_dir, B=4, **more):
+        return tokenizing_distributed_data_loader_with_state_bos_bestfit(
+            ByteTokenizer(), B, 32, "train", device="cpu", data_dir=str(data_dir),
+            tokenizer_batch_size=8, **{"buffer_size": 16} | more)
+
+    def concat(data_dir):
+        return tokenizing_distributed_data_loader_with_state(
+            ByteTokenizer(), 4, 32, "train", device="cpu", data_dir=str(data_dir))
+
+    shard = os.path.join(parquet_dir, sorted(os.listdir(parquet_dir))[0])
+    (tmp_path / "empty").mkdir()
+    write_shards(tmp_path / "val_only", [["one document"]], 1)
+    tokens = str(corpus / "tokens")
+    return {
+        "data_dir is a file": (lambda: bestfit(shard), ValueError, "is a file, not a directory"),
+        "an empty data_dir": (lambda: concat(tmp_path / "empty"),
+                              FileNotFoundError, "no parquet shards in"),
+        "no such data_dir": (lambda: bestfit(tmp_path / "nowhere"),
+                             FileNotFoundError, "does not exist"),
+        "a split with no files": (lambda: bestfit(tmp_path / "val_only"),
+                                  FileNotFoundError, "the train split is empty"),
+        "another kind of data": (
+            lambda: pretokenized_distributed_data_loader_with_state_bos_bestfit(
+                4, 32, "train", device="cpu", data_dir=parquet_dir, bos_token=BOS),
+            ValueError, "holds parquet shards, not a pretokenize output"),
+        "a bad argument": (lambda: bestfit(buffer_size=0),
+                           ValueError, "buffer_size must be an integer >= 1"),
+        "a state taken with another B": (
+            lambda: bestfit(B=2, resume_state_dict=_state(bestfit)),
+            ValueError, "taken on another configuration (B: state 4, loader 2)"),
+        "a model's state dict": (
+            lambda: pretokenized(corpus, resume_state_dict={"weight": torch.zeros(2)}),
+            ValueError, "is not a loader state"),
+        "a mixture's state with another B": (
+            lambda: pretokenized_mixture_loader_with_state_bos_bestfit(
+                2, 32, "train", CURRICULUM, device="cpu", data_dir=tokens, bos_token=BOS,
+                buffer_size=16, chunk_size=64, batch_size=16,
+                resume_state_dict=_state(lambda **kw: mixture(corpus, **kw))),
+            ValueError, "taken on another configuration"),
+        "a curriculum of a bucket that is not there": (
+            lambda: pretokenized_mixture_loader_with_state_bos_bestfit(
+                4, 32, "train", [{"tokens": 100, "mix": {"gone": 1.0}}], device="cpu",
+                data_dir=tokens, bos_token=BOS),
+            ValueError, "curriculum phase 1: unknown bucket 'gone'"),
+        "a streamed host that does not resolve": (  # (.invalid never resolves: RFC 2606)
+            lambda: bestfit(tmp_path / "cache", stream=True,
+                            base_url="http://nanochat-shards.invalid/x"),
+            HostNotFoundError, "cannot resolve the host 'nanochat-shards.invalid'"),
+    }
+
+
+@pytest.mark.parametrize("case", [
+    "data_dir is a file", "an empty data_dir", "no such data_dir", "a split with no files",
+    "another kind of data", "a bad argument", "a state taken with another B",
+    "a model's state dict", "a mixture's state with another B",
+    "a curriculum of a bucket that is not there", "a streamed host that does not resolve"])
+def test_a_mistake_found_before_reading_fails_at_the_call_in_this_process(
+        case, corpus, tmp_path, monkeypatch):
+    call, kind, message = mistakes(corpus, tmp_path)[case]
+    monkeypatch.setenv("NANOCHAT_LOADER_WORKERS", "1")  # the default outside the tests
+    monkeypatch.setattr("nanochat.dataloader.WorkerBatches", NoWorker)
+    with pytest.raises(kind, match=re.escape(message)) as raised:
+        call()
+    # one traceback, from this call, ending with the error: no worker's, no message twice
+    text = printed(raised.value)
+    assert "WorkerTraceback" not in text and "worker process" not in text
+    assert text.endswith("".join(traceback.format_exception_only(raised.value)))
+    assert text.count(str(raised.value)) == 1
+
+
+def test_a_cache_limit_below_the_least_fails_at_the_call(corpus, tmp_path, monkeypatch):
+    server = ShardServer(str(corpus / "parquet"))
+    monkeypatch.setattr("nanochat.dataloader.WorkerBatches", NoWorker)
+    try:
+        with pytest.raises(ValueError, match="cache_limit=1,000 bytes is below what") as raised:
+            tokenizing_distributed_data_loader_with_state_bos_bestfit(
+                ByteTokenizer(), 4, 32, "train", device="cpu", data_dir=str(tmp_path / "cache"),
+                stream=True, base_url=server.url, cache_limit=1000, workers=1)
+    finally:
+        server.close()
+    assert printed(raised.value).count("cache_limit=1,000 bytes") == 1
+
+
+def test_what_the_checks_at_the_call_log_is_said_once(corpus, caplog, capfd):
+    # rank 0 of 2's state, given to a run of one rank: resumed approximately, with a warning
+    make = parquet(tokenizing_distributed_data_loader_with_state_bos_bestfit, buffer_size=16)
+    state = _state(lambda **kw: make(corpus, **kw), rank=0, world_size=2)
+    capfd.readouterr()
+    caplog.clear()
+    loader = make(corpus, workers=1, rank=0, world_size=1, resume_state_dict=state)
+    next(loader)  # (the worker has built the loader, and logged what it logs, before its first)
+    loader.close()
+    warning = "resume_state_dict is another rank's state (world_size: state 2, loader 1)"
+    assert sum(warning in r.getMessage() for r in caplog.records) == 1  # here, at the call
+    assert warning not in capfd.readouterr().err  # the worker, which checks it again, is quiet
 
 
 def test_a_tokenizer_that_cannot_be_pickled_runs_here_with_a_warning(corpus, caplog):
