@@ -8,6 +8,7 @@ The file holds the requirement setup.sh installed (`torch==2.13.0+cpu` by defaul
 resolved other packages.
 """
 
+import argparse
 import sys
 
 import torch
@@ -30,17 +31,21 @@ def mismatch(requirement: str) -> str | None:
     return None
 
 
-def main(argv=None):
-    args = sys.argv[1:] if argv is None else argv
-    if len(args) != 1:
-        sys.exit("usage: python -m scripts.check_torch .venv/nanochat-torch")
-    with open(args[0]) as f:
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m scripts.check_torch",
+                                     description="Exit 1 unless the installed torch is the one "
+                                                 "scripts/setup.sh asked for.")
+    parser.add_argument("chosen", help="the file setup.sh wrote its torch requirement to "
+                                       "(.venv/nanochat-torch)")
+    args = parser.parse_args(argv)
+    with open(args.chosen) as f:
         requirement = f.read().strip()
     problem = mismatch(requirement)
     if problem:
         sys.exit(f"{problem}: remove .venv and rerun bash scripts/setup.sh")
     cuda = torch.version.cuda
     print(f"torch {torch.__version__} (cuda: {cuda}) is the one setup asked for: {requirement}")
+    return 0
 
 
 if __name__ == "__main__":
