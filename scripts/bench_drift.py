@@ -78,7 +78,7 @@ def host(directory: str, num_shards: int) -> int:
                for i in range(num_shards))
 
 
-def run(tmp: str, server: ShardServer, cache_limit: int, args) -> tuple[int, int, Counter]:
+def run_once(tmp: str, server: ShardServer, cache_limit: int, args) -> tuple[int, int, Counter]:
     """One run of 3 ranks: (how far apart the ranks ended, in shards; the shard visits, each
     (epoch, shard) some rank read; downloads per shard)."""
     out = tempfile.mkdtemp(dir=tmp)
@@ -123,7 +123,7 @@ def main(argv=None) -> int:
         try:
             for limit in args.limits:
                 for i in range(args.runs):
-                    apart, visits, downloads = run(tmp, server, int(limit * largest), args)
+                    apart, visits, downloads = run_once(tmp, server, int(limit * largest), args)
                     total = sum(downloads.values())
                     print(f"| {limit:g} shards | {i + 1} | {apart} shards | {visits} | {total} | "
                           f"{len(downloads)} | {total / visits:.2f}x | "

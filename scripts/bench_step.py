@@ -168,7 +168,7 @@ def calibrate(ms: float) -> int:
         n *= 2
 
 
-def run(config: dict) -> dict:
+def run_config(config: dict) -> dict:
     """A child in a fresh process; its figures."""
     result = subprocess.run([sys.executable, "-m", "scripts.bench_step", "--child",
                              json.dumps(config)], capture_output=True, text=True, check=True)
@@ -226,7 +226,7 @@ def main(argv=None) -> int:
             for _ in range(args.rounds):  # (alternating: a noisy neighbour hits every one)
                 for loader, tokenizer in configs:
                     results[(loader, tokenizer)].append(
-                        run(base | {"loader": loader, "tokenizer": tokenizer}))
+                        run_config(base | {"loader": loader, "tokenizer": tokenizer}))
                     done = results[(loader, tokenizer)][-1]  # (a run cut short still says this)
                     print(f"  {loader}/{tokenizer}: step {done['step_ms']:.1f} ms, next() p99 "
                           f"{done['wait_p99']:.2f} ms", flush=True)

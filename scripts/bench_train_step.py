@@ -104,7 +104,7 @@ def side_env(root: str, src: str, python: str) -> dict:
     return env
 
 
-def run(python: str, args: list, src: str, env: dict, log: str) -> str:
+def run_command(python: str, args: list, src: str, env: dict, log: str) -> str:
     """One nanochat script in a side's copy; its output (written to log as it comes, so a run
     stopped from outside leaves it). Raises when it fails."""
     with open(log, "w") as f:
@@ -130,7 +130,7 @@ def run_side(side: str, args, extra: list, tokenizer_dir: str | None) -> dict:
     if tokenizer_dir:
         shutil.copytree(tokenizer_dir, os.path.join(root, "base", "tokenizer"))
     else:
-        run(args.python, ["-m", "scripts.tok_train", "--max-chars=3000000"], src, env,
+        run_command(args.python, ["-m", "scripts.tok_train", "--max-chars=3000000"], src, env,
             os.path.join(root, "tok_train.log"))
     t1 = time.time()
     flags = [f"--depth={args.depth}", f"--max-seq-len={args.T}",
@@ -140,7 +140,7 @@ def run_side(side: str, args, extra: list, tokenizer_dir: str | None) -> dict:
              "--eval-every=-1", "--core-metric-every=-1", "--sample-every=-1", "--save-every=-1"]
     launch = (["-c", WITH_BACKEND, args.compile_backend] if args.compile_backend
               else ["-m", "scripts.base_train"])
-    log = run(args.python, [*launch, *flags, *extra], src, env,
+    log = run_command(args.python, [*launch, *flags, *extra], src, env,
               os.path.join(root, "base_train.log"))
     steps = [(int(step), float(dt)) for step, dt in STEP.findall(log)]
     dts = np.array([dt for step, dt in steps if step >= 10])  # (0-9: compilation, warm-up)

@@ -71,7 +71,7 @@ def functions(path: str) -> list[tuple[str, int, int]]:
     return found
 
 
-def run(stream: bool) -> dict[str, set[int]]:
+def trace(stream: bool) -> dict[str, set[int]]:
     """Lines of the package executed while a fresh loader yields three batches, by file."""
     ran: dict[str, set[int]] = {}
 
@@ -114,7 +114,7 @@ def main(argv=None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--stream", action="store_true", help="stream the shards (stream=True)")
     args = parser.parse_args(argv)
-    ran = run(args.stream)
+    ran = trace(args.stream)
     total = rooms = 0
     for path in sorted(ran, key=lambda p: min(ran[p])):
         hit = [(name, first, last) for name, first, last in functions(path)

@@ -52,6 +52,16 @@ def test_every_command_line_ends_through_cli_run(path):
     imported = {alias.name for node in tree.body if isinstance(node, ast.ImportFrom)
                 and node.module == "nanochat.cli" for alias in node.names}
     assert "run" in imported
+    # and nothing else at the top of the module takes the name: a def run() of its own would be
+    # what __main__ calls
+    others = [node.lineno for node in tree.body
+              if isinstance(node, (ast.FunctionDef, ast.ClassDef)) and node.name == "run"
+              or isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id == "run"
+                                                      for t in node.targets)
+              or isinstance(node, (ast.Import, ast.ImportFrom))
+              and getattr(node, "module", None) != "nanochat.cli"
+              and any((alias.asname or alias.name) == "run" for alias in node.names)]
+    assert not others, f"{path} binds run again at line(s) {others}, hiding nanochat.cli.run"
 
 
 RUN = """
