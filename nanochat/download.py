@@ -119,7 +119,12 @@ class HostNotFoundError(OSError):
 
 
 class _GiveUp(DownloadError):
-    """Retrying cannot help (404, a symlink in the way, the deadline)."""
+    """Retrying cannot help in this run (404, a symlink in the way, the deadline)."""
+
+
+class _NotThere(_GiveUp):
+    """The source has no such file, or refuses it (404, another 4xx, a store's not found or access
+    denied): a rerun gets the same answer, so the summary does not advise one."""
 
 
 class _RetryLater(DownloadError):
@@ -453,11 +458,11 @@ def _check_status(response: requests.Response, url: str) -> None:
             raise _RetryLater(f"HTTP {code}", f"{url}: HTTP {code}, Retry-After {seconds:g}s",
                               seconds)
     if code == 404:
-        raise _GiveUp("HTTP 404", f"{url}: HTTP 404, not on the server; check the URL (--base-url, "
+        raise _NotThere("HTTP 404", f"{url}: HTTP 404, not on the server; check the URL (--base-url, "
                                   "NANOCHAT_DATA_URL) and that the dataset has this file")
     # other client errors will not change on a retry; 408 (timeout) and 429 (busy) may
     if 400 <= code < 500 and code not in (408, 429):
-        raise _GiveUp(f"HTTP {code}", f"{url}: HTTP {code}")
+        raise _NotThere(f"HTTP {code}", f"{url}: HTTP {code}")
     raise DownloadError(f"HTTP {code}", f"{url}: HTTP {code}")
 
 
@@ -739,7 +744,7 @@ def _store_errors(limits: Limits, deadline: float):
             raise _GiveUp("past the deadline", f"{e}; past the deadline of {limits.deadline:g}s "
                                                "for one file") from None
         if not e.retry:
-            raise _GiveUp(e.reason, str(e)) from None
+            raise _NotThere(e.reason, str(e)) from None
         raise DownloadError(e.reason, str(e)) from None
 
 
@@ -978,7 +983,7 @@ def _download_locked(url: str, path: str, limits: Limits, progress: bool | None,
             return
         except _GiveUp as e:
             kept = _resumable(tmp)  # tmp keeps what it holds: the next run resumes it
-            raise _GiveUp(e.reason, f"{name}: {e}; not retrying"
+            raise type(e)(e.reason, f"{name}: {e}; not retrying"
                           + (f" ({kept} bytes kept in {tmp})" if kept else "")) from None
         except _RetryLater as e:
             error, wait = e, e.seconds
@@ -1353,7 +1358,8 @@ class Report:
     # name -> what was wrong with the file that was there
     replaced: dict[str, str] = field(default_factory=dict)
     failed: dict[str, str] = field(default_factory=dict)  # name -> why it could not be fetched
-    final: set[str] = field(default_factory=set)  # those of failed a rerun cannot fetch (a 404)
+    # those of failed that a rerun cannot fetch: the source has no such file, or refuses it
+    final: set[str] = field(default_factory=set)
 
 
 def download_files(files: list[tuple[str, str]], num_workers: int = 4, limits: Limits | None = None,
@@ -1396,7 +1402,7 @@ def download_files(files: list[tuple[str, str]], num_workers: int = 4, limits: L
     def record(path, replaced, error):
         if error is not None:
             report.failed[os.path.basename(path)] = error.reason
-            if isinstance(error, _GiveUp):
+            if isinstance(error, _NotThere):
                 report.final.add(os.path.basename(path))
         elif replaced:  # "" means the file was missing, nothing was replaced
             report.replaced[os.path.basename(path)] = replaced

@@ -179,3 +179,18 @@ def test_a_rerun_is_advised_only_where_it_can_help(tmp_path, capsys):
     assert "failed (1); a rerun cannot help: check the source and the names it has:\n" \
            "  1 x HTTP 404: gone.parquet" in out
     assert "rerun the same command" not in out
+
+
+def test_a_rerun_is_advised_after_a_deadline(tmp_path, capsys):
+    """Past the deadline a shard fails this run, but a rerun resumes it: the advice is given."""
+    _write(tmp_path / "A", "A")
+    server = ShardServer(str(tmp_path / "A"), rate=1000)  # ~3 s a shard
+    try:
+        code = main(["-n", "1", "--base-url", server.url, "--data-dir", str(tmp_path / "d"),
+                     "--deadline", "1", "--min-rate", "0", *FAST_CLI])
+    finally:
+        server.close()
+    out = capsys.readouterr().out
+    assert code == 1
+    assert re.search(r"failed \(\d\); rerun the same command to retry \(partial downloads "
+                     r"resume\):\n  \d x past the deadline: a\.parquet", out), out
