@@ -10,7 +10,9 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
-TORCH=${NANOCHAT_TORCH:-torch==2.13.0+cpu}
+# (macOS has no +cpu build: its torch wheels are CPU-only already)
+[ "$(uname -s)" = Darwin ] && CPU_TORCH=torch==2.13.0 || CPU_TORCH=torch==2.13.0+cpu
+TORCH=${NANOCHAT_TORCH:-$CPU_TORCH}
 CPU_INDEX=https://download.pytorch.org/whl/cpu
 [ -d .venv ] || "$PYTHON" -m venv .venv
 . .venv/bin/activate
@@ -21,6 +23,7 @@ extra=()
 if [[ "$TORCH" == *+cpu* ]] && python -c "import urllib.request as u; u.urlopen('$CPU_INDEX/', timeout=5)" 2>/dev/null; then
     extra=(--extra-index-url "$CPU_INDEX")
 fi
-python -m pip install -q "${extra[@]}" -e ".[dev]" "$TORCH"
+# (${extra[@]+...}: an empty array under set -u, in the bash 3.2 of macOS too)
+python -m pip install -q ${extra[@]+"${extra[@]}"} -e ".[dev]" "$TORCH"
 echo "$TORCH" > .venv/nanochat-torch
 python -m scripts.check_torch .venv/nanochat-torch
