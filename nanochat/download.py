@@ -458,8 +458,9 @@ def _check_status(response: requests.Response, url: str) -> None:
             raise _RetryLater(f"HTTP {code}", f"{url}: HTTP {code}, Retry-After {seconds:g}s",
                               seconds)
     if code == 404:
-        raise _NotThere("HTTP 404", f"{url}: HTTP 404, not on the server; check the URL (--base-url, "
-                                  "NANOCHAT_DATA_URL) and that the dataset has this file")
+        raise _NotThere("HTTP 404", f"{url}: HTTP 404, not on the server; check the URL "
+                                    "(--base-url, NANOCHAT_DATA_URL) and that the dataset has "
+                                    "this file")
     # other client errors will not change on a retry; 408 (timeout) and 429 (busy) may
     if 400 <= code < 500 and code not in (408, 429):
         raise _NotThere(f"HTTP {code}", f"{url}: HTTP {code}")
