@@ -32,6 +32,11 @@ class Figures(NamedTuple):
     bytes_downloaded: int | None  # streaming: what this loader fetched; None: not streaming
     evictions: int | None  # streaming: shards this loader evicted to stay within cache_limit
 
+    @property
+    def pad_share(self) -> float:
+        """masked_share under its other name: the targets yielded as -100 (nothing is padded)."""
+        return self.masked_share
+
 
 class LoaderFigures(NamedTuple):
     """loader.figures(): since the last call and in total, and a streaming loader's cache now.

@@ -22,7 +22,7 @@ from nanochat.dataloader import (pretokenized_distributed_data_loader_with_state
                                  tokenizing_distributed_data_loader_with_state_bos_bestfit)
 from nanochat.dataset import index_to_filename
 from nanochat.download import Limits
-from nanochat.figures import Figures, LoaderFigures
+from nanochat.figures import Figures, LoaderFigures, Mark, stretch
 from nanochat.mixture import pretokenized_mixture_loader_with_state_bos_bestfit
 from nanochat.serve import ShardServer
 from nanochat.token_shards import write_token_shard
@@ -280,3 +280,11 @@ def test_the_line_rounds_to_three_digits_and_climbs_units():
                              "| 2.1 docs/row")
     assert line(987_000).startswith("loader: wait 0.0% | 987k tok/s in, ")
     assert line(12_345).startswith("loader: wait 0.0% | 12.3k tok/s in, ")
+
+
+def test_pad_share_reads_the_masked_share():
+    """pad_share, the field's other name, still reads: code that logs it keeps working."""
+    then = Mark(0.0, 0.0, 0, {}, None, None)
+    now = Mark(1.0, 0.0, 1, {"tokens_masked": 3, "rows": 1, "docs_placed": 2}, None, None)
+    figures = stretch(then, now, 10)
+    assert figures.pad_share == figures.masked_share == 0.3
