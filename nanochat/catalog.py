@@ -27,8 +27,8 @@ from tqdm import tqdm
 from nanochat.checks import is_int
 from nanochat.dataset import open_parquet, read_listing, shown, stream_source, streamed_split
 from nanochat.download import (MAGIC, SOURCE_FIX, TAIL_BYTES, DownloadError, HostNotFoundError,
-                               Limits, check_sources, fetch_tail, recorded_size, recorded_source,
-                               source_of)
+                               Limits, check_sources, check_versions, fetch_tail, recorded_size,
+                               recorded_source, source_of)
 from nanochat.files import file_stamp, warn_once, write_atomic
 from nanochat.ledger import STREAM_DIR
 
@@ -40,6 +40,8 @@ CATALOG = "catalog.json"  # in STREAM_DIR: shard name -> {"url", "size", "rows",
 CATALOG_LOCK = "catalog.lock"
 LISTING_KEPT = "listing.json"  # in STREAM_DIR: {"base_url", "names"}: the server's last listing
 CHUNK = 256  # footers read between two writes of the catalog: a reader killed loses at most these
+CHANGED_FIX = ("Pass another data_dir for the source as it is now, or remove those shards, their "
+               ".json records and .stream/catalog.json to stream the new files in their place")
 
 # path -> (file_stamp, valid entries) of the catalog last read: a loader looks up sizes before each
 # download, and checking a catalog of 6,543 shards takes ~0.4 s (reading the file again, ~0.1 ms)
@@ -276,9 +278,11 @@ def streamed_files(split: str, data_dir: str | None, num_shards: int | None, bas
     data_dir, paths, urls, val_name = streamed_split(split, data_dir, num_shards, base_url,
                                                      listing)
     _, val_paths, val_urls, _ = streamed_split("val", data_dir, num_shards, base_url, listing)
-    # a cache holds one source's shards: another's under the same names are refused here, at the
-    # start, before any is read
-    check_sources(list(zip(urls + val_urls, paths + val_paths)), SOURCE_FIX)
+    # a cache holds one source's shards, as the source states them now: another's, or an old
+    # version of its own, are refused here, at the start, before any is read
+    files = list(zip(urls + val_urls, paths + val_paths))
+    check_sources(files, SOURCE_FIX, limits)
+    check_versions(files, CHANGED_FIX, limits)
     names = [os.path.basename(p) for p in paths]
     # (the val shard's entry too: every loader's budget holds it)
     entries = read_catalog(data_dir, list(dict.fromkeys(names + [val_name])),

@@ -39,8 +39,8 @@ from nanochat.common import get_base_dir
 from nanochat import stores
 from nanochat.download import (
     BACKOFF_BASE, DEADLINE, MAX_ATTEMPTS, MIN_RATE, RATE_WINDOW, REQUEST_TIMEOUT, DownloadError,
-    Limits, Report, check_address, check_files, download_file, download_files, fetch_small,
-    record_path, stated_check, summarize,
+    SOURCE_FIX, Limits, Report, check_address, check_files, check_sources, download_file,
+    download_files, fetch_small, record_path, stated_check, summarize,
 )
 from nanochat.files import progress_bar, remove_if_exists
 from nanochat.layout import check_kind
@@ -515,9 +515,10 @@ def download_single_file(index: int, data_dir: str | None = None, base_url: str 
                 else os.path.expanduser(os.fspath(data_dir)))
     base_url = get_base_url(dataset) if base_url is None else base_url
     check_source(base_url, data_dir)
+    url, path = shard_url(index, base_url), os.path.join(data_dir, index_to_filename(index))
+    check_sources([(url, path)], SOURCE_FIX, limits)  # (the directory: one source's shards)
     try:
-        download_file(shard_url(index, base_url), os.path.join(data_dir, index_to_filename(index)),
-                      limits, progress=progress)
+        download_file(url, path, limits, progress=progress)
     except DownloadError as e:  # nanochat's signature: False, not an exception
         logger.error("%s", e)
         return False
@@ -844,7 +845,9 @@ def _listing_to_fetch(spec: DatasetSpec, base_url: str, data_dir: str,
     messages; whether a listing named them). A server's index.json (python -m nanochat.dataset
     serve makes one) or a store's listing names them, as it does for a streaming loader; a server
     with none (the Hugging Face hub) has the dataset's names."""
-    listing = read_listing(base_url, limits)
+    hosted = base_url.rstrip("/") in {spec.base_url.rstrip("/") for spec in DATASETS.values()}
+    # (the hub has no listing: not asked, so that a rerun with every shard there needs no network)
+    listing = None if hosted else read_listing(base_url, limits)
     if listing is None:
         train = [index_to_filename(i) for i in range(spec.max_shard)]  # val: the last index
         return train + [spec.val_filename], f"{spec.name} has", False

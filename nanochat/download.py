@@ -30,6 +30,7 @@ import urllib.parse
 import zlib
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -1033,7 +1034,7 @@ def _download_locked(url: str, path: str, limits: Limits, progress: bool | None,
 
 def download_file(url: str, path: str, limits: Limits | None = None, *,
                   progress: bool | None = None, stop: threading.Event | None = None,
-                  streamed: bool = False) -> str | None:
+                  streamed: bool = False, recheck: bool = True) -> str | None:
     """Make path a verified copy of the parquet file at url (an http(s) URL or a store's address,
     check_address). Returns None when it was already there and passed check_file; else it was
     fetched, and the return value says what was wrong with the file that was there ("" when there
@@ -1042,16 +1043,19 @@ def download_file(url: str, path: str, limits: Limits | None = None, *,
     no credentials, stores.MissingExtra when the store's package is missing, OtherSourceError when
     path holds a shard from another source. Safe to call from several threads or processes at
     once: one downloads, the others wait and find the file there. streamed: a streaming cache
-    fetches it (its record says so: the cache may evict it)."""
+    fetches it (its record says so: the cache may evict it). recheck: a file there is asked of
+    its source (changed_at_source, one request), and fetched anew when it changed there (a
+    streaming cache asks at its start instead)."""
     check_address(url)
     _check_not_the_source(url, path)
-    check_sources([(url, path)], SOURCE_FIX)
+    check_file_source(url, path)
     limits = Limits() if limits is None else limits
     stop = threading.Event() if stop is None else stop
     record = _record_or_none(path)
+    changed = changed_at_source(url, path, limits) if recheck and record is not None else None
     # without the lock first: a sound file waits for nobody (unless its record is to say that its
     # pages were read, or where it came from: records are written under the lock)
-    if ((record is None or (_pages_vouched(record) and "source" in record))
+    if (changed is None and (record is None or (_pages_vouched(record) and "source" in record))
             and _problem_with(path) is None):
         return None
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
@@ -1060,8 +1064,10 @@ def download_file(url: str, path: str, limits: Limits | None = None, *,
     _open_nofollow(lock, os.O_RDWR | os.O_CREAT, "rb").close()
     with FileLock(lock):
         # another thread or process may have fetched it while we waited
-        check_sources([(url, path)], SOURCE_FIX)  # (as the last holder left it)
+        check_file_source(url, path)  # (as the last holder left it)
         problem = _problem_with(path)
+        if problem is None and changed is not None and _record_or_none(path) == record:
+            problem = changed  # (unless the last holder fetched it anew)
         if problem is None:
             record = _record_or_none(path)
             if record is not None and not _pages_vouched(record):  # check_file read every page
@@ -1105,6 +1111,11 @@ def source_of(address: str) -> str:
     return address
 
 
+def _parent(source: str) -> str:
+    """The source of a shard's directory: its address less the file's name."""
+    return source.rsplit("/", 1)[0]
+
+
 def recorded_source(path: str) -> str | None:
     """The source path's record names (source_of the address it was fetched from); None when it
     has no readable record, or a record written before sources were recorded."""
@@ -1113,30 +1124,149 @@ def recorded_source(path: str) -> str | None:
 
 
 class OtherSourceError(ValueError):
-    """A directory holds shards from another source than the one asked for: one directory holds
-    one source's shards, so that no run reads another dataset's files under the same names."""
+    """A directory holds shards from another source than the one asked for, or shards whose
+    source now states other contents for them: one directory holds one source's shards, so that
+    no run reads another dataset's files (or an old version) as the ones it asked for."""
 
 
-def check_sources(files: list[tuple[str, str]], fix: str) -> None:
-    """OtherSourceError, in one line naming both sources and `fix`, when a file on disk of
-    files' (address, path) was fetched from another source than its address. A file without a
-    recorded source (your own, or fetched before sources were recorded) passes: see
-    adopt_source."""
-    others: dict[str, list[str]] = {}
+class Stated(NamedTuple):
+    """What a source states of one of its files now."""
+    sha256: str | None  # the content's sha256, when the source states one (the hub, serve)
+    version: str | None  # the validator a download records: ETag or Last-Modified, a store's
+
+
+# sources that did not answer a question about their files in this process: not asked again
+_SILENT: set[str] = set()
+
+
+def stated_now(address: str, limits: Limits) -> Stated | None:
+    """What the source states now of the file at address: one HEAD (redirects followed) or a
+    store's stat, bounded by limits.timeout. None when it cannot say (no such file, an error, no
+    answer: logged once per source, which is then not asked again in this process)."""
+    parent = _parent(source_of(address))
+    if parent in _SILENT:
+        return None
+    try:
+        if not stores.is_http(address):
+            info = stores.stat(address, limits.timeout)
+            return Stated(info.hashes.get("sha256"), info.version)
+        with _watchdog(time.monotonic() + limits.timeout) as fired, _session() as session:
+            response = session.head(address, allow_redirects=True, timeout=limits.timeout,
+                                    headers={"Accept-Encoding": "identity"})
+        if fired.is_set():
+            raise requests.Timeout(f"no whole answer in {limits.timeout:g}s")
+    except (requests.RequestException, stores.StoreError, OSError) as e:
+        _SILENT.add(parent)
+        logger.warning("could not ask %s whether its files changed (%s): the shards on disk from "
+                       "it are taken as its files, by their records", stores.redact(parent), e)
+        return None
+    if response.status_code != 200:  # (gone from the source: the copy here is what it had)
+        return None
+    return Stated(stated_sha256(response), validator(response))
+
+
+def same_file(record: dict, stated: Stated) -> bool | None:
+    """Whether what a source states now is the file a record describes: by the sha256 when the
+    source states one, else by the version it stated at the download; None when neither tells."""
+    if stated.sha256 is not None:
+        return stated.sha256 == record.get("sha256")
+    if stated.version is not None and record.get("source_version") is not None:
+        return stated.version == record["source_version"]
+    return None
+
+
+def _on_disk_from_elsewhere(files: list[tuple[str, str]]) -> list[tuple[str, str, str]]:
+    """(the address the run asks for at the same name, path, the recorded source) of each shard in
+    the directories of files whose record names a source in another directory than the run's."""
+    asked: dict[str, str] = {}  # directory -> the run's address of its shards' directory
     for address, path in files:
-        source = recorded_source(path) if os.path.exists(path) else None
-        if source is not None and source != source_of(address):
-            others.setdefault(source, []).append(path)
+        asked.setdefault(os.path.dirname(os.path.abspath(path)), _parent(address))
+    found = []
+    for directory, parent in asked.items():
+        wanted = _parent(source_of(stores.join(parent, "x")))
+        for name in sorted(os.listdir(directory)) if os.path.isdir(directory) else ():
+            path = os.path.join(directory, name)
+            source = recorded_source(path) if name.endswith(".parquet") else None
+            if source is not None and _parent(source) != wanted:
+                found.append((stores.join(parent, name), path, source))
+    return found
+
+
+def check_sources(files: list[tuple[str, str]], fix: str, limits: Limits | None = None) -> None:
+    """One source per directory, at the call: OtherSourceError, in one line naming both sources
+    and `fix`, when a directory of files' (address, path) holds a shard whose record names another
+    source. Unless the run's source states, for every such shard, the sha256 its record holds (a
+    mirror, or the same server on another port): their records then name it, and the run goes on.
+    A shard without a recorded source (your own, or fetched before sources were recorded) passes:
+    see adopt_source."""
+    others = _on_disk_from_elsewhere(files)
     if not others:
         return
-    source, paths = next(iter(others.items()))
-    address = next(a for a, p in files if p == paths[0])
-    names = ", ".join(os.path.basename(p) for p in paths[:2]) + (", ..." if len(paths) > 2 else "")
-    directory = os.path.dirname(os.path.abspath(paths[0]))
+    limits = Limits() if limits is None else limits
+    with ThreadPoolExecutor(min(16, len(others))) as pool:
+        stated = list(pool.map(lambda other: stated_now(other[0], limits), others))
+    records = [_record_or_none(path) or {} for _, path, _ in others]
+    if all(s is not None and s.sha256 is not None and same_file(r, s)
+           for s, r in zip(stated, records)):
+        for (address, path, source), now in zip(others, stated):
+            with FileLock(lock_path(path)):
+                record = _record_or_none(path)
+                if record is not None and record.get("source") == source:
+                    _write_json(record_path(path), record | {"source": source_of(address),
+                                                             "source_version": now.version})
+        logger.info("%d shard(s) in %s from %s are the same files at %s (it states their "
+                    "sha256): their records name it now", len(others),
+                    os.path.dirname(others[0][1]), stores.redact(_parent(others[0][2])),
+                    stores.redact(_parent(source_of(others[0][0]))))
+        return
+    address, path, source = others[0]
+    names = ", ".join(os.path.basename(p) for _, p, _ in others[:2])
     raise OtherSourceError(
-        f"{directory} holds {len(paths)} shard(s) fetched from {stores.redact(source)} ({names}), "
-        f"not from {stores.redact(source_of(address))}, which this run reads them from: one "
-        f"directory holds one source's shards. {fix}")
+        f"{os.path.dirname(path)} holds {len(others)} shard(s) fetched from "
+        f"{stores.redact(_parent(source))} ({names}{', ...' if len(others) > 2 else ''}), not "
+        f"from {stores.redact(_parent(source_of(address)))}, which this run reads from, and that "
+        f"does not state the same sha256 for them: one directory holds one source's shards. {fix}")
+
+
+def check_file_source(address: str, path: str) -> None:
+    """check_sources for the one file path, from its record alone (no directory listing, no
+    request): OtherSourceError when it names another source than address."""
+    source = recorded_source(path)
+    if source is not None and source != source_of(address):
+        raise OtherSourceError(
+            f"{path} was fetched from {stores.redact(source)}, not from "
+            f"{stores.redact(source_of(address))}, which this call reads it from: one directory "
+            f"holds one source's shards. {SOURCE_FIX}")
+
+
+def changed_at_source(address: str, path: str, limits: Limits) -> BadFileError | None:
+    """BadFileError("changed at its source") when path's record names address's source and the
+    source states other contents for it now (one request; none when the record names no version
+    and no sha256 is stated); None when it is the same file, or that cannot be told."""
+    record = _record_or_none(path)
+    if record is None or record.get("source") != source_of(address):
+        return None
+    stated = stated_now(address, limits)
+    if stated is None or same_file(record, stated) is not False:
+        return None
+    now = f"sha256 {stated.sha256}" if stated.sha256 is not None else f"version {stated.version}"
+    return BadFileError("changed at its source",
+                        f"{path}: {stores.redact(source_of(address))} now states {now} for it, "
+                        "not the file here: it changed at its source")
+
+
+def check_versions(files: list[tuple[str, str]], fix: str, limits: Limits) -> None:
+    """OtherSourceError, in one line with `fix`, when a file of files' (address, path) on disk
+    changed at its source (changed_at_source: one request each, 16 at a time)."""
+    there = [(address, path) for address, path in files if os.path.exists(path)]
+    if not there:
+        return
+    with ThreadPoolExecutor(min(16, len(there))) as pool:
+        changed = [e for e in pool.map(lambda f: changed_at_source(*f, limits), there) if e]
+    if changed:
+        more = ", ..." if len(changed) > 1 else ""
+        raise OtherSourceError(f"{len(changed)} shard(s) on disk changed at their source "
+                               f"({changed[0]}{more}). {fix}")
 
 
 def adopt_source(address: str, path: str) -> None:
@@ -1373,7 +1503,8 @@ def download_files(files: list[tuple[str, str]], num_workers: int = 4, limits: L
     check_int("num_workers", num_workers, 0, hint=" (0: download in this thread)")
     for url, _ in files:  # every URL before any download: a typo fails at once, not file by file
         check_address(url)
-    check_sources(files, SOURCE_FIX)  # and every file's source: nothing is fetched into a mix
+    # and the sources of the directory's shards: nothing is fetched into a mix
+    check_sources(files, SOURCE_FIX, limits)
     limits = Limits() if limits is None else limits
     missing = [(url, path) for url, path in files if not os.path.exists(path)]
     if files:

@@ -653,7 +653,9 @@ class ShardCache:
             return False
         self._short_since = None
         try:
-            replaced = download_file(url, path, self.limits, stop=self._stop, streamed=True)
+            # (recheck=False: the loader's start asked the source about the shards on disk)
+            replaced = download_file(url, path, self.limits, stop=self._stop, streamed=True,
+                                     recheck=False)
         except DownloadError as e:
             raise ConnectionError(f"could not fetch shard {name} from {shown(url)}: "
                                   f"{shown(str(e))}") from None

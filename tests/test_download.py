@@ -330,10 +330,12 @@ def test_existing_files_are_checked_then_skipped(server, tmp_path):
         (data_dir / index_to_filename(i)).write_bytes(served[i])  # sound, but with no record
     assert _cli(server, data_dir, "-n", "2") == 0
     assert server.gets == {"shard_00001.parquet": 1}
-    # all there: no request at all, not even the HEAD for the disk check
+    # all there: no GET, nor the disk check's HEAD; one HEAD for the shard with a record, whose
+    # source is asked whether it is still its file (the two without one are the user's own)
     server.heads.clear()
     assert _cli(server, data_dir, "-n", "2") == 0
-    assert server.gets == {"shard_00001.parquet": 1} and not server.heads
+    assert server.gets == {"shard_00001.parquet": 1}
+    assert server.heads == {"shard_00001.parquet": 1}
     assert sorted(os.listdir(data_dir)) == sorted(
         [".shard_00001.parquet.lock", "shard_00001.parquet.json"]
         + [index_to_filename(i) for i in served])

@@ -17,9 +17,10 @@ import re
 
 import pytest
 
-from conftest import ByteTokenizer, take_batches, write_shard
+from conftest import ByteTokenizer, assert_same_batches, take_batches, write_shard
 from nanochat.dataloader import tokenizing_distributed_data_loader_with_state_bos_bestfit
 from nanochat.dataset import main
+from nanochat import download
 from nanochat.download import OtherSourceError, Limits, record_path
 from nanochat.serve import ShardServer
 
@@ -75,7 +76,8 @@ def test_a_cache_filled_from_one_source_is_refused_for_another(two_sources, tmp_
             stream=True, base_url=url_b, download_limits=FAST)
     message = str(raised.value)
     assert "\n" not in message
-    assert f"fetched from {url_a}/" in message and f"not from {url_b}/" in message
+    assert f"shard(s) fetched from {url_a} (a.parquet, b.parquet, ...), not from {url_b}, " \
+           "which this run reads from" in message
     assert "one directory holds one source's shards" in message
     assert "Pass another data directory for this source" in message
     assert [p for p in server_b.fetched() if p.endswith(".parquet")] == []
@@ -91,7 +93,7 @@ def test_a_directory_downloaded_from_one_source_is_refused_for_another(two_sourc
     args = ["--data-dir", str(data_dir), *FAST_CLI]
     assert main(["-n", "2", "--base-url", url_a, *args]) == 0
     before = {n: (data_dir / n).read_bytes() for n in os.listdir(data_dir) if n.endswith("quet")}
-    with pytest.raises(OtherSourceError, match=f"fetched from {url_a}/.*, not from {url_b}/"):
+    with pytest.raises(OtherSourceError, match=f"fetched from {url_a} .*, not from {url_b},"):
         main(["-n", "3", "--base-url", url_b, *args])
     # nothing of B's fetched, nothing of A's touched
     assert [p for p in server_b.fetched() if p.endswith(".parquet")] == []
@@ -131,6 +133,85 @@ def test_shards_of_no_record_are_your_own_and_count_for_any_source(two_sources, 
     assert main(["-n", "1", "--base-url", url_a, "--data-dir", str(data_dir), *FAST_CLI]) == 0
     assert not os.path.exists(record_path(str(data_dir / "a.parquet")))
     assert "/a.parquet" not in server_a.fetched()
+
+
+def test_a_directory_with_shards_of_other_names_from_another_source_is_refused(tmp_path):
+    """Another source's shards of other names would mix two datasets (and make one's val
+    another's train): refused too, though no name is shared."""
+    _write(tmp_path / "A", "A", ["a.parquet", "b.parquet", "zz_val.parquet"])
+    _write(tmp_path / "B", "B", ["m_val.parquet", "x.parquet", "y.parquet"])
+    servers = [ShardServer(str(tmp_path / "A")), ShardServer(str(tmp_path / "B"))]
+    data_dir = tmp_path / "data"
+    try:
+        assert main(["-n", "2", "--base-url", servers[0].url, "--data-dir", str(data_dir),
+                     *FAST_CLI]) == 0
+        with pytest.raises(OtherSourceError, match=f"holds 3 shard.s. fetched from "
+                                                   f"{servers[0].url} "):
+            main(["-n", "2", "--base-url", servers[1].url, "--data-dir", str(data_dir),
+                  *FAST_CLI])
+        assert sorted(n for n in os.listdir(data_dir) if n.endswith(".parquet")) == [
+            "a.parquet", "b.parquet", "zz_val.parquet"]
+    finally:
+        for server in servers:
+            server.close()
+
+
+def test_the_same_files_at_a_new_address_are_adopted(tmp_path, caplog):
+    """serve restarted on another port (or a mirror) states the same sha256 for every shard
+    there: the run goes on, and the records name the new address."""
+    _write(tmp_path / "A", "A")
+    data_dir, cache = tmp_path / "data", tmp_path / "cache"
+    first = ShardServer(str(tmp_path / "A"))
+    try:
+        assert main(["-n", "2", "--base-url", first.url, "--data-dir", str(data_dir),
+                     *FAST_CLI]) == 0
+        expected = _stream(cache, first.url)
+    finally:
+        first.close()
+    second = ShardServer(str(tmp_path / "A"))
+    caplog.set_level("INFO")
+    try:
+        assert main(["-n", "3", "--base-url", second.url, "--data-dir", str(data_dir),
+                     *FAST_CLI]) == 0
+        assert [p for p in second.fetched() if p.endswith(".parquet")] == ["c.parquet"]
+        streamed = _stream(cache, second.url)
+    finally:
+        second.close()
+    assert_same_batches(streamed, expected)
+    for directory in (data_dir, cache):
+        record = json.loads(open(record_path(str(directory / "a.parquet"))).read())
+        assert record["source"] == f"{second.url}/a.parquet"
+    assert any("are the same files at" in r.getMessage() for r in caplog.records)
+
+
+def test_new_files_at_the_same_address(tmp_path):
+    """Another dataset served at the address a cache was filled from (serve B on A's port): a
+    streaming loader refuses at the call; the downloader fetches the changed shards anew, and
+    says it replaced them."""
+    _write(tmp_path / "A", "A")
+    _write(tmp_path / "B", "B")
+    data_dir, cache = tmp_path / "data", tmp_path / "cache"
+    server = ShardServer(str(tmp_path / "A"))
+    url, port = server.url, server.server_address[1]
+    try:
+        assert main(["-n", "2", "--base-url", url, "--data-dir", str(data_dir), *FAST_CLI]) == 0
+        assert _tags(_stream(cache, url)) == {"A"}
+    finally:
+        server.close()
+    server = ShardServer(str(tmp_path / "B"), port=port)
+    try:
+        with pytest.raises(OtherSourceError) as raised:
+            tokenizing_distributed_data_loader_with_state_bos_bestfit(
+                ByteTokenizer(), B=4, T=64, split="train", device="cpu", data_dir=str(cache),
+                stream=True, base_url=url, download_limits=FAST)
+        assert "shard(s) on disk changed at their source" in str(raised.value)
+        assert "now states sha256" in str(raised.value)
+        assert "Pass another data_dir for the source as it is now" in str(raised.value)
+        assert main(["-n", "2", "--base-url", url, "--data-dir", str(data_dir), *FAST_CLI]) == 0
+    finally:
+        server.close()
+    for name in ("a.parquet", "b.parquet", "zz_val.parquet"):
+        assert (data_dir / name).read_bytes() == (tmp_path / "B" / name).read_bytes()
 
 
 # -----------------------------------------------------------------------------
@@ -193,4 +274,23 @@ def test_a_rerun_is_advised_after_a_deadline(tmp_path, capsys):
     out = capsys.readouterr().out
     assert code == 1
     assert re.search(r"failed \(\d\); rerun the same command to retry \(partial downloads "
-                     r"resume\):\n  \d x past the deadline: a\.parquet", out), out
+                     r"resume\):\n  \d x past the deadline: ", out), out
+
+
+def test_a_source_that_cannot_be_asked_leaves_the_shards_as_they_are(tmp_path, caplog):
+    """Offline, a shard on disk is taken as its source's file by its record, with one warning:
+    a rerun with every shard there needs no network."""
+    _write(tmp_path / "A", "A")
+    server = ShardServer(str(tmp_path / "A"))
+    url, path = f"{server.url}/a.parquet", str(tmp_path / "d" / "a.parquet")
+    try:
+        assert download.download_file(url, path, FAST) == ""
+    finally:
+        server.close()
+    before = open(path, "rb").read()
+    download._SILENT.discard(server.url)  # (asked afresh, as in a new process)
+    assert download.download_file(url, path, FAST) is None  # there, and not fetched again
+    assert download.download_file(url, path, FAST) is None  # (asked once per process)
+    assert open(path, "rb").read() == before
+    warnings = [r.getMessage() for r in caplog.records if "could not ask" in r.getMessage()]
+    assert len(warnings) == 1 and warnings[0].startswith(f"could not ask {server.url} whether")
