@@ -176,6 +176,19 @@ def edit_texts(path, texts: list[str]) -> None:
 # type, zlib.error), or one in its middle (the gzip CRC does not match, or a bad code)
 @pytest.mark.parametrize("damage", ["flipped block byte", "flipped middle byte", "truncated",
                                     "edited text"])
+def _all_train_shards_fetched(cache, server) -> list[str]:
+    """The 7 train shards' names, once a streaming loader (closed since) has fetched them all."""
+    names = [index_to_filename(i) for i in range(7)]
+    loader = streaming(cache, server, prefetch_shards=6, workers=0)
+    batches_of(loader, 1)
+    for _ in range(1000):
+        if all((cache / name).exists() for name in names):
+            break
+        time.sleep(0.01)
+    loader.close()
+    return names
+
+
 def test_a_damaged_kept_copy_is_removed_and_its_shard_fetched_again(hosted, expected, streamed,
                                                                      tmp_path, caplog, damage):
     """The shard files are gone but the copies are there; one copy of the resumed buffer's
@@ -488,15 +501,8 @@ def test_a_row_whose_pid_now_names_another_process_pins_nothing(hosted, expected
     _, server, sizes = hosted
     monkeypatch.setattr(shard_cache, "ROOM_WAIT", 5.0)  # (a stall is an error within seconds)
     cache = tmp_path / "cache"
-    names = [index_to_filename(i) for i in range(7)]
     # every train shard on disk, fetched by a streaming loader: evicted only when no one needs it
-    loader = streaming(cache, server, prefetch_shards=6)
-    batches_of(loader, 1)
-    for _ in range(1000):
-        if all((cache / name).exists() for name in names):
-            break
-        time.sleep(0.01)
-    loader.close()
+    names = _all_train_shards_fetched(cache, server)
     sleeper = subprocess.Popen(["sleep", "60"])  # an unrelated live process
     try:
         started = proc_start_time(sleeper.pid)
@@ -628,14 +634,7 @@ def test_a_row_of_unknown_liveness_pins_shards_for_one_bounded_wait(
     monkeypatch.setattr(shard_cache, "ROOM_WAIT", 5.0)  # (a stall is an error within seconds)
     monkeypatch.setattr(shard_cache, "STALE_WAIT", 0.2, raising=False)
     cache = tmp_path / "cache"
-    names = [index_to_filename(i) for i in range(7)]
-    loader = streaming(cache, server, prefetch_shards=6, workers=0)
-    batches_of(loader, 1)
-    for _ in range(1000):
-        if all((cache / name).exists() for name in names):
-            break
-        time.sleep(0.01)
-    loader.close()
+    names = _all_train_shards_fetched(cache, server)
     row = dict(host=socket.gethostname(), pid=os.getpid(), cache_limit=None, fetching=None,
                restoring=False, needs={name: "ahead" for name in names})
     if unknown == "no /proc":  # (a start time recorded, none to read)
