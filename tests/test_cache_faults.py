@@ -172,10 +172,6 @@ def edit_texts(path, texts: list[str]) -> None:
     open(path, "wb").write(gzip.compress(data))
 
 
-# a flipped byte: the first of the deflate stream (past the 10-byte gzip header: an invalid block
-# type, zlib.error), or one in its middle (the gzip CRC does not match, or a bad code)
-@pytest.mark.parametrize("damage", ["flipped block byte", "flipped middle byte", "truncated",
-                                    "edited text"])
 def _all_train_shards_fetched(cache, server) -> list[str]:
     """The 7 train shards' names, once a streaming loader (closed since) has fetched them all."""
     names = [index_to_filename(i) for i in range(7)]
@@ -189,6 +185,10 @@ def _all_train_shards_fetched(cache, server) -> list[str]:
     return names
 
 
+# a flipped byte: the first of the deflate stream (past the 10-byte gzip header: an invalid block
+# type, zlib.error), or one in its middle (the gzip CRC does not match, or a bad code)
+@pytest.mark.parametrize("damage", ["flipped block byte", "flipped middle byte", "truncated",
+                                    "edited text"])
 def test_a_damaged_kept_copy_is_removed_and_its_shard_fetched_again(hosted, expected, streamed,
                                                                      tmp_path, caplog, damage):
     """The shard files are gone but the copies are there; one copy of the resumed buffer's
