@@ -29,6 +29,13 @@ FAST_CLI = ["--max-attempts", "2", "--backoff-base", "0.01", "--timeout", "5"]
 NAMES = ["a.parquet", "b.parquet", "c.parquet", "zz_val.parquet"]
 
 
+@pytest.fixture(autouse=True)
+def _sources_asked_afresh():
+    """Each test's sources are asked as in a new process: a port an earlier test's server left
+    silent may be this test's server's."""
+    download._SILENT.clear()
+
+
 def _write(directory, tag: str, names=NAMES) -> None:
     """Shards under the given names whose every document starts with <tag:name>."""
     rng = random.Random(tag)
@@ -288,7 +295,7 @@ def test_a_source_that_cannot_be_asked_leaves_the_shards_as_they_are(tmp_path, c
     finally:
         server.close()
     before = open(path, "rb").read()
-    download._SILENT.discard(server.url)  # (asked afresh, as in a new process)
+    download._SILENT.clear()  # (asked afresh, as in a new process)
     assert download.download_file(url, path, FAST) is None  # there, and not fetched again
     assert download.download_file(url, path, FAST) is None  # (asked once per process)
     assert open(path, "rb").read() == before
