@@ -319,13 +319,18 @@ def read_listing(base_url: str, limits: Limits) -> list[str] | None:
                               f"{str(e).removeprefix(f'{url}: ')}") from None
     if body is not None:
         return parse_listing(body, url)
-    if base_url.rstrip("/") not in {spec.base_url.rstrip("/") for spec in DATASETS.values()}:
+    if not _hosted(base_url):
         # a server of your own with no listing: its files must then bear the dataset's names
         _log_once(logging.WARNING, "%s not found: reading the dataset's shard names from %s "
                   "(shard_00000.parquet on, val the dataset's last index). For shards of other "
                   "names, serve them with python -m nanochat.dataset serve DIR, or write an "
                   "index.json beside them (docs/streaming.md, \"Your own shards\")", url, base_url)
     return None
+
+
+def _hosted(base_url: str) -> bool:
+    """Whether base_url is a dataset's own (the Hugging Face hub's repository), not a mirror."""
+    return base_url.rstrip("/") in {spec.base_url.rstrip("/") for spec in DATASETS.values()}
 
 
 def _store_listing(base_url: str, limits: Limits) -> list[str]:
@@ -845,9 +850,8 @@ def _listing_to_fetch(spec: DatasetSpec, base_url: str, data_dir: str,
     messages; whether a listing named them). A server's index.json (python -m nanochat.dataset
     serve makes one) or a store's listing names them, as it does for a streaming loader; a server
     with none (the Hugging Face hub) has the dataset's names."""
-    hosted = base_url.rstrip("/") in {spec.base_url.rstrip("/") for spec in DATASETS.values()}
     # (the hub has no listing: not asked, so that a rerun with every shard there needs no network)
-    listing = None if hosted else read_listing(base_url, limits)
+    listing = None if _hosted(base_url) else read_listing(base_url, limits)
     if listing is None:
         train = [index_to_filename(i) for i in range(spec.max_shard)]  # val: the last index
         return train + [spec.val_filename], f"{spec.name} has", False

@@ -1150,10 +1150,8 @@ def stated_now(address: str, limits: Limits) -> Stated | None:
         if not stores.is_http(address):
             info = stores.stat(address, limits.timeout)
             return Stated(info.hashes.get("sha256"), info.version)
-        with _watchdog(time.monotonic() + limits.timeout) as fired, _session() as session:
-            response = session.head(address, allow_redirects=True, timeout=limits.timeout,
-                                    headers={"Accept-Encoding": "identity"})
-        if fired.is_set():
+        response = _head(address, limits.timeout)
+        if response is None:
             raise requests.Timeout(f"no whole answer in {limits.timeout:g}s")
     except (requests.RequestException, stores.StoreError, OSError) as e:
         _SILENT.add(parent)
@@ -1178,12 +1176,13 @@ def same_file(record: dict, stated: Stated) -> bool | None:
 def _on_disk_from_elsewhere(files: list[tuple[str, str]]) -> list[tuple[str, str, str]]:
     """(the address the run asks for at the same name, path, the recorded source) of each shard in
     the directories of files whose record names a source in another directory than the run's."""
-    asked: dict[str, str] = {}  # directory -> the run's address of its shards' directory
+    # directory -> the run's address of its shards' directory, and the source that names
+    asked = {}
     for address, path in files:
-        asked.setdefault(os.path.dirname(os.path.abspath(path)), _parent(address))
+        asked.setdefault(os.path.dirname(os.path.abspath(path)),
+                         (_parent(address), _parent(source_of(address))))
     found = []
-    for directory, parent in asked.items():
-        wanted = _parent(source_of(stores.join(parent, "x")))
+    for directory, (parent, wanted) in asked.items():
         for name in sorted(os.listdir(directory)) if os.path.isdir(directory) else ():
             path = os.path.join(directory, name)
             source = recorded_source(path) if name.endswith(".parquet") else None
@@ -1429,19 +1428,26 @@ def _small_attempt(url: str, max_bytes: int, limits: Limits, deadline: float) ->
 # Many files: the disk check, the pool, the summary
 
 
+def _head(url: str, timeout: float) -> requests.Response | None:
+    """A HEAD request (redirects followed), the whole of it within timeout: a server that sends
+    its headers a byte at a time too. None when it was cut at the timeout (a cut can end the
+    headers early); a failed request raises requests' error."""
+    with _watchdog(time.monotonic() + timeout) as fired, _session() as session:
+        response = session.head(url, allow_redirects=True, timeout=timeout,
+                                headers={"Accept-Encoding": "identity"})
+    return None if fired.is_set() else response
+
+
 def _probe_bytes(url: str, timeout: float) -> int | None:
     """Content-Length of one file from a HEAD request, or None when the server won't say."""
     try:
-        # the whole request within timeout: a server that sends its headers a byte at a time too
-        with _watchdog(time.monotonic() + timeout) as fired, _session() as session:
-            response = session.head(url, allow_redirects=True, timeout=timeout,
-                                    headers={"Accept-Encoding": "identity"})
+        response = _head(url, timeout)
     except requests.RequestException as e:
         if _dns_failure(e):
             raise _host_not_found(_failed_url(e, url), _dns_failure(e)) from None
         logger.info("HEAD %s failed (%s); using the per-shard estimate", url, e)
         return None
-    if response.status_code != 200 or fired.is_set():  # a cut can end the headers early
+    if response is None or response.status_code != 200:
         return None
     return _content_length(response)
 
@@ -1503,9 +1509,9 @@ def download_files(files: list[tuple[str, str]], num_workers: int = 4, limits: L
     check_int("num_workers", num_workers, 0, hint=" (0: download in this thread)")
     for url, _ in files:  # every URL before any download: a typo fails at once, not file by file
         check_address(url)
+    limits = Limits() if limits is None else limits
     # and the sources of the directory's shards: nothing is fetched into a mix
     check_sources(files, SOURCE_FIX, limits)
-    limits = Limits() if limits is None else limits
     missing = [(url, path) for url, path in files if not os.path.exists(path)]
     if files:
         logger.info("%d of %d files already in %s (each is checked)", len(files) - len(missing),
