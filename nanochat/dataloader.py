@@ -1,15 +1,17 @@
 """
 The loaders: parquet shards (or pretokenized ones) -> token documents -> packed rows -> the device.
 Read top to bottom, the main path is: a public loader function checks its arguments and fills a
-LoaderSpec; `assemble` starts the rank's walk (nanochat/order.py) and the state recorder
-(nanochat/rows.py); `build_loader` runs reading, tokenizing and packing ahead on background threads
-(nanochat/prefetch.py); DataLoader hands each batch to the device through one staging buffer.
-The mixture loader (nanochat/mixture.py) assembles each of its buckets with `assemble` too.
-Walk-through: docs/ARCHITECTURE.md. Resume and its states: docs/resume.md.
+LoaderSpec; `assemble` starts the rank's walk (nanochat/data/loader/order.py) and the state recorder
+(nanochat/data/loader/rows.py); `build_loader` runs reading, tokenizing and packing ahead on
+background threads (nanochat/data/loader/prefetch.py); DataLoader hands each batch to the device
+through one staging buffer. The mixture loader (nanochat/mixture.py) assembles each of its buckets
+with `assemble` too. Walk-through: docs/ARCHITECTURE.md. Resume and its states: docs/resume.md.
 
-May import: torch, numpy, nanochat.order, nanochat.token_reader, nanochat.rows, nanochat.packing,
-nanochat.state, nanochat.prefetch, nanochat.options, nanochat.checks, nanochat.shuffle,
-nanochat.shard_cache, nanochat.catalog, nanochat.dataset, nanochat.download, nanochat.figures.
+May import: torch, numpy, nanochat.data.loader.order, nanochat.data.pretokenized.token_reader,
+nanochat.data.loader.rows, nanochat.data.base.packing, nanochat.data.base.state,
+nanochat.data.loader.prefetch, nanochat.data.loader.options, nanochat.data.base.checks,
+nanochat.data.base.shuffle, nanochat.data.streaming.cache, nanochat.data.streaming.catalog,
+nanochat.dataset, nanochat.data.fetch.download, nanochat.data.loader.figures.
 """
 
 import contextlib
@@ -23,22 +25,23 @@ from typing import Any, NamedTuple
 import numpy as np
 import torch
 
-from nanochat.catalog import copies_estimate, read_ahead_span, streamed_files
-from nanochat.checks import check_int
+from nanochat.data.streaming.catalog import copies_estimate, read_ahead_span, streamed_files
+from nanochat.data.base.checks import check_int
 from nanochat.dataset import split_parquet_files
-from nanochat.download import Limits
-from nanochat.figures import LoaderFigures, Mark, start_counters, stretch
-from nanochat.options import (check_options, check_shuffle, check_stream, resolve_rank,
+from nanochat.data.fetch.download import Limits
+from nanochat.data.loader.figures import LoaderFigures, Mark, start_counters, stretch
+from nanochat.data.loader.options import (check_options, check_shuffle, check_stream, resolve_rank,
                               resolve_workers)
-from nanochat.order import ParquetReader, Position, RankOrder, check_resume, start_order
-from nanochat.packing import check_long_doc_policy
-from nanochat.prefetch import Job, WorkerBatches, WorkerUnavailable, maybe_prefetch, noting_logs
-from nanochat.rows import (Encoder, EntryDocuments, RowBatch, StateRecorder, bestfit_batches,
-                           concat_batches, token_batches)
-from nanochat.shard_cache import ShardCache, local_peers, peer_starts
-from nanochat.shuffle import Shuffle
-from nanochat.state import decode_keys, loader_config, tokenizer_fingerprint
-from nanochat.token_reader import TokenShardReader, shard_paths, shard_vocab
+from nanochat.data.loader.order import ParquetReader, Position, RankOrder, check_resume, start_order
+from nanochat.data.base.packing import check_long_doc_policy
+from nanochat.data.loader.prefetch import (Job, WorkerBatches, WorkerUnavailable, maybe_prefetch,
+                                           noting_logs)
+from nanochat.data.loader.rows import (Encoder, EntryDocuments, RowBatch, StateRecorder,
+                                       bestfit_batches, concat_batches, token_batches)
+from nanochat.data.streaming.cache import ShardCache, local_peers, peer_starts
+from nanochat.data.base.shuffle import Shuffle
+from nanochat.data.base.state import decode_keys, loader_config, tokenizer_fingerprint
+from nanochat.data.pretokenized.token_reader import TokenShardReader, shard_paths, shard_vocab
 
 logger = logging.getLogger(__name__)
 
@@ -52,7 +55,7 @@ class LoaderSpec:
     kind: str  # "bestfit": rows packed best-fit; "concat": documents back to back, cut every B*T
     reader: Any  # ParquetReader or TokenShardReader: the split's units and their documents
     encoder: Any  # Encoder (texts -> documents) or EntryDocuments (pretokenized entries)
-    config: dict  # what every state records: nanochat.state.loader_config
+    config: dict  # what every state records: nanochat.data.base.state.loader_config
     rank: int
     world_size: int
     batch_size: int  # documents per document batch (tokenizer_batch_size)
@@ -128,7 +131,7 @@ class Prepared(NamedTuple):
 
 def make_loader(cls, function, args: dict, prepare) -> "DataLoader":
     """The loader `function(**args)` returns. prepare() checks every argument at the call and
-    returns a Prepared. Then the loader runs in a worker process (nanochat/prefetch.py's
+    returns a Prepared. Then the loader runs in a worker process (nanochat/data/loader/prefetch.py's
     WorkerBatches), handed to the device here by a `cls` (DataLoader or a subclass), or, where it
     cannot (workers=0, or a job that cannot run there), it is built here. For a worker, each walk's
     resume state is checked here first, against the data's names and sizes (its units are checked
@@ -225,7 +228,7 @@ def _parquet_reader(split: str, data_dir, streaming, read_ahead: dict):
 
 
 class _Streaming(NamedTuple):
-    settings: Any  # nanochat.options.Streaming, or None: read the shards on disk
+    settings: Any  # nanochat.data.loader.options.Streaming, or None: read the shards on disk
     base_url: str | None
     limits: Limits | None
 
@@ -528,7 +531,7 @@ class DataLoader:
     masked targets, and wait_seconds, the time `next()` spent waiting for a batch (the stall a GPU
     would feel). `figures()` gives rates and shares since its last call and in total, for a
     training log. With attention_info, each batch has a fourth element: a dict of doc_ids,
-    position_ids and cu_seqlens on the device (see nanochat.rows.attention_info).
+    position_ids and cu_seqlens on the device (see nanochat.data.loader.rows.attention_info).
     """
 
     def __init__(self, batches, transfer: DeviceBatches, split_rows, prefetch: int,
@@ -646,7 +649,8 @@ class DataLoader:
 
     def cache_status(self):
         """A streaming loader's shard cache, for a person: what is on disk against cache_limit, who
-        needs which shard and why (a nanochat.cache_status.CacheStatus); None when not streaming."""
+        needs which shard and why (a nanochat.data.streaming.cache_status.CacheStatus); None when
+        not streaming."""
         return None if self._cache is None else self._cache.status()
 
     def _check(self, batch: RowBatch) -> None:

@@ -12,8 +12,9 @@ with one `text` column in row groups of ~1024 documents; its last shard is val, 
 Cost: reading a row group is one pyarrow call, a few ms for ~1024 documents.
 Design: docs/downloads.md
 
-May import: nanochat.checks, nanochat.cli, nanochat.common, nanochat.download, nanochat.files,
-nanochat.layout, nanochat.serve, nanochat.stores.
+May import: nanochat.data.base.checks, nanochat.data.base.cli, nanochat.common,
+nanochat.data.fetch.download, nanochat.data.base.files, nanochat.data.pretokenized.layout,
+nanochat.data.fetch.serve, nanochat.data.fetch.stores.
 """
 
 import argparse
@@ -33,19 +34,19 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 from tqdm.contrib.logging import logging_redirect_tqdm
 
-from nanochat.checks import check_int
-from nanochat.cli import run
+from nanochat.data.base.checks import check_int
+from nanochat.data.base.cli import run
 from nanochat.common import get_base_dir
-from nanochat import stores
-from nanochat.download import (
+from nanochat.data.fetch import stores
+from nanochat.data.fetch.download import (
     BACKOFF_BASE, DEADLINE, MAX_ATTEMPTS, MIN_RATE, RATE_WINDOW, REQUEST_TIMEOUT, DownloadError,
     SOURCE_FIX, Limits, Report, check_address, check_files, check_sources, download_file,
     download_files, fetch_small, record_path, stated_check, summarize,
 )
-from nanochat.files import progress_bar, remove_if_exists
-from nanochat.layout import check_kind
-from nanochat.serve import LISTING
-from nanochat.serve import main as serve_main
+from nanochat.data.base.files import progress_bar, remove_if_exists
+from nanochat.data.pretokenized.layout import check_kind
+from nanochat.data.fetch.serve import LISTING
+from nanochat.data.fetch.serve import main as serve_main
 
 logger = logging.getLogger(__name__)
 
@@ -255,7 +256,7 @@ def stream_source(data_dir: str | None, base_url: str | None) -> tuple[str, str]
 
 
 # -----------------------------------------------------------------------------
-# Addresses: an http(s) URL (download.py's own path) or a store's (nanochat/stores.py)
+# Addresses: an http(s) URL (download.py's own path) or a store's (nanochat/data/fetch/stores.py)
 
 
 def shown(address: str) -> str:
@@ -513,7 +514,7 @@ def download_single_file(index: int, data_dir: str | None = None, base_url: str 
     processes at once. Raises HostNotFoundError when the host does not resolve (no retry can help).
     progress: bytes bar per shard (None: only on a terminal); timeout, min_rate (bytes/s over
     rate_window seconds) and deadline (seconds for the shard) bound the time spent: see
-    nanochat/download.py."""
+    nanochat/data/fetch/download.py."""
     check_int("shard index", index, 0)
     limits = Limits(max_attempts, backoff_base, timeout, min_rate, rate_window, deadline)
     data_dir = (get_data_dir(dataset) if data_dir is None
@@ -993,7 +994,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def interrupted(argv: list[str]) -> str:
     """What Ctrl-C on `python -m nanochat.dataset ARGS` stopped, what it left and what a rerun
-    does (nanochat.cli.run prints it)."""
+    does (nanochat.data.base.cli.run prints it)."""
     if argv[:1] == ["repackage"]:
         return ("repackage stopped; the shards it had written are removed (a part of them would "
                 "split train and val wrongly), the input files are untouched: rerun the same "

@@ -1,18 +1,19 @@
 """
-Data mixtures and curricula over pretokenized buckets (GPT-Simple's layout and rules). Every row
-of a batch comes whole from one bucket, best-fit packed from that bucket's own buffer. Which bucket
-is a counter-based function of (seed, phase, rank, position), so a resume continues the mix exactly.
-A batch's phase is set by the tokens the whole job has trained, so all ranks switch at one step. A
+Data mixtures and curricula over pretokenized buckets (GPT-Simple's layout and rules). Every row of
+a batch comes whole from one bucket, best-fit packed from that bucket's own buffer. Which bucket is
+a counter-based function of (seed, phase, rank, position), so a resume continues the mix exactly. A
+batch's phase is set by the tokens the whole job has trained, so all ranks switch at one step. A
 bucket that runs dry stops every rank at the same step (BucketExhausted, with the last good state),
 or is dropped (allow_bucket_exhaustion=True). Each bucket is put together by dataloader.assemble.
-Curricula and validation: nanochat/curriculum.py; the state: nanochat/mixture_state.py.
-Design: docs/mixtures.md.
+Curricula and validation: nanochat/data/mixtures/curriculum.py; the state:
+nanochat/data/mixtures/mixture_state.py. Design: docs/mixtures.md.
 
     python -m nanochat.mixture validate CONFIG --data DATA_DIR [--tokens N] [--split train]
 
-May import: torch, numpy, nanochat.cli, nanochat.curriculum, nanochat.mixture_state,
-nanochat.dataloader, nanochat.options, nanochat.token_reader, nanochat.rows, nanochat.packing,
-nanochat.state, nanochat.figures.
+May import: torch, numpy, nanochat.data.base.cli, nanochat.data.mixtures.curriculum,
+nanochat.data.mixtures.mixture_state, nanochat.dataloader, nanochat.data.loader.options,
+nanochat.data.pretokenized.token_reader, nanochat.data.loader.rows, nanochat.data.base.packing,
+nanochat.data.base.state, nanochat.data.loader.figures.
 """
 
 import itertools
@@ -24,19 +25,20 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from nanochat.cli import run
+from nanochat.data.base.cli import run
 # main: `python -m nanochat.mixture validate ...` runs the curriculum's command line
-from nanochat.curriculum import (INTERRUPTED, choose, dry_fixes, list_buckets, load_curriculum,
-                                 main, row_unit, validate)
+from nanochat.data.mixtures.curriculum import (INTERRUPTED, choose, dry_fixes, list_buckets,
+                                               load_curriculum, main, row_unit, validate)
 from nanochat.dataloader import (Assembled, DataLoader, DeviceBatches, LoaderSpec, Prepared,
                                  assemble, make_loader, row_split)
-from nanochat.figures import start_counters, sum_counters
-from nanochat.mixture_state import add_mixture_checksum, mixture_start
-from nanochat.options import check_options, check_shuffle, resolve_rank
-from nanochat.packing import BestFitPacker, check_long_doc_policy
-from nanochat.rows import DocumentFeed, EntryDocuments, RowBatch, Stop, token_batches
-from nanochat.state import EMPTY_HASH, VERSION, files_fingerprint, hash_tokens, loader_config
-from nanochat.token_reader import TokenShardReader, shard_vocab
+from nanochat.data.loader.figures import start_counters, sum_counters
+from nanochat.data.mixtures.mixture_state import add_mixture_checksum, mixture_start
+from nanochat.data.loader.options import check_options, check_shuffle, resolve_rank
+from nanochat.data.base.packing import BestFitPacker, check_long_doc_policy
+from nanochat.data.loader.rows import DocumentFeed, EntryDocuments, RowBatch, Stop, token_batches
+from nanochat.data.base.state import (EMPTY_HASH, VERSION, files_fingerprint, hash_tokens,
+                                      loader_config)
+from nanochat.data.pretokenized.token_reader import TokenShardReader, shard_vocab
 
 logger = logging.getLogger(__name__)
 

@@ -11,8 +11,10 @@ downloaded and verified into OUTPUT/.inputs/, tokenized, and removed once its pa
 Cost: one tokenizer pass, several MB of text per second per worker; a rerun skips written pairs.
 Design: docs/pretokenized.md, docs/streaming.md (stores)
 
-May import: nanochat.cli, nanochat.common, nanochat.dataset, nanochat.download, nanochat.files,
-nanochat.tokenizer, nanochat.packing, nanochat.token_shards, nanochat.layout, nanochat.stores.
+May import: nanochat.data.base.cli, nanochat.common, nanochat.dataset, nanochat.data.fetch.download,
+nanochat.data.base.files, nanochat.tokenizer, nanochat.data.base.packing,
+nanochat.data.pretokenized.token_shards, nanochat.data.pretokenized.layout,
+nanochat.data.fetch.stores.
 """
 
 import argparse
@@ -35,18 +37,19 @@ import numpy as np
 import pyarrow as pa
 from filelock import FileLock, Timeout
 
-from nanochat import stores
-from nanochat.cli import run
+from nanochat.data.fetch import stores
+from nanochat.data.base.cli import run
 from nanochat.common import get_dist_info
 from nanochat.dataset import (open_parquet, read_jsonl_texts, read_listing, read_row_group_texts,
                               split_parquet_files)
-from nanochat.download import DownloadError, Limits, download_file, lock_path, record_path
-from nanochat.files import progress_bar, remove_if_exists
-from nanochat.layout import check_kind
-from nanochat.packing import next_cut
+from nanochat.data.fetch.download import (DownloadError, Limits, download_file, lock_path,
+                                          record_path)
+from nanochat.data.base.files import progress_bar, remove_if_exists
+from nanochat.data.pretokenized.layout import check_kind
+from nanochat.data.base.packing import next_cut
 from nanochat.tokenizer import TOKENIZER_FILENAME, RustBPETokenizer, get_tokenizer_dir
-from nanochat.token_shards import (CONVENTIONS, MAGIC, MAX_OVERLAP, META_FILENAME, VERSION,
-                                   write_token_pairs)
+from nanochat.data.pretokenized.token_shards import (CONVENTIONS, MAGIC, MAX_OVERLAP, META_FILENAME,
+                                                     VERSION, write_token_pairs)
 
 logger = logging.getLogger(__name__)
 
@@ -702,7 +705,7 @@ INTERRUPTED = ("pretokenize stopped; the pairs it wrote are complete and no part
 
 def command() -> None:
     """`python -m nanochat.pretokenize`: main() with its log on stderr, a bad input and Ctrl-C
-    in one line each (nanochat.cli.run)."""
+    in one line each (nanochat.data.base.cli.run)."""
     logging.basicConfig(level=logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     stores.quiet_clients()

@@ -5,21 +5,23 @@ Resume: the one call a training script needs to restart on another number of ran
     merged = merge_states(states, world_size=M)   # every rank's state, taken at one step
     loader = ...(resume_state_dict=merged)         # each new rank takes its own part
 
-This module only tells the states apart: nanochat/elastic.py merges a best-fit or concatenating
-loader's, nanochat/mixture_state.py a mixture's. Format and guide: docs/resume.md.
+This module only tells the states apart: nanochat/data/loader/elastic.py merges a best-fit or
+concatenating loader's, nanochat/data/mixtures/mixture_state.py a mixture's. Format and guide:
+docs/resume.md.
 
-May import: nanochat.checks, nanochat.elastic, nanochat.mixture_state, nanochat.options,
-nanochat.download, nanochat.state_checks.
+May import: nanochat.data.base.checks, nanochat.data.loader.elastic,
+nanochat.data.mixtures.mixture_state, nanochat.data.loader.options, nanochat.data.fetch.download,
+nanochat.data.base.state_checks.
 """
 
 import os
 
-from nanochat.checks import check_int
-from nanochat.download import Limits
-from nanochat.elastic import merge_walk_states
-from nanochat.mixture_state import merge_mixture_states
-from nanochat.options import check_stream
-from nanochat.state_checks import not_a_loader_state
+from nanochat.data.base.checks import check_int
+from nanochat.data.fetch.download import Limits
+from nanochat.data.loader.elastic import merge_walk_states
+from nanochat.data.mixtures.mixture_state import merge_mixture_states
+from nanochat.data.loader.options import check_stream
+from nanochat.data.base.state_checks import not_a_loader_state
 
 
 def merge_states(states: list[dict], world_size: int, *, data_dir: str | None = None,

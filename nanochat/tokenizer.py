@@ -9,7 +9,7 @@ Face tokenizer.json.
 Cost: training on ~2B characters takes minutes; encoding runs at tiktoken speed (MB/s per thread).
 Design and file formats: docs/tokenizer.md
 
-May import: nanochat.checks, nanochat.cli, nanochat.common, tiktoken, numpy.
+May import: nanochat.data.base.checks, nanochat.data.base.cli, nanochat.common, tiktoken, numpy.
 Imported only when needed: rustbpe (training), torch (get_token_bytes): importing the tokenizer
 stays light, as a pretokenize worker or a tokenizer CLI needs it.
 """
@@ -26,8 +26,8 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import tiktoken
 
-from nanochat.checks import check_int, is_int
-from nanochat.cli import run
+from nanochat.data.base.checks import check_int, is_int
+from nanochat.data.base.cli import run
 from nanochat.common import get_base_dir
 
 logger = logging.getLogger(__name__)

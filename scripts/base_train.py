@@ -26,7 +26,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from nanochat.cli import run
+from nanochat.data.base.cli import run
 from nanochat.common import get_base_dir, get_dist_info, print0
 from nanochat.dataloader import (tokenizing_distributed_data_loader_bos_bestfit,
                                  tokenizing_distributed_data_loader_with_state_bos_bestfit)

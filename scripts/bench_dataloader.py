@@ -23,12 +23,12 @@ import time
 import numpy as np
 import pyarrow.parquet as pq
 
-from nanochat.cli import run
+from nanochat.data.base.cli import run
 from nanochat.dataloader import tokenizing_distributed_data_loader_with_state_bos_bestfit
 from nanochat.dataset import read_row_group_texts, split_parquet_files
-from nanochat.packing import BestFitPacker, token_dtype
-from nanochat.rows import to_documents
-from nanochat.token_reader import check_ids
+from nanochat.data.base.packing import BestFitPacker, token_dtype
+from nanochat.data.loader.rows import to_documents
+from nanochat.data.pretokenized.token_reader import check_ids
 from nanochat.tokenizer import RustBPETokenizer
 from scripts.list_tokenizer import ListTokenizer
 
@@ -387,7 +387,7 @@ def pretokenized_section(tokenizer, data_dir, tmp, docs_np, args) -> dict:
     B, T, tbs = args.B, args.T, args.tokenizer_batch_size
     from nanochat.dataloader import pretokenized_distributed_data_loader_with_state_bos_bestfit
     from nanochat.pretokenize import pretokenize_file, window_document
-    from nanochat.token_shards import TokenShard, list_token_shards
+    from nanochat.data.pretokenized.token_shards import TokenShard, list_token_shards
     out = os.path.join(tmp, "tokens")
     t0 = time.perf_counter()
     for split in ("train", "val"):
@@ -473,7 +473,7 @@ def window_spread(tokenizer, data_dir, tmp, args, tbs, *, L=257, overlap=32, B=1
     same batch, median distance in batches, pairs seen)."""
     from nanochat.dataloader import pretokenized_distributed_data_loader_with_state_bos_bestfit
     from nanochat.pretokenize import pretokenize_file
-    from nanochat.token_shards import TokenShard, list_token_shards
+    from nanochat.data.pretokenized.token_shards import TokenShard, list_token_shards
     out = os.path.join(tmp, "windows")
     for split in ("train", "val"):
         for path in split_parquet_files(split, data_dir):

@@ -24,9 +24,9 @@ from collections import Counter
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from nanochat.cli import run
+from nanochat.data.base.cli import run
 from nanochat.dataset import get_dataset, index_to_filename
-from nanochat.serve import ShardServer
+from nanochat.data.fetch.serve import ShardServer
 
 DOCS, ROW_GROUP, CHARS = 40, 4, 20  # per shard: 10 row groups of 4 documents of 20 characters
 

@@ -20,10 +20,10 @@ import time
 
 import numpy as np
 
-from nanochat.cli import run
+from nanochat.data.base.cli import run
 from nanochat.dataloader import pretokenized_distributed_data_loader_with_state_bos_bestfit
 from nanochat.mixture import pretokenized_mixture_loader_with_state_bos_bestfit
-from nanochat.token_shards import write_token_shard
+from nanochat.data.pretokenized.token_shards import write_token_shard
 
 BOS = 1  # any id outside the random tokens' range [2, 60000)
 

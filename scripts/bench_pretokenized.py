@@ -16,7 +16,7 @@ scripts/bench_dataloader.py's. It prints tokens/s (rows of T+1 tokens), the medi
 and the ratios. Speed is a measurement here, never a test assertion.
 """
 
-# numpy, the standard library and nanochat.cli (itself the standard library's only) at the top:
+# numpy, the standard library and nanochat.data.base.cli (the standard library's only) at the top:
 # the LitData runs import this module in a venv that may lack our dependencies (pyarrow, tiktoken)
 import argparse
 import glob
@@ -30,7 +30,7 @@ import time
 
 import numpy as np
 
-from nanochat.cli import run
+from nanochat.data.base.cli import run
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONTENDERS = ("bestfit", "bestfit-here", "slicer", "litdata", "memcpy")
@@ -147,7 +147,7 @@ def slicer(tokens_dir: str, B: int, T: int):
     """Consecutive (B, T+1) blocks of the train shards' memory maps, copied into one batch buffer
     and handed out as a tensor: concatenation at its plainest."""
     import torch
-    from nanochat.token_shards import TokenShard
+    from nanochat.data.pretokenized.token_shards import TokenShard
     shards = [TokenShard(path) for path in sorted(glob.glob(
         os.path.join(tokens_dir, "train", "*.bin")))]
     batch = np.empty(B * (T + 1), dtype=shards[0].dtype)

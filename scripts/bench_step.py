@@ -31,7 +31,7 @@ import time
 import numpy as np
 import torch
 
-from nanochat.cli import run
+from nanochat.data.base.cli import run
 from nanochat.dataloader import (pretokenized_distributed_data_loader_with_state_bos_bestfit,
                                  tokenizing_distributed_data_loader_with_state,
                                  tokenizing_distributed_data_loader_with_state_bos_bestfit)
@@ -41,7 +41,7 @@ from nanochat.pretokenize import pretokenize_file
 from nanochat.tokenizer import RustBPETokenizer
 from scripts.bench_dataloader import cpu_seconds, make_corpus, read_all, write_corpus
 from scripts.list_tokenizer import ListTokenizer
-from nanochat.serve import ShardServer
+from nanochat.data.fetch.serve import ShardServer
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
                                 "tests"))  # tests/ is no package: its modules by path

@@ -6,7 +6,7 @@ against fetching them all first, on one corpus in one run (about a minute on 2 c
     python -m scripts.bench_streaming --rates 80 10 1   # link rates in MB/s
     python -m scripts.bench_streaming --step-ms 0       # no training step: the loader's top pace
 
-It serves shards of scripts/demo.py's corpus from nanochat/serve.py on 127.0.0.1 at each
+It serves shards of scripts/demo.py's corpus from nanochat/data/fetch/serve.py on 127.0.0.1 at each
 link rate, and (unless --no-s3) from an S3 API: moto's server on 127.0.0.1, unthrottled, as the
 tests start it (the dev extras). Each batch is followed by a simulated training step (--step-ms).
 Per link: fetch all, then train; and stream=True into an empty cache with cache_limit =
@@ -26,13 +26,13 @@ import time
 
 import pyarrow.parquet as pq
 
-from nanochat.cli import run
-from nanochat import stores
+from nanochat.data.base.cli import run
+from nanochat.data.fetch import stores
 from nanochat.dataloader import tokenizing_distributed_data_loader_with_state_bos_bestfit
 from nanochat.dataset import download_shards, get_dataset
 from nanochat.tokenizer import RustBPETokenizer
 from scripts.demo import generate_documents, write_hosted_shards
-from nanochat.serve import ShardServer
+from nanochat.data.fetch.serve import ShardServer
 
 ROW_GROUP_SIZE = 1024  # documents per row group, as the hosted shards
 
@@ -170,7 +170,8 @@ def link_rate_run(
 @contextlib.contextmanager
 def aws_environment(endpoint: str):
     """AWS clients pointed at endpoint with the test server's credentials (no ~/.aws, no instance
-    role), the environment restored after; nanochat.stores forgets its filesystems each way."""
+    role), the environment restored after; nanochat.data.fetch.stores forgets its filesystems
+    each way."""
     saved = {name: value for name, value in os.environ.items() if name.startswith("AWS_")}
     for name in saved:
         del os.environ[name]

@@ -25,7 +25,7 @@ import time
 
 import numpy as np
 
-from nanochat.cli import run
+from nanochat.data.base.cli import run
 from scripts.nanochat_dropin import OUR_MODULES, REPO, write_layout
 
 SIDES = ("orig", "ours", "prebuilt")

@@ -14,7 +14,7 @@ import sys
 import torch
 from packaging.requirements import Requirement
 
-from nanochat.cli import run
+from nanochat.data.base.cli import run
 
 
 def mismatch(requirement: str) -> str | None:

@@ -6,13 +6,13 @@ defaults (4000 documents, 4+1 shards of ~470KB, a 2048-token vocab, 40 batches o
     python -m scripts.demo --out /tmp/nc-demo   # or a directory of your choice (must be empty)
 
 Each stage is the real code that speedrun.sh runs: 1. write a seeded English-like corpus as shards
-named like the hosted dataset; 2. serve them on 127.0.0.1 (nanochat/serve.py); 3. download
-them with `python -m nanochat.dataset`; 4. train and measure a tokenizer (scripts.tok_train,
-scripts.tok_eval); 5. stream best-fit packed batches on the CPU; 6. stream the same batches from
-the server (stream=True) into a cache smaller than the shards and check they equal step 5's.
---out is laid out like $NANOCHAT_BASE_DIR plus hosted/ and stream_cache/; nothing under
-~/.cache/nanochat is read or written. The demo ends with the lines that point your own scripts
-at it: export NANOCHAT_BASE_DIR=OUT, then get_tokenizer() and a loader given no data_dir.
+named like the hosted dataset; 2. serve them on 127.0.0.1 (nanochat/data/fetch/serve.py); 3.
+download them with `python -m nanochat.dataset`; 4. train and measure a tokenizer
+(scripts.tok_train, scripts.tok_eval); 5. stream best-fit packed batches on the CPU; 6. stream the
+same batches from the server (stream=True) into a cache smaller than the shards and check they equal
+step 5's. --out is laid out like $NANOCHAT_BASE_DIR plus hosted/ and stream_cache/; nothing under
+~/.cache/nanochat is read or written. The demo ends with the lines that point your own scripts at
+it: export NANOCHAT_BASE_DIR=OUT, then get_tokenizer() and a loader given no data_dir.
 """
 
 import argparse
@@ -29,14 +29,14 @@ import time
 
 import pyarrow.parquet as pq
 
-from nanochat.cache_status import describe
-from nanochat.cli import run
+from nanochat.data.streaming.cache_status import describe
+from nanochat.data.base.cli import run
 from nanochat.dataloader import tokenizing_distributed_data_loader_with_state_bos_bestfit
 from nanochat.dataset import get_dataset, index_to_filename, repackage
-from nanochat.catalog import copies_estimate
-from nanochat.state import decode_keys
+from nanochat.data.streaming.catalog import copies_estimate
+from nanochat.data.base.state import decode_keys
 from nanochat.tokenizer import RustBPETokenizer
-from nanochat.serve import ShardServer
+from nanochat.data.fetch.serve import ShardServer
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # what a script of yours runs on the demo's base dir: get_tokenizer() and a loader given no

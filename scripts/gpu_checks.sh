@@ -64,7 +64,7 @@ fi
 #    (-p no:cacheprovider: nothing written into the repo)
 step cuda_tests 60 "$PY" -m pytest -q -rs -p no:cacheprovider \
     tests/test_dataloader.py::test_cuda_batches_match_cpu \
-    tests/test_own_shards.py::test_the_recipe_for_your_own_shards_runs_as_written
+    tests/data/fetch/test_own_shards.py::test_the_recipe_for_your_own_shards_runs_as_written
 
 # 2. the modelled step, every loader yielding on the GPU (without one: refused in a line, exit 2)
 step bench_step 210 "$PY" -m scripts.bench_step --device cuda \

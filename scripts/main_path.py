@@ -5,7 +5,7 @@ their lines. What it prints is what docs/ARCHITECTURE.md's walk covers (~2 s on 
 
     python -m scripts.main_path [--stream]
 
---stream serves the shards from a local server (nanochat/serve.py) and streams them
+--stream serves the shards from a local server (nanochat/data/fetch/serve.py) and streams them
 (stream=True), so the shard cache joins the path. The tokenizer is a byte-level stand-in. The
 loader runs in this process (workers=0), where a tracer sees it: by default a worker process runs
 the same functions, and prefetch.py's WorkerBatches and worker_main carry its batches across.
@@ -22,15 +22,15 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 import nanochat
-from nanochat.cli import run
+from nanochat.data.base.cli import run
 from nanochat.dataloader import tokenizing_distributed_data_loader_with_state_bos_bestfit
-from nanochat.serve import ShardServer
+from nanochat.data.fetch.serve import ShardServer
 
 PACKAGE = os.path.dirname(os.path.abspath(nanochat.__file__))
 # the rooms docs/ARCHITECTURE.md walks (tests/test_architecture.py's MAIN_PATH and STREAMING); the
 # other modules the run touches are asides: argument checks, file listing, the downloader
 ROOMS = ("dataloader.py", "order.py", "rows.py", "packing.py", "state.py", "prefetch.py",
-         "shard_cache.py")
+         "cache.py")
 
 
 class ByteTokenizer:

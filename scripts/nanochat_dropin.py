@@ -29,7 +29,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
 
-from nanochat.cli import run
+from nanochat.data.base.cli import run
 from nanochat.tokenizer import RustBPETokenizer
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -33,7 +33,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
 
-from nanochat.cli import run
+from nanochat.data.base.cli import run
 from nanochat.dataloader import (
     pretokenized_distributed_data_loader_bos_bestfit,
     pretokenized_distributed_data_loader_with_state_bos_bestfit,
@@ -644,8 +644,8 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     # the loaders run in this process (a worker process yields the same batches, as
-    # tests/test_worker.py checks, but costs ~2 s to start for each of the hundreds of loaders
-    # built here); NANOCHAT_LOADER_WORKERS=1 records through the worker, in ~3 minutes
+    # tests/data/loader/test_worker.py checks, but costs ~2 s to start for each of the hundreds of
+    # loaders built here); NANOCHAT_LOADER_WORKERS=1 records through the worker, in ~3 minutes
     os.environ.setdefault("NANOCHAT_LOADER_WORKERS", "0")
     print(" ".join(f"{k}={v}" for k, v in vars(args).items()))
     try:

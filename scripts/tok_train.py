@@ -14,10 +14,10 @@ import time
 
 from tqdm.contrib.logging import logging_redirect_tqdm
 
-from nanochat.cli import run
+from nanochat.data.base.cli import run
 from nanochat.common import get_base_dir
 from nanochat.dataset import find_data_dir, open_parquet, parquets_iter_batched, split_parquet_files
-from nanochat.files import progress_bar
+from nanochat.data.base.files import progress_bar
 from nanochat.tokenizer import MIN_VOCAB_SIZE, RustBPETokenizer
 
 SAMPLES = [

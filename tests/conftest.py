@@ -13,15 +13,18 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from nanochat import stores
-from nanochat.ledger import STREAM_DIR
-from nanochat.order import UnitIndex
-from nanochat.state import WindowKey, decode_keys
-from nanochat.state_checks import config_shuffle
+from nanochat.data.fetch import stores
+from nanochat.data.streaming.ledger import STREAM_DIR
+from nanochat.data.loader.order import UnitIndex
+from nanochat.data.base.state import WindowKey, decode_keys
+from nanochat.data.base.state_checks import config_shuffle
+
+TESTS = os.path.dirname(os.path.abspath(__file__))  # tests/: its workers and helpers
+REPO_ROOT = os.path.dirname(TESTS)
 
 # Most tests build a loader in this process (on threads): a worker process costs ~1.5 s to start.
-# tests/test_worker.py runs every kind of loader in one (the default) and checks it yields the
-# same batches and states. A subprocess a test starts inherits the setting.
+# tests/data/loader/test_worker.py runs every kind of loader in one (the default) and checks it
+# yields the same batches and states. A subprocess a test starts inherits the setting.
 os.environ.setdefault("NANOCHAT_LOADER_WORKERS", "0")
 
 
@@ -183,8 +186,8 @@ def ctrl_c(args: list[str], when, *, seconds: float = 60.0, **popen) -> tuple[in
 
 
 def assert_interrupted(code: int, err: str, line: str) -> None:
-    """What Ctrl-C must leave on stderr: the one line nanochat.cli.run prints, last, exit status
-    130, and no traceback (of this process or of its workers)."""
+    """What Ctrl-C must leave on stderr: the one line nanochat.data.base.cli.run prints, last,
+    exit status 130, and no traceback (of this process or of its workers)."""
     assert code == 130, (code, err)
     assert "Traceback" not in err and "KeyboardInterrupt" not in err, err
     assert [x for x in err.splitlines() if x.startswith("interrupted:")] == [line], err
@@ -277,7 +280,7 @@ def _s3_env(monkeypatch, tmp_path, endpoint):
     monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "no-aws" / "config"))
     monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "no-aws" / "credentials"))
     s3fs.S3FileSystem.clear_instance_cache()  # an instance keeps the endpoint it was made with
-    stores.forget_filesystems()  # and so do the ones nanochat.stores keeps
+    stores.forget_filesystems()  # and so do the ones nanochat.data.fetch.stores keeps
 
 
 @pytest.fixture

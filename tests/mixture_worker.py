@@ -22,7 +22,7 @@ def main():
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     if mode == "fail" and rank == 1:  # a fault on one rank only: its shard reads fail after a while
-        import nanochat.token_reader as token_reader
+        import nanochat.data.pretokenized.token_reader as token_reader
         pick, calls = token_reader.TokenShardReader.pick, [0]
 
         def failing_pick(unit, rows):

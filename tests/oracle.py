@@ -6,7 +6,7 @@ reproduce them token for token.
 
 import pyarrow.parquet as pq
 
-from nanochat.shuffle import permute, round_keys
+from nanochat.data.base.shuffle import permute, round_keys
 
 
 def document_batches(paths, tokenizer_batch_size, rank, world_size, resume=None):
@@ -41,11 +41,11 @@ def document_batches(paths, tokenizer_batch_size, rank, world_size, resume=None)
 
 def shuffled_document_batches(paths, tokenizer_batch_size, rank, world_size, seed, window):
     """The shuffled walk (shuffle=True), one element at a time: per epoch, list every row group of
-    the split in file order, take positions rank, rank + world_size, ... of the epoch's permutation
-    of them, and read their texts `window` row groups at a time, in the order that window's
-    permutation gives, cut into batches of tokenizer_batch_size; forever. The keyed permutation pi
-    itself (nanochat/shuffle.py's permute) is the one thing taken from the library: it is the
-    definition of the order."""
+    the split in file order, take positions rank, rank + world_size, ... of the epoch's
+    permutation of them, and read their texts `window` row groups at a time, in the order that
+    window's permutation gives, cut into batches of tokenizer_batch_size; forever. The keyed
+    permutation pi itself (nanochat/data/base/shuffle.py's permute) is the one thing taken from
+    the library: it is the definition of the order."""
     units = [(p, g) for p, path in enumerate(paths)
              for g in range(pq.ParquetFile(path).num_row_groups)]
     epoch = 1

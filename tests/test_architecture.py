@@ -22,23 +22,28 @@ import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PACKAGE = os.path.join(ROOT, "nanochat")
-MODULES = sorted(name[:-3] for name in os.listdir(PACKAGE)
+# every module of ours, dotted below nanochat: "dataloader", "data.loader.order", ...
+MODULES = sorted(os.path.relpath(os.path.join(folder, name), PACKAGE)[:-3].replace(os.sep, ".")
+                 for folder, _, names in os.walk(PACKAGE) for name in names
                  if name.endswith(".py") and name != "__init__.py")
 
 # The main path, from tokenizing_distributed_data_loader_with_state_bos_bestfit to a yielded batch,
 # in the order a reader walks it: the loader and its builder, the walk, tokens to rows, the pure
 # packer, the state's format, the threads that run ahead
-MAIN_PATH = ["dataloader", "order", "rows", "packing", "state", "prefetch"]
-STREAMING = ["shard_cache"]  # what stream=True adds to the path
+BY_LEAF = {module.rsplit(".", 1)[-1]: module for module in MODULES}  # "order": "data.loader.order"
+MAIN_PATH = [BY_LEAF[leaf]
+             for leaf in ("dataloader", "order", "rows", "packing", "state", "prefetch")]
+STREAMING = [BY_LEAF["cache"]]  # what stream=True adds to the path
 # what the path calls without a reader having to follow it: argument checks, file listing, the
 # shuffled order, the resume checks, the pretokenized reader, streaming's helpers
-ASIDE = {"checks", "options", "dataset", "download", "shuffle", "state_checks", "token_reader",
-         "token_shards", "common", "files", "layout", "catalog", "kept", "ledger",
-         "cache_status", "figures"}
+ASIDE = {BY_LEAF[leaf] for leaf in (
+    "checks", "options", "dataset", "download", "shuffle", "state_checks", "token_reader",
+    "token_shards", "common", "files", "layout", "catalog", "kept", "ledger", "cache_status",
+    "figures")}
 
 
 def parse(module: str) -> ast.Module:
-    with open(os.path.join(PACKAGE, module + ".py"), encoding="utf-8") as f:
+    with open(os.path.join(PACKAGE, *module.split(".")) + ".py", encoding="utf-8") as f:
         return ast.parse(f.read())
 
 
@@ -55,12 +60,16 @@ def nanochat_imports(tree: ast.Module) -> dict[str, list[str]]:
             for alias in node.names:
                 found.setdefault(alias.name, []).append("*module*")
         elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("nanochat."):
-            names = [alias.name for alias in node.names]
-            found.setdefault(node.module.split(".")[1], []).extend(names)
+            package = node.module.split(".", 1)[1]
+            for alias in node.names:  # from nanochat.data.fetch import download: a module
+                if f"{package}.{alias.name}" in MODULES:
+                    found.setdefault(f"{package}.{alias.name}", []).append("*module*")
+                else:
+                    found.setdefault(package, []).append(alias.name)
         elif isinstance(node, ast.Import):
             for alias in node.names:
                 if alias.name.startswith("nanochat."):
-                    found.setdefault(alias.name.split(".")[1], []).append("*module*")
+                    found.setdefault(alias.name.split(".", 1)[1], []).append("*module*")
     return found
 
 
@@ -71,8 +80,8 @@ def names_imported_from_us(tree: ast.Module) -> set[str]:
 
 
 def test_the_package_has_the_modules_this_test_reads():
-    assert set(MAIN_PATH + STREAMING) | {"state_checks", "elastic", "resume", "token_reader",
-                                         "token_shards", "pretokenize", "mixture"} <= set(MODULES)
+    assert {"state_checks", "elastic", "resume", "token_reader", "token_shards", "pretokenize",
+            "mixture", "order", "rows", "packing", "state", "prefetch", "cache"} <= set(BY_LEAF)
 
 
 @pytest.mark.parametrize("module", MODULES)
@@ -147,9 +156,10 @@ def test_each_module_says_what_it_may_import_and_keeps_to_it(module):
     match = re.search(r"^May import:(.*?)(?:\n\n|\Z)", doc, re.M | re.S)
     assert match, f"{module}.py: its docstring has no 'May import: ...' paragraph"
     # "never nanochat.x" names what it may not import
-    allowed = set(re.findall(r"nanochat\.(\w+)", re.split(r"\bnever\b", match.group(1))[0]))
-    used = set(nanochat_imports(tree)) - {module}
-    assert used <= allowed, (f"{module}.py imports {sorted(used - allowed)}, which its docstring "
+    allowed = set(re.findall(r"nanochat\.([\w.]*\w)", re.split(r"\bnever\b", match.group(1))[0]))
+    used = {other for other in set(nanochat_imports(tree)) - {module}
+            if not any(other == a or other.startswith(a + ".") for a in allowed)}
+    assert not used, (f"{module}.py imports {sorted(used)}, which its docstring "
                              "does not allow")
 
 
@@ -157,12 +167,15 @@ def test_the_loaders_never_reach_up():
     """The stage modules never import the modules that compose them, and the resume state knows
     nothing of mixtures (the layering the docstrings state, checked once more as a whole)."""
     graph = {module: set(nanochat_imports(parse(module))) for module in MODULES}
-    tops = {"dataloader", "mixture", "mixture_state", "curriculum", "pretokenize", "resume"}
-    for module in ("order", "token_reader", "rows", "packing", "state", "state_checks", "elastic",
-                   "prefetch", "token_shards", "options", "files", "checks"):
+    tops = {BY_LEAF[leaf] for leaf in ("dataloader", "mixture", "mixture_state", "curriculum",
+                                       "pretokenize", "resume")}
+    for module in map(BY_LEAF.get, ("order", "token_reader", "rows", "packing", "state",
+                                    "state_checks", "elastic", "prefetch", "token_shards",
+                                    "options", "files", "checks")):
         assert not graph[module] & tops, f"{module}.py imports {sorted(graph[module] & tops)}"
-    mixtures = {"mixture", "mixture_state", "curriculum"}
-    for module in ("state", "state_checks", "elastic", "dataloader"):  # none knows of mixtures
+    mixtures = {BY_LEAF[leaf] for leaf in ("mixture", "mixture_state", "curriculum")}
+    # none knows of mixtures
+    for module in map(BY_LEAF.get, ("state", "state_checks", "elastic", "dataloader")):
         found = sorted(graph[module] & mixtures)
         assert not found, f"{module}.py imports {found}"
 
@@ -177,7 +190,8 @@ def test_the_main_path_is_a_few_rooms_named_in_the_walk():
     text = read(os.path.join("docs", "ARCHITECTURE.md"))
     assert "## The main path" in text, "docs/ARCHITECTURE.md has no '## The main path' section"
     walk = text[text.index("## The main path"):]
-    unnamed = [module for module in MAIN_PATH + STREAMING if f"`{module}.py`" not in walk]
+    unnamed = [module for module in MAIN_PATH + STREAMING
+               if f"`{module.rsplit('.', 1)[-1]}.py`" not in walk]
     assert not unnamed, f"docs/ARCHITECTURE.md's walk of the main path does not name {unnamed}"
 
 
@@ -225,8 +239,10 @@ def test_no_name_is_imported_only_to_be_shown_here(module):
 # -----------------------------------------------------------------------------
 # Habits a reader relies on
 
-SOURCES = sorted(os.path.join(folder, name) for folder in ("nanochat", "scripts", "tests")
-                 for name in os.listdir(os.path.join(ROOT, folder)) if name.endswith(".py"))
+SOURCES = sorted(os.path.relpath(os.path.join(folder, name), ROOT)
+                 for top in ("nanochat", "scripts", "tests")
+                 for folder, _, names in os.walk(os.path.join(ROOT, top))
+                 for name in names if name.endswith(".py"))
 # words about the project's past, and the names of modules, classes and files that are gone
 HISTORY = re.compile(r"(?i:\bseeds'|\bthe seeds\b|\bseed 00\d|before that change|\bpreviously\b|"
                      r"\bold (logger|module|name|place)|before the move|\bused to be\b)|"
@@ -298,12 +314,14 @@ def test_internal_functions_take_at_most_6_positional_parameters(module):
 
 
 def test_one_integer_validator():
-    """Integer checks go through nanochat.checks (is_int, check_int): no module writes its own."""
+    """Integer checks go through nanochat.data.base.checks (is_int, check_int): no module writes
+    its own."""
     own = re.compile(r"isinstance\([^)]*\bbool\b")
-    found = [f"nanochat/{module}.py:{n}" for module in MODULES if module != "checks"
-             for n, line in enumerate(read(f"nanochat/{module}.py").splitlines(), 1)
+    paths = [os.path.join("nanochat", *module.split(".")) + ".py" for module in MODULES
+             if module != BY_LEAF["checks"]]
+    found = [f"{path}:{n}" for path in paths for n, line in enumerate(read(path).splitlines(), 1)
              if own.search(line) and "int" in line and "float" not in line]  # numbers may be floats
-    assert not found, f"hand-written integer checks (use nanochat.checks): {found}"
+    assert not found, f"hand-written integer checks (use nanochat.data.base.checks): {found}"
 
 
 @pytest.mark.parametrize("path", [p for p in SOURCES if not p.startswith("nanochat")])
@@ -316,7 +334,8 @@ def test_scripts_and_tests_import_names_that_exist(path):
             module = __import__(node.module, fromlist=["*"])
             missing += [f"{node.module}.{alias.name}" for alias in node.names
                         if not hasattr(module, alias.name)
-                        and not os.path.exists(os.path.join(ROOT, "nanochat", alias.name + ".py"))]
+                        and not os.path.exists(os.path.join(ROOT, *node.module.split("."),
+                                                            alias.name + ".py"))]
         elif isinstance(node, ast.Import):
             missing += [alias.name for alias in node.names if alias.name.startswith("nanochat.")
                         and not os.path.exists(os.path.join(ROOT, *alias.name.split(".")) + ".py")]

@@ -2,10 +2,9 @@
 Ctrl-C on a command line: one line on stderr that says what stopped and what a rerun does, exit
 status 130, never a traceback; and nothing is lost: a rerun ends with the bytes of a run never
 stopped. Every command line (`python -m nanochat.X`, `python -m scripts.X`) ends through
-nanochat.cli.run; the download and repackage are stopped here for real, by SIGINT to their process
-group, as a terminal sends it (pretokenize: tests/test_pretokenize.py; serve:
-tests/test_own_shards.py).
-Run: python -m pytest tests/test_ctrl_c.py -q   (about 20 s)
+nanochat.data.base.cli.run; the download and repackage are stopped here for real, by SIGINT to their
+process group, as a terminal sends it (pretokenize: tests/test_pretokenize.py; serve:
+tests/data/fetch/test_own_shards.py). Run: python -m pytest tests/test_ctrl_c.py -q   (about 20 s)
 """
 
 import ast
@@ -19,12 +18,12 @@ import pytest
 
 from conftest import assert_interrupted, ctrl_c, write_shard
 from nanochat.dataset import interrupted, list_parquet_files
-from nanochat.serve import ShardServer, Throttle
+from nanochat.data.fetch.serve import ShardServer, Throttle
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # the one command line that is not a person's: the loader's worker process, which ignores Ctrl-C
 # (its trainer decides, and closes it)
-NOT_COMMANDS = {"nanochat/prefetch.py"}
+NOT_COMMANDS = {"nanochat/data/loader/prefetch.py"}
 
 
 def _commands() -> list[str]:
@@ -48,9 +47,9 @@ def test_every_command_line_ends_through_cli_run(path):
     called = _calls([block])
     # run() itself, or a function of the module that calls it (pretokenize's command())
     called |= _calls([functions[name] for name in called if name in functions])
-    assert "run" in called, f"{path}'s __main__ does not end through nanochat.cli.run"
+    assert "run" in called, f"{path}'s __main__ does not end through nanochat.data.base.cli.run"
     imported = {alias.name for node in tree.body if isinstance(node, ast.ImportFrom)
-                and node.module == "nanochat.cli" for alias in node.names}
+                and node.module == "nanochat.data.base.cli" for alias in node.names}
     assert "run" in imported
     # and nothing else at the top of the module takes the name: a def run() of its own would be
     # what __main__ calls
@@ -59,14 +58,14 @@ def test_every_command_line_ends_through_cli_run(path):
               or isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id == "run"
                                                       for t in node.targets)
               or isinstance(node, (ast.Import, ast.ImportFrom))
-              and getattr(node, "module", None) != "nanochat.cli"
+              and getattr(node, "module", None) != "nanochat.data.base.cli"
               and any((alias.asname or alias.name) == "run" for alias in node.names)]
-    assert not others, f"{path} binds run again at line(s) {others}, hiding nanochat.cli.run"
+    assert not others, f"{path} binds run again at line(s) {others}, hiding cli.run"
 
 
 RUN = """
 import sys, time
-from nanochat.cli import run
+from nanochat.data.base.cli import run
 
 def main():
     open(sys.argv[1], "w").close()  # under way

@@ -1,6 +1,6 @@
 """
 Tests for nanochat/dataset.py: datasets, listing, splitting and reading shards; repackage.
-The downloader and its CLI are tested in tests/test_download.py.
+The downloader and its CLI are tested in tests/data/fetch/test_download.py.
 Hermetic: no internet, tiny shards in tmp_path. Run:
     python -m pytest tests/test_dataset.py -q
 """

@@ -23,14 +23,14 @@ import pytest
 import torch
 
 from conftest import write_shards
-from nanochat.curriculum import list_buckets
+from nanochat.data.mixtures.curriculum import list_buckets
 from nanochat.dataloader import (pretokenized_distributed_data_loader_with_state_bos_bestfit,
                                  tokenizing_distributed_data_loader_with_state_bos_bestfit)
 from nanochat.dataset import list_parquet_files, main as dataset_main, split_parquet_files
-from nanochat.mixture_state import mixture_start
+from nanochat.data.mixtures.mixture_state import mixture_start
 from nanochat.resume import merge_states
-from nanochat.token_reader import shard_paths
-from nanochat.token_shards import write_token_shard
+from nanochat.data.pretokenized.token_reader import shard_paths
+from nanochat.data.pretokenized.token_shards import write_token_shard
 from nanochat.tokenizer import RustBPETokenizer, get_tokenizer
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -20,11 +20,11 @@ import pytest
 import torch
 
 from conftest import worker_env
-from nanochat.curriculum import bucket_shares, rank_shares
+from nanochat.data.mixtures.curriculum import bucket_shares, rank_shares
 from nanochat.mixture import (BucketExhausted, CurriculumComplete, load_curriculum,
                               main as mixture_main,
                               pretokenized_mixture_loader_with_state_bos_bestfit as MIX, validate)
-from nanochat.token_shards import write_token_shard
+from nanochat.data.pretokenized.token_shards import write_token_shard
 from nanochat.resume import merge_states
 
 BOS = 1

@@ -15,7 +15,7 @@ import sys
 import pytest
 
 from conftest import write_shards
-from nanochat.files import progress_bar
+from nanochat.data.base.files import progress_bar
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -143,7 +143,8 @@ def test_the_commands_are_all_there():
 @pytest.mark.parametrize("command", _commands())
 def test_help_names_the_command_as_it_is_run(command, capsys):
     module = importlib.import_module(command)
-    main = getattr(module, "main", None) or importlib.import_module("nanochat.curriculum").main
+    main = (getattr(module, "main", None)
+            or importlib.import_module("nanochat.data.mixtures.curriculum").main)
     with pytest.raises(SystemExit) as info:
         main(["--help"])
     assert info.value.code == 0

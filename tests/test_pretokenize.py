@@ -30,7 +30,8 @@ from hypothesis import strategies as st
 from conftest import assert_interrupted, ctrl_c, worker_env, write_shards
 from nanochat import pretokenize
 from nanochat.pretokenize import INTERRUPTED, main, window_document, window_gpt_simple
-from nanochat.token_shards import MAGIC, VERSION, TokenShard, list_token_shards, write_token_shard
+from nanochat.data.pretokenized.token_shards import (MAGIC, VERSION, TokenShard, list_token_shards,
+                                                     write_token_shard)
 from nanochat.tokenizer import RustBPETokenizer
 
 BOS = 9  # a stand-in BOS id for the format and windowing tests

@@ -43,11 +43,11 @@ from nanochat.dataloader import (
 from nanochat.dataset import split_parquet_files
 from nanochat.mixture import MixtureStop
 from nanochat.mixture import pretokenized_mixture_loader_with_state_bos_bestfit as MIX
-from nanochat.token_shards import write_token_shard
-from nanochat.mixture_state import add_mixture_checksum
-from nanochat.order import UnitIndex
+from nanochat.data.pretokenized.token_shards import write_token_shard
+from nanochat.data.mixtures.mixture_state import add_mixture_checksum
+from nanochat.data.loader.order import UnitIndex
 from nanochat.resume import merge_states
-from nanochat.state import decode_keys, decode_plan, add_checksum
+from nanochat.data.base.state import decode_keys, decode_plan, add_checksum
 
 BESTFIT = tokenizing_distributed_data_loader_with_state_bos_bestfit
 CONCAT = tokenizing_distributed_data_loader_with_state

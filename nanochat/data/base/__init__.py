@@ -1,0 +1,6 @@
+"""
+The ground floor: pure pieces every stage uses. Best-fit packing, the resume state's format and its
+checks, the seeded shuffle, integer checks, atomic files, the command-line ending.
+
+May import: the standard library, numpy, tqdm; nothing of ours outside base/.
+"""

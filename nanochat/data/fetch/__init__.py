@@ -1,0 +1,6 @@
+"""
+Bytes from a source to a file on disk that is complete and verified: HTTP, object stores through
+fsspec, the sidecar records, and `serve`, a local server of shards.
+
+May import: nanochat.data.base.
+"""

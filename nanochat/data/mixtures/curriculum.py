@@ -1,0 +1,450 @@
+"""
+Curricula and buckets: what a mixture reads (GPT-Simple's layout and rules). A curriculum is an
+ordered list of phases, each a token budget and a mix of bucket weights; buckets are the
+subdirectories of a pretokenized data directory. validate() sets the tokens each phase demands of
+each bucket against what the buckets (and each rank's share of them) hold, less the estimated crop;
+row_unit() and choose() pick the bucket of each row of each rank. `python -m nanochat.mixture
+validate` is main() below; the loader itself is mixture.py.
+
+Design: docs/mixtures.md
+
+May import: nanochat.data.base.checks, nanochat.data.base.cli,
+nanochat.data.pretokenized.token_shards, nanochat.data.base.shuffle,
+nanochat.data.pretokenized.layout, nanochat.data.base.packing, pyyaml, numpy.
+"""
+
+import argparse
+import hashlib
+import json
+import math
+import os
+import sys
+import warnings
+from typing import NamedTuple
+
+import numpy as np
+import yaml
+
+from nanochat.data.base.checks import is_int
+from nanochat.data.base.cli import run
+from nanochat.data.pretokenized.layout import check_kind
+from nanochat.data.base.packing import POLICIES
+from nanochat.data.base.shuffle import Shuffle
+from nanochat.data.pretokenized.token_shards import TokenShard, list_token_shards
+
+# the golden ratio's fractional part: the most evenly spread steps on [0, 1)
+PHI = (math.sqrt(5) - 1) / 2
+
+
+class Phase(NamedTuple):
+    tokens: int  # tokens the whole job trains in this phase
+    mix: dict  # bucket -> weight, normalised to sum to 1
+
+
+# -----------------------------------------------------------------------------
+# Curricula and buckets
+
+
+def list_buckets(data_dir: str, split: str) -> dict[str, list[str]]:
+    """bucket name -> its .bin paths, for every subdirectory of data_dir/split holding .bin/.idx
+    pairs. When there is none: ValueError if data_dir holds another kind of data (parquet shards, a
+    plain pretokenize output, ...), else FileNotFoundError."""
+    data_dir = os.path.expanduser(os.fspath(data_dir))
+    split_dir = os.path.join(data_dir, split)
+    buckets = {}
+    for name in sorted(os.listdir(split_dir)) if os.path.isdir(split_dir) else []:
+        if os.path.isdir(os.path.join(split_dir, name)):
+            paths = [prefix + ".bin" for prefix in list_token_shards(os.path.join(split_dir, name))]
+            if paths:  # an empty directory is no bucket: a mix naming it fails by name
+                buckets[name] = paths
+    if buckets:
+        return buckets
+    check_kind(data_dir, "buckets")  # another kind of data: a ValueError that says which
+    command = f"python -m nanochat.pretokenize --input ... --output {data_dir} --bucket NAME"
+    if not os.path.isdir(split_dir):
+        raise FileNotFoundError(f"{split_dir} does not exist: buckets are subdirectories "
+                                f"{split_dir}/<bucket>/ of .bin/.idx pairs; write each with "
+                                f"{command}")
+    raise FileNotFoundError(f"no bucket in {split_dir}: expected subdirectories with .bin/.idx "
+                            f"pairs; write each with {command}")
+
+
+def load_curriculum(spec, buckets=None) -> list[Phase]:
+    """A curriculum from a YAML/JSON file path, a list of phases, or a dict with a "curriculum" list
+    (GPT-Simple's config shape, also under "data"). Each phase: {"tokens": n, "mix": {bucket:
+    weight}}. Weights that do not sum to 1 are normalised with a warning; an unknown bucket (when
+    `buckets` is given), a negative weight, an empty mix or a bad token count is a ValueError naming
+    the phase."""
+    source = "curriculum"
+    if isinstance(spec, (str, os.PathLike)):
+        path = source = os.path.expanduser(os.fspath(spec))
+        if not os.path.isfile(path):
+            raise FileNotFoundError(f"curriculum file {path} does not exist")
+        with open(path) as f:
+            text = f.read()
+        try:  # JSON is YAML too, but its own parser gives the better message for a .json file
+            spec = json.loads(text) if path.endswith(".json") else yaml.safe_load(text)
+        except (ValueError, yaml.YAMLError) as e:
+            kind = "JSON" if path.endswith(".json") else "YAML"
+            raise ValueError(f"{path} is not valid {kind}: {e}") from None
+    if isinstance(spec, dict):
+        if "curriculum" not in spec and isinstance(spec.get("data"), dict):
+            spec = spec["data"]  # GPT-Simple's config: data: {curriculum: [...]}
+        if "curriculum" not in spec:
+            raise ValueError(f"{source}: expected a list of phases, or a mapping with a "
+                             "'curriculum' list")
+        spec = spec["curriculum"]
+    if not isinstance(spec, (list, tuple)) or not spec:
+        raise ValueError(f"{source}: the curriculum must be a non-empty list of phases, got "
+                         f"{spec!r}")
+    phases = []
+    for i, phase in enumerate(spec, 1):
+        where = f"curriculum phase {i}"  # every message names the phase, counted from 1
+        if not isinstance(phase, dict):
+            raise ValueError(f"{where}: expected a mapping with 'tokens' and 'mix', got {phase!r}")
+        unknown_keys = set(phase) - {"tokens", "duration_tokens", "mix"}
+        if unknown_keys:
+            raise ValueError(f"{where}: unknown keys {sorted(unknown_keys)} (a phase has 'tokens' "
+                             "and 'mix')")
+        tokens = phase.get("tokens", phase.get("duration_tokens"))  # GPT-Simple's name too
+        if isinstance(tokens, float) and tokens.is_integer():  # YAML reads 5e9 as a float
+            tokens = int(tokens)
+        # is_int, not check_int: the message names the phase and says "positive"
+        if not is_int(tokens) or tokens < 1:
+            raise ValueError(f"{where}: 'tokens' must be a positive integer, got {tokens!r}")
+        mix = phase.get("mix")
+        if not isinstance(mix, dict) or not mix:
+            raise ValueError(f"{where}: empty mix; give {{bucket: weight, ...}}")
+        for name, weight in mix.items():
+            if buckets is not None and name not in buckets:
+                raise ValueError(f"{where}: unknown bucket {name!r} (buckets: "
+                                 f"{', '.join(sorted(buckets))})")
+            # a weight is any finite number; True would slip through as 1
+            if (isinstance(weight, bool) or not isinstance(weight, (int, float))
+                    or not math.isfinite(weight)):
+                raise ValueError(f"{where}: weight of {name!r} must be a number, got {weight!r}")
+            if weight < 0:
+                raise ValueError(f"{where}: weight of {name!r} is {weight}; weights must be >= 0")
+        total = sum(mix.values())
+        if total <= 0:
+            raise ValueError(f"{where}: every weight is 0; give at least one bucket a positive "
+                             "weight")
+        if abs(total - 1) > 1e-9:  # 1e-9: 0.7 + 0.1 + 0.1 + 0.1 is not exactly 1 in floats
+            warnings.warn(f"{where}: weights sum to {total:g}, normalised to 1", stacklevel=2)
+        # sorted and without zero weights: the mix's order decides choose(), whatever the file's
+        phases.append(Phase(tokens, {name: mix[name] / total for name in sorted(mix)
+                                     if mix[name] > 0}))
+    return phases
+
+
+class Shares(NamedTuple):
+    """What each rank reads of a bucket: its entry tokens, and those its rows can take."""
+    tokens: list[int]
+    usable: list[int]  # after the estimated crop (bucket_shares)
+
+
+def _chunk_sums(offsets: np.ndarray, chunk_size: int) -> np.ndarray:
+    """Tokens per chunk of a file's entries, from its offsets."""
+    starts = np.arange(0, len(offsets) - 1, chunk_size)
+    # the last chunk of a file may be shorter: its end is the file's last offset
+    return offsets[np.minimum(starts + chunk_size, len(offsets) - 1)] - offsets[starts]
+
+
+def _deal(chunks: list[np.ndarray], world_size: int, shuffle: Shuffle | None) -> list[int]:
+    """Tokens per rank of per-file chunk sums: chunks rank, rank + W, ... of every file; shuffled:
+    of the first epoch's permutation of all chunks."""
+    if shuffle:
+        tokens = np.concatenate(chunks) if chunks else np.zeros(0, dtype=np.int64)
+        return [int(tokens[shuffle.units(1, len(tokens), rank, world_size)].sum())
+                for rank in range(world_size)]
+    return [sum(int(c[rank::world_size].sum()) for c in chunks) for rank in range(world_size)]
+
+
+def bucket_shares(paths: list[str], chunk_size: int, world_size: int, shuffle: Shuffle | None,
+                  T: int | None, long_doc_policy: str) -> Shares:
+    """Tokens each rank reads of a bucket, and an estimate of those its rows can take, from the .idx
+    files only (one read each). Under "crop" a document longer than a row (T+1 tokens) keeps one
+    row's worth at most: its tail is cropped away. Shorter documents are counted whole, though
+    best-fit crops some of them too, so `usable` is an upper bound on what rows take (and the
+    estimate a lower bound on the crop). "split" and "split_reuse" use every token (their added BOS
+    and repeated overlap are not counted); so does an unknown T."""
+    capacity = T + 1 if T and long_doc_policy == "crop" else None
+    tokens, usable = [], []
+    for path in paths:
+        offsets = TokenShard(path).offsets  # the index only: the tokens stay unread
+        tokens.append(_chunk_sums(offsets, chunk_size))
+        if capacity is not None:  # the offsets of the entries cut to one row each
+            kept = np.concatenate(([0], np.cumsum(np.minimum(np.diff(offsets), capacity))))
+            usable.append(_chunk_sums(kept, chunk_size))
+    shares = _deal(tokens, world_size, shuffle)
+    return Shares(shares, _deal(usable, world_size, shuffle) if capacity is not None else shares)
+
+
+def rank_shares(paths: list[str], chunk_size: int, world_size: int,
+                shuffle: Shuffle | None = None) -> list[int]:
+    """Tokens each rank reads of a bucket (chunks rank, rank + W, ... of every file; shuffled: of
+    the first epoch's permutation of all chunks), from the .idx files only. With world_size 1: the
+    bucket's size."""
+    return bucket_shares(paths, chunk_size, world_size, shuffle, None, "crop").tokens
+
+
+MORE_DATA = "give the bucket a lower weight or more data"  # the fix when cropping is not the cause
+
+
+def dry_fixes(T: int | None, long_doc_policy: str) -> str:
+    """What to do about a bucket that runs dry (validate's and BucketExhausted's messages end with
+    it)."""
+    fixes = [MORE_DATA]
+    if long_doc_policy == "crop":  # the crop is what a split policy or windows save
+        window = T + 1 if T else "T+1"
+        fixes[:0] = ['long_doc_policy="split" (long documents in pieces, not cropped)',
+                     f"pretokenize the bucket in windows (--max-length {window})"]
+    return "; or ".join(fixes)
+
+
+class _Supply(NamedTuple):
+    """A bucket's tokens against what it must supply: all ranks, and the smallest rank's share."""
+    available: int  # entry tokens, all ranks
+    smallest: int  # the smallest rank's share of them
+    usable: int  # what rows can take, after the estimated crop (bucket_shares)
+    smallest_usable: int
+    crop_share: float | None  # the estimated crop, 1 - usable / available; None: no T
+
+    def short(self, demand: float, world_size: int, usable: bool) -> bool:
+        """Whether demand (all ranks) is more than the bucket holds (usable: more than its rows can
+        take). Every rank draws about 1/W of the demand, so the smallest share runs dry first."""
+        total, smallest = ((self.usable, self.smallest_usable) if usable
+                           else (self.available, self.smallest))
+        return demand > total or demand / world_size > smallest
+
+
+def validate(curriculum, data_dir: str, split: str = "train", *, total_tokens: int | None = None,
+             allow_bucket_exhaustion: bool = False, allow_budget_mismatch: bool = False,
+             T: int | None = None, world_size: int = 1, chunk_size: int = 1024,
+             step_tokens: int = 0, shuffle: Shuffle | None = None, long_doc_policy: str = "crop",
+             strict: bool = False) -> tuple[list[dict], list[str], list[str]]:
+    """Tokens demanded versus available, per phase and bucket. Returns (rows, problems, warnings):
+    problems block a run (a predicted shortfall, a budget mismatch), warnings do not (the same under
+    their allow_* flag).
+    - Demand counts trained tokens; with T given, a row of T+1 tokens per T trained.
+    - With T given, under long_doc_policy="crop", each bucket's crop is estimated (bucket_shares).
+      A bucket whose tokens cover the demand but whose usable tokens do not is a warning, once per
+      bucket, naming the step where it runs dry (with step_tokens) and the fixes; strict=True makes
+      it a problem (unless allow_bucket_exhaustion).
+    - With world_size W, each rank reads only its chunks of a bucket and draws about 1/W of the
+      demand: the smallest rank share must cover demand / W.
+    - total_tokens (what the run trains): a mismatch with the curriculum's total of one step
+      (step_tokens) or more is a budget mismatch; accepted, a longer run extends the last phase, and
+      its demand counts.
+    - shuffle: the loader's order (each bucket's own, by its name), which deals other chunks to each
+      rank."""
+    if long_doc_policy not in POLICIES:
+        raise ValueError(f"long_doc_policy must be one of {POLICIES}, got {long_doc_policy!r}")
+    buckets = list_buckets(data_dir, split)
+    loaded = isinstance(curriculum, list) and all(isinstance(p, Phase) for p in curriculum)
+    phases = curriculum if loaded else load_curriculum(curriculum, buckets)
+    supply = {}
+    for name, paths in buckets.items():
+        shares, usable = bucket_shares(paths, chunk_size, world_size,
+                                       shuffle and shuffle.bucket(name), T, long_doc_policy)
+        crop = 1 - sum(usable) / max(1, sum(shares)) if T else None
+        supply[name] = _Supply(sum(shares), min(shares), sum(usable), min(usable), crop)
+    scale = (T + 1) / T if T else 1.0  # a row of T + 1 tokens trains T: the last is a target only
+    total = sum(p.tokens for p in phases)
+    budgets = [p.tokens for p in phases]
+    rows, problems, notes = [], [], []
+    # within one step is no mismatch: a run trains whole steps
+    if total_tokens is not None and abs(total_tokens - total) >= max(1, step_tokens):
+        message = (f"budget mismatch: the curriculum totals {total:,} tokens, the run will train "
+                   f"{total_tokens:,}")
+        (notes if allow_budget_mismatch else problems).append(message)
+        if allow_budget_mismatch and total_tokens > total:
+            budgets[-1] += total_tokens - total  # the last phase goes on
+    demanded: dict[str, float] = dict.fromkeys(buckets, 0.0)
+    told: dict[str, str] = {}  # bucket -> the status its message told ("SHORT" or "CROP")
+    phase_start = 0  # job tokens trained before the phase
+    for i, (phase, budget) in enumerate(zip(phases, budgets), 1):
+        for name, weight in phase.mix.items():
+            s = supply[name]
+            demand = budget * weight * scale
+            demanded[name] += demand  # a bucket is read once across phases: demand accumulates
+            short = s.short(demanded[name], world_size, usable=False)
+            dry = short or s.short(demanded[name], world_size, usable=True)
+            status = "SHORT" if short else "CROP" if dry else "ok"
+            rows.append({"phase": i, "bucket": name, "weight": weight, "demanded": round(demand),
+                         "demanded_so_far": round(demanded[name]), "available": s.available,
+                         "smallest_rank_share": s.smallest, "usable": s.usable,
+                         "smallest_rank_usable": s.smallest_usable, "crop_share": s.crop_share,
+                         "status": status})
+            if not dry or told.get(name) in (status, "SHORT"):
+                continue  # once per bucket and kind: demand only grows
+            told[name] = status
+            # where it runs dry: the job token at which the demand passes what rows can take
+            can_take = min(s.usable, world_size * s.smallest_usable)
+            before = demanded[name] - demand  # demand of the earlier phases
+            dry_at = phase_start + max(0.0, can_take - before) / (weight * scale)
+            message = _dry_message(i, name, demanded[name], s, short, world_size=world_size, T=T,
+                                   long_doc_policy=long_doc_policy,
+                                   when=_when(dry_at, step_tokens, sum(budgets)))
+            blocking = (short or strict) and not allow_bucket_exhaustion
+            (problems if blocking else notes).append(message)
+        phase_start += budget
+    return rows, problems, notes
+
+
+def _when(dry_at: float, step_tokens: int, total: int) -> str:
+    """Where a bucket runs dry: "step N of M" (1-based), or the job tokens when the step is
+    unknown."""
+    if not step_tokens:
+        return f"after about {dry_at:,.0f} tokens of the job's {total:,}"
+    steps = -(-total // step_tokens)  # a step trained from below the total is the last one
+    # step k trains job tokens [(k - 1) S, k S): the first whose demand passes the supply
+    # (1e-9: 39,600 tokens at 396 a step is the end of step 100, not 99.99...)
+    step = int(dry_at / step_tokens + 1e-9) + 1
+    return f"at about step {min(steps, step):,} of {steps:,}"
+
+
+def _dry_message(phase: int, name: str, demanded: float, s: _Supply, short: bool, *,
+                 world_size: int, T: int | None, long_doc_policy: str, when: str) -> str:
+    """validate's message for a bucket that runs dry: where, the tokens, the crop, the fixes.
+    short: it lacks entry tokens, not only usable ones (less cropping would not be enough)."""
+    where = (f"{s.available:,} available" if world_size == 1 else
+             f"{s.available:,} available, the smallest of {world_size} ranks' shares is "
+             f"{s.smallest:,}")
+    message = (f"phase {phase}: bucket {name!r} runs dry {when}: {demanded:,.0f} tokens demanded "
+               f"by the end of the phase, {where}")
+    # (the crop, unless it is too small to matter to a bucket short of tokens)
+    if long_doc_policy == "crop" and s.crop_share is not None and (
+            not short or s.crop_share >= 0.005):
+        usable = (f"{s.usable:,}" if world_size == 1 else
+                  f"{s.usable:,} (the smallest rank's {s.smallest_usable:,})")
+        message += (f"; rows can take about {usable} of them: an estimated crop share of "
+                    f"{s.crop_share:.2f} (long_doc_policy={long_doc_policy!r}, T={T})")
+    return f"{message}; fixes: {MORE_DATA if short else dry_fixes(T, long_doc_policy)}"
+
+
+def _unit(seed: int, phase: int, generation: int) -> float:
+    """The job's pseudo-random starting point on [0, 1) for a phase (blake2b of the three
+    numbers)."""
+    # blake2b, not hash(): the same on every rank and run (str hashes are salted per process)
+    digest = hashlib.blake2b(f"{seed}:{phase}:{generation}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") / 2**64
+
+
+def row_unit(seed: int, phase: int, generation: int, position: int, rank: int,
+             world_size: int) -> float:
+    """Where row `position` of `rank` in a phase falls on [0, 1): the job's rows share one
+    golden-ratio sequence, indexed position * world_size + rank, so the rows of any run of
+    consecutive steps (all ranks together) are one contiguous stretch of it, and the job's mix is
+    as even as one rank's."""
+    return (_unit(seed, phase, generation) + (position * world_size + rank) * PHI) % 1.0
+
+
+def choose(weights: list[tuple[str, float]], u: float) -> str:
+    """The bucket whose slice of [0, 1) holds u (weights in order, summing to 1)."""
+    edge = 0.0
+    for name, weight in weights:
+        edge += weight
+        if u < edge:
+            return name
+    return weights[-1][0]  # u within rounding of 1
+
+
+# -----------------------------------------------------------------------------
+# python -m nanochat.mixture validate CONFIG --data PATH [--tokens N]
+
+
+def _positive(text: str) -> int:
+    value = int(text.replace("_", ""))  # 5_000_000 reads as in Python and YAML
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
+    return value
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m nanochat.mixture",
+                                     description="Check a curriculum against the buckets on disk.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    check = sub.add_parser(
+        "validate", help="tokens demanded vs available per phase and bucket; exit 1 on a blocking "
+                         "problem",
+        description="Check a curriculum against the pretokenized buckets in --data before a run. "
+                    "Prints, per phase and bucket, the tokens the phase demands, those the bucket "
+                    "holds (and the smallest rank's share, with --world-size), and with --T what "
+                    "cropping long documents costs. A bucket that runs dry or a --tokens budget "
+                    "the phases do not add up to is a blocking problem (the --allow-* flags make "
+                    "it a warning). Exits 0 when there is none, 1 when there is one, 2 on bad "
+                    "input.")
+    check.add_argument("config", help="curriculum file (.yaml/.yml/.json): a list of phases or "
+                                      "{curriculum: [...]}")
+    check.add_argument("--data", required=True,
+                       help="the data directory holding <split>/<bucket>/ shards")
+    check.add_argument("--split", default="train", choices=["train", "val"])
+    check.add_argument("--tokens", type=_positive, default=None,
+                       help="tokens the run will train (all ranks)")
+    check.add_argument("--T", type=_positive, default=None,
+                       help="the loader's T: a row of T+1 tokens trains T")
+    check.add_argument("--B", type=_positive, default=None,
+                       help="the loader's B (with --T: the step, the budget's tolerance)")
+    check.add_argument("--world-size", type=_positive, default=1,
+                       help="ranks: each must hold its share (default 1)")
+    check.add_argument("--chunk-size", type=_positive, default=1024,
+                       help="the loader's chunk_size (default 1024)")
+    check.add_argument("--long-doc-policy", default="crop", choices=POLICIES,
+                       help="the loader's long_doc_policy (default crop: with --T, each bucket's "
+                            "crop is estimated)")
+    check.add_argument("--strict", action="store_true",
+                       help="a bucket that the estimated crop runs dry is an error, not a warning")
+    check.add_argument("--shuffle", action="store_true",
+                       help="the loader shuffles (shuffle=True): ranks get other chunks")
+    check.add_argument("--seed", type=int, default=0,
+                       help="the loader's seed (with --shuffle; default 0)")
+    check.add_argument("--shuffle-window", type=_positive, default=8,
+                       help="the loader's shuffle_window (default 8)")
+    check.add_argument("--allow-bucket-exhaustion", action="store_true",
+                       help="a predicted shortfall only warns")
+    check.add_argument("--allow-budget-mismatch", action="store_true",
+                       help="a budget mismatch only warns")
+    return parser
+
+
+def main(argv=None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        # one step of all ranks: the budget's tolerance (0 without --B and --T: exact)
+        step = args.B * args.T * args.world_size if args.B and args.T else 0
+        rows, problems, notes = validate(
+            args.config, args.data, args.split, total_tokens=args.tokens,
+            allow_bucket_exhaustion=args.allow_bucket_exhaustion,
+            allow_budget_mismatch=args.allow_budget_mismatch, T=args.T,
+            world_size=args.world_size, chunk_size=args.chunk_size, step_tokens=step,
+            shuffle=Shuffle(args.seed, args.shuffle_window) if args.shuffle else None,
+            long_doc_policy=args.long_doc_policy, strict=args.strict)
+    except (ValueError, OSError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    per_rank = args.world_size > 1  # the column only means something with several ranks
+    print(f"{'phase':>5s}  {'bucket':16s} {'weight':>7s} {'demanded':>16s} "
+          f"{'demanded so far':>16s} {'available':>16s}"
+          + (f" {'smallest rank share':>20s}" if per_rank else "")
+          + f" {'usable':>16s} {'crop':>5s}  status")
+    for r in rows:
+        crop = "-" if r["crop_share"] is None else f"{r['crop_share']:.2f}"
+        print(f"{r['phase']:5d}  {r['bucket']:16s} {r['weight']:7.3f} {r['demanded']:16,d} "
+              f"{r['demanded_so_far']:16,d} {r['available']:16,d}"
+              + (f" {r['smallest_rank_share']:20,d}" if per_rank else "")
+              + f" {r['usable']:16,d} {crop:>5s}  {r['status']}")
+    if args.T is None and args.long_doc_policy == "crop":
+        print("crop not estimated: give --T (and --long-doc-policy) to count it")
+    for note in notes:
+        print(f"warning: {note}")
+    for problem in problems:
+        print(f"error: {problem}")
+    print("blocking problems: " + (str(len(problems)) if problems else "none"))
+    return 1 if problems else 0
+
+
+INTERRUPTED = "validate stopped; it only reads: rerun it"  # what Ctrl-C prints (cli.run)
+
+if __name__ == "__main__":  # (documented as python -m nanochat.mixture validate)
+    run(main, INTERRUPTED)

@@ -1,0 +1,235 @@
+"""
+The least cache_limit of a streaming loader (nanochat/data/streaming/cache.py's start check,
+docs/streaming.md "The least cache_limit"): the refusal states it in bytes, exactly, one line per
+term, and it is what the check compares against (one byte less is refused, it is accepted). It says
+the least once, ends on the one number to pass, and advises another data_dir only where the cache
+holds something that counts against the limit. Small shards: the shards between the one packed
+from and the one read are counted by the documents read ahead, and the least is never more than
+all the data; a run at exactly the least gives the on-disk loader's batches. Shards are served by a
+real HTTP server on 127.0.0.1.
+"""
+
+import math
+import os
+import random
+
+import pytest
+import torch
+
+from conftest import ByteTokenizer, least_accepted, write_shard
+from nanochat.data.streaming.catalog import ReadAhead, copies_estimate, read_ahead_span
+from nanochat.dataloader import tokenizing_distributed_data_loader_with_state_bos_bestfit as bestfit
+from nanochat.dataset import index_to_filename
+from nanochat.data.fetch.download import Limits
+from nanochat.data.streaming.ledger import STREAM_DIR
+from nanochat.data.fetch.serve import ShardServer
+from nanochat.data.streaming.cache import size_up
+
+VAL = index_to_filename(6542)  # the default dataset's val shard
+FAST = Limits(max_attempts=2, backoff_base=0.01, timeout=5, deadline=30)
+# 5 train shards of ~67 KB, row groups of 20 documents of 400 letters; shard 2 holds 20 documents
+DOCS = [200, 200, 20, 200, 200]
+# B=4, T=64; read-ahead: (5 x prefetch + 3) x tokenizer_batch_size = 64 documents, more than
+# shard 2 holds, fewer than the others; prefetch_shards=0
+SMALL = dict(B=4, T=64, tokenizer_batch_size=8, prefetch=1, buffer_size=16, prefetch_shards=0)
+READ_AHEAD = (5 * 1 + 3) * 8
+
+
+@pytest.fixture
+def hosted(tmp_path):
+    directory = tmp_path / "hosted"
+    os.makedirs(directory)
+    for i, n in enumerate(DOCS):
+        rng = random.Random(i)
+        texts = ["".join(rng.choices("abcdefghijklmnopqrstuvwxyz", k=400)) for _ in range(n)]
+        write_shard(directory / index_to_filename(i), texts, 20)
+    write_shard(directory / VAL, ["val document"] * 20, 20)
+    server = ShardServer(str(directory))
+    yield directory, server
+    server.close()
+
+
+def _loader(data_dir, server=None, **settings):
+    stream = {} if server is None else dict(stream=True, num_shards=len(DOCS),
+                                            base_url=server.url, download_limits=FAST)
+    kwargs = dict(split="train", device="cpu", workers=0) | SMALL | stream | settings
+    return bestfit(ByteTokenizer(), data_dir=str(data_dir), **kwargs)
+
+
+def _sizes(hosted) -> list[int]:
+    return [os.path.getsize(hosted / index_to_filename(i)) for i in range(len(DOCS))]
+
+
+def _batches(loader, n: int) -> list:
+    out = []
+    for inputs, targets, state in loader:
+        out.append((inputs.clone(), targets.clone(), state))
+        if len(out) == n:
+            break
+    return out
+
+
+def test_the_refusal_states_the_least_exactly_and_the_least_is_accepted(hosted, tmp_path):
+    directory, server = hosted
+    sizes, val = _sizes(directory), os.path.getsize(directory / VAL)
+    least = least_accepted(lambda limit: _loader(tmp_path / "probe", server, cache_limit=limit))
+    # the terms, counted here from the files: the 3 largest shards whole (the one read, the one
+    # packed from, one for a local rank out of step); the 64 documents read ahead between them at
+    # the split's most bytes per document; the val shard; the copies of 16 buffered documents
+    largest_first = sorted(sizes, reverse=True)
+    between = math.ceil(READ_AHEAD * max(size / n for size, n in zip(sizes, DOCS)))
+    entries = [{"size": size, "rows": [n]} for size, n in zip(sizes, DOCS)]
+    copies = copies_estimate(entries, 16)
+    assert between < sum(largest_first[3:5])  # (fewer bytes than 2 whole shards)
+    assert least == sum(largest_first[:3]) + between + val + copies
+    fetched = server.fetched()  # (the probe's, at the limits it accepted)
+    with pytest.raises(ValueError) as raised:
+        _loader(tmp_path / "cache", server, cache_limit=least - 1)
+    assert server.fetched() == fetched  # refused before any download
+    lines = str(raised.value).split("\n")
+    assert lines[0] == (f"cache_limit={least - 1:,} bytes is below what this streaming loader "
+                        f"must hold at once, {least:,} bytes ({size_up(least)}):")
+    assert lines[1] == (
+        "  shards read, packed from and fetched ahead: the 3 largest whole: the one read, the one "
+        "packed from, prefetch_shards=0 ahead and one for a local rank out of step (at most the "
+        f"split's 5): {sum(largest_first[:3]):,} bytes")
+    per_doc = max(size / n for size, n in zip(sizes, DOCS))
+    assert lines[2] == (
+        f"  shards read between those two: 64 documents read ahead at most, at the split's most "
+        f"{per_doc:,.1f} bytes of a shard per document a rank reads: {between:,} bytes")
+    assert lines[3] == f"  the val shard: not on disk yet, never evicted: {val:,} bytes"
+    assert lines[4].startswith("  copies of buffered documents: ")
+    assert lines[4].endswith(f"for each of 1 local rank(s): {copies:,} bytes")
+    # the terms add up to the least, said once (the first line); a read-ahead lowers it, and the
+    # new, empty cache holds nothing another data_dir would spare; last, the number to pass
+    assert lines[5:] == ["To need less: lower prefetch_shards, prefetch, tokenizer_batch_size or "
+                         "buffer_size.", f"pass cache_limit={least} or more"]
+    _loader(tmp_path / "cache", server, cache_limit=least).close()
+
+
+def test_the_refusal_says_each_thing_once_and_ends_on_the_number_to_pass(hosted, tmp_path):
+    """The least is said once, on the first line, beside its terms; the last line is the one
+    number to pass. Another data_dir is advised only where the cache holds something that counts
+    against the limit (not a new, empty one): here a shard of the user's, which the ledger (named)
+    does not list as fetched by a streaming loader."""
+    directory, server = hosted
+    least = least_accepted(lambda limit: _loader(tmp_path / "probe", server, cache_limit=limit))
+    with pytest.raises(ValueError) as raised:
+        _loader(tmp_path / "new", server, cache_limit=least // 2)
+    message = str(raised.value)
+    lines = message.split("\n")
+    assert lines[-1] == f"pass cache_limit={least} or more"
+    assert len(lines) == len(set(lines)) and message.count(f"{least:,}") == 1
+    assert "data_dir" not in message
+    own = tmp_path / "own"
+    os.makedirs(own)
+    write_shard(own / "mine.parquet", ["a document of the user's own"] * 40, 20)
+    mine = os.path.getsize(own / "mine.parquet")
+    with pytest.raises(ValueError) as raised:
+        _loader(own, server, cache_limit=least)
+    lines = str(raised.value).split("\n")
+    ledger = own / STREAM_DIR / "ledger.json"
+    assert (f"  shards it may not evict: 1 in {own}: 1 that the ledger {ledger} does not list as "
+            f"fetched by a streaming loader: {mine:,} bytes") in lines
+    assert lines[-2] == ("To need less: lower prefetch_shards, prefetch, tokenizer_batch_size or "
+                         f"buffer_size; or use another data_dir: in {own}, 1 shard(s) no streaming "
+                         "loader fetched count against the limit.")
+    assert lines[-1] == f"pass cache_limit={least + mine} or more"
+    _loader(own, server, cache_limit=least + mine).close()
+
+
+def test_small_shards_least_is_below_whole_shards_and_a_run_at_it_gives_the_on_disk_batches(
+        hosted, tmp_path):
+    """Shard 2 holds fewer documents than the loader reads ahead: counted in whole shards, the
+    read-ahead spans all 5 (1 + ceil(64 / 20) from the one packed from to the one read, 2 of
+    them whole); counted in documents, the shards between take a third of one. At exactly the
+    least, 2 epochs stream with evictions, within the limit, and equal the on-disk loader's."""
+    directory, server = hosted
+    sizes, val = _sizes(directory), os.path.getsize(directory / VAL)
+    least = least_accepted(lambda limit: _loader(tmp_path / "probe", server, cache_limit=limit))
+    entries = [{"size": size, "rows": [n]} for size, n in zip(sizes, DOCS)]
+    whole_shards = min(1 + math.ceil(READ_AHEAD / min(DOCS)) + 0 + 1, len(DOCS))
+    assert whole_shards == 5
+    copies = copies_estimate(entries, 16)
+    assert least < whole_shards * max(sizes) + val + copies  # the least in whole shards
+    assert least < sum(sizes) + val  # less than all the data: shards are evicted
+
+    probed = server.fetched()
+    n = sum(DOCS) // 4 * 2  # ~2 epochs: a row takes one 400-letter document (cropped to 65)
+    expected = _batches(_loader(directory), n)
+    loader = _loader(tmp_path / "cache", server, cache_limit=least)
+    got = _batches(loader, n)
+    status = loader.cache_status()
+    loader.close()
+    assert len(got) == len(expected) == n
+    for i, ((a, b, s), (x, y, t)) in enumerate(zip(got, expected)):
+        assert torch.equal(a, x) and torch.equal(b, y) and s == t, f"batch {i}"
+    assert status.evictions > 0 and status.peak_bytes <= least
+    fetched = server.fetched()[len(probed):]
+    # every train shard, some again in the second epoch (a train loader does not fetch val)
+    assert len(fetched) > len(set(fetched)) == len(DOCS)
+
+
+def test_the_least_is_never_more_than_all_the_data(hosted, tmp_path):
+    """The default read-ahead, (5 x 4 + 3) x 128 documents, spans every shard of these small ones,
+    and the copies of 1,000 buffered documents would take more than a shard: the terms' sum is more
+    than all the data. At all of it nothing is ever evicted, so that is the least; a run at it
+    streams every shard once."""
+    directory, server = hosted
+    sizes, val = _sizes(directory), os.path.getsize(directory / VAL)
+    everything = sum(sizes) + val
+    settings = dict(tokenizer_batch_size=128, prefetch=4, buffer_size=1000, prefetch_shards=2)
+    least = least_accepted(lambda limit: _loader(tmp_path / "probe", server, cache_limit=limit,
+                                                 **settings))
+    assert least == everything
+    with pytest.raises(ValueError) as raised:
+        _loader(tmp_path / "cache", server, cache_limit=least - 1, **settings)
+    lines = str(raised.value).split("\n")
+    assert lines[0].endswith(f"must hold at once, {everything:,} bytes ({size_up(everything)}):")
+    # the terms' sum is said as theirs, beside all the data, the least; the number to pass last
+    total = sum(int(line.rsplit(": ", 1)[1].removesuffix(" bytes").replace(",", ""))
+                for line in lines[1:-3])
+    assert total > everything
+    assert lines[-3] == (f"  these add up to {total:,} bytes, more than all the shards it may hold "
+                         f"and the copies kept, {everything:,} bytes: at that limit no shard is "
+                         "ever evicted, so that is the least")
+    assert lines[-1] == f"pass cache_limit={everything} or more"
+    probed = server.fetched()
+    n = sum(DOCS) // 4 + 5  # past the end of the first epoch
+    expected = _batches(_loader(directory, **settings), n)
+    loader = _loader(tmp_path / "cache", server, cache_limit=least, **settings)
+    got = _batches(loader, n)
+    status = loader.cache_status()
+    loader.close()
+    for i, ((a, b, s), (x, y, t)) in enumerate(zip(got, expected)):
+        assert torch.equal(a, x) and torch.equal(b, y) and s == t, f"batch {i}"
+    assert status.evictions == 0 and not status.copying
+    # every train shard fetched once
+    assert sorted(server.fetched()[len(probed):]) == [index_to_filename(i) for i in range(5)]
+
+
+def test_read_ahead_span():
+    """The span of 64 documents read ahead over shards of 200, 20 and 200 documents in row groups
+    of 20 (3 ranks: rank 0 reads 4 row groups of a 200 shard, 80 documents, and all of the 20)."""
+    entries = [{"size": 1000, "rows": [20] * 10}, {"size": 150, "rows": [20]},
+               {"size": 2000, "rows": [20] * 10}]
+    assert read_ahead_span(entries, range(1), 1, 64) == ReadAhead(64, 1 + 4, 10.0)
+    # rank 0 reads 80 of the 200s (2000 / 80 = 25 bytes a document), 20 of shard 1; rank 1
+    # does not visit shard 1 (one row group) and reads 60 of the 200s: 2000 / 60
+    assert read_ahead_span(entries, range(1), 3, 64) == ReadAhead(64, 1 + 4, 25.0)
+    assert read_ahead_span(entries, range(2), 3, 64) == ReadAhead(64, 1 + 4, 2000 / 60)
+    assert read_ahead_span(entries, [1], 3, 64) == ReadAhead(64, 1 + 2, 2000 / 60)
+    # a shard a rank visits holds none of its documents: only whole shards bound the span
+    empty = [{"size": 500, "rows": [0, 20]}] + entries
+    assert read_ahead_span(empty, [0], 2, 64).doc_bytes == math.inf
+
+
+def test_size_up_is_never_below_the_size():
+    assert size_up(1_900_000) == "1.90 MB"
+    assert size_up(1_900_001) == "1.91 MB"
+    assert size_up(19_000_001) == "19.1 MB"
+    assert size_up(999_000_001) == "1.00 GB"  # not "1000 MB"
+    assert size_up(999_499) == "1.00 MB"
+    assert size_up(2_000_000_000) == "2.00 GB"
+    assert size_up(1_001) == "1.01 KB"
+    assert size_up(999) == "999 bytes"
