@@ -11,10 +11,8 @@ downloaded and verified into OUTPUT/.inputs/, tokenized, and removed once its pa
 Cost: one tokenizer pass, several MB of text per second per worker; a rerun skips written pairs.
 Design: docs/pretokenized.md, docs/streaming.md (stores)
 
-May import: nanochat.data.base.cli, nanochat.common, nanochat.dataset, nanochat.data.fetch.download,
-nanochat.data.base.files, nanochat.tokenizer, nanochat.data.base.packing,
-nanochat.data.pretokenized.token_shards, nanochat.data.pretokenized.layout,
-nanochat.data.fetch.stores.
+May import: nanochat.common, nanochat.tokenizer, nanochat.data.base, nanochat.data.fetch,
+nanochat.data.pretokenized, nanochat.data.loader.parquet_files.
 """
 
 import argparse
@@ -40,8 +38,10 @@ from filelock import FileLock, Timeout
 from nanochat.data.fetch import stores
 from nanochat.data.base.cli import run
 from nanochat.common import get_dist_info
-from nanochat.dataset import (open_parquet, read_jsonl_texts, read_listing, read_row_group_texts,
-                              split_parquet_files)
+from nanochat.data.base.parquet import open_parquet, read_row_group_texts
+from nanochat.data.fetch.listing import read_listing
+from nanochat.data.fetch.repackage import read_jsonl_texts
+from nanochat.data.loader.parquet_files import split_parquet_files
 from nanochat.data.fetch.download import (DownloadError, Limits, download_file, lock_path,
                                           record_path)
 from nanochat.data.base.files import progress_bar, remove_if_exists

@@ -9,7 +9,8 @@ Face tokenizer.json.
 Cost: training on ~2B characters takes minutes; encoding runs at tiktoken speed (MB/s per thread).
 Design and file formats: docs/tokenizer.md
 
-May import: nanochat.data.base.checks, nanochat.data.base.cli, nanochat.common, tiktoken, numpy.
+May import: nanochat.data.base.checks, nanochat.data.base.cli, nanochat.common,
+nanochat.data.tokenizing, tiktoken, numpy.
 Imported only when needed: rustbpe (training), torch (get_token_bytes): importing the tokenizer
 stays light, as a pretokenize worker or a tokenizer CLI needs it.
 """
@@ -19,16 +20,20 @@ import base64
 import json
 import logging
 import os
-import pickle
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import tiktoken
 
+from nanochat.common import get_base_dir
 from nanochat.data.base.checks import check_int, is_int
 from nanochat.data.base.cli import run
-from nanochat.common import get_base_dir
+from nanochat.data.tokenizing.hf_export import export_hf, hf_json
+from nanochat.data.tokenizing.pickle_reader import read_pickled_encoding
+from nanochat.data.tokenizing.tokenizer_files import (FORMAT_NAME, FORMAT_VERSION, PICKLE_FILENAME,
+                                                       TOKEN_BYTES_FILENAME, TOKENIZER_FILENAME,
+                                                       TRAIN_HINT, write_atomic)
 
 logger = logging.getLogger(__name__)
 
@@ -51,20 +56,9 @@ SPECIAL_TOKENS = [
 SPLIT_PATTERN = (r"""'(?i:[sdmt]|ll|ve|re)|[^\r\n\p{L}\p{N}]?+\p{L}+|\p{N}{1,2}|"""
                  r""" ?[^\s\p{L}\p{N}]++[\r\n]*|\s*[\r\n]|\s+(?!\S)|\s+""")
 
-TOKENIZER_FILENAME = "tokenizer.json"
-TOKEN_BYTES_FILENAME = "token_bytes.npy"
-PICKLE_FILENAME = "tokenizer.pkl"  # nanochat's own format, read with _EncodingUnpickler
-FORMAT_NAME = "nanochat-tokenizer"
-FORMAT_VERSION = 1
 MIN_VOCAB_SIZE = 256 + len(SPECIAL_TOKENS)  # the byte alphabet plus our specials: 265
-TRAIN_HINT = "python -m scripts.tok_train"
 MAX_ID_GAP = 1024  # unused ids a loaded tokenizer may have (tiktoken's cl100k_base has a handful)
 CONVERT_HINT = "python -m nanochat.tokenizer convert"
-# what transformers' AutoTokenizer reads beside tokenizer.json
-HF_CONFIG_FILENAME = "tokenizer_config.json"
-# a key of the tokenizer_config.json that export-hf writes: it tells an earlier export, which a new
-# one may replace, from files someone else put there (tokenizer.json itself admits no key of ours)
-HF_EXPORT_MARK = "nanochat_export"
 
 # how each kind of assistant part is rendered: (opening special, closing special, mask of the part)
 # tool output is written by the interpreter at inference time, so the model never learns to
@@ -129,8 +123,8 @@ class RustBPETokenizer:
     @classmethod
     def from_directory(cls, tokenizer_dir: str):
         """Load the tokenizer in tokenizer_dir: our tokenizer.json, else nanochat's tokenizer.pkl
-        (read without running anything in it; see _EncodingUnpickler). tokenizer.json wins when
-        both exist."""
+        (read without running anything in it; see tokenizing/pickle_reader.py). tokenizer.json wins
+        when both exist."""
         if not os.path.isdir(tokenizer_dir):
             raise FileNotFoundError(f"tokenizer directory {tokenizer_dir} does not exist; "
                                     f"train a tokenizer first: {TRAIN_HINT}"
@@ -202,7 +196,7 @@ class RustBPETokenizer:
     @classmethod
     def _from_pickle(cls, path: str):
         """nanochat's tokenizer.pkl (a pickled tiktoken Encoding, BOS <|bos|>), run nothing."""
-        state = _read_pickled_encoding(path)
+        state = read_pickled_encoding(path)
         try:
             return cls._from_tables(state["name"], state["pat_str"], state["mergeable_ranks"],
                                     state["special_tokens"], SPECIAL_TOKENS[0])
@@ -234,9 +228,9 @@ class RustBPETokenizer:
         # token bytes first, tokenizer.json last: a directory whose tokenizer.json is new has new
         # token bytes
         bytes_path = os.path.join(tokenizer_dir, TOKEN_BYTES_FILENAME)
-        _write_atomic(bytes_path, lambda f: np.save(f, token_bytes, allow_pickle=False))
+        write_atomic(bytes_path, lambda f: np.save(f, token_bytes, allow_pickle=False))
         json_path = os.path.join(tokenizer_dir, TOKENIZER_FILENAME)
-        _write_atomic(json_path, lambda f: f.write(payload))
+        write_atomic(json_path, lambda f: f.write(payload))
         logger.info("saved tokenizer (vocab size %d) to %s", self.get_vocab_size(), tokenizer_dir)
 
     def compute_token_bytes(self) -> np.ndarray:
@@ -252,55 +246,10 @@ class RustBPETokenizer:
 
     def to_hf_json(self) -> dict:
         """This tokenizer as a Hugging Face `tokenizers` file (the dict that its tokenizer.json
-        holds): a byte-level BPE model whose vocab is our mergeable tokens with their ranks as ids,
-        a pre-tokenizer that splits on our pattern, and our special tokens as added tokens with
-        their ids. It encodes text as tiktoken does with allowed_special="all": like encode(), but
-        special-token text becomes that token. No BOS is added (encode prepends none either)."""
-        alphabet = _byte_level_alphabet()
-
-        def chars(token: bytes) -> str:
-            return "".join(alphabet[b] for b in token)
-
-        by_rank = sorted(self.mergeable_ranks.items(), key=lambda kv: kv[1])
-        byte_level = {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True,
-                      "use_regex": False}
-        specials = sorted(self.special_tokens.items(), key=lambda kv: kv[1])
-        return {
-            "version": "1.0",
-            "truncation": None,
-            "padding": None,
-            "added_tokens": [{"id": token_id, "content": name, "single_word": False,
-                              "lstrip": False, "rstrip": False, "normalized": False,
-                              "special": True}
-                             for name, token_id in specials],
-            "normalizer": None,
-            # our regex cuts the text into pieces, then each piece's bytes become characters; the
-            # ByteLevel step must not split again with GPT-2's own regex (use_regex False)
-            "pre_tokenizer": {"type": "Sequence", "pretokenizers": [
-                {"type": "Split", "pattern": {"Regex": self.pattern}, "behavior": "Isolated",
-                 "invert": False},
-                byte_level,
-            ]},
-            "post_processor": None,
-            "decoder": byte_level,
-            "model": {
-                "type": "BPE",
-                "dropout": None,
-                "unk_token": None,
-                "continuing_subword_prefix": None,
-                "end_of_word_suffix": None,
-                "fuse_unk": False,
-                "byte_fallback": False,
-                # a piece that is one token is that token, as in tiktoken (the merges might split
-                # it otherwise)
-                "ignore_merges": True,
-                "vocab": {chars(token): rank for token, rank in by_rank},
-                # "left right": a byte-level token never holds a space (the space byte is U+0120),
-                # and every version of `tokenizers` reads this form
-                "merges": [f"{chars(left)} {chars(right)}"
-                           for left, right in _hf_merges(self.mergeable_ranks)],
-            },
-        }
+        holds); see nanochat/data/tokenizing/hf_export.py. It encodes text as tiktoken does with
+        allowed_special="all": like encode(), but special-token text becomes that token. No BOS is
+        added (encode prepends none either)."""
+        return hf_json(self.pattern, self.mergeable_ranks, self.special_tokens)
 
     def export_hf(self, out_dir: str | os.PathLike) -> list[str]:
         """Write this tokenizer for Hugging Face tools into out_dir (created if needed):
@@ -308,27 +257,7 @@ class RustBPETokenizer:
         AutoTokenizer load it with our BOS as bos_token. Returns the paths written. Refuses
         (FileExistsError) to replace a tokenizer of ours (tokenizer.json in our format,
         tokenizer.pkl) or files that an earlier export did not write."""
-        out_dir = os.path.expanduser(os.fspath(out_dir))
-        _check_hf_export_dir(out_dir)
-        os.makedirs(out_dir, exist_ok=True)
-        config = {
-            "tokenizer_class": "PreTrainedTokenizerFast",
-            "bos_token": self.bos_token,
-            # transformers would otherwise (4.x) drop the space before punctuation when decoding
-            "clean_up_tokenization_spaces": False,
-            HF_EXPORT_MARK: "python -m nanochat.tokenizer export-hf",
-        }
-        tokenizer_json = json.dumps(self.to_hf_json(), ensure_ascii=False, indent=2).encode("utf-8")
-        # the config first: a tokenizer.json in out_dir always has the mark beside it, so a new
-        # export may replace it
-        paths = [os.path.join(out_dir, HF_CONFIG_FILENAME),
-                 os.path.join(out_dir, TOKENIZER_FILENAME)]
-        config_bytes = json.dumps(config, indent=2).encode("utf-8") + b"\n"
-        _write_atomic(paths[0], lambda f: f.write(config_bytes))
-        _write_atomic(paths[1], lambda f: f.write(tokenizer_json))
-        logger.info("exported the tokenizer (vocab size %d) for Hugging Face tools to %s",
-                    self.get_vocab_size(), out_dir)
-        return paths
+        return export_hf(self, out_dir)
 
     # -------------------------------------------------------------------------
     # Encoding and decoding
@@ -540,74 +469,6 @@ Tokenizer = RustBPETokenizer
 _POOLS_LOCK = threading.Lock()
 
 # -----------------------------------------------------------------------------
-# Reading nanochat's tokenizer.pkl without running it
-
-
-class UnsafePickleError(pickle.UnpicklingError, ValueError):
-    """A tokenizer.pkl asked for something other than tiktoken's Encoding class; nothing was run."""
-
-
-class _EncodingState:
-    """Stands in for tiktoken.core.Encoding while unpickling: it keeps the pickled state, runs
-    nothing."""
-
-    state = None
-
-    def __setstate__(self, state) -> None:
-        self.state = state
-
-
-class _EncodingUnpickler(pickle.Unpickler):
-    """Unpickles a tiktoken Encoding as an _EncodingState. Its pickle (protocol 3 and up) names one
-    global, tiktoken.core.Encoding; everything else is plain data (dicts, str, bytes, int). Any
-    other global could be a function to call (os.system, builtins.exec), so it is refused before it
-    exists."""
-
-    def __init__(self, file, path: str):
-        super().__init__(file)
-        self.path = path
-
-    def find_class(self, module: str, name: str):
-        if (module, name) == ("tiktoken.core", "Encoding"):
-            return _EncodingState
-        raise UnsafePickleError(
-            f"{self.path} refers to {module}.{name}, but a nanochat tokenizer.pkl refers only to "
-            "tiktoken.core.Encoding; refused without running anything. Retrain the tokenizer "
-            f"({TRAIN_HINT}) or get the file from where it was trained")
-
-
-def _read_pickled_encoding(path: str) -> dict:
-    """The state that tiktoken's Encoding pickles (name, pat_str, mergeable_ranks,
-    special_tokens)."""
-    try:
-        with open(path, "rb") as f:
-            obj = _EncodingUnpickler(f, path).load()
-    except UnsafePickleError:
-        raise
-    # a damaged pickle fails in many ways inside the unpickler, each meaning the same to the caller
-    # (MemoryError too: a damaged length field can ask for a huge buffer; 27 of 3,000 byte-flip
-    # trials)
-    except (pickle.UnpicklingError, EOFError, ValueError, TypeError, KeyError, IndexError,
-            AttributeError, OverflowError, MemoryError) as e:
-        raise ValueError(f"{path} is not a valid pickled tokenizer ({type(e).__name__}: {e}); "
-                         f"retrain it: {TRAIN_HINT}") from e
-    if not isinstance(obj, _EncodingState):
-        raise ValueError(f"{path} holds a {type(obj).__name__}, not a pickled tiktoken Encoding; "
-                         f"retrain the tokenizer: {TRAIN_HINT}")
-    state = obj.state
-    if isinstance(state, str):
-        # tiktoken pickles its own registered encodings by name only
-        raise ValueError(f"{path} names tiktoken's encoding {state!r} instead of holding its "
-                         f"tables; load it with RustBPETokenizer.from_pretrained({state!r})")
-    keys = {"name", "pat_str", "mergeable_ranks", "special_tokens"}
-    if not isinstance(state, dict) or set(state) != keys:
-        got = list(state) if isinstance(state, dict) else type(state).__name__
-        raise ValueError(f"{path} holds a tiktoken Encoding whose state is not {sorted(keys)} (got "
-                         f"{got}); retrain the tokenizer: {TRAIN_HINT}")
-    return state
-
-
-# -----------------------------------------------------------------------------
 # Helpers
 
 
@@ -674,93 +535,6 @@ def _check_tables(name, pattern, mergeable_ranks, special_tokens, bos_token) -> 
     if top >= num_tokens + MAX_ID_GAP:
         raise ValueError(f"the largest token id is {top:,} for {num_tokens:,} tokens; ids must be "
                          f"nearly dense (at most {MAX_ID_GAP} unused ids)")
-
-
-def _byte_level_alphabet() -> list[str]:
-    """The character that stands for each byte (the list's index) in a byte-level BPE vocab:
-    GPT-2's convention, which Hugging Face's ByteLevel pre-tokenizer and decoder use. The 188
-    printable Latin-1 bytes stand for themselves; the other 68 (controls, space, DEL, no-break
-    space, soft hyphen) for U+0100, U+0101, ... in byte order, so the space byte is U+0120 'Ġ'."""
-    printable = set(range(0x21, 0x7F)) | set(range(0xA1, 0xAD)) | set(range(0xAE, 0x100))
-    alphabet, shifted = [], 0
-    for b in range(256):
-        if b in printable:
-            alphabet.append(chr(b))
-        else:
-            alphabet.append(chr(0x100 + shifted))
-            shifted += 1
-    return alphabet
-
-
-def _hf_merges(mergeable_ranks: dict[bytes, int]) -> list[tuple[bytes, bytes]]:
-    """The merge list of a Hugging Face BPE model that encodes as tiktoken does with these ranks.
-    tiktoken merges, among adjacent parts of a piece, the pair whose concatenation has the lowest
-    rank; Hugging Face merges the pair listed first. So every way to build a token from two tokens
-    is listed, token by token in rank order: each pair comes where its concatenation's rank puts
-    it, and every pair tiktoken could merge is there. The pairs of one token go by their parts'
-    ranks. That order decides only when two adjacent pairs make the same token at once (Hugging
-    Face merges the one listed first, tiktoken the left one); with trained vocabs we found no text
-    where it does (tests/test_export_hf.py)."""
-    merges = []
-    for token, _ in sorted(mergeable_ranks.items(), key=lambda kv: kv[1]):
-        pairs = [(token[:i], token[i:]) for i in range(1, len(token))
-                 if token[:i] in mergeable_ranks and token[i:] in mergeable_ranks]
-        pairs.sort(key=lambda pair: (mergeable_ranks[pair[0]], mergeable_ranks[pair[1]]))
-        merges.extend(pairs)
-    return merges
-
-
-def _read_json_object(path: str) -> dict | None:
-    """The JSON object in path, or None when the file is not one (not JSON, not UTF-8, not a
-    dict)."""
-    try:
-        with open(path, "rb") as f:
-            data = json.loads(f.read().decode("utf-8"))
-    except (ValueError, RecursionError):
-        return None
-    return data if isinstance(data, dict) else None
-
-
-def _check_hf_export_dir(out_dir: str) -> None:
-    """Raise FileExistsError unless export_hf may write into out_dir: nothing of a nanochat
-    tokenizer is there, and a tokenizer.json or tokenizer_config.json there came from an earlier
-    export."""
-    json_path = os.path.join(out_dir, TOKENIZER_FILENAME)
-    config_path = os.path.join(out_dir, HF_CONFIG_FILENAME)
-    pkl_path = os.path.join(out_dir, PICKLE_FILENAME)
-    fix = "export into another directory (a new or empty one)"
-    if os.path.exists(pkl_path):
-        # a Hugging Face tokenizer.json beside it would be loaded instead of the pickle, and fail
-        raise FileExistsError(f"{out_dir} holds nanochat's {PICKLE_FILENAME}; export-hf writes no "
-                              f"{TOKENIZER_FILENAME} beside it: {fix}")
-    config = _read_json_object(config_path) if os.path.exists(config_path) else None
-    earlier_export = config is not None and HF_EXPORT_MARK in config
-    if os.path.exists(json_path):
-        existing = _read_json_object(json_path)
-        if existing is not None and existing.get("format") == FORMAT_NAME:
-            raise FileExistsError(f"{json_path} is a nanochat tokenizer (our own format); "
-                                  f"export-hf never replaces it: {fix}")
-        if not earlier_export or existing is None or "model" not in existing:
-            raise FileExistsError(f"{json_path} exists and was not written by export-hf (no "
-                                  f"{HF_CONFIG_FILENAME} with {HF_EXPORT_MARK!r} beside it); "
-                                  f"export-hf never replaces it: {fix}")
-    if os.path.exists(config_path) and not earlier_export:
-        raise FileExistsError(f"{config_path} exists and was not written by export-hf (it has no "
-                              f"{HF_EXPORT_MARK!r}); export-hf never replaces it: {fix}")
-
-
-def _write_atomic(path: str, write) -> None:
-    """Call write(f) on a temporary file next to path, then rename it to path; on failure remove
-    it."""
-    tmp_path = f"{path}.tmp{os.getpid()}"  # the pid: two processes saving at once never collide
-    try:
-        with open(tmp_path, "wb") as f:
-            write(f)
-        os.replace(tmp_path, path)
-    except BaseException:  # Ctrl-C too: no temporary file is left behind
-        if os.path.exists(tmp_path):
-            os.remove(tmp_path)
-        raise
 
 
 # -----------------------------------------------------------------------------
@@ -917,3 +691,4 @@ if __name__ == "__main__":
     # FileNotFoundError is an OSError: one line, no traceback
     run(main, "the tokenizer command stopped; it writes each file whole or not at all: rerun the "
               "same command", (ValueError, OSError), error_status=1)
+

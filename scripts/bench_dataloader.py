@@ -25,7 +25,8 @@ import pyarrow.parquet as pq
 
 from nanochat.data.base.cli import run
 from nanochat.dataloader import tokenizing_distributed_data_loader_with_state_bos_bestfit
-from nanochat.dataset import read_row_group_texts, split_parquet_files
+from nanochat.data.base.parquet import read_row_group_texts
+from nanochat.data.loader.parquet_files import split_parquet_files
 from nanochat.data.base.packing import BestFitPacker, token_dtype
 from nanochat.data.loader.rows import to_documents
 from nanochat.data.pretokenized.token_reader import check_ids

@@ -25,7 +25,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from nanochat.data.base.cli import run
-from nanochat.dataset import get_dataset, index_to_filename
+from nanochat.data.base.datasets import get_dataset, index_to_filename
 from nanochat.data.fetch.serve import ShardServer
 
 DOCS, ROW_GROUP, CHARS = 40, 4, 20  # per shard: 10 row groups of 4 documents of 20 characters

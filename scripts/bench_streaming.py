@@ -29,7 +29,8 @@ import pyarrow.parquet as pq
 from nanochat.data.base.cli import run
 from nanochat.data.fetch import stores
 from nanochat.dataloader import tokenizing_distributed_data_loader_with_state_bos_bestfit
-from nanochat.dataset import download_shards, get_dataset
+from nanochat.data.base.datasets import get_dataset
+from nanochat.dataset import download_shards
 from nanochat.tokenizer import RustBPETokenizer
 from scripts.demo import generate_documents, write_hosted_shards
 from nanochat.data.fetch.serve import ShardServer

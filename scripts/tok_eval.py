@@ -12,7 +12,8 @@ tiktoken can load them (it downloads them once into its cache; offline they are 
 import argparse
 
 from nanochat.data.base.cli import run
-from nanochat.dataset import find_data_dir, parquets_iter_batched
+from nanochat.data.base.datasets import find_data_dir
+from nanochat.dataset import parquets_iter_batched
 from nanochat.tokenizer import RustBPETokenizer, get_tokenizer_dir
 
 

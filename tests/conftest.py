@@ -1,6 +1,9 @@
 """Shared fixtures: tiny parquet shards written with pyarrow into tmp dirs, a byte-level tokenizer,
-and where a state's buffered documents are."""
+where a state's buffered documents are, shards in the datasets' own directories, and `need`, which
+skips a test without an optional tool here but fails it in CI."""
 
+import importlib
+import importlib.util
 import json
 import os
 import signal
@@ -13,6 +16,8 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
+from nanochat.data.base import datasets
+from nanochat.data.base.datasets import get_data_dir, index_to_filename
 from nanochat.data.fetch import stores
 from nanochat.data.streaming.ledger import STREAM_DIR
 from nanochat.data.loader.order import UnitIndex
@@ -225,6 +230,52 @@ def _isolated_base_dir(tmp_path, monkeypatch):
         monkeypatch.delenv(var, raising=False)
 
 
+# -----------------------------------------------------------------------------
+# Optional tools: a test skips without them here, and fails in CI, where nothing may skip silently
+
+
+def skip_unless_ci(reason: str) -> None:
+    """Skip the test, except where the environment variable CI is set: there it fails, so that a
+    missing tool never passes a run by skipping its tests."""
+    if os.environ.get("CI"):
+        pytest.fail(f"CI is set and {reason}")
+    pytest.skip(reason)
+
+
+def need(module: str, install: str):
+    """The module, imported; not installed: skip_unless_ci, with install (how to get it)."""
+    try:
+        return importlib.import_module(module)
+    except ImportError:
+        skip_unless_ci(f"{module} is not installed: {install}")
+
+
+# -----------------------------------------------------------------------------
+# The datasets' own directories under the base dir, where the readers look when given no data_dir
+
+
+@pytest.fixture
+def fresh_log(monkeypatch, caplog):
+    """Warnings are logged once per process: start each test with none logged yet."""
+    monkeypatch.setattr(datasets, "_LOGGED", set())
+    caplog.set_level("WARNING", logger="nanochat.data")
+    return caplog
+
+
+def basenames(paths) -> list[str]:
+    return [os.path.basename(p) for p in paths]
+
+
+def dataset_shards(name: str, indices) -> str:
+    """Shards of these indices in a dataset's directory, one document and row group each."""
+    data_dir = get_data_dir(name)
+    os.makedirs(data_dir, exist_ok=True)
+    for i in indices:
+        write_shard(os.path.join(data_dir, index_to_filename(i)), [f"{name} {i}"],
+                    row_group_size=1)
+    return data_dir
+
+
 def buffered_places(state, paths, chunk_size=None) -> list[tuple]:
     """Where a state's buffered documents are: (epoch, pq_idx, rg_idx, row). A shuffled walk names
     those of its windows by position, (epoch, window, i): the i-th entry of that window's order."""
@@ -245,14 +296,10 @@ def buffered_places(state, paths, chunk_size=None) -> list[tuple]:
 
 def _require_s3_tools():
     """Skip without the dev extras, except in CI, which must never skip these silently."""
-    import importlib.util
 
     missing = [m for m in ("moto", "s3fs", "boto3") if importlib.util.find_spec(m) is None]
     if missing:
-        reason = f"{', '.join(missing)} not installed: pip install -e \".[dev]\""
-        if os.environ.get("CI"):
-            pytest.fail(f"CI is set and {reason}")
-        pytest.skip(reason)
+        skip_unless_ci(f"{', '.join(missing)} not installed: pip install -e \".[dev]\"")
 
 
 @pytest.fixture(scope="session")

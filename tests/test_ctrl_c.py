@@ -17,7 +17,8 @@ import sys
 import pytest
 
 from conftest import assert_interrupted, ctrl_c, write_shard
-from nanochat.dataset import interrupted, list_parquet_files
+from nanochat.data.loader.parquet_files import list_parquet_files
+from nanochat.dataset import interrupted
 from nanochat.data.fetch.serve import ShardServer, Throttle
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

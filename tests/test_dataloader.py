@@ -32,7 +32,7 @@ from nanochat.dataloader import (
     tokenizing_distributed_data_loader_with_state,
     tokenizing_distributed_data_loader_with_state_bos_bestfit,
 )
-from nanochat.dataset import split_parquet_files
+from nanochat.data.loader.parquet_files import split_parquet_files
 
 BESTFIT = tokenizing_distributed_data_loader_with_state_bos_bestfit
 CONCAT = tokenizing_distributed_data_loader_with_state

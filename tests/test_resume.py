@@ -40,7 +40,7 @@ from nanochat.dataloader import (
     tokenizing_distributed_data_loader_with_state,
     tokenizing_distributed_data_loader_with_state_bos_bestfit,
 )
-from nanochat.dataset import split_parquet_files
+from nanochat.data.loader.parquet_files import split_parquet_files
 from nanochat.mixture import MixtureStop
 from nanochat.mixture import pretokenized_mixture_loader_with_state_bos_bestfit as MIX
 from nanochat.data.pretokenized.token_shards import write_token_shard

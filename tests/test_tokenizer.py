@@ -3,14 +3,14 @@ Tests for nanochat/tokenizer.py and the scripts tok_train / tok_eval.
 
 Covers encoding, our JSON format, upstream nanochat's API (the tiktoken-Encoding constructor, chat
 rendering and its masks, decode_single_token_bytes, the calls nanochat's tok_train.py makes), and
-reading nanochat's tokenizer.pkl without running it (hostile and damaged pickles, the convert CLI).
+loading nanochat's tokenizer.pkl and the convert CLI. Hostile and damaged pickles are refused by
+the reader in tests/data/tokenizing/test_pickle_reader.py, which uses the pickle helpers here.
 A throwaway tokenizer (vocab 512) is trained in-process on generated text; nothing here reads the
 user's cache or the network (tiktoken's named encodings are replaced by local stand-ins).
 Run: python -m pytest tests/test_tokenizer.py -q   (about ten seconds)
 """
 
 import copy
-import datetime
 import json
 import logging
 import os
@@ -28,7 +28,7 @@ from hypothesis import given, settings, strategies as st
 
 from conftest import write_shards
 from nanochat.tokenizer import (MIN_VOCAB_SIZE, SPECIAL_TOKENS, SPLIT_PATTERN, RustBPETokenizer,
-                                UnsafePickleError, get_token_bytes, get_tokenizer)
+                                get_token_bytes, get_tokenizer)
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 VOCAB_SIZE = 512
@@ -434,7 +434,7 @@ def write_nanochat_dir(tok, path, protocol: int = pickle.DEFAULT_PROTOCOL) -> st
     return str(path)
 
 
-def _refuse_unpickling(monkeypatch):
+def refuse_unpickling(monkeypatch):
     def refuse(*args, **kwargs):
         raise AssertionError("loading a tokenizer must never call pickle.load")
     monkeypatch.setattr(pickle, "load", refuse)
@@ -445,7 +445,7 @@ def _refuse_unpickling(monkeypatch):
 def test_nanochat_pickle_loads(tok, tmp_path, monkeypatch, protocol):
     nanochat_dir = write_nanochat_dir(tok, tmp_path / "nanochat", protocol)
     files = sorted(os.listdir(nanochat_dir))
-    _refuse_unpickling(monkeypatch)
+    refuse_unpickling(monkeypatch)
     loaded = RustBPETokenizer.from_directory(nanochat_dir)
     monkeypatch.undo()
     docs = TEXTS + make_docs(100, seed=21)
@@ -458,7 +458,7 @@ def test_nanochat_pickle_loads(tok, tmp_path, monkeypatch, protocol):
     assert sorted(os.listdir(nanochat_dir)) == files  # loading wrote nothing
 
 
-class _Call:
+class Call:
     """Pickles as a call: pickle.loads of it runs func(*args)."""
 
     def __init__(self, func, *args):
@@ -468,93 +468,24 @@ class _Call:
         return self.func, self.args
 
 
-def _pickled_encoding(state) -> bytes:
+def pickled_encoding(state) -> bytes:
     """tiktoken's Encoding with any state, laid out as pickle.dump lays out an Encoding: the class,
     NEWOBJ (an empty instance), the state, then BUILD (which hands the state to __setstate__)."""
     state_opcodes = pickle.dumps(state, protocol=2)[2:-1]  # without its PROTO header and STOP
     return b"\x80\x02ctiktoken.core\nEncoding\n)\x81" + state_opcodes + b"b."
 
 
-def _hostile_pickles(marker: str) -> dict:
+def hostile_pickles(marker: str) -> dict:
     """name -> (pickle bytes that create the file marker when unpickled, the global it asks for)."""
-    hidden = {"name": _Call(os.system, f"touch {marker}"), "pat_str": SPLIT_PATTERN,
+    hidden = {"name": Call(os.system, f"touch {marker}"), "pat_str": SPLIT_PATTERN,
               "mergeable_ranks": {}, "special_tokens": {}}
     return {
-        "os.system": (pickle.dumps(_Call(os.system, f"touch {marker}")), "posix.system"),
-        "builtins.exec": (pickle.dumps(_Call(exec, f"open({marker!r}, 'w').close()")),
+        "os.system": (pickle.dumps(Call(os.system, f"touch {marker}")), "posix.system"),
+        "builtins.exec": (pickle.dumps(Call(exec, f"open({marker!r}, 'w').close()")),
                           "builtins.exec"),
-        "builtins.open": (pickle.dumps(_Call(open, marker, "w")), "builtins.open"),
-        "a call hidden in an Encoding's state": (_pickled_encoding(hidden), "posix.system"),
+        "builtins.open": (pickle.dumps(Call(open, marker, "w")), "builtins.open"),
+        "a call hidden in an Encoding's state": (pickled_encoding(hidden), "posix.system"),
     }
-
-
-def test_hostile_pickles_are_refused(tmp_path, monkeypatch):
-    marker = str(tmp_path / "created_by_the_pickle")
-    for name, (payload, global_name) in _hostile_pickles(marker).items():
-        # the payload is live: real unpickling creates the file
-        try:
-            pickle.loads(payload)
-        except (TypeError, ValueError):
-            pass  # the Encoding with a bad state fails, but only after the call in it has run
-        assert os.path.exists(marker), name
-        os.remove(marker)
-
-        bad_dir = tmp_path / name.replace(" ", "_")
-        bad_dir.mkdir()
-        (bad_dir / "tokenizer.pkl").write_bytes(payload)
-        _refuse_unpickling(monkeypatch)
-        with pytest.raises(UnsafePickleError, match="refused without running anything") as info:
-            RustBPETokenizer.from_directory(str(bad_dir))
-        monkeypatch.undo()
-        assert isinstance(info.value, ValueError)
-        assert (str(bad_dir / "tokenizer.pkl") in str(info.value)
-                and global_name in str(info.value)), name
-        assert not os.path.exists(marker), name
-
-
-def test_pickles_of_other_things_are_refused(tmp_path, monkeypatch):
-    def write(name: str, payload: bytes) -> str:
-        (tmp_path / name).mkdir()
-        (tmp_path / name / "tokenizer.pkl").write_bytes(payload)
-        return str(tmp_path / name)
-
-    other_class = write("other_class", pickle.dumps(datetime.date(2024, 1, 1)))
-    with pytest.raises(UnsafePickleError, match="datetime.date") as info:
-        RustBPETokenizer.from_directory(other_class)
-    assert other_class in str(info.value)
-
-    plain_dict = write("plain_dict", pickle.dumps({"name": "rustbpe"}))
-    with pytest.raises(ValueError, match="holds a dict, not a pickled tiktoken Encoding"):
-        RustBPETokenizer.from_directory(plain_dict)
-
-    # tiktoken pickles its registered encodings by name; loading one would mean a download
-    monkeypatch.setattr(tiktoken, "get_encoding",
-                        lambda name: pytest.fail("must not fetch an encoding"))
-    by_name = write("by_name", _pickled_encoding("gpt2"))
-    with pytest.raises(ValueError, match=r"from_pretrained\('gpt2'\)"):
-        RustBPETokenizer.from_directory(by_name)
-
-    bad_tables = write("bad_tables", _pickled_encoding(
-        {"name": "rustbpe", "pat_str": SPLIT_PATTERN, "mergeable_ranks": {"a": 0},
-         "special_tokens": {}}))
-    with pytest.raises(ValueError, match="unusable tables") as info:
-        RustBPETokenizer.from_directory(bad_tables)
-    assert bad_tables in str(info.value)
-
-
-def test_damaged_pickles(tok, tmp_path):
-    good = open(os.path.join(write_nanochat_dir(tok, tmp_path / "good"), "tokenizer.pkl"),
-                "rb").read()
-    for name, payload in {"truncated": good[:len(good) // 2], "empty": b"",
-                          "not a pickle": b"tokenizer tables\n",
-                          "cut after the header": good[:12]}.items():
-        bad_dir = tmp_path / name.replace(" ", "_")
-        bad_dir.mkdir()
-        (bad_dir / "tokenizer.pkl").write_bytes(payload)
-        with pytest.raises(ValueError, match="is not a valid pickled tokenizer") as info:
-            RustBPETokenizer.from_directory(str(bad_dir))
-        assert (str(bad_dir / "tokenizer.pkl") in str(info.value)
-                and "scripts.tok_train" in str(info.value)), name
 
 
 def test_json_wins_over_pickle(tok, tmp_path, caplog):
@@ -640,7 +571,7 @@ def test_pickled_tables_with_far_apart_ids_or_deep_nesting_are_refused(tok, tmp_
     for name, state in states.items():
         bad_dir = tmp_path / name.replace(" ", "_")
         bad_dir.mkdir()
-        payload = _pickled_encoding(state).replace(b"J" + struct.pack("<i", 987654321), nested)
+        payload = pickled_encoding(state).replace(b"J" + struct.pack("<i", 987654321), nested)
         assert (nested in payload) == (name == "deeply nested")
         (bad_dir / "tokenizer.pkl").write_bytes(payload)
         with pytest.raises(ValueError) as info:
@@ -677,7 +608,7 @@ def test_convert_cli_reports_bad_input(tmp_path):
     marker = str(tmp_path / "created_by_the_pickle")
     hostile = tmp_path / "hostile"
     hostile.mkdir()
-    (hostile / "tokenizer.pkl").write_bytes(_hostile_pickles(marker)["os.system"][0])
+    (hostile / "tokenizer.pkl").write_bytes(hostile_pickles(marker)["os.system"][0])
     refused = _convert(str(hostile), str(tmp_path / "base"))
     assert refused.returncode == 1 and "refused without running anything" in refused.stderr
     assert not os.path.exists(marker) and os.listdir(hostile) == ["tokenizer.pkl"]

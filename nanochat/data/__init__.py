@@ -3,6 +3,7 @@ Our data pipeline, behind nanochat's three files (dataloader.py, dataset.py, tok
 command fronts beside them. One folder per stage, lowest floor first:
 
     base/          what every stage stands on: packing, the state's format, checks, the shuffle
+    tokenizing/    the tokenizer's files: their names, nanochat's pickle read safely, the HF export
     fetch/         bytes from a source to a verified file on disk: HTTP, object stores, serve
     pretokenized/  token shards (.bin/.idx): their format, layout and reader
     streaming/     the cache that fetches shards just ahead of the reader, within cache_limit

@@ -8,12 +8,13 @@ name documents by place.
 Design: docs/resume.md (elastic resume).
 
 May import: nanochat.data.base.state, nanochat.data.base.state_checks, nanochat.data.loader.order,
-nanochat.data.streaming.catalog, nanochat.dataset, nanochat.data.pretokenized.token_shards.
+nanochat.data.streaming.catalog, nanochat.data.loader.parquet_files,
+nanochat.data.pretokenized.token_shards.
 """
 
 import os
 
-from nanochat.dataset import split_parquet_files
+from nanochat.data.loader.parquet_files import split_parquet_files
 from nanochat.data.loader.order import UnitIndex, WindowCursor
 from nanochat.data.streaming.catalog import streamed_files
 from nanochat.data.base.state import (EMPTY_HASH, VERSION, DocKey, PieceKey, PlanUnit, WindowKey,

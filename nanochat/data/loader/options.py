@@ -4,7 +4,7 @@ names the argument, not later inside a background thread. Streaming's settings c
 arguments or the environment (NANOCHAT_STREAM, NANOCHAT_CACHE_LIMIT, NANOCHAT_STREAM_SHARDS), and
 so may the worker process (NANOCHAT_LOADER_WORKERS).
 
-May import: nanochat.data.base.checks, nanochat.common, nanochat.dataset,
+May import: nanochat.data.base.checks, nanochat.common, nanochat.data.base.datasets,
 nanochat.data.base.shuffle.
 """
 
@@ -15,7 +15,7 @@ from typing import NamedTuple
 
 from nanochat.data.base.checks import check_int
 from nanochat.common import get_dist_info
-from nanochat.dataset import SPLITS
+from nanochat.data.base.datasets import SPLITS
 from nanochat.data.base.shuffle import Shuffle
 
 

@@ -12,7 +12,7 @@ units and 4 window tables held. Design: docs/ARCHITECTURE.md (the main path) and
 (states and plans).
 
 May import: numpy, nanochat.data.base.checks, nanochat.data.base.state,
-nanochat.data.base.state_checks, nanochat.data.base.shuffle, nanochat.dataset,
+nanochat.data.base.state_checks, nanochat.data.base.shuffle, nanochat.data.base.parquet,
 nanochat.data.pretokenized.token_shards.
 """
 
@@ -26,7 +26,7 @@ from typing import NamedTuple
 import numpy as np
 
 from nanochat.data.base.checks import is_int
-from nanochat.dataset import open_parquet, read_row_group_column
+from nanochat.data.base.parquet import open_parquet, read_row_group_column
 from nanochat.data.base.shuffle import Shuffle
 from nanochat.data.base.state import DocKey, PlanUnit, WindowKey, decode_plan
 from nanochat.data.base.state_checks import (REQUIRED, WALK_FIELDS, check_state, not_a_loader_state,

@@ -10,10 +10,9 @@ what must be held at once is a ValueError at the start. Design: docs/streaming.m
 
     python -m nanochat.shard_cache status [DATA_DIR]   # what is on disk, who needs it and why
 
-May import: nanochat.data.streaming.cache_status, nanochat.data.streaming.catalog,
-nanochat.data.base.checks, nanochat.data.base.cli, nanochat.dataset, nanochat.data.fetch.download,
-nanochat.data.base.files, nanochat.data.streaming.kept, nanochat.data.streaming.ledger,
-nanochat.data.base.state.
+May import: nanochat.data.base, nanochat.data.fetch.address, nanochat.data.fetch.download,
+nanochat.data.streaming.cache_status, nanochat.data.streaming.catalog, nanochat.data.streaming.kept,
+nanochat.data.streaming.ledger.
 """
 
 import argparse
@@ -33,7 +32,9 @@ import pyarrow as pa
 from nanochat.data.streaming.cache_status import CacheStatus, Own, describe, read_status, size_words
 from nanochat.data.streaming.catalog import ReadAhead, catalog_path, catalog_sizes, read_catalog
 from nanochat.data.base.checks import check_int
-from nanochat.dataset import find_data_dir, open_parquet, shown
+from nanochat.data.base.datasets import find_data_dir
+from nanochat.data.base.parquet import open_parquet
+from nanochat.data.fetch.address import shown
 from nanochat.data.fetch.download import DownloadError, Limits, download_file, record_path
 from nanochat.data.base.files import disk_full, remove_if_exists
 from nanochat.data.streaming.kept import (Keeper, drop_oldest, encode, file_mtime, kept_bytes,

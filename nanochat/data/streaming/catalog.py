@@ -8,7 +8,8 @@ entry carries a checksum; one that is damaged, or that disagrees with its shard 
 again. The server's listing of the shards is kept beside it (.stream/listing.json). Also the
 estimates of the start check of cache_limit. Design: docs/streaming.md.
 
-May import: nanochat.data.base.checks, nanochat.dataset, nanochat.data.fetch.download,
+May import: nanochat.data.base.checks, nanochat.data.base.parquet, nanochat.data.fetch.address,
+nanochat.data.fetch.listing, nanochat.data.streaming.streamed_split, nanochat.data.fetch.download,
 nanochat.data.base.files, nanochat.data.streaming.ledger.
 """
 
@@ -26,7 +27,10 @@ from filelock import FileLock
 from tqdm import tqdm
 
 from nanochat.data.base.checks import is_int
-from nanochat.dataset import open_parquet, read_listing, shown, stream_source, streamed_split
+from nanochat.data.base.parquet import open_parquet
+from nanochat.data.fetch.address import shown
+from nanochat.data.fetch.listing import read_listing
+from nanochat.data.streaming.streamed_split import stream_source, streamed_split
 from nanochat.data.fetch.download import (MAGIC, SOURCE_FIX, TAIL_BYTES, DownloadError,
                                           HostNotFoundError, Limits, check_sources, check_versions,
                                           fetch_tail, recorded_size, recorded_source, source_of)
@@ -272,7 +276,7 @@ def _read_missing(data_dir: str, missing: list[tuple[str, str]], known: dict, li
 
 def streamed_files(split: str, data_dir: str | None, num_shards: int | None, base_url: str | None,
                    limits: Limits) -> tuple[str, list[str], list[str], dict[str, int], list[dict]]:
-    """A streamed split (nanochat.dataset.streamed_split: by the server's listing when it has one)
+    """A streamed split (streamed_split: by the server's listing when it has one)
     with its catalog entries: (data_dir, paths, URLs, {the val shard's name: its size}, catalog
     entries)."""
     listing = kept_listing(data_dir, base_url, limits)
@@ -292,7 +296,7 @@ def streamed_files(split: str, data_dir: str | None, num_shards: int | None, bas
 
 
 def kept_listing(data_dir: str | None, base_url: str | None, limits: Limits) -> list[str] | None:
-    """The names the server or store lists (nanochat.dataset.read_listing), asked at every start:
+    """The names the server or store lists (fetch.listing's read_listing), asked at every start:
     a listing kept from an earlier one would hide the shards added since. Kept in DATA_DIR/.stream/
     listing.json all the same, for when the source cannot be reached: a restart or a merge that
     needs no shard from it goes on, with a warning, as it does with the catalog."""

@@ -7,7 +7,8 @@ damaged or edited copy is removed with a warning, and its shard fetched again. A
 buffer's documents from any loader's copies. The copies are files (they are data); which loader
 owns which is in the ledger. A copy costs a gzip of a few documents. Design: docs/streaming.md.
 
-May import: nanochat.dataset, nanochat.data.base.files, nanochat.data.streaming.ledger.
+May import: nanochat.data.base.parquet, nanochat.data.base.files,
+nanochat.data.streaming.ledger.
 """
 
 import errno
@@ -20,7 +21,7 @@ import shutil
 import zlib
 from collections import deque
 
-from nanochat.dataset import open_parquet, read_row_group_column
+from nanochat.data.base.parquet import open_parquet, read_row_group_column
 from nanochat.data.base.files import disk_full, remove_if_exists, write_atomic
 from nanochat.data.streaming.ledger import KEPT_DIR, KEPT_SUFFIX, STREAM_DIR, Ledger, Table, listdir
 

@@ -25,7 +25,7 @@ from conftest import ByteTokenizer, buffered_places, write_shards
 from nanochat.dataloader import (
     pretokenized_distributed_data_loader_with_state_bos_bestfit as PRETOKENIZED,
 )
-from nanochat.dataset import split_parquet_files
+from nanochat.data.loader.parquet_files import split_parquet_files
 from nanochat.mixture import pretokenized_mixture_loader_with_state_bos_bestfit as MIX
 from nanochat.pretokenize import main as pretokenize_main
 from nanochat.resume import merge_states

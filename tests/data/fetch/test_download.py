@@ -31,10 +31,9 @@ from conftest import ByteTokenizer, outcome, write_shard
 from nanochat import dataset
 from nanochat.data.fetch import download
 from nanochat.dataloader import tokenizing_distributed_data_loader_with_state_bos_bestfit
-from nanochat.dataset import (
-    DATASETS, DatasetSpec, download_shards, download_single_file, get_data_dir, index_to_filename,
-    list_parquet_files, main, parquets_iter_batched, split_parquet_files,
-)
+from nanochat.data.base.datasets import DATASETS, DatasetSpec, get_data_dir, index_to_filename
+from nanochat.data.loader.parquet_files import list_parquet_files, split_parquet_files
+from nanochat.dataset import download_shards, download_single_file, main, parquets_iter_batched
 from nanochat.data.fetch.download import HostNotFoundError, Limits, summarize
 
 from conftest import REPO_ROOT

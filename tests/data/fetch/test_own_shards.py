@@ -30,7 +30,7 @@ from conftest import ByteTokenizer, assert_interrupted, outcome, worker_env, wri
 from conftest import assert_same_batches as _same
 from conftest import take_batches as _batches
 from nanochat.dataloader import tokenizing_distributed_data_loader_with_state_bos_bestfit
-from nanochat.dataset import split_parquet_files
+from nanochat.data.loader.parquet_files import split_parquet_files
 from nanochat.data.fetch.download import Limits
 from nanochat.data.fetch import serve
 from nanochat.data.fetch.serve import ShardServer

@@ -18,8 +18,8 @@ import pytest
 
 from conftest import worker_env, write_shard
 from nanochat.data.fetch import stores
-from nanochat.dataset import (download_shards, download_single_file, main, shown,
-                              streamed_split)
+from nanochat.data.streaming.streamed_split import streamed_split
+from nanochat.dataset import download_shards, download_single_file, main
 
 from conftest import REPO_ROOT as ROOT
 # sorted, the last (omega) is val; zeta is under a folder of the prefix, so it is not listed
@@ -232,19 +232,6 @@ def test_a_bad_address_is_a_value_error_up_front(tmp_path, address, words):
         with pytest.raises(ValueError, match=words):
             call()
     assert not os.path.exists(data_dir)
-
-
-def test_messages_show_an_address_without_its_credentials(monkeypatch, tmp_path):
-    assert shown("https://user:hunter22@example.com:8443/x") == "https://example.com:8443/x"
-    assert shown("s3://bucket/prefix") == "s3://bucket/prefix"
-    monkeypatch.setenv("MY_STORE_TOKEN", "tok-123456")
-    assert shown("https://example.com/x?sig=tok-123456") == "https://example.com/x?sig=***"
-    # a listing of shards of your own, refused for a dataset's directory: the URL is named bare
-    dataset_dir = tmp_path / "base_data_climbmix"
-    with pytest.raises(ValueError) as error:
-        streamed_split("train", str(dataset_dir), base_url="https://user:hunter22@example.com/x",
-                       listing=NAMES)
-    assert "example.com/x" in str(error.value) and "hunter22" not in str(error.value)
 
 
 @pytest.mark.parametrize("address", ["127.0.0.1:8000/resolve/main", "/no/such/shards"])

@@ -34,8 +34,8 @@ from nanochat.dataloader import tokenizing_distributed_data_loader_with_state as
 from nanochat.dataloader import (
     tokenizing_distributed_data_loader_with_state_bos_bestfit as PARQUET,
 )
-from nanochat.dataset import (download_shards, download_single_file, list_parquet_files,
-                              parquets_iter_batched, split_parquet_files)
+from nanochat.data.loader.parquet_files import list_parquet_files, split_parquet_files
+from nanochat.dataset import download_shards, download_single_file, parquets_iter_batched
 from nanochat.dataset import main as dataset_main
 from nanochat.data.pretokenized.layout import data_kind, describe_mismatch
 from nanochat.mixture import main as mixture_main

@@ -36,7 +36,7 @@ from nanochat.data.streaming import cache as shard_cache
 from nanochat.data.streaming import ledger as ledger_module
 from nanochat.data.streaming.catalog import catalog_entry, read_catalog
 from nanochat.dataloader import tokenizing_distributed_data_loader_with_state_bos_bestfit
-from nanochat.dataset import index_to_filename
+from nanochat.data.base.datasets import index_to_filename
 from nanochat.data.fetch.download import Limits, download_file
 from nanochat.data.base.files import write_atomic
 from nanochat.data.streaming.kept import Keeper, encode

@@ -31,7 +31,7 @@ from nanochat.data.fetch import download
 from nanochat.data.streaming import cache as shard_cache
 from nanochat.dataloader import (tokenizing_distributed_data_loader_with_state,
                                  tokenizing_distributed_data_loader_with_state_bos_bestfit)
-from nanochat.dataset import index_to_filename
+from nanochat.data.base.datasets import index_to_filename
 from nanochat.data.fetch.download import DownloadError, Limits
 from nanochat.data.loader.options import parse_bytes
 from nanochat.resume import merge_states

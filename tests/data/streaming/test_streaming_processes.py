@@ -30,7 +30,7 @@ import pytest
 from conftest import ByteTokenizer, least_accepted, outcome, worker_env, write_shard
 from nanochat.data.streaming import cache as shard_cache
 from nanochat.dataloader import tokenizing_distributed_data_loader_with_state_bos_bestfit
-from nanochat.dataset import get_dataset, index_to_filename
+from nanochat.data.base.datasets import get_dataset, index_to_filename
 from nanochat.data.fetch.download import Limits
 from nanochat.data.streaming.catalog import copies_estimate, read_catalog
 from nanochat.resume import merge_states

@@ -1,13 +1,14 @@
 """
-Tests for exporting our tokenizer as a Hugging Face tokenizer.json (RustBPETokenizer.to_hf_json,
-export_hf and `python -m nanochat.tokenizer export-hf`).
+Tests for nanochat/data/tokenizing/hf_export.py: our tokenizer as a Hugging Face tokenizer.json
+(RustBPETokenizer.to_hf_json, export_hf and `python -m nanochat.tokenizer export-hf`).
 
 The export is loaded with the `tokenizers` library (an optional dependency, in the test extras;
-those tests skip without it) and must encode every text token for token as ours does, special
-tokens included, and decode any ids as ours does. The tables and the refusals (never replace a
-tokenizer of ours, nor files that an earlier export did not write) are checked without it.
+those tests skip without it, and fail where CI is set) and must encode every text token for token
+as ours does, special tokens included, and decode any ids as ours does. The tables and the
+refusals (never replace a tokenizer of ours, nor files that an earlier export did not write) are
+checked without it.
 Tokenizers are trained in-process on generated text.
-Run: python -m pytest tests/test_export_hf.py -q   (a few seconds)
+Run: python -m pytest tests/data/tokenizing/test_hf_export.py -q   (a few seconds)
 """
 
 import json
@@ -20,10 +21,10 @@ import sys
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from nanochat.tokenizer import HF_EXPORT_MARK, SPECIAL_TOKENS, RustBPETokenizer
+from conftest import REPO_ROOT, need
+from nanochat.data.tokenizing.hf_export import HF_EXPORT_MARK
+from nanochat.tokenizer import SPECIAL_TOKENS, RustBPETokenizer
 from test_tokenizer import TEXTS, make_docs
-
-REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # beside test_tokenizer's TEXTS: what our split pattern treats specially, and bytes no training
 # text had
@@ -64,8 +65,8 @@ def tok():
 
 @pytest.fixture(scope="module")
 def hf_lib():
-    return pytest.importorskip("tokenizers", reason="the export is loaded with the optional "
-                                                    "`tokenizers` library: pip install -e '.[hf]'")
+    return need("tokenizers", "the export is loaded with the optional `tokenizers` library: "
+                              "pip install -e '.[hf]'")
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,6 @@
+"""
+The tokenizer's files beside nanochat's API (tokenizer.py): their names and format, the safe reader
+of nanochat's tokenizer.pkl, and the export for Hugging Face tools.
+
+May import: numpy, tiktoken; nothing of ours outside tokenizing/.
+"""
