@@ -2,5 +2,5 @@
 The tokenizer's files beside nanochat's API (tokenizer.py): their names and format, the safe reader
 of nanochat's tokenizer.pkl, and the export for Hugging Face tools.
 
-May import: numpy, tiktoken; nothing of ours outside tokenizing/.
+May import: the standard library; nothing of ours outside tokenizing/.
 """
