@@ -18,6 +18,10 @@ from nanochat.common import get_base_dir
 logger = logging.getLogger(__name__)
 
 
+# -----------------------------------------------------------------------------
+# The datasets we know and where the readers find one
+
+
 @dataclass(frozen=True)
 class DatasetSpec:
     name: str
@@ -100,6 +104,10 @@ def find_data_dir() -> str:
     return get_data_dir(find_dataset().name)
 
 
+# -----------------------------------------------------------------------------
+# A dataset's directory, its shards' names and its source
+
+
 def dataset_of(data_dir: str) -> DatasetSpec | None:
     """The known dataset whose directory this is (by its name, e.g. base_data_climbmix), or
     None."""
@@ -122,6 +130,9 @@ def hosted(base_url: str) -> bool:
     """Whether base_url is a dataset's own (the Hugging Face hub's repository), not a mirror."""
     return base_url.rstrip("/") in {spec.base_url.rstrip("/") for spec in DATASETS.values()}
 
+
+# -----------------------------------------------------------------------------
+# The splits, and warnings said once
 
 SPLITS = ("train", "val")  # val is the last shard in sorted order, train the others
 
