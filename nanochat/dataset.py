@@ -1,7 +1,7 @@
 """
-The pretraining shard store: which dataset, where its parquet shards live, reading, downloading
-and repackaging them. A dataset is a numbered run of parquet shards (`shard_00000.parquet`, ...)
-with one `text` column in row groups of ~1024 documents; its last shard is val, the others train.
+The pretraining shard store: the dataset, where its shards live, reading, downloading, repackaging.
+A dataset is a numbered run of parquet shards (`shard_00000.parquet`, ...) with one `text` column
+in row groups of ~1024 documents; its last shard is val, the others train.
 
     python -m nanochat.dataset -n 240 -w 4     # fetch and verify ~100MB shards (download.py)
     python -m nanochat.dataset -n 8 --base-url s3://bucket/prefix --data-dir DIR   # from a store
@@ -9,8 +9,7 @@ with one `text` column in row groups of ~1024 documents; its last shard is val, 
     python -m nanochat.dataset repackage a.jsonl b.txt --out DIR   # your own text, in memory
     python -m nanochat.dataset serve DIR --port 8000   # serve shards to stream (serve.py)
 
-Cost: reading a row group is one pyarrow call, a few ms for ~1024 documents.
-Design: docs/downloads.md
+Cost: a row group is one pyarrow read, a few ms for ~1024 documents. Design: docs/downloads.md
 
 May import: nanochat.data.base.checks, nanochat.data.base.cli, nanochat.common,
 nanochat.data.fetch.download, nanochat.data.base.files, nanochat.data.pretokenized.layout,

@@ -1,6 +1,7 @@
 """
-The ground floor: pure pieces every stage uses. Best-fit packing, the resume state's format and its
-checks, the seeded shuffle, integer checks, atomic files, the command-line ending.
+The ground floor: the pure pieces every stage uses.
+Best-fit packing, the resume state's format and its checks, the seeded shuffle, integer checks,
+atomic files, the command-line ending.
 
-May import: the standard library, numpy, tqdm; nothing of ours outside base/.
+May import: the standard library, numpy, tqdm; of ours, base/ itself and nanochat.common.
 """

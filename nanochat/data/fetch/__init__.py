@@ -1,6 +1,7 @@
 """
-Bytes from a source to a file on disk that is complete and verified: HTTP, object stores through
-fsspec, the sidecar records, and `serve`, a local server of shards.
+Bytes from a source to a file on disk that is complete and verified.
+Over HTTP or from an object store through fsspec, each file with its sidecar record; and `serve`,
+a local server of shards.
 
 May import: nanochat.data.base.
 """
