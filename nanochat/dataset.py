@@ -1,8 +1,8 @@
 """
-nanochat's dataset.py: its API (list_parquet_files, parquets_iter_batched, download_single_file)
-over the shard store in nanochat/data/, and the command that fetches, checks, repackages or serves
-shards. A dataset is a numbered run of parquet shards (`shard_00000.parquet`, ...) with one `text`
-column in row groups of ~1024 documents; its last shard is val, the others train.
+nanochat's dataset.py: its API over the shard store in nanochat/data/, and the shard command.
+list_parquet_files, parquets_iter_batched and download_single_file, as nanochat has them. A dataset
+is a numbered run of parquet shards (`shard_00000.parquet`, ...) with one `text` column in row
+groups of ~1024 documents; its last shard is val, the others train.
 
     python -m nanochat.dataset -n 240 -w 4     # fetch and verify ~100MB shards (download.py)
     python -m nanochat.dataset -n 8 --base-url s3://bucket/prefix --data-dir DIR   # from a store
@@ -10,8 +10,7 @@ column in row groups of ~1024 documents; its last shard is val, the others train
     python -m nanochat.dataset repackage a.jsonl b.txt --out DIR   # your own text (repackage.py)
     python -m nanochat.dataset serve DIR --port 8000   # serve shards to stream (serve.py)
 
-Cost: importing touches nothing; a row group is one pyarrow call, a few ms for ~1024 documents.
-Design: docs/downloads.md
+Cost: a row group is one pyarrow read, a few ms for ~1024 documents. Design: docs/downloads.md
 
 May import: nanochat.data.base, nanochat.data.fetch, nanochat.data.loader.
 """

@@ -1,8 +1,7 @@
 """
-Tokenize parquet shards or jsonl files once, into the `.bin`/`.idx` pairs of token_shards.py, so
-that training memory-maps tokens and neither decodes parquet nor tokenizes. Long documents may be
-cut into overlapping windows, under nanochat's convention ([BOS] + document) or GPT-Simple's
-(document + EOD).
+Tokenize parquet shards or jsonl files once, into the `.bin`/`.idx` pairs of token_shards.py.
+Training then memory-maps tokens, decoding no parquet and running no tokenizer. Long documents may
+be cut into overlapping windows: nanochat's ([BOS] + document) or GPT-Simple's (document + EOD).
 
     python -m nanochat.pretokenize --input DATA_DIR --output DATA_DIR_tokens --num-workers 8
 

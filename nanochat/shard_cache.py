@@ -1,7 +1,7 @@
 """
-`python -m nanochat.shard_cache status [DATA_DIR]`: what a streaming cache (stream=True) holds,
-against its cache_limit, which live loader needs which shard and why. The cache itself is
-nanochat/data/streaming/cache.py.
+The command that shows what a streaming cache (stream=True) holds, and why.
+`python -m nanochat.shard_cache status [DATA_DIR]` lists the shards against cache_limit, and which
+live loader needs which shard and why. The cache itself is nanochat/data/streaming/cache.py.
 
 May import: nanochat.data.base, nanochat.data.streaming.
 """

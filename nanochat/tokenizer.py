@@ -1,10 +1,10 @@
 """
-GPT-4-style BPE tokenizer: trained with rustbpe, run with tiktoken, saved as plain JSON
-(tokenizer.json and token_bytes.npy). It has nanochat's API (RustBPETokenizer, train_from_iterator,
-from_directory, encode, render_conversation, ...), so it can replace nanochat/tokenizer.py in a
-nanochat checkout. It reads nanochat's tokenizer.pkl without running it; `python -m
-nanochat.tokenizer convert DIR` turns one into tokenizer.json, `export-hf DIR` writes a Hugging
-Face tokenizer.json.
+GPT-4-style BPE tokenizer: trained with rustbpe, run with tiktoken, saved as plain JSON.
+Its files are tokenizer.json and token_bytes.npy. It has nanochat's API (RustBPETokenizer,
+train_from_iterator, from_directory, encode, render_conversation, ...), so it can replace
+nanochat/tokenizer.py in a nanochat checkout. It reads nanochat's tokenizer.pkl without running it;
+`python -m nanochat.tokenizer convert DIR` turns one into tokenizer.json, `export-hf DIR` writes a
+Hugging Face tokenizer.json.
 
 Cost: training on ~2B characters takes minutes; encoding runs at tiktoken speed (MB/s per thread).
 Design and file formats: docs/tokenizer.md

@@ -26,7 +26,7 @@ import time
 import numpy as np
 
 from nanochat.data.base.cli import run
-from scripts.nanochat_dropin import OUR_MODULES, REPO, write_layout
+from scripts.nanochat_dropin import REPO, drop_in, write_layout
 
 SIDES = ("orig", "ours", "prebuilt")
 # nanochat's step line: "step 00012/00100 (12.00%) | loss: 7.1 | lrm: 1.00 | dt: 35.12ms | ..."
@@ -71,8 +71,7 @@ def copy_checkout(checkout: str, src: str, side: str) -> None:
     shutil.copytree(checkout, src, ignore=shutil.ignore_patterns(".git", ".venv", "__pycache__"))
     if side == "orig":
         return
-    for module in OUR_MODULES:
-        shutil.copy(os.path.join(REPO, "nanochat", f"{module}.py"), os.path.join(src, "nanochat"))
+    drop_in(os.path.join(src, "nanochat"))
     if side == "prebuilt":
         with open(os.path.join(src, "nanochat", "prebuilt_batches.py"), "w") as f:
             f.write(PREBUILT)

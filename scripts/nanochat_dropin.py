@@ -6,12 +6,13 @@ tiktoken, filelock, pyyaml, pytest). Offline, on CPU, about 1.5 minutes per layo
 
     python -m scripts.nanochat_dropin ~/nanochat --python ~/nanochat/.venv/bin/python
 
-Each side ("orig": the checkout as it is; "ours": every module of ours but common.py copied into
-it) gets the same shards of English prose and runs scripts.tok_train, tests/test_tokenizer.py,
-scripts.base_train (a tiny CPU model), scripts.base_eval --eval bpb and base_train
---resume-from-step. Then the sides are compared: tokenizer tables, token_bytes.pt, the first batches
-and state keys of both splits, every loss and val bpb before the resume. Layouts (--layout):
-climbmix (shards 0-7 + val 6542), fineweb (0-7 + val 1822), own (nine shards: the last is val).
+Each side ("orig": the checkout as it is; "ours": with the README's one `cp -r` of nanochat's three
+files and nanochat/data into it) gets the same shards of English prose and runs scripts.tok_train,
+tests/test_tokenizer.py, scripts.base_train (a tiny CPU model), scripts.base_eval --eval bpb and
+base_train --resume-from-step. Then the sides are compared: tokenizer tables, token_bytes.pt, the
+first batches and state keys of both splits, every loss and val bpb before the resume. Layouts
+(--layout): climbmix (shards 0-7 + val 6542), fineweb (0-7 + val 1822), own (nine shards: the last
+is val).
 """
 
 import argparse
@@ -33,10 +34,9 @@ from nanochat.data.base.cli import run
 from nanochat.tokenizer import RustBPETokenizer
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-# what a user copies into a nanochat checkout: every module of ours but common.py (nanochat's own
-# stays)
-OUR_MODULES = tuple(sorted(name[:-3] for name in os.listdir(os.path.join(REPO, "nanochat"))
-                           if name.endswith(".py") and name not in ("common.py", "__init__.py")))
+# what a user copies into a nanochat checkout, the README's one line: `cp -r` of these, each under
+# nanochat/, into NANOCHAT/nanochat/ (nanochat's own common.py stays)
+DROP_IN = ("dataloader.py", "dataset.py", "tokenizer.py", "data")
 # modules whose docstrings are long English prose, importable without side effects
 PROSE_MODULES = ("argparse", "asyncio", "collections", "concurrent.futures", "contextlib", "csv",
                  "dataclasses", "datetime", "decimal", "email", "enum", "fractions", "functools",
@@ -66,6 +66,12 @@ for split, n in (("train", 60), ("val", 10)):
                   (next(batches) for _ in range(n))]
 torch.save(out, sys.argv[1])
 """
+
+
+def drop_in(package: str) -> None:
+    """Our drop-in copied into a checkout's nanochat/ folder, as the README's `cp -r` does."""
+    subprocess.run(["cp", "-r", *(os.path.join(REPO, "nanochat", name) for name in DROP_IN),
+                    package], check=True)
 
 
 def prose_documents() -> list[str]:
@@ -105,9 +111,7 @@ def run_side(side: str, checkout: str, out: str, layout: str, python: str) -> di
     # a copy: the user's checkout is never changed
     shutil.copytree(checkout, src, ignore=shutil.ignore_patterns(".git", ".venv", "__pycache__"))
     if side == "ours":
-        for module in OUR_MODULES:
-            shutil.copy(os.path.join(REPO, "nanochat", f"{module}.py"),
-                        os.path.join(src, "nanochat"))
+        drop_in(os.path.join(src, "nanochat"))
     base_dir = os.path.join(root, "base")
     write_layout(base_dir, layout)
     env = dict(os.environ, NANOCHAT_BASE_DIR=base_dir, PYTHONPATH=src)

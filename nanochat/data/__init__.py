@@ -1,6 +1,8 @@
 """
-Our data pipeline, behind nanochat's three files (dataloader.py, dataset.py, tokenizer.py) and the
-command fronts beside them. One folder per stage, lowest floor first:
+Our data pipeline, one folder per stage, under nanochat's three files and the command fronts.
+dataloader.py, dataset.py and tokenizer.py, and the fronts beside them (pretokenize, mixture,
+resume, shard_cache), import these folders; a nanochat checkout gets the three files and this folder
+(README: In a nanochat checkout). The folders, lowest floor first:
 
     base/          what every stage stands on: packing, the state's format, checks, the shuffle
     tokenizing/    the tokenizer's files: their names, nanochat's pickle read safely, the HF export
@@ -10,6 +12,7 @@ command fronts beside them. One folder per stage, lowest floor first:
     loader/        one rank's walk from shards to packed rows, its worker, resume and figures
     mixtures/      buckets over loaders, with weights over the tokens
 
-May import: a folder imports only the folders above it in this list, nanochat.common, and never
-nanochat's files or the fronts (they import us). tests/test_architecture.py holds it.
+May import: a folder imports its own modules, the folders its __init__.py names (lower floors in
+this list) and nanochat.common; never nanochat's three files or the fronts (they import us).
+tests/test_architecture.py holds these rules.
 """

@@ -1,7 +1,7 @@
 """
-The one integer check that every argument, field and setting goes through, so that bad input
-gets the same kind of message everywhere: the name, the range, the value and, where it helps, a
-hint.
+The one integer check that every argument, field and setting goes through.
+Bad input then gets the same kind of message everywhere: the name, the range, the value and, where
+it helps, a hint.
 
 May import: nothing of ours.
 """

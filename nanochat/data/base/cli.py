@@ -1,10 +1,10 @@
 """
-How a command line ends: `run(main, interrupted, errors)` exits with main()'s status. A mistake in
-the input (one of `errors`) prints one line, `error: ...`, and exits 2 (or error_status). Ctrl-C
-prints one line to stderr, `interrupted: ...`, that says what stopped and what a rerun does, and
-exits 130 (128 + SIGINT, as a shell reports it): never a traceback. What a command leaves behind
-when it stops is its own design, and its line says it: complete files under their names, partial
-ones under temporary names that a rerun resumes or writes again.
+How a command line ends: `run(main, interrupted, errors)` exits with main()'s status.
+A mistake in the input (one of `errors`) prints one line, `error: ...`, and exits 2 (or
+error_status). Ctrl-C prints one line to stderr, `interrupted: ...`, that says what stopped and what
+a rerun does, and exits 130 (128 + SIGINT, as a shell reports it): never a traceback. What a command
+leaves behind when it stops is its own design, and its line says it: complete files under their
+names, partial ones under temporary names that a rerun resumes or writes again.
 
 May import: the standard library.
 """

@@ -1,10 +1,10 @@
 """
-Small file-system steps that make writes durable and clean-ups quiet, shared by the downloader
-(nanochat/data/fetch/download.py), the token-shard writer
+Small file-system steps that make writes durable and clean-ups quiet.
+The downloader (nanochat/data/fetch/download.py), the token-shard writer
 (nanochat/data/pretokenized/token_shards.py) and the streaming cache's small files (the ledger, the
-catalog, the kept copies): a whole-file write that leaves no temporary file behind and says what a
-full disk needs, and a warning given once per version of a bad file. Also the one progress bar every
-long step uses: frames on a terminal, plain lines in a log file.
+catalog, the kept copies) share them: a whole-file write that leaves no temporary file behind and
+says what a full disk needs, and a warning given once per version of a bad file. Also the one
+progress bar every long step uses: frames on a terminal, plain lines in a log file.
 
 May import: the standard library, tqdm.
 """

@@ -1,10 +1,10 @@
 """
-Seeded shuffling without stored lists: keyed permutations of [0, n) computed from a counter. A
-shuffled loader walks each epoch's units (parquet row groups, or chunks of token shards) in a
+Seeded shuffling without stored lists: keyed permutations of [0, n) computed from a counter.
+A shuffled loader walks each epoch's units (parquet row groups, or chunks of token shards) in a
 permuted order dealt round-robin to the ranks, and reads the entries of each `window` consecutive
 units of its share in a permuted order too. Both are functions of (seed, epoch, ...), so a resume
-state stores positions, never a list, and every rank can compute any other rank's order (the
-elastic merge needs that).
+state stores positions, never a list, and every rank can compute any other rank's order (the elastic
+merge needs that).
 
 The permutation is a 4-round Feistel network with cycle-walking: a bijection of [0, n) for any n,
 in plain integer arithmetic, so it is the same on every machine and numpy version (numpy's own

@@ -1,9 +1,9 @@
 """
-The loader state: the records that name a document (DocKey, WindowKey, PieceKey) or a plan's work
-(PlanUnit), the state's compact encodings, its fingerprints and its checksum. A state is plain data
-that names documents by where they were read, never by their tokens, so it stays a few KB at
-buffer_size=1000. nanochat/data/base/state_checks.py checks a state; nanochat/data/loader/elastic.py
-merges the states of N ranks for M. Format: docs/resume.md.
+The loader state's format: its records, compact encodings, fingerprints and checksum.
+The records name a document (DocKey, WindowKey, PieceKey) or a plan's work (PlanUnit). A state is
+plain data that names documents by where they were read, never by their tokens, so it stays a few KB
+at buffer_size=1000. nanochat/data/base/state_checks.py checks a state;
+nanochat/data/loader/elastic.py merges the states of N ranks for M. Format: docs/resume.md.
 
 Cost per batch: ~0.15 ms to encode a 1,000-document buffer, ~0.15 ms to hash a 32x2049 batch.
 

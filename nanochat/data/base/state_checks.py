@@ -1,9 +1,10 @@
 """
-Checking a loader state before it is used. check_fields checks every field on its own, check_data
-every place the state names against the data, and check_state whether it continues the walk of
-the loader resuming from it: exactly, approximately as nanochat resumes, or refused with what
-differs. rank_state takes one rank's part of a merge. check_keys, check_hex and check_list serve the
-mixture state too. Every failure is a ValueError that names the field.
+Checking a loader state before it is used.
+check_fields checks every field on its own, check_data every place the state names against the data,
+and check_state whether it continues the walk of the loader resuming from it: exactly, approximately
+as nanochat resumes, or refused with what differs. rank_state takes one rank's part of a merge.
+check_keys, check_hex and check_list serve the mixture state too. Every failure is a ValueError that
+names the field.
 
 Cost: run-length rows and bitmaps are measured before they are decoded, so a state cannot make a
 loader allocate more than its buffer and the data's units hold. Format: docs/resume.md.

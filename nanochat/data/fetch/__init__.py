@@ -1,7 +1,7 @@
 """
-Bytes from a source to a file on disk that is complete and verified: HTTP, object stores through
-fsspec, the sidecar records, and `serve`, a local server of shards. Also what a source lists, its
-address as messages show it, and `repackage`, your own text written as shards.
+Bytes from a source to a file on disk that is complete and verified.
+Over HTTP or from an object store through fsspec, each file with its sidecar record; what a source
+lists; `serve`, a local server of shards; and `repackage`, your own text written as shards.
 
 May import: nanochat.data.base.
 """

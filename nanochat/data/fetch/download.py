@@ -1,10 +1,10 @@
 """
-Fetch parquet files over HTTP, or from a store (S3, GCS, ..., a local directory: stores.py, in
-chunks), so that only complete, verified files appear under their final names. A file is fetched
-into `<name>.tmp` under a per-file lock, checked (the size and hashes the source stated, PAR1 at
-both ends, readable parquet metadata, every page when no hash was stated) and renamed into place;
-`<name>.json` records its size and sha256, so later runs re-check it offline. An attempt, and the
-read of a file's end, ends in bounded time (silence, a low rate, a deadline); a dropped transfer
+Fetch parquet files so that only complete, verified files appear under their final names.
+A file comes over HTTP, or from a store (S3, GCS, ..., a local directory: stores.py, in chunks). It
+is fetched into `<name>.tmp` under a per-file lock, checked (the size and hashes the source stated,
+PAR1 at both ends, readable parquet metadata, every page when no hash was stated) and renamed into
+place; `<name>.json` records its size and sha256, so later runs re-check it offline. An attempt, and
+the read of a file's end, ends in bounded time (silence, a low rate, a deadline); a dropped transfer
 resumes (Range + If-Range; a store: from the temp's end while the object's version is unchanged).
 
 Cost: checking a ~100MB shard takes ~0.07 s from the page cache (sha256 at ~1.4 GB/s); reading

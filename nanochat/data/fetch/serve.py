@@ -1,11 +1,11 @@
 """
-A shard server: serves a directory's `*.parquet` shards over HTTP the way the Hugging Face hub
-serves a dataset's, with Range requests (what a streaming loader reads footers with, and what
-resumes a broken download), an ETag that is the body's quoted sha256, and optionally a rate limit
-shared by all connections. It also answers `index.json`: the shards and their sizes, made on each
-request (the directory's own index.json, when it has one). Any other name is a 404: other files
-in the directory are never served. The demo, the benchmarks and the tests use it;
-`python -m nanochat.dataset serve DIR` runs it (main below).
+A shard server: a directory's `*.parquet` shards over HTTP, served the way the hub serves them.
+It answers Range requests (what a streaming loader reads footers with, and what resumes a broken
+download), its ETag is the body's quoted sha256, and a rate limit may be shared by all connections.
+It also answers `index.json`: the shards and their sizes, made on each request (the directory's own
+index.json, when it has one). Any other name is a 404: other files in the directory are never
+served. The demo, the benchmarks and the tests use it; `python -m nanochat.dataset serve DIR` runs
+it (main below).
 
     server = ShardServer(directory, rate=50e6)   # on 127.0.0.1, a free port, a daemon thread
     server.url, server.gets                      # http://127.0.0.1:PORT, [(name, Range or None)]

@@ -1,11 +1,10 @@
 """
-Elastic resume for one loader's states: merge_walk_states deals the work that N ranks had not
-yet trained on to M new ranks, as each new rank's plan; after its plan, new rank q goes on with
-the next epoch as rank q of M. nanochat/resume.py's merge_states is the front users call; a
-mixture merges each of its buckets with merge_walk_states (nanochat/data/mixtures/mixture_state.py).
-Cost: every file's footer (index, or catalog entry) is read, and no document: states and plans
-name documents by place.
-Design: docs/resume.md (elastic resume).
+Elastic resume for one loader: the states of N ranks dealt as plans to M new ranks.
+merge_walk_states deals the work that N ranks had not yet trained on to M new ranks, as each new
+rank's plan; after its plan, new rank q goes on with the next epoch as rank q of M.
+nanochat/resume.py's merge_states is the front users call; a mixture merges each of its buckets with
+merge_walk_states (nanochat/data/mixtures/mixture_state.py). Cost: every file's footer (index, or
+catalog entry) is read, and no document: states and plans name documents by place.
 
 May import: nanochat.data.base.state, nanochat.data.base.state_checks, nanochat.data.loader.order,
 nanochat.data.streaming.catalog, nanochat.data.loader.parquet_files,

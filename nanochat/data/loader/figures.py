@@ -1,10 +1,10 @@
 """
-A loader's figures for a training log: what it did since the last figures() call and in total
-(next()'s wait, tokens per second in and out, crop and masked shares, documents per row, and for
-a streaming loader its downloads, evictions and cache use), and the one short line that prints
-them. DataLoader.figures() (nanochat/dataloader.py) takes a Mark after each call and subtracts.
-The counts come from the packers' running totals that every state carries, so nothing new
-crosses from a worker process. Design: docs/loaders.md#figures.
+A loader's figures for a training log, and the one short line that prints them.
+They count what it did since the last figures() call and in total: next()'s wait, tokens per second
+in and out, crop and masked shares, documents per row, and for a streaming loader its downloads,
+evictions and cache use. DataLoader.figures() (nanochat/dataloader.py) takes a Mark after each call
+and subtracts. The counts come from the packers' running totals that every state carries, so nothing
+new crosses from a worker process. Design: docs/loaders.md#figures.
 
 May import: the standard library, nanochat.data.base.packing.
 """

@@ -1,8 +1,8 @@
 """
-Checking a loader's arguments up front, so that bad input fails at the call with a ValueError that
-names the argument, not later inside a background thread. Streaming's settings come from the
-arguments or the environment (NANOCHAT_STREAM, NANOCHAT_CACHE_LIMIT, NANOCHAT_STREAM_SHARDS), and
-so may the worker process (NANOCHAT_LOADER_WORKERS).
+Checking a loader's arguments up front, so that bad input fails at the call.
+The ValueError names the argument, and comes before any background thread starts. Streaming's
+settings come from the arguments or the environment (NANOCHAT_STREAM, NANOCHAT_CACHE_LIMIT,
+NANOCHAT_STREAM_SHARDS), and so may the worker process (NANOCHAT_LOADER_WORKERS).
 
 May import: nanochat.data.base.checks, nanochat.common, nanochat.data.base.datasets,
 nanochat.data.base.shuffle.

@@ -1,9 +1,10 @@
 """
-Running a stage ahead. Prefetcher runs an iterator on a daemon thread a few items ahead, hands every
-failure to its consumer, and stops within a bounded time when closed (a whole pipeline of them at
-once). WorkerBatches runs a whole loader in a worker process (`python -m
-nanochat.data.loader.prefetch`), so that none of its Python takes the trainer's GIL: each batch's
-rows come back through shared memory, the rest of the batch through a pipe. Page: docs/loaders.md.
+Running a stage ahead: on a daemon thread (Prefetcher), or in a worker process (WorkerBatches).
+Prefetcher runs an iterator a few items ahead, hands every failure to its consumer, and stops within
+a bounded time when closed (a whole pipeline of them at once). WorkerBatches runs a whole loader in
+a worker process (`python -m nanochat.data.loader.prefetch`), so that none of its Python takes the
+trainer's GIL: each batch's rows come back through shared memory, the rest of the batch through a
+pipe. Page: docs/loaders.md.
 
 Cost: one thread per stage, and at most `depth` items made ahead of the consumer. A worker: one
 process per loader (its start: ~2 s and ~350 MB, it imports torch), (depth + 1) slots of shared

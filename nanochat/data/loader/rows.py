@@ -1,7 +1,7 @@
 """
-Tokens to packed rows: the stage between the walk's document batches and the device. Texts are
-tokenized into numpy documents that start with BOS (2 bytes a token up to 65,536 ids); the pure
-packers of nanochat/data/base/packing.py fill best-fit BOS-aligned rows (or cut the documents,
+Tokens to packed rows: the stage between the walk's document batches and the device.
+Texts are tokenized into numpy documents that start with BOS (2 bytes a token up to 65,536 ids); the
+pure packers of nanochat/data/base/packing.py fill best-fit BOS-aligned rows (or cut the documents,
 concatenated, into rows); StateRecorder builds the state of each batch (what it consumed, never what
 was read ahead) and restores a packer from one. Pretokenized entries skip the tokenizer:
 EntryDocuments only prepends BOS where needed.

@@ -1,10 +1,10 @@
 """
-Curricula and buckets: what a mixture reads (GPT-Simple's layout and rules). A curriculum is an
-ordered list of phases, each a token budget and a mix of bucket weights; buckets are the
-subdirectories of a pretokenized data directory. validate() sets the tokens each phase demands of
-each bucket against what the buckets (and each rank's share of them) hold, less the estimated crop;
-row_unit() and choose() pick the bucket of each row of each rank. `python -m nanochat.mixture
-validate` is main() below; the loader itself is mixture.py.
+Curricula and buckets: what a mixture reads (GPT-Simple's layout and rules).
+A curriculum is an ordered list of phases, each a token budget and a mix of bucket weights; buckets
+are the subdirectories of a pretokenized data directory. validate() sets the tokens each phase
+demands of each bucket against what the buckets (and each rank's share of them) hold, less the
+estimated crop; row_unit() and choose() pick the bucket of each row of each rank. `python -m
+nanochat.mixture validate` is main() below; the loader itself is mixture.py.
 
 Design: docs/mixtures.md
 

@@ -1,8 +1,8 @@
 """
-The mixture loader's state: its fields and their checks, matching a saved state to a resuming
-loader, and merging the states of N ranks for M (elastic resume). A mixture state holds the
-curriculum's position and one best-fit loader state per bucket; nanochat/data/loader/elastic.py
-merges each bucket's documents. Format: docs/mixtures.md#the-state.
+The mixture loader's state: its fields, their checks, the resume match, the elastic merge.
+A resume matches a saved state to the resuming loader; the merge takes the states of N ranks for M.
+A mixture state holds the curriculum's position and one best-fit loader state per bucket;
+nanochat/data/loader/elastic.py merges each bucket's documents. Format: docs/mixtures.md#the-state.
 
 May import: nanochat.data.base.checks, nanochat.data.base.state, nanochat.data.base.state_checks,
 nanochat.data.loader.elastic.

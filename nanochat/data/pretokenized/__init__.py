@@ -1,6 +1,7 @@
 """
-Token shards in GPT-Simple's .bin/.idx format: one shard's bytes, a directory's layout, and the
-reader that walks their documents for the loader.
+Token shards in GPT-Simple's .bin/.idx format: their bytes, their layout, their reader.
+token_shards.py holds one shard's bytes, layout.py tells a directory's kind from its names, and
+token_reader.py walks the shards' documents for the loader.
 
 May import: nanochat.data.base, nanochat.data.fetch.
 """

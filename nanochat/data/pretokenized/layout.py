@@ -1,7 +1,7 @@
 """
-What a data directory holds, told from its file names alone (no file is opened), so that a loader
-or a command given the wrong kind of directory says what it holds and what to pass instead, and
-never suggests writing into it. The kinds:
+What a data directory holds, told from its file names alone (no file is opened).
+A loader or a command given the wrong kind of directory then says what it holds and what to pass
+instead, and never suggests writing into it. The kinds:
 
     parquet        *.parquet shards: a dataset directory, what the parquet loader reads
     pretokenized   a pretokenize output: .bin/.idx pairs in train/ and val/

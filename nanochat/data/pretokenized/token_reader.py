@@ -1,9 +1,9 @@
 """
-Reading pretokenized .bin/.idx shards for the walk (nanochat/data/loader/order.py): TokenShardReader
-deals chunks of `chunk_size` entries as units, and its documents are (tokens, overlap) views into
-the memory map, each chunk's ids checked against the vocabulary as it is read (one numpy pass).
-shard_vocab settles the shards' BOS and vocabulary up front, from the caller or from the
-pretokenize.json our writer leaves; it never guesses. Design: docs/pretokenized.md.
+Reading pretokenized .bin/.idx shards for the walk (nanochat/data/loader/order.py).
+TokenShardReader deals chunks of `chunk_size` entries as units, and its documents are (tokens,
+overlap) views into the memory map, each chunk's ids checked against the vocabulary as it is read
+(one numpy pass). shard_vocab settles the shards' BOS and vocabulary up front, from the caller or
+from the pretokenize.json our writer leaves; it never guesses. Design: docs/pretokenized.md.
 
 May import: numpy, nanochat.data.loader.order, nanochat.data.pretokenized.token_shards,
 nanochat.data.base.checks, nanochat.data.pretokenized.layout.

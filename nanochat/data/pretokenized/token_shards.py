@@ -1,9 +1,9 @@
 """
-The `.bin`/`.idx` token-shard format (GPT-Simple's, version 1): writing a pair, checking it, and
-memory-mapping it. `python -m nanochat.pretokenize` writes shards with `write_token_shard`; the
-pretokenized loaders read them with `TokenShard`, which checks the pair on open and raises, naming
-the file, for any damage. A pair is renamed into place `.bin` first and `.idx` last, so an `.idx`
-always means a complete pair.
+The `.bin`/`.idx` token-shard format (GPT-Simple's, version 1): write a pair, check it, map it.
+`python -m nanochat.pretokenize` writes shards with `write_token_shard`; the pretokenized loaders
+read them with `TokenShard`, which checks the pair on open and raises, naming the file, for any
+damage. A pair is renamed into place `.bin` first and `.idx` last, so an `.idx` always means a
+complete pair.
 
 Cost: opening reads and checks the index (10 bytes per entry); the tokens stay on disk until read.
 Design and byte layout: docs/pretokenized.md

@@ -1,9 +1,9 @@
 """
-Shards fetched just ahead of the reader (a loader's stream=True): training starts once the first
-shard is on disk, and the data directory stays within a disk budget, cache_limit. One background
-thread per loader fetches the shard the reader needs, then the next prefetch_shards; before each
-download, shards that no live loader of the machine needs are evicted: first those none reads soon,
-oldest first, then those read latest. What every loader needs, and why, is in the ledger
+Shards fetched just ahead of the reader (a loader's stream=True), within a disk budget.
+Training starts once the first shard is on disk, and the data directory stays within cache_limit.
+One background thread per loader fetches the shard the reader needs, then the next prefetch_shards;
+before each download, shards that no live loader of the machine needs are evicted: first those none
+reads soon, oldest first, then those read latest. What every loader needs, and why, is in the ledger
 (nanochat/data/streaming/ledger.py); the catalog (nanochat/data/streaming/catalog.py) gives the
 sizes, and buffered documents are kept as copies (nanochat/data/streaming/kept.py). A budget below
 what must be held at once is a ValueError at the start. Design: docs/streaming.md.

@@ -1,7 +1,8 @@
 """
-What a streaming cache holds, for a person: the shards on disk and their bytes against cache_limit,
-which live loader needs which shard and why, the copies kept for buffers, and what was evicted. One
-record, CacheStatus, read from the ledger and the directory under the lock (ShardCache.status(),
+What a streaming cache holds, for a person: its shards, who needs them, what was evicted.
+It counts the shards on disk and their bytes against cache_limit, says which live loader needs which
+shard and why, and lists the copies kept for buffers and what was evicted. One record, CacheStatus,
+read from the ledger and the directory under the lock (ShardCache.status(),
 DataLoader.cache_status()), and its text (`python -m nanochat.shard_cache status [DATA_DIR]`).
 Reading it costs a listing of the directory and one parse of the ledger.
 

@@ -1,12 +1,12 @@
 """
-The catalog of a streamed split: each shard's size and documents per row group, known before the
-shard is fetched. Both come from the end of the file, one ranged read per shard, and are kept
-in DATA_DIR/.stream/catalog.json: a restart reads nothing over the network for them. It is data
-about the files at their URLs, a file of its own beside the ledger, written under its own lock
-(.stream/catalog.lock), held while footers are read: the local ranks read each footer once. An
-entry carries a checksum; one that is damaged, or that disagrees with its shard on disk, is read
-again. The server's listing of the shards is kept beside it (.stream/listing.json). Also the
-estimates of the start check of cache_limit. Design: docs/streaming.md.
+The catalog of a streamed split: each shard's size and documents per row group.
+Both are known before the shard is fetched: they come from the end of the file, one ranged read per
+shard, and are kept in DATA_DIR/.stream/catalog.json, so a restart reads nothing over the network
+for them. It is data about the files at their URLs, a file of its own beside the ledger, written
+under its own lock (.stream/catalog.lock), held while footers are read: the local ranks read each
+footer once. An entry carries a checksum; one that is damaged, or that disagrees with its shard on
+disk, is read again. The server's listing of the shards is kept beside it (.stream/listing.json).
+Also the estimates of the start check of cache_limit. Design: docs/streaming.md.
 
 May import: nanochat.data.base.checks, nanochat.data.base.parquet, nanochat.data.fetch.address,
 nanochat.data.fetch.listing, nanochat.data.streaming.streamed_split, nanochat.data.fetch.download,

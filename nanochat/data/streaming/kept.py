@@ -1,11 +1,12 @@
 """
-Kept copies of buffered documents: a best-fit buffer can hold a long document for many shards, so
-once a loader has packed every document of a shard it copies the few its recent states still buffer
-to DATA_DIR/.stream/kept/<loader>/<shard>.json.gz, and the shard may go. A copy is gzipped JSON,
+Kept copies of buffered documents, so that a shard may go while a buffer still holds its text.
+A best-fit buffer can hold a long document for many shards, so once a loader has packed every
+document of a shard it copies the few its recent states still buffer to
+DATA_DIR/.stream/kept/<loader>/<shard>.json.gz, and the shard may go. A copy is gzipped JSON,
 {"sha256": ..., "docs": [[row group, row, text], ...]}, the checksum that of the docs' JSON: a
 damaged or edited copy is removed with a warning, and its shard fetched again. A resume reads a
-buffer's documents from any loader's copies. The copies are files (they are data); which loader
-owns which is in the ledger. A copy costs a gzip of a few documents. Design: docs/streaming.md.
+buffer's documents from any loader's copies. The copies are files (they are data); which loader owns
+which is in the ledger. A copy costs a gzip of a few documents. Design: docs/streaming.md.
 
 May import: nanochat.data.base.parquet, nanochat.data.base.files,
 nanochat.data.streaming.ledger.

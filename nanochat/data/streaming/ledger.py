@@ -1,12 +1,13 @@
 """
-The machine-wide state of a streaming cache: one table in DATA_DIR/.stream/ledger.json, changed only
-under one lock, DATA_DIR/.stream/lock. It says which live loader needs which shard and why, which
-shards the streaming loaders fetched or evicted, which loader owns each kept copy of buffered
-documents, and whether a loader has had to evict. A loader of this host whose process is gone (no
-such pid, or a pid that now names a process started at another time) is dropped whenever the table
-is read. A damaged or missing file is rebuilt from the disk: the shards whose download records say
-a streaming loader fetched them, and the kept copies. Reading it costs one small JSON parse (a
-rebuild, once per damaged version: a listing of the directory). Design: docs/streaming.md.
+The machine-wide state of a streaming cache: one table in DATA_DIR/.stream/ledger.json.
+It is changed only under one lock, DATA_DIR/.stream/lock. It says which live loader needs which
+shard and why, which shards the streaming loaders fetched or evicted, which loader owns each kept
+copy of buffered documents, and whether a loader has had to evict. A loader of this host whose
+process is gone (no such pid, or a pid that now names a process started at another time) is dropped
+whenever the table is read. A damaged or missing file is rebuilt from the disk: the shards whose
+download records say a streaming loader fetched them, and the kept copies. Reading it costs one
+small JSON parse (a rebuild, once per damaged version: a listing of the directory). Design:
+docs/streaming.md.
 
 May import: nanochat.data.base.checks, nanochat.data.fetch.download, nanochat.data.base.files.
 """
