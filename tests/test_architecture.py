@@ -275,7 +275,6 @@ def test_each_module_keeps_to_its_folders_rule(module):
                          f"__init__.py allows {sorted(rule)}")
 
 
-@pytest.mark.xfail(strict=True, reason="nanochat.dataset's readers move into the fence")
 def test_nothing_in_the_fence_imports_the_top_of_nanochat():
     """nanochat's three files and the fronts import the fence, never the other way: a nanochat
     checkout holds only nanochat's three files and data/ of ours (its common.py is nanochat's)."""

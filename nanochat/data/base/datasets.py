@@ -1,4 +1,5 @@
 """
+The datasets we know, where their shards live, and the two splits.
 The datasets we know (ClimbMix-400B, nanochat's; FineWeb-Edu-100B, its earlier one): their hub
 repos, shard names and counts, the directory the readers use when given none, and the two splits.
 A dataset is a numbered run of parquet shards (`shard_00000.parquet`, ...); its last is val.

@@ -1,4 +1,5 @@
 """
+Reading a parquet shard's text, with errors that name the file and the fix.
 Reading parquet shards: open one (its footer) and read the `text` column of a row group, checked,
 with errors that name the file, the row group and the fix instead of pyarrow's bare message.
 

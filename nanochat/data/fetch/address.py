@@ -1,4 +1,5 @@
 """
+A source's address as messages show it, and the check of a local source.
 A source's address as messages show it (no password, no secret of the environment), and the check
 that a local directory as the source is one, and apart from the copies made of it.
 

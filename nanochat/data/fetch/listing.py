@@ -1,4 +1,5 @@
 """
+The names of a source's shards, as the source lists them.
 The names of a source's shards, as the source lists them: a server's index.json (`python -m
 nanochat.dataset serve` writes it; docs/streaming.md#your-own-shards gives its format), or the
 parquet files under a store's address; the hub lists none, and its shards bear the dataset's names.

@@ -1,4 +1,5 @@
 """
+Your own text written as shards (`python -m nanochat.dataset repackage`).
 Your own text as shards: read .txt, .jsonl(.gz) or .parquet files, shuffle the documents, and
 write them as shard_00000.parquet, ... (one `text` column, zstd, row groups of ~1024 documents),
 the last shard val. `python -m nanochat.dataset repackage INPUTS --out DIR` runs it (main below).

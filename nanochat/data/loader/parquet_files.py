@@ -1,4 +1,5 @@
 """
+The parquet shards of a directory, and nanochat's split of them.
 The parquet shards of a directory, and nanochat's split of them: val is the last file in sorted
 order, train the others. An empty or missing directory, or one of another kind (pretokenized
 shards, mixture buckets), is an error that says what it holds and how to fill it.

@@ -1,4 +1,5 @@
 """
+The shards of a streaming loader's split, on disk or not yet.
 The split a streaming loader (stream=True) reads, whether its files are on disk or not: by the
 source's listing when it has one (val its last name, as on disk), else by the dataset's names
 (val its last index). Each name comes with its path in data_dir and its address at the source.

@@ -1,4 +1,5 @@
 """
+Our tokenizer exported for Hugging Face tools.
 Our tokenizer for Hugging Face tools (`python -m nanochat.tokenizer export-hf DIR`): a
 `tokenizers` tokenizer.json that encodes as tiktoken does with our tables (a byte-level BPE with
 every merge that builds a token), and a tokenizer_config.json for transformers' AutoTokenizer. An

@@ -1,4 +1,5 @@
 """
+Reading nanochat's tokenizer.pkl without running it.
 Reading nanochat's tokenizer.pkl without running it: a pickle may name any function to call, so
 the unpickler admits one global, tiktoken's Encoding, kept as plain data, and refuses any other
 before it exists. A damaged file is a ValueError naming it and the fix.

@@ -1,4 +1,5 @@
 """
+The tokenizer's files: their names, their format, and how they are written.
 The tokenizer's files: their names in a tokenizer directory, the name and version of our JSON
 format, the command that trains one, and the write that leaves a file whole or not at all.
 
