@@ -12,9 +12,8 @@ with one `text` column in row groups of ~1024 documents; its last shard is val, 
 Cost: reading a row group is one pyarrow call, a few ms for ~1024 documents.
 Design: docs/downloads.md
 
-May import: nanochat.data.base.checks, nanochat.data.base.cli, nanochat.common,
-nanochat.data.fetch.download, nanochat.data.base.files, nanochat.data.pretokenized.layout,
-nanochat.data.fetch.serve, nanochat.data.fetch.stores.
+May import: nanochat.common, nanochat.data.base.checks, nanochat.data.base.cli,
+nanochat.data.base.files, nanochat.data.fetch, nanochat.data.pretokenized.layout.
 """
 
 import argparse
@@ -38,11 +37,14 @@ from nanochat.data.base.checks import check_int
 from nanochat.data.base.cli import run
 from nanochat.common import get_base_dir
 from nanochat.data.fetch import stores
-from nanochat.data.fetch.download import (
-    BACKOFF_BASE, DEADLINE, MAX_ATTEMPTS, MIN_RATE, RATE_WINDOW, REQUEST_TIMEOUT, DownloadError,
-    SOURCE_FIX, Limits, Report, check_address, check_files, check_sources, download_file,
-    download_files, fetch_small, record_path, stated_check, summarize,
-)
+from nanochat.data.fetch.download import Report, download_file, download_files, summarize
+from nanochat.data.fetch.errors import DownloadError, check_address
+from nanochat.data.fetch.limits import (BACKOFF_BASE, DEADLINE, MAX_ATTEMPTS, MIN_RATE, RATE_WINDOW,
+                                        REQUEST_TIMEOUT, Limits)
+from nanochat.data.fetch.records import record_path, stated_check
+from nanochat.data.fetch.small_reads import fetch_small
+from nanochat.data.fetch.sources import SOURCE_FIX, check_sources
+from nanochat.data.fetch.verify import check_files
 from nanochat.data.base.files import progress_bar, remove_if_exists
 from nanochat.data.pretokenized.layout import check_kind
 from nanochat.data.fetch.serve import LISTING

@@ -11,10 +11,9 @@ downloaded and verified into OUTPUT/.inputs/, tokenized, and removed once its pa
 Cost: one tokenizer pass, several MB of text per second per worker; a rerun skips written pairs.
 Design: docs/pretokenized.md, docs/streaming.md (stores)
 
-May import: nanochat.data.base.cli, nanochat.common, nanochat.dataset, nanochat.data.fetch.download,
-nanochat.data.base.files, nanochat.tokenizer, nanochat.data.base.packing,
-nanochat.data.pretokenized.token_shards, nanochat.data.pretokenized.layout,
-nanochat.data.fetch.stores.
+May import: nanochat.common, nanochat.dataset, nanochat.tokenizer, nanochat.data.base.cli,
+nanochat.data.base.files, nanochat.data.base.packing, nanochat.data.fetch,
+nanochat.data.pretokenized.token_shards, nanochat.data.pretokenized.layout.
 """
 
 import argparse
@@ -42,8 +41,10 @@ from nanochat.data.base.cli import run
 from nanochat.common import get_dist_info
 from nanochat.dataset import (open_parquet, read_jsonl_texts, read_listing, read_row_group_texts,
                               split_parquet_files)
-from nanochat.data.fetch.download import (DownloadError, Limits, download_file, lock_path,
-                                          record_path)
+from nanochat.data.fetch.download import download_file
+from nanochat.data.fetch.errors import DownloadError
+from nanochat.data.fetch.limits import Limits
+from nanochat.data.fetch.records import lock_path, record_path
 from nanochat.data.base.files import progress_bar, remove_if_exists
 from nanochat.data.pretokenized.layout import check_kind
 from nanochat.data.base.packing import next_cut

@@ -37,7 +37,7 @@ STREAMING = [BY_LEAF["cache"]]  # what stream=True adds to the path
 # what the path calls without a reader having to follow it: argument checks, file listing, the
 # shuffled order, the resume checks, the pretokenized reader, streaming's helpers
 ASIDE = {BY_LEAF[leaf] for leaf in (
-    "checks", "options", "dataset", "download", "shuffle", "state_checks", "token_reader",
+    "checks", "options", "dataset", "limits", "shuffle", "state_checks", "token_reader",
     "token_shards", "common", "files", "layout", "catalog", "kept", "ledger", "cache_status",
     "figures")}
 

@@ -11,7 +11,7 @@ what must be held at once is a ValueError at the start. Design: docs/streaming.m
     python -m nanochat.shard_cache status [DATA_DIR]   # what is on disk, who needs it and why
 
 May import: nanochat.data.streaming.cache_status, nanochat.data.streaming.catalog,
-nanochat.data.base.checks, nanochat.data.base.cli, nanochat.dataset, nanochat.data.fetch.download,
+nanochat.data.base.checks, nanochat.data.base.cli, nanochat.dataset, nanochat.data.fetch,
 nanochat.data.base.files, nanochat.data.streaming.kept, nanochat.data.streaming.ledger,
 nanochat.data.base.state.
 """
@@ -34,7 +34,10 @@ from nanochat.data.streaming.cache_status import CacheStatus, Own, describe, rea
 from nanochat.data.streaming.catalog import ReadAhead, catalog_path, catalog_sizes, read_catalog
 from nanochat.data.base.checks import check_int
 from nanochat.dataset import find_data_dir, open_parquet, shown
-from nanochat.data.fetch.download import DownloadError, Limits, download_file, record_path
+from nanochat.data.fetch.download import download_file
+from nanochat.data.fetch.errors import DownloadError
+from nanochat.data.fetch.limits import Limits
+from nanochat.data.fetch.records import record_path
 from nanochat.data.base.files import disk_full, remove_if_exists
 from nanochat.data.streaming.kept import (Keeper, drop_oldest, encode, file_mtime, kept_bytes,
                                           remove_gone)

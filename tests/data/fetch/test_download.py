@@ -30,12 +30,18 @@ import pytest
 from conftest import ByteTokenizer, outcome, write_shard
 from nanochat import dataset
 from nanochat.data.fetch import download
+from nanochat.data.fetch import errors
+from nanochat.data.fetch import http_transport
+from nanochat.data.fetch import small_reads
+from nanochat.data.fetch import verify
 from nanochat.dataloader import tokenizing_distributed_data_loader_with_state_bos_bestfit
 from nanochat.dataset import (
     DATASETS, DatasetSpec, download_shards, download_single_file, get_data_dir, index_to_filename,
     list_parquet_files, main, parquets_iter_batched, split_parquet_files,
 )
-from nanochat.data.fetch.download import HostNotFoundError, Limits, summarize
+from nanochat.data.fetch.download import summarize
+from nanochat.data.fetch.errors import HostNotFoundError
+from nanochat.data.fetch.limits import Limits
 
 from conftest import REPO_ROOT
 FAST = ["--backoff-base", "0.01"]  # 5 attempts then cost 0.01+0.02+0.04+0.08 s of sleep
@@ -567,12 +573,12 @@ def test_retry_after_is_honoured(server, tmp_path):
 
 
 def test_retry_after_parsing():
-    assert download._retry_after_seconds("0") == 0
-    assert download._retry_after_seconds(" 7 ") == 7
-    assert download._retry_after_seconds("86400") == download.RETRY_AFTER_CAP
-    assert download._retry_after_seconds("Wed, 21 Oct 2015 07:28:00 GMT") is None
-    assert download._retry_after_seconds("-3") is None
-    assert download._retry_after_seconds(None) is None
+    assert http_transport._retry_after_seconds("0") == 0
+    assert http_transport._retry_after_seconds(" 7 ") == 7
+    assert http_transport._retry_after_seconds("86400") == http_transport.RETRY_AFTER_CAP
+    assert http_transport._retry_after_seconds("Wed, 21 Oct 2015 07:28:00 GMT") is None
+    assert http_transport._retry_after_seconds("-3") is None
+    assert http_transport._retry_after_seconds(None) is None
 
 
 class _RecordedWaits:
@@ -593,7 +599,7 @@ def test_backoff_doubles(server, tmp_path):
     _serve(server, tmp_path, [0])
     server.always[NAME] = "500"
     stop = _RecordedWaits()
-    with pytest.raises(download.DownloadError, match="gave up after 5 attempts") as info:
+    with pytest.raises(errors.DownloadError, match="gave up after 5 attempts") as info:
         download.download_file(f"{server.url}/{NAME}", str(tmp_path / "data" / NAME), stop=stop)
     assert info.value.reason == "HTTP 500"
     assert stop.waits == [2.0, 4.0, 8.0, 16.0]  # the defaults: 5 attempts, base 2 s
@@ -688,7 +694,7 @@ def test_a_corrupt_page_from_a_server_without_a_sha256_is_never_installed(server
     server.etag = "md5"
     server.always[NAME] = "flip_page"
     data_dir = tmp_path / "data"
-    with pytest.raises(download.DownloadError, match="row group 1 does not read") as info:
+    with pytest.raises(errors.DownloadError, match="row group 1 does not read") as info:
         download.download_file(f"{server.url}/{NAME}", str(data_dir / NAME),
                                Limits(max_attempts=2, backoff_base=0.01))
     assert info.value.reason == "corrupt page" and "gave up after 2 attempts" in str(info.value)
@@ -711,10 +717,10 @@ def test_pages_are_read_once_per_file(server, tmp_path, monkeypatch):
     server.etag = "sha256"
     assert _download(server, tmp_path, 1)  # the publisher's sha256 matched: they are not
     read = []
-    monkeypatch.setattr(download, "check_pages", lambda path: read.append(os.path.basename(path)))
+    monkeypatch.setattr(verify, "check_pages", lambda path: read.append(os.path.basename(path)))
     for _ in range(2):  # a file's record vouches for its pages from then on
         assert _download(server, tmp_path, 0) and _download(server, tmp_path, 1)
-        assert download.check_files([str(data_dir / NAME)]) == {}
+        assert verify.check_files([str(data_dir / NAME)]) == {}
     assert read == []
     # a record without the mark (an earlier downloader's): read once, then marked
     record = json.loads((data_dir / f"{NAME}.json").read_text())
@@ -959,10 +965,10 @@ def test_reading_a_footer_from_a_slow_server_fails_in_bounded_time(server, tmp_p
     server.always[NAME] = fault
     url = f"{server.url}/{NAME}"
     # the deadline (5 s) and some slack: a bound on a hang, not a benchmark
-    error = outcome(lambda: download.fetch_tail(url, download.TAIL_BYTES, limits), 15)
-    assert isinstance(error, download.DownloadError), error
+    error = outcome(lambda: small_reads.fetch_tail(url, small_reads.TAIL_BYTES, limits), 15)
+    assert isinstance(error, errors.DownloadError), error
     assert error.reason == reason and url in str(error)
-    assert server.ranges[NAME][0] == f"bytes=-{download.TAIL_BYTES}"
+    assert server.ranges[NAME][0] == f"bytes=-{small_reads.TAIL_BYTES}"
 
 
 def test_a_trickling_footer_fails_a_streaming_loaders_first_call_in_bounded_time(server,
@@ -1074,7 +1080,7 @@ def test_a_dns_failure_after_the_host_answered_is_retried(server, tmp_path, monk
             raise socket.gaierror(socket.EAI_AGAIN, "Temporary failure in name resolution")
         return getaddrinfo(*args, **kwargs)
     monkeypatch.setattr(socket, "getaddrinfo", flaky)
-    monkeypatch.setattr(download, "_ANSWERED_HOSTS", set())
+    monkeypatch.setattr(errors, "_ANSWERED_HOSTS", set())
     assert _download(server, tmp_path, 0)
     assert len(lookups) == 3 and server.gets[NAME] == 2
     assert server.ranges[NAME] == [None, f"bytes={len(served[0]) // 2}-"]
@@ -1179,7 +1185,7 @@ def test_summarize():
 
 def test_stated_sha256_is_read_as_huggingface_hub_reads_it():
     def response(headers, history=()):
-        r = download.requests.Response()
+        r = http_transport.requests.Response()
         r.headers.update(headers)
         r.history = list(history)
         return r
@@ -1187,15 +1193,16 @@ def test_stated_sha256_is_read_as_huggingface_hub_reads_it():
     digest = "ab" * 32
     cdn = response({"ETag": '"0123456789abcdef0123456789abcdef"'},
                    [response({"X-Linked-Etag": f'"{digest}"', "ETag": '"b1ob"'})])
-    assert download.stated_sha256(cdn) == digest
-    assert download.stated_sha256(response({"ETag": f'W/"{digest.upper()}"'})) == digest
+    assert http_transport.stated_sha256(cdn) == digest
+    assert http_transport.stated_sha256(response({"ETag": f'W/"{digest.upper()}"'})) == digest
     # an md5
-    assert download.stated_sha256(response({"ETag": '"0123456789abcdef0123456789abcdef"'})) is None
+    md5_etag = {"ETag": '"0123456789abcdef0123456789abcdef"'}
+    assert http_transport.stated_sha256(response(md5_etag)) is None
     # unquoted: not the form we trust
-    assert download.stated_sha256(response({"ETag": digest})) is None
-    assert download.stated_sha256(response({})) is None
+    assert http_transport.stated_sha256(response({"ETag": digest})) is None
+    assert http_transport.stated_sha256(response({})) is None
     # weak: not for If-Range
-    assert download.validator(response({"ETag": 'W/"x"', "Last-Modified": "Mon"})) == "Mon"
+    assert http_transport.validator(response({"ETag": 'W/"x"', "Last-Modified": "Mon"})) == "Mon"
 
 
 # -----------------------------------------------------------------------------
