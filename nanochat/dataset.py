@@ -258,7 +258,7 @@ def stream_source(data_dir: str | None, base_url: str | None) -> tuple[str, str]
 
 
 # -----------------------------------------------------------------------------
-# Addresses: an http(s) URL (download.py's own path) or a store's (nanochat/data/fetch/stores.py)
+# Addresses: an http(s) URL (http_transport.py) or a store's (nanochat/data/fetch/stores.py)
 
 
 def shown(address: str) -> str:

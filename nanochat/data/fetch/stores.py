@@ -1,5 +1,5 @@
 """
-Shards where they live: an address is an http(s) URL (download.py's own path), s3://, gs://, az://,
+Shards where they live: an address is an http(s) URL (http_transport.py), s3://, gs://, az://,
 hf://, file:// or a local directory. This module reads the non-HTTP ones through fsspec and each
 store's package (the extras s3, gcs, azure, hf): stat (size, version, the hashes the store states),
 read_range, list_names. Every call is bounded (timeout); retrying is the caller's. A store's error
