@@ -20,8 +20,7 @@ import pytest
 from conftest import ByteTokenizer, assert_same_batches, take_batches, write_shard
 from nanochat.dataloader import tokenizing_distributed_data_loader_with_state_bos_bestfit
 from nanochat.dataset import main
-from nanochat.data.fetch import download
-from nanochat.data.fetch import sources
+from nanochat.data.fetch import download, sources
 from nanochat.data.fetch.limits import Limits
 from nanochat.data.fetch.records import record_path
 from nanochat.data.fetch.sources import OtherSourceError

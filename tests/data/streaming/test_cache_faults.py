@@ -31,8 +31,7 @@ import torch
 
 from conftest import ByteTokenizer, least_accepted, outcome, worker_env, write_shard
 from nanochat.data.streaming import catalog
-from nanochat.data.fetch import download
-from nanochat.data.fetch import verify
+from nanochat.data.fetch import download, verify
 from nanochat.data.streaming import cache as shard_cache
 from nanochat.data.streaming import ledger as ledger_module
 from nanochat.data.streaming.catalog import catalog_entry, read_catalog

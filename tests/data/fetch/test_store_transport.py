@@ -1,6 +1,6 @@
 """
-Tests for downloads from an object store (nanochat/data/fetch/download.py over
-nanochat/data/fetch/stores.py) against a real S3 API on 127.0.0.1: moto's server, straight (`s3`) or
+Tests for downloads from an object store (nanochat/data/fetch/store_transport.py, driven by
+download.py, over stores.py) against a real S3 API on 127.0.0.1: moto's server, straight (`s3`) or
 behind a fault-injecting proxy (`s3_faulty`), with parquet shards written by pyarrow. Covers the
 installed bytes and records (the hashes S3 states: the ETag's md5, the CRC32 checksum), a stated
 hash that does not match, resuming after a cut body, the server stopped and started again, an object
@@ -8,7 +8,7 @@ replaced between attempts and during one, a wrong key or bucket, missing credent
 storm, two downloads of one shard at once, fetch_tail and the disk probe from a store, and a local
 directory as the source (never written to). No credential value appears in any log line or error.
 Reads are cut in chunks of 64 KiB here (STORE_CHUNK_BYTES), so a ~200 KB shard takes 3-4 GETs. Run:
-python -m pytest tests/data/fetch/test_store_download.py -q
+python -m pytest tests/data/fetch/test_store_transport.py -q
 """
 
 import errno
@@ -24,13 +24,8 @@ import zlib
 import pytest
 
 from conftest import write_shard
-from nanochat.data.fetch import download
-from nanochat.data.fetch import errors
-from nanochat.data.fetch import records
-from nanochat.data.fetch import small_reads
-from nanochat.data.fetch import store_transport
-from nanochat.data.fetch import verify
-from nanochat.data.fetch import stores
+from nanochat.data.fetch import (download, errors, records, small_reads, store_transport, stores,
+                                 verify)
 from nanochat.data.fetch.errors import DownloadError
 from nanochat.data.fetch.limits import Limits
 
