@@ -1,7 +1,7 @@
 """
-Fetch parquet files over HTTP or from a store so that only complete, verified files appear under
-their final names: download_file for one (a per-file lock, retries with backoff, a file there
-checked first), download_files for many (threads, the disk check, a Report) and the summary.
+Fetch parquet files so that only complete, verified files appear under their final names.
+download_file fetches one (under a per-file lock, retried with backoff, a file there checked first);
+download_files fetches many (threads, the disk check, a Report); summarize words the failures.
 Transports: http_transport.py, store_transport.py; checks: verify.py; records: records.py.
 Design: docs/downloads.md
 

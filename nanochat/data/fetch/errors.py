@@ -1,6 +1,8 @@
 """
-What goes wrong in a fetch: the errors that say whether a retry can help, the check that refuses
-a bad address before any request, and the rule that a host that does not resolve stops the run.
+The errors of a fetch, and what each says about retrying.
+DownloadError and its kinds (a bad file, give up, not there, retry later), the check that refuses a
+bad address before any request, and the rule that a host that does not resolve stops the run
+unless it has answered before.
 
 May import: nanochat.data.fetch.stores, requests, urllib3.
 """

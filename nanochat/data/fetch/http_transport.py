@@ -1,9 +1,9 @@
 """
-The HTTP transport: one attempt of a file over HTTP(S) into its temp file (resumed with Range and
-If-Range), the reads of a file's end and of a listing, HEAD, and what a response states (status,
-size, version, sha256). Every request ends by its deadline: a watchdog timer shuts its socket, the
-wait for headers included, which requests' per-read timeout cannot do. docs/downloads.md says
-what fsspec's HTTP filesystem lacks for this.
+The HTTP transport: one attempt of a file over HTTP(S), and its small requests.
+A GET into the temp file (resumed with Range and If-Range), the reads of a file's end and of a
+listing, HEAD, and what a response states (status, size, version, sha256). Every request ends by
+its deadline: a watchdog timer shuts its socket, the wait for headers included, which requests'
+per-read timeout cannot do. docs/downloads.md says what fsspec's HTTP filesystem lacks for this.
 
 May import: nanochat.data.base.files, nanochat.data.fetch.errors, nanochat.data.fetch.install,
 nanochat.data.fetch.limits, nanochat.data.fetch.records, requests, urllib3.

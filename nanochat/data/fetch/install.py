@@ -1,7 +1,8 @@
 """
-A download's temp file, from its start to its final name: how much of it a next attempt may keep
-(a prefix of the same version, never a splice of two), and its installation once verified (the
-record first, fsync, rename, fsync of the directory), so that a name never holds a partial file.
+A download's temp file, from its first byte to its final name.
+How much of it a next attempt may keep (a prefix of the same version, never a splice of two), and
+its installation once verified: the record first, fsync, rename, fsync of the directory, so that a
+name never holds a partial file.
 
 May import: nanochat.data.base.files, nanochat.data.fetch.errors, nanochat.data.fetch.records,
 nanochat.data.fetch.verify.

@@ -1,6 +1,7 @@
 """
-How long and how often a fetch may try one file: the Limits (attempts, backoff, silence, a rate
-floor, a deadline) and Pace, which holds an attempt to them as its bytes arrive.
+How long and how often a fetch may try one file.
+Limits holds the numbers (attempts, backoff, silence, a rate floor, a deadline); Pace holds an
+attempt to them as its bytes arrive.
 
 May import: nanochat.data.base.checks, nanochat.data.fetch.errors.
 """

@@ -1,7 +1,8 @@
 """
-The records beside a fetched file: the names of its temp file, its lock and its `.json` record,
-the record's reading and writing (atomic, never through a symlink), and what an installed file's
-record says (its size, sha256, source and source_version, the hashes that vouched for it).
+The files beside a fetched file: its temp file, its lock and its `.json` record.
+Their names, the record's reading and writing (atomic, never through a symlink), and what an
+installed file's record says: its size, sha256, source and source_version, the hashes that vouched
+for it.
 
 May import: nanochat.data.base.checks, nanochat.data.base.files, nanochat.data.fetch.errors,
 nanochat.data.fetch.stores.

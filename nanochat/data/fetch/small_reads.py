@@ -1,6 +1,7 @@
 """
-Small reads of a source, bounded and retried as a download is: a file's last bytes (the footer of
-a shard a streaming loader has not fetched yet) and a small file whole (a server's listing).
+Small reads of a source, bounded and retried as a download is.
+A file's last bytes (the footer of a shard a streaming loader has not fetched yet), and a small
+file whole (a server's listing).
 
 May import: nanochat.data.fetch.errors, nanochat.data.fetch.http_transport,
 nanochat.data.fetch.limits, nanochat.data.fetch.store_transport, nanochat.data.fetch.stores,

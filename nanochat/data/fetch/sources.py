@@ -1,7 +1,8 @@
 """
-One source per directory: a shard fetched from another source is refused (unless the run's source
-states the same sha256 for it: a mirror), a shard that changed at its source is found by one HEAD
-or stat, and a shard whose record names no source is adopted by the first source that asks.
+One source per directory: every shard there is the run's source's file as it states it now.
+A shard fetched from another source is refused, unless the run's source states the same sha256 for
+it (a mirror); a shard that changed at its source is found by one HEAD or stat; a shard whose
+record names no source is adopted by the first source that asks.
 
 May import: nanochat.data.fetch.errors, nanochat.data.fetch.http_transport,
 nanochat.data.fetch.limits, nanochat.data.fetch.records, nanochat.data.fetch.stores, requests,

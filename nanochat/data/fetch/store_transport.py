@@ -1,8 +1,8 @@
 """
-The store transport: one attempt of a file from a store (S3, GCS, Azure, the hub, a local
-directory; stores.py, over fsspec) into its temp file, in ranged reads of STORE_CHUNK_BYTES, resumed
-while the object's version is unchanged, and the reads of a file's end and size. Each call is
-bounded by the limits; a store's errors become the fetch's (errors.py), by whether a retry helps.
+The store transport: one attempt of a file from a store, and its small requests.
+A store is S3, GCS, Azure, the hub or a local directory (stores.py, over fsspec). The temp file
+fills in ranged reads of STORE_CHUNK_BYTES, resumed while the object's version is unchanged; each
+call is bounded by the limits, and a store's errors become the fetch's, by whether a retry helps.
 
 May import: nanochat.data.base.files, nanochat.data.fetch.errors, nanochat.data.fetch.install,
 nanochat.data.fetch.limits, nanochat.data.fetch.records, nanochat.data.fetch.stores.

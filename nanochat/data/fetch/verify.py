@@ -1,7 +1,8 @@
 """
-Verification of a file on disk: parquet (PAR1 at both ends, a footer that reads, column chunks
-inside the file, every page when nothing else vouches for them), its record's size and sha256, and
-the hashes a store states (md5, sha1, sha256, crc32, crc32c), all in one read.
+Checks of a file on disk: parquet structure, its record, the hashes a source states.
+Parquet: PAR1 at both ends, a footer that reads, column chunks inside the file, every page when
+nothing else vouches for them. The record: size and sha256. A store's hashes (md5, sha1, sha256,
+crc32, crc32c) in one read of the file.
 
 Cost: a ~100MB shard's checks take ~0.07 s from the page cache (sha256 at ~1.4 GB/s); reading its
 pages ~0.6 s, once, and only when no hash was stated.
