@@ -11,8 +11,7 @@ May import: torch, numpy, nanochat.data.loader.order, nanochat.data.pretokenized
 nanochat.data.loader.rows, nanochat.data.base.packing, nanochat.data.base.state,
 nanochat.data.loader.prefetch, nanochat.data.loader.options, nanochat.data.base.checks,
 nanochat.data.base.shuffle, nanochat.data.streaming.cache, nanochat.data.streaming.catalog,
-nanochat.data.loader.parquet_files, nanochat.data.fetch.download,
-nanochat.data.loader.figures.
+nanochat.data.loader.parquet_files, nanochat.data.fetch.limits, nanochat.data.loader.figures.
 """
 
 import contextlib
@@ -29,7 +28,7 @@ import torch
 from nanochat.data.streaming.catalog import copies_estimate, read_ahead_span, streamed_files
 from nanochat.data.base.checks import check_int
 from nanochat.data.loader.parquet_files import split_parquet_files
-from nanochat.data.fetch.download import Limits
+from nanochat.data.fetch.limits import Limits
 from nanochat.data.loader.figures import LoaderFigures, Mark, start_counters, stretch
 from nanochat.data.loader.options import (check_options, check_shuffle, check_stream, resolve_rank,
                               resolve_workers)

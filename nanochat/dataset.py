@@ -30,11 +30,13 @@ from nanochat.data.base.datasets import (DATASETS, DEFAULT_DATASET, DatasetSpec,
 from nanochat.data.base.parquet import open_parquet, read_row_group_texts
 from nanochat.data.fetch import stores
 from nanochat.data.fetch.address import check_source, shown
-from nanochat.data.fetch.download import (
-    BACKOFF_BASE, DEADLINE, MAX_ATTEMPTS, MIN_RATE, RATE_WINDOW, REQUEST_TIMEOUT, DownloadError,
-    SOURCE_FIX, Limits, Report, check_address, check_files, check_sources, download_file,
-    download_files, record_path, stated_check, summarize,
-)
+from nanochat.data.fetch.download import Report, download_file, download_files, summarize
+from nanochat.data.fetch.errors import DownloadError, check_address
+from nanochat.data.fetch.limits import (BACKOFF_BASE, DEADLINE, MAX_ATTEMPTS, MIN_RATE, RATE_WINDOW,
+                                        REQUEST_TIMEOUT, Limits)
+from nanochat.data.fetch.records import record_path, stated_check
+from nanochat.data.fetch.sources import SOURCE_FIX, check_sources
+from nanochat.data.fetch.verify import check_files
 from nanochat.data.fetch.listing import check_own, listing_source, read_listing
 from nanochat.data.fetch.repackage import main as repackage_main
 from nanochat.data.fetch.serve import main as serve_main

@@ -41,8 +41,10 @@ from nanochat.data.base.parquet import open_parquet, read_row_group_texts
 from nanochat.data.fetch.listing import read_listing
 from nanochat.data.fetch.repackage import read_jsonl_texts
 from nanochat.data.loader.parquet_files import split_parquet_files
-from nanochat.data.fetch.download import (DownloadError, Limits, download_file, lock_path,
-                                          record_path)
+from nanochat.data.fetch.download import download_file
+from nanochat.data.fetch.errors import DownloadError
+from nanochat.data.fetch.limits import Limits
+from nanochat.data.fetch.records import lock_path, record_path
 from nanochat.data.base.files import progress_bar, remove_if_exists
 from nanochat.data.pretokenized.layout import check_kind
 from nanochat.data.base.packing import next_cut

@@ -1,15 +1,21 @@
 """Shared fixtures: tiny parquet shards written with pyarrow into tmp dirs, a byte-level tokenizer,
-where a state's buffered documents are, shards in the datasets' own directories, and `need`, which
-skips a test without an optional tool here but fails it in CI."""
+where a state's buffered documents are, shards in the datasets' own directories, `need`, which
+skips a test without an optional tool here but fails it in CI, and a local HTTP shard server that
+injects faults."""
 
+import hashlib
 import importlib
 import importlib.util
 import json
 import os
+import random
+import re
 import signal
 import subprocess
 import threading
 import time
+from collections import Counter, defaultdict
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -23,6 +29,7 @@ from nanochat.data.streaming.ledger import STREAM_DIR
 from nanochat.data.loader.order import UnitIndex
 from nanochat.data.base.state import WindowKey, decode_keys
 from nanochat.data.base.state_checks import config_shuffle
+from nanochat.dataset import download_single_file, main
 
 TESTS = os.path.dirname(os.path.abspath(__file__))  # tests/: its workers and helpers
 REPO_ROOT = os.path.dirname(TESTS)
@@ -356,3 +363,273 @@ def s3_faulty(s3_server, tmp_path, monkeypatch):
         proxy.close()
         s3fs.S3FileSystem.clear_instance_cache()
         stores.forget_filesystems()
+
+
+# -----------------------------------------------------------------------------
+# The downloader's tests (tests/data/fetch/): a local HTTP shard server that injects faults
+
+FAST_BACKOFF = ["--backoff-base", "0.01"]  # 5 attempts then cost 0.01+0.02+0.04+0.08 s of sleep
+
+
+def _shard_texts(seed: int, n: int = 300) -> list[str]:
+    rng = random.Random(seed)
+    words = ["alpha", "beta", "gamma", "delta", "shard", "token", "river", "stone", "cloud",
+             "paper"]
+    return [f"doc {seed}-{i}: " + " ".join(rng.choice(words) for _ in range(rng.randint(5, 40)))
+            for i in range(n)]
+
+
+def sha256_hex(body: bytes) -> str:
+    return hashlib.sha256(body).hexdigest()
+
+
+def corrupt_page(body: bytes) -> bytes:
+    """The shard with one byte flipped in the middle of row group 1's first page (the dictionary
+    page, which holds the texts): same size, PAR1 at both ends, the footer intact, and row group 1
+    no longer decompresses."""
+    chunk = pq.read_metadata(pa.BufferReader(body)).row_group(1).column(0)
+    if chunk.has_dictionary_page:
+        first, end = chunk.dictionary_page_offset, chunk.data_page_offset
+    else:
+        first, end = chunk.data_page_offset, chunk.data_page_offset + chunk.total_compressed_size
+    middle = (first + end) // 2
+    bad = body[:middle] + bytes([body[middle] ^ 0xFF]) + body[middle + 1:]
+    with pytest.raises(OSError, match="ZSTD"):  # or the tests built on it would pass vacuously
+        pq.ParquetFile(pa.BufferReader(bad)).read_row_group(1)
+    return bad
+
+class _FaultState:
+    """What the handler serves, how it misbehaves, and what it saw.
+    faults[name]: behaviours for the 1st, 2nd, ... GET of that file; always[name]: for every GET.
+    Behaviours: "500", "503:0", "429:1" (code[:Retry-After]), "drop" (half the body, then close),
+    "short" (all but 100 bytes of the body), "cut" (half the body and no Content-Length),
+    "garbage" (right length, not parquet), "flip" (right length, one byte changed),
+    "flip_page" (right length, PAR1 and footer intact, a page that does not decompress),
+    "html" (a 200 web page), "bad_range" (206 with a Content-Range from 0),
+    "slow" (wait 0.3 s before the body), "trickle" (100 bytes, then 1 byte every 20 ms).
+    drop_every: every body stops after this many bytes. etag: "sha256" (a quoted sha256 of the
+    body, as the hub sends for LFS files), "md5" (a validator only) or None.
+    redirect: /resolve/main/NAME answers 302 to /cdn/NAME with the sha256 in X-Linked-Etag, as the
+    hub does; the CDN's ETag is an md5."""
+
+    def __init__(self):
+        self.files: dict[str, bytes] = {}
+        self.faults: dict[str, list[str]] = {}
+        self.always: dict[str, str] = {}
+        self.range_support = True
+        self.if_range_support = True
+        self.etag = "sha256"
+        self.redirect = False
+        self.drop_every = None
+        self.gets = Counter()
+        self.listings = 0  # GETs of index.json when it is not served (as the hub has none)
+        self.heads = Counter()
+        self.sent = Counter()  # body bytes written, by name
+        self.ranges = defaultdict(list)  # name -> the Range header of each GET (None when absent)
+        self.if_ranges = defaultdict(list)  # name -> the If-Range header of each GET
+        self.lock = threading.Lock()
+        self.url = ""
+
+    def behaviour(self, name: str, n: int) -> str | None:
+        if name in self.always:
+            return self.always[name]
+        faults = self.faults.get(name, [])
+        return faults[n - 1] if n <= len(faults) else None
+
+    def etag_of(self, body: bytes, cdn: bool) -> str | None:
+        if self.etag == "md5" or cdn:
+            return f'"{hashlib.md5(body).hexdigest()}"'
+        return f'"{sha256_hex(body)}"' if self.etag == "sha256" else None
+
+
+class _FaultHandler(BaseHTTPRequestHandler):
+    # HTTP/1.0: every response ends with a close, so a short write is seen as a truncated body
+
+    def log_message(self, format, *args):
+        pass  # keep pytest output clean
+
+    def _empty(self, code: int, headers: dict | None = None) -> None:
+        self.send_response(code)
+        for key, value in (headers or {}).items():
+            self.send_header(key, value)
+        self.send_header("Content-Length", "0")
+        self.end_headers()
+
+    def _slow_headers(self) -> None:
+        """The status line and headers a byte at a time, never finished in time."""
+        try:
+            for byte in b"HTTP/1.1 200 OK\r\n" + b"X-Padding: " + b"x" * 10_000:
+                self.wfile.write(bytes([byte]))
+                self.wfile.flush()
+                time.sleep(0.05)
+        except (BrokenPipeError, ConnectionResetError):
+            pass  # the client gave up on us, as it should
+
+    def do_HEAD(self):
+        state, name = self.server.state, self.path.rsplit("/", 1)[-1]
+        with state.lock:
+            state.heads[name] += 1
+        body = state.files.get(name)
+        if body is None:
+            return self._empty(404)
+        if state.always.get(name) == "slow_headers":
+            return self._slow_headers()
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+
+    def _write(self, name: str, data: bytes) -> None:
+        self.wfile.write(data)
+        with self.server.state.lock:
+            self.server.state.sent[name] += len(data)
+
+    def do_GET(self):
+        state, name = self.server.state, self.path.rsplit("/", 1)[-1]
+        body = state.files.get(name)
+        cdn = self.path.startswith("/cdn/")
+        if name == "index.json" and body is None:  # the downloader asks for a listing first
+            with state.lock:
+                state.listings += 1
+            return self._empty(404)
+        if state.redirect and not cdn and body is not None:
+            return self._empty(302, {"Location": f"/cdn/{name}",
+                                     "X-Linked-Etag": f'"{sha256_hex(body)}"'})
+        with state.lock:
+            state.gets[name] += 1
+            state.ranges[name].append(self.headers.get("Range"))
+            state.if_ranges[name].append(self.headers.get("If-Range"))
+            fault = state.behaviour(name, state.gets[name])
+        if body is None:
+            return self._empty(404)
+        if fault and fault[:3].isdigit():
+            code, _, retry_after = fault.partition(":")
+            return self._empty(int(code), {"Retry-After": retry_after} if retry_after else None)
+        if fault == "redirect_invalid":  # to a CDN host that does not resolve
+            return self._empty(302, {"Location": f"http://cdn.invalid/x/{name}"})
+        if fault == "slow_headers":
+            return self._slow_headers()
+        if fault == "html":
+            page = b"<!DOCTYPE html><html><body>rate limited, try later</body></html>"
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(page)))
+            self.end_headers()
+            return self._write(name, page)
+        etag = state.etag_of(body, cdn)
+        start = 0
+        requested = self.headers.get("Range")
+        if_range = self.headers.get("If-Range")
+        same_version = if_range is None or if_range == etag or not state.if_range_support
+        if requested and state.range_support and same_version:
+            first, last_n = re.fullmatch(r"bytes=(\d*)-(\d*)", requested).groups()
+            # bytes=-n: the last n bytes, what a streaming loader reads a footer with
+            start = int(first) if first else max(len(body) - int(last_n), 0)
+            if start >= len(body):
+                return self._empty(416, {"Content-Range": f"bytes */{len(body)}"})
+            self.send_response(206)
+            first = 0 if fault == "bad_range" else start
+            self.send_header("Content-Range", f"bytes {first}-{len(body) - 1}/{len(body)}")
+        else:
+            self.send_response(200)
+        if etag:
+            self.send_header("ETag", etag)
+        payload = body[start:]
+        if fault == "garbage":
+            payload = b"\x00not parquet" * (len(payload) // 12) + b"!" * (len(payload) % 12)
+        if fault == "flip_page":
+            payload = corrupt_page(body)[start:]
+        if fault == "flip":
+            middle = len(payload) // 2
+            payload = payload[:middle] + bytes([payload[middle] ^ 1]) + payload[middle + 1:]
+        if fault != "cut":
+            self.send_header("Content-Length", str(len(payload)))
+        self.end_headers()
+        if fault == "slow":
+            time.sleep(0.3)
+        if fault in ("drop", "cut"):
+            payload = payload[:len(payload) // 2]
+        if fault == "short":
+            payload = payload[:max(len(payload) - 100, 0)]
+        if state.drop_every is not None:
+            payload = payload[:state.drop_every]
+        if fault == "trickle":
+            self._write(name, payload[:100])
+            try:
+                for i in range(100, len(payload)):
+                    time.sleep(0.02)
+                    self._write(name, payload[i:i + 1])
+            except (BrokenPipeError, ConnectionResetError):
+                pass  # the client gave up on us, as it should
+            return
+        self._write(name, payload)
+
+
+@pytest.fixture
+def fault_server(tmp_path):
+    """A local shard server (http://127.0.0.1:PORT/resolve/main) that misbehaves on request: set
+    its files, faults and always (see _FaultState), then read what it saw."""
+    state = _FaultState()
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), _FaultHandler)
+    httpd.daemon_threads = True
+    httpd.state = state
+    # a short poll so that shutdown() at teardown returns in ~50 ms, not the default 0.5 s
+    thread = threading.Thread(target=httpd.serve_forever, kwargs={"poll_interval": 0.05},
+                              daemon=True)
+    thread.start()
+    state.url = f"http://127.0.0.1:{httpd.server_address[1]}/resolve/main"
+    yield state
+    httpd.shutdown()
+    httpd.server_close()
+
+
+def serve_shards(server, tmp_path, indices, *, big: bool = False) -> dict[int, bytes]:
+    """Write a real shard per index (~14 KB; big: ~220 KB of hex text in 8 row groups),
+    register its bytes with the server, return them by index."""
+    folder = tmp_path / "served"
+    folder.mkdir(exist_ok=True)
+    served = {}
+    for i in indices:
+        path = folder / index_to_filename(i)
+        if big:
+            rng = random.Random(i)
+            write_shard(path, [rng.randbytes(200).hex() for _ in range(1000)], row_group_size=128)
+        else:
+            write_shard(path, _shard_texts(i), row_group_size=64)
+        served[i] = path.read_bytes()
+        server.files[index_to_filename(i)] = served[i]
+    return served
+
+
+def assert_only_complete_shards(data_dir, served: dict[int, bytes], *,
+                                 partial_ok: bool = False) -> None:
+    """Every *.parquet in data_dir is byte-identical to what was served, with a record of its size
+    and sha256; no temp files remain (unless partial_ok: a failed shard keeps its partial download
+    for the next run)."""
+    names = sorted(os.listdir(data_dir))
+    if not partial_ok:
+        assert not [n for n in names if n.endswith(".tmp")], names
+    parquet = [n for n in names if n.endswith(".parquet")]
+    assert parquet == sorted(index_to_filename(i) for i in served)
+    for i, body in served.items():
+        path = os.path.join(data_dir, index_to_filename(i))
+        with open(path, "rb") as f:
+            assert f.read() == body
+        with open(path + ".json") as f:
+            assert json.load(f)["sha256"] == sha256_hex(body)
+
+
+def download_shard(server, tmp_path, index, **kwargs) -> bool:
+    """download_single_file of shard index from server into tmp_path/data, backing off 10 ms."""
+    return download_single_file(index, str(tmp_path / "data"), server.url, backoff_base=0.01,
+                                **kwargs)
+
+
+def dataset_cli(server, data_dir, *args) -> int:
+    """`python -m nanochat.dataset` from server into data_dir, backing off 10 ms: its exit
+    status."""
+    return main(["--base-url", server.url, "--data-dir", str(data_dir), *FAST_BACKOFF, *args])
+
+
+
+def bit_flipped(body):
+    """body with its 101st byte changed: same size, PAR1 at both ends."""
+    return body[:100] + bytes([body[100] ^ 1]) + body[101:]

@@ -42,7 +42,7 @@ STREAMING = [BY_LEAF["cache"]]  # what stream=True adds to the path
 # what the path calls without a reader having to follow it: argument checks, file listing, the
 # shuffled order, the resume checks, the pretokenized reader, streaming's helpers
 ASIDE = {BY_LEAF[leaf] for leaf in (
-    "checks", "options", "parquet_files", "parquet", "download", "shuffle", "state_checks",
+    "checks", "options", "parquet_files", "parquet", "limits", "shuffle", "state_checks",
     "token_reader", "token_shards", "common", "files", "layout", "catalog", "kept", "ledger",
     "cache_status", "figures")}
 

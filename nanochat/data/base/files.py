@@ -1,6 +1,6 @@
 """
 Small file-system steps that make writes durable and clean-ups quiet.
-The downloader (nanochat/data/fetch/download.py), the token-shard writer
+The downloader (nanochat/data/fetch/), the token-shard writer
 (nanochat/data/pretokenized/token_shards.py) and the streaming cache's small files (the ledger, the
 catalog, the kept copies) share them: a whole-file write that leaves no temporary file behind and
 says what a full disk needs, and a warning given once per version of a bad file. Also the one

@@ -1,7 +1,8 @@
 """
 Bytes from a source to a file on disk that is complete and verified.
-Over HTTP or from an object store through fsspec, each file with its sidecar record; what a source
-lists; `serve`, a local server of shards; and `repackage`, your own text written as shards.
+download.py drives one file or many, over http_transport.py or store_transport.py (stores.py,
+through fsspec); install, verify, records and sources keep every name sound; listing reads what a
+source lists; serve.py serves shards locally; repackage writes your own text as shards.
 
 May import: nanochat.data.base.
 """

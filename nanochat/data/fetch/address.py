@@ -5,14 +5,14 @@ that a local directory as the source is one, and apart from the copies made of i
 
 Cost: string work; a local source costs a stat or two.
 
-May import: nanochat.data.fetch.download, nanochat.data.fetch.stores.
+May import: nanochat.data.fetch.errors, nanochat.data.fetch.stores.
 """
 
 import os
 import urllib.parse
 
 from nanochat.data.fetch import stores
-from nanochat.data.fetch.download import check_address
+from nanochat.data.fetch.errors import check_address
 
 
 def shown(address: str) -> str:

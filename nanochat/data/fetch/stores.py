@@ -1,6 +1,6 @@
 """
 Reading shards where they live: s3://, gs://, az://, hf://, file:// or a local directory.
-An http(s) URL is download.py's own path. This module reads the others through fsspec and each
+An http(s) URL goes through http_transport.py; this module reads the others through fsspec and each
 store's package (the extras s3, gcs, azure, hf): stat (size, version, the hashes the store states),
 read_range, list_names. Every call is bounded (timeout); retrying is the caller's. A store's error
 becomes a StoreError that says whether a retry can help; its message never holds a credential.

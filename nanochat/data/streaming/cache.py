@@ -10,9 +10,8 @@ what must be held at once is a ValueError at the start. Design: docs/streaming.m
 
     python -m nanochat.shard_cache status [DATA_DIR]   # what is on disk, who needs it and why
 
-May import: nanochat.data.base, nanochat.data.fetch.address, nanochat.data.fetch.download,
-nanochat.data.streaming.cache_status, nanochat.data.streaming.catalog, nanochat.data.streaming.kept,
-nanochat.data.streaming.ledger.
+May import: nanochat.data.base, nanochat.data.fetch, nanochat.data.streaming.cache_status,
+nanochat.data.streaming.catalog, nanochat.data.streaming.kept, nanochat.data.streaming.ledger.
 """
 
 import argparse
@@ -35,7 +34,10 @@ from nanochat.data.base.checks import check_int
 from nanochat.data.base.datasets import find_data_dir
 from nanochat.data.base.parquet import open_parquet
 from nanochat.data.fetch.address import shown
-from nanochat.data.fetch.download import DownloadError, Limits, download_file, record_path
+from nanochat.data.fetch.download import download_file
+from nanochat.data.fetch.errors import DownloadError
+from nanochat.data.fetch.limits import Limits
+from nanochat.data.fetch.records import record_path
 from nanochat.data.base.files import disk_full, remove_if_exists
 from nanochat.data.streaming.kept import (Keeper, drop_oldest, encode, file_mtime, kept_bytes,
                                           remove_gone)

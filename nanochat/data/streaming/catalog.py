@@ -8,8 +8,7 @@ footer once. An entry carries a checksum; one that is damaged, or that disagrees
 disk, is read again. The server's listing of the shards is kept beside it (.stream/listing.json).
 Also the estimates of the start check of cache_limit. Design: docs/streaming.md.
 
-May import: nanochat.data.base.checks, nanochat.data.base.parquet, nanochat.data.fetch.address,
-nanochat.data.fetch.listing, nanochat.data.streaming.streamed_split, nanochat.data.fetch.download,
+May import: nanochat.data.base, nanochat.data.fetch, nanochat.data.streaming.streamed_split,
 nanochat.data.base.files, nanochat.data.streaming.ledger.
 """
 
@@ -31,9 +30,12 @@ from nanochat.data.base.parquet import open_parquet
 from nanochat.data.fetch.address import shown
 from nanochat.data.fetch.listing import read_listing
 from nanochat.data.streaming.streamed_split import stream_source, streamed_split
-from nanochat.data.fetch.download import (MAGIC, SOURCE_FIX, TAIL_BYTES, DownloadError,
-                                          HostNotFoundError, Limits, check_sources, check_versions,
-                                          fetch_tail, recorded_size, recorded_source, source_of)
+from nanochat.data.fetch.errors import DownloadError, HostNotFoundError
+from nanochat.data.fetch.limits import Limits
+from nanochat.data.fetch.records import recorded_size, recorded_source, source_of
+from nanochat.data.fetch.small_reads import TAIL_BYTES, fetch_tail
+from nanochat.data.fetch.sources import SOURCE_FIX, check_sources, check_versions
+from nanochat.data.fetch.verify import MAGIC
 from nanochat.data.base.files import file_stamp, warn_once, write_atomic
 from nanochat.data.streaming.ledger import STREAM_DIR
 

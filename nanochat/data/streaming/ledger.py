@@ -9,7 +9,7 @@ download records say a streaming loader fetched them, and the kept copies. Readi
 small JSON parse (a rebuild, once per damaged version: a listing of the directory). Design:
 docs/streaming.md.
 
-May import: nanochat.data.base.checks, nanochat.data.fetch.download, nanochat.data.base.files.
+May import: nanochat.data.base.checks, nanochat.data.fetch.records, nanochat.data.base.files.
 """
 
 import json
@@ -21,7 +21,7 @@ from dataclasses import dataclass, field, replace
 from filelock import FileLock
 
 from nanochat.data.base.checks import is_int
-from nanochat.data.fetch.download import record_path
+from nanochat.data.fetch.records import record_path
 from nanochat.data.base.files import file_stamp, warn_once, write_atomic
 
 logger = logging.getLogger(__name__)

@@ -31,7 +31,7 @@ from conftest import assert_same_batches as _same
 from conftest import take_batches as _batches
 from nanochat.dataloader import tokenizing_distributed_data_loader_with_state_bos_bestfit
 from nanochat.data.loader.parquet_files import split_parquet_files
-from nanochat.data.fetch.download import Limits
+from nanochat.data.fetch.limits import Limits
 from nanochat.data.fetch import serve
 from nanochat.data.fetch.serve import ShardServer
 

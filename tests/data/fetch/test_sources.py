@@ -20,8 +20,10 @@ import pytest
 from conftest import ByteTokenizer, assert_same_batches, take_batches, write_shard
 from nanochat.dataloader import tokenizing_distributed_data_loader_with_state_bos_bestfit
 from nanochat.dataset import main
-from nanochat.data.fetch import download
-from nanochat.data.fetch.download import OtherSourceError, Limits, record_path
+from nanochat.data.fetch import download, sources
+from nanochat.data.fetch.limits import Limits
+from nanochat.data.fetch.records import record_path
+from nanochat.data.fetch.sources import OtherSourceError
 from nanochat.data.fetch.serve import ShardServer
 
 FAST = Limits(max_attempts=2, backoff_base=0.01, timeout=5, deadline=30)
@@ -33,7 +35,7 @@ NAMES = ["a.parquet", "b.parquet", "c.parquet", "zz_val.parquet"]
 def _sources_asked_afresh():
     """Each test's sources are asked as in a new process: a port an earlier test's server left
     silent may be this test's server's."""
-    download._SILENT.clear()
+    sources._SILENT.clear()
 
 
 def _write(directory, tag: str, names=NAMES) -> None:
@@ -295,7 +297,7 @@ def test_a_source_that_cannot_be_asked_leaves_the_shards_as_they_are(tmp_path, c
     finally:
         server.close()
     before = open(path, "rb").read()
-    download._SILENT.clear()  # (asked afresh, as in a new process)
+    sources._SILENT.clear()  # (asked afresh, as in a new process)
     assert download.download_file(url, path, FAST) is None  # there, and not fetched again
     assert download.download_file(url, path, FAST) is None  # (asked once per process)
     assert open(path, "rb").read() == before

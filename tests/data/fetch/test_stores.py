@@ -22,7 +22,8 @@ from fsspec.implementations.memory import MemoryFileSystem
 
 from conftest import write_shard
 from nanochat.data.fetch import stores
-from nanochat.data.fetch.download import download_file, record_path
+from nanochat.data.fetch.download import download_file
+from nanochat.data.fetch.records import record_path
 from nanochat.data.fetch.stores import MissingExtra, ObjectInfo, StoreError
 
 DATA = b"PAR1 not a real shard, but real bytes to hash" * 100

@@ -21,7 +21,7 @@ from nanochat.dataloader import (pretokenized_distributed_data_loader_with_state
                                  tokenizing_distributed_data_loader_with_state,
                                  tokenizing_distributed_data_loader_with_state_bos_bestfit)
 from nanochat.data.base.datasets import index_to_filename
-from nanochat.data.fetch.download import Limits
+from nanochat.data.fetch.limits import Limits
 from nanochat.data.loader.figures import Figures, LoaderFigures, Mark, stretch
 from nanochat.mixture import pretokenized_mixture_loader_with_state_bos_bestfit
 from nanochat.data.fetch.serve import ShardServer

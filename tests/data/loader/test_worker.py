@@ -31,7 +31,7 @@ from nanochat.dataloader import (pretokenized_distributed_data_loader_with_state
                                  tokenizing_distributed_data_loader_with_state,
                                  tokenizing_distributed_data_loader_with_state_bos_bestfit)
 from nanochat.data.base.datasets import index_to_filename
-from nanochat.data.fetch.download import HostNotFoundError
+from nanochat.data.fetch.errors import HostNotFoundError
 from nanochat.mixture import (CurriculumComplete,
                               pretokenized_mixture_loader_with_state_bos_bestfit)
 from nanochat.data.loader.prefetch import CLOSE_TIMEOUT, WorkerTraceback

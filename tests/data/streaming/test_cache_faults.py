@@ -31,13 +31,14 @@ import torch
 
 from conftest import ByteTokenizer, least_accepted, outcome, worker_env, write_shard
 from nanochat.data.streaming import catalog
-from nanochat.data.fetch import download
+from nanochat.data.fetch import download, verify
 from nanochat.data.streaming import cache as shard_cache
 from nanochat.data.streaming import ledger as ledger_module
 from nanochat.data.streaming.catalog import catalog_entry, read_catalog
 from nanochat.dataloader import tokenizing_distributed_data_loader_with_state_bos_bestfit
 from nanochat.data.base.datasets import index_to_filename
-from nanochat.data.fetch.download import Limits, download_file
+from nanochat.data.fetch.download import download_file
+from nanochat.data.fetch.limits import Limits
 from nanochat.data.base.files import write_atomic
 from nanochat.data.streaming.kept import Keeper, encode
 from nanochat.data.streaming.ledger import STREAM_DIR, Ledger, Table
@@ -354,7 +355,7 @@ def test_each_file_of_the_cache_on_a_full_disk(small_disk, tmp_path, what):
     os.makedirs(cache / STREAM_DIR / "kept")
     write_shard(str(cache / name), ["some text"] * 10, 5)
     # (as the downloader installs it: the catalog reads the entry of a shard so installed from it)
-    record = {"size": os.path.getsize(cache / name), "sha256": download.sha256_of(cache / name)}
+    record = {"size": os.path.getsize(cache / name), "sha256": verify.sha256_of(cache / name)}
     (cache / (name + ".json")).write_text(json.dumps(record))
     ledger = Ledger(str(cache))
     with ledger.lock:  # (the lock file exists before the disk is full, as in a run)

@@ -20,7 +20,7 @@ from conftest import ByteTokenizer, least_accepted, write_shard
 from nanochat.data.streaming.catalog import ReadAhead, copies_estimate, read_ahead_span
 from nanochat.dataloader import tokenizing_distributed_data_loader_with_state_bos_bestfit as bestfit
 from nanochat.data.base.datasets import index_to_filename
-from nanochat.data.fetch.download import Limits
+from nanochat.data.fetch.limits import Limits
 from nanochat.data.streaming.ledger import STREAM_DIR
 from nanochat.data.fetch.serve import ShardServer
 from nanochat.data.streaming.cache import size_up

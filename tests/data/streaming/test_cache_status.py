@@ -19,7 +19,7 @@ import pytest
 from conftest import ByteTokenizer, write_shard
 from nanochat.dataloader import tokenizing_distributed_data_loader_with_state_bos_bestfit
 from nanochat.data.base.datasets import index_to_filename
-from nanochat.data.fetch.download import Limits
+from nanochat.data.fetch.limits import Limits
 from nanochat.data.streaming.ledger import (EVICTED, FETCHED, STREAM_DIR, Ledger, Loader, ShardRow,
                                             Table)
 from nanochat.data.streaming.cache_status import (CacheStatus, KeptCopy, LiveLoader, ShardFile,

@@ -25,7 +25,8 @@ from conftest import take_batches as _batches
 from nanochat.data.fetch import stores
 from nanochat.dataloader import (tokenizing_distributed_data_loader_with_state,
                                  tokenizing_distributed_data_loader_with_state_bos_bestfit)
-from nanochat.data.fetch.download import TAIL_BYTES, Limits
+from nanochat.data.fetch.limits import Limits
+from nanochat.data.fetch.small_reads import TAIL_BYTES
 from nanochat.data.streaming.ledger import STREAM_DIR
 from test_streaming_processes import (HERE, TORCHRUN, cache_dir, equal_docs, host_shards, on_disk,
                                       read_lines, shards_in, stream_env)

@@ -27,12 +27,13 @@ from filelock import FileLock
 from conftest import ByteTokenizer, least_accepted, outcome, peak_while, write_shard
 from conftest import assert_same_batches as _same
 from conftest import take_batches as _batches
-from nanochat.data.fetch import download
 from nanochat.data.streaming import cache as shard_cache
 from nanochat.dataloader import (tokenizing_distributed_data_loader_with_state,
                                  tokenizing_distributed_data_loader_with_state_bos_bestfit)
 from nanochat.data.base.datasets import index_to_filename
-from nanochat.data.fetch.download import DownloadError, Limits
+from nanochat.data.fetch.errors import DownloadError
+from nanochat.data.fetch.limits import Limits
+from nanochat.data.fetch.small_reads import fetch_tail
 from nanochat.data.loader.options import parse_bytes
 from nanochat.resume import merge_states
 from nanochat.data.streaming.catalog import footer_rows
@@ -526,16 +527,16 @@ def test_fetch_tail_and_footer_rows(hosted):
     hosted_dir, server, _ = hosted
     path = os.path.join(hosted_dir, index_to_filename(1))
     body = open(path, "rb").read()
-    size, tail = download.fetch_tail(f"{server.url}/{index_to_filename(1)}", 100, FAST)
+    size, tail = fetch_tail(f"{server.url}/{index_to_filename(1)}", 100, FAST)
     assert (size, tail) == (len(body), body[-100:])
-    size, tail = download.fetch_tail(f"{server.url}/{index_to_filename(1)}", 10 * len(body), FAST)
+    size, tail = fetch_tail(f"{server.url}/{index_to_filename(1)}", 10 * len(body), FAST)
     assert tail == body
     assert footer_rows(body[-100:], "x") is None  # too short for the footer: ask again for it whole
     assert footer_rows(body, "x") == [32] * 9 + [12]
     with pytest.raises(ValueError, match="not a parquet file"):
         footer_rows(b"x" * 100, "http://h/shard_00000.parquet")
     with pytest.raises(DownloadError, match="HTTP 404"):
-        download.fetch_tail(f"{server.url}/missing.parquet", 100, FAST)
+        fetch_tail(f"{server.url}/missing.parquet", 100, FAST)
 
 
 def test_fetch_tail_needs_range_support(tmp_path):
@@ -545,7 +546,7 @@ def test_fetch_tail_needs_range_support(tmp_path):
     threading.Thread(target=server.serve_forever, daemon=True).start()
     try:
         with pytest.raises(DownloadError, match="must honour Range requests"):
-            download.fetch_tail(f"http://127.0.0.1:{server.server_address[1]}/f.parquet", 10, FAST)
+            fetch_tail(f"http://127.0.0.1:{server.server_address[1]}/f.parquet", 10, FAST)
     finally:
         server.shutdown()
         server.server_close()

@@ -31,7 +31,7 @@ from conftest import ByteTokenizer, least_accepted, outcome, worker_env, write_s
 from nanochat.data.streaming import cache as shard_cache
 from nanochat.dataloader import tokenizing_distributed_data_loader_with_state_bos_bestfit
 from nanochat.data.base.datasets import get_dataset, index_to_filename
-from nanochat.data.fetch.download import Limits
+from nanochat.data.fetch.limits import Limits
 from nanochat.data.streaming.catalog import copies_estimate, read_catalog
 from nanochat.resume import merge_states
 from nanochat.data.base.state import decode_keys

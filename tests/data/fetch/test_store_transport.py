@@ -1,6 +1,6 @@
 """
-Tests for downloads from an object store (nanochat/data/fetch/download.py over
-nanochat/data/fetch/stores.py) against a real S3 API on 127.0.0.1: moto's server, straight (`s3`) or
+Tests for downloads from an object store (nanochat/data/fetch/store_transport.py, driven by
+download.py, over stores.py) against a real S3 API on 127.0.0.1: moto's server, straight (`s3`) or
 behind a fault-injecting proxy (`s3_faulty`), with parquet shards written by pyarrow. Covers the
 installed bytes and records (the hashes S3 states: the ETag's md5, the CRC32 checksum), a stated
 hash that does not match, resuming after a cut body, the server stopped and started again, an object
@@ -8,7 +8,7 @@ replaced between attempts and during one, a wrong key or bucket, missing credent
 storm, two downloads of one shard at once, fetch_tail and the disk probe from a store, and a local
 directory as the source (never written to). No credential value appears in any log line or error.
 Reads are cut in chunks of 64 KiB here (STORE_CHUNK_BYTES), so a ~200 KB shard takes 3-4 GETs. Run:
-python -m pytest tests/data/fetch/test_store_download.py -q
+python -m pytest tests/data/fetch/test_store_transport.py -q
 """
 
 import errno
@@ -24,9 +24,10 @@ import zlib
 import pytest
 
 from conftest import write_shard
-from nanochat.data.fetch import download
-from nanochat.data.fetch import stores
-from nanochat.data.fetch.download import DownloadError, Limits
+from nanochat.data.fetch import (download, errors, records, small_reads, store_transport, stores,
+                                 verify)
+from nanochat.data.fetch.errors import DownloadError
+from nanochat.data.fetch.limits import Limits
 
 CHUNK = 64 * 1024
 # a credential value: it must never appear in a log line, an error or the output
@@ -37,7 +38,7 @@ KEY = "data/shard_00000.parquet"
 
 @pytest.fixture(autouse=True)
 def small_chunks(monkeypatch):
-    monkeypatch.setattr(download, "STORE_CHUNK_BYTES", CHUNK)
+    monkeypatch.setattr(store_transport, "STORE_CHUNK_BYTES", CHUNK)
     stores.forget_filesystems()  # the filesystems made for another test's endpoint
     yield
     stores.forget_filesystems()
@@ -113,16 +114,16 @@ def _stopped_after_two_chunks(url: str, dest, monkeypatch):
     2nd chunk: the temp file keeps those bytes for the next run. Returns dest."""
     stop, real = threading.Event(), stores.read_range
     _reads_calling(monkeypatch, 2, stop.set)  # checked once the chunk is written
-    with pytest.raises(download._Stopped):
+    with pytest.raises(errors.Stopped):
         download.download_file(url, str(dest), FAST, stop=stop)
-    assert os.path.getsize(download.tmp_path(str(dest))) == 2 * CHUNK
+    assert os.path.getsize(records.tmp_path(str(dest))) == 2 * CHUNK
     monkeypatch.setattr(stores, "read_range", real)
     return dest
 
 
 def _no_temp(path) -> bool:
-    tmp = download.tmp_path(str(path))
-    return not os.path.exists(tmp) and not os.path.exists(download.record_path(tmp))
+    tmp = records.tmp_path(str(path))
+    return not os.path.exists(tmp) and not os.path.exists(records.record_path(tmp))
 
 
 # -----------------------------------------------------------------------------
@@ -134,7 +135,7 @@ def test_a_shard_is_installed_byte_identical_with_the_hashes_s3_stated(bucket, t
     dest = tmp_path / "out" / "shard_00000.parquet"
     assert download.download_file(bucket.url(KEY), str(dest), FAST) == ""  # there was none
     assert _read(dest) == body
-    with open(download.record_path(str(dest))) as f:
+    with open(records.record_path(str(dest))) as f:
         record = json.load(f)
     # S3's ETag of a single-part upload is its md5; boto3 uploads with a CRC32 checksum
     assert record == {"size": len(body), "sha256": hashlib.sha256(body).hexdigest(),
@@ -144,9 +145,9 @@ def test_a_shard_is_installed_byte_identical_with_the_hashes_s3_stated(bucket, t
     info = stores.stat(bucket.url(KEY), 5.0)
     assert record["source_version"] == info.version  # the version the store stated
     assert info.hashes == {"md5": hashlib.md5(body).hexdigest(), "crc32": zlib.crc32(body)}
-    assert download.stated_check(str(dest)) == "crc32, md5"
+    assert records.stated_check(str(dest)) == "crc32, md5"
     assert _no_temp(dest)
-    download.check_file(str(dest))
+    verify.check_file(str(dest))
     # a second call finds it sound and fetches nothing
     assert download.download_file(bucket.url(KEY), str(dest), FAST) is None
 
@@ -180,15 +181,15 @@ def test_a_stated_crc32c_without_its_package_is_skipped_not_counted(bucket, tmp_
     real = stores.stat
     monkeypatch.setattr(stores, "stat", lambda address, timeout, **kwargs: stores.ObjectInfo(
         len(body), real(address, timeout, **kwargs).version, {"crc32c": 12345}))
-    monkeypatch.setattr(download, "_optional_crc", lambda name: None)  # no package installed
+    monkeypatch.setattr(verify, "_optional_crc", lambda name: None)  # no package installed
     dest = tmp_path / "out" / "shard_00000.parquet"
     download.download_file(bucket.url(KEY), str(dest), FAST)
     assert _read(dest) == body
-    with open(download.record_path(str(dest))) as f:
+    with open(records.record_path(str(dest))) as f:
         record = json.load(f)
     # nothing stated was checked: every page was read, and no hash is claimed
     assert record["stated_hashes"] == [] and record["pages_checked"] is True
-    assert download.stated_check(str(dest)) is None
+    assert records.stated_check(str(dest)) is None
 
 
 def _crc32c_bitwise(data: bytes, crc: int = 0) -> int:
@@ -222,9 +223,9 @@ def test_a_stated_crc32c_is_checked_when_its_package_is_there(bucket, tmp_path, 
     dest = tmp_path / "out" / "shard_00000.parquet"
     if right:
         download.download_file(bucket.url(KEY), str(dest), FAST)
-        assert _read(dest) == body and download.stated_check(str(dest)) == "crc32c"
+        assert _read(dest) == body and records.stated_check(str(dest)) == "crc32c"
     else:
-        with pytest.raises(download.DownloadError) as caught:
+        with pytest.raises(errors.DownloadError) as caught:
             download.download_file(bucket.url(KEY), str(dest), FAST)
         assert caught.value.reason == "crc32c mismatch"
         assert f"crc32c {_crc32c_bitwise(body):08x}" in str(caught.value)
@@ -285,7 +286,7 @@ def test_an_object_replaced_during_a_download_is_fetched_whole_never_spliced(
     download.download_file(faulty.url(KEY), str(dest), FAST)
     assert _read(dest) == new
     assert "changed on the store" in caplog.text
-    with open(download.record_path(str(dest))) as f:
+    with open(records.record_path(str(dest))) as f:
         assert json.load(f)["sha256"] == hashlib.sha256(new).hexdigest()
 
 
@@ -344,7 +345,7 @@ def test_a_wrong_key_or_bucket_is_one_clear_error_without_retries(faulty, tmp_pa
 def test_a_secret_in_an_address_is_masked_in_errors_and_logs(faulty, tmp_path, caplog):
     # (a credential can end up in an address, as a SAS token does in a URL)
     with pytest.raises(DownloadError) as caught:
-        download.fetch_tail(f"s3://{SECRET}/a.parquet", 100, FAST)
+        small_reads.fetch_tail(f"s3://{SECRET}/a.parquet", 100, FAST)
     assert SECRET not in str(caught.value) and "s3://***/a.parquet" in str(caught.value)
 
 
@@ -423,17 +424,17 @@ def test_two_downloads_of_one_shard_at_once_fetch_it_once(faulty, tmp_path):
     assert _read(dest) == body
     assert faulty.proxy.count("GET") == -(-len(body) // CHUNK)  # each chunk once
     assert faulty.proxy.count("HEAD") == 2  # the stat before and after the reads
-    download.check_file(str(dest))
+    verify.check_file(str(dest))
 
 
 def test_fetch_tail_reads_the_end_of_an_object(bucket, tmp_path):
     body = _put_shard(bucket, tmp_path)
-    assert download.fetch_tail(bucket.url(KEY), 100, FAST) == (len(body), body[-100:])
-    assert download.fetch_tail(bucket.url(KEY), 10**9, FAST) == (len(body), body)
+    assert small_reads.fetch_tail(bucket.url(KEY), 100, FAST) == (len(body), body[-100:])
+    assert small_reads.fetch_tail(bucket.url(KEY), 10**9, FAST) == (len(body), body)
     with pytest.raises(DownloadError, match="not found in S3"):
-        download.fetch_tail(bucket.url("data/nope.parquet"), 100, FAST)
+        small_reads.fetch_tail(bucket.url("data/nope.parquet"), 100, FAST)
     with pytest.raises(ValueError, match="http"):
-        download.fetch_small(bucket.url("index.json"), 1000, FAST)
+        small_reads.fetch_small(bucket.url("index.json"), 1000, FAST)
 
 
 def test_the_disk_check_asks_the_store_for_the_size(bucket, tmp_path):
@@ -487,8 +488,8 @@ def test_a_local_directory_is_copied_and_never_written_to(tmp_path, form, caplog
     assert report.failed == {}
     assert {name: _read(out / name) for name in bodies} == bodies
     for name in bodies:  # a local file states no hash: size and structure, every page read
-        assert download.stated_check(str(out / name)) is None
-        with open(download.record_path(str(out / name))) as f:
+        assert records.stated_check(str(out / name)) is None
+        with open(records.record_path(str(out / name))) as f:
             record = json.load(f)
         assert record["stated_hashes"] == [] and record["pages_checked"] is True
     # a bad copy is fetched again from the directory
