@@ -39,7 +39,7 @@ STREAMING = [BY_LEAF["cache"]]  # what stream=True adds to the path
 ASIDE = {BY_LEAF[leaf] for leaf in (
     "checks", "options", "dataset", "download", "shuffle", "state_checks", "token_reader",
     "token_shards", "common", "files", "layout", "catalog", "kept", "ledger", "cache_status",
-    "figures")}
+    "budget", "figures")}
 
 
 def parse(module: str) -> ast.Module:

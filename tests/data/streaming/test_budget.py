@@ -17,13 +17,13 @@ import pytest
 import torch
 
 from conftest import ByteTokenizer, least_accepted, write_shard
-from nanochat.data.streaming.catalog import ReadAhead, copies_estimate, read_ahead_span
+from nanochat.data.fetch.download import Limits
+from nanochat.data.fetch.serve import ShardServer
+from nanochat.data.streaming.budget import ReadAhead, copies_estimate, read_ahead_span, size_up
+from nanochat.data.streaming.ledger import STREAM_DIR
 from nanochat.dataloader import tokenizing_distributed_data_loader_with_state_bos_bestfit as bestfit
 from nanochat.dataset import index_to_filename
-from nanochat.data.fetch.download import Limits
-from nanochat.data.streaming.ledger import STREAM_DIR
-from nanochat.data.fetch.serve import ShardServer
-from nanochat.data.streaming.cache import size_up
+
 
 VAL = index_to_filename(6542)  # the default dataset's val shard
 FAST = Limits(max_attempts=2, backoff_base=0.01, timeout=5, deadline=30)
