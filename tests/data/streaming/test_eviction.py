@@ -54,7 +54,7 @@ def test_eviction_spares_what_any_loader_of_the_machine_needs(tmp_path):
 
     assert make_room()  # 5 shards and the one to fetch: 6,000 bytes; 3 and 4 go
     assert on_disk() == names[:3]
-    shards.limit = 2000
+    shards.room.budget = shards.room.budget._replace(limit=2000)  # (a smaller limit from here)
     assert not make_room()  # only what the other loader needs is left
     assert on_disk() == names[:3]
     with ledger.lock:  # that loader is gone: its shards may go, oldest first

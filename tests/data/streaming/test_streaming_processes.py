@@ -28,7 +28,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from conftest import ByteTokenizer, least_accepted, outcome, worker_env, write_shard
-from nanochat.data.streaming import cache as shard_cache
+from nanochat.data.streaming import eviction
 from nanochat.data.streaming import fetcher
 from nanochat.dataloader import tokenizing_distributed_data_loader_with_state_bos_bestfit
 from nanochat.dataset import get_dataset, index_to_filename
@@ -583,7 +583,7 @@ def test_a_full_disk_is_an_enospc_error_naming_the_directory(tmp_path, monkeypat
     try:
         got = take(loader, 1)
         # the disk fills up while shard 0 is read: 1 KB left (a shard is ~7 KB)
-        monkeypatch.setattr(shard_cache.shutil, "disk_usage",
+        monkeypatch.setattr(eviction.shutil, "disk_usage",
                             lambda path: SimpleNamespace(free=1000))
         more, error = batches_until_error(loader, 36)
     finally:
