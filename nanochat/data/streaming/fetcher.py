@@ -167,15 +167,15 @@ class Fetcher:
         meta = open_parquet(path).metadata
         rows = [meta.row_group(g).num_rows for g in range(meta.num_row_groups)]
         # the size the walk was planned on, and the rows of the shard's catalog entry
-        entry = read_catalog(cache.data_dir, [name], [url], cache.limits)[0]
-        expected = {"size": cache.sizes[p], "rows": entry["rows"]}
-        if (os.path.getsize(path), rows) != (expected["size"], expected["rows"]):
+        size, planned = cache.sizes[p], read_catalog(cache.data_dir, [name], [url],
+                                                     cache.limits)[0]["rows"]
+        if (os.path.getsize(path), rows) != (size, planned):
             raise ValueError(
                 f"{path} ({shown(url)}) is not the shard the walk was planned on: "
                 f"{os.path.getsize(path)} bytes and {len(rows)} row groups, the catalog "
-                f"{catalog_path(cache.data_dir)} says {expected['size']} and "
-                f"{len(expected['rows'])}; the file changed at its source. Remove the catalog to "
-                "start over (states taken on the old files will be refused)")
+                f"{catalog_path(cache.data_dir)} says {size} and {len(planned)}; the file changed "
+                "at its source. Remove the catalog to start over (states taken on the old files "
+                "will be refused)")
 
     # -- kept copies -------------------------------------------------------------------
 

@@ -36,9 +36,9 @@ class Visits:
     def fill(self, count: int) -> None:
         """Look `count` visits past the reader's (or to the order's end)."""
         wanted = (-1 if self.at is None else self.at) + 1 + count - len(self.visits)
-        for visit in itertools.islice(self.order, max(wanted, 0)):
-            self.first_seen.setdefault(visit[1], len(self.visits))
-            self.visits.append(visit)
+        for epoch, p in itertools.islice(self.order, max(wanted, 0)):
+            self.first_seen.setdefault(p, len(self.visits))
+            self.visits.append((epoch, p))
 
     def move_to(self, p: int) -> bool:
         """Move the reader to shard p when it is among its next LOOKAHEAD visits; False (and the
