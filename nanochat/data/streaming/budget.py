@@ -1,9 +1,9 @@
 """
-The cache budget, pure: sizes in, decisions out. Whether cache_limit holds what a streaming loader
-must hold at once (the start check, its terms in bytes and the message of a refusal), what may be
-evicted and in which order, and the estimates the check counts (documents read ahead, copies of
-buffered documents). No I/O, no threads, no clock: the cache reads the disk and the ledger, and
-passes their figures in. Design: docs/streaming.md.
+The cache budget, pure: sizes in, decisions (what must be held, what may be evicted) out.
+Whether cache_limit holds what a streaming loader must hold at once (the start check, its terms in
+bytes, the message of a refusal), what may be evicted and in which order, and the estimates the
+check counts (documents read ahead, copies of buffered documents). No I/O, no threads, no clock:
+the cache reads the disk and the ledger, and passes their figures in. Design: docs/streaming.md.
 
 May import: nothing of the project (no I/O, no threads, no clock).
 """

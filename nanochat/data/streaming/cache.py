@@ -1,10 +1,11 @@
 """
-The reader's side of the shard cache (a loader's stream=True): `ShardCache` fetches one split's
-shards just ahead of its reader, within a disk budget, cache_limit, and says where each is. It
-keeps this loader's row of the machine's ledger (what it needs, and why); its parts: the start
-check (budget.py), the fetching thread (fetcher.py), eviction (eviction.py), the order of visits
-(visits.py), the catalog's sizes (catalog.py) and kept copies of buffered documents (kept.py). A
-budget below what must be held at once is a ValueError at the start. Design: docs/streaming.md.
+The shard cache's reader side: each shard's path once it is on disk, fetched just ahead.
+`ShardCache` fetches one split's shards ahead of its reader (a loader's stream=True) within a disk
+budget, cache_limit, and keeps this loader's row of the machine's ledger (what it needs, and why).
+Its parts: the start check (budget.py), the fetching thread (fetcher.py), eviction (eviction.py),
+the order of visits (visits.py), the catalog's sizes (catalog.py) and kept copies of buffered
+documents (kept.py). A budget below what must be held at once is a ValueError at the start.
+Design: docs/streaming.md.
 
     python -m nanochat.shard_cache status [DATA_DIR]   # what is on disk, who needs it and why
 
@@ -202,9 +203,9 @@ class ShardCache:
             self.cond.wait(min(left, 1.0))
 
     def hold(self, keys, at) -> None:
-        """A state was just built: `keys` (DocKeys) are the documents its buffer holds, and its
-        walk goes on in file `at` (epoch, pq_idx). Their shards stay until those documents are
-        kept."""
+        """A state was just built: `keys` (DocKeys, PieceKeys) are the documents its buffer holds,
+        and its walk goes on in file `at` (epoch, pq_idx). Their shards stay until those documents
+        are kept."""
         with self.cond:
             self.visits.deal(at)
             self.keeper.hold(keys)

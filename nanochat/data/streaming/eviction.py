@@ -1,9 +1,10 @@
 """
-Room in the cache for a download or a copy: the disk's and the ledger's figures go to the budget's
-decisions (budget.py), and the shards it picks are removed. A shard goes only when no live loader
-of the machine needs it; for a shard a reader waits for, the oldest copies of buffered documents
-go last, and rows of unknown liveness count as stale after a bounded wait. Each call lists the
-data directory and the kept copies: a few ms. Design: docs/streaming.md.
+Room in the cache for a download or a copy: the budget's evictions, carried out on disk.
+The disk's and the ledger's figures go to the budget's decisions (budget.py), and the shards it
+picks are removed. A shard goes only when no live loader of the machine needs it; for a shard a
+reader waits for, the oldest copies of buffered documents go last, and rows of unknown liveness
+count as stale after a bounded wait. Each call lists the data directory and the kept copies: a few
+ms. Design: docs/streaming.md.
 
 May import: nanochat.data.base.files, nanochat.data.fetch.download, nanochat.data.streaming.budget,
 nanochat.data.streaming.cache_status, nanochat.data.streaming.catalog,

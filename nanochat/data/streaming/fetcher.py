@@ -1,9 +1,9 @@
 """
-The shard cache's fetching thread: one download at a time, the shard a reader needs first (a
-resumed buffer's, one a reader waits for, the current one, then prefetch_shards ahead), each after
-room is made for it and checked against the catalog once on disk; between downloads, the copies of
-buffered documents. A failure is handed to the reader that needs the shard. Costs one thread and
-one download in flight per loader.
+The shard cache's fetching thread: one download at a time, the shard a reader needs first.
+The order: a resumed buffer's shards, one a reader waits for, the current one, then
+prefetch_shards ahead; each after room is made for it, and checked against the catalog once on
+disk. Between downloads, the copies of buffered documents. A failure is handed to the reader that
+needs the shard. Costs one thread and one download in flight per loader.
 
 May import: nanochat.data.fetch.download, nanochat.data.streaming.cache_status,
 nanochat.data.streaming.catalog, nanochat.data.streaming.kept, nanochat.data.streaming.ledger,

@@ -1,8 +1,8 @@
 """
-Where a streaming loader's reader is in its order of shard visits, and which shards it reads
-next: the one it reads, those fetched ahead, those it has read and not yet packed, and those it
-reads later (the ledger's `later`, which eviction spares longest). No I/O, no lock: the shard cache
-calls it holding its own. The order is looked at lazily, a few visits past the reader's.
+Where a streaming loader's reader is in its order of shard visits, and what it reads next.
+The one it reads, those fetched ahead, those it has read and not yet packed, and those it reads
+later (the ledger's `later`, which eviction spares longest). No I/O, no lock: the shard cache calls
+it holding its own. The order is looked at lazily, a few visits past the reader's.
 
 May import: nothing of the project.
 """
