@@ -11,7 +11,8 @@ May import: torch, numpy, nanochat.data.loader.order, nanochat.data.pretokenized
 nanochat.data.loader.rows, nanochat.data.base.packing, nanochat.data.base.state,
 nanochat.data.loader.prefetch, nanochat.data.loader.options, nanochat.data.base.checks,
 nanochat.data.base.shuffle, nanochat.data.streaming.cache, nanochat.data.streaming.catalog,
-nanochat.data.loader.parquet_files, nanochat.data.fetch.limits, nanochat.data.loader.figures.
+nanochat.data.loader.parquet_files, nanochat.data.fetch.limits, nanochat.data.streaming.budget,
+nanochat.data.loader.figures.
 """
 
 import contextlib
@@ -25,7 +26,8 @@ from typing import Any, NamedTuple
 import numpy as np
 import torch
 
-from nanochat.data.streaming.catalog import copies_estimate, read_ahead_span, streamed_files
+from nanochat.data.streaming.budget import copies_estimate, read_ahead_span
+from nanochat.data.streaming.catalog import streamed_files
 from nanochat.data.base.checks import check_int
 from nanochat.data.loader.parquet_files import split_parquet_files
 from nanochat.data.fetch.limits import Limits
@@ -211,11 +213,12 @@ def _parquet_reader(split: str, data_dir, streaming, read_ahead: dict):
     if streaming.settings is None:
         return ParquetReader(split_parquet_files(split, data_dir)), None
     limits = Limits() if streaming.limits is None else streaming.limits
-    data_dir, paths, urls, val, catalog = streamed_files(
-        split, data_dir, streaming.settings.num_shards, streaming.base_url, limits)
+    files = streamed_files(split, data_dir, streaming.settings.num_shards, streaming.base_url,
+                           limits)
+    catalog = files.entries
     cache = ShardCache(
-        data_dir, [os.path.basename(path) for path in paths], urls,
-        [entry["size"] for entry in catalog], limits=limits, keep=val,
+        files.data_dir, [os.path.basename(path) for path in files.paths], files.urls,
+        [entry["size"] for entry in catalog], limits=limits, keep=files.val,
         prefetch_shards=streaming.settings.prefetch_shards,
         cache_limit=streaming.settings.cache_limit, prefetch=read_ahead["prefetch"],
         copies=copies_estimate(catalog, read_ahead["buffer_docs"]),
@@ -224,7 +227,7 @@ def _parquet_reader(split: str, data_dir, streaming, read_ahead: dict):
         packing=read_ahead_span(catalog, local_peers(read_ahead["rank"], read_ahead["world_size"]),
                                 read_ahead["world_size"], read_ahead["docs"]),
         read_ahead=read_ahead["docs"])
-    return ParquetReader(paths, catalog, cache), cache
+    return ParquetReader(files.paths, catalog, cache), cache
 
 
 class _Streaming(NamedTuple):

@@ -34,7 +34,7 @@ from nanochat.data.base.cli import run
 from nanochat.dataloader import tokenizing_distributed_data_loader_with_state_bos_bestfit
 from nanochat.data.base.datasets import get_dataset, index_to_filename
 from nanochat.data.fetch.repackage import repackage
-from nanochat.data.streaming.catalog import copies_estimate
+from nanochat.data.streaming.budget import copies_estimate
 from nanochat.data.base.state import decode_keys
 from nanochat.tokenizer import RustBPETokenizer
 from nanochat.data.fetch.serve import ShardServer

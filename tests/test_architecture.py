@@ -44,7 +44,7 @@ STREAMING = [BY_LEAF["cache"]]  # what stream=True adds to the path
 ASIDE = {BY_LEAF[leaf] for leaf in (
     "checks", "options", "parquet_files", "parquet", "limits", "shuffle", "state_checks",
     "token_reader", "token_shards", "common", "files", "layout", "catalog", "kept", "ledger",
-    "cache_status", "figures")}
+    "cache_status", "budget", "figures")}
 
 
 def parse(module: str) -> ast.Module:

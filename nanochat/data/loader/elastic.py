@@ -64,8 +64,9 @@ def merge_walk_states(states: list, world_size: int, data_dir: str | None, epoch
         split = first["config"]["split"]
         # train: the loader's first num_files shards; val is one shard, the dataset's last
         num_shards = first["config"]["num_files"] if split == "train" else None
-        _, paths, _, _, catalog = streamed_files(split, data_dir, num_shards, *stream)
-        rows, sizes = [entry["rows"] for entry in catalog], [entry["size"] for entry in catalog]
+        files = streamed_files(split, data_dir, num_shards, *stream)
+        paths = files.paths
+        rows, sizes = [e["rows"] for e in files.entries], [e["size"] for e in files.entries]
     elif chunk_size is None:
         paths = split_parquet_files(first["config"]["split"], data_dir)
     else:

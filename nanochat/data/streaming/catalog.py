@@ -6,7 +6,7 @@ for them. It is data about the files at their URLs, a file of its own beside the
 under its own lock (.stream/catalog.lock), held while footers are read: the local ranks read each
 footer once. An entry carries a checksum; one that is damaged, or that disagrees with its shard on
 disk, is read again. The server's listing of the shards is kept beside it (.stream/listing.json).
-Also the estimates of the start check of cache_limit. Design: docs/streaming.md.
+Design: docs/streaming.md.
 
 May import: nanochat.data.base, nanochat.data.fetch, nanochat.data.streaming.streamed_split,
 nanochat.data.base.files, nanochat.data.streaming.ledger.
@@ -15,7 +15,6 @@ nanochat.data.base.files, nanochat.data.streaming.ledger.
 import hashlib
 import json
 import logging
-import math
 import os
 from concurrent.futures import ThreadPoolExecutor
 from typing import NamedTuple
@@ -276,11 +275,19 @@ def _read_missing(data_dir: str, missing: list[tuple[str, str]], known: dict, li
     return found
 
 
+class StreamedSplit(NamedTuple):
+    """A streamed split's shards, where they go and where they come from, and their catalog."""
+    data_dir: str  # the cache's directory
+    paths: list[str]  # each shard's path in it (not on disk until fetched)
+    urls: list[str]
+    val: dict[str, int]  # the val shard's name -> its bytes (never evicted)
+    entries: list[dict]  # the shards' catalog entries {"url", "size", "rows", "check"}
+
+
 def streamed_files(split: str, data_dir: str | None, num_shards: int | None, base_url: str | None,
-                   limits: Limits) -> tuple[str, list[str], list[str], dict[str, int], list[dict]]:
-    """A streamed split (streamed_split: by the server's listing when it has one)
-    with its catalog entries: (data_dir, paths, URLs, {the val shard's name: its size}, catalog
-    entries)."""
+                   limits: Limits) -> StreamedSplit:
+    """A streamed split (streamed_split: by the server's listing when it has one) with its catalog
+    entries."""
     listing = kept_listing(data_dir, base_url, limits)
     data_dir, paths, urls, val_name = streamed_split(split, data_dir, num_shards, base_url,
                                                      listing)
@@ -294,7 +301,8 @@ def streamed_files(split: str, data_dir: str | None, num_shards: int | None, bas
     # (the val shard's entry too: every loader's budget holds it)
     entries = read_catalog(data_dir, list(dict.fromkeys(names + [val_name])),
                            list(dict.fromkeys(urls + val_urls)), limits, verify=True)
-    return data_dir, paths, urls, {val_name: entries[-1]["size"]}, entries[:len(names)]
+    return StreamedSplit(data_dir, paths, urls, {val_name: entries[-1]["size"]},
+                         entries[:len(names)])
 
 
 def kept_listing(data_dir: str | None, base_url: str | None, limits: Limits) -> list[str] | None:
@@ -331,44 +339,3 @@ def _kept_for(record, base_url: str) -> bool:
     names = record.get("names")  # (None: the server had no listing)
     return names is None or (isinstance(names, list) and len(names) >= 2  # (a train and val)
                              and all(isinstance(n, str) for n in names))
-
-
-# -----------------------------------------------------------------------------
-# The estimates of the start check
-
-
-class ReadAhead(NamedTuple):
-    """What the documents a loader has read and not yet packed can span, for the start check: its
-    local ranks' most (they share the cache)."""
-    docs: int  # documents read and not yet packed, at most
-    shards: int  # the most shards from the one packed from to the one read, both included
-    # the most bytes a shard's file takes per document a rank reads of it; inf when a rank reads
-    # a shard that has none of its documents (then only whole shards bound the span)
-    doc_bytes: float
-
-
-def packing_shards(entries: list[dict], rank: int, world_size: int, read_ahead: int) -> int:
-    """The most shards that `read_ahead` documents (read and not yet packed) and the one the reader
-    has just opened can span for this rank: one more than its fewest documents of a shard (its row
-    groups of it) divide them into."""
-    shares = [sum(entry["rows"][rank::world_size]) for entry in entries]
-    return 1 + math.ceil(read_ahead / max(min((n for n in shares if n), default=1), 1))
-
-
-def read_ahead_span(entries: list[dict], ranks, world_size: int, docs: int) -> ReadAhead:
-    """The span of `docs` documents read ahead, the most over `ranks` (a machine's local ranks)."""
-    shards, doc_bytes = 1, 0.0
-    for rank in ranks:
-        shards = max(shards, packing_shards(entries, rank, world_size, docs))
-        for entry in entries:
-            if len(entry["rows"]) > rank:  # (a shard the rank visits: it has a row group of its)
-                share = sum(entry["rows"][rank::world_size])
-                doc_bytes = max(doc_bytes, entry["size"] / share if share else math.inf)
-    return ReadAhead(docs, shards, doc_bytes)
-
-
-def copies_estimate(entries: list[dict], buffer_docs: int) -> int:
-    """What the copies of `buffer_docs` buffered documents may take, an estimate: twice their bytes
-    at the split's most bytes per document of a shard (best-fit keeps long documents waiting)."""
-    per_doc = max(entry["size"] / max(sum(entry["rows"]), 1) for entry in entries)
-    return int(2 * buffer_docs * per_doc)

@@ -21,6 +21,7 @@ import os
 import shutil
 import zlib
 from collections import deque
+from typing import NamedTuple
 
 from nanochat.data.base.parquet import open_parquet, read_row_group_column
 from nanochat.data.base.files import disk_full, remove_if_exists, write_atomic
@@ -39,10 +40,28 @@ def kept_root(data_dir: str) -> str:
     return os.path.join(data_dir, STREAM_DIR, KEPT_DIR)
 
 
-def kept_files(root: str) -> list[tuple[str, str, str]]:
-    """(owner, shard name, path) of every file in the kept directory (a killed writer's .tmp
-    too)."""
-    return [(owner, name.removesuffix(KEPT_SUFFIX), os.path.join(root, owner, name))
+class KeptFile(NamedTuple):
+    """A file in the kept directory: whose copy of which shard, and where."""
+    owner: str  # the loader that wrote it (host-pid-n)
+    name: str  # the shard's name
+    path: str
+
+
+class Copy(NamedTuple):
+    """A copy to write: documents `rows` {(rg_idx, row)} of shard p."""
+    p: int
+    rows: frozenset
+
+
+class CopyPlan(NamedTuple):
+    """Keeper.plan's answer: the copies to write, and the shards whose copies may go."""
+    todo: list[Copy]
+    drop: list[int]
+
+
+def kept_files(root: str) -> list[KeptFile]:
+    """Every file in the kept directory (a killed writer's .tmp too)."""
+    return [KeptFile(owner, name.removesuffix(KEPT_SUFFIX), os.path.join(root, owner, name))
             for owner in listdir(root) for name in listdir(os.path.join(root, owner))]
 
 
@@ -62,7 +81,7 @@ def file_mtime(path: str) -> float:
 
 def kept_bytes(root: str) -> int:
     """What every copy takes on disk: the budget counts it."""
-    return sum(file_size(path) for _, _, path in kept_files(root))
+    return sum(file_size(kept.path) for kept in kept_files(root))
 
 
 def remove_gone(root: str, table: Table, live: set[str]) -> None:
@@ -76,14 +95,14 @@ def remove_gone(root: str, table: Table, live: set[str]) -> None:
 def drop_oldest(root: str, table: Table, enough) -> int:
     """Remove copies, any loader's, oldest first, until enough(bytes dropped) is true; the bytes
     dropped. Their rows in the table go too."""
-    spare = sorted((file_mtime(path), owner, name, path) for owner, name, path in kept_files(root))
+    spare = sorted((file_mtime(kept.path), kept) for kept in kept_files(root))
     dropped = 0
-    for _, owner, name, path in spare:
+    for _, kept in spare:
         if enough(dropped):
             break
-        size = file_size(path)
-        remove_if_exists(path)
-        table.kept.get(owner, {}).pop(name, None)
+        size = file_size(kept.path)
+        remove_if_exists(kept.path)
+        table.kept.get(kept.owner, {}).pop(kept.name, None)
         dropped += size
     return dropped
 
@@ -132,10 +151,10 @@ class Keeper:
         self.restore_texts: dict[str, dict] = {}  # shard name -> {(rg_idx, row): text}, restoring
 
     def hold(self, keys) -> None:
-        """A state was just built: `keys` (epoch, pq_idx, rg_idx, row, ...) are its buffer."""
+        """A state was just built: `keys` (DocKeys, PieceKeys) are its buffer."""
         held: dict[int, set] = {}
         for key in keys:
-            held.setdefault(key[1], set()).add((key[2], key[3]))
+            held.setdefault(key.pq_idx, set()).add((key.rg_idx, key.row))
         self.held.append({p: frozenset(rows) for p, rows in held.items()})
         self.unkept = self.find_unkept()
         self.pending = True
@@ -145,19 +164,19 @@ class Keeper:
         return {p for held in self.held for p, rows in held.items()
                 if not rows <= kept.get(p, frozenset())}
 
-    def plan(self, skip: set[int]) -> tuple[list[tuple[int, frozenset]], list[int]]:
-        """(shard, documents) to copy, and the shards whose copies no recent state needs. `skip`:
+    def plan(self, skip: set[int]) -> CopyPlan:
+        """The copies to write, and the shards whose copies no recent state needs. `skip`:
         shards not to copy from (still packed from, or never evicted)."""
         wanted: dict[int, set] = {}
         for held in self.held:
             for p, rows in held.items():
                 wanted.setdefault(p, set()).update(rows)
-        todo = [(p, frozenset(wanted[p])) for p in sorted(self.unkept) if p not in skip]
+        todo = [Copy(p, frozenset(wanted[p])) for p in sorted(self.unkept) if p not in skip]
         # a copy whose documents the buffers hold less than half of is written again, smaller
-        todo += [(p, frozenset(wanted[p])) for p, rows in self.kept.items()
+        todo += [Copy(p, frozenset(wanted[p])) for p, rows in self.kept.items()
                  if p in wanted and p not in self.unkept and 2 * len(wanted[p]) <= len(rows)]
         drop = [p for p in self.kept if p not in wanted]
-        return todo, drop
+        return CopyPlan(todo, drop)
 
     def path(self, p: int) -> str:
         return os.path.join(self.directory, self.names[p] + KEPT_SUFFIX)

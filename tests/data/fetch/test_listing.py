@@ -13,7 +13,7 @@ import pytest
 
 from conftest import write_shard
 from nanochat.data.base.datasets import get_data_dir
-from nanochat.data.fetch.download import Limits
+from nanochat.data.fetch.limits import Limits
 from nanochat.data.fetch.listing import (check_own, listing_source, listing_url, parse_listing,
                                          read_listing)
 

@@ -16,17 +16,17 @@ import time
 
 import pytest
 
-from conftest import ByteTokenizer, write_shard
+from conftest import ByteTokenizer, REPO_ROOT, write_shard
+from nanochat.data.fetch.limits import Limits
+from nanochat.data.fetch.serve import ShardServer
+from nanochat.data.streaming.cache_status import (CacheStatus, describe, KeptCopy, LiveLoader,
+                                                  read_status, ShardFile, ShardNeed)
+from nanochat.data.streaming.ledger import (EVICTED, FETCHED, Ledger, Loader, ShardRow, STREAM_DIR,
+                                            Table)
 from nanochat.dataloader import tokenizing_distributed_data_loader_with_state_bos_bestfit
 from nanochat.data.base.datasets import index_to_filename
-from nanochat.data.fetch.limits import Limits
-from nanochat.data.streaming.ledger import (EVICTED, FETCHED, STREAM_DIR, Ledger, Loader, ShardRow,
-                                            Table)
-from nanochat.data.streaming.cache_status import (CacheStatus, KeptCopy, LiveLoader, ShardFile,
-                                                  ShardNeed, describe, read_status)
-from nanochat.data.fetch.serve import ShardServer
 
-from conftest import REPO_ROOT
+
 HOST = socket.gethostname()
 S = [index_to_filename(i) for i in range(6)]  # shard_00000.parquet, ...
 NEEDS = {S[1]: "reading", S[2]: "ahead", S[0]: "buffered"}  # the first loader's of the small cache
@@ -206,24 +206,6 @@ def test_a_loader_that_does_not_stream_has_no_cache_status(tmp_path):
         ByteTokenizer(), 2, 8, "train", device="cpu", data_dir=str(tmp_path))
     assert loader.cache_status() is None
     loader.close()
-
-
-def test_a_ledger_of_the_wrong_shape_is_read_as_empty_or_without_its_bad_rows(tmp_path, caplog):
-    (tmp_path / STREAM_DIR).mkdir()
-    path = tmp_path / STREAM_DIR / "ledger.json"
-    ledger = Ledger(str(tmp_path))
-    for text in ("[1, 2, 3]", "{not json"):
-        path.write_text(text)
-        assert ledger.read() == Table()
-    live = Loader(HOST, os.getpid(), None, {})
-    path.write_text(json.dumps({
-        "loaders": {"a": {"host": HOST}, "b": vars(live)},
-        "shards": {S[0]: {"state": "lost"}, S[1]: {"state": "fetched", "evictions": 0}},
-        "kept": {"a": [1]}, "evicting": "yes"}))
-    assert ledger.read() == Table(loaders={"b": live}, shards={S[1]: ShardRow(FETCHED)})
-    # (a shard's and a copy's rows are on disk: rebuilt from there; here there are none)
-    assert (f"{path}: dropped parts or rows of the wrong shape: ['evicting', 'a', "
-            "'shard_00000.parquet', 'a']; rebuilt from what is on disk: ") in caplog.text
 
 
 def test_the_ledger_is_one_json_table(small_cache):

@@ -28,11 +28,13 @@ import pyarrow.parquet as pq
 import pytest
 
 from conftest import ByteTokenizer, least_accepted, outcome, worker_env, write_shard
-from nanochat.data.streaming import cache as shard_cache
+from nanochat.data.streaming import eviction
+from nanochat.data.streaming import fetcher
 from nanochat.dataloader import tokenizing_distributed_data_loader_with_state_bos_bestfit
 from nanochat.data.base.datasets import get_dataset, index_to_filename
 from nanochat.data.fetch.limits import Limits
-from nanochat.data.streaming.catalog import copies_estimate, read_catalog
+from nanochat.data.streaming.budget import copies_estimate, size_up
+from nanochat.data.streaming.catalog import read_catalog
 from nanochat.resume import merge_states
 from nanochat.data.base.state import decode_keys
 from nanochat.data.fetch import serve as shard_server
@@ -581,7 +583,7 @@ def test_a_full_disk_is_an_enospc_error_naming_the_directory(tmp_path, monkeypat
     try:
         got = take(loader, 1)
         # the disk fills up while shard 0 is read: 1 KB left (a shard is ~7 KB)
-        monkeypatch.setattr(shard_cache.shutil, "disk_usage",
+        monkeypatch.setattr(eviction.shutil, "disk_usage",
                             lambda path: SimpleNamespace(free=1000))
         more, error = batches_until_error(loader, 36)
     finally:
@@ -614,7 +616,7 @@ def test_a_budget_below_what_must_be_held_is_refused_at_the_call(tmp_path):
         server.close()
     lines = str(raised.value).split("\n")
     assert lines[0] == (f"cache_limit={small:,} bytes is below what this streaming loader must "
-                        f"hold at once, {least:,} bytes ({shard_cache.size_up(least)}):"), lines
+                        f"hold at once, {least:,} bytes ({size_up(least)}):"), lines
     # the terms: the 3 shards whole (a split of 3 has no more), the val shard, the copies
     assert lines[1] == ("  shards read, packed from and fetched ahead: the 3 largest whole: the "
                         "one read, the one packed from, prefetch_shards=2 ahead and one for a "
@@ -748,7 +750,7 @@ def test_a_local_rank_starting_as_another_download_completes_is_accepted(tmp_pat
     expected = on_disk(hosted, 6, rank=1, world_size=2)
     limit = least_limit(hosted, names)
     paused, resume = threading.Event(), threading.Event()
-    check = shard_cache.read_catalog
+    check = fetcher.read_catalog
 
     # a fetching thread's catalog check of the shard it just downloaded waits
     def held_check(*args, **kwargs):
@@ -757,7 +759,7 @@ def test_a_local_rank_starting_as_another_download_completes_is_accepted(tmp_pat
             resume.wait(10)
         return check(*args, **kwargs)
 
-    monkeypatch.setattr(shard_cache, "read_catalog", held_check)
+    monkeypatch.setattr(fetcher, "read_catalog", held_check)
     server = ShardServer(str(hosted))
     rank0 = streaming(cache, server.url, len(names), prefetch_shards=2, cache_limit=limit,
                       rank=0, world_size=2)

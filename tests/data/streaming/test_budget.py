@@ -1,12 +1,16 @@
 """
-The least cache_limit of a streaming loader (nanochat/data/streaming/cache.py's start check,
-docs/streaming.md "The least cache_limit"): the refusal states it in bytes, exactly, one line per
-term, and it is what the check compares against (one byte less is refused, it is accepted). It says
-the least once, ends on the one number to pass, and advises another data_dir only where the cache
-holds something that counts against the limit. Small shards: the shards between the one packed
-from and the one read are counted by the documents read ahead, and the least is never more than
-all the data; a run at exactly the least gives the on-disk loader's batches. Shards are served by a
-real HTTP server on 127.0.0.1.
+The cache budget (nanochat/data/streaming/budget.py). Pure, first: exact decisions on small splits
+(the least cache_limit and its terms, whether a loader copies its buffered documents, the refusal's
+lines, a resume's term; what no eviction may take, the order shards go in and how many), and
+hypothesis properties of them (the least is never more than all the data unless the machine's
+loaders evict, what goes is the shortest prefix that fits). Then through a loader (the start check,
+docs/streaming.md "The least cache_limit"): the refusal states the least in bytes, exactly, one line
+per term, and it is what the check compares against (one byte less is refused, it is accepted); it
+says the least once, ends on the one number to pass, and advises another data_dir only where the
+cache holds something that counts against the limit. Small shards: the shards between the one
+packed from and the one read are counted by the documents read ahead, and the least is never more
+than all the data; a run at exactly the least gives the on-disk loader's batches. Shards are
+served by a real HTTP server on 127.0.0.1.
 """
 
 import math
@@ -15,15 +19,19 @@ import random
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from conftest import ByteTokenizer, least_accepted, write_shard
-from nanochat.data.streaming.catalog import ReadAhead, copies_estimate, read_ahead_span
+from nanochat.data.fetch.limits import Limits
+from nanochat.data.fetch.serve import ShardServer
+from nanochat.data.streaming.budget import (Budget, Disk, ReadAhead, Term, copies_estimate,
+                                            eviction_order, evictions, needed, read_ahead_span,
+                                            refusal, size_up, start_check)
+from nanochat.data.streaming.ledger import STREAM_DIR
 from nanochat.dataloader import tokenizing_distributed_data_loader_with_state_bos_bestfit as bestfit
 from nanochat.data.base.datasets import index_to_filename
-from nanochat.data.fetch.limits import Limits
-from nanochat.data.streaming.ledger import STREAM_DIR
-from nanochat.data.fetch.serve import ShardServer
-from nanochat.data.streaming.cache import size_up
+
 
 VAL = index_to_filename(6542)  # the default dataset's val shard
 FAST = Limits(max_attempts=2, backoff_base=0.01, timeout=5, deadline=30)
@@ -33,6 +41,151 @@ DOCS = [200, 200, 20, 200, 200]
 # shard 2 holds, fewer than the others; prefetch_shards=0
 SMALL = dict(B=4, T=64, tokenizer_batch_size=8, prefetch=1, buffer_size=16, prefetch_shards=0)
 READ_AHEAD = (5 * 1 + 3) * 8
+
+
+# -----------------------------------------------------------------------------
+# Pure: sizes in, decisions out
+
+# 5 shards of 100..500 bytes; the val shard, 50 bytes, not on disk yet; 2 local ranks
+SPLIT = Budget(limit=1429, names=[f"s{i}" for i in range(5)], sizes=[100, 200, 300, 400, 500],
+               keep={"val": 50}, prefetch_shards=0, packing=ReadAhead(10, 4, 5.0),
+               copies_each=30, local_ranks=2)
+# shard s0 fetched by a streaming loader; "mine", 70 bytes, the user's; 20 bytes of copies kept
+DISK = Disk("D", "D/.stream/ledger.json", {"s0": 100, "mine": 70}, {"s0"}, 20, False)
+
+
+def test_the_least_is_the_sum_of_its_terms_each_exact():
+    verdict = start_check(SPLIT, DISK)
+    # the walk: the one read, the one packed from and one for a rank out of step, the 3 largest
+    # (500 + 400 + 300); the 2 between those two by their documents, 10 x 5.0 bytes (< 200 + 100)
+    assert [term.nbytes for term in verdict.terms] == [1200, 50, 50, 60, 70]
+    assert [term.what for term in verdict.terms] == [
+        "shards read, packed from and fetched ahead", "shards read between those two",
+        "the val shard", "copies of buffered documents", "shards it may not evict"]
+    assert verdict.terms[4] == Term("shards it may not evict", "1 in D: 1 that the ledger "
+                                    "D/.stream/ledger.json does not list as fetched by a "
+                                    "streaming loader", 70)
+    assert verdict.least == 1430
+    assert verdict.everything == 1500 + 50 + 70 + 20  # the split, val, the user's, the copies
+    # below all of it: shards will be evicted, so buffered documents are copied
+    assert (verdict.copying, verdict.copies, verdict.own, verdict.restoring) == (
+        True, 30, ["mine"], False)
+
+
+def test_the_refusal_names_each_term_and_ends_on_the_least():
+    verdict = start_check(SPLIT, DISK)
+    lines = refusal(SPLIT, DISK, verdict).split("\n")
+    assert lines[0] == ("cache_limit=1,429 bytes is below what this streaming loader must hold "
+                        "at once, 1,430 bytes (1.43 KB):")
+    assert lines[1] == ("  shards read, packed from and fetched ahead: the 3 largest whole: the "
+                        "one read, the one packed from, prefetch_shards=0 ahead and one for a "
+                        "local rank out of step (at most the split's 5): 1,200 bytes")
+    assert lines[2] == ("  shards read between those two: 10 documents read ahead at most, at the "
+                        "split's most 5.0 bytes of a shard per document a rank reads: 50 bytes")
+    assert lines[6] == ("To need less: lower prefetch_shards, prefetch, tokenizer_batch_size or "
+                        "buffer_size; or use another data_dir: in D, 1 shard(s) no streaming "
+                        "loader fetched count against the limit.")
+    assert lines[7:] == ["pass cache_limit=1430 or more"]
+
+
+def test_a_limit_that_holds_everything_copies_nothing_unless_the_machine_evicts():
+    fits = start_check(SPLIT._replace(limit=1640), DISK)
+    assert (fits.least, fits.copying, fits.copies) == (1430, False, 0)
+    # the machine's loaders evict already: every loader copies, and the least is the terms' sum
+    # even when all the data is less
+    small = DISK._replace(on_disk={}, evicting=True)
+    evicting = start_check(SPLIT._replace(limit=10**6, copies_each=10**4), small)
+    assert evicting.copying and evicting.copies == 1500  # (at most the split's bytes)
+    assert evicting.least == 1200 + 50 + 50 + 1500 * 2 > evicting.everything == 1570
+    assert start_check(SPLIT._replace(limit=None), DISK) == (0, [], 0, False, 0, [], False)
+
+
+def test_a_resume_term_replaces_the_walks_when_it_is_more():
+    # shards 3 and 4 (400 + 500) and 500 for a local rank out of step: more than the walk's 1,250
+    verdict = start_check(SPLIT, DISK, [3, 4])
+    assert verdict.terms[0].what == "shards a resume reads first"
+    assert [term.nbytes for term in verdict.terms] == [1400, 50, 60, 70]
+    assert verdict.restoring and verdict.least == 1580
+    assert not refusal(SPLIT, DISK, verdict).count("lower prefetch_shards")  # the state decides
+    # shard 4 alone, 500 + 500, is within the walk: no term of its own
+    assert [term.nbytes for term in start_check(SPLIT, DISK, [4]).terms] == [1200, 50, 50, 60, 70]
+
+
+class Row:
+    """A ledger row as the eviction decisions read it."""
+
+    def __init__(self, needs=None, later=()):
+        self.needs, self.later = needs or {}, later
+
+
+def test_what_no_eviction_may_take():
+    loaders = {"other": Row({"x": "reading", "y": "buffered"}),
+               "me": Row({"z": "buffered", "w": "ahead"})}
+    assert needed(loaders, {"val": 50}, "me") == {"val", "x", "y", "z", "w"}
+    # our own buffered shard whose copy is being written may go; another loader's may not
+    assert needed(loaders, {"val": 50}, "me", release="z") == {"val", "x", "y", "w"}
+    assert needed(loaders, {"val": 50}, "me", release="y") == {"val", "x", "y", "z", "w"}
+
+
+def test_the_order_shards_go_in():
+    mtimes = {"a": 4.0, "b": 3.0, "c": 1.0, "d": 2.0}
+    # none read soon: `release` first, then the oldest
+    assert eviction_order(list("abcd"), {}, "d", mtimes) == ["d", "c", "b", "a"]
+    assert eviction_order(list("abcd"), {}, None, mtimes) == ["c", "d", "b", "a"]
+    # a and c read soon (c next, a one shard on at the soonest): after the others, the one read
+    # latest first
+    loaders = {"1": Row(later=("c", "x", "a")), "2": Row(later=("y", "a"))}
+    assert eviction_order(list("abcd"), loaders, None, mtimes) == ["d", "b", "a", "c"]
+
+
+def test_how_many_go():
+    sizes = {"a": 300, "b": 200, "c": 500}
+    assert evictions(1000, 600, list("abc"), sizes) == ["a", "b"]  # 700, then 500: fits
+    assert evictions(600, 600, list("abc"), sizes) == []
+    assert evictions(2000, 600, list("abc"), sizes) == ["a", "b", "c"]  # not enough: all
+
+
+sizes_st = st.lists(st.integers(1, 10**6), min_size=1, max_size=8)
+
+
+@settings(max_examples=200, deadline=None)
+@given(sizes=sizes_st, limit=st.integers(0, 10**7), prefetch_shards=st.integers(0, 4),
+       shards=st.integers(1, 6), docs=st.integers(0, 1000), doc_bytes=st.floats(0, 1e4),
+       copies=st.integers(0, 10**6), ranks=st.integers(1, 4), kept=st.integers(0, 10**5),
+       evicting=st.booleans(), restore=st.lists(st.integers(0, 7), max_size=4))
+def test_the_least_is_never_more_than_all_the_data_unless_the_machine_evicts(
+        sizes, limit, prefetch_shards, shards, docs, doc_bytes, copies, ranks, kept, evicting,
+        restore):
+    names = [f"s{i}" for i in range(len(sizes))]
+    budget = Budget(limit, names, sizes, {"val": 7}, prefetch_shards,
+                    ReadAhead(docs, shards, doc_bytes), copies, ranks)
+    disk = Disk("D", "L", {}, set(), kept, evicting)
+    verdict = start_check(budget, disk, sorted({p % len(sizes) for p in restore}))
+    total = sum(term.nbytes for term in verdict.terms)
+    assert verdict.least == (total if evicting else min(total, verdict.everything))
+    assert verdict.everything == sum(sizes) + 7 + kept
+    assert verdict.copying == (limit < verdict.everything or evicting)
+    assert verdict.copies == (min(copies, sum(sizes)) if verdict.copying else 0)
+    assert all(term.nbytes >= 0 for term in verdict.terms)
+    # the walk's whole shards: never more than the split has
+    assert verdict.terms[0].nbytes <= sum(sizes) + max(sizes) * (ranks > 1)
+    # the limit decides nothing but whether it suffices
+    again = start_check(budget._replace(limit=limit + 1), disk, sorted({p % len(sizes)
+                                                                        for p in restore}))
+    assert (again.least, again.terms) == (verdict.least, verdict.terms)
+
+
+@settings(max_examples=300, deadline=None)
+@given(sizes=sizes_st, used=st.integers(0, 10**7), limit=st.integers(0, 10**7))
+def test_what_goes_is_the_shortest_prefix_that_fits(sizes, used, limit):
+    order = [f"s{i}" for i in range(len(sizes))]
+    size_of = dict(zip(order, sizes))
+    gone = evictions(used, limit, order, size_of)
+    assert gone == order[:len(gone)]
+    left = used - sum(size_of[n] for n in gone)
+    assert left <= limit or gone == order  # it fits, or nothing more can go
+    if gone:  # one fewer would not have fit
+        assert left + size_of[gone[-1]] > limit
 
 
 @pytest.fixture
