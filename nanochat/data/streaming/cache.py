@@ -525,11 +525,11 @@ class ShardCache:
                 continue  # (left to that rank's own checks of its state)
             starting.update(self._to_fetch(keys), order.plan_files(self.read_ahead, units))
         if starting:  # (with the file the walk goes on in: it is read at once too)
-            self._check_budget(sorted(starting | {order.start[1]}))
+            self._check_budget(sorted(starting | {order.cursor[1]}))
         with self._cond:
             self._first = first
             self.keeper.restoring = bool(buffered)
-            self._order = iter(order.file_order())
+            self._order = iter(order.file_visits())
             self._fill(1)
             if self._visits:
                 self._at = 0
