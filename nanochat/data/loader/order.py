@@ -393,10 +393,10 @@ class ParquetReader:
         return len(unit)
 
     @staticmethod
-    def take(unit, start: int, stop: int) -> list[str]:
+    def take(unit, first: int, stop: int) -> list[str]:
         # a slice at a time: making Python strings holds the GIL (~5 ms per 1,024 FineWeb
         # documents), and the tokenizer threads run in between (see read_row_group_column)
-        return unit.slice(start, stop - start).to_pylist()
+        return unit.slice(first, stop - first).to_pylist()
 
     @staticmethod
     def pick(unit, rows) -> list[str]:

@@ -229,8 +229,8 @@ class TokenShardReader:
         return unit.stop - unit.start
 
     @classmethod
-    def take(cls, unit: Chunk, start: int, stop: int) -> list:
-        return cls.pick(unit, range(start, stop))
+    def take(cls, unit: Chunk, first: int, stop: int) -> list:
+        return cls.pick(unit, range(first, stop))
 
     @staticmethod
     def pick(unit: Chunk, rows) -> list:
