@@ -114,15 +114,6 @@ class RankOrder:
         self._units.clear()  # the regular walk reads each unit once and keeps none
         yield from self._shuffled() if self.shuffle else self._regular()
 
-    def _no_documents(self) -> ValueError:
-        # nanochat's loader loops here forever; a rank with nothing to read is a configuration error
-        unit = self.reader.unit_name
-        return ValueError(
-            f"rank {self.rank} of world size {self.world_size} receives no documents: the split's "
-            f"{len(self.paths)} file(s) have too few (non-empty) {unit}s for this many ranks (they "
-            f"are dealt out rank, rank+{self.world_size}, ...); use fewer ranks or shards with "
-            f"more, smaller {unit}s")
-
     def _regular(self):
         size, rank, world_size = self.batch_size, self.rank, self.world_size
         epoch, pq_idx, rg_idx, row = self.cursor
@@ -185,6 +176,15 @@ class RankOrder:
             if full_pass and docs_this_pass == 0 and self.epochs is None:
                 raise self._no_documents()
             epoch, window, row = epoch + 1, 0, 0
+
+    def _no_documents(self) -> ValueError:
+        # nanochat's loader loops here forever; a rank with nothing to read is a configuration error
+        unit = self.reader.unit_name
+        return ValueError(
+            f"rank {self.rank} of world size {self.world_size} receives no documents: the split's "
+            f"{len(self.paths)} file(s) have too few (non-empty) {unit}s for this many ranks (they "
+            f"are dealt out rank, rank+{self.world_size}, ...); use fewer ranks or shards with "
+            f"more, smaller {unit}s")
 
     def _pick_scattered(self, read: list, which: np.ndarray, rows: np.ndarray) -> list:
         """The items at (read[which[k]], rows[k]) for every k, in order, one pick per unit."""
