@@ -87,8 +87,8 @@ class RankOrder:
         # what a state taken before the first batch says the walk goes on from
         self.first_position = PlanPlace(0, 0, None) if self.plan else self.cursor
         self._units: OrderedDict = OrderedDict()  # the last units a plan read
-        # shuffled: the last windows' tables, by (epoch, window); the reading
-        # thread and the packing thread (which names documents by place: place()) both use them
+        # shuffled: the last windows' tables, by (epoch, window); the reading thread and the
+        # packing thread (which names documents by place: place()) both use them
         self._windows: OrderedDict = OrderedDict()
         self._windows_lock = threading.Lock()
 
