@@ -12,7 +12,7 @@ nanochat.data.loader.rows, nanochat.data.base.packing, nanochat.data.base.state,
 nanochat.data.loader.prefetch, nanochat.data.loader.options, nanochat.data.base.checks,
 nanochat.data.base.shuffle, nanochat.data.streaming.cache, nanochat.data.streaming.catalog,
 nanochat.data.loader.parquet_files, nanochat.data.fetch.limits, nanochat.data.streaming.budget,
-nanochat.data.loader.figures.
+nanochat.data.loader.figures, nanochat.data.base.state_checks.
 """
 
 import contextlib
@@ -34,15 +34,17 @@ from nanochat.data.fetch.limits import Limits
 from nanochat.data.loader.figures import LoaderFigures, Mark, start_counters, stretch
 from nanochat.data.loader.options import (check_options, check_shuffle, check_stream, resolve_rank,
                               resolve_workers)
-from nanochat.data.loader.order import ParquetReader, Position, RankOrder, check_resume, start_order
+from nanochat.data.loader.order import ParquetReader, RankOrder, start_order
 from nanochat.data.base.packing import check_long_doc_policy
 from nanochat.data.loader.prefetch import (Job, WorkerBatches, WorkerUnavailable, maybe_prefetch,
                                            noting_logs)
-from nanochat.data.loader.rows import (Encoder, EntryDocuments, RowBatch, StateRecorder,
-                                       bestfit_batches, concat_batches, token_batches)
+from nanochat.data.loader.rows import (Encoder, EntryDocuments, RowBatch, bestfit_batches,
+                                       concat_batches, token_batches)
 from nanochat.data.streaming.cache import ShardCache, local_peers, peer_starts
 from nanochat.data.base.shuffle import Shuffle
-from nanochat.data.base.state import decode_keys, loader_config, tokenizer_fingerprint
+from nanochat.data.base.state import (Position, StateRecorder, decode_keys, loader_config,
+                                      tokenizer_fingerprint)
+from nanochat.data.base.state_checks import check_resume
 from nanochat.data.pretokenized.token_reader import TokenShardReader, shard_paths, shard_vocab
 
 logger = logging.getLogger(__name__)
@@ -86,16 +88,17 @@ class Assembled(NamedTuple):
 def assemble(spec: LoaderSpec, resume_state_dict: dict | None) -> Assembled:
     """Start the walk from the state (fresh when None) and the recorder of its states; a streaming
     loader starts fetching what the walk reads first, the resumed buffer's shards first."""
-    order, start, position = start_order(
+    order, resumed, position = start_order(
         spec.reader, spec.rank, spec.world_size, spec.batch_size, resume_state_dict, spec.config,
         allow_state_mismatch=spec.allow_state_mismatch, epochs=spec.epochs, where=spec.where,
         shuffle=spec.shuffle)
     watch = None
     if spec.cache is not None:
         peers = peer_starts(resume_state_dict, spec.rank, spec.world_size)
-        spec.cache.start(order, buffered=decode_keys(start["buffer"]) if start else (), peers=peers)
+        buffered = decode_keys(resumed["buffer"]) if resumed else ()
+        spec.cache.start(order, buffered=buffered, peers=peers)
         watch = spec.cache.hold  # keeps on disk what a resume from a yielded state reads
-    recorder = StateRecorder(spec.kind, order, spec.encoder, spec.config, start, watch)
+    recorder = StateRecorder(spec.kind, order, spec.encoder, spec.config, resumed, watch)
     return Assembled(order, recorder, position)
 
 

@@ -35,7 +35,8 @@ from nanochat.data.loader.figures import start_counters, sum_counters
 from nanochat.data.mixtures.mixture_state import add_mixture_checksum, mixture_start
 from nanochat.data.loader.options import check_options, check_shuffle, resolve_rank
 from nanochat.data.base.packing import BestFitPacker, check_long_doc_policy
-from nanochat.data.loader.rows import DocumentFeed, EntryDocuments, RowBatch, Stop, token_batches
+from nanochat.data.loader.rows import (DocumentFeed, EntryDocuments, RowBatch, Stop, restore_buffer,
+                                       token_batches)
 from nanochat.data.base.state import (EMPTY_HASH, VERSION, files_fingerprint, hash_tokens,
                                       loader_config)
 from nanochat.data.pretokenized.token_reader import TokenShardReader, shard_vocab
@@ -102,7 +103,7 @@ class _Bucket:
         self.batches = _Lookahead(token_batches(order.document_batches(), recorder.encoder))
         self.feed = DocumentFeed(self.batches, order, parts.position)
         self.trace = trace
-        recorder.restore(packer)
+        restore_buffer(recorder, packer)
 
     def _refill(self):
         return self.feed() if self.batches.more() else ()  # nothing: the bucket is drained
@@ -195,7 +196,7 @@ class _Mixture:
             "phase_tokens_done": self.phase_tokens_done, "tokens_done": self.tokens_done,
             "position": self.position, "generation": self.generation,
             "dropped": sorted(self.dropped),
-            "buckets": {name: b.recorder.state(b.packer, b.feed, np.empty(0, np.uint32))
+            "buckets": {name: b.recorder.state(b.packer, b.feed.progress(), np.empty(0, np.uint32))
                         for name, b in self.buckets.items()},
             "config": self.config,
             "emitted": {"batches": self.batches, "tokens": self.emitted_tokens, "hash": self.hash},

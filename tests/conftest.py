@@ -26,7 +26,8 @@ from nanochat.data.base import datasets
 from nanochat.data.base.datasets import get_data_dir, index_to_filename
 from nanochat.data.fetch import stores
 from nanochat.data.streaming.ledger import STREAM_DIR
-from nanochat.data.loader.order import UnitIndex
+from nanochat.data.loader.order import parquet_index
+from nanochat.data.pretokenized.token_reader import chunk_index
 from nanochat.data.base.state import WindowKey, decode_keys
 from nanochat.data.base.state_checks import config_shuffle
 from nanochat.dataset import download_single_file, main
@@ -286,7 +287,8 @@ def dataset_shards(name: str, indices) -> str:
 def buffered_places(state, paths, chunk_size=None) -> list[tuple]:
     """Where a state's buffered documents are: (epoch, pq_idx, rg_idx, row). A shuffled walk names
     those of its windows by position, (epoch, window, i): the i-th entry of that window's order."""
-    config, index = state["config"], UnitIndex(paths, chunk_size)
+    config = state["config"]
+    index = parquet_index(paths) if chunk_size is None else chunk_index(paths, chunk_size)
     shuffle = config_shuffle(config)
     places = []
     for key in decode_keys(state["buffer"]):

@@ -255,13 +255,7 @@ def test_each_folder_says_what_it_does_and_names_only_lower_floors(folder):
 
 
 # the one arrow back up: pretokenized/token_reader.py walks by loader/order.py's UnitIndex
-UP = pytest.mark.xfail(strict=True, reason="token_reader imports loader.order's UnitIndex: the "
-                       "reader goes to loader/, or the index to a lower floor")
-
-
-@pytest.mark.parametrize("module", [pytest.param(module, marks=UP)
-                                    if module == "data.pretokenized.token_reader" else module
-                                    for module in DATA_MODULES])
+@pytest.mark.parametrize("module", DATA_MODULES)
 def test_each_module_keeps_to_its_folders_rule(module):
     """A module of nanochat/data/<folder> imports, and its own "May import" line names, only its
     folder, the folders its __init__.py names, and nanochat.common (the top of nanochat/ has a test

@@ -45,7 +45,7 @@ from nanochat.mixture import MixtureStop
 from nanochat.mixture import pretokenized_mixture_loader_with_state_bos_bestfit as MIX
 from nanochat.data.pretokenized.token_shards import write_token_shard
 from nanochat.data.mixtures.mixture_state import add_mixture_checksum
-from nanochat.data.loader.order import UnitIndex
+from nanochat.data.loader.order import parquet_index
 from nanochat.resume import merge_states
 from nanochat.data.base.state import decode_keys, decode_plan, add_checksum
 
@@ -772,7 +772,7 @@ def concat_entries(state, q: int, world_size: int, paths, texts, epochs: int) ->
     num_rows = Counter(key[:2] for key in texts)  # (pq_idx, rg_idx) -> rows
     entries = []
     if state is not None:
-        for e, p, g, rows, starts in decode_plan(state["plan"], UnitIndex(paths)):
+        for e, p, g, rows, starts in decode_plan(state["plan"], parquet_index(paths)):
             rows = range(num_rows[p, g]) if rows is None else rows
             entries += [((e, p, g, r), start)
                         for r, start in zip(rows, starts or [None] * len(rows))]

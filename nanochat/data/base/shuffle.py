@@ -14,6 +14,7 @@ May import: numpy.
 """
 
 import hashlib
+from typing import NamedTuple
 
 import numpy as np
 
@@ -65,6 +66,13 @@ def permutation(n: int, keys: np.ndarray) -> np.ndarray:
     return permute(np.arange(n), n, keys) if n else np.zeros(0, dtype=np.int64)
 
 
+class WindowTable(NamedTuple):
+    """One window of a rank's shuffled share of an epoch: what Shuffle.window_table returns."""
+    places: list  # (pq_idx, rg_idx) of each of its units
+    bounds: np.ndarray  # where each unit's entries start in the window, and the total at the end
+    permutation: np.ndarray  # the window's entries, in the order they are read
+
+
 class Shuffle:
     """The order a shuffled walk reads in: seed, and window (units whose entries are mixed
     together)."""
@@ -92,26 +100,26 @@ class Shuffle:
         return permutation(n, round_keys(self.seed, self.name, "entries", epoch, world_size, rank,
                                          window))
 
-    def window_table(self, index, epoch: int, rank: int, world_size: int, window: int):
-        """One window of rank's share of an epoch: (places [(pq_idx, rg_idx)] of its units, bounds
-        (where each unit's entries start in the window, and the total at the end), order (the
-        window's permutation)). index: the split's units (total, locate, rows)."""
+    def window_table(self, index, epoch: int, rank: int, world_size: int,
+                     window: int) -> WindowTable:
+        """One window of rank's share of an epoch. index: the split's units (total, locate,
+        docs)."""
         first = window * self.window
         units = self.units(epoch, index.total, rank, world_size)[first:first + self.window]
         places = [index.locate(int(g)) for g in units]
-        bounds = np.cumsum([0] + [index.rows(*place) for place in places])
-        return places, bounds, self.entries(epoch, rank, world_size, window, int(bounds[-1]))
+        bounds = np.cumsum([0] + [index.docs(*place) for place in places])
+        return WindowTable(places, bounds,
+                           self.entries(epoch, rank, world_size, window, int(bounds[-1])))
 
     @staticmethod
-    def entry(table, i: int) -> tuple[int, int, int]:
-        """(pq_idx, rg_idx, row) of the i-th entry of a window's order; table: what window_table()
-        returns."""
-        places, bounds, order = table
+    def entry(table: WindowTable, i: int) -> tuple[int, int, int]:
+        """(pq_idx, rg_idx, row) of the i-th entry of a window's permutation."""
+        places, bounds, permutation = table
         # the unit whose [start, next start) holds the entry: a binary search, not a table per entry
-        u = int(np.searchsorted(bounds, order[i], side="right")) - 1
-        return (*places[u], int(order[i] - bounds[u]))
+        u = int(np.searchsorted(bounds, permutation[i], side="right")) - 1
+        return (*places[u], int(permutation[i] - bounds[u]))
 
-    def plan_order(self, epoch: int, units: np.ndarray, total: int) -> np.ndarray:
+    def plan_key(self, epoch: int, units: np.ndarray, total: int) -> np.ndarray:
         """A sort key for whole units dealt by an elastic merge: their order never depends on which
         others remain, so a plan saved half-read and resumed continues in the same order."""
         return permute(units, total, round_keys(self.seed, self.name, "plan", epoch))

@@ -1,9 +1,10 @@
 """
-The loader state's format: its records, compact encodings, fingerprints and checksum.
-The records name a document (DocKey, WindowKey, PieceKey) or a plan's work (PlanUnit). A state is
-plain data that names documents by where they were read, never by their tokens, so it stays a few KB
-at buffer_size=1000. nanochat/data/base/state_checks.py checks a state;
-nanochat/data/loader/elastic.py merges the states of N ranks for M. Format: docs/resume.md.
+The loader state's format, and how it is built after each batch. StateRecorder builds it. The
+records name a document (DocKey, WindowKey, PieceKey), a plan's work (PlanUnit) or a place in the
+walk (Position, Cursor, WindowCursor); UnitIndex counts the units; then the state's compact
+encodings, its fingerprints and its checksum. A state names documents by where they were read, never
+by their tokens: a few KB at buffer_size=1000. nanochat/data/base/state_checks.py checks and resumes
+a state; nanochat/data/loader/elastic.py merges the states of N ranks for M. Format: docs/resume.md.
 
 Cost per batch: ~0.15 ms to encode a 1,000-document buffer, ~0.15 ms to hash a 32x2049 batch.
 
@@ -11,6 +12,7 @@ May import: the standard library and numpy only.
 """
 
 import base64
+import bisect
 import hashlib
 import itertools
 import json
@@ -55,6 +57,180 @@ class PlanUnit(NamedTuple):
     rg_idx: int
     rows: tuple | None  # the unit's documents to read, in order; None: all of them
     starts: tuple | None  # aligned with rows: None for a whole document, else its piece's start
+
+
+class Position(NamedTuple):
+    """nanochat's state keys: the unit of the last document batch consumed."""
+    pq_idx: int
+    rg_idx: int
+    epoch: int
+
+
+class Cursor(NamedTuple):
+    """Where the regular walk goes on (a state's "next"): the document batch from `row` of a
+    unit."""
+    epoch: int
+    pq_idx: int
+    rg_idx: int
+    row: int
+
+
+class WindowCursor(NamedTuple):
+    """Where a shuffled walk goes on (a state's "next"): the row-th entry of a window's order."""
+    epoch: int
+    window: int
+    row: int
+
+
+class Progress(NamedTuple):
+    """Where a walk stands after the last document batch pulled: what a state records of it."""
+    plan: list  # the PlanUnits of its plan not yet read
+    cursor: Cursor | WindowCursor  # where the regular walk goes on after the plan
+    position: Position  # nanochat's keys of that batch
+
+
+# -----------------------------------------------------------------------------
+# Building the state of each batch
+
+
+class StateRecorder:
+    """Builds the state yielded with each batch, and restores a packer from the resumed one.
+    order: the rank's walk (a RankOrder: index, its units; where, what messages call the resumed
+    state) and encoder, kept for the packing stage, which reads the resumed buffer with them
+    (nanochat/data/loader/rows.py); resumed: a version-2 state that continues this walk, or None;
+    watch: called with each state's buffered keys and the file (epoch, pq_idx) the walk goes on in
+    (a streaming loader keeps on disk what a resume from that state reads)."""
+
+    def __init__(self, kind: str, order, encoder, config: dict, resumed: dict | None, watch=None):
+        self.kind, self.config, self.resumed, self.watch = kind, config, resumed, watch
+        self.order, self.encoder = order, encoder
+        self.index, self.where = order.index, order.where
+        emitted = resumed["emitted"] if resumed else {"batches": 0, "tokens": 0, "hash": EMPTY_HASH}
+        self.batches, self.tokens, self.hash = (emitted["batches"], emitted["tokens"],
+                                                emitted["hash"])
+        self._plan_cache: tuple = (None, None)  # (key, the plan's tail encoded): _plan_items
+        self._encode_keys = KeyEncoder()  # the buffer's keys, each numbered once
+
+    def buffered(self) -> tuple[list, list]:
+        """The resumed buffer: its keys in arrival order, and per key the token its piece starts at
+        (None: a whole document). Its size was checked: state_checks.check_fields."""
+        if not self.resumed:
+            return [], []
+        keys = decode_keys(self.resumed["buffer"])
+        return keys, decode_pieces(self.resumed.get("pieces", []), len(keys))
+
+    def restore(self, packer, documents: dict) -> None:
+        """Rebuild the packer's buffer in arrival order and restore its counters. documents:
+        {key: (doc, overlap)}, each buffered document read and tokenized again (once, however many
+        of its pieces are buffered)."""
+        if not self.resumed:
+            return
+        keys, starts = self.buffered()
+        for i, (key, start) in enumerate(zip(keys, starts)):
+            doc, overlap = documents[key]
+            if start is not None and start >= len(doc):
+                raise ValueError(f"{self.where}['pieces'] starts buffered entry {i} at token "
+                                 f"{start}, but its document has {len(doc)}: the state does not "
+                                 "match the data or the tokenizer")
+            packer.add(doc, key, overlap, start)
+        if self.kind == "concat" and keys:
+            offset, first = self.resumed["offset"], len(documents[keys[0]][0]) - (starts[0] or 0)
+            # the first entry's last token is the next batch's first: never consumed
+            if offset >= first:
+                raise ValueError(f"{self.where}['offset'] is {offset}, but the first buffered "
+                                 f"entry has {first} tokens: the state does not match the data or "
+                                 "the tokenizer")
+            packer.skip_consumed(offset)
+        for name, value in self.resumed["counters"].items():  # names checked: check_fields
+            setattr(packer, name, value)
+
+    def state(self, packer, progress: Progress, tokens: np.ndarray) -> dict:
+        """The state after a batch of `tokens`: where the walk goes on, what the packer buffers."""
+        self.batches += 1
+        self.tokens += tokens.size
+        self.hash = hash_tokens(self.hash, tokens)
+        units, cursor = progress.plan, progress.cursor
+        pq_idx, rg_idx, epoch = progress.position
+        counters = {name: getattr(packer, name) for name in packer.COUNTERS}
+        keys = packer.buffered_keys()
+        if self.watch is not None:  # the file the walk goes on in: its plan's first, else `next`
+            # (a Cursor: a streaming walk is never shuffled, options.check_stream)
+            at = (units[0].epoch, units[0].pq_idx) if units else (cursor.epoch, cursor.pq_idx)
+            self.watch(keys, at)
+        return add_checksum({
+            "version": VERSION, "loader": self.kind,
+            "pq_idx": pq_idx, "rg_idx": rg_idx, "epoch": epoch,
+            "plan": self._plan_items(units) if units else [], "next": list(cursor),
+            "buffer": self._encode_keys(keys), "pieces": packer.buffered_pieces(),
+            "offset": packer.offset if self.kind == "concat" else 0,
+            "config": self.config,
+            "emitted": {"batches": self.batches, "tokens": self.tokens, "hash": self.hash},
+            "counters": counters,
+        })
+
+    def _plan_items(self, units: list[PlanUnit]) -> list[dict]:
+        # the encoded tail of a long plan changes only when a unit is finished or begun (a shuffled
+        # plan lists a begun unit first, the others in file order): cache it
+        first = units[0]
+        key = (len(units), (first.epoch, first.pq_idx, first.rg_idx), first.rows is None)
+        if self._plan_cache[0] != key:
+            self._plan_cache = (key, encode_plan(units[1:], self.index))
+        return encode_plan(units[:1], self.index) + self._plan_cache[1]
+
+
+# -----------------------------------------------------------------------------
+# The units a state counts in: a global index over the split's files, read lazily
+
+
+class UnitIndex:
+    """The units a walk deals out, per file: parquet row groups, or chunks of `chunk_size` entries
+    of a pretokenized shard (chunk_size set). Counted lazily by read_sizes(path) (the reader's: a
+    parquet footer, an .idx header) when a file is first asked about; only plans and shuffled walks
+    need them all (their global index). known_sizes: each file's, for the shards a streaming loader
+    has not fetched yet, which have no footer to read."""
+
+    def __init__(self, paths: list[str], read_sizes, chunk_size: int | None = None,
+                 known_sizes: list[list[int]] | None = None):
+        self.paths, self.read_sizes, self.chunk_size = paths, read_sizes, chunk_size
+        # pq_idx -> documents in each of its units
+        self._sizes: dict[int, list[int]] = (dict(enumerate(known_sizes))
+                                             if known_sizes is not None else {})
+        self._bases: list[int] | None = None  # cumulative counts: where each file starts
+
+    def sizes(self, pq_idx: int) -> list[int]:
+        """Documents in each unit of one file, read once."""
+        if pq_idx not in self._sizes:
+            self._sizes[pq_idx] = self.read_sizes(self.paths[pq_idx])
+        return self._sizes[pq_idx]
+
+    def count(self, pq_idx: int) -> int:
+        return len(self.sizes(pq_idx))
+
+    def docs(self, pq_idx: int, rg_idx: int) -> int:
+        """Documents in one unit."""
+        return self.sizes(pq_idx)[rg_idx]
+
+    @property
+    def bases(self) -> list[int]:
+        if self._bases is None:  # reads every file's footer (or index)
+            self._bases = [0]
+            for pq_idx in range(len(self.paths)):
+                self._bases.append(self._bases[-1] + self.count(pq_idx))
+        return self._bases
+
+    @property
+    def total(self) -> int:
+        return self.bases[-1]
+
+    def base(self, pq_idx: int) -> int:
+        return self.bases[pq_idx]
+
+    def locate(self, index: int) -> tuple[int, int]:
+        if not 0 <= index < self.total:
+            raise ValueError("row group index past the end of the split")
+        # bisect_right: past files with no units, which share their base with the next file
+        pq_idx = bisect.bisect_right(self.bases, index) - 1
+        return pq_idx, index - self.bases[pq_idx]
 
 
 # -----------------------------------------------------------------------------

@@ -1,10 +1,12 @@
 """
-Checking a loader state before it is used.
-check_fields checks every field on its own, check_data every place the state names against the data,
-and check_state whether it continues the walk of the loader resuming from it: exactly, approximately
-as nanochat resumes, or refused with what differs. rank_state takes one rank's part of a merge.
-check_keys, check_hex and check_list serve the mixture state too. Every failure is a ValueError that
-names the field.
+Checking a loader state before it is used, and where a walk resumes from it.
+check_resume is the
+entry: it tells a merge, a state of this loader and nanochat's {pq_idx, rg_idx, epoch} apart and
+says where the walk goes on. check_fields checks every field on its own, check_data every place the
+state names against the data, and check_state whether it continues the walk of the loader resuming
+from it: exactly, approximately as nanochat resumes, or refused with what differs. rank_state takes
+one rank's part of a merge. check_keys, check_hex and check_list serve the mixture state too. Every
+failure is a ValueError that names the field.
 
 Cost: run-length rows and bitmaps are measured before they are decoded, so a state cannot make a
 loader allocate more than its buffer and the data's units hold. Format: docs/resume.md.
@@ -19,18 +21,19 @@ import logging
 import os
 import re
 import reprlib
+from typing import NamedTuple
 
 import numpy as np
 
 from nanochat.data.base.checks import check_int, is_int
 from nanochat.data.base.packing import POLICIES, BestFitPacker, ConcatPacker
 from nanochat.data.base.shuffle import Shuffle
-from nanochat.data.base.state import VERSION, checksum_matches
+from nanochat.data.base.state import VERSION, Cursor, Position, WindowCursor, checksum_matches
 
 logger = logging.getLogger(__name__)
 
 # -----------------------------------------------------------------------------
-# Checking a state, field by field
+# The fields of a state
 #
 # A state can come from a checkpoint, a hand edit given a new checksum by add_checksum(), or with
 # allow_state_mismatch=True: nothing in it is trusted until it is checked here.
@@ -49,8 +52,355 @@ OPTIONAL_CONFIG_FIELDS = ("source", "chunk_size", "long_doc_policy", "split_over
 COUNTERS = {"bestfit": BestFitPacker.COUNTERS, "concat": ConcatPacker.COUNTERS}
 # a key at the top of every loader state: ours, a merge of them, a mixture's, nanochat's
 LOADER_KEYS = {*REQUIRED, "merged", "states", "buckets"}
+NANOCHAT_KEYS = ("pq_idx", "rg_idx", "epoch")
 _key_repr = reprlib.Repr()
 _key_repr.maxstring = 80  # a model's keys are dotted paths of ~40 characters: show them whole
+
+
+# -----------------------------------------------------------------------------
+# Where a walk resumes: exactly, approximately as nanochat does, or refused
+
+
+class Resume(NamedTuple):
+    """Where a walk resumes from a checked state: what check_resume returns."""
+    resumed: dict | None  # the version-2 state it continues exactly (None: approximately)
+    where: str  # what messages call that state (a merge's: this rank's part of it)
+    cursor: Cursor | WindowCursor  # where the regular walk goes on
+    position: Position  # nanochat's keys of the last batch consumed before it
+
+
+def check_resume(reader, rank: int, world_size: int, state: dict, config: dict, *,
+                 allow_state_mismatch: bool, where: str = "resume_state_dict",
+                 shuffle: Shuffle | None = None, data: bool = True) -> Resume:
+    """Check a resume state against a loader's config and the places it names against the data's
+    units (reader.index: their footers or indexes; data=False: a version-2 state's places are not
+    checked, which may read every footer). Exactly from a version-2 state; approximately from
+    nanochat's {pq_idx, rg_idx, epoch}, or from another walk's state when allowed, after the saved
+    unit; a shuffled walk only from another rank's state of its own run, after that rank's
+    window."""
+    if not isinstance(state, dict):
+        raise TypeError(f"{where} must be a dict, got {type(state).__name__}")
+    if message := not_a_loader_state(state, where):  # a model's state dict, passed by mistake
+        raise ValueError(message)
+    if "merged" in state:  # elastic resume: every rank gets the merge, and takes its own part
+        state, where = rank_state(state, rank, world_size, where)
+    elif "states" in state:
+        raise ValueError(f"{where} has 'states' but no 'merged': not a whole merge_states result "
+                         "(a truncated state?); pass what merge_states returned")
+    # (`-` binds before `&`: any key of this loader's states but nanochat's three)
+    if "version" not in state and state.keys() & set(REQUIRED) - set(NANOCHAT_KEYS):
+        raise ValueError(f"{where} is missing 'version' but has this loader's other keys "
+                         f"({sorted(state.keys() & set(REQUIRED))}): a truncated state?")
+    if "version" in state and check_state(state, config, reader.index if data else None,
+                                          allow_mismatch=allow_state_mismatch, where=where):
+        cursor = WindowCursor(*state["next"]) if shuffle else Cursor(*state["next"])
+        return Resume(state, where, cursor,
+                      Position(state["pq_idx"], state["rg_idx"], state["epoch"]))
+    if shuffle:
+        return _resume_shuffled(state, config, where)
+    if "version" in state and allow_state_mismatch:  # (another rank's state has said so already)
+        logger.warning("%s is from another walk of the documents; resuming approximately after "
+                       "its file %s, %s %s", where, state.get("pq_idx"), reader.unit_name,
+                       state.get("rg_idx"))
+    # nanochat's form: approximate, after the saved unit
+    pq_idx, rg_idx, epoch = check_nanochat_state(state, reader, where)
+    # as nanochat: this rank's unit in the round of world_size units after the saved one
+    cursor = Cursor(epoch, pq_idx, (rg_idx // world_size + 1) * world_size + rank, 0)
+    return Resume(None, where, cursor, Position(pq_idx, rg_idx, epoch))
+
+
+def _resume_shuffled(state: dict, config: dict, where: str) -> Resume:
+    """A shuffled walk resumes approximately only from another rank's state of its own run
+    (nanochat's base_train), after that rank's window."""
+    other = ["nanochat's form"] if "version" not in state else [
+        f"{k}: state {state['config'].get(k)!r}, loader {config.get(k)!r}"
+        for k in WALK_FIELDS
+        if k not in ("rank", "world_size") and state["config"].get(k) != config.get(k)]
+    if other:
+        raise ValueError(f"{where} is not a state of this shuffled walk "
+                         f"({'; '.join(other)}), and a shuffled loader cannot tell which "
+                         "documents were read under another order or on other data; resume "
+                         "with the data and settings the state was taken with, or start afresh")
+    epoch, window, _ = state["next"]
+    logger.warning("%s is another rank's state: resuming approximately, after its window %d "
+                   "of epoch %d", where, window, epoch)
+    # as nanochat does after the saved unit: from the next window on
+    position = Position(state.get("pq_idx"), state.get("rg_idx"), state.get("epoch"))
+    return Resume(None, where, WindowCursor(epoch, window + 1, 0), position)
+
+
+def check_nanochat_state(state: dict, reader, where: str = "resume_state_dict") -> Position:
+    """Validate a state in nanochat's form {pq_idx, rg_idx[, epoch]}: the unit it names."""
+    missing = {"pq_idx", "rg_idx"} - state.keys()
+    if missing:
+        raise ValueError(f"{where} is missing {sorted(missing)}")
+    # "epoch" is optional: nanochat's concatenating loader's states do not carry it
+    values = {"pq_idx": state["pq_idx"], "rg_idx": state["rg_idx"], "epoch": state.get("epoch", 1)}
+    for key, value in values.items():
+        if not is_int(value):
+            raise ValueError(f"{where}[{key!r}] must be an int, got {value!r}")
+    pq_idx, rg_idx, epoch = values["pq_idx"], values["rg_idx"], values["epoch"]
+    if epoch < 1:
+        raise ValueError(f"{where}['epoch'] must be >= 1 (epochs count from 1), got {epoch}")
+    paths = reader.paths
+    if not 0 <= pq_idx < len(paths):
+        raise ValueError(f"{where}['pq_idx']={pq_idx} points past the data: "
+                         f"the split has {len(paths)} file(s)")
+    num_units = reader.index.count(pq_idx)
+    if not 0 <= rg_idx < num_units:
+        raise ValueError(f"{where}['rg_idx']={rg_idx} points past the data: "
+                         f"{paths[pq_idx]} has {num_units} {reader.unit_name}(s)")
+    return Position(pq_idx, rg_idx, epoch)
+
+
+def rank_state(merged: dict, rank: int, world_size: int,
+               where: str = "resume_state_dict") -> tuple[dict, str]:
+    """This rank's part of merge_states' result (every new rank is given all of it), and what
+    messages call it."""
+    check_keys(merged, where, ("version", "merged", "states"), ())
+    if merged["version"] != VERSION:
+        raise ValueError(f"{where}['version'] is {reprlib.repr(merged['version'])}; this loader "
+                         f"reads version {VERSION}")
+    info, states = merged["merged"], check_list(merged["states"], f"{where}['states']")
+    check_keys(info, f"{where}['merged']", ("from_world_size", "world_size"), ())
+    check_int(f"{where}['merged']['from_world_size']", info["from_world_size"], 1)
+    if info["world_size"] != len(states):
+        raise ValueError(f"{where}['merged']['world_size'] is {reprlib.repr(info['world_size'])}, "
+                         f"but it holds {len(states)} states")
+    if len(states) != world_size:
+        raise ValueError(f"{where}['merged'] is for {len(states)} ranks, but this run has world "
+                         f"size {world_size}; merge for this world size")
+    return check_keys(states[rank], f"{where}['states'][{rank}]", ()), f"{where}['states'][{rank}]"
+
+
+def check_state(state: dict, config: dict, index, *, allow_mismatch: bool,
+                where: str = "resume_state_dict") -> bool:
+    """Validate a version-2 state against this loader's config and data (index: the data's units;
+    None: not against the data, which reads the files' footers). Returns True when the state
+    continues this loader's walk exactly (or, with allow_mismatch, at least the same document
+    walk), False when only nanochat's approximate keys {pq_idx, rg_idx, epoch} can be used
+    (another rank's state, or allow_mismatch and another walk)."""
+    if state.get("version") != VERSION:
+        raise ValueError(f"{where}['version'] is {reprlib.repr(state.get('version'))}; this loader "
+                         f"reads version {VERSION} (and nanochat's {{pq_idx, rg_idx, epoch}} form)")
+    check_keys(state, where, REQUIRED, ("pieces",))
+    if not checksum_matches(state, where) and not allow_mismatch:
+        raise ValueError(f"{where}['checksum'] does not match its contents: the state was edited "
+                         "or corrupted; pass allow_state_mismatch=True to resume from it anyway")
+    check_fields(state, where, config)
+    saved = dict(state["config"])
+    if state["loader"] == "bestfit":  # a config without the policy fields was taken under "crop"
+        saved = {"long_doc_policy": "crop", "split_overlap": 0} | saved
+    fields = dict.fromkeys([*config, *saved])  # a field only one of them has (shuffle) differs too
+    changed = [k for k in fields if saved.get(k) != config.get(k)]
+    differ = [f"{k}: state {saved.get(k)!r}, loader {config.get(k)!r}" for k in changed]
+    if differ and not allow_mismatch and set(changed) <= {"rank", "world_size"}:
+        # nanochat's base_train saves rank 0's state alone and hands it to every rank on resume:
+        # such a rank resumes approximately, after the saved row group, as nanochat's loader does
+        logger.warning("%s is another rank's state (%s): resuming approximately after its "
+                       "file %s, unit %s, as nanochat does; for an exact resume give each rank its "
+                       "own state (merge_states for another world size)", where, "; ".join(differ),
+                       state["pq_idx"], state["rg_idx"])
+        return False
+    if differ and not allow_mismatch:
+        raise ValueError(f"{where} was taken on another configuration (" + "; ".join(differ)
+                         + "); pass allow_state_mismatch=True to resume as well as possible")
+    # only a state of this very walk names places in this data; an approximate resume reads
+    # just pq_idx, rg_idx and epoch
+    exact = all(saved.get(k) == config.get(k) for k in WALK_FIELDS)
+    if exact and index is not None:
+        check_data(state, index, where)
+    return exact
+
+
+# -----------------------------------------------------------------------------
+# Every field on its own
+
+
+def check_fields(state: dict, where: str = "resume_state_dict",
+                 loader_config: dict | None = None) -> None:
+    """Check every field of a version-2 loader state on its own (check_data checks it against the
+    data). loader_config: the config of the loader resuming from it, whose buffer it may fill
+    too."""
+    check_keys(state, where, REQUIRED, ("pieces",))
+    if state["version"] != VERSION:
+        raise ValueError(f"{where}['version'] is {reprlib.repr(state['version'])}; "
+                         f"this loader reads version {VERSION}")
+    loader = state["loader"]
+    if not isinstance(loader, str) or loader not in COUNTERS:  # a list is not hashable: str first
+        raise ValueError(f"{where}['loader'] must be 'bestfit' or 'concat', "
+                         f"got {reprlib.repr(loader)}")
+    check_int(f"{where}['pq_idx']", state["pq_idx"], 0)
+    check_int(f"{where}['rg_idx']", state["rg_idx"], 0)
+    check_int(f"{where}['epoch']", state["epoch"], 1)  # epochs count from 1
+    check_hex(state["checksum"], f"{where}['checksum']")
+    config = _check_config(state["config"], loader, f"{where}['config']")
+    check_emitted(state["emitted"], f"{where}['emitted']")
+    # no counter is required: a missing one starts at 0
+    counters = check_keys(state["counters"], f"{where}['counters']", ())
+    for name, value in counters.items():
+        if name not in COUNTERS[loader]:
+            raise ValueError(f"{where}['counters'] has an unknown counter {reprlib.repr(name)} "
+                             f"(a {loader} loader's are {', '.join(COUNTERS[loader])})")
+        check_int(f"{where}['counters'][{name!r}]", value, 0)
+    shuffled = "shuffle" in config
+    _check_next(state["next"], shuffled, f"{where}['next']")
+    buffered = _check_buffer(state, shuffled, where)
+    # measured from the runs, before a row is decoded: a state cannot make the loader allocate
+    # more than its buffer holds
+    limit = buffer_limit(config, loader)
+    if loader_config is not None and loader_config["loader"] == loader:
+        # a loader resumed (allow_state_mismatch) from a state with a larger buffer drains it:
+        # a loader as large can resume the states it yields meanwhile
+        limit = max(limit, buffer_limit(loader_config, loader))
+    if buffered > limit:
+        raise ValueError(f"{where}['buffer'] holds {buffered} whole documents, more than "
+                         f"the {limit} a {loader} loader with this config keeps (a loader that "
+                         "keeps as many can resume it, with allow_state_mismatch=True)")
+    offset = check_int(f"{where}['offset']", state["offset"], 0)
+    if offset and (loader == "bestfit" or not state["buffer"]):  # only concat consumes part of one
+        raise ValueError(f"{where}['offset'] must be 0 "
+                         + ("for a best-fit state" if loader == "bestfit"
+                            else "when the buffer is empty")
+                         + f", got {offset}")
+    _check_plan(state["plan"], f"{where}['plan']")
+
+
+def _check_next(cursor, shuffled: bool, where: str) -> None:
+    form = ["epoch >= 1", *(["window"] if shuffled else ["pq_idx", "rg_idx"]), "row"]
+    cursor = check_list(cursor, where)
+    if len(cursor) != len(form) or not all(is_int(v) and v >= 0 for v in cursor) or cursor[0] < 1:
+        raise ValueError(f"{where} must be [{', '.join(form)}] (ints >= 0) for a walk "
+                         + ("shuffled by config['shuffle']" if shuffled
+                            else "without config['shuffle']")
+                         + f", got {reprlib.repr(cursor)}")
+
+
+def _check_buffer(state: dict, shuffled: bool, where: str) -> int:
+    """Check the buffer and its pieces; how many whole documents it holds."""
+    # [[epoch, pq_idx, rg_idx, rows], ...], or shuffled also [epoch, window, rows]
+    buffered, heads = 0, (2, 3) if shuffled else (3,)  # heads: the fields before the rows
+    for i, group in enumerate(check_list(state["buffer"], f"{where}['buffer']")):
+        head = len(group) - 1 if isinstance(group, list) else 0
+        if not (head in heads and all(is_int(v) and v >= 0 for v in group[:head])
+                and group[0] >= 1):
+            raise ValueError(f"{where}['buffer'][{i}] must be [epoch >= 1, pq_idx, rg_idx, rows]"
+                             + (" or [epoch >= 1, window, rows]" if len(heads) == 2 else "")
+                             + f", got {reprlib.repr(group)}")
+        buffered += _runs(group[-1], f"{where}['buffer'][{i}]")[0]
+    return buffered - _pieces(state.get("pieces", []), buffered, f"{where}['pieces']")
+
+
+def _check_plan(plan, where: str) -> None:
+    """Items of explicit rows (and their pieces), or bitmaps of whole row groups."""
+    for i, item in enumerate(check_list(plan, where)):
+        at = f"{where}[{i}]"
+        if isinstance(item, dict) and "row_groups" in item:
+            check_keys(item, at, ("epoch", "row_groups", "total"), ())
+            total = check_int(f"{at}['total']", item["total"], 1)
+            _bitmap(item["row_groups"], total, f"{at}['row_groups']")
+        else:
+            check_keys(item, at, ("epoch", "pq_idx", "rg_idx", "rows"), ("pieces",))
+            check_int(f"{at}['pq_idx']", item["pq_idx"], 0)
+            check_int(f"{at}['rg_idx']", item["rg_idx"], 0)
+            rows = _runs(item["rows"], f"{at}['rows']")[0]
+            _pieces(item.get("pieces", []), rows, f"{at}['pieces']")
+        check_int(f"{at}['epoch']", item["epoch"], 1)
+
+
+# -----------------------------------------------------------------------------
+# Every place against the data
+
+
+def check_data(state: dict, index, where: str = "resume_state_dict") -> None:
+    """Check that every place a state (through check_fields) refers to is in the data: its files,
+    their row groups (or chunks) and rows; and that `next` is in the share of the state's rank."""
+    files = len(index.paths)
+    pq_idx, rg_idx = state["pq_idx"], state["rg_idx"]
+    if pq_idx >= files or (rg_idx > 0 and rg_idx >= index.count(pq_idx)):  # (0, 0): no batch yet
+        raise ValueError(f"{where}['pq_idx'], ['rg_idx'] = {pq_idx}, {rg_idx}: a {_unit(index)} "
+                         f"the data does not have ({files} files)")
+    rank, world_size = state["config"]["rank"], state["config"]["world_size"]
+    shuffle = config_shuffle(state["config"])
+    if not _reads_next(state["next"], index, shuffle, rank, world_size):
+        raise ValueError(f"{where}['next'] = {state['next']} is not a place where rank {rank} "
+                         f"of {world_size} reads"
+                         + ("" if shuffle else f" (the data has {files} files)")
+                         + ": the state does not match the data")
+    for i, group in enumerate(state["buffer"]):
+        if len(group) == 4:  # [epoch, pq_idx, rg_idx, rows]; 3: [epoch, window, rows]
+            _rows_in(index, group[1], group[2], group[3], f"{where}['buffer'][{i}]")
+            continue
+        epoch, window, runs = group
+        entries = _window_entries(index, shuffle, rank, world_size, epoch, window)
+        largest = _runs(runs, f"{where}['buffer'][{i}]")[1]
+        if entries is None or largest >= entries:
+            raise ValueError(f"{where}['buffer'][{i}] refers to entry {largest} of window {window} "
+                             f"of epoch {epoch}, which rank {rank} of {world_size} does not read: "
+                             "the state does not match the data")
+    for i, item in enumerate(state["plan"]):
+        at = f"{where}['plan'][{i}]"
+        if "row_groups" in item:
+            if item["total"] != index.total:
+                raise ValueError(f"{at}['total'] is {item['total']}, "
+                                 f"but the data has {index.total} {_unit(index)}s")
+        else:
+            listed = _rows_in(index, item["pq_idx"], item["rg_idx"], item["rows"], f"{at}['rows']")
+            whole = listed - len(item.get("pieces", []))  # pieces of one document repeat its row
+            if whole > index.docs(item["pq_idx"], item["rg_idx"]):
+                raise ValueError(f"{at}['rows'] lists {whole} whole documents of a {_unit(index)} "
+                                 f"that has {index.docs(item['pq_idx'], item['rg_idx'])}")
+
+
+def _unit(index) -> str:
+    return "row group" if index.chunk_size is None else "chunk"  # chunks: pretokenized shards
+
+
+def _rows_in(index, pq_idx: int, rg_idx: int, runs, at: str) -> int:
+    """How many rows `runs` lists, checked to be rows of that unit."""
+    files = len(index.paths)
+    if pq_idx >= files or rg_idx >= index.count(pq_idx):
+        raise ValueError(f"{at} refers to file {pq_idx}, {_unit(index)} {rg_idx}, which the data "
+                         f"does not have (it has {files} files): the state does not match the data")
+    count, largest = _runs(runs, at)
+    n = index.docs(pq_idx, rg_idx)
+    if largest >= n:
+        name = os.path.basename(index.paths[pq_idx])
+        raise ValueError(f"{at} refers to row {largest} of {name} {_unit(index)} {rg_idx}, which "
+                         f"has {n} rows: the state does not match the data")
+    return count
+
+
+def _window_entries(index, shuffle: Shuffle, rank: int, world_size: int, epoch: int,
+                    window: int) -> int | None:
+    """Entries in a window of this rank's shuffled share of an epoch (None: no such window;
+    -1: just past the last one)."""
+    units = len(shuffle.units(epoch, index.total, rank, world_size))
+    windows = -(-units // shuffle.window)  # the last window may be short
+    if window >= windows:
+        return -1 if window == windows else None
+    return int(shuffle.window_table(index, epoch, rank, world_size, window).bounds[-1])
+
+
+def _reads_next(cursor: list, index, shuffle: Shuffle | None, rank: int, world_size: int) -> bool:
+    """Whether a state's `next` is a place where the rank's walk goes on."""
+    if shuffle:
+        epoch, window, row = cursor
+        # a window of this rank's share of the epoch, or just past the last one; at a row of it
+        # only if it exists
+        entries = _window_entries(index, shuffle, rank, world_size, epoch, window)
+        return entries is not None and (row == 0 or row < entries)
+    _, pq_idx, rg_idx, row = cursor
+    # the regular walk goes on at one of this rank's units (rank, rank + world_size, ...),
+    # or just past a file's last one; at a row of it only if that row exists
+    files = len(index.paths)
+    units = index.count(pq_idx) if pq_idx < files else 0
+    return (pq_idx < files and rg_idx % world_size == rank and rg_idx < units + world_size
+            and (row == 0 or (rg_idx < units and row < index.docs(pq_idx, rg_idx))))
+
+
+# -----------------------------------------------------------------------------
+# The small checks every field uses
 
 
 def not_a_loader_state(state, where: str = "resume_state_dict") -> str | None:
@@ -203,221 +553,3 @@ def buffer_limit(config: dict, loader: str) -> int:
         return max(config["buffer_size"], config["T"] + 1) + config["tokenizer_batch_size"]
     # concatenation refills while it holds fewer than a batch's B*T+1 tokens
     return config["B"] * config["T"] + config["tokenizer_batch_size"]
-
-
-def check_fields(state: dict, where: str = "resume_state_dict",
-                 loader_config: dict | None = None) -> None:
-    """Check every field of a version-2 loader state on its own (check_data checks it against the
-    data). loader_config: the config of the loader resuming from it, whose buffer it may fill
-    too."""
-    check_keys(state, where, REQUIRED, ("pieces",))
-    if state["version"] != VERSION:
-        raise ValueError(f"{where}['version'] is {reprlib.repr(state['version'])}; "
-                         f"this loader reads version {VERSION}")
-    loader = state["loader"]
-    if not isinstance(loader, str) or loader not in COUNTERS:  # a list is not hashable: str first
-        raise ValueError(f"{where}['loader'] must be 'bestfit' or 'concat', "
-                         f"got {reprlib.repr(loader)}")
-    check_int(f"{where}['pq_idx']", state["pq_idx"], 0)
-    check_int(f"{where}['rg_idx']", state["rg_idx"], 0)
-    check_int(f"{where}['epoch']", state["epoch"], 1)  # epochs count from 1
-    check_hex(state["checksum"], f"{where}['checksum']")
-    config = _check_config(state["config"], loader, f"{where}['config']")
-    check_emitted(state["emitted"], f"{where}['emitted']")
-    # no counter is required: a missing one starts at 0
-    counters = check_keys(state["counters"], f"{where}['counters']", ())
-    for name, value in counters.items():
-        if name not in COUNTERS[loader]:
-            raise ValueError(f"{where}['counters'] has an unknown counter {reprlib.repr(name)} "
-                             f"(a {loader} loader's are {', '.join(COUNTERS[loader])})")
-        check_int(f"{where}['counters'][{name!r}]", value, 0)
-    cursor = check_list(state["next"], f"{where}['next']")
-    shuffled = "shuffle" in config
-    form = ["epoch >= 1", *(["window"] if shuffled else ["pq_idx", "rg_idx"]), "row"]
-    if len(cursor) != len(form) or not all(is_int(v) and v >= 0 for v in cursor) or cursor[0] < 1:
-        raise ValueError(f"{where}['next'] must be [{', '.join(form)}] (ints >= 0) for a walk "
-                         + ("shuffled by config['shuffle']" if shuffled
-                            else "without config['shuffle']")
-                         + f", got {reprlib.repr(cursor)}")
-
-    # the buffer: [[epoch, pq_idx, rg_idx, rows], ...], or shuffled also [epoch, window, rows]
-    buffered, heads = 0, (2, 3) if shuffled else (3,)  # heads: the fields before the rows
-    for i, group in enumerate(check_list(state["buffer"], f"{where}['buffer']")):
-        head = len(group) - 1 if isinstance(group, list) else 0
-        if not (head in heads and all(is_int(v) and v >= 0 for v in group[:head])
-                and group[0] >= 1):
-            raise ValueError(f"{where}['buffer'][{i}] must be [epoch >= 1, pq_idx, rg_idx, rows]"
-                             + (" or [epoch >= 1, window, rows]" if len(heads) == 2 else "")
-                             + f", got {reprlib.repr(group)}")
-        buffered += _runs(group[-1], f"{where}['buffer'][{i}]")[0]
-    pieces = _pieces(state.get("pieces", []), buffered, f"{where}['pieces']")
-    # measured from the runs, before a row is decoded: a state cannot make the loader allocate
-    # more than its buffer holds
-    limit = buffer_limit(config, loader)
-    if loader_config is not None and loader_config["loader"] == loader:
-        # a loader resumed (allow_state_mismatch) from a state with a larger buffer drains it:
-        # a loader as large can resume the states it yields meanwhile
-        limit = max(limit, buffer_limit(loader_config, loader))
-    if buffered - pieces > limit:
-        raise ValueError(f"{where}['buffer'] holds {buffered - pieces} whole documents, more than "
-                         f"the {limit} a {loader} loader with this config keeps (a loader that "
-                         "keeps as many can resume it, with allow_state_mismatch=True)")
-    offset = check_int(f"{where}['offset']", state["offset"], 0)
-    if offset and (loader == "bestfit" or not buffered):  # only concat consumes part of a document
-        raise ValueError(f"{where}['offset'] must be 0 "
-                         + ("for a best-fit state" if loader == "bestfit"
-                            else "when the buffer is empty")
-                         + f", got {offset}")
-
-    # the plan: items of explicit rows (and their pieces), or bitmaps of whole row groups
-    for i, item in enumerate(check_list(state["plan"], f"{where}['plan']")):
-        at = f"{where}['plan'][{i}]"
-        if isinstance(item, dict) and "row_groups" in item:
-            check_keys(item, at, ("epoch", "row_groups", "total"), ())
-            total = check_int(f"{at}['total']", item["total"], 1)
-            _bitmap(item["row_groups"], total, f"{at}['row_groups']")
-        else:
-            check_keys(item, at, ("epoch", "pq_idx", "rg_idx", "rows"), ("pieces",))
-            check_int(f"{at}['pq_idx']", item["pq_idx"], 0)
-            check_int(f"{at}['rg_idx']", item["rg_idx"], 0)
-            rows = _runs(item["rows"], f"{at}['rows']")[0]
-            _pieces(item.get("pieces", []), rows, f"{at}['pieces']")
-        check_int(f"{at}['epoch']", item["epoch"], 1)
-
-
-def check_data(state: dict, index, where: str = "resume_state_dict") -> None:
-    """Check that every place a state (through check_fields) refers to is in the data: its files,
-    their row groups (or chunks) and rows; and that `next` is in the share of the state's rank."""
-    unit = "row group" if index.chunk_size is None else "chunk"  # chunks: pretokenized shards
-    files = len(index.paths)
-
-    def rows_in(pq_idx: int, rg_idx: int, runs, at: str) -> int:
-        """How many rows `runs` lists, checked to be rows of that unit."""
-        if pq_idx >= files or rg_idx >= index.count(pq_idx):
-            raise ValueError(f"{at} refers to file {pq_idx}, {unit} {rg_idx}, which the data does "
-                             f"not have (it has {files} files): the state does not match the data")
-        count, largest = _runs(runs, at)
-        n = index.rows(pq_idx, rg_idx)
-        if largest >= n:
-            name = os.path.basename(index.paths[pq_idx])
-            raise ValueError(f"{at} refers to row {largest} of {name} {unit} {rg_idx}, which has "
-                             f"{n} rows: the state does not match the data")
-        return count
-
-    pq_idx, rg_idx = state["pq_idx"], state["rg_idx"]
-    if pq_idx >= files or (rg_idx > 0 and rg_idx >= index.count(pq_idx)):  # (0, 0): no batch yet
-        raise ValueError(f"{where}['pq_idx'], ['rg_idx'] = {pq_idx}, {rg_idx}: a {unit} the data "
-                         f"does not have ({files} files)")
-    rank, world_size = state["config"]["rank"], state["config"]["world_size"]
-    shuffle = config_shuffle(state["config"])
-
-    def window_rows(epoch: int, window: int) -> int | None:
-        """Entries in a window of this rank's shuffled share of an epoch (None: no such window;
-        -1: just past the last one)."""
-        units = len(shuffle.units(epoch, index.total, rank, world_size))
-        windows = -(-units // shuffle.window)  # the last window may be short
-        if window >= windows:
-            return -1 if window == windows else None
-        # the table's bounds end with the window's entry count
-        return int(shuffle.window_table(index, epoch, rank, world_size, window)[1][-1])
-
-    if shuffle:
-        epoch, window, row = state["next"]
-        # a window of this rank's share of the epoch, or just past the last one; at a row of it
-        # only if it exists
-        rows = window_rows(epoch, window)
-        if rows is None or (row > 0 and row >= rows):
-            raise ValueError(f"{where}['next'] = {state['next']} is not a place where rank {rank} "
-                             f"of {world_size} reads: the state does not match the data")
-    else:
-        _, pq_idx, rg_idx, row = state["next"]
-        # the regular walk goes on at one of this rank's units (rank, rank + world_size, ...),
-        # or just past a file's last one; at a row of it only if that row exists
-        units = index.count(pq_idx) if pq_idx < files else 0
-        if not (pq_idx < files and rg_idx % world_size == rank and rg_idx < units + world_size
-                and (row == 0 or (rg_idx < units and row < index.rows(pq_idx, rg_idx)))):
-            raise ValueError(f"{where}['next'] = {state['next']} is not a place where rank {rank} "
-                             f"of {world_size} reads (the data has {files} files): the state does "
-                             "not match the data")
-    for i, group in enumerate(state["buffer"]):
-        if len(group) == 4:  # [epoch, pq_idx, rg_idx, rows]; 3: [epoch, window, rows]
-            rows_in(group[1], group[2], group[3], f"{where}['buffer'][{i}]")
-            continue
-        epoch, window, runs = group
-        rows, largest = window_rows(epoch, window), _runs(runs, f"{where}['buffer'][{i}]")[1]
-        if rows is None or largest >= rows:
-            raise ValueError(f"{where}['buffer'][{i}] refers to entry {largest} of window {window} "
-                             f"of epoch {epoch}, which rank {rank} of {world_size} does not read: "
-                             "the state does not match the data")
-    for i, item in enumerate(state["plan"]):
-        at = f"{where}['plan'][{i}]"
-        if "row_groups" in item:
-            if item["total"] != index.total:
-                raise ValueError(f"{at}['total'] is {item['total']}, "
-                                 f"but the data has {index.total} {unit}s")
-        else:
-            listed = rows_in(item["pq_idx"], item["rg_idx"], item["rows"], f"{at}['rows']")
-            whole = listed - len(item.get("pieces", []))  # pieces of one document repeat its row
-            if whole > index.rows(item["pq_idx"], item["rg_idx"]):
-                raise ValueError(f"{at}['rows'] lists {whole} whole documents of a {unit} that has "
-                                 f"{index.rows(item['pq_idx'], item['rg_idx'])}")
-
-
-def rank_state(merged: dict, rank: int, world_size: int,
-               where: str = "resume_state_dict") -> tuple[dict, str]:
-    """This rank's part of merge_states' result (every new rank is given all of it), and what
-    messages call it."""
-    check_keys(merged, where, ("version", "merged", "states"), ())
-    if merged["version"] != VERSION:
-        raise ValueError(f"{where}['version'] is {reprlib.repr(merged['version'])}; this loader "
-                         f"reads version {VERSION}")
-    info, states = merged["merged"], check_list(merged["states"], f"{where}['states']")
-    check_keys(info, f"{where}['merged']", ("from_world_size", "world_size"), ())
-    check_int(f"{where}['merged']['from_world_size']", info["from_world_size"], 1)
-    if info["world_size"] != len(states):
-        raise ValueError(f"{where}['merged']['world_size'] is {reprlib.repr(info['world_size'])}, "
-                         f"but it holds {len(states)} states")
-    if len(states) != world_size:
-        raise ValueError(f"{where}['merged'] is for {len(states)} ranks, but this run has world "
-                         f"size {world_size}; merge for this world size")
-    return check_keys(states[rank], f"{where}['states'][{rank}]", ()), f"{where}['states'][{rank}]"
-
-
-def check_state(state: dict, config: dict, index, *, allow_mismatch: bool,
-                where: str = "resume_state_dict") -> bool:
-    """Validate a version-2 state against this loader's config and data (index: the data's units;
-    None: not against the data, which reads the files' footers). Returns True when the state
-    continues this loader's walk exactly (or, with allow_mismatch, at least the same document
-    walk), False when only nanochat's approximate keys {pq_idx, rg_idx, epoch} can be used
-    (another rank's state, or allow_mismatch and another walk)."""
-    if state.get("version") != VERSION:
-        raise ValueError(f"{where}['version'] is {reprlib.repr(state.get('version'))}; this loader "
-                         f"reads version {VERSION} (and nanochat's {{pq_idx, rg_idx, epoch}} form)")
-    check_keys(state, where, REQUIRED, ("pieces",))
-    if not checksum_matches(state, where) and not allow_mismatch:
-        raise ValueError(f"{where}['checksum'] does not match its contents: the state was edited "
-                         "or corrupted; pass allow_state_mismatch=True to resume from it anyway")
-    check_fields(state, where, config)
-    saved = dict(state["config"])
-    if state["loader"] == "bestfit":  # a config without the policy fields was taken under "crop"
-        saved = {"long_doc_policy": "crop", "split_overlap": 0} | saved
-    fields = dict.fromkeys([*config, *saved])  # a field only one of them has (shuffle) differs too
-    changed = [k for k in fields if saved.get(k) != config.get(k)]
-    differ = [f"{k}: state {saved.get(k)!r}, loader {config.get(k)!r}" for k in changed]
-    if differ and not allow_mismatch and set(changed) <= {"rank", "world_size"}:
-        # nanochat's base_train saves rank 0's state alone and hands it to every rank on resume:
-        # such a rank resumes approximately, after the saved row group, as nanochat's loader does
-        logger.warning("%s is another rank's state (%s): resuming approximately after its "
-                       "file %s, unit %s, as nanochat does; for an exact resume give each rank its "
-                       "own state (merge_states for another world size)", where, "; ".join(differ),
-                       state["pq_idx"], state["rg_idx"])
-        return False
-    if differ and not allow_mismatch:
-        raise ValueError(f"{where} was taken on another configuration (" + "; ".join(differ)
-                         + "); pass allow_state_mismatch=True to resume as well as possible")
-    # only a state of this very walk names places in this data; an approximate resume reads
-    # just pq_idx, rg_idx and epoch
-    exact = all(saved.get(k) == config.get(k) for k in WALK_FIELDS)
-    if exact and index is not None:
-        check_data(state, index, where)
-    return exact

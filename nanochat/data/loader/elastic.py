@@ -7,28 +7,68 @@ merge_walk_states (nanochat/data/mixtures/mixture_state.py). Cost: every file's 
 catalog entry) is read, and no document: states and plans name documents by place.
 
 May import: nanochat.data.base.state, nanochat.data.base.state_checks, nanochat.data.loader.order,
-nanochat.data.streaming.catalog, nanochat.data.loader.parquet_files,
-nanochat.data.pretokenized.token_shards.
+nanochat.data.streaming.catalog, nanochat.data.loader.parquet_files, nanochat.data.loader.order,
+nanochat.data.pretokenized.
 """
 
 import os
 
 from nanochat.data.loader.parquet_files import split_parquet_files
-from nanochat.data.loader.order import UnitIndex, WindowCursor
 from nanochat.data.streaming.catalog import streamed_files
-from nanochat.data.base.state import (EMPTY_HASH, VERSION, DocKey, PieceKey, PlanUnit, WindowKey,
-                            add_checksum, checksum_matches, decode_keys, decode_pieces,
-                            decode_plan, encode_plan, files_fingerprint)
+from nanochat.data.base.state import (EMPTY_HASH, VERSION, DocKey, PieceKey, PlanUnit, UnitIndex,
+                                      WindowCursor, WindowKey, add_checksum, checksum_matches,
+                                      decode_keys, decode_pieces, decode_plan, encode_plan,
+                                      files_fingerprint)
 from nanochat.data.base.state_checks import buffer_limit, check_data, check_fields, config_shuffle
+from nanochat.data.loader.order import parquet_index
+from nanochat.data.pretokenized.token_reader import chunk_index
 from nanochat.data.pretokenized.token_shards import list_token_shards
+
+# every config field but rank: the states of one run, on one configuration
+SAME_CONFIG = ("loader", "source", "split", "files", "num_files", "chunk_size", "B", "T",
+               "buffer_size", "tokenizer_batch_size", "tokenizer", "world_size", "long_doc_policy",
+               "split_overlap", "shuffle")
 
 
 def merge_walk_states(states: list, world_size: int, data_dir: str | None, epochs: int | None,
-                        names: list[str], stream: tuple | None = None) -> dict:
+                      names: list[str], stream: tuple | None = None) -> dict:
     """merge_states of best-fit or concatenating states (a mixture merges its buckets' with it);
     names: what messages call each state; stream: (base_url, download limits) for states of a
     streaming loader, whose shards need not be on disk (their catalog says their sizes and row
     groups). Returns {"version": 2, "merged": ..., "states": [one per new rank]}."""
+    _check_states(states, names)
+    first = states[0]
+    n_old = first["config"]["world_size"]
+    index = _data_index(first["config"], data_dir, stream)
+    shuffle = config_shuffle(first["config"])
+    _check_steps(states, names, index, shuffle)
+    # in rank order: the deal below must not depend on the order the states came in
+    states = sorted(states, key=lambda s: s["config"]["rank"])
+    last_epoch = max(s["next"][0] for s in states)  # nothing past the fastest rank's epoch
+    if epochs is not None:
+        # a finished walk's cursor points past its last epoch
+        last_epoch = min(last_epoch, epochs)
+    # everything not yet trained on: explicit documents, then whole row groups per epoch
+    docs, whole = _left_over(states, index, shuffle)
+    for rank, s in enumerate(states):
+        # the rest of this rank's share of its current epoch, then all of its share of later ones
+        walk = _rest_shuffled if shuffle else _rest_in_files
+        rest, later = walk(s["next"], index, shuffle, (rank, n_old), last_epoch)
+        docs += rest
+        for e, g in later:
+            whole.setdefault(e, set()).add(int(g))
+    merged = [_new_state(first, plan, q, world_size, last_epoch + 1, shuffle)
+              for q, plan in enumerate(_deal(docs, whole, index, world_size))]
+    return {"version": VERSION, "merged": {"from_world_size": n_old, "world_size": world_size},
+            "states": merged}
+
+
+# -----------------------------------------------------------------------------
+# The states: each checked, all of one run and one step, on the data they name
+
+
+def _check_states(states: list, names: list[str]) -> None:
+    """Every rank's own state, each whole, all of one configuration and one step."""
     for s, name in zip(states, names):
         if not isinstance(s, dict) or s.get("version") != VERSION:
             raise ValueError(f"{name} is not a version-{VERSION} loader state (field 'version')")
@@ -44,10 +84,7 @@ def merge_walk_states(states: list, world_size: int, data_dir: str | None, epoch
         raise ValueError(f"config.world_size: the states were taken on {n_old} ranks, but "
                          f"{len(states)} were given")
     for s, name in zip(states, names):
-        # every config field but rank: the states of one run, on one configuration
-        for key in ("loader", "source", "split", "files", "num_files", "chunk_size", "B", "T",
-                    "buffer_size", "tokenizer_batch_size", "tokenizer", "world_size",
-                    "long_doc_policy", "split_overlap", "shuffle"):
+        for key in SAME_CONFIG:
             if s["config"].get(key) != first["config"].get(key):
                 raise ValueError(f"config.{key}: {name} has {s['config'].get(key)!r}, "
                                  f"{names[0]} has {first['config'].get(key)!r}")
@@ -58,28 +95,40 @@ def merge_walk_states(states: list, world_size: int, data_dir: str | None, epoch
     ranks = sorted(s["config"]["rank"] for s in states)
     if ranks != list(range(n_old)):
         raise ValueError(f"config.rank: need each of ranks 0..{n_old - 1} once, got {ranks}")
-    chunk_size = first["config"].get("chunk_size")
-    rows = sizes = None
+
+
+def _data_index(config: dict, data_dir: str | None, stream: tuple | None) -> UnitIndex:
+    """The units of the split the states were taken on, checked to be the same files."""
+    chunk_size = config.get("chunk_size")
+    sizes = None
     if chunk_size is None and stream is not None:  # streamed parquet: no shard need be on disk
-        split = first["config"]["split"]
+        split = config["split"]
         # train: the loader's first num_files shards; val is one shard, the dataset's last
-        num_shards = first["config"]["num_files"] if split == "train" else None
+        num_shards = config["num_files"] if split == "train" else None
         files = streamed_files(split, data_dir, num_shards, *stream)
         paths = files.paths
-        rows, sizes = [e["rows"] for e in files.entries], [e["size"] for e in files.entries]
+        sizes = [entry["size"] for entry in files.entries]
+        index = parquet_index(paths, [entry["rows"] for entry in files.entries])
     elif chunk_size is None:
-        paths = split_parquet_files(first["config"]["split"], data_dir)
+        paths = split_parquet_files(config["split"], data_dir)
+        index = parquet_index(paths)
     else:
         if data_dir is None:
             raise ValueError("data_dir: give the pretokenized directory the states were taken on")
         paths = [prefix + ".bin" for prefix in
-                 list_token_shards(os.path.join(data_dir, first["config"]["split"]))]
+                 list_token_shards(os.path.join(data_dir, config["split"]))]
+        index = chunk_index(paths, chunk_size)
     # names and sizes: the plans name documents by place, so the files must be the same
-    if files_fingerprint(paths, sizes) != first["config"]["files"]:
+    if files_fingerprint(paths, sizes) != config["files"]:
         raise ValueError("config.files: the shards on disk are not the ones the states were "
                          "taken on")
-    index = UnitIndex(paths, chunk_size, rows)
-    shuffle = config_shuffle(first["config"])
+    return index
+
+
+def _check_steps(states: list, names: list[str], index: UnitIndex, shuffle) -> None:
+    """Each state's places are in the data, and no rank is further ahead of the slowest than the
+    tokens it emitted can have read."""
+    n_old = states[0]["config"]["world_size"]
     low = min(s["next"][0] for s in states)  # the slowest rank's epoch
     for s, name in zip(states, names):
         check_data(s, index, name)
@@ -92,7 +141,7 @@ def merge_walk_states(states: list, world_size: int, data_dir: str | None, epoch
         read = 0
         # the epochs this rank has finished and the slowest has not
         for epoch in range(low, s["next"][0]):
-            read += sum(index.rows(*index.locate(int(g)))
+            read += sum(index.docs(*index.locate(int(g)))
                         for g in _share(index, shuffle, epoch, rank, n_old))
             # (counting epochs too ends the loop when the rank's share is empty)
             if read > budget or epoch - low > budget:
@@ -100,12 +149,17 @@ def merge_walk_states(states: list, world_size: int, data_dir: str | None, epoch
                                  f"{s['next'][0] - low} past another rank's, more than the "
                                  f"{s['emitted']['tokens']} tokens it emitted can have read of "
                                  "its share: not the states of one step")
-    # in rank order: the deal below must not depend on the order the states came in
-    states = sorted(states, key=lambda s: s["config"]["rank"])
 
-    # everything not yet trained on: explicit documents, then whole row groups per epoch
+
+# -----------------------------------------------------------------------------
+# What is left: buffers and plans, the rest of each walk
+
+
+def _left_over(states: list, index: UnitIndex, shuffle) -> tuple[list, dict[int, set[int]]]:
+    """(documents, {epoch: global indices of whole units}) the states' buffers and plans hold."""
+    n_old = states[0]["config"]["world_size"]
     docs: list[DocKey | PieceKey] = []
-    whole: dict[int, set[int]] = {}  # epoch -> global indices of the units left whole
+    whole: dict[int, set[int]] = {}
     for s in states:
         # the buffered documents (a cropped document's discarded tail counts as consumed: a
         # buffer never holds it)
@@ -129,43 +183,56 @@ def merge_walk_states(states: list, world_size: int, data_dir: str | None, epoch
                 docs += [DocKey(*_unit_of(unit), r) if st is None
                          else PieceKey(*_unit_of(unit), r, st)
                          for r, st in zip(unit.rows, starts)]
-    last_epoch = max(s["next"][0] for s in states)  # nothing past the fastest rank's epoch
-    if epochs is not None:
-        # a finished walk's cursor points past its last epoch
-        last_epoch = min(last_epoch, epochs)
-    for rank, s in enumerate(states):
-        epoch = s["next"][0]
-        # the rest of this rank's share of its current epoch, then all of its share of later ones
-        if shuffle:
-            later = []
-            # (a finished one-pass walk, a mixture's bucket, is past its last epoch)
-            if epoch <= last_epoch:
-                cursor = WindowCursor(*s["next"])
-                docs += _window_rest(index, shuffle, rank, n_old, cursor)
-                # a window begun is dealt document by document, the windows after it unit by unit
-                window = cursor.window + (cursor.row > 0)
-                later = [(epoch, g) for g in
-                         _share(index, shuffle, epoch, rank, n_old)[window * shuffle.window:]]
-            later += [(e, g) for e in range(epoch + 1, last_epoch + 1)
-                      for g in _share(index, shuffle, e, rank, n_old)]
-        else:
-            _, pq_idx, rg_idx, row = s["next"]
-            later = []
-            for e in range(epoch, last_epoch + 1):
-                for p in range(len(paths)):
-                    for g in range(rank, index.count(p), n_old):
-                        if e == epoch and (p, g) < (pq_idx, rg_idx):  # read already
-                            continue
-                        # begun: its unread documents are dealt one by one
-                        if e == epoch and (p, g) == (pq_idx, rg_idx) and row > 0:
-                            docs += [DocKey(e, p, g, r) for r in range(row, index.rows(p, g))]
-                            continue
-                        later.append((e, index.base(p) + g))
-        for e, g in later:
-            whole.setdefault(e, set()).add(int(g))
+    return docs, whole
 
-    # deal: documents one by one, then row groups one by one, round-robin over the new ranks
-    # round-robin: the new ranks' shares differ by at most one document and one unit
+
+def _rest_shuffled(cursor: list, index: UnitIndex, shuffle, ranks: tuple[int, int],
+                   last_epoch: int) -> tuple[list[DocKey], list[tuple[int, int]]]:
+    """(documents, (epoch, unit) pairs) a shuffled rank has left up to last_epoch: a window begun
+    document by document, the windows after it unit by unit."""
+    rank, n_old = ranks
+    epoch = cursor[0]
+    docs, later = [], []
+    # (a finished one-pass walk, a mixture's bucket, is past its last epoch)
+    if epoch <= last_epoch:
+        cursor = WindowCursor(*cursor)
+        docs = _window_rest(index, shuffle, rank, n_old, cursor)
+        window = cursor.window + (cursor.row > 0)
+        later = [(epoch, g) for g in
+                 _share(index, shuffle, epoch, rank, n_old)[window * shuffle.window:]]
+    later += [(e, g) for e in range(epoch + 1, last_epoch + 1)
+              for g in _share(index, shuffle, e, rank, n_old)]
+    return docs, later
+
+
+def _rest_in_files(cursor: list, index: UnitIndex, shuffle, ranks: tuple[int, int],
+                   last_epoch: int) -> tuple[list[DocKey], list[tuple[int, int]]]:
+    """(documents, (epoch, unit) pairs) a rank has left up to last_epoch, in file order: a unit
+    begun document by document, the others whole."""
+    rank, n_old = ranks
+    epoch, pq_idx, rg_idx, row = cursor
+    docs, later = [], []
+    for e in range(epoch, last_epoch + 1):
+        for p in range(len(index.paths)):
+            for g in range(rank, index.count(p), n_old):
+                if e == epoch and (p, g) < (pq_idx, rg_idx):  # read already
+                    continue
+                # begun: its unread documents are dealt one by one
+                if e == epoch and (p, g) == (pq_idx, rg_idx) and row > 0:
+                    docs += [DocKey(e, p, g, r) for r in range(row, index.docs(p, g))]
+                    continue
+                later.append((e, index.base(p) + g))
+    return docs, later
+
+
+# -----------------------------------------------------------------------------
+# The deal, and the new ranks' states
+
+
+def _deal(docs: list, whole: dict[int, set[int]], index: UnitIndex,
+          world_size: int) -> list[list[PlanUnit]]:
+    """Each new rank's plan: documents one by one, then row groups one by one, round-robin over
+    the new ranks, so that their shares differ by at most one document and one unit."""
     units: list[list[PlanUnit]] = [[] for _ in range(world_size)]
     for i, key in enumerate(docs):
         piece = (key.start,) if isinstance(key, PieceKey) else None
@@ -175,22 +242,26 @@ def merge_walk_states(states: list, world_size: int, data_dir: str | None, epoch
         for g in sorted(whole[epoch]):
             units[dealt % world_size].append(PlanUnit(epoch, *index.locate(g), None, None))
             dealt += 1
-    merged = []
-    for q in range(world_size):
-        plan = encode_plan(_coalesce(units[q]), index)
-        config = dict(first["config"], rank=q, world_size=world_size)
-        state = {"version": VERSION, "loader": first["loader"], "pq_idx": first["pq_idx"],
-                 "rg_idx": first["rg_idx"], "epoch": first["epoch"], "plan": plan,
-                 # after its plan: the next epoch from its start, as rank q of world_size
-                 "next": [last_epoch + 1, 0, 0] if shuffle else [last_epoch + 1, 0, q, 0],
-                 "buffer": [], "pieces": [], "offset": 0, "config": config,
-                 # batches go on (every new rank is at one step); the tokens and hash start over
-                 "emitted": {"batches": first["emitted"]["batches"], "tokens": 0,
-                             "hash": EMPTY_HASH},
-                 "counters": {}}
-        merged.append(add_checksum(state))
-    return {"version": VERSION, "merged": {"from_world_size": n_old, "world_size": world_size},
-            "states": merged}
+    return [encode_plan(_coalesce(plan), index) for plan in units]
+
+
+def _new_state(first: dict, plan: list[dict], q: int, world_size: int, next_epoch: int,
+               shuffle) -> dict:
+    """New rank q's state: its plan, then the next epoch from its start, as rank q of world_size."""
+    config = dict(first["config"], rank=q, world_size=world_size)
+    state = {"version": VERSION, "loader": first["loader"], "pq_idx": first["pq_idx"],
+             "rg_idx": first["rg_idx"], "epoch": first["epoch"], "plan": plan,
+             "next": [next_epoch, 0, 0] if shuffle else [next_epoch, 0, q, 0],
+             "buffer": [], "pieces": [], "offset": 0, "config": config,
+             # batches go on (every new rank is at one step); the tokens and hash start over
+             "emitted": {"batches": first["emitted"]["batches"], "tokens": 0,
+                         "hash": EMPTY_HASH},
+             "counters": {}}
+    return add_checksum(state)
+
+
+# -----------------------------------------------------------------------------
+# Places and units
 
 
 def _share(index: UnitIndex, shuffle, epoch: int, rank: int, world_size: int):
@@ -207,9 +278,8 @@ def _window_rest(index: UnitIndex, shuffle, rank: int, world_size: int,
     if cursor.row == 0:  # not begun: it is dealt unit by unit, with the windows after it
         return []
     table = shuffle.window_table(index, cursor.epoch, rank, world_size, cursor.window)
-    _, bounds, _ = table
     return [DocKey(cursor.epoch, *shuffle.entry(table, i))
-            for i in range(cursor.row, int(bounds[-1]))]
+            for i in range(cursor.row, int(table.bounds[-1]))]
 
 
 def _places(keys: list, index: UnitIndex, shuffle, rank: int, world_size: int) -> list[DocKey]:

@@ -127,10 +127,10 @@ def stretch(then: Mark, now: Mark, BT: int) -> Figures:
 def start_counters(kind: str, recorders) -> dict:
     """The packers' running totals before the first batch, summed over `recorders` (a mixture's
     buckets): zero, or what the resumed state restores
-    (nanochat.data.loader.rows.StateRecorder.restore)."""
+    (nanochat.data.loader.rows.restore_buffer)."""
     packer = BestFitPacker if kind == "bestfit" else ConcatPacker
     return sum_counters([dict.fromkeys(packer.COUNTERS, 0)]
-                        + [r.start["counters"] for r in recorders if r.start])
+                        + [r.resumed["counters"] for r in recorders if r.resumed])
 
 
 def sum_counters(counters) -> dict:

@@ -5,22 +5,23 @@ overlap) views into the memory map, each chunk's ids checked against the vocabul
 (one numpy pass). shard_vocab settles the shards' BOS and vocabulary up front, from the caller or
 from the pretokenize.json our writer leaves; it never guesses. Design: docs/pretokenized.md.
 
-May import: numpy, nanochat.data.loader.order, nanochat.data.pretokenized.token_shards,
+May import: numpy, nanochat.data.base.state, nanochat.data.pretokenized.token_shards,
 nanochat.data.base.checks, nanochat.data.pretokenized.layout.
 """
 
 import logging
 import os
 from collections import OrderedDict
+from functools import partial
 from typing import NamedTuple
 
 import numpy as np
 
 from nanochat.data.base.checks import check_int, is_int
 from nanochat.data.pretokenized.layout import check_kind
-from nanochat.data.loader.order import UnitIndex
-from nanochat.data.pretokenized.token_shards import (META_FILENAME, TokenShard, list_token_shards,
-                                                     recorded_settings)
+from nanochat.data.base.state import UnitIndex
+from nanochat.data.pretokenized.token_shards import (META_FILENAME, TokenShard, entry_count,
+                                                     list_token_shards, recorded_settings)
 
 logger = logging.getLogger(__name__)
 
@@ -196,7 +197,7 @@ class TokenShardReader:
     def __init__(self, paths: list[str], chunk_size: int, vocab: ShardVocab):
         self.paths, self.chunk_size = paths, chunk_size
         self.vocab = vocab
-        self.index = UnitIndex(paths, chunk_size)
+        self.index = chunk_index(paths, chunk_size)
         # the last few shards stay mapped (a shuffled window reads chunks of several); thousands
         # would exhaust file handles
         self._open: OrderedDict = OrderedDict()
@@ -228,8 +229,8 @@ class TokenShardReader:
         return unit.stop - unit.start
 
     @classmethod
-    def take(cls, unit: Chunk, start: int, stop: int) -> list:
-        return cls.pick(unit, range(start, stop))
+    def take(cls, unit: Chunk, first: int, stop: int) -> list:
+        return cls.pick(unit, range(first, stop))
 
     @staticmethod
     def pick(unit: Chunk, rows) -> list:
@@ -241,6 +242,17 @@ class TokenShardReader:
         ends = shard.offsets[at + 1].tolist()
         tokens = shard.tokens
         return [(tokens[a:b], overlap) for a, b, overlap in zip(bounds, ends, overlaps)]
+
+
+def chunk_index(paths: list[str], chunk_size: int) -> UnitIndex:
+    """The chunks of `chunk_size` entries of token shards, counted from their .idx headers."""
+    return UnitIndex(paths, partial(chunk_sizes, chunk_size), chunk_size)
+
+
+def chunk_sizes(chunk_size: int, path: str) -> list[int]:
+    """Entries in each chunk of a token shard: chunk_size each, the last one holding the rest."""
+    n = entry_count(path)  # 16 bytes of the .idx header
+    return [min(chunk_size, n - first) for first in range(0, n, chunk_size)]
 
 
 def shard_paths(data_dir: str, split: str) -> list[str]:

@@ -127,11 +127,11 @@ class ShardCache:
                 continue  # (left to that rank's own checks of its state)
             starting.update(self.to_fetch(keys), order.plan_files(self.read_ahead, units))
         if starting:  # (with the file the walk goes on in: it is read at once too)
-            self.check_budget(sorted(starting | {order.start[1]}))
+            self.check_budget(sorted(starting | {order.cursor[1]}))
         with self.cond:
             self.first = first
             self.keeper.restoring = bool(buffered)
-            self.visits.begin(iter(order.file_order()))
+            self.visits.begin(iter(order.file_visits()))
             self.publish()
         self.fetcher.start()
 

@@ -18,7 +18,8 @@ from conftest import (REPO_ROOT, assert_only_complete_shards, download_shard, ou
                       serve_shards)
 from nanochat.data.fetch import errors
 from nanochat.data.fetch.errors import HostNotFoundError
-from nanochat.dataset import download_shards, download_single_file, index_to_filename, main
+from nanochat.dataset import download_shards, download_single_file, main
+from nanochat.data.base.datasets import index_to_filename
 
 NAME = index_to_filename(0)  # the shard most tests fetch
 

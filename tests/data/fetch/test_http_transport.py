@@ -17,7 +17,8 @@ import pytest
 from conftest import (assert_only_complete_shards, download_shard, outcome, serve_shards,
                       sha256_hex)
 from nanochat.data.fetch import http_transport
-from nanochat.dataset import download_single_file, index_to_filename
+from nanochat.dataset import download_single_file
+from nanochat.data.base.datasets import index_to_filename
 
 NAME = index_to_filename(0)  # the shard most tests fetch
 

@@ -13,7 +13,7 @@ import pytest
 
 from conftest import assert_only_complete_shards, download_shard, outcome, serve_shards
 from nanochat.data.fetch.limits import Limits
-from nanochat.dataset import index_to_filename
+from nanochat.data.base.datasets import index_to_filename
 
 NAME = index_to_filename(0)  # the shard most tests fetch
 

@@ -11,7 +11,7 @@ import os
 import pytest
 
 from conftest import assert_only_complete_shards, dataset_cli, serve_shards
-from nanochat.dataset import index_to_filename
+from nanochat.data.base.datasets import index_to_filename
 
 NAME = index_to_filename(0)  # the shard most tests fetch
 

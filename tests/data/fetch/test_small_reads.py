@@ -12,7 +12,7 @@ from conftest import ByteTokenizer, outcome, serve_shards
 from nanochat.data.fetch import errors, small_reads
 from nanochat.data.fetch.limits import Limits
 from nanochat.dataloader import tokenizing_distributed_data_loader_with_state_bos_bestfit
-from nanochat.dataset import index_to_filename
+from nanochat.data.base.datasets import index_to_filename
 
 NAME = index_to_filename(0)  # the shard most tests fetch
 

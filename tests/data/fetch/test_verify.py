@@ -17,7 +17,8 @@ from conftest import (FAST_BACKOFF, assert_only_complete_shards, bit_flipped, By
 from nanochat.data.fetch import verify
 from nanochat.data.fetch.limits import Limits
 from nanochat.dataloader import tokenizing_distributed_data_loader_with_state_bos_bestfit
-from nanochat.dataset import index_to_filename, main, parquets_iter_batched
+from nanochat.data.base.datasets import index_to_filename
+from nanochat.dataset import main, parquets_iter_batched
 
 NAME = index_to_filename(0)  # the shard most tests fetch
 

@@ -5,7 +5,8 @@ ranks resume (also with shuffle=True). Every document of the interrupted epoch(s
 row exactly once across the old and the new ranks (a cropped document counts as placed) or still
 waits in exactly one new rank's buffer (best-fit may keep a small document waiting for a long
 time), never both and never twice; checked on the documents' positions and, independently, on the
-tokens of the rows. Run: python -m pytest tests/data/loader/test_elastic.py -q (~30 s)
+tokens of the rows. And the deal itself on hand-made states, with the exact plans each new rank
+gets. Run: python -m pytest tests/data/loader/test_elastic.py -q (~30 s)
 """
 
 import json
@@ -17,8 +18,11 @@ import pyarrow.parquet as pq
 import pytest
 
 from conftest import ByteTokenizer, worker_env, write_shard
+from nanochat.data.base.state import (EMPTY_HASH, DocKey, add_checksum, decode_keys, encode_keys,
+                                      loader_config)
+from nanochat.data.base.state_checks import check_fields
+from nanochat.data.loader.elastic import merge_walk_states
 from nanochat.resume import merge_states
-from nanochat.data.base.state import decode_keys
 
 from conftest import TESTS as HERE
 BOS = ByteTokenizer.bos
@@ -49,8 +53,10 @@ def check_rows_against_trace(results, text_of):
             assert starts[0] == 0 and len(starts) == len(keys)
             for start, end, key in zip(starts, starts[1:] + [len(row)], keys):
                 expected = [BOS] + list(text_of[tuple(key[1:])].encode())
-                # whole, or cropped at the row's end
-                assert row[start:end] == expected[:end - start]
+                if end < len(row):  # before the row's last document: whole
+                    assert row[start:end] == expected
+                else:  # the row's last: whole, or cropped exactly at the row's end
+                    assert row[start:end] == expected[:end - start]
 
 
 @pytest.mark.parametrize("n_old,n_new,old_batches,shuffle",
@@ -103,3 +109,46 @@ def test_elastic_resume_places_every_document_once(n_old, n_new, old_batches, sh
     assert sum(1 for r in old for row in r["placed"] for _ in row) < len(expected)
     # after their share, the new ranks carry on with the next epoch as ranks q of M
     assert all(r["state"]["config"]["world_size"] == n_new for r in new)
+
+
+# -----------------------------------------------------------------------------
+# The deal on hand-made states: one train file of 2 row groups of 3 documents, 2 ranks
+
+
+def rank_state(path, rank: int, next_place: list, buffered: list) -> dict:
+    config = loader_config("bestfit", "parquet", "train", [path], B=2, T=8, buffer_size=4,
+                           batch_size=2, tokenizer="t", rank=rank, world_size=2,
+                           policy=("crop", 0))
+    return add_checksum({
+        "version": 2, "loader": "bestfit", "pq_idx": 0, "rg_idx": rank, "epoch": 1, "plan": [],
+        "next": next_place, "buffer": encode_keys(buffered), "pieces": [], "offset": 0,
+        "config": config, "emitted": {"batches": 3, "tokens": 48, "hash": EMPTY_HASH},
+        "counters": {}})
+
+
+@pytest.mark.parametrize("world_size,plans", [
+    # the buffered document, then rank 1's begun unit's unread rows 1 and 2, all to one rank
+    (1, [[{"epoch": 1, "pq_idx": 0, "rg_idx": 0, "rows": [2]},
+          {"epoch": 1, "pq_idx": 0, "rg_idx": 1, "rows": [1, -1]}]]),
+    # the same three documents dealt round-robin: 0 gets the 1st and the 3rd, 1 the 2nd
+    (2, [[{"epoch": 1, "pq_idx": 0, "rg_idx": 0, "rows": [2]},
+          {"epoch": 1, "pq_idx": 0, "rg_idx": 1, "rows": [2]}],
+         [{"epoch": 1, "pq_idx": 0, "rg_idx": 1, "rows": [1]}]]),
+])
+def test_the_deal_gives_each_new_rank_its_exact_plan(world_size, plans, tmp_path):
+    write_shard(tmp_path / "shard_00000.parquet", [f"doc {i}" for i in range(6)], 3)
+    write_shard(tmp_path / "shard_00001.parquet", ["val"], 1)
+    path = str(tmp_path / "shard_00000.parquet")
+    # rank 0 read its unit 0 and buffers its row 2; rank 1 read row 0 of its unit 1
+    states = [rank_state(path, 0, [1, 0, 2, 0], [DocKey(1, 0, 0, 2)]),
+              rank_state(path, 1, [1, 0, 1, 1], [])]
+    merged = merge_walk_states(states[::-1], world_size, str(tmp_path), None,
+                               ["states[1]", "states[0]"])
+    assert merged["merged"] == {"from_world_size": 2, "world_size": world_size}
+    for q, (state, plan) in enumerate(zip(merged["states"], plans)):
+        check_fields(state)
+        assert state["plan"] == plan
+        # after its plan: epoch 2 from its start, as rank q of world_size
+        assert state["next"] == [2, 0, q, 0] and state["buffer"] == []
+        assert state["config"]["rank"] == q and state["config"]["world_size"] == world_size
+        assert state["emitted"] == {"batches": 3, "tokens": 0, "hash": EMPTY_HASH}
