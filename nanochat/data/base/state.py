@@ -1,10 +1,11 @@
 """
-The loader state's format, and how it is built after each batch. StateRecorder builds it. The
-records name a document (DocKey, WindowKey, PieceKey), a plan's work (PlanUnit) or a place in the
-walk (Position, Cursor, WindowCursor); UnitIndex counts the units; then the state's compact
-encodings, its fingerprints and its checksum. A state names documents by where they were read, never
-by their tokens: a few KB at buffer_size=1000. nanochat/data/base/state_checks.py checks and resumes
-a state; nanochat/data/loader/elastic.py merges the states of N ranks for M. Format: docs/resume.md.
+The loader state's format, and how it is built after each batch.
+StateRecorder builds it. The records name a document (DocKey, WindowKey, PieceKey), a plan's work
+(PlanUnit) or a place in the walk (Position, Cursor, WindowCursor); UnitIndex counts the units;
+then the state's compact encodings, its fingerprints and its checksum. A state names documents by
+where they were read, never by their tokens: a few KB at buffer_size=1000. state_checks.py checks
+and resumes a state; nanochat/data/loader/elastic.py merges the states of N ranks for M. Format:
+docs/resume.md.
 
 Cost per batch: ~0.15 ms to encode a 1,000-document buffer, ~0.15 ms to hash a 32x2049 batch.
 
