@@ -309,3 +309,18 @@ def s3_faulty(s3_server, tmp_path, monkeypatch):
         proxy.close()
         s3fs.S3FileSystem.clear_instance_cache()
         stores.forget_filesystems()
+
+
+def gpt_simple_windows(tokens: list[int], max_length: int,
+                       overlap: int) -> list[tuple[list[int], int]]:
+    """GPT-Simple's windows of one document (its tokens + EOD), the reference: from the
+    definition with plain lists, window k holds tokens
+    [k * step, k * step + L) (step = L - O), and a window is written only if it holds a token that
+    no earlier one had."""
+    windows, k = [], 0
+    while True:
+        first = k * (max_length - overlap)
+        windows.append((tokens[first:first + max_length], overlap if k else 0))
+        if first + max_length >= len(tokens):
+            return windows
+        k += 1

@@ -17,7 +17,8 @@ import pytest
 
 from conftest import write_shards
 from nanochat.data.fetch import stores
-from nanochat.pretokenize import STAGING, main
+from nanochat.data.pretokenized.inputs import STAGING
+from nanochat.pretokenize import main
 from nanochat.tokenizer import RustBPETokenizer
 
 from conftest import REPO_ROOT as ROOT
