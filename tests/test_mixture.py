@@ -20,10 +20,9 @@ import pytest
 import torch
 
 from conftest import worker_env
-from nanochat.data.mixtures.curriculum import bucket_shares, rank_shares
-from nanochat.mixture import (BucketExhausted, CurriculumComplete, load_curriculum,
-                              main as mixture_main,
-                              pretokenized_mixture_loader_with_state_bos_bestfit as MIX, validate)
+from nanochat.data.mixtures.curriculum import bucket_shares, load_curriculum, rank_shares, validate
+from nanochat.mixture import (BucketExhausted, CurriculumComplete, main as mixture_main,
+                              pretokenized_mixture_loader_with_state_bos_bestfit as MIX)
 from nanochat.data.pretokenized.token_shards import write_token_shard
 from nanochat.resume import merge_states
 
@@ -221,7 +220,8 @@ def test_bucket_runs_dry_then_resumes_with_it_dropped(tmp_path, caplog):
     assert notes == [TINY_DRY.format(when="after about 39,600 tokens of the job's 60,000")]
     # the loader warns at the call, before any batch: step 101 of 152 (39,600 / 396 a step)
     loader = MIX(4, 99, "train", TINY_CUR, **kw)
-    assert [r.getMessage() for r in caplog.records if r.name == "nanochat.mixture"] == [
+    assert [r.getMessage() for r in caplog.records
+            if r.name == "nanochat.data.mixtures.mixture_plan"] == [
         "mixture: " + TINY_DRY.format(when="at about step 101 of 152")]
     # and it runs dry there: the loader stops with the last good state, its crop share and fixes
     states = []

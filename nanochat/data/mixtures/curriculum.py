@@ -4,21 +4,18 @@ ordered list of phases, each a token budget and a mix of bucket weights; buckets
 subdirectories of a pretokenized data directory. validate() sets the tokens each phase demands of
 each bucket against what the buckets (and each rank's share of them) hold, less the estimated crop;
 row_unit() and choose() pick the bucket of each row of each rank. `python -m nanochat.mixture
-validate` is main() below; the loader itself is mixture.py.
+validate` prints validate()'s table; the draw itself is mix.py.
 
 Design: docs/mixtures.md
 
-May import: nanochat.data.base.checks, nanochat.data.base.cli,
-nanochat.data.pretokenized.token_shards, nanochat.data.base.shuffle,
-nanochat.data.pretokenized.layout, nanochat.data.base.packing, pyyaml, numpy.
+May import: nanochat.data.base.checks, nanochat.data.base.shuffle, nanochat.data.base.packing,
+nanochat.data.pretokenized.token_shards, nanochat.data.pretokenized.layout, pyyaml, numpy.
 """
 
-import argparse
 import hashlib
 import json
 import math
 import os
-import sys
 import warnings
 from typing import NamedTuple
 
@@ -26,7 +23,6 @@ import numpy as np
 import yaml
 
 from nanochat.data.base.checks import is_int
-from nanochat.data.base.cli import run
 from nanochat.data.pretokenized.layout import check_kind
 from nanochat.data.base.packing import POLICIES
 from nanochat.data.base.shuffle import Shuffle
@@ -348,103 +344,3 @@ def choose(weights: list[tuple[str, float]], u: float) -> str:
         if u < edge:
             return name
     return weights[-1][0]  # u within rounding of 1
-
-
-# -----------------------------------------------------------------------------
-# python -m nanochat.mixture validate CONFIG --data PATH [--tokens N]
-
-
-def _positive(text: str) -> int:
-    value = int(text.replace("_", ""))  # 5_000_000 reads as in Python and YAML
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
-    return value
-
-
-def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m nanochat.mixture",
-                                     description="Check a curriculum against the buckets on disk.")
-    sub = parser.add_subparsers(dest="command", required=True)
-    check = sub.add_parser(
-        "validate", help="tokens demanded vs available per phase and bucket; exit 1 on a blocking "
-                         "problem",
-        description="Check a curriculum against the pretokenized buckets in --data before a run. "
-                    "Prints, per phase and bucket, the tokens the phase demands, those the bucket "
-                    "holds (and the smallest rank's share, with --world-size), and with --T what "
-                    "cropping long documents costs. A bucket that runs dry or a --tokens budget "
-                    "the phases do not add up to is a blocking problem (the --allow-* flags make "
-                    "it a warning). Exits 0 when there is none, 1 when there is one, 2 on bad "
-                    "input.")
-    check.add_argument("config", help="curriculum file (.yaml/.yml/.json): a list of phases or "
-                                      "{curriculum: [...]}")
-    check.add_argument("--data", required=True,
-                       help="the data directory holding <split>/<bucket>/ shards")
-    check.add_argument("--split", default="train", choices=["train", "val"])
-    check.add_argument("--tokens", type=_positive, default=None,
-                       help="tokens the run will train (all ranks)")
-    check.add_argument("--T", type=_positive, default=None,
-                       help="the loader's T: a row of T+1 tokens trains T")
-    check.add_argument("--B", type=_positive, default=None,
-                       help="the loader's B (with --T: the step, the budget's tolerance)")
-    check.add_argument("--world-size", type=_positive, default=1,
-                       help="ranks: each must hold its share (default 1)")
-    check.add_argument("--chunk-size", type=_positive, default=1024,
-                       help="the loader's chunk_size (default 1024)")
-    check.add_argument("--long-doc-policy", default="crop", choices=POLICIES,
-                       help="the loader's long_doc_policy (default crop: with --T, each bucket's "
-                            "crop is estimated)")
-    check.add_argument("--strict", action="store_true",
-                       help="a bucket that the estimated crop runs dry is an error, not a warning")
-    check.add_argument("--shuffle", action="store_true",
-                       help="the loader shuffles (shuffle=True): ranks get other chunks")
-    check.add_argument("--seed", type=int, default=0,
-                       help="the loader's seed (with --shuffle; default 0)")
-    check.add_argument("--shuffle-window", type=_positive, default=8,
-                       help="the loader's shuffle_window (default 8)")
-    check.add_argument("--allow-bucket-exhaustion", action="store_true",
-                       help="a predicted shortfall only warns")
-    check.add_argument("--allow-budget-mismatch", action="store_true",
-                       help="a budget mismatch only warns")
-    return parser
-
-
-def main(argv=None) -> int:
-    args = _parser().parse_args(argv)
-    try:
-        # one step of all ranks: the budget's tolerance (0 without --B and --T: exact)
-        step = args.B * args.T * args.world_size if args.B and args.T else 0
-        rows, problems, notes = validate(
-            args.config, args.data, args.split, total_tokens=args.tokens,
-            allow_bucket_exhaustion=args.allow_bucket_exhaustion,
-            allow_budget_mismatch=args.allow_budget_mismatch, T=args.T,
-            world_size=args.world_size, chunk_size=args.chunk_size, step_tokens=step,
-            shuffle=Shuffle(args.seed, args.shuffle_window) if args.shuffle else None,
-            long_doc_policy=args.long_doc_policy, strict=args.strict)
-    except (ValueError, OSError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    per_rank = args.world_size > 1  # the column only means something with several ranks
-    print(f"{'phase':>5s}  {'bucket':16s} {'weight':>7s} {'demanded':>16s} "
-          f"{'demanded so far':>16s} {'available':>16s}"
-          + (f" {'smallest rank share':>20s}" if per_rank else "")
-          + f" {'usable':>16s} {'crop':>5s}  status")
-    for r in rows:
-        crop = "-" if r["crop_share"] is None else f"{r['crop_share']:.2f}"
-        print(f"{r['phase']:5d}  {r['bucket']:16s} {r['weight']:7.3f} {r['demanded']:16,d} "
-              f"{r['demanded_so_far']:16,d} {r['available']:16,d}"
-              + (f" {r['smallest_rank_share']:20,d}" if per_rank else "")
-              + f" {r['usable']:16,d} {crop:>5s}  {r['status']}")
-    if args.T is None and args.long_doc_policy == "crop":
-        print("crop not estimated: give --T (and --long-doc-policy) to count it")
-    for note in notes:
-        print(f"warning: {note}")
-    for problem in problems:
-        print(f"error: {problem}")
-    print("blocking problems: " + (str(len(problems)) if problems else "none"))
-    return 1 if problems else 0
-
-
-INTERRUPTED = "validate stopped; it only reads: rerun it"  # what Ctrl-C prints (cli.run)
-
-if __name__ == "__main__":  # (documented as python -m nanochat.mixture validate)
-    run(main, INTERRUPTED)
