@@ -8,6 +8,7 @@ import subprocess
 import threading
 import time
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
@@ -68,6 +69,13 @@ class ByteTokenizer:
 
     def decode(self, ids):
         return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
+
+
+class ByteArrayTokenizer(ByteTokenizer):
+    """ByteTokenizer with encode_to_arrays (uint32 arrays), as pretokenize asks of a tokenizer."""
+
+    def encode_to_arrays(self, texts, prepend=None, num_threads=1):
+        return [np.array(ids, dtype=np.uint32) for ids in self.encode(texts, prepend=prepend)]
 
 
 def cache_bytes(directory) -> int:
