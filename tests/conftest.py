@@ -1,6 +1,7 @@
 """Shared fixtures: tiny parquet shards written with pyarrow into tmp dirs, a byte-level tokenizer,
 and where a state's buffered documents are."""
 
+import inspect
 import json
 import os
 import signal
@@ -19,6 +20,9 @@ from nanochat.data.streaming.ledger import STREAM_DIR
 from nanochat.data.loader.order import UnitIndex
 from nanochat.data.base.state import WindowKey, decode_keys
 from nanochat.data.base.state_checks import config_shuffle
+from nanochat.data.mixtures.mixture_plan import MixtureOptions
+from nanochat.data.pretokenized.token_shards import write_token_shard
+from nanochat.mixture import pretokenized_mixture_loader_with_state_bos_bestfit
 
 TESTS = os.path.dirname(os.path.abspath(__file__))  # tests/: its workers and helpers
 REPO_ROOT = os.path.dirname(TESTS)
@@ -332,3 +336,27 @@ def gpt_simple_windows(tokens: list[int], max_length: int,
         if first + max_length >= len(tokens):
             return windows
         k += 1
+
+
+def token_bucket(root, name: str, low: int, *, n_docs: int = 3000, bos: int = 1,
+                 seed: int = 0) -> str:
+    """A mixture bucket root/train/<name>/: one pair of n_docs documents of 2 to 40 tokens, BOS
+    first, the others drawn from [low, low + 1000) (so a row's bucket shows in its ids)."""
+    rng = np.random.default_rng(seed)
+    directory = os.path.join(root, "train", name)
+    os.makedirs(directory, exist_ok=True)
+    entries = [np.concatenate(([bos], rng.integers(low, low + 1000, size=n))).astype(np.uint16)
+               for n in rng.integers(1, 40, size=n_docs)]
+    write_token_shard(os.path.join(directory, "shard_000"), entries, [0] * n_docs, np.uint16)
+    return directory
+
+
+def mixture_options(data_dir, curriculum, **given) -> MixtureOptions:
+    """The mixture loader's arguments as its plan takes them: its defaults, small sizes (B=2, T=31,
+    buffers of 16, chunks of 32, BOS 1, 4,000 ids, on the CPU) and the arguments given."""
+    parameters = inspect.signature(pretokenized_mixture_loader_with_state_bos_bestfit).parameters
+    defaults = {name: p.default for name, p in parameters.items()
+                if p.default is not inspect.Parameter.empty}
+    return MixtureOptions(**defaults | dict(B=2, T=31, split="train", curriculum=curriculum,
+                                            data_dir=data_dir, buffer_size=16, chunk_size=32,
+                                            bos_token=1, vocab_size=4000, device="cpu") | given)

@@ -6,13 +6,10 @@ is the only way past it. Small buckets of known tokens under tmp_path. Run:
     python -m pytest tests/data/mixtures/test_mixture_state.py -q
 """
 
-import os
-
-import numpy as np
 import pytest
 
+from conftest import token_bucket
 from nanochat.data.mixtures.mixture_state import merge_mixture_states
-from nanochat.data.pretokenized.token_shards import write_token_shard
 from nanochat.mixture import pretokenized_mixture_loader_with_state_bos_bestfit as MIX
 
 BOS = 1
@@ -26,14 +23,8 @@ B, T = 2, 31
 def data_dir(tmp_path_factory):
     """Two buckets of 3,000 documents of 2 to 40 tokens each: far more than the curriculum needs."""
     root = tmp_path_factory.mktemp("mixture_state")
-    rng = np.random.default_rng(0)
-    for name, low in (("web", 1000), ("code", 2000)):
-        directory = os.path.join(root, "train", name)
-        os.makedirs(directory)
-        entries = [np.concatenate(([BOS], rng.integers(low, low + 1000, size=n))).astype(np.uint16)
-                   for n in rng.integers(1, 40, size=3000)]
-        write_token_shard(os.path.join(directory, "shard_000"), entries, [0] * len(entries),
-                          np.uint16)
+    token_bucket(root, "web", 1000)
+    token_bucket(root, "code", 2000)
     return str(root)
 
 
