@@ -71,18 +71,7 @@ def load_curriculum(spec, buckets=None) -> list[Phase]:
     weight}}. Weights that do not sum to 1 are normalised with a warning; an unknown bucket (when
     `buckets` is given), a negative weight, an empty mix or a bad token count is a ValueError naming
     the phase."""
-    source = "curriculum"
-    if isinstance(spec, (str, os.PathLike)):
-        path = source = os.path.expanduser(os.fspath(spec))
-        if not os.path.isfile(path):
-            raise FileNotFoundError(f"curriculum file {path} does not exist")
-        with open(path) as f:
-            text = f.read()
-        try:  # JSON is YAML too, but its own parser gives the better message for a .json file
-            spec = json.loads(text) if path.endswith(".json") else yaml.safe_load(text)
-        except (ValueError, yaml.YAMLError) as e:
-            kind = "JSON" if path.endswith(".json") else "YAML"
-            raise ValueError(f"{path} is not valid {kind}: {e}") from None
+    spec, source = _read_spec(spec)
     if isinstance(spec, dict):
         if "curriculum" not in spec and isinstance(spec.get("data"), dict):
             spec = spec["data"]  # GPT-Simple's config: data: {curriculum: [...]}
@@ -93,44 +82,62 @@ def load_curriculum(spec, buckets=None) -> list[Phase]:
     if not isinstance(spec, (list, tuple)) or not spec:
         raise ValueError(f"{source}: the curriculum must be a non-empty list of phases, got "
                          f"{spec!r}")
-    phases = []
-    for i, phase in enumerate(spec, 1):
-        where = f"curriculum phase {i}"  # every message names the phase, counted from 1
-        if not isinstance(phase, dict):
-            raise ValueError(f"{where}: expected a mapping with 'tokens' and 'mix', got {phase!r}")
-        unknown_keys = set(phase) - {"tokens", "duration_tokens", "mix"}
-        if unknown_keys:
-            raise ValueError(f"{where}: unknown keys {sorted(unknown_keys)} (a phase has 'tokens' "
-                             "and 'mix')")
-        tokens = phase.get("tokens", phase.get("duration_tokens"))  # GPT-Simple's name too
-        if isinstance(tokens, float) and tokens.is_integer():  # YAML reads 5e9 as a float
-            tokens = int(tokens)
-        # is_int, not check_int: the message names the phase and says "positive"
-        if not is_int(tokens) or tokens < 1:
-            raise ValueError(f"{where}: 'tokens' must be a positive integer, got {tokens!r}")
-        mix = phase.get("mix")
-        if not isinstance(mix, dict) or not mix:
-            raise ValueError(f"{where}: empty mix; give {{bucket: weight, ...}}")
-        for name, weight in mix.items():
-            if buckets is not None and name not in buckets:
-                raise ValueError(f"{where}: unknown bucket {name!r} (buckets: "
-                                 f"{', '.join(sorted(buckets))})")
-            # a weight is any finite number; True would slip through as 1
-            if (isinstance(weight, bool) or not isinstance(weight, (int, float))
-                    or not math.isfinite(weight)):
-                raise ValueError(f"{where}: weight of {name!r} must be a number, got {weight!r}")
-            if weight < 0:
-                raise ValueError(f"{where}: weight of {name!r} is {weight}; weights must be >= 0")
-        total = sum(mix.values())
-        if total <= 0:
-            raise ValueError(f"{where}: every weight is 0; give at least one bucket a positive "
-                             "weight")
-        if abs(total - 1) > 1e-9:  # 1e-9: 0.7 + 0.1 + 0.1 + 0.1 is not exactly 1 in floats
-            warnings.warn(f"{where}: weights sum to {total:g}, normalised to 1", stacklevel=2)
-        # sorted and without zero weights: the mix's order decides choose(), whatever the file's
-        phases.append(Phase(tokens, {name: mix[name] / total for name in sorted(mix)
-                                     if mix[name] > 0}))
-    return phases
+    # every message names the phase, counted from 1
+    return [_phase(f"curriculum phase {i}", phase, buckets) for i, phase in enumerate(spec, 1)]
+
+
+def _read_spec(spec) -> tuple:
+    """(the curriculum as given or as its file holds it, what messages call it)."""
+    if not isinstance(spec, (str, os.PathLike)):
+        return spec, "curriculum"
+    path = os.path.expanduser(os.fspath(spec))
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"curriculum file {path} does not exist")
+    with open(path) as f:
+        text = f.read()
+    try:  # JSON is YAML too, but its own parser gives the better message for a .json file
+        return (json.loads(text) if path.endswith(".json") else yaml.safe_load(text)), path
+    except (ValueError, yaml.YAMLError) as e:
+        kind = "JSON" if path.endswith(".json") else "YAML"
+        raise ValueError(f"{path} is not valid {kind}: {e}") from None
+
+
+def _phase(where: str, phase, buckets) -> Phase:
+    """One phase of a curriculum, checked (where: what messages call it)."""
+    if not isinstance(phase, dict):
+        raise ValueError(f"{where}: expected a mapping with 'tokens' and 'mix', got {phase!r}")
+    unknown_keys = set(phase) - {"tokens", "duration_tokens", "mix"}
+    if unknown_keys:
+        raise ValueError(f"{where}: unknown keys {sorted(unknown_keys)} (a phase has 'tokens' "
+                         "and 'mix')")
+    tokens = phase.get("tokens", phase.get("duration_tokens"))  # GPT-Simple's name too
+    if isinstance(tokens, float) and tokens.is_integer():  # YAML reads 5e9 as a float
+        tokens = int(tokens)
+    # is_int, not check_int: the message names the phase and says "positive"
+    if not is_int(tokens) or tokens < 1:
+        raise ValueError(f"{where}: 'tokens' must be a positive integer, got {tokens!r}")
+    mix = phase.get("mix")
+    if not isinstance(mix, dict) or not mix:
+        raise ValueError(f"{where}: empty mix; give {{bucket: weight, ...}}")
+    for name, weight in mix.items():
+        if buckets is not None and name not in buckets:
+            raise ValueError(f"{where}: unknown bucket {name!r} (buckets: "
+                             f"{', '.join(sorted(buckets))})")
+        # a weight is any finite number; True would slip through as 1
+        if (isinstance(weight, bool) or not isinstance(weight, (int, float))
+                or not math.isfinite(weight)):
+            raise ValueError(f"{where}: weight of {name!r} must be a number, got {weight!r}")
+        if weight < 0:
+            raise ValueError(f"{where}: weight of {name!r} is {weight}; weights must be >= 0")
+    total = sum(mix.values())
+    if total <= 0:
+        raise ValueError(f"{where}: every weight is 0; give at least one bucket a positive "
+                         "weight")
+    if abs(total - 1) > 1e-9:  # 1e-9: 0.7 + 0.1 + 0.1 + 0.1 is not exactly 1 in floats
+        # stacklevel 3: the warning points at load_curriculum's caller
+        warnings.warn(f"{where}: weights sum to {total:g}, normalised to 1", stacklevel=3)
+    # sorted and without zero weights: the mix's order decides choose(), whatever the file's
+    return Phase(tokens, {name: mix[name] / total for name in sorted(mix) if mix[name] > 0})
 
 
 class Shares(NamedTuple):
@@ -239,23 +246,12 @@ def validate(curriculum, data_dir: str, split: str = "train", *, total_tokens: i
     buckets = list_buckets(data_dir, split)
     loaded = isinstance(curriculum, list) and all(isinstance(p, Phase) for p in curriculum)
     phases = curriculum if loaded else load_curriculum(curriculum, buckets)
-    supply = {}
-    for name, paths in buckets.items():
-        shares, usable = bucket_shares(paths, chunk_size, world_size,
-                                       shuffle and shuffle.bucket(name), T, long_doc_policy)
-        crop = 1 - sum(usable) / max(1, sum(shares)) if T else None
-        supply[name] = _Supply(sum(shares), min(shares), sum(usable), min(usable), crop)
+    supply = {name: _supply(paths, chunk_size, world_size, shuffle and shuffle.bucket(name), T,
+                            long_doc_policy) for name, paths in buckets.items()}
     scale = (T + 1) / T if T else 1.0  # a row of T + 1 tokens trains T: the last is a target only
-    total = sum(p.tokens for p in phases)
-    budgets = [p.tokens for p in phases]
     rows, problems, notes = [], [], []
-    # within one step is no mismatch: a run trains whole steps
-    if total_tokens is not None and abs(total_tokens - total) >= max(1, step_tokens):
-        message = (f"budget mismatch: the curriculum totals {total:,} tokens, the run will train "
-                   f"{total_tokens:,}")
-        (notes if allow_budget_mismatch else problems).append(message)
-        if allow_budget_mismatch and total_tokens > total:
-            budgets[-1] += total_tokens - total  # the last phase goes on
+    budgets = _budgets(phases, total_tokens, step_tokens, allow_budget_mismatch,
+                       notes if allow_budget_mismatch else problems)
     demanded: dict[str, float] = dict.fromkeys(buckets, 0.0)
     told: dict[str, str] = {}  # bucket -> the status its message told ("SHORT" or "CROP")
     phase_start = 0  # job tokens trained before the phase
@@ -286,6 +282,29 @@ def validate(curriculum, data_dir: str, split: str = "train", *, total_tokens: i
             (problems if blocking else notes).append(message)
         phase_start += budget
     return rows, problems, notes
+
+
+def _supply(paths: list[str], chunk_size: int, world_size: int, shuffle: Shuffle | None,
+            T: int | None, long_doc_policy: str) -> _Supply:
+    """A bucket's tokens, all ranks and the smallest rank's share, before and after the crop."""
+    shares, usable = bucket_shares(paths, chunk_size, world_size, shuffle, T, long_doc_policy)
+    crop = 1 - sum(usable) / max(1, sum(shares)) if T else None
+    return _Supply(sum(shares), min(shares), sum(usable), min(usable), crop)
+
+
+def _budgets(phases: list[Phase], total_tokens: int | None, step_tokens: int,
+             allow_budget_mismatch: bool, said: list[str]) -> list[int]:
+    """Each phase's tokens; a mismatch with total_tokens is said (appended to said), and when it is
+    accepted, a longer run extends the last phase."""
+    total = sum(p.tokens for p in phases)
+    budgets = [p.tokens for p in phases]
+    # within one step is no mismatch: a run trains whole steps
+    if total_tokens is not None and abs(total_tokens - total) >= max(1, step_tokens):
+        said.append(f"budget mismatch: the curriculum totals {total:,} tokens, the run will train "
+                    f"{total_tokens:,}")
+        if allow_budget_mismatch and total_tokens > total:
+            budgets[-1] += total_tokens - total  # the last phase goes on
+    return budgets
 
 
 def _when(dry_at: float, step_tokens: int, total: int) -> str:
