@@ -66,7 +66,8 @@ def pretokenized_mixture_loader_bos_bestfit(*args, **kwargs):
 def _prepare(options: MixtureOptions) -> Prepared:
     """The mixture's plan (every argument and the state checked, at the call), each bucket's walk
     as a LoaderSpec, and how to build the loader."""
-    plan, o = plan_mixture(options), options
+    o = options
+    plan = plan_mixture(o)
     walks = [(LoaderSpec(kind="bestfit", reader=b.reader, encoder=plan.encoder, config=b.config,
                          rank=plan.rules.rank, world_size=plan.rules.world_size,
                          batch_size=o.batch_size, B=o.B, T=o.T, buffer_size=o.buffer_size,

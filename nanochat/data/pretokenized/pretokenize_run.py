@@ -71,11 +71,13 @@ def run_pretokenize(run: PretokenizeRun, tokenizer, load_tokenizer) -> int:
         print(f"{len(all_pairs)} inputs, {len(mine)} for rank {run.rank}/{run.world_size}; "
               f"{skipped} already done (their .idx exists), skipped; {len(todo)} to write; "
               f"dtype {settings['dtype']}")
-        return _write(run, (tokenizer, load_tokenizer), todo, skipped, len(mine))
+        return _write(run, tokenizer, load_tokenizer, todo, skipped, len(mine))
 
 
-def _write(run: PretokenizeRun, tokenizers: tuple, todo: list, skipped: int, total: int) -> int:
-    """Write the pairs of todo behind a progress bar, then print the summary; 1 if one failed."""
+def _write(run: PretokenizeRun, tokenizer, load_tokenizer, todo: list, skipped: int,
+           total: int) -> int:
+    """Write the pairs of todo behind a progress bar (total: this rank's inputs, of which skipped
+    were done before), then print the summary; 1 if one failed."""
     num_workers = min(run.num_workers, len(todo))
     # spread the CPU between processes; each process's tokenizer encodes a batch on this many
     # threads
@@ -88,7 +90,8 @@ def _write(run: PretokenizeRun, tokenizers: tuple, todo: list, skipped: int, tot
     t0 = time.time()
     # a bar on a terminal, a line per quarter in a log
     with progress_bar(total=total, initial=skipped, unit="shard", desc="pretokenize") as bar:
-        for path, stats, error in pair_results(*tokenizers, options, todo, num_workers):
+        for path, stats, error in pair_results(tokenizer, load_tokenizer, options, todo,
+                                               num_workers):
             if error is not None:
                 failed.append((path, error))
                 bar.write(f"failed: {path}: {error}")  # above the bar, which stays whole
