@@ -9,7 +9,7 @@ convention ([BOS] + document) or GPT-Simple's (document + EOD).
 --input may also be a store's address (s3://bucket/prefix, gs://, az://, hf://): each shard is
 downloaded and verified into OUTPUT/.inputs/, tokenized, and removed once its pair is written.
 Cost: one tokenizer pass, several MB of text per second per worker; a rerun skips written pairs.
-The run itself: nanochat/data/pretokenized/pretokenize_run.py. Design: docs/pretokenized.md.
+The run: nanochat/data/pretokenized/. Design: docs/pretokenized.md, docs/streaming.md (stores).
 
 May import: nanochat.common, nanochat.tokenizer, nanochat.data.base.cli, nanochat.data.fetch.stores,
 nanochat.data.pretokenized.

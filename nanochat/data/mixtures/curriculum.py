@@ -82,8 +82,10 @@ def load_curriculum(spec, buckets=None) -> list[Phase]:
     if not isinstance(spec, (list, tuple)) or not spec:
         raise ValueError(f"{source}: the curriculum must be a non-empty list of phases, got "
                          f"{spec!r}")
-    # every message names the phase, counted from 1
-    return [_phase(f"curriculum phase {i}", phase, buckets) for i, phase in enumerate(spec, 1)]
+    phases = []
+    for i, phase in enumerate(spec, 1):  # (a loop, not a comprehension: see _phase's warning)
+        phases.append(_phase(f"curriculum phase {i}", phase, buckets))  # named from 1
+    return phases
 
 
 def _read_spec(spec) -> tuple:
