@@ -387,7 +387,8 @@ def pretokenized_section(tokenizer, data_dir, tmp, docs_np, args) -> dict:
     (L = T+1, O = 0 and 128) next to nanochat's cropping."""
     B, T, tbs = args.B, args.T, args.tokenizer_batch_size
     from nanochat.dataloader import pretokenized_distributed_data_loader_with_state_bos_bestfit
-    from nanochat.pretokenize import pretokenize_file, window_document
+    from nanochat.data.processing.tokenize_pair import pretokenize_file
+    from nanochat.data.processing.windows import window_document
     from nanochat.data.pretokenized.token_shards import TokenShard, list_token_shards
     out = os.path.join(tmp, "tokens")
     t0 = time.perf_counter()
@@ -473,7 +474,7 @@ def window_spread(tokenizer, data_dir, tmp, args, tbs, *, L=257, overlap=32, B=1
     pretokenized loader at T = L - 1 with trace_documents. Returns shuffle -> (share of pairs in the
     same batch, median distance in batches, pairs seen)."""
     from nanochat.dataloader import pretokenized_distributed_data_loader_with_state_bos_bestfit
-    from nanochat.pretokenize import pretokenize_file
+    from nanochat.data.processing.tokenize_pair import pretokenize_file
     from nanochat.data.pretokenized.token_shards import TokenShard, list_token_shards
     out = os.path.join(tmp, "windows")
     for split in ("train", "val"):

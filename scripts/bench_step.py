@@ -38,7 +38,7 @@ from nanochat.dataloader import (pretokenized_distributed_data_loader_with_state
 from nanochat.data.base.datasets import index_to_filename
 from nanochat.data.loader.parquet_files import split_parquet_files
 from nanochat.mixture import pretokenized_mixture_loader_with_state_bos_bestfit
-from nanochat.pretokenize import pretokenize_file
+from nanochat.data.processing.tokenize_pair import pretokenize_file
 from nanochat.tokenizer import RustBPETokenizer
 from scripts.bench_dataloader import cpu_seconds, make_corpus, read_all, write_corpus
 from scripts.list_tokenizer import ListTokenizer

@@ -45,7 +45,7 @@ from nanochat.dataloader import (
 from nanochat.mixture import (MixtureStop, pretokenized_mixture_loader_bos_bestfit,
                               pretokenized_mixture_loader_with_state_bos_bestfit)
 from nanochat.pretokenize import main as pretokenize_main
-from nanochat.pretokenize import pretokenize_file
+from nanochat.data.processing.tokenize_pair import pretokenize_file
 from nanochat.resume import merge_states
 from nanochat.tokenizer import TOKENIZER_FILENAME, RustBPETokenizer
 

@@ -6,6 +6,7 @@ injects faults."""
 import hashlib
 import importlib
 import importlib.util
+import inspect
 import json
 import os
 import random
@@ -17,6 +18,7 @@ import time
 from collections import Counter, defaultdict
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
@@ -31,6 +33,9 @@ from nanochat.data.pretokenized.token_reader import chunk_index
 from nanochat.data.base.state import WindowKey, decode_keys
 from nanochat.data.base.state_checks import config_shuffle
 from nanochat.dataset import download_single_file, main
+from nanochat.data.mixtures.mixture_plan import MixtureOptions
+from nanochat.data.pretokenized.token_shards import write_token_shard
+from nanochat.mixture import pretokenized_mixture_loader_with_state_bos_bestfit
 
 TESTS = os.path.dirname(os.path.abspath(__file__))  # tests/: its workers and helpers
 REPO_ROOT = os.path.dirname(TESTS)
@@ -81,6 +86,13 @@ class ByteTokenizer:
 
     def decode(self, ids):
         return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
+
+
+class ByteArrayTokenizer(ByteTokenizer):
+    """ByteTokenizer with encode_to_arrays (uint32 arrays), as pretokenize asks of a tokenizer."""
+
+    def encode_to_arrays(self, texts, prepend=None, num_threads=1):
+        return [np.array(ids, dtype=np.uint32) for ids in self.encode(texts, prepend=prepend)]
 
 
 def cache_bytes(directory) -> int:
@@ -635,3 +647,42 @@ def dataset_cli(server, data_dir, *args) -> int:
 def bit_flipped(body):
     """body with its 101st byte changed: same size, PAR1 at both ends."""
     return body[:100] + bytes([body[100] ^ 1]) + body[101:]
+
+
+def gpt_simple_windows(tokens: list[int], max_length: int,
+                       overlap: int) -> list[tuple[list[int], int]]:
+    """GPT-Simple's windows of one document (its tokens + EOD), the reference: from the
+    definition with plain lists, window k holds tokens
+    [k * step, k * step + L) (step = L - O), and a window is written only if it holds a token that
+    no earlier one had."""
+    windows, k = [], 0
+    while True:
+        first = k * (max_length - overlap)
+        windows.append((tokens[first:first + max_length], overlap if k else 0))
+        if first + max_length >= len(tokens):
+            return windows
+        k += 1
+
+
+def token_bucket(root, name: str, low: int, *, n_docs: int = 3000, bos: int = 1,
+                 seed: int = 0) -> str:
+    """A mixture bucket root/train/<name>/: one pair of n_docs documents of 2 to 40 tokens, BOS
+    first, the others drawn from [low, low + 1000) (so a row's bucket shows in its ids)."""
+    rng = np.random.default_rng(seed)
+    directory = os.path.join(root, "train", name)
+    os.makedirs(directory, exist_ok=True)
+    entries = [np.concatenate(([bos], rng.integers(low, low + 1000, size=n))).astype(np.uint16)
+               for n in rng.integers(1, 40, size=n_docs)]
+    write_token_shard(os.path.join(directory, "shard_000"), entries, [0] * n_docs, np.uint16)
+    return directory
+
+
+def mixture_options(data_dir, curriculum, **given) -> MixtureOptions:
+    """The mixture loader's arguments as its plan takes them: its defaults, small sizes (B=2, T=31,
+    buffers of 16, chunks of 32, BOS 1, 4,000 ids, on the CPU) and the arguments given."""
+    parameters = inspect.signature(pretokenized_mixture_loader_with_state_bos_bestfit).parameters
+    defaults = {name: p.default for name, p in parameters.items()
+                if p.default is not inspect.Parameter.empty}
+    return MixtureOptions(**defaults | dict(B=2, T=31, split="train", curriculum=curriculum,
+                                            data_dir=data_dir, buffer_size=16, chunk_size=32,
+                                            bos_token=1, vocab_size=4000, device="cpu") | given)

@@ -20,10 +20,9 @@ import pytest
 import torch
 
 from conftest import worker_env
-from nanochat.data.mixtures.curriculum import bucket_shares, rank_shares
-from nanochat.mixture import (BucketExhausted, CurriculumComplete, load_curriculum,
-                              main as mixture_main,
-                              pretokenized_mixture_loader_with_state_bos_bestfit as MIX, validate)
+from nanochat.data.mixtures.curriculum import bucket_shares, rank_shares, validate
+from nanochat.mixture import (BucketExhausted, CurriculumComplete, main as mixture_main,
+                              pretokenized_mixture_loader_with_state_bos_bestfit as MIX)
 from nanochat.data.pretokenized.token_shards import write_token_shard
 from nanochat.resume import merge_states
 
@@ -221,7 +220,8 @@ def test_bucket_runs_dry_then_resumes_with_it_dropped(tmp_path, caplog):
     assert notes == [TINY_DRY.format(when="after about 39,600 tokens of the job's 60,000")]
     # the loader warns at the call, before any batch: step 101 of 152 (39,600 / 396 a step)
     loader = MIX(4, 99, "train", TINY_CUR, **kw)
-    assert [r.getMessage() for r in caplog.records if r.name == "nanochat.mixture"] == [
+    assert [r.getMessage() for r in caplog.records
+            if r.name == "nanochat.data.mixtures.mixture_plan"] == [
         "mixture: " + TINY_DRY.format(when="at about step 101 of 152")]
     # and it runs dry there: the loader stops with the last good state, its crop share and fixes
     states = []
@@ -379,33 +379,8 @@ def test_budget(buckets):
     assert stop.value.state == states[-1]
 
 
-def test_curriculum_errors_name_the_phase(buckets, tmp_path):
-    names = {"web", "code", "math"}
-    good = {"tokens": 10, "mix": {"web": 1}}
-    for phase, match in [({"tokens": 10, "mix": {"maths": 1}},
-                          "curriculum phase 2: unknown bucket 'maths'"),
-                         ({"tokens": 10, "mix": {"web": -0.1, "code": 1}},
-                          "phase 2: weight of 'web' is -0.1"),
-                         ({"tokens": 10, "mix": {}}, "curriculum phase 2: empty mix"),
-                         ({"tokens": 0, "mix": {"web": 1}},
-                          "curriculum phase 2: 'tokens' must be a positive integer"),
-                         ({"tokens": 10, "mix": {"web": 0}},
-                          "curriculum phase 2: every weight is 0"),
-                         ({"tokens": 10, "weights": {"web": 1}},
-                          "curriculum phase 2: unknown keys")]:
-        with pytest.raises(ValueError, match=match):
-            load_curriculum([good, phase], names)
-    with pytest.warns(UserWarning, match="curriculum phase 1: weights sum to 2, normalised to 1"):
-        phases = load_curriculum([{"duration_tokens": 10, "mix": {"web": 1.5, "code": 0.5}}],
-                                 names)
-    assert phases[0].mix == {"code": 0.25, "web": 0.75}
-    # files: YAML (GPT-Simple's shape) and JSON give the same curriculum
-    (tmp_path / "c.yaml").write_text("data:\n  curriculum:\n    - duration_tokens: 5_000\n"
-                                     "      mix: {web: 0.6, code: 0.4}\n")
-    (tmp_path / "c.json").write_text(
-        json.dumps([{"tokens": 5000, "mix": {"web": 0.6, "code": 0.4}}]))
-    assert (load_curriculum(str(tmp_path / "c.yaml"), names)
-            == load_curriculum(str(tmp_path / "c.json"), names))
+def test_the_loader_names_an_unknown_bucket(buckets):
+    # (the curriculum's own errors: tests/data/mixtures/test_curriculum.py)
     with pytest.raises(ValueError, match="unknown bucket 'maths'"):
         MIX(2, 16, "train", [{"tokens": 10, "mix": {"maths": 1}}], data_dir=buckets, **KW)
 

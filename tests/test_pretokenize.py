@@ -1,11 +1,10 @@
 """
-Tests for nanochat/pretokenize.py: the .bin/.idx bytes field by field, the round trip through
-TokenShard (uint16 and uint32), crash-safe writing, windowing in both conventions (hypothesis
-property tests plus the docstring's worked examples; GPT-Simple's labelling rule on gpt-simple
-entries), a clear error naming the file for every kind of damaged pair, and the CLI end to end:
-parquet and jsonl inputs, 2 worker processes, --convention, rerun-skips, resume after a killed run
-or Ctrl-C (one line, exit status 130), and --rank/--world-size. Hermetic: tiny shards and a
-300-token tokenizer trained in-process, all under tmp_path. Run:
+`python -m nanochat.pretokenize` end to end (nanochat/pretokenize.py and the run it drives):
+parquet and jsonl inputs, windowed and whole, 2 worker processes, --convention, rerun-skips, resume
+after a killed run or Ctrl-C (one line, exit status 130), --rank/--world-size, two runs on one
+output, a dead worker, and bad arguments. The format and the windows have their own tests in
+tests/data/pretokenized/. Hermetic: tiny shards and a 300-token tokenizer trained in-process, all
+under tmp_path. Run:
     python -m pytest tests/test_pretokenize.py -q
 """
 
@@ -14,9 +13,7 @@ import json
 import os
 import random
 import re
-import shutil
 import socket
-import struct
 import subprocess
 import sys
 import time
@@ -24,17 +21,14 @@ from concurrent.futures.process import BrokenProcessPool
 
 import numpy as np
 import pytest
-from hypothesis import given, settings
-from hypothesis import strategies as st
 
-from conftest import assert_interrupted, ctrl_c, worker_env, write_shards
-from nanochat import pretokenize
-from nanochat.pretokenize import INTERRUPTED, main, window_document, window_gpt_simple
-from nanochat.data.pretokenized.token_shards import (MAGIC, VERSION, TokenShard, list_token_shards,
-                                                     write_token_shard)
+from conftest import (assert_interrupted, ctrl_c, gpt_simple_windows, worker_env,
+                      write_shards)
+from nanochat.data.processing import pair_workers
+from nanochat.data.pretokenized.token_shards import TokenShard, list_token_shards
+from nanochat.data.processing.windows import window_document
+from nanochat.pretokenize import INTERRUPTED, main
 from nanochat.tokenizer import RustBPETokenizer
-
-BOS = 9  # a stand-in BOS id for the format and windowing tests
 
 
 def _texts(seed: int, n: int) -> list[str]:
@@ -70,14 +64,6 @@ def parquet_dir(tmp_path):
     return data_dir
 
 
-def _write_tiny(prefix) -> None:
-    """3 entries of 3, 1 and 4 uint16 tokens; the last is a window whose first 2 tokens after BOS
-    repeat."""
-    entries = [np.array([BOS, 1, 2], np.uint16), np.array([BOS], np.uint16),
-               np.array([BOS, 3, 4, 5], np.uint16)]
-    write_token_shard(str(prefix), entries, [0, 0, 2], np.uint16)
-
-
 def _files(directory) -> dict:
     """{relative path: (bytes, mtime_ns)} of every file under directory but the lock files: the
     output's, which every run rewrites (it names the run holding the output), and each pair's
@@ -91,354 +77,6 @@ def _files(directory) -> dict:
             with open(path, "rb") as f:
                 out[os.path.relpath(path, directory)] = (f.read(), os.stat(path).st_mtime_ns)
     return out
-
-
-# -----------------------------------------------------------------------------
-# The format, byte by byte
-
-
-def test_idx_and_bin_bytes_field_by_field(tmp_path):
-    _write_tiny(tmp_path / "tiny")
-    with open(tmp_path / "tiny.idx", "rb") as f:
-        idx = f.read()
-    assert idx[0:4] == b"GPTS" == MAGIC
-    assert struct.unpack_from("<I", idx, 4) == (1,) == (VERSION,)
-    assert struct.unpack_from("<I", idx, 8) == (2,)  # uint16 tokens
-    assert struct.unpack_from("<I", idx, 12) == (3,)  # entries
-    assert struct.unpack_from("<4q", idx, 16) == (0, 3, 4, 8)  # offsets, then the total as sentinel
-    assert struct.unpack_from("<3H", idx, 16 + 8 * 4) == (0, 0, 2)  # overlap prefixes
-    assert len(idx) == 16 + 8 * 4 + 2 * 3
-    with open(tmp_path / "tiny.bin", "rb") as f:
-        assert f.read() == struct.pack("<8H", BOS, 1, 2, BOS, BOS, 3, 4, 5)
-    assert sorted(os.listdir(tmp_path)) == ["tiny.bin", "tiny.idx"]  # no temporary files left
-
-
-def test_round_trip_through_token_shard(tmp_path):
-    _write_tiny(tmp_path / "tiny")
-    for path in (tmp_path / "tiny", tmp_path / "tiny.idx", str(tmp_path / "tiny.bin")):
-        shard = TokenShard(str(path))
-        assert shard.prefix == str(tmp_path / "tiny")
-        assert (shard.idx_path, shard.bin_path) == (shard.prefix + ".idx", shard.prefix + ".bin")
-        assert len(shard) == 3 and shard.dtype == np.uint16
-        assert shard.offsets.dtype == np.int64 and shard.offsets.tolist() == [0, 3, 4, 8]
-        assert shard.overlaps.dtype == np.uint16 and shard.overlaps.tolist() == [0, 0, 2]
-        assert shard.lengths().tolist() == [3, 1, 4]
-        assert [shard.entry(i).tolist() for i in range(3)] == [[BOS, 1, 2], [BOS], [BOS, 3, 4, 5]]
-        assert shard.entry(-1).tolist() == [BOS, 3, 4, 5]
-        # a plain view of the memory map (not a copy): its base is the np.memmap of the .bin
-        assert isinstance(shard.tokens.base, np.memmap) and shard.tokens.dtype == np.uint16
-        assert not shard.tokens.flags.writeable and not shard.tokens.flags.owndata
-        with pytest.raises(ValueError):
-            shard.tokens[0] = 1  # read-only
-        with pytest.raises(IndexError, match="entry 3 is out of range"):
-            shard.entry(3)
-
-
-def test_uint32_when_ids_exceed_uint16(tmp_path):
-    big = [np.array([70_000, 1, 2**32 - 1], np.int64), np.array([65_536], np.int64)]
-    write_token_shard(str(tmp_path / "big"), big, [0, 0], np.uint32)
-    with open(tmp_path / "big.idx", "rb") as f:
-        assert struct.unpack_from("<I", f.read(), 8) == (4,)
-    with open(tmp_path / "big.bin", "rb") as f:
-        assert f.read() == struct.pack("<4I", 70_000, 1, 2**32 - 1, 65_536)
-    shard = TokenShard(str(tmp_path / "big"))
-    assert shard.dtype == np.uint32
-    assert [shard.entry(i).tolist() for i in range(2)] == [[70_000, 1, 2**32 - 1], [65_536]]
-    # the same ids do not fit uint16: refused, and nothing is left on disk
-    with pytest.raises(ValueError, match="do not fit uint16; use uint32"):
-        write_token_shard(str(tmp_path / "small"), big, [0, 0], np.uint16)
-    assert not [f for f in os.listdir(tmp_path) if f.startswith("small")]
-
-
-def test_empty_shard(tmp_path):
-    write_token_shard(str(tmp_path / "empty"), [], [], np.uint16)
-    assert os.path.getsize(tmp_path / "empty.bin") == 0
-    shard = TokenShard(str(tmp_path / "empty"))
-    assert len(shard) == 0 and shard.offsets.tolist() == [0] and len(shard.tokens) == 0
-
-
-def test_write_rejects_bad_arguments_and_leaves_nothing(tmp_path):
-    prefix = str(tmp_path / "bad")
-    one = [np.array([BOS, 1], np.uint16)]
-    with pytest.raises(ValueError, match="uint16 or uint32, got int32"):
-        write_token_shard(prefix, one, [0], np.int32)
-    with pytest.raises(ValueError, match="entry 0 has 2 tokens and an overlap prefix of 3"):
-        write_token_shard(prefix, one, [3], np.uint16)
-    with pytest.raises(ValueError):  # one overlap too many
-        write_token_shard(prefix, one, [0, 0], np.uint16)
-    with pytest.raises(ValueError, match="1-D"):
-        write_token_shard(prefix, [np.zeros((2, 2), np.uint16)], [0], np.uint16)
-
-    def failing():
-        yield np.array([BOS, 1], np.uint16)
-        raise OSError("disk went away")
-
-    with pytest.raises(OSError, match="disk went away"):
-        write_token_shard(prefix, failing(), [0, 0], np.uint16)
-    assert os.listdir(tmp_path) == []
-
-
-def test_write_replaces_an_existing_pair(tmp_path):
-    _write_tiny(tmp_path / "tiny")
-    write_token_shard(str(tmp_path / "tiny"), [np.array([BOS, 7], np.uint16)], [0], np.uint16)
-    shard = TokenShard(str(tmp_path / "tiny"))
-    assert len(shard) == 1 and shard.entry(0).tolist() == [BOS, 7]
-
-
-def test_reads_a_gpt_simple_shard(tmp_path):
-    # GPT-Simple's convention: no BOS, EOD after a short document and after a document's last
-    # window, the overlap prefix counting the entry's leading tokens. Same format, so TokenShard
-    # reads it.
-    EOD = 50256
-    entries = [np.array([1, 2, EOD], np.uint16),  # a short document
-               # 2 windows
-               np.array([10, 11, 12, 13], np.uint16), np.array([12, 13, 14, EOD], np.uint16)]
-    write_token_shard(str(tmp_path / "gpts"), entries, [0, 0, 2], np.uint16)
-    shard = TokenShard(str(tmp_path / "gpts"))
-    assert [shard.entry(i).tolist() for i in range(3)] == [e.tolist() for e in entries]
-    # the loader prepends BOS where an entry lacks it: the overlap then sits right after the BOS,
-    # as in ours
-    with_bos = [[BOS] + shard.entry(i).tolist() for i in range(3)]
-    o = int(shard.overlaps[2])
-    assert with_bos[2][1:1 + o] == with_bos[1][-o:] == [12, 13]
-
-
-def test_list_token_shards_lists_complete_pairs_only(tmp_path):
-    for name in ("b", "a"):
-        _write_tiny(tmp_path / name)
-    _write_tiny(tmp_path / "lone_bin")
-    os.remove(tmp_path / "lone_bin.idx")  # a run killed between the two renames
-    _write_tiny(tmp_path / "lone_idx")
-    os.remove(tmp_path / "lone_idx.bin")
-    for name in ("killed.bin.tmp", "killed.idx.tmp", "notes.txt"):
-        (tmp_path / name).write_bytes(b"partial")
-    os.makedirs(tmp_path / "sub")
-    _write_tiny(tmp_path / "sub" / "nested")  # not recursive
-    assert list_token_shards(str(tmp_path)) == [str(tmp_path / "a"), str(tmp_path / "b")]
-    with pytest.raises(FileNotFoundError, match="does not exist"):
-        list_token_shards(str(tmp_path / "nowhere"))
-
-
-# -----------------------------------------------------------------------------
-# Windowing
-
-
-def test_window_worked_example_from_the_docstring():
-    doc = np.array([BOS] + list(range(100, 110)), np.uint16)  # BOS d0..d9
-    windows = window_document(doc, 6, 2)
-    assert [(w.tolist(), o) for w, o in windows] == [
-        ([BOS, 100, 101, 102, 103, 104], 0),
-        ([BOS, 103, 104, 105, 106, 107], 2),
-        ([BOS, 106, 107, 108, 109], 2),
-    ]
-    assert all(w.dtype == np.uint16 for w, _ in windows)
-    # with no overlap, windows tile the document
-    assert [w.tolist() for w, _ in window_document(doc, 6, 0)] == [
-        [BOS, 100, 101, 102, 103, 104], [BOS, 105, 106, 107, 108, 109]]
-    # an entry that fits is returned whole
-    assert [(w.tolist(), o) for w, o in window_document(doc[:6], 6, 2)] == [(doc[:6].tolist(), 0)]
-
-
-@settings(max_examples=300, deadline=None)
-@given(doc_len=st.integers(0, 200), max_length=st.integers(2, 40), data=st.data())
-def test_windows_property(doc_len, max_length, data):
-    overlap = data.draw(st.integers(0, max(0, min(max_length // 2, max_length - 2))))
-    doc = np.arange(1000, 1000 + doc_len, dtype=np.uint32)  # distinct, so any misplacement shows
-    windows = window_document(np.concatenate(([BOS], doc)).astype(np.uint32), max_length, overlap)
-    rebuilt = []
-    for k, (w, o) in enumerate(windows):
-        assert 1 <= len(w) <= max_length and w[0] == BOS and w.dtype == np.uint32
-        assert o == (overlap if k > 0 else 0)
-        if k > 0:
-            # the overlap is the previous window's last O document tokens, and something new follows
-            if o:
-                assert w[1:1 + o].tolist() == windows[k - 1][0][-o:].tolist()
-            assert w[1:1 + o].tolist() == rebuilt[len(rebuilt) - o:]
-            assert len(w) > 1 + o
-        rebuilt += w[1 + o:].tolist()
-    assert rebuilt == doc.tolist()
-    assert len(windows) == 1 or len(windows[0][0]) == max_length  # window 0 is always full
-    assert all(len(w) == max_length for w, _ in windows[:-1])
-
-
-def test_window_arguments_are_checked():
-    doc = np.arange(20, dtype=np.uint16)
-    with pytest.raises(ValueError, match=r"overlap_size 5 .* max_length // 2 = 4 \(max_length 8\)"):
-        window_document(doc, 8, 5)
-    with pytest.raises(ValueError, match="overlap_size -1"):
-        window_document(doc, 8, -1)
-    with pytest.raises(ValueError, match="max_length must be >= 2"):
-        window_document(doc, 1, 0)
-    with pytest.raises(ValueError, match="no new token per window at max_length 2"):
-        window_document(doc, 2, 1)
-
-
-# GPT-Simple's convention: the document + EOD, no BOS; the overlap prefix counts the entry's
-# leading tokens
-
-EOD = 9  # the stand-in BOS, which --convention gpt-simple writes as EOD
-
-
-def gpt_simple_windows(tokens: list[int], max_length: int,
-                       overlap: int) -> list[tuple[list[int], int]]:
-    """The reference, from the definition with plain lists: window k holds tokens
-    [k * step, k * step + L) (step = L - O), and a window is written only if it holds a token that
-    no earlier one had."""
-    windows, k = [], 0
-    while True:
-        first = k * (max_length - overlap)
-        windows.append((tokens[first:first + max_length], overlap if k else 0))
-        if first + max_length >= len(tokens):
-            return windows
-        k += 1
-
-
-def test_gpt_simple_window_worked_example():
-    doc = np.array(list(range(100, 110)) + [EOD], np.uint16)  # d0..d9 EOD: 11 tokens
-    windows = window_gpt_simple(doc, 6, 2)
-    assert [(w.tolist(), o) for w, o in windows] == [
-        ([100, 101, 102, 103, 104, 105], 0),
-        # 104 105 repeat window 0's end: the entry's first 2 tokens
-        ([104, 105, 106, 107, 108, 109], 2),
-        # only the last window holds the EOD; no window of repeated tokens alone
-        ([108, 109, EOD], 2),
-    ]
-    assert all(w.dtype == np.uint16 and w.base is doc for w, _ in windows)  # views, no copies
-    # the tokens and EOD fit: one entry
-    assert [(w.tolist(), o) for w, o in window_gpt_simple(doc, 11, 2)] == [(doc.tolist(), 0)]
-    # a document of exactly L tokens: its EOD is a window alone (GPT-Simple's writer would make it
-    # L + 1 long)
-    assert [(w.tolist(), o) for w, o in window_gpt_simple(doc[-7:], 6, 0)] == [
-        ([104, 105, 106, 107, 108, 109], 0), ([EOD], 0)]
-    assert [(w.tolist(), o) for w, o in window_gpt_simple(np.array([EOD], np.uint16), 6, 2)] == [
-        ([EOD], 0)]
-    with pytest.raises(ValueError, match=r"overlap_size 4 .* max_length // 2 = 3"):
-        window_gpt_simple(doc, 6, 4)
-
-
-@settings(max_examples=300, deadline=None)
-@given(doc_len=st.integers(0, 200), max_length=st.integers(2, 40), data=st.data())
-def test_gpt_simple_windows_property(doc_len, max_length, data):
-    overlap = data.draw(st.integers(0, max(0, min(max_length // 2, max_length - 2))))
-    tokens = np.arange(1000, 1000 + doc_len + 1, dtype=np.uint32)
-    tokens[-1] = EOD
-    windows = window_gpt_simple(tokens, max_length, overlap)
-    assert [(w.tolist(), o) for w, o in windows] == gpt_simple_windows(
-        tokens.tolist(), max_length, overlap)
-    rebuilt = []
-    for k, (w, o) in enumerate(windows):
-        assert 1 <= len(w) <= max_length and w.dtype == np.uint32
-        assert o == (overlap if k else 0) and len(w) > o  # each window brings a new token
-        # the leading O tokens repeat the previous window
-        assert w[:o].tolist() == rebuilt[len(rebuilt) - o:]
-        assert (w == EOD).sum() == (k == len(windows) - 1)  # the EOD, in the last window only
-        rebuilt += w[o:].tolist()
-    assert rebuilt == tokens.tolist()
-    assert all(len(w) == max_length for w, _ in windows[:-1])
-
-
-@settings(max_examples=300, deadline=None)
-@given(lengths=st.lists(st.integers(0, 60), min_size=1, max_size=8), max_length=st.integers(2, 24),
-       data=st.data())
-def test_gpt_simple_labels_train_each_token_once(lengths, max_length, data):
-    """GPT-Simple's documented labelling rule (its loader's; written here in a few lines), applied
-    to our gpt-simple entries of several documents packed in order: labels are the input ids (the
-    model shifts them, so labels[0] trains nothing), labels[pos:pos+O] = -100 for an entry with
-    overlap prefix O at position pos, and the label right after each EOD is -100. What is trained
-    is each document's tokens after its first (which follows the previous EOD), then its EOD: every
-    token once, none twice, none lost. And no entry is longer than max_length, so GPT-Simple's
-    loader at that max_length crops none."""
-    overlap = data.draw(st.integers(0, max(0, min(max_length // 2, max_length - 2))))
-    documents, entries, next_id = [], [], 1000
-    for n in lengths:
-        # distinct ids, so a misplaced one shows
-        documents.append(list(range(next_id, next_id + n)))
-        next_id += n
-        entries += window_gpt_simple(np.array(documents[-1] + [EOD], np.uint32), max_length,
-                                     overlap)
-    assert all(len(entry) <= max_length for entry, _ in entries)
-    inputs = [int(t) for entry, _ in entries for t in entry]
-    labels, pos = list(inputs), 0
-    for entry, o in entries:
-        labels[pos:pos + o] = [-100] * o
-        pos += len(entry)
-    for i in range(1, len(inputs)):
-        if inputs[i - 1] == EOD:
-            labels[i] = -100
-    assert [t for t in labels[1:] if t != -100] == [t for doc in documents
-                                                    for t in (doc + [EOD])[1:]]
-
-
-# -----------------------------------------------------------------------------
-# Damaged pairs
-
-
-def _patch(path, offset: int, data: bytes) -> None:
-    with open(path, "r+b") as f:
-        f.seek(offset)
-        f.write(data)
-
-
-def _truncate(path, size: int) -> None:
-    with open(path, "r+b") as f:
-        f.truncate(size)
-
-
-def _append(path, data: bytes) -> None:
-    with open(path, "ab") as f:
-        f.write(data)
-
-
-OFFSETS_AT, OVERLAPS_AT = 16, 16 + 8 * 4  # in the tiny pair: 3 entries of 3, 1, 4 tokens
-CORRUPTIONS = {
-    # name: (damage(prefix), exception, the file the message names, what the message says)
-    "missing idx": (lambda p: os.remove(p + ".idx"), FileNotFoundError, ".idx", "does not exist"),
-    "missing bin": (lambda p: os.remove(p + ".bin"), FileNotFoundError, ".bin", "does not exist"),
-    "bad magic": (lambda p: _patch(p + ".idx", 0, b"GPTX"), ValueError, ".idx",
-                  "not the magic b'GPTS'"),
-    "unknown version": (lambda p: _patch(p + ".idx", 4, struct.pack("<I", 2)), ValueError, ".idx",
-                        "format version 2; this code reads version 1"),
-    "unknown dtype code": (lambda p: _patch(p + ".idx", 8, struct.pack("<I", 8)), ValueError,
-                           ".idx", "dtype code 8"),
-    "header cut": (lambda p: _truncate(p + ".idx", 10), ValueError, ".idx",
-                   "shorter than the 16-byte header"),
-    "index shorter than header says": (lambda p: _truncate(p + ".idx", OVERLAPS_AT + 4),
-                                       ValueError, ".idx",
-                                       "shorter than its header says: 3 entries need 54 bytes"),
-    "count larger than the index": (lambda p: _patch(p + ".idx", 12, struct.pack("<I", 4)),
-                                    ValueError, ".idx",
-                                    "shorter than its header says: 4 entries need 64 bytes"),
-    "index longer than header says": (lambda p: _append(p + ".idx", b"\0\0"), ValueError, ".idx",
-                                      "2 more than its header's 3 entries need"),
-    "first offset not 0": (lambda p: _patch(p + ".idx", OFFSETS_AT, struct.pack("<q", 1)),
-                           ValueError, ".idx", "first offset is 1, it must be 0"),
-    "offsets decrease": (lambda p: _patch(p + ".idx", OFFSETS_AT + 16, struct.pack("<q", 2)),
-                         ValueError, ".idx", r"offsets decrease at entry 1 \(3 -> 2\)"),
-    "last offset past the bin": (
-        lambda p: _patch(p + ".idx", OFFSETS_AT + 24, struct.pack("<q", 9)), ValueError, ".idx",
-        r"last offset 9 \(18 bytes of uint16\) is past the end of .*16 bytes"),
-    "bin truncated": (lambda p: _truncate(p + ".bin", 14), ValueError, ".idx", "past the end"),
-    "bin too long": (lambda p: _append(p + ".bin", b"\0\0"), ValueError, ".bin",
-                     "has 18 bytes, but its index .* says 8 tokens x 2 bytes = 16"),
-    "bin odd size": (lambda p: _append(p + ".bin", b"\0"), ValueError, ".bin", "has 17 bytes"),
-    "overlap longer than entry": (
-        lambda p: _patch(p + ".idx", OVERLAPS_AT + 2, struct.pack("<H", 2)), ValueError, ".idx",
-        "entry 1 has an overlap prefix of 2 tokens but only 1 tokens"),
-}
-
-
-@pytest.mark.parametrize("name", list(CORRUPTIONS))
-def test_damaged_pair_names_file_and_problem(tmp_path, name):
-    damage, exc_type, ext, message = CORRUPTIONS[name]
-    good, bad = str(tmp_path / "good"), str(tmp_path / "bad")
-    _write_tiny(good)
-    for ext_ in (".idx", ".bin"):
-        shutil.copyfile(good + ext_, bad + ext_)
-    damage(bad)
-    with pytest.raises(exc_type, match=message) as info:
-        TokenShard(bad)
-    assert bad + ext in str(info.value)
-    assert len(TokenShard(good)) == 3  # the original is untouched
 
 
 # -----------------------------------------------------------------------------
@@ -849,13 +487,13 @@ def test_cli_plain_run_and_a_rank_on_one_output_at_once(many_inputs, tmp_path):
                                                      for i in range(24)]
 
 
-def _die(job):
+def _die(pair):
     os._exit(3)  # a worker killed mid-shard (the OOM killer, kill -9)
 
 
 def test_cli_dead_worker_fails_the_run(parquet_dir, tokenizer_dir, tmp_path, monkeypatch):
     # the pool pickles the task function by name, so spawned workers run this module's _die
-    monkeypatch.setattr(pretokenize, "_run_job", _die)
+    monkeypatch.setattr(pair_workers, "write_in_worker", _die)
     out = str(tmp_path / "tokens")
     with pytest.raises(BrokenProcessPool):
         main(["--input", parquet_dir, "--output", out, "--tokenizer-dir", tokenizer_dir,
@@ -884,3 +522,4 @@ def test_cli_rejects_bad_arguments(parquet_dir, tokenizer_dir, tmp_path, capsys)
     with pytest.raises(ValueError, match="drop --val-input"):
         main(base + ["--val-input", parquet_dir])
     assert not os.path.exists(tmp_path / "out" / "train")  # nothing was written
+

@@ -10,6 +10,7 @@ resume, shard_cache), import these folders; a nanochat checkout gets the three f
     pretokenized/  token shards (.bin/.idx): their format, layout and reader
     streaming/     the cache that fetches shards just ahead of the reader, within cache_limit
     loader/        one rank's walk from shards to packed rows, its worker, resume and figures
+    processing/    writing token shards: pretokenize's run, from its inputs to the pairs on disk
     mixtures/      buckets over loaders, with weights over the tokens
 
 May import: a folder imports its own modules, the folders its __init__.py names (lower floors in

@@ -4,21 +4,18 @@ A curriculum is an ordered list of phases, each a token budget and a mix of buck
 are the subdirectories of a pretokenized data directory. validate() sets the tokens each phase
 demands of each bucket against what the buckets (and each rank's share of them) hold, less the
 estimated crop; row_unit() and choose() pick the bucket of each row of each rank. `python -m
-nanochat.mixture validate` is main() below; the loader itself is mixture.py.
+nanochat.mixture validate` prints validate()'s table; the draw itself is mix.py.
 
 Design: docs/mixtures.md
 
-May import: nanochat.data.base.checks, nanochat.data.base.cli,
-nanochat.data.pretokenized.token_shards, nanochat.data.base.shuffle,
-nanochat.data.pretokenized.layout, nanochat.data.base.packing, pyyaml, numpy.
+May import: nanochat.data.base.checks, nanochat.data.base.shuffle, nanochat.data.base.packing,
+nanochat.data.pretokenized.token_shards, nanochat.data.pretokenized.layout, pyyaml, numpy.
 """
 
-import argparse
 import hashlib
 import json
 import math
 import os
-import sys
 import warnings
 from typing import NamedTuple
 
@@ -26,7 +23,6 @@ import numpy as np
 import yaml
 
 from nanochat.data.base.checks import is_int
-from nanochat.data.base.cli import run
 from nanochat.data.pretokenized.layout import check_kind
 from nanochat.data.base.packing import POLICIES
 from nanochat.data.base.shuffle import Shuffle
@@ -75,18 +71,7 @@ def load_curriculum(spec, buckets=None) -> list[Phase]:
     weight}}. Weights that do not sum to 1 are normalised with a warning; an unknown bucket (when
     `buckets` is given), a negative weight, an empty mix or a bad token count is a ValueError naming
     the phase."""
-    source = "curriculum"
-    if isinstance(spec, (str, os.PathLike)):
-        path = source = os.path.expanduser(os.fspath(spec))
-        if not os.path.isfile(path):
-            raise FileNotFoundError(f"curriculum file {path} does not exist")
-        with open(path) as f:
-            text = f.read()
-        try:  # JSON is YAML too, but its own parser gives the better message for a .json file
-            spec = json.loads(text) if path.endswith(".json") else yaml.safe_load(text)
-        except (ValueError, yaml.YAMLError) as e:
-            kind = "JSON" if path.endswith(".json") else "YAML"
-            raise ValueError(f"{path} is not valid {kind}: {e}") from None
+    spec, source = _read_spec(spec)
     if isinstance(spec, dict):
         if "curriculum" not in spec and isinstance(spec.get("data"), dict):
             spec = spec["data"]  # GPT-Simple's config: data: {curriculum: [...]}
@@ -98,43 +83,63 @@ def load_curriculum(spec, buckets=None) -> list[Phase]:
         raise ValueError(f"{source}: the curriculum must be a non-empty list of phases, got "
                          f"{spec!r}")
     phases = []
-    for i, phase in enumerate(spec, 1):
-        where = f"curriculum phase {i}"  # every message names the phase, counted from 1
-        if not isinstance(phase, dict):
-            raise ValueError(f"{where}: expected a mapping with 'tokens' and 'mix', got {phase!r}")
-        unknown_keys = set(phase) - {"tokens", "duration_tokens", "mix"}
-        if unknown_keys:
-            raise ValueError(f"{where}: unknown keys {sorted(unknown_keys)} (a phase has 'tokens' "
-                             "and 'mix')")
-        tokens = phase.get("tokens", phase.get("duration_tokens"))  # GPT-Simple's name too
-        if isinstance(tokens, float) and tokens.is_integer():  # YAML reads 5e9 as a float
-            tokens = int(tokens)
-        # is_int, not check_int: the message names the phase and says "positive"
-        if not is_int(tokens) or tokens < 1:
-            raise ValueError(f"{where}: 'tokens' must be a positive integer, got {tokens!r}")
-        mix = phase.get("mix")
-        if not isinstance(mix, dict) or not mix:
-            raise ValueError(f"{where}: empty mix; give {{bucket: weight, ...}}")
-        for name, weight in mix.items():
-            if buckets is not None and name not in buckets:
-                raise ValueError(f"{where}: unknown bucket {name!r} (buckets: "
-                                 f"{', '.join(sorted(buckets))})")
-            # a weight is any finite number; True would slip through as 1
-            if (isinstance(weight, bool) or not isinstance(weight, (int, float))
-                    or not math.isfinite(weight)):
-                raise ValueError(f"{where}: weight of {name!r} must be a number, got {weight!r}")
-            if weight < 0:
-                raise ValueError(f"{where}: weight of {name!r} is {weight}; weights must be >= 0")
-        total = sum(mix.values())
-        if total <= 0:
-            raise ValueError(f"{where}: every weight is 0; give at least one bucket a positive "
-                             "weight")
-        if abs(total - 1) > 1e-9:  # 1e-9: 0.7 + 0.1 + 0.1 + 0.1 is not exactly 1 in floats
-            warnings.warn(f"{where}: weights sum to {total:g}, normalised to 1", stacklevel=2)
-        # sorted and without zero weights: the mix's order decides choose(), whatever the file's
-        phases.append(Phase(tokens, {name: mix[name] / total for name in sorted(mix)
-                                     if mix[name] > 0}))
+    for i, phase in enumerate(spec, 1):  # (a loop, not a comprehension: see _phase's warning)
+        phases.append(_phase(f"curriculum phase {i}", phase, buckets))  # named from 1
     return phases
+
+
+def _read_spec(spec) -> tuple:
+    """(the curriculum as given or as its file holds it, what messages call it)."""
+    if not isinstance(spec, (str, os.PathLike)):
+        return spec, "curriculum"
+    path = os.path.expanduser(os.fspath(spec))
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"curriculum file {path} does not exist")
+    with open(path) as f:
+        text = f.read()
+    try:  # JSON is YAML too, but its own parser gives the better message for a .json file
+        return (json.loads(text) if path.endswith(".json") else yaml.safe_load(text)), path
+    except (ValueError, yaml.YAMLError) as e:
+        kind = "JSON" if path.endswith(".json") else "YAML"
+        raise ValueError(f"{path} is not valid {kind}: {e}") from None
+
+
+def _phase(where: str, phase, buckets) -> Phase:
+    """One phase of a curriculum, checked (where: what messages call it)."""
+    if not isinstance(phase, dict):
+        raise ValueError(f"{where}: expected a mapping with 'tokens' and 'mix', got {phase!r}")
+    unknown_keys = set(phase) - {"tokens", "duration_tokens", "mix"}
+    if unknown_keys:
+        raise ValueError(f"{where}: unknown keys {sorted(unknown_keys)} (a phase has 'tokens' "
+                         "and 'mix')")
+    tokens = phase.get("tokens", phase.get("duration_tokens"))  # GPT-Simple's name too
+    if isinstance(tokens, float) and tokens.is_integer():  # YAML reads 5e9 as a float
+        tokens = int(tokens)
+    # is_int, not check_int: the message names the phase and says "positive"
+    if not is_int(tokens) or tokens < 1:
+        raise ValueError(f"{where}: 'tokens' must be a positive integer, got {tokens!r}")
+    mix = phase.get("mix")
+    if not isinstance(mix, dict) or not mix:
+        raise ValueError(f"{where}: empty mix; give {{bucket: weight, ...}}")
+    for name, weight in mix.items():
+        if buckets is not None and name not in buckets:
+            raise ValueError(f"{where}: unknown bucket {name!r} (buckets: "
+                             f"{', '.join(sorted(buckets))})")
+        # a weight is any finite number; True would slip through as 1
+        if (isinstance(weight, bool) or not isinstance(weight, (int, float))
+                or not math.isfinite(weight)):
+            raise ValueError(f"{where}: weight of {name!r} must be a number, got {weight!r}")
+        if weight < 0:
+            raise ValueError(f"{where}: weight of {name!r} is {weight}; weights must be >= 0")
+    total = sum(mix.values())
+    if total <= 0:
+        raise ValueError(f"{where}: every weight is 0; give at least one bucket a positive "
+                         "weight")
+    if abs(total - 1) > 1e-9:  # 1e-9: 0.7 + 0.1 + 0.1 + 0.1 is not exactly 1 in floats
+        # stacklevel 3: the warning points at load_curriculum's caller
+        warnings.warn(f"{where}: weights sum to {total:g}, normalised to 1", stacklevel=3)
+    # sorted and without zero weights: the mix's order decides choose(), whatever the file's
+    return Phase(tokens, {name: mix[name] / total for name in sorted(mix) if mix[name] > 0})
 
 
 class Shares(NamedTuple):
@@ -243,23 +248,12 @@ def validate(curriculum, data_dir: str, split: str = "train", *, total_tokens: i
     buckets = list_buckets(data_dir, split)
     loaded = isinstance(curriculum, list) and all(isinstance(p, Phase) for p in curriculum)
     phases = curriculum if loaded else load_curriculum(curriculum, buckets)
-    supply = {}
-    for name, paths in buckets.items():
-        shares, usable = bucket_shares(paths, chunk_size, world_size,
-                                       shuffle and shuffle.bucket(name), T, long_doc_policy)
-        crop = 1 - sum(usable) / max(1, sum(shares)) if T else None
-        supply[name] = _Supply(sum(shares), min(shares), sum(usable), min(usable), crop)
+    supply = {name: _supply(paths, chunk_size, world_size, shuffle and shuffle.bucket(name), T,
+                            long_doc_policy) for name, paths in buckets.items()}
     scale = (T + 1) / T if T else 1.0  # a row of T + 1 tokens trains T: the last is a target only
-    total = sum(p.tokens for p in phases)
-    budgets = [p.tokens for p in phases]
     rows, problems, notes = [], [], []
-    # within one step is no mismatch: a run trains whole steps
-    if total_tokens is not None and abs(total_tokens - total) >= max(1, step_tokens):
-        message = (f"budget mismatch: the curriculum totals {total:,} tokens, the run will train "
-                   f"{total_tokens:,}")
-        (notes if allow_budget_mismatch else problems).append(message)
-        if allow_budget_mismatch and total_tokens > total:
-            budgets[-1] += total_tokens - total  # the last phase goes on
+    budgets = _budgets(phases, total_tokens, step_tokens, allow_budget_mismatch,
+                       notes if allow_budget_mismatch else problems)
     demanded: dict[str, float] = dict.fromkeys(buckets, 0.0)
     told: dict[str, str] = {}  # bucket -> the status its message told ("SHORT" or "CROP")
     phase_start = 0  # job tokens trained before the phase
@@ -290,6 +284,29 @@ def validate(curriculum, data_dir: str, split: str = "train", *, total_tokens: i
             (problems if blocking else notes).append(message)
         phase_start += budget
     return rows, problems, notes
+
+
+def _supply(paths: list[str], chunk_size: int, world_size: int, shuffle: Shuffle | None,
+            T: int | None, long_doc_policy: str) -> _Supply:
+    """A bucket's tokens, all ranks and the smallest rank's share, before and after the crop."""
+    shares, usable = bucket_shares(paths, chunk_size, world_size, shuffle, T, long_doc_policy)
+    crop = 1 - sum(usable) / max(1, sum(shares)) if T else None
+    return _Supply(sum(shares), min(shares), sum(usable), min(usable), crop)
+
+
+def _budgets(phases: list[Phase], total_tokens: int | None, step_tokens: int,
+             allow_budget_mismatch: bool, said: list[str]) -> list[int]:
+    """Each phase's tokens; a mismatch with total_tokens is said (appended to said), and when it is
+    accepted, a longer run extends the last phase."""
+    total = sum(p.tokens for p in phases)
+    budgets = [p.tokens for p in phases]
+    # within one step is no mismatch: a run trains whole steps
+    if total_tokens is not None and abs(total_tokens - total) >= max(1, step_tokens):
+        said.append(f"budget mismatch: the curriculum totals {total:,} tokens, the run will train "
+                    f"{total_tokens:,}")
+        if allow_budget_mismatch and total_tokens > total:
+            budgets[-1] += total_tokens - total  # the last phase goes on
+    return budgets
 
 
 def _when(dry_at: float, step_tokens: int, total: int) -> str:
@@ -348,103 +365,3 @@ def choose(weights: list[tuple[str, float]], u: float) -> str:
         if u < edge:
             return name
     return weights[-1][0]  # u within rounding of 1
-
-
-# -----------------------------------------------------------------------------
-# python -m nanochat.mixture validate CONFIG --data PATH [--tokens N]
-
-
-def _positive(text: str) -> int:
-    value = int(text.replace("_", ""))  # 5_000_000 reads as in Python and YAML
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
-    return value
-
-
-def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m nanochat.mixture",
-                                     description="Check a curriculum against the buckets on disk.")
-    sub = parser.add_subparsers(dest="command", required=True)
-    check = sub.add_parser(
-        "validate", help="tokens demanded vs available per phase and bucket; exit 1 on a blocking "
-                         "problem",
-        description="Check a curriculum against the pretokenized buckets in --data before a run. "
-                    "Prints, per phase and bucket, the tokens the phase demands, those the bucket "
-                    "holds (and the smallest rank's share, with --world-size), and with --T what "
-                    "cropping long documents costs. A bucket that runs dry or a --tokens budget "
-                    "the phases do not add up to is a blocking problem (the --allow-* flags make "
-                    "it a warning). Exits 0 when there is none, 1 when there is one, 2 on bad "
-                    "input.")
-    check.add_argument("config", help="curriculum file (.yaml/.yml/.json): a list of phases or "
-                                      "{curriculum: [...]}")
-    check.add_argument("--data", required=True,
-                       help="the data directory holding <split>/<bucket>/ shards")
-    check.add_argument("--split", default="train", choices=["train", "val"])
-    check.add_argument("--tokens", type=_positive, default=None,
-                       help="tokens the run will train (all ranks)")
-    check.add_argument("--T", type=_positive, default=None,
-                       help="the loader's T: a row of T+1 tokens trains T")
-    check.add_argument("--B", type=_positive, default=None,
-                       help="the loader's B (with --T: the step, the budget's tolerance)")
-    check.add_argument("--world-size", type=_positive, default=1,
-                       help="ranks: each must hold its share (default 1)")
-    check.add_argument("--chunk-size", type=_positive, default=1024,
-                       help="the loader's chunk_size (default 1024)")
-    check.add_argument("--long-doc-policy", default="crop", choices=POLICIES,
-                       help="the loader's long_doc_policy (default crop: with --T, each bucket's "
-                            "crop is estimated)")
-    check.add_argument("--strict", action="store_true",
-                       help="a bucket that the estimated crop runs dry is an error, not a warning")
-    check.add_argument("--shuffle", action="store_true",
-                       help="the loader shuffles (shuffle=True): ranks get other chunks")
-    check.add_argument("--seed", type=int, default=0,
-                       help="the loader's seed (with --shuffle; default 0)")
-    check.add_argument("--shuffle-window", type=_positive, default=8,
-                       help="the loader's shuffle_window (default 8)")
-    check.add_argument("--allow-bucket-exhaustion", action="store_true",
-                       help="a predicted shortfall only warns")
-    check.add_argument("--allow-budget-mismatch", action="store_true",
-                       help="a budget mismatch only warns")
-    return parser
-
-
-def main(argv=None) -> int:
-    args = _parser().parse_args(argv)
-    try:
-        # one step of all ranks: the budget's tolerance (0 without --B and --T: exact)
-        step = args.B * args.T * args.world_size if args.B and args.T else 0
-        rows, problems, notes = validate(
-            args.config, args.data, args.split, total_tokens=args.tokens,
-            allow_bucket_exhaustion=args.allow_bucket_exhaustion,
-            allow_budget_mismatch=args.allow_budget_mismatch, T=args.T,
-            world_size=args.world_size, chunk_size=args.chunk_size, step_tokens=step,
-            shuffle=Shuffle(args.seed, args.shuffle_window) if args.shuffle else None,
-            long_doc_policy=args.long_doc_policy, strict=args.strict)
-    except (ValueError, OSError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    per_rank = args.world_size > 1  # the column only means something with several ranks
-    print(f"{'phase':>5s}  {'bucket':16s} {'weight':>7s} {'demanded':>16s} "
-          f"{'demanded so far':>16s} {'available':>16s}"
-          + (f" {'smallest rank share':>20s}" if per_rank else "")
-          + f" {'usable':>16s} {'crop':>5s}  status")
-    for r in rows:
-        crop = "-" if r["crop_share"] is None else f"{r['crop_share']:.2f}"
-        print(f"{r['phase']:5d}  {r['bucket']:16s} {r['weight']:7.3f} {r['demanded']:16,d} "
-              f"{r['demanded_so_far']:16,d} {r['available']:16,d}"
-              + (f" {r['smallest_rank_share']:20,d}" if per_rank else "")
-              + f" {r['usable']:16,d} {crop:>5s}  {r['status']}")
-    if args.T is None and args.long_doc_policy == "crop":
-        print("crop not estimated: give --T (and --long-doc-policy) to count it")
-    for note in notes:
-        print(f"warning: {note}")
-    for problem in problems:
-        print(f"error: {problem}")
-    print("blocking problems: " + (str(len(problems)) if problems else "none"))
-    return 1 if problems else 0
-
-
-INTERRUPTED = "validate stopped; it only reads: rerun it"  # what Ctrl-C prints (cli.run)
-
-if __name__ == "__main__":  # (documented as python -m nanochat.mixture validate)
-    run(main, INTERRUPTED)

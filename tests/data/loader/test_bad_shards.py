@@ -14,7 +14,7 @@ from conftest import ByteTokenizer, write_shards
 from nanochat.dataloader import (tokenizing_distributed_data_loader_with_state,
                                  tokenizing_distributed_data_loader_with_state_bos_bestfit)
 from nanochat.dataset import parquets_iter_batched
-from nanochat.pretokenize import pretokenize_file
+from nanochat.data.processing.tokenize_pair import pretokenize_file
 from nanochat.tokenizer import RustBPETokenizer
 
 

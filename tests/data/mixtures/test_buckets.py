@@ -243,7 +243,8 @@ def test_walkthrough_warns_before_a_long_document_bucket_runs_dry(tmp_path, toke
     loader = MIX(B, T, "train", "curriculum.yaml", data_dir="DATA", seed=0, device="cpu",
                  total_tokens=steps * B * T, resume_state_dict=None)
     # logged at the call: before step 1
-    assert [r.getMessage() for r in caplog.records if r.name == "nanochat.mixture"] == [
+    assert [r.getMessage() for r in caplog.records
+            if r.name == "nanochat.data.mixtures.mixture_plan"] == [
         "mixture: " + expected]
     done_steps = 0
     with pytest.raises(BucketExhausted) as stop:

@@ -5,7 +5,7 @@ the same shards from a local directory (in this process and with 2 worker proces
 downloaded shard is left behind; a shard gone after the listing fails alone and a rerun finishes;
 a wrong bucket or an empty prefix is a one-line error. file:// is the local directory. A store
 whose package is missing is the one-line error naming the pip install. Run:
-    python -m pytest tests/data/pretokenized/test_store_pretokenize.py -q
+    python -m pytest tests/data/processing/test_store_pretokenize.py -q
 """
 
 import os
@@ -17,7 +17,8 @@ import pytest
 
 from conftest import write_shards
 from nanochat.data.fetch import stores
-from nanochat.pretokenize import STAGING, main
+from nanochat.data.processing.inputs import STAGING
+from nanochat.pretokenize import main
 from nanochat.tokenizer import RustBPETokenizer
 
 from conftest import REPO_ROOT as ROOT

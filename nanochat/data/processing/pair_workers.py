@@ -1,0 +1,108 @@
+"""
+Pairs written on worker processes, or in this one.
+Write pairs on worker processes (spawned, one tokenizer each) or in this one, and hand back each
+input's PairResult as it completes. Ctrl-C stops a worker's pair at once, its temporary files
+removed; a worker ends with the main process, however that ends (kill -9 included). The workers
+load their tokenizer with the caller's load_tokenizer, a picklable callable with no arguments.
+
+May import: nanochat.data.processing.tokenize_pair.
+"""
+
+import contextlib
+import ctypes
+import multiprocessing
+import os
+import signal
+import sys
+import threading
+import time
+from concurrent.futures import ProcessPoolExecutor, as_completed
+
+from nanochat.data.processing.tokenize_pair import write_pair
+
+PARENT_POLL_SECONDS = 0.2  # how often a worker checks that the main process is still alive
+
+
+def pair_results(tokenizer, load_tokenizer, options: dict, pairs: list, num_workers: int):
+    """The PairResult of write_pair for each of pairs, in completion order, from num_workers
+    processes (1: this one, with tokenizer; more: each loads its own with load_tokenizer())."""
+    if num_workers <= 1:
+        for pair in pairs:
+            yield write_pair(tokenizer, options, pair)
+        return
+    # spawn: a forked child would inherit the parent's tokenizer thread pools, and maybe a held
+    # lock. A worker that dies (killed, out of memory) raises BrokenProcessPool here instead of
+    # hanging.
+    ctx = multiprocessing.get_context("spawn")
+    with ProcessPoolExecutor(num_workers, mp_context=ctx, initializer=_init_worker,
+                             initargs=(load_tokenizer, options, os.getpid())) as pool:
+        with _sigint_blocked():  # (the workers start at the first submits)
+            futures = [pool.submit(write_in_worker, pair) for pair in pairs]
+        try:
+            for future in as_completed(futures):
+                yield future.result()
+        finally:
+            for future in futures:  # on an error, do not start the inputs still queued
+                future.cancel()
+
+
+# one tokenizer per worker process, loaded by _init_worker: loading it for each pair would read and
+# parse tokenizer.json again for every input
+_worker_tokenizer = None
+_worker_options: dict = {}
+
+
+def _init_worker(load_tokenizer, options: dict, parent_pid: int) -> None:
+    global _worker_tokenizer, _worker_options
+    # Ctrl-C reaches the whole process group: between pairs the main process alone acts on it (an
+    # idle worker would print a traceback); within one, write_in_worker lets it stop the pair. It
+    # was blocked since this process started (pair_results): one sent meanwhile is dropped now
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    if hasattr(signal, "pthread_sigmask"):  # (POSIX)
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+    _exit_with_parent(parent_pid)
+    _worker_tokenizer = load_tokenizer()
+    _worker_options = options
+
+
+def write_in_worker(pair):
+    """write_pair in a worker process, with its tokenizer and options."""
+    # Ctrl-C stops the pair at once, its temporary files removed (write_token_pairs); the main
+    # process, stopped too, says so
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        return write_pair(_worker_tokenizer, _worker_options, pair)
+    finally:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
+def _exit_with_parent(parent_pid: int) -> None:
+    """End this worker when the main process ends, however it ends (kill -9 included). Left alive, a
+    worker would go on writing pairs, under the same temporary names as a rerun's workers."""
+    if sys.platform.startswith("linux"):
+        # the kernel kills us the moment the process that started us is gone (the pool is made and
+        # used on one thread: the signal comes when that thread ends)
+        PR_SET_PDEATHSIG = 1  # from <sys/prctl.h>
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+
+    def watch():  # elsewhere, and if the parent was gone before the line above ran
+        while os.getppid() == parent_pid:  # an orphan is adopted: its parent id changes
+            time.sleep(PARENT_POLL_SECONDS)
+        os._exit(1)  # at once: no cleanup that could finish a half-written pair
+
+    threading.Thread(target=watch, name="nanochat-parent-watch", daemon=True).start()
+
+
+@contextlib.contextmanager
+def _sigint_blocked():
+    """Ctrl-C held back while the block runs, then raised. A process started meanwhile starts
+    with it blocked (a signal mask is inherited), so that one still importing prints no traceback:
+    the way multiprocessing starts its resource tracker."""
+    if not hasattr(signal, "pthread_sigmask"):  # (not POSIX)
+        yield
+        return
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})

@@ -1,0 +1,139 @@
+"""
+One input (a parquet shard or a jsonl file) tokenized into its .bin/.idx pair.
+Tokenize one input (a parquet shard or a jsonl file) into its .bin/.idx pair, under the pair's
+lock: a store's shard is downloaded and verified first and removed once its pair is written; a bad
+input fails alone. The tokenizer is the caller's (anything with encode_to_arrays,
+get_vocab_size and get_bos_token_id). Cost: one tokenizer pass over the input.
+
+May import: nanochat.data.base, nanochat.data.fetch, nanochat.data.processing.inputs,
+nanochat.data.pretokenized.token_shards, nanochat.data.processing.windows.
+"""
+
+import logging
+import os
+from typing import NamedTuple
+
+import numpy as np
+import pyarrow as pa
+from filelock import FileLock
+
+from nanochat.data.fetch import stores
+from nanochat.data.base.parquet import open_parquet, read_row_group_texts
+from nanochat.data.fetch.repackage import read_jsonl_texts
+from nanochat.data.fetch.errors import DownloadError
+from nanochat.data.fetch.download import download_file
+from nanochat.data.fetch.records import lock_path, record_path
+from nanochat.data.base.files import remove_if_exists
+from nanochat.data.processing.inputs import PairToWrite
+from nanochat.data.pretokenized.token_shards import CONVENTIONS, write_token_pairs
+from nanochat.data.processing.windows import window_document, window_gpt_simple
+
+logger = logging.getLogger(__name__)
+
+TEXTS_PER_BATCH = 1024  # texts per encode call: a parquet row group, and as many jsonl lines
+
+
+class PairResult(NamedTuple):
+    """What became of one input."""
+    source: str
+    stats: dict | None  # pretokenize_file's counts; None: not written by this call
+    error: str | None  # why the input failed; None with stats None: another run wrote the pair
+
+
+def write_pair(tokenizer, options: dict, pair: PairToWrite) -> PairResult:
+    """Write one pair (options: pretokenize_file's keyword arguments): its counts, the error of a
+    bad input (it fails alone), or neither when another run on this output wrote it meanwhile."""
+    path, prefix, staged = pair
+    try:
+        # no timeout: the holder is a live process writing this pair (the lock ends with it)
+        with pair_lock(prefix):
+            # written while we waited; the output is deterministic, so it is the pair we would write
+            if os.path.exists(prefix + ".idx"):
+                _unstage(staged)
+                return PairResult(path, None, None)
+            if staged is not None:  # a verified copy (a rerun finds one left by a failed run)
+                download_file(path, staged, progress=False)
+            stats = pretokenize_file(tokenizer, path if staged is None else staged, prefix,
+                                     **options)
+            _unstage(staged)
+            return PairResult(path, stats, None)
+    # BadGzipFile is an OSError, and so is a store's error
+    except (ValueError, OSError, EOFError, pa.ArrowException, DownloadError) as e:
+        return PairResult(path, None, f"{type(e).__name__}: {stores.redact(str(e))}")
+
+
+def pair_lock(prefix: str) -> FileLock:
+    """The lock a writer holds while it writes the pair at prefix. Runs on one output at once (a
+    plain run and the ranks of a --world-size N run) may have a pair in common, and would share its
+    temporary files. A hidden name beside the pair, .<name>.lock, that no listing of pairs matches;
+    left in place, since removing a lock file another process may be waiting on would let a third
+    take a new one."""
+    directory, name = os.path.split(prefix)
+    os.makedirs(directory or ".", exist_ok=True)
+    return FileLock(os.path.join(directory, f".{name}.lock"))
+
+
+def pretokenize_file(tokenizer, path: str, prefix: str, *, max_length: int | None = None,
+                     overlap: int = 0, text_field: str = "text", num_threads: int = 4,
+                     convention: str = "nanochat") -> dict:
+    """Tokenize one input shard into the pair at prefix; returns counts {documents, entries, tokens,
+    windowed} (windowed: documents longer than max_length, cut into windows). convention
+    "nanochat": an entry is [BOS] + the document; "gpt-simple": the document + EOD, where EOD is the
+    tokenizer's BOS id (nanochat has no end-of-text token: <|bos|> is its document delimiter)."""
+    if convention not in CONVENTIONS:
+        raise ValueError(f"convention must be one of {list(CONVENTIONS)}, got {convention!r}")
+    # 2 bytes a token while every id fits; the format's dtype codes allow only uint16 and uint32
+    dtype = np.uint16 if tokenizer.get_vocab_size() <= 2**16 else np.uint32
+    bos = tokenizer.get_bos_token_id()
+    gpt_simple = convention == "gpt-simple"
+    eod = np.array([bos], dtype=dtype)
+    window = window_gpt_simple if gpt_simple else window_document
+    stats = {"documents": 0, "entries": 0, "tokens": 0, "windowed": 0}
+
+    def pairs():  # a generator: one batch of documents in memory at a time, not the whole shard
+        for texts in _read_text_batches(path, text_field):
+            docs = tokenizer.encode_to_arrays(texts, prepend=None if gpt_simple else bos,
+                                              num_threads=num_threads)
+            for doc in docs:
+                if gpt_simple:
+                    doc = np.concatenate((doc, eod))
+                windows = [(doc, 0)] if max_length is None else window(doc, max_length, overlap)
+                stats["documents"] += 1
+                stats["windowed"] += int(len(windows) > 1)
+                for entry, overlap_prefix in windows:
+                    stats["entries"] += 1
+                    stats["tokens"] += len(entry)
+                    yield entry.astype(dtype, copy=False), overlap_prefix
+
+    os.makedirs(os.path.dirname(prefix) or ".", exist_ok=True)
+    write_token_pairs(prefix, pairs(), dtype)
+    logger.info("%s -> %s: %d documents, %d entries, %d tokens", path, prefix, stats["documents"],
+                stats["entries"], stats["tokens"])
+    return stats
+
+
+def _read_text_batches(path: str, text_field: str):
+    """Lists of up to TEXTS_PER_BATCH texts from a parquet shard (one row group each) or a jsonl
+    file."""
+    if path.endswith(".parquet"):
+        pf = open_parquet(path)
+        for rg_idx in range(pf.num_row_groups):
+            yield read_row_group_texts(pf, rg_idx, path)
+        return
+    batch = []
+    for text in read_jsonl_texts(path, text_field):
+        batch.append(text)
+        if len(batch) == TEXTS_PER_BATCH:
+            yield batch
+            batch = []
+    if batch:
+        yield batch
+
+
+def _unstage(staged: str | None) -> None:
+    """Remove a store's shard downloaded for a pair now written: the pair is the product, and a
+    rerun skips it, so the copy would not be read again. Its download lock goes too: only the
+    holder of the pair's lock ever takes it, so nobody can be waiting on it."""
+    if staged is not None:
+        for path in (staged, record_path(staged), lock_path(staged)):
+            remove_if_exists(path)
