@@ -11,11 +11,12 @@ nanochat/data/mixtures/mixture_state.py. Design: docs/mixtures.md.
     python -m nanochat.mixture validate CONFIG --data DATA_DIR [--tokens N] [--split train]
 
 May import: torch, numpy, nanochat.data.base.cli, nanochat.data.mixtures.curriculum,
-nanochat.data.mixtures.mixture_state, nanochat.dataloader, nanochat.data.loader.options,
+nanochat.data.mixtures.mixture_state, nanochat.dataloader, nanochat.data.loader.build,
 nanochat.data.pretokenized.token_reader, nanochat.data.loader.rows, nanochat.data.base.packing,
-nanochat.data.base.state, nanochat.data.loader.figures.
+nanochat.data.base.state.
 """
 
+import functools
 import itertools
 import logging
 import os
@@ -29,11 +30,11 @@ from nanochat.data.base.cli import run
 # main: `python -m nanochat.mixture validate ...` runs the curriculum's command line
 from nanochat.data.mixtures.curriculum import (INTERRUPTED, choose, dry_fixes, list_buckets,
                                                load_curriculum, main, row_unit, validate)
-from nanochat.dataloader import (Assembled, DataLoader, DeviceBatches, LoaderSpec, Prepared,
-                                 assemble, make_loader, row_split)
-from nanochat.data.loader.figures import start_counters, sum_counters
+from nanochat.data.loader.build import (Assembled, DataLoader, DeviceBatches, LoaderSpec,
+                                        Prepared, Run, Walk, assemble, make_loader, row_split,
+                                        start_counters, sum_counters)
 from nanochat.data.mixtures.mixture_state import add_mixture_checksum, mixture_start
-from nanochat.data.loader.options import check_options, check_shuffle, resolve_rank
+from nanochat.dataloader import check_options, check_shuffle, resolve_rank, resolve_workers
 from nanochat.data.base.packing import BestFitPacker, check_long_doc_policy
 from nanochat.data.loader.rows import DocumentFeed, EntryDocuments, RowBatch, Stop, token_batches
 from nanochat.data.base.state import (EMPTY_HASH, VERSION, files_fingerprint, hash_tokens,
@@ -412,7 +413,10 @@ def pretokenized_mixture_loader_with_state_bos_bestfit(
     call) for a bucket that cropping will run dry. workers: as for the parquet loader (the stop is
     agreed here, in the trainer's process). Details: docs/mixtures.md."""
     args = dict(locals())
-    return make_loader(MixtureLoader, pretokenized_mixture_loader_with_state_bos_bestfit, args,
+    workers = resolve_workers(workers, prefetch)
+    if workers:  # (B, T: the size of the worker's shared memory)
+        check_options(B, T, split, prefetch)
+    return make_loader(MixtureLoader, Run(B, T, split, device, prefetch, with_state, workers),
                        lambda: _prepare(args))
 
 
@@ -451,8 +455,8 @@ def _prepare(args: dict) -> Prepared:
               "split_overlap": split_overlap}
     if args["shuffle"]:  # (an unshuffled mixture's config has no "shuffle" key at all)
         config["shuffle"] = {"window": args["shuffle_window"]}
-    state, where = mixture_start(args["resume_state_dict"], config, rank, world_size,
-                                 allow_state_mismatch)
+    state, state_name = mixture_start(args["resume_state_dict"], config, rank, world_size,
+                                      allow_state_mismatch)
     planned = sum(p.tokens for p in phases)
     if state is None:  # a fresh run: refuse a curriculum that is predicted to run dry
         _, problems, notes = validate(
@@ -484,28 +488,44 @@ def _prepare(args: dict) -> Prepared:
                           encoder=encoder, config=sub_config, rank=rank, world_size=world_size,
                           batch_size=batch_size, B=B, T=T, buffer_size=buffer_size,
                           shuffle=bucket_order, allow_state_mismatch=allow_state_mismatch,
-                          epochs=1, where=f"{where}['buckets'][{name!r}]")
-        walks.append((spec, state["buckets"][name] if state else None))
+                          epochs=1, state_name=f"{state_name}['buckets'][{name!r}]")
+        walks.append(Walk(spec, state["buckets"][name] if state else None))
     rules = _MixRules(B, T, rank, world_size, seed, buffer_size, allow_bucket_exhaustion,
                       allow_budget_mismatch)
+    mix = _MixtureSpec(dict(zip(used, walks)), phases, rules, config, state,
+                       (long_doc_policy, split_overlap), args["trace_documents"],
+                       args["prefetch"], args["with_state"])
+    return Prepared(walks, functools.partial(_build_mixture, mix))
 
-    def build() -> MixtureLoader:
-        buckets = {name: (assemble(spec, bucket_state),
-                          BestFitPacker(T + 1, long_doc_policy, split_overlap))
-                   for name, (spec, bucket_state) in zip(used, walks)}
 
-        def batches():
-            made = {name: _Bucket(name, parts, packer, args["trace_documents"])
-                    for name, (parts, packer) in buckets.items()}
-            yield from _Mixture(phases, made, rules, config, state).mixed_batches()
+class _MixtureSpec(NamedTuple):
+    """What the mixture loader is built from, here or (pickled) in a worker process."""
+    walks: dict  # bucket -> its Walk
+    phases: list
+    rules: _MixRules
+    config: dict
+    state: dict | None  # the mixture's resume state; None: fresh
+    policy: tuple[str, int]  # (long_doc_policy, split_overlap)
+    trace_documents: bool
+    prefetch: int
+    with_state: bool
 
-        return MixtureLoader(batches(), DeviceBatches(B, T, args["device"]), row_split,
-                             args["prefetch"], args["with_state"], start_state=state,
-                             world_size=world_size, fixes=dry_fixes(T, long_doc_policy),
-                             start_counters=start_counters("bestfit", [
-                                 parts.recorder for parts, _ in buckets.values()]))
 
-    return Prepared(walks, build)
+def _build_mixture(mix: _MixtureSpec, device) -> MixtureLoader:
+    B, T = mix.rules.B, mix.rules.T
+    buckets = {name: (assemble(spec, bucket_state), BestFitPacker(T + 1, *mix.policy))
+               for name, (spec, bucket_state) in mix.walks.items()}
+
+    def batches():
+        made = {name: _Bucket(name, parts, packer, mix.trace_documents)
+                for name, (parts, packer) in buckets.items()}
+        yield from _Mixture(mix.phases, made, mix.rules, mix.config, mix.state).mixed_batches()
+
+    return MixtureLoader(batches(), DeviceBatches(B, T, device), row_split, mix.prefetch,
+                         mix.with_state, start_state=mix.state, world_size=mix.rules.world_size,
+                         fixes=dry_fixes(T, mix.policy[0]),
+                         start_counters=start_counters("bestfit", [
+                             parts.recorder for parts, _ in buckets.values()]))
 
 
 def pretokenized_mixture_loader_bos_bestfit(*args, **kwargs):

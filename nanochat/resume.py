@@ -10,7 +10,7 @@ concatenating loader's, nanochat/data/mixtures/mixture_state.py a mixture's. For
 docs/resume.md.
 
 May import: nanochat.data.base.checks, nanochat.data.loader.elastic,
-nanochat.data.mixtures.mixture_state, nanochat.data.loader.options, nanochat.data.fetch.download,
+nanochat.data.mixtures.mixture_state, nanochat.dataloader, nanochat.data.fetch.download,
 nanochat.data.base.state_checks.
 """
 
@@ -20,7 +20,7 @@ from nanochat.data.base.checks import check_int
 from nanochat.data.fetch.download import Limits
 from nanochat.data.loader.elastic import merge_walk_states
 from nanochat.data.mixtures.mixture_state import merge_mixture_states
-from nanochat.data.loader.options import check_stream
+from nanochat.dataloader import check_stream
 from nanochat.data.base.state_checks import not_a_loader_state
 
 

@@ -6,7 +6,7 @@ is read (arguments, data_dir, the resume state, a streamed source) fails at the 
 process, before a worker starts, and what those checks log is said once; a failure in the worker
 reaches next() printed once, its message the last line; close() ends the process within its bound,
 and so does the trainer's death; under torchrun each rank runs its own worker. The worker process is
-real: `python -m nanochat.data.loader.prefetch`, started and killed here. Run: python -m pytest
+real: `python -m nanochat.data.loader.worker`, started and killed here. Run: python -m pytest
 tests/data/loader/test_worker.py -q   (about a minute: each worker takes ~1.5 s to start)
 """
 
@@ -34,7 +34,7 @@ from nanochat.dataset import index_to_filename
 from nanochat.data.fetch.download import HostNotFoundError
 from nanochat.mixture import (CurriculumComplete,
                               pretokenized_mixture_loader_with_state_bos_bestfit)
-from nanochat.data.loader.prefetch import CLOSE_TIMEOUT, WorkerTraceback
+from nanochat.data.loader.worker import CLOSE_TIMEOUT, WorkerTraceback
 from nanochat.resume import merge_states
 from nanochat.data.pretokenized.token_shards import write_token_shard
 from nanochat.data.fetch.serve import ShardServer
@@ -337,7 +337,7 @@ class NoWorker:
     """Stands in for WorkerBatches where a mistake must be found before any worker starts."""
 
     def __init__(self, job):
-        raise AssertionError(f"a worker process was started for {job.function}")
+        raise AssertionError(f"a worker process was started for {job.build}")
 
 
 def _state(make, **more) -> dict:
@@ -412,7 +412,7 @@ def test_a_mistake_found_before_reading_fails_at_the_call_in_this_process(
         case, corpus, tmp_path, monkeypatch):
     call, kind, message = mistakes(corpus, tmp_path)[case]
     monkeypatch.setenv("NANOCHAT_LOADER_WORKERS", "1")  # the default outside the tests
-    monkeypatch.setattr("nanochat.dataloader.WorkerBatches", NoWorker)
+    monkeypatch.setattr("nanochat.data.loader.build.WorkerBatches", NoWorker)
     with pytest.raises(kind, match=re.escape(message)) as raised:
         call()
     # one traceback, from this call, ending with the error: no worker's, no message twice
@@ -424,7 +424,7 @@ def test_a_mistake_found_before_reading_fails_at_the_call_in_this_process(
 
 def test_a_cache_limit_below_the_least_fails_at_the_call(corpus, tmp_path, monkeypatch):
     server = ShardServer(str(corpus / "parquet"))
-    monkeypatch.setattr("nanochat.dataloader.WorkerBatches", NoWorker)
+    monkeypatch.setattr("nanochat.data.loader.build.WorkerBatches", NoWorker)
     try:
         with pytest.raises(ValueError, match="cache_limit=1,000 bytes is below what") as raised:
             tokenizing_distributed_data_loader_with_state_bos_bestfit(

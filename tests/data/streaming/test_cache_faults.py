@@ -41,7 +41,7 @@ from nanochat.data.fetch.download import Limits, download_file
 from nanochat.data.base.files import write_atomic
 from nanochat.data.streaming.kept import Keeper, encode
 from nanochat.data.streaming.ledger import STREAM_DIR, Ledger, Table
-from nanochat.data.loader.options import parse_bytes
+from nanochat.dataloader import parse_bytes
 from nanochat.data.base.state import decode_keys
 from nanochat.data.fetch import serve as shard_server
 from nanochat.data.fetch.serve import ShardServer

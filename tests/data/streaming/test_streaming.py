@@ -33,7 +33,7 @@ from nanochat.dataloader import (tokenizing_distributed_data_loader_with_state,
                                  tokenizing_distributed_data_loader_with_state_bos_bestfit)
 from nanochat.dataset import index_to_filename
 from nanochat.data.fetch.download import DownloadError, Limits
-from nanochat.data.loader.options import parse_bytes
+from nanochat.dataloader import parse_bytes
 from nanochat.resume import merge_states
 from nanochat.data.streaming.catalog import footer_rows
 from nanochat.data.streaming.ledger import FETCHED, Ledger, Loader, ShardRow, Table, start_time
