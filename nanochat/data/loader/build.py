@@ -74,16 +74,23 @@ class Prepared(NamedTuple):
 
 def make_loader(cls, run: Run, prepare: Callable[[], Prepared]) -> "DataLoader":
     """The loader a call returns. prepare() checks every argument at the call and returns a
-    Prepared. Then the loader runs in a worker process (run.workers=1: worker.py's WorkerBatches),
-    handed to the device here by a `cls` (DataLoader or a subclass), or, where it cannot (workers=0,
-    or a spec that cannot be pickled), it is built here. For a worker, each walk's resume state is
-    checked here first, against the data's names and sizes (its units are checked in the worker,
-    which reads them), and a streamed walk's cache budget too, so that a mistake found before data
-    is read is raised here, at the call: docs/loaders.md."""
+    Prepared. The loader runs in a worker process (run.workers=1: worker_loader), handed to the
+    device here by a `cls` (DataLoader or a subclass), or, where it cannot (workers=0, or a spec
+    that cannot be pickled), it is built here."""
     if not run.workers:
         return prepare().build(run.device)
     # no CUDA: refused at once, before a listing or a catalog is read
     transfer = DeviceBatches(run.B, run.T, run.device)
+    prepared, said = checked_for_worker(prepare)
+    loader = worker_loader(cls, run, prepared, transfer, said)
+    return prepared.build(run.device) if loader is None else loader
+
+
+def checked_for_worker(prepare: Callable[[], Prepared]) -> tuple[Prepared, tuple[str, ...]]:
+    """(prepare(), what it logged). Each walk's resume state is checked here too, against the
+    data's names and sizes (its units are checked in the worker, which reads them), and a streamed
+    walk's cache budget, so that a mistake found before data is read is raised here, at the call,
+    and not in the worker: docs/loaders.md."""
     with noting_logs(PACKAGE) as said:  # (the worker checks the states again: it says them once)
         prepared = prepare()
         for spec, state in prepared.walks:
@@ -93,8 +100,7 @@ def make_loader(cls, run: Run, prepare: Callable[[], Prepared]) -> "DataLoader":
                 check_resume(spec.reader, spec.rank, spec.world_size, state, spec.config,
                              allow_state_mismatch=spec.allow_state_mismatch,
                              where=spec.state_name, shuffle=spec.shuffle, data=False)
-    loader = worker_loader(cls, run, prepared, transfer, tuple(said))
-    return prepared.build(run.device) if loader is None else loader
+    return prepared, tuple(said)
 
 
 def worker_loader(cls, run: Run, prepared: Prepared, transfer: "DeviceBatches",
