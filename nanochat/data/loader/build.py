@@ -10,9 +10,8 @@ docs/ARCHITECTURE.md.
 
 May import: torch, numpy, nanochat.data.loader.order, nanochat.data.loader.rows,
 nanochat.data.loader.prefetch, nanochat.data.loader.worker, nanochat.data.loader.figures,
-nanochat.data.base.packing, nanochat.data.base.state, nanochat.data.base.state_checks,
-nanochat.data.base.shuffle, nanochat.data.streaming.cache, nanochat.data.streaming.catalog,
-nanochat.data.fetch.download.
+nanochat.data.base.packing, nanochat.data.base.state, nanochat.data.base.shuffle,
+nanochat.data.streaming.cache, nanochat.data.streaming.catalog, nanochat.data.fetch.download.
 """
 
 import contextlib
