@@ -4,7 +4,7 @@ a batch comes whole from one bucket, best-fit packed from that bucket's own buff
 a counter-based function of (seed, phase, rank, position), so a resume continues the mix exactly. A
 batch's phase is set by the tokens the whole job has trained, so all ranks switch at one step. A
 bucket that runs dry stops every rank at the same step (BucketExhausted, with the last good state),
-or is dropped (allow_bucket_exhaustion=True). Each bucket is put together by dataloader.assemble.
+or is dropped (allow_bucket_exhaustion=True). Each bucket is put together by build.assemble.
 Curricula and validation: nanochat/data/mixtures/curriculum.py; the state:
 nanochat/data/mixtures/mixture_state.py. Design: docs/mixtures.md.
 
