@@ -211,7 +211,7 @@ def _download_main(argv: list[str]) -> int:
     bounds = (f"max_attempts={args.max_attempts} backoff_base={args.backoff_base:g}s "
               f"timeout={args.timeout:g}s min_rate={args.min_rate:g}KB/s "
               f"rate_window={args.rate_window:g}s deadline={args.deadline:g}s")
-    listing, where, listed = _listing_to_fetch(spec, base_url, data_dir, limits)
+    listing, label, listed = _listing_to_fetch(spec, base_url, data_dir, limits)
     train = listing[:-1]
     asked = len(train) if args.num_files == -1 else args.num_files
     names = train[:asked] + listing[-1:]  # val always: every loader needs it

@@ -10,24 +10,26 @@ docs/mixtures.md.
 
     python -m nanochat.mixture validate CONFIG --data DATA_DIR [--tokens N] [--split train]
 
-May import: nanochat.dataloader, nanochat.data.base, nanochat.data.loader.figures,
-nanochat.data.mixtures.
+May import: nanochat.data.base, nanochat.data.loader.build, nanochat.data.mixtures.
 """
 
 import argparse
+import functools
 import sys
+from typing import NamedTuple
 
+from nanochat.data.base.checks import check_options, resolve_workers
 from nanochat.data.base.cli import run
 from nanochat.data.base.packing import POLICIES, BestFitPacker
 from nanochat.data.base.shuffle import Shuffle
-from nanochat.data.loader.figures import start_counters, sum_counters
+from nanochat.data.loader.build import (DataLoader, DeviceBatches, LoaderSpec, Prepared, Run, Walk,
+                                        assemble, make_loader, row_split, start_counters,
+                                        sum_counters)
 from nanochat.data.mixtures.curriculum import dry_fixes, validate
 from nanochat.data.mixtures.mix import mixture_batches
-from nanochat.data.mixtures.mixture_plan import MixtureOptions, plan_mixture
+from nanochat.data.mixtures.mixture_plan import MixtureOptions, MixturePlan, plan_mixture
 from nanochat.data.mixtures.stops import (FAILED, STOP_CODES, BucketExhausted, CurriculumComplete,
                                           MixtureStop, agree, dry_message, flag_group)
-from nanochat.dataloader import (DataLoader, DeviceBatches, LoaderSpec, Prepared, assemble,
-                                 make_loader, row_split)
 
 
 def pretokenized_mixture_loader_with_state_bos_bestfit(
@@ -53,9 +55,11 @@ def pretokenized_mixture_loader_with_state_bos_bestfit(
     call) for a bucket that cropping will run dry. workers: as for the parquet loader (the stop is
     agreed here, in the trainer's process). Details: docs/mixtures.md."""
     options = MixtureOptions(**locals())
-    # (make_loader takes the arguments as keywords: a worker process calls this function with them)
-    return make_loader(MixtureLoader, pretokenized_mixture_loader_with_state_bos_bestfit,
-                       options._asdict(), lambda: _prepare(options))
+    workers = resolve_workers(workers, prefetch)
+    if workers:  # (B, T: the size of the worker's shared memory)
+        check_options(B, T, split, prefetch)
+    return make_loader(MixtureLoader, Run(B, T, split, device, prefetch, with_state, workers),
+                       lambda: _prepare(options))
 
 
 def pretokenized_mixture_loader_bos_bestfit(*args, **kwargs):
@@ -65,30 +69,43 @@ def pretokenized_mixture_loader_bos_bestfit(*args, **kwargs):
 
 def _prepare(options: MixtureOptions) -> Prepared:
     """The mixture's plan (every argument and the state checked, at the call), each bucket's walk
-    as a LoaderSpec, and how to build the loader."""
+    as a LoaderSpec, and how to build the loader, here or (pickled) in a worker process."""
     o = options
     plan = plan_mixture(o)
-    walks = [(LoaderSpec(kind="bestfit", reader=b.reader, encoder=plan.encoder, config=b.config,
-                         rank=plan.rules.rank, world_size=plan.rules.world_size,
-                         batch_size=o.batch_size, B=o.B, T=o.T, buffer_size=o.buffer_size,
-                         shuffle=b.order, allow_state_mismatch=o.allow_state_mismatch, epochs=1,
-                         where=b.where), b.state)
+    walks = [Walk(LoaderSpec(kind="bestfit", reader=b.reader, encoder=plan.encoder,
+                             config=b.config, rank=plan.rules.rank,
+                             world_size=plan.rules.world_size, batch_size=o.batch_size, B=o.B,
+                             T=o.T, buffer_size=o.buffer_size, shuffle=b.order,
+                             allow_state_mismatch=o.allow_state_mismatch, epochs=1,
+                             state_name=b.state_name), b.state)
              for b in plan.buckets]
+    mix = MixtureSpec({b.name: walk for b, walk in zip(plan.buckets, walks)}, plan,
+                      (o.long_doc_policy, o.split_overlap), o.trace_documents, o.prefetch,
+                      o.with_state)
+    return Prepared(walks, functools.partial(_build_mixture, mix))
 
-    def build() -> MixtureLoader:
-        buckets = {b.name: (assemble(spec, state),
-                            BestFitPacker(o.T + 1, o.long_doc_policy, o.split_overlap))
-                   for b, (spec, state) in zip(plan.buckets, walks)}
-        batches = mixture_batches(plan.phases, buckets, plan.rules, plan.config, plan.state,
-                                  o.trace_documents)
-        return MixtureLoader(batches, DeviceBatches(o.B, o.T, o.device), row_split, o.prefetch,
-                             o.with_state, start_state=plan.state,
-                             world_size=plan.rules.world_size,
-                             fixes=dry_fixes(o.T, o.long_doc_policy),
-                             start_counters=start_counters("bestfit", [
-                                 parts.recorder for parts, _ in buckets.values()]))
 
-    return Prepared(walks, build)
+class MixtureSpec(NamedTuple):
+    """What the mixture loader is built from, here or (pickled) in a worker process."""
+    walks: dict  # bucket -> its Walk
+    plan: MixturePlan
+    policy: tuple[str, int]  # (long_doc_policy, split_overlap)
+    trace_documents: bool
+    prefetch: int
+    with_state: bool
+
+
+def _build_mixture(mix: MixtureSpec, device) -> "MixtureLoader":
+    plan, (B, T) = mix.plan, (mix.plan.rules.B, mix.plan.rules.T)
+    buckets = {name: (assemble(spec, state), BestFitPacker(T + 1, *mix.policy))
+               for name, (spec, state) in mix.walks.items()}
+    batches = mixture_batches(plan.phases, buckets, plan.rules, plan.config, plan.state,
+                              mix.trace_documents)
+    return MixtureLoader(batches, DeviceBatches(B, T, device), row_split, mix.prefetch,
+                         mix.with_state, start_state=plan.state, world_size=plan.rules.world_size,
+                         fixes=dry_fixes(T, mix.policy[0]),
+                         start_counters=start_counters("bestfit", [
+                             parts.recorder for parts, _ in buckets.values()]))
 
 
 class MixtureLoader(DataLoader):

@@ -10,17 +10,17 @@ concatenating loader's, nanochat/data/mixtures/mixture_state.py a mixture's. For
 docs/resume.md.
 
 May import: nanochat.data.base.checks, nanochat.data.loader.elastic,
-nanochat.data.mixtures.mixture_state, nanochat.data.loader.options, nanochat.data.fetch.limits,
+nanochat.data.mixtures.mixture_state, nanochat.data.fetch.limits,
 nanochat.data.base.state_checks.
 """
 
 import os
 
-from nanochat.data.base.checks import check_int
+from nanochat.data.base.checks import check_int, check_stream
 from nanochat.data.fetch.limits import Limits
 from nanochat.data.loader.elastic import merge_walk_states
 from nanochat.data.mixtures.mixture_state import merge_mixture_states
-from nanochat.data.loader.options import check_stream
+
 from nanochat.data.base.state_checks import not_a_loader_state
 
 

@@ -34,14 +34,12 @@ import pyarrow.parquet as pq
 import torch
 
 from nanochat.data.base.cli import run
-from nanochat.dataloader import (
-    pretokenized_distributed_data_loader_bos_bestfit,
-    pretokenized_distributed_data_loader_with_state_bos_bestfit,
-    tokenizing_distributed_data_loader,
-    tokenizing_distributed_data_loader_bos_bestfit,
-    tokenizing_distributed_data_loader_with_state,
-    tokenizing_distributed_data_loader_with_state_bos_bestfit,
-)
+from nanochat.dataloader import (pretokenized_distributed_data_loader_bos_bestfit,
+                                 pretokenized_distributed_data_loader_with_state_bos_bestfit,
+                                 tokenizing_distributed_data_loader,
+                                 tokenizing_distributed_data_loader_bos_bestfit,
+                                 tokenizing_distributed_data_loader_with_state,
+                                 tokenizing_distributed_data_loader_with_state_bos_bestfit)
 from nanochat.mixture import (MixtureStop, pretokenized_mixture_loader_bos_bestfit,
                               pretokenized_mixture_loader_with_state_bos_bestfit)
 from nanochat.pretokenize import main as pretokenize_main

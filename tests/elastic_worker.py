@@ -20,9 +20,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from conftest import ByteTokenizer  # noqa: E402
-from nanochat.dataloader import (  # noqa: E402
-    tokenizing_distributed_data_loader_with_state_bos_bestfit,
-)
+from nanochat.dataloader import tokenizing_distributed_data_loader_with_state_bos_bestfit
 
 B, T, BUFFER, TBS = 2, 24, 8, 3
 

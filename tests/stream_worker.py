@@ -18,9 +18,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from conftest import ByteTokenizer  # noqa: E402
-from nanochat.dataloader import (  # noqa: E402
-    tokenizing_distributed_data_loader_with_state_bos_bestfit,
-)
+from nanochat.dataloader import tokenizing_distributed_data_loader_with_state_bos_bestfit
 
 # prefetch=0: a rank reads only what its next batch needs, so ranks that step together read the
 # same shards at the same time (the tests count downloads per shard visit)

@@ -33,18 +33,19 @@ MODULES = sorted(os.path.relpath(os.path.join(folder, name), PACKAGE)[:-3].repla
                  if name.endswith(".py") and name != "__init__.py")
 
 # The main path, from tokenizing_distributed_data_loader_with_state_bos_bestfit to a yielded batch,
-# in the order a reader walks it: the loader and its builder, the walk, tokens to rows, the pure
-# packer, the state's format, the threads that run ahead
+# in the order a reader walks it: the public loader and its checks, the builder, the walk, tokens to
+# rows, the pure packer, the threads that run ahead
 BY_LEAF = {module.rsplit(".", 1)[-1]: module for module in MODULES}  # "order": "data.loader.order"
 MAIN_PATH = [BY_LEAF[leaf]
-             for leaf in ("dataloader", "order", "rows", "packing", "state", "prefetch")]
+             for leaf in ("dataloader", "build", "order", "rows", "packing", "prefetch")]
 STREAMING = [BY_LEAF["cache"]]  # what stream=True adds to the path
-# what the path calls without a reader having to follow it: argument checks, file listing, the
-# shuffled order, the resume checks, the pretokenized reader, streaming's helpers
+# what the path calls without a reader having to follow it: the integer check, file listing, the
+# shuffled order, the state's format and its checks, the worker process that carries the same
+# batches across, the pretokenized reader, streaming's helpers, the figures for a log
 ASIDE = {BY_LEAF[leaf] for leaf in (
-    "checks", "options", "parquet_files", "parquet", "limits", "shuffle", "state_checks",
-    "token_reader", "token_shards", "common", "files", "layout", "catalog", "kept", "ledger",
-    "cache_status", "budget", "figures")}
+    "checks", "dataset", "parquet_files", "parquet", "limits", "shuffle", "state", "state_checks",
+    "worker", "token_reader", "token_shards", "common", "files", "layout", "catalog", "kept",
+    "ledger", "cache_status", "budget", "figures")}
 
 
 def parse(module: str) -> ast.Module:
@@ -213,7 +214,7 @@ def test_the_loaders_never_reach_up():
                                        "pretokenize", "resume")}
     for module in map(BY_LEAF.get, ("order", "token_reader", "rows", "packing", "state",
                                     "state_checks", "elastic", "prefetch", "token_shards",
-                                    "options", "files", "checks")):
+                                    "build", "worker", "files", "checks")):
         assert not graph[module] & tops, f"{module}.py imports {sorted(graph[module] & tops)}"
     mixtures = {BY_LEAF[leaf] for leaf in ("mixture", "mixture_state", "curriculum")}
     # none knows of mixtures

@@ -24,7 +24,7 @@ from nanochat.data.fetch.serve import ShardServer, Throttle
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # the one command line that is not a person's: the loader's worker process, which ignores Ctrl-C
 # (its trainer decides, and closes it)
-NOT_COMMANDS = {"nanochat/data/loader/prefetch.py"}
+NOT_COMMANDS = {"nanochat/data/loader/worker.py"}
 
 
 def _commands() -> list[str]:

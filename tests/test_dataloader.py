@@ -26,12 +26,10 @@ from hypothesis import assume, given, settings, strategies as st
 
 import oracle
 from conftest import ByteTokenizer, worker_env, write_shard, write_shards
-from nanochat.dataloader import (
-    tokenizing_distributed_data_loader,
-    tokenizing_distributed_data_loader_bos_bestfit,
-    tokenizing_distributed_data_loader_with_state,
-    tokenizing_distributed_data_loader_with_state_bos_bestfit,
-)
+from nanochat.dataloader import (tokenizing_distributed_data_loader,
+                                 tokenizing_distributed_data_loader_bos_bestfit,
+                                 tokenizing_distributed_data_loader_with_state,
+                                 tokenizing_distributed_data_loader_with_state_bos_bestfit)
 from nanochat.data.loader.parquet_files import split_parquet_files
 
 BESTFIT = tokenizing_distributed_data_loader_with_state_bos_bestfit
@@ -362,7 +360,8 @@ def test_bad_long_doc_policy(kwargs, match, small_dir, tmp_path):
     with pytest.raises(ValueError, match=match):  # at the call, not at the first batch
         BESTFIT(ByteTokenizer(), 2, 8, "train", device="cpu", data_dir=small_dir, **kwargs)
     from nanochat.dataloader import (
-        pretokenized_distributed_data_loader_with_state_bos_bestfit as PRETOKENIZED)
+        pretokenized_distributed_data_loader_with_state_bos_bestfit as PRETOKENIZED,
+    )
     with pytest.raises(ValueError, match=match):
         PRETOKENIZED(2, 8, "train", device="cpu", data_dir=str(tmp_path), **kwargs)
 

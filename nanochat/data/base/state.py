@@ -105,7 +105,7 @@ class StateRecorder:
     def __init__(self, kind: str, order, encoder, config: dict, resumed: dict | None, watch=None):
         self.kind, self.config, self.resumed, self.watch = kind, config, resumed, watch
         self.order, self.encoder = order, encoder
-        self.index, self.where = order.index, order.where
+        self.index, self.state_name = order.index, order.state_name
         emitted = resumed["emitted"] if resumed else {"batches": 0, "tokens": 0, "hash": EMPTY_HASH}
         self.batches, self.tokens, self.hash = (emitted["batches"], emitted["tokens"],
                                                 emitted["hash"])
@@ -130,7 +130,7 @@ class StateRecorder:
         for i, (key, start) in enumerate(zip(keys, starts)):
             doc, overlap = documents[key]
             if start is not None and start >= len(doc):
-                raise ValueError(f"{self.where}['pieces'] starts buffered entry {i} at token "
+                raise ValueError(f"{self.state_name}['pieces'] starts buffered entry {i} at token "
                                  f"{start}, but its document has {len(doc)}: the state does not "
                                  "match the data or the tokenizer")
             packer.add(doc, key, overlap, start)
@@ -138,7 +138,7 @@ class StateRecorder:
             offset, first = self.resumed["offset"], len(documents[keys[0]][0]) - (starts[0] or 0)
             # the first entry's last token is the next batch's first: never consumed
             if offset >= first:
-                raise ValueError(f"{self.where}['offset'] is {offset}, but the first buffered "
+                raise ValueError(f"{self.state_name}['offset'] is {offset}, but the first buffered "
                                  f"entry has {first} tokens: the state does not match the data or "
                                  "the tokenizer")
             packer.skip_consumed(offset)
@@ -484,7 +484,7 @@ def add_checksum(state: dict) -> dict:
     return state
 
 
-def checksum_matches(state: dict, where: str, digest=checksum) -> bool:
+def checksum_matches(state: dict, state_name: str, digest=checksum) -> bool:
     """Whether a state's "checksum" matches its contents (digest: how it is computed). A ValueError
     when it has none, or holds something JSON cannot write: no loader writes such a state."""
     if "checksum" not in state:

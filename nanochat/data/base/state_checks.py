@@ -64,13 +64,13 @@ _key_repr.maxstring = 80  # a model's keys are dotted paths of ~40 characters: s
 class Resume(NamedTuple):
     """Where a walk resumes from a checked state: what check_resume returns."""
     resumed: dict | None  # the version-2 state it continues exactly (None: approximately)
-    where: str  # what messages call that state (a merge's: this rank's part of it)
+    state_name: str  # what messages call that state (a merge's: this rank's part of it)
     cursor: Cursor | WindowCursor  # where the regular walk goes on
     position: Position  # nanochat's keys of the last batch consumed before it
 
 
 def check_resume(reader, rank: int, world_size: int, state: dict, config: dict, *,
-                 allow_state_mismatch: bool, where: str = "resume_state_dict",
+                 allow_state_mismatch: bool, state_name: str = "resume_state_dict",
                  shuffle: Shuffle | None = None, data: bool = True) -> Resume:
     """Check a resume state against a loader's config and the places it names against the data's
     units (reader.index: their footers or indexes; data=False: a version-2 state's places are not
@@ -80,10 +80,10 @@ def check_resume(reader, rank: int, world_size: int, state: dict, config: dict, 
     window."""
     if not isinstance(state, dict):
         raise TypeError(f"{where} must be a dict, got {type(state).__name__}")
-    if message := not_a_loader_state(state, where):  # a model's state dict, passed by mistake
+    if message := not_a_loader_state(state, state_name):  # a model's state dict, passed by mistake
         raise ValueError(message)
     if "merged" in state:  # elastic resume: every rank gets the merge, and takes its own part
-        state, where = rank_state(state, rank, world_size, where)
+        state, state_name = rank_state(state, rank, world_size, state_name)
     elif "states" in state:
         raise ValueError(f"{where} has 'states' but no 'merged': not a whole merge_states result "
                          "(a truncated state?); pass what merge_states returned")
@@ -92,24 +92,25 @@ def check_resume(reader, rank: int, world_size: int, state: dict, config: dict, 
         raise ValueError(f"{where} is missing 'version' but has this loader's other keys "
                          f"({sorted(state.keys() & set(REQUIRED))}): a truncated state?")
     if "version" in state and check_state(state, config, reader.index if data else None,
-                                          allow_mismatch=allow_state_mismatch, where=where):
+                                          allow_mismatch=allow_state_mismatch,
+                                          state_name=state_name):
         cursor = WindowCursor(*state["next"]) if shuffle else Cursor(*state["next"])
-        return Resume(state, where, cursor,
+        return Resume(state, state_name, cursor,
                       Position(state["pq_idx"], state["rg_idx"], state["epoch"]))
     if shuffle:
-        return _resume_shuffled(state, config, where)
+        return _resume_shuffled(state, config, state_name)
     if "version" in state and allow_state_mismatch:  # (another rank's state has said so already)
         logger.warning("%s is from another walk of the documents; resuming approximately after "
-                       "its file %s, %s %s", where, state.get("pq_idx"), reader.unit_name,
+                       "its file %s, %s %s", state_name, state.get("pq_idx"), reader.unit_name,
                        state.get("rg_idx"))
     # nanochat's form: approximate, after the saved unit
-    pq_idx, rg_idx, epoch = check_nanochat_state(state, reader, where)
+    pq_idx, rg_idx, epoch = check_nanochat_state(state, reader, state_name)
     # as nanochat: this rank's unit in the round of world_size units after the saved one
     cursor = Cursor(epoch, pq_idx, (rg_idx // world_size + 1) * world_size + rank, 0)
-    return Resume(None, where, cursor, Position(pq_idx, rg_idx, epoch))
+    return Resume(None, state_name, cursor, Position(pq_idx, rg_idx, epoch))
 
 
-def _resume_shuffled(state: dict, config: dict, where: str) -> Resume:
+def _resume_shuffled(state: dict, config: dict, state_name: str) -> Resume:
     """A shuffled walk resumes approximately only from another rank's state of its own run
     (nanochat's base_train), after that rank's window."""
     other = ["nanochat's form"] if "version" not in state else [
@@ -123,13 +124,13 @@ def _resume_shuffled(state: dict, config: dict, where: str) -> Resume:
                          "with the data and settings the state was taken with, or start afresh")
     epoch, window, _ = state["next"]
     logger.warning("%s is another rank's state: resuming approximately, after its window %d "
-                   "of epoch %d", where, window, epoch)
+                   "of epoch %d", state_name, window, epoch)
     # as nanochat does after the saved unit: from the next window on
     position = Position(state.get("pq_idx"), state.get("rg_idx"), state.get("epoch"))
-    return Resume(None, where, WindowCursor(epoch, window + 1, 0), position)
+    return Resume(None, state_name, WindowCursor(epoch, window + 1, 0), position)
 
 
-def check_nanochat_state(state: dict, reader, where: str = "resume_state_dict") -> Position:
+def check_nanochat_state(state: dict, reader, state_name: str = "resume_state_dict") -> Position:
     """Validate a state in nanochat's form {pq_idx, rg_idx[, epoch]}: the unit it names."""
     missing = {"pq_idx", "rg_idx"} - state.keys()
     if missing:
@@ -154,10 +155,10 @@ def check_nanochat_state(state: dict, reader, where: str = "resume_state_dict") 
 
 
 def rank_state(merged: dict, rank: int, world_size: int,
-               where: str = "resume_state_dict") -> tuple[dict, str]:
+               state_name: str = "resume_state_dict") -> tuple[dict, str]:
     """This rank's part of merge_states' result (every new rank is given all of it), and what
     messages call it."""
-    check_keys(merged, where, ("version", "merged", "states"), ())
+    check_keys(merged, state_name, ("version", "merged", "states"), ())
     if merged["version"] != VERSION:
         raise ValueError(f"{where}['version'] is {reprlib.repr(merged['version'])}; this loader "
                          f"reads version {VERSION}")
@@ -174,7 +175,7 @@ def rank_state(merged: dict, rank: int, world_size: int,
 
 
 def check_state(state: dict, config: dict, index, *, allow_mismatch: bool,
-                where: str = "resume_state_dict") -> bool:
+                state_name: str = "resume_state_dict") -> bool:
     """Validate a version-2 state against this loader's config and data (index: the data's units;
     None: not against the data, which reads the files' footers). Returns True when the state
     continues this loader's walk exactly (or, with allow_mismatch, at least the same document
@@ -183,11 +184,11 @@ def check_state(state: dict, config: dict, index, *, allow_mismatch: bool,
     if state.get("version") != VERSION:
         raise ValueError(f"{where}['version'] is {reprlib.repr(state.get('version'))}; this loader "
                          f"reads version {VERSION} (and nanochat's {{pq_idx, rg_idx, epoch}} form)")
-    check_keys(state, where, REQUIRED, ("pieces",))
-    if not checksum_matches(state, where) and not allow_mismatch:
+    check_keys(state, state_name, REQUIRED, ("pieces",))
+    if not checksum_matches(state, state_name) and not allow_mismatch:
         raise ValueError(f"{where}['checksum'] does not match its contents: the state was edited "
                          "or corrupted; pass allow_state_mismatch=True to resume from it anyway")
-    check_fields(state, where, config)
+    check_fields(state, state_name, config)
     saved = dict(state["config"])
     if state["loader"] == "bestfit":  # a config without the policy fields was taken under "crop"
         saved = {"long_doc_policy": "crop", "split_overlap": 0} | saved
@@ -199,8 +200,8 @@ def check_state(state: dict, config: dict, index, *, allow_mismatch: bool,
         # such a rank resumes approximately, after the saved row group, as nanochat's loader does
         logger.warning("%s is another rank's state (%s): resuming approximately after its "
                        "file %s, unit %s, as nanochat does; for an exact resume give each rank its "
-                       "own state (merge_states for another world size)", where, "; ".join(differ),
-                       state["pq_idx"], state["rg_idx"])
+                       "own state (merge_states for another world size)", state_name,
+                       "; ".join(differ), state["pq_idx"], state["rg_idx"])
         return False
     if differ and not allow_mismatch:
         raise ValueError(f"{where} was taken on another configuration (" + "; ".join(differ)
@@ -209,7 +210,7 @@ def check_state(state: dict, config: dict, index, *, allow_mismatch: bool,
     # just pq_idx, rg_idx and epoch
     exact = all(saved.get(k) == config.get(k) for k in WALK_FIELDS)
     if exact and index is not None:
-        check_data(state, index, where)
+        check_data(state, index, state_name)
     return exact
 
 
@@ -217,12 +218,12 @@ def check_state(state: dict, config: dict, index, *, allow_mismatch: bool,
 # Every field on its own
 
 
-def check_fields(state: dict, where: str = "resume_state_dict",
+def check_fields(state: dict, state_name: str = "resume_state_dict",
                  loader_config: dict | None = None) -> None:
     """Check every field of a version-2 loader state on its own (check_data checks it against the
     data). loader_config: the config of the loader resuming from it, whose buffer it may fill
     too."""
-    check_keys(state, where, REQUIRED, ("pieces",))
+    check_keys(state, state_name, REQUIRED, ("pieces",))
     if state["version"] != VERSION:
         raise ValueError(f"{where}['version'] is {reprlib.repr(state['version'])}; "
                          f"this loader reads version {VERSION}")
@@ -245,7 +246,7 @@ def check_fields(state: dict, where: str = "resume_state_dict",
         check_int(f"{where}['counters'][{name!r}]", value, 0)
     shuffled = "shuffle" in config
     _check_next(state["next"], shuffled, f"{where}['next']")
-    buffered = _check_buffer(state, shuffled, where)
+    buffered = _check_buffer(state, shuffled, state_name)
     # measured from the runs, before a row is decoded: a state cannot make the loader allocate
     # more than its buffer holds
     limit = buffer_limit(config, loader)
@@ -266,9 +267,9 @@ def check_fields(state: dict, where: str = "resume_state_dict",
     _check_plan(state["plan"], f"{where}['plan']")
 
 
-def _check_next(cursor, shuffled: bool, where: str) -> None:
+def _check_next(cursor, shuffled: bool, state_name: str) -> None:
     form = ["epoch >= 1", *(["window"] if shuffled else ["pq_idx", "rg_idx"]), "row"]
-    cursor = check_list(cursor, where)
+    cursor = check_list(cursor, state_name)
     if len(cursor) != len(form) or not all(is_int(v) and v >= 0 for v in cursor) or cursor[0] < 1:
         raise ValueError(f"{where} must be [{', '.join(form)}] (ints >= 0) for a walk "
                          + ("shuffled by config['shuffle']" if shuffled
@@ -276,7 +277,7 @@ def _check_next(cursor, shuffled: bool, where: str) -> None:
                          + f", got {reprlib.repr(cursor)}")
 
 
-def _check_buffer(state: dict, shuffled: bool, where: str) -> int:
+def _check_buffer(state: dict, shuffled: bool, state_name: str) -> int:
     """Check the buffer and its pieces; how many whole documents it holds."""
     # [[epoch, pq_idx, rg_idx, rows], ...], or shuffled also [epoch, window, rows]
     buffered, heads = 0, (2, 3) if shuffled else (3,)  # heads: the fields before the rows
@@ -291,9 +292,9 @@ def _check_buffer(state: dict, shuffled: bool, where: str) -> int:
     return buffered - _pieces(state.get("pieces", []), buffered, f"{where}['pieces']")
 
 
-def _check_plan(plan, where: str) -> None:
+def _check_plan(plan, state_name: str) -> None:
     """Items of explicit rows (and their pieces), or bitmaps of whole row groups."""
-    for i, item in enumerate(check_list(plan, where)):
+    for i, item in enumerate(check_list(plan, state_name)):
         at = f"{where}[{i}]"
         if isinstance(item, dict) and "row_groups" in item:
             check_keys(item, at, ("epoch", "row_groups", "total"), ())
@@ -312,7 +313,7 @@ def _check_plan(plan, where: str) -> None:
 # Every place against the data
 
 
-def check_data(state: dict, index, where: str = "resume_state_dict") -> None:
+def check_data(state: dict, index, state_name: str = "resume_state_dict") -> None:
     """Check that every place a state (through check_fields) refers to is in the data: its files,
     their row groups (or chunks) and rows; and that `next` is in the share of the state's rank."""
     files = len(index.paths)
@@ -403,7 +404,7 @@ def _reads_next(cursor: list, index, shuffle: Shuffle | None, rank: int, world_s
 # The small checks every field uses
 
 
-def not_a_loader_state(state, where: str = "resume_state_dict") -> str | None:
+def not_a_loader_state(state, state_name: str = "resume_state_dict") -> str | None:
     """The message for a dict with none of a loader state's keys (a model's or an optimizer's
     state dict, passed by mistake): what it is not, what a loader state is and where it comes from.
     None for anything else, which the checks of its fields then judge."""
@@ -420,19 +421,19 @@ def not_a_loader_state(state, where: str = "resume_state_dict") -> str | None:
             "checkpoint, e.g. as checkpoint['dataloader_state_dict'], and pass it back")
 
 
-def check_hex(value, where: str, n: int = 32) -> None:
+def check_hex(value, state_name: str, n: int = 32) -> None:
     if not (isinstance(value, str) and re.fullmatch(f"[0-9a-f]{{{n}}}", value)):
         raise ValueError(f"{where} must be {n} lowercase hex digits (a sha256 prefix), "
                          f"got {reprlib.repr(value)}")
 
 
-def check_list(value, where: str) -> list:
+def check_list(value, state_name: str) -> list:
     if not isinstance(value, list):
         raise ValueError(f"{where} must be a list, got {type(value).__name__}")
     return value
 
 
-def check_keys(value, where: str, required, optional=None) -> dict:
+def check_keys(value, state_name: str, required, optional=None) -> dict:
     """value, if it is a dict with every required key and no other than the optional ones
     (optional=None: any other)."""
     if not isinstance(value, dict):
@@ -447,7 +448,7 @@ def check_keys(value, where: str, required, optional=None) -> dict:
     return value
 
 
-def _runs(runs, where: str) -> tuple[int, int]:
+def _runs(runs, state_name: str) -> tuple[int, int]:
     """(how many rows, the largest) of encode_rows' output, measured without decoding it."""
     # runs[0] >= 0: a run (-k) continues the row before it, so one must come first
     if not (isinstance(runs, list) and runs and all(is_int(v) for v in runs) and runs[0] >= 0):
@@ -461,10 +462,10 @@ def _runs(runs, where: str) -> tuple[int, int]:
     return count, largest
 
 
-def _pieces(pieces, n: int, where: str) -> int:
+def _pieces(pieces, n: int, state_name: str) -> int:
     """Check [[i, start], ...] (indices into n entries, increasing; starts >= 0); how many."""
     previous = -1
-    for pair in check_list(pieces, where):
+    for pair in check_list(pieces, state_name):
         # increasing indices: each buffered entry is at most one piece, as buffered_pieces() writes
         if not (isinstance(pair, list) and len(pair) == 2 and all(is_int(v) for v in pair)
                 and previous < pair[0] < n and pair[1] >= 0):
@@ -474,7 +475,7 @@ def _pieces(pieces, n: int, where: str) -> int:
     return len(pieces)
 
 
-def _bitmap(text, total: int, where: str) -> None:
+def _bitmap(text, total: int, state_name: str) -> None:
     size = (total + 7) // 8 * 8  # bits: the bitmap is padded with zeros to whole bytes
     if isinstance(text, str) and len(text) == -(-size // 24) * 4:  # base64: 4 chars per 3 bytes
         try:
@@ -488,8 +489,8 @@ def _bitmap(text, total: int, where: str) -> None:
                      f"got {reprlib.repr(text)}")
 
 
-def _check_config(config, loader: str, where: str) -> dict:
-    check_keys(config, where, CONFIG_FIELDS, OPTIONAL_CONFIG_FIELDS)
+def _check_config(config, loader: str, state_name: str) -> dict:
+    check_keys(config, state_name, CONFIG_FIELDS, OPTIONAL_CONFIG_FIELDS)
     if config["loader"] != loader:
         raise ValueError(f"{where}['loader'] is {reprlib.repr(config['loader'])}, "
                          f"but the state is a {loader!r} state")
@@ -538,8 +539,8 @@ def config_shuffle(config: dict) -> Shuffle | None:
     return Shuffle(shuffle["seed"], shuffle["window"], shuffle.get("bucket", ""))
 
 
-def check_emitted(emitted, where: str) -> None:
-    check_keys(emitted, where, ("batches", "tokens", "hash"), ())
+def check_emitted(emitted, state_name: str) -> None:
+    check_keys(emitted, state_name, ("batches", "tokens", "hash"), ())
     check_int(f"{where}['batches']", emitted["batches"], 0)
     check_int(f"{where}['tokens']", emitted["tokens"], 0)
     check_hex(emitted["hash"], f"{where}['hash']")

@@ -2,16 +2,14 @@
 A loader's figures for a training log, and the one short line that prints them.
 They count what it did since the last figures() call and in total: next()'s wait, tokens per second
 in and out, crop and masked shares, documents per row, and for a streaming loader its downloads,
-evictions and cache use. DataLoader.figures() (nanochat/dataloader.py) takes a Mark after each call
-and subtracts. The counts come from the packers' running totals that every state carries, so nothing
-new crosses from a worker process. Design: docs/loaders.md#figures.
+evictions and cache use. DataLoader.figures() (nanochat/data/loader/build.py) takes a Mark after
+each call and subtracts. The counts come from the packers' running totals that every state carries,
+so nothing new crosses from a worker process. Design: docs/loaders.md#figures.
 
-May import: the standard library, nanochat.data.base.packing.
+May import: the standard library.
 """
 
 from typing import NamedTuple
-
-from nanochat.data.base.packing import BestFitPacker, ConcatPacker
 
 
 class Figures(NamedTuple):
@@ -122,21 +120,3 @@ def stretch(then: Mark, now: Mark, BT: int) -> Figures:
         docs_per_row=count["docs_placed"] / max(1, count["rows"]) if "rows" in count else None,
         bytes_downloaded=now.fetched_bytes - (then.fetched_bytes or 0) if streaming else None,
         evictions=now.evictions - (then.evictions or 0) if streaming else None)
-
-
-def start_counters(kind: str, recorders) -> dict:
-    """The packers' running totals before the first batch, summed over `recorders` (a mixture's
-    buckets): zero, or what the resumed state restores
-    (nanochat.data.loader.rows.restore_buffer)."""
-    packer = BestFitPacker if kind == "bestfit" else ConcatPacker
-    return sum_counters([dict.fromkeys(packer.COUNTERS, 0)]
-                        + [r.resumed["counters"] for r in recorders if r.resumed])
-
-
-def sum_counters(counters) -> dict:
-    """The sum, name by name, of packers' running totals (dicts of name -> count)."""
-    total: dict = {}
-    for one in counters:
-        for name, value in one.items():
-            total[name] = total.get(name, 0) + value
-    return total

@@ -35,7 +35,7 @@ KEEP_WINDOWS = 4  # window tables kept: the reading and the packing thread look 
 
 def start_order(reader, rank: int, world_size: int, batch_size: int, state, config: dict, *,
                 allow_state_mismatch: bool, epochs: int | None = None,
-                where: str = "resume_state_dict", shuffle: Shuffle | None = None):
+                state_name: str = "resume_state_dict", shuffle: Shuffle | None = None):
     """The walk a loader starts from: fresh, or resumed from a state that check_resume checks
     (against the data too). where: what messages call the state. Returns a Started."""
     walk = dict(epochs=epochs, shuffle=shuffle)
@@ -43,13 +43,14 @@ def start_order(reader, rank: int, world_size: int, batch_size: int, state, conf
         return Started(RankOrder(reader, rank, world_size, batch_size, **walk), None,
                        Position(0, 0, 1))
     resume = check_resume(reader, rank, world_size, state, config,
-                          allow_state_mismatch=allow_state_mismatch, where=where, shuffle=shuffle)
+                          allow_state_mismatch=allow_state_mismatch, state_name=state_name,
+                          shuffle=shuffle)
     if resume.resumed is None:  # approximately: from resume.cursor
         order = RankOrder(reader, rank, world_size, batch_size, cursor=resume.cursor, **walk)
         return Started(order, None, resume.position)
     plan = decode_plan(resume.resumed["plan"], reader.index)
     order = RankOrder(reader, rank, world_size, batch_size, plan=plan, cursor=resume.cursor,
-                      where=resume.where, **walk)
+                      state_name=resume.state_name, **walk)
     return Started(order, resume.resumed, resume.position)
 
 
@@ -72,10 +73,10 @@ class RankOrder:
 
     def __init__(self, reader, rank: int, world_size: int, batch_size: int, *,
                  plan: list[PlanUnit] = (), cursor: Cursor | WindowCursor | None = None,
-                 epochs: int | None = None, where: str = "resume_state_dict",
+                 epochs: int | None = None, state_name: str = "resume_state_dict",
                  shuffle: Shuffle | None = None):
         self.reader, self.rank, self.world_size = reader, rank, world_size
-        self.where = where  # what messages call the state it resumed from
+        self.state_name = state_name  # what messages call the state it resumed from
         self.epochs = epochs  # None: forever; 1: one pass (a mixture's bucket), then it ends
         self.paths, self.index = reader.paths, reader.index
         self.batch_size = batch_size
@@ -99,13 +100,13 @@ class RankOrder:
         walk's (shuffled or in file order)."""
         size = self.batch_size
         for u, unit in enumerate(self.plan):
-            where = f"{self.where}['plan']"
-            read = self._unit(unit.pq_idx, unit.rg_idx, where)
+            state_name = f"{self.state_name}['plan']"
+            read = self._unit(unit.pq_idx, unit.rg_idx, state_name)
             rows = unit.rows
             if rows is None:  # a whole unit: every document, in the plan's order for it
                 rows = self._plan_rows(unit, self.reader.size(read))
             starts = unit.starts or (None,) * len(rows)  # None: a whole document
-            self._check_rows(rows, read, (unit.pq_idx, unit.rg_idx), where)
+            self._check_rows(rows, read, (unit.pq_idx, unit.rg_idx), state_name)
             for i in range(0, len(rows), size):
                 chunk = rows[i:i + size]
                 keys = [DocKey(unit.epoch, unit.pq_idx, unit.rg_idx, r) for r in chunk]
@@ -126,7 +127,7 @@ class RankOrder:
                     unit = self.reader.read(pq_idx, rg_idx)  # not kept: read once an epoch
                     n = self.reader.size(unit)
                     if row > n:
-                        raise ValueError(f"{self.where}['next'] points at row {row} of "
+                        raise ValueError(f"{self.state_name}['next'] points at row {row} of "
                                          f"{self.paths[pq_idx]} {self.reader.unit_name} {rg_idx}, "
                                          f"which has {n} rows: the state does not match the data")
                     docs_this_pass += n
@@ -160,9 +161,9 @@ class RankOrder:
                 read = [self.reader.read(pq_idx, rg_idx) for pq_idx, rg_idx in places]
                 n = int(bounds[-1])  # the window's entries
                 if row > n:
-                    raise ValueError(f"{self.where}['next'] points at entry {row} of window {w} of "
-                                     f"epoch {epoch}, which has {n}: the state does not match the "
-                                     "data")
+                    raise ValueError(f"{self.state_name}['next'] points at entry {row} of window "
+                                     f"{w} of epoch {epoch}, which has {n}: the state does not "
+                                     "match the data")
                 docs_this_pass += n
                 for i in range(row, n, size):
                     j = min(i + size, n)
@@ -197,7 +198,7 @@ class RankOrder:
 
     # -- reading --------------------------------------------------------------------------------
 
-    def _unit(self, pq_idx: int, rg_idx: int, where: str, rows=None):
+    def _unit(self, pq_idx: int, rg_idx: int, state_name: str, rows=None):
         """One unit, checked to exist; rows: only those of its documents are wanted (a buffer's),
         and the unit is not kept for later (a streaming reader may give just those, from copies)."""
         if not (0 <= pq_idx < len(self.paths) and 0 <= rg_idx < self.index.count(pq_idx)):
@@ -213,7 +214,7 @@ class RankOrder:
         self._units.move_to_end((pq_idx, rg_idx))
         return self._units[pq_idx, rg_idx]
 
-    def _check_rows(self, rows, unit, place: tuple[int, int], where: str) -> None:
+    def _check_rows(self, rows, unit, place: tuple[int, int], state_name: str) -> None:
         n = self.reader.size(unit)
         if len(rows) and not 0 <= min(rows) <= max(rows) < n:  # (min() of no rows would raise)
             pq_idx, rg_idx = place
@@ -240,7 +241,7 @@ class RankOrder:
             return DocKey(key.epoch, *Shuffle.entry(self._window(key.epoch, key.window), key.i))
         return DocKey(key.epoch, key.pq_idx, key.rg_idx, key.row)  # (a PieceKey's document)
 
-    def read_documents(self, keys: list, where: str) -> list:
+    def read_documents(self, keys: list, state_name: str) -> list:
         """The items of the given documents (to rebuild a buffer), in order, each unit read once."""
         rows: dict = {}  # (pq_idx, rg_idx) -> [(position in keys, row)]
         for i, key in enumerate(keys):
@@ -249,8 +250,8 @@ class RankOrder:
         items = [None] * len(keys)
         for (pq_idx, rg_idx), wanted in rows.items():  # a unit at a time: one pick for its rows
             at, unit_rows = zip(*wanted)
-            unit = self._unit(pq_idx, rg_idx, where, unit_rows)
-            self._check_rows(unit_rows, unit, (pq_idx, rg_idx), where)
+            unit = self._unit(pq_idx, rg_idx, state_name, unit_rows)
+            self._check_rows(unit_rows, unit, (pq_idx, rg_idx), state_name)
             for i, item in zip(at, self.reader.pick(unit, unit_rows)):
                 items[i] = item
         self._units.clear()

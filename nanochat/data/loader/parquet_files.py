@@ -88,7 +88,7 @@ def _found_words(data_dir: str) -> str:
     if spec is None or (os.path.abspath(os.path.dirname(os.path.normpath(data_dir)))
                         != os.path.abspath(get_base_dir())):
         return ""
-    where = ("from NANOCHAT_BASE_DIR" if os.environ.get("NANOCHAT_BASE_DIR")
+    origin = ("from NANOCHAT_BASE_DIR" if os.environ.get("NANOCHAT_BASE_DIR")
              else "~/.cache/nanochat, as NANOCHAT_BASE_DIR is unset")
     return (f". Given no data_dir, the readers use <base_dir>/{spec.subdir}, with <base_dir> "
             f"{where}; to read shards elsewhere, pass data_dir (--data-dir), or export "

@@ -74,7 +74,7 @@ def restore_buffer(recorder: StateRecorder, packer) -> None:
         return
     keys, _ = recorder.buffered()
     unique = list(dict.fromkeys(keys))  # a split document may be buffered as several pieces
-    items = recorder.order.read_documents(unique, f"{recorder.where}['buffer']")
+    items = recorder.order.read_documents(unique, f"{recorder.state_name}['buffer']")
     documents = {}
     for i in range(0, len(items), 1024):  # 1,024 at a time: one tokenizer call stays small
         docs, overlaps = recorder.encoder(items[i:i + 1024])
@@ -91,7 +91,7 @@ class DocumentFeed:
         self.order = order
         self.after = order.first_position
         self.position = position  # nanochat's keys of the last batch pulled
-        self.where = order.where
+        self.state_name = order.state_name
 
     def progress(self) -> Progress:
         """What the state after the last batch pulled records of the walk."""
@@ -109,9 +109,9 @@ class DocumentFeed:
         # an elastic plan may deal single pieces of split documents
         for doc, key, start in zip(batch.docs, batch.keys, batch.starts):
             if start is not None and start >= len(doc):
-                raise ValueError(f"{self.where}['plan'] deals document {tuple(key)} from token "
-                                 f"{start}, but it has {len(doc)}: the state does not match the "
-                                 "data or the tokenizer")
+                raise ValueError(f"{self.state_name}['plan'] deals document {tuple(key)} from "
+                                 f"token {start}, but it has {len(doc)}: the state does not "
+                                 "match the data or the tokenizer")
         return [Piece(*piece) for piece in
                 zip(batch.docs, batch.keys, batch.overlaps, batch.starts)]
 

@@ -104,7 +104,7 @@ def _read_spec(spec) -> tuple:
         raise ValueError(f"{path} is not valid {kind}: {e}") from None
 
 
-def _phase(where: str, phase, buckets) -> Phase:
+def _phase(label: str, phase, buckets) -> Phase:
     """One phase of a curriculum, checked (where: what messages call it)."""
     if not isinstance(phase, dict):
         raise ValueError(f"{where}: expected a mapping with 'tokens' and 'mix', got {phase!r}")
@@ -325,7 +325,7 @@ def _dry_message(phase: int, name: str, demanded: float, s: _Supply, short: bool
                  world_size: int, T: int | None, long_doc_policy: str, when: str) -> str:
     """validate's message for a bucket that runs dry: where, the tokens, the crop, the fixes.
     short: it lacks entry tokens, not only usable ones (less cropping would not be enough)."""
-    where = (f"{s.available:,} available" if world_size == 1 else
+    label = (f"{s.available:,} available" if world_size == 1 else
              f"{s.available:,} available, the smallest of {world_size} ranks' shares is "
              f"{s.smallest:,}")
     message = (f"phase {phase}: bucket {name!r} runs dry {when}: {demanded:,.0f} tokens demanded "

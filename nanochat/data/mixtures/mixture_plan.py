@@ -5,7 +5,7 @@ curriculum loaded, the configuration its state records, the resume state matched
 fresh run, the curriculum checked against the buckets: a predicted shortfall is refused), and each
 used bucket's walk of its pretokenized shards. Cost: the .idx headers of every bucket.
 
-May import: nanochat.data.base, nanochat.data.loader.options, nanochat.data.loader.rows,
+May import: nanochat.data.base, nanochat.data.base.checks, nanochat.data.loader.rows,
 nanochat.data.pretokenized.token_reader, nanochat.data.mixtures.curriculum,
 nanochat.data.mixtures.mixture_state, nanochat.data.mixtures.mix.
 """
@@ -17,7 +17,7 @@ from typing import Any, NamedTuple
 from nanochat.data.base.packing import check_long_doc_policy
 from nanochat.data.base.shuffle import Shuffle
 from nanochat.data.base.state import files_fingerprint, loader_config
-from nanochat.data.loader.options import check_options, check_shuffle, resolve_rank
+from nanochat.data.base.checks import check_options, check_shuffle, resolve_rank
 from nanochat.data.loader.rows import EntryDocuments
 from nanochat.data.mixtures.curriculum import Phase, list_buckets, load_curriculum, validate
 from nanochat.data.mixtures.mix import MixRules
@@ -66,7 +66,7 @@ class BucketWalk(NamedTuple):
     config: dict  # the bucket's own loader config (its state's)
     order: Shuffle | None  # the bucket's shuffled order, or None
     state: dict | None  # the bucket's state in the resume state, or None
-    where: str  # what messages call that state
+    state_name: str  # what messages call that state
 
 
 class MixturePlan(NamedTuple):
@@ -98,8 +98,8 @@ def plan_mixture(options: MixtureOptions) -> MixturePlan:
     used = sorted({name for p in phases for name in p.mix})
     config = _mixture_config(o, phases, {name: paths[name] for name in used}, vocab.bos_token,
                              (rank, world_size))
-    state, where = mixture_start(o.resume_state_dict, config, rank, world_size,
-                                 o.allow_state_mismatch)
+    state, state_name = mixture_start(o.resume_state_dict, config, rank, world_size,
+                                      o.allow_state_mismatch)
     _check_fit(o, phases, data_dir, order, world_size, fresh=state is None)
     walks = []
     for name in used:
@@ -113,7 +113,7 @@ def plan_mixture(options: MixtureOptions) -> MixturePlan:
         walks.append(BucketWalk(name, TokenShardReader(paths[name], o.chunk_size, vocab),
                                 sub_config, bucket_order,
                                 state["buckets"][name] if state else None,
-                                f"{where}['buckets'][{name!r}]"))
+                                f"{state_name}['buckets'][{name!r}]"))
     rules = MixRules(o.B, o.T, rank, world_size, o.seed, o.buffer_size, o.allow_bucket_exhaustion,
                      o.allow_budget_mismatch)
     encoder = EntryDocuments(vocab.bos_token, always=vocab.convention == "gpt-simple")

@@ -42,22 +42,22 @@ def add_mixture_checksum(state: dict) -> dict:
 def mixture_start(state, config, rank, world_size, allow_mismatch) -> tuple[dict | None, str]:
     """Validate a mixture resume state (or a merge of them) against this loader; returns this
     rank's, and what messages call it (its bucket states are checked when each bucket resumes)."""
-    where = "resume_state_dict"
+    state_name = "resume_state_dict"
     if state is None:
-        return None, where
+        return None, state_name
     if not isinstance(state, dict):
         raise TypeError(f"resume_state_dict must be a dict, got {type(state).__name__}")
-    if message := not_a_loader_state(state, where):  # a model's state dict, passed by mistake
+    if message := not_a_loader_state(state, state_name):  # a model's state dict, passed by mistake
         raise ValueError(message)
     if "merged" in state:  # every new rank is given the whole merge and takes its own part
-        state, where = rank_state(state, rank, world_size)
+        state, state_name = rank_state(state, rank, world_size)
     if state.get("version") != VERSION or state.get("loader") != "mixture":
         raise ValueError(f"{where} is not a mixture loader state (version 2, loader 'mixture')")
-    check_keys(state, where, FIELDS, ())
-    if not checksum_matches(state, where, mixture_checksum) and not allow_mismatch:
+    check_keys(state, state_name, FIELDS, ())
+    if not checksum_matches(state, state_name, mixture_checksum) and not allow_mismatch:
         raise ValueError(f"{where}['checksum'] does not match its contents: the state was edited "
                          "or corrupted; pass allow_state_mismatch=True to resume from it anyway")
-    check_mixture_fields(state, where)
+    check_mixture_fields(state, state_name)
     saved = state["config"]
     fields = dict.fromkeys([*config, *saved])  # a field only one of them has (shuffle) differs too
     differ = [f"{k}: state {saved.get(k)!r}, loader {config.get(k)!r}"
@@ -73,10 +73,10 @@ def mixture_start(state, config, rank, world_size, allow_mismatch) -> tuple[dict
                 + ("" if "seed" in walk_fields else "seed, ") + "B, T or buffer size")
         raise ValueError(f"{where} was taken on another configuration (" + "; ".join(differ) + ")"
                          + ("" if allow_mismatch or walk_changed else hint))
-    return state, where
+    return state, state_name
 
 
-def check_mixture_fields(state: dict, where: str) -> None:
+def check_mixture_fields(state: dict, state_name: str) -> None:
     """Check every field of a mixture state but its bucket states (checked when each bucket
     resumes, or by merge_mixture_states): a ValueError naming the field."""
     config = check_keys(state["config"], f"{where}['config']", CONFIG_FIELDS, ("shuffle",))

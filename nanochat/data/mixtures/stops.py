@@ -73,14 +73,14 @@ def dry_message(stop, bucket_stats: dict, fixes: str) -> str:
     do (fixes: curriculum.dry_fixes)."""
     crops = {name: s["crop_share"] for name, s in bucket_stats.items()}
     if stop and stop.bucket:
-        where = (f"bucket {stop.bucket!r} ran dry on this rank (its crop share so far: "
+        dry = (f"bucket {stop.bucket!r} ran dry on this rank (its crop share so far: "
                  f"{crops[stop.bucket]:.2f})")
     elif stop:
         shares = ", ".join(f"{name} {crop:.2f}" for name, crop in sorted(crops.items()))
-        where = ("every bucket of the current phase ran dry on this rank (crop shares so "
+        dry = ("every bucket of the current phase ran dry on this rank (crop shares so "
                  f"far: {shares})")
     else:
-        where = "a bucket ran dry on another rank (its message says which)"
+        dry = "a bucket ran dry on another rank (its message says which)"
     return (f"{where}; its `state` is the last good state: save a checkpoint with it and stop, "
             "or resume with allow_bucket_exhaustion=True to drop the bucket. For a run that "
             f"does not run dry, the fixes: {fixes}")

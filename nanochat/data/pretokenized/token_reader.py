@@ -39,7 +39,7 @@ class ShardVocab(NamedTuple):
     """What the pretokenized loaders know of their shards' ids, checked up front by shard_vocab."""
     bos_token: int  # prepended to an entry that does not start with it
     vocab_size: int | None  # every id is below it; None: unknown (the dtype bounds them)
-    where: str  # where vocab_size comes from, for messages
+    vocab_from: str  # where vocab_size comes from, for messages
     # what pretokenize.json records ("nanochat", "gpt-simple"); None: no record
     convention: str | None
     # the pretokenize.json bos_token came from, when every entry must start with it
@@ -70,7 +70,7 @@ def shard_vocab(first_path: str, bos_token, vocab_size, settings_dirs: list[str]
         key = "eod_token_id" if settings["convention"] == "gpt-simple" else "bos_token_id"
         if settings[key] is not None:
             records.append((settings["convention"], key, settings[key], path))
-    vocab_size, where = known[0] if known else (None, "")  # the first source; the others agree
+    vocab_size, vocab_from = known[0] if known else (None, "")  # the first source; the others agree
     for size, other in known[1:]:
         if size != vocab_size:
             raise ValueError(f"vocab_size {vocab_size:,} ({where}) disagrees with {size:,} "
@@ -121,7 +121,7 @@ def shard_vocab(first_path: str, bos_token, vocab_size, settings_dirs: list[str]
                        "vocab_size next to them, no vocab_size argument): their token ids are "
                        "checked only against their dtype (%s); pass vocab_size to catch a damaged "
                        "shard before the model sees its ids", directory, first.dtype.name)
-    return ShardVocab(bos_token, vocab_size, where, convention, bos_record)
+    return ShardVocab(bos_token, vocab_size, vocab_from, convention, bos_record)
 
 
 def first_ids(shard, start: int, count: int = 8) -> str:
@@ -141,7 +141,7 @@ def check_bos_fits(bos_token: int, shard) -> None:
                          "BOS id of the tokenizer that wrote them")
 
 
-def check_ids(shard, start: int, stop: int, vocab_size: int, where: str) -> None:
+def check_ids(shard, start: int, stop: int, vocab_size: int, vocab_from: str) -> None:
     """ValueError naming the shard and the entry if an id of entries [start, stop) is not below
     vocab_size: one numpy pass over their tokens (the bench prints its cost)."""
     tokens = shard.tokens[shard.offsets[start]:shard.offsets[stop]]
@@ -219,7 +219,7 @@ class TokenShardReader:
         start = rg_idx * self.chunk_size
         stop = min(start + self.chunk_size, len(shard))  # the last chunk may be short
         if self.vocab.vocab_size is not None:  # (else the dtype bounds the ids, by construction)
-            check_ids(shard, start, stop, self.vocab.vocab_size, self.vocab.where)
+            check_ids(shard, start, stop, self.vocab.vocab_size, self.vocab.vocab_from)
         if self.vocab.bos_record is not None:
             check_starts(shard, start, stop, self.vocab.bos_token, self.vocab.bos_record)
         return Chunk(shard, start, stop)

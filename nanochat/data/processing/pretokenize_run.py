@@ -106,7 +106,7 @@ def _write(run: PretokenizeRun, tokenizer, load_tokenizer, todo: list, skipped: 
             bar.set_postfix(tokens=f"{totals['tokens']:,}")
 
     seconds = time.time() - t0
-    where = run.output if run.bucket is None else f"{run.output} (bucket {run.bucket})"
+    output_name = run.output if run.bucket is None else f"{run.output} (bucket {run.bucket})"
     print(f"wrote {written}/{len(todo)} shards to {where} in {seconds:.1f}s: "
           f"{totals['documents']:,} documents -> {totals['entries']:,} entries, "
           f"{totals['tokens']:,} tokens; {totals['windowed']:,} documents cut into windows; "

@@ -33,13 +33,14 @@ def streamed_split(split: str, data_dir: str | None = None, num_shards: int | No
     data_dir, spec, base_url = _stream_source(data_dir, base_url)
     if listing is None:
         names = [index_to_filename(i) for i in range(spec.max_shard + 1)]
-        where = f" (the train shards of {spec.name})"
+        shards_hint = f" (the train shards of {spec.name})"
     else:
-        names, where = listing, f" (the train shards {listing_source(base_url)} lists)"
+        names, shards_hint = listing, f" (the train shards {listing_source(base_url)} lists)"
         check_own(listing, data_dir, listing_source(base_url))
     if num_shards is None:
         num_shards = len(names) - 1  # every train shard
-    check_int("num_shards (or NANOCHAT_STREAM_SHARDS)", num_shards, 1, len(names) - 1, hint=where)
+    check_int("num_shards (or NANOCHAT_STREAM_SHARDS)", num_shards, 1, len(names) - 1,
+              hint=shards_hint)
     # val is the last name even when few train shards are streamed
     chosen = names[-1:] if split == "val" else names[:num_shards]
     return (data_dir, [os.path.join(data_dir, name) for name in chosen],

@@ -131,5 +131,5 @@ def test_resume_takes_this_ranks_part_of_a_merge():
     merged = json.loads(json.dumps({"version": 2, "states": parts,
                                     "merged": {"from_world_size": 1, "world_size": 2}}))
     resume = check_resume(Reader(), 1, 2, merged, config(1, 2), allow_state_mismatch=False)
-    assert resume.where == "resume_state_dict['states'][1]"
+    assert resume.state_name == "resume_state_dict['states'][1]"
     assert resume.resumed == parts[1] and resume.cursor == Cursor(1, 0, 1, 0)

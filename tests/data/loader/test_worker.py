@@ -6,13 +6,15 @@ is read (arguments, data_dir, the resume state, a streamed source) fails at the 
 process, before a worker starts, and what those checks log is said once; a failure in the worker
 reaches next() printed once, its message the last line; close() ends the process within its bound,
 and so does the trainer's death; under torchrun each rank runs its own worker. The worker process is
-real: `python -m nanochat.data.loader.prefetch`, started and killed here. Run: python -m pytest
+real: `python -m nanochat.data.loader.worker`, started and killed here. Run: python -m pytest
 tests/data/loader/test_worker.py -q   (about a minute: each worker takes ~1.5 s to start)
 """
 
 import gc
 import json
+import functools
 import os
+import pickle
 import re
 import signal
 import subprocess
@@ -34,7 +36,8 @@ from nanochat.data.base.datasets import index_to_filename
 from nanochat.data.fetch.errors import HostNotFoundError
 from nanochat.mixture import (CurriculumComplete,
                               pretokenized_mixture_loader_with_state_bos_bestfit)
-from nanochat.data.loader.prefetch import CLOSE_TIMEOUT, WorkerTraceback
+from nanochat.data.loader.build import LoaderSpec, build_loader
+from nanochat.data.loader.worker import CLOSE_TIMEOUT, WorkerTraceback, WorkerUnavailable
 from nanochat.resume import merge_states
 from nanochat.data.pretokenized.token_shards import write_token_shard
 from nanochat.data.fetch.serve import ShardServer
@@ -337,7 +340,7 @@ class NoWorker:
     """Stands in for WorkerBatches where a mistake must be found before any worker starts."""
 
     def __init__(self, job):
-        raise AssertionError(f"a worker process was started for {job.function}")
+        raise AssertionError(f"a worker process was started for {job.build}")
 
 
 def _state(make, **more) -> dict:
@@ -412,7 +415,7 @@ def test_a_mistake_found_before_reading_fails_at_the_call_in_this_process(
         case, corpus, tmp_path, monkeypatch):
     call, kind, message = mistakes(corpus, tmp_path)[case]
     monkeypatch.setenv("NANOCHAT_LOADER_WORKERS", "1")  # the default outside the tests
-    monkeypatch.setattr("nanochat.dataloader.WorkerBatches", NoWorker)
+    monkeypatch.setattr("nanochat.data.loader.build.WorkerBatches", NoWorker)
     with pytest.raises(kind, match=re.escape(message)) as raised:
         call()
     # one traceback, from this call, ending with the error: no worker's, no message twice
@@ -424,7 +427,7 @@ def test_a_mistake_found_before_reading_fails_at_the_call_in_this_process(
 
 def test_a_cache_limit_below_the_least_fails_at_the_call(corpus, tmp_path, monkeypatch):
     server = ShardServer(str(corpus / "parquet"))
-    monkeypatch.setattr("nanochat.dataloader.WorkerBatches", NoWorker)
+    monkeypatch.setattr("nanochat.data.loader.build.WorkerBatches", NoWorker)
     try:
         with pytest.raises(ValueError, match="cache_limit=1,000 bytes is below what") as raised:
             tokenizing_distributed_data_loader_with_state_bos_bestfit(
@@ -447,6 +450,39 @@ def test_what_the_checks_at_the_call_log_is_said_once(corpus, caplog, capfd):
     warning = "resume_state_dict is another rank's state (world_size: state 2, loader 1)"
     assert sum(warning in r.getMessage() for r in caplog.records) == 1  # here, at the call
     assert warning not in capfd.readouterr().err  # the worker, which checks it again, is quiet
+
+
+@pytest.mark.parametrize("kind", ["bestfit", "mixture"])
+def test_the_worker_builds_from_the_pickled_spec_not_the_public_function(kind, corpus,
+                                                                         monkeypatch):
+    jobs = []
+
+    class Recorded:  # stands in for WorkerBatches: keeps the job, and the loader runs here
+        def __init__(self, job):
+            jobs.append(job)
+            raise WorkerUnavailable("recorded")
+
+    monkeypatch.setattr("nanochat.data.loader.build.WorkerBatches", Recorded)
+    here = LOADERS[kind](corpus, workers=1)
+    expected = take(here, 3)
+    here.close()
+    (job,) = jobs
+    # the builder of ours and the spec it builds from, on the worker's CPU
+    assert isinstance(job.build, functools.partial) and job.build.args[-1] == "cpu"
+    if kind == "bestfit":
+        assert job.build.func is build_loader and isinstance(job.build.args[0], LoaderSpec)
+    else:  # (the mixture's own builder, from its buckets' specs)
+        assert job.build.func.__module__ == "nanochat.mixture"
+        assert all(isinstance(spec, LoaderSpec) for spec, _ in job.build.args[0].walks.values())
+    # what the worker does with it: unpickled and built, with no public loader function to call
+    for name in ("tokenizing_distributed_data_loader_with_state_bos_bestfit",
+                 "pretokenized_mixture_loader_with_state_bos_bestfit"):
+        module = "nanochat.mixture" if "mixture" in name else "nanochat.dataloader"
+        monkeypatch.setattr(f"{module}.{name}", NoWorker)
+    loader = pickle.loads(pickle.dumps(job)).build()
+    got = [batch for batch, _ in zip(loader.row_batches(), range(3))]
+    loader.close()
+    assert [b.state for b in got] == [e[2] for e in expected]
 
 
 def test_a_tokenizer_that_cannot_be_pickled_runs_here_with_a_warning(corpus, caplog):

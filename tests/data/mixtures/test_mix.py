@@ -18,7 +18,7 @@ from nanochat.data.loader.rows import Stop
 from nanochat.data.mixtures.mix import BucketDoc, BucketPiece, mixture_batches
 from nanochat.data.mixtures.mixture_plan import plan_mixture
 from nanochat.data.mixtures.mixture_state import mixture_checksum
-from nanochat.dataloader import LoaderSpec, assemble
+from nanochat.data.loader.build import LoaderSpec, assemble
 
 B, T, BOS = 2, 31, 1
 LOW = {"web": 1000, "code": 2000, "tiny": 3000}  # each bucket's ids: [low, low + 1000)
@@ -41,7 +41,7 @@ def draw(data_dir, curriculum, trace=False, rules=None, **given):
     for walk in plan.buckets:
         spec = LoaderSpec(kind="bestfit", reader=walk.reader, encoder=plan.encoder,
                           config=walk.config, rank=0, world_size=1, batch_size=128, B=B, T=T,
-                          buffer_size=16, shuffle=walk.order, epochs=1, where=walk.where)
+                          buffer_size=16, shuffle=walk.order, epochs=1, state_name=walk.state_name)
         buckets[walk.name] = (assemble(spec, walk.state), BestFitPacker(T + 1, "crop", 0))
     return mixture_batches(plan.phases, buckets, plan.rules._replace(**rules or {}),
                            plan.config, plan.state, trace)

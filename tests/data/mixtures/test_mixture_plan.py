@@ -52,7 +52,7 @@ def test_a_fresh_plan(data_dir):
     for walk in plan.buckets:
         assert walk.config["split"] == f"train/{walk.name}"
         assert walk.order is None and walk.state is None
-        assert walk.where == f"resume_state_dict['buckets'][{walk.name!r}]"
+        assert walk.state_name == f"resume_state_dict['buckets'][{walk.name!r}]"
     shuffled = plan_mixture(options(data_dir, shuffle=True, shuffle_window=4))
     assert shuffled.config["shuffle"] == {"window": 4}
     assert all(walk.order is not None for walk in shuffled.buckets)

@@ -31,9 +31,7 @@ from nanochat.dataloader import (
     pretokenized_distributed_data_loader_with_state_bos_bestfit as PRETOKENIZED,
 )
 from nanochat.dataloader import tokenizing_distributed_data_loader_with_state as CONCAT
-from nanochat.dataloader import (
-    tokenizing_distributed_data_loader_with_state_bos_bestfit as PARQUET,
-)
+from nanochat.dataloader import tokenizing_distributed_data_loader_with_state_bos_bestfit as PARQUET
 from nanochat.data.loader.parquet_files import list_parquet_files, split_parquet_files
 from nanochat.dataset import download_shards, download_single_file, parquets_iter_batched
 from nanochat.dataset import main as dataset_main

@@ -23,7 +23,7 @@ from conftest import (assert_same_batches as _same, ByteTokenizer, least_accepte
 from nanochat.data.base.state import decode_keys
 from nanochat.data.fetch.limits import Limits
 from nanochat.data.fetch.serve import ShardServer
-from nanochat.data.loader.options import parse_bytes
+from nanochat.data.base.checks import parse_bytes
 from nanochat.data.streaming.ledger import (FETCHED, Ledger, Loader, ShardRow, start_time,
                                             STREAM_DIR, Table)
 from nanochat.dataloader import tokenizing_distributed_data_loader_with_state_bos_bestfit
