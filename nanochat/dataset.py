@@ -220,14 +220,14 @@ def _download_main(argv: list[str]) -> int:
           f"data_dir={data_dir} base_url={shown(base_url)} {bounds}")
     short = asked > len(train)  # a shortfall: fetch what there is, then say so and exit 1
     if short:
-        print(f"-n {asked} asks for more train shards than the {len(train)} {where}: fetching "
+        print(f"-n {asked} asks for more train shards than the {len(train)} {label}: fetching "
               f"those {len(train)} and val, then exiting 1")
     files = [(stores.join(base_url, name), os.path.join(data_dir, name)) for name in names]
     report = download_files(files, args.num_workers, limits, progress=None, check_disk=True)
     got = len(names) - len(report.failed)
     if short:  # never N/N for fewer than were asked for
         print(f"downloaded {got} of the {asked + 1} shards asked for ({asked} train and val) to "
-              f"{data_dir}: {where} only {len(train)} train shards")
+              f"{data_dir}: {label} only {len(train)} train shards")
     else:
         print(f"downloaded {got}/{len(names)} shards to {data_dir}")
     fetched = [os.path.join(data_dir, n) for n in names if n not in report.failed]

@@ -556,9 +556,10 @@ def _base_dir_words(tokenizer_dir: str) -> str:
     point it at another; "" for a directory passed by hand."""
     if os.path.abspath(tokenizer_dir) != os.path.abspath(get_tokenizer_dir()):
         return ""
-    where = ("from NANOCHAT_BASE_DIR" if os.environ.get("NANOCHAT_BASE_DIR")  # "" counts as unset
+    base_from = ("from "
+                 "NANOCHAT_BASE_DIR" if os.environ.get("NANOCHAT_BASE_DIR")  # "" counts as unset
              else "~/.cache/nanochat, as NANOCHAT_BASE_DIR is unset")
-    return (f". It is <base_dir>/tokenizer, with <base_dir> {where}; a tokenizer trained under "
+    return (f". It is <base_dir>/tokenizer, with <base_dir> {base_from}; a tokenizer trained under "
             "another base dir is found with export NANOCHAT_BASE_DIR=DIR (DIR holds tokenizer/)")
 
 

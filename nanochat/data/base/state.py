@@ -488,11 +488,11 @@ def checksum_matches(state: dict, state_name: str, digest=checksum) -> bool:
     """Whether a state's "checksum" matches its contents (digest: how it is computed). A ValueError
     when it has none, or holds something JSON cannot write: no loader writes such a state."""
     if "checksum" not in state:
-        raise ValueError(f"{where} is missing 'checksum' (a truncated state?)")
+        raise ValueError(f"{state_name} is missing 'checksum' (a truncated state?)")
     try:
         return state["checksum"] == digest(state)
     except (TypeError, ValueError) as e:  # json.dumps: a type it cannot write, a cycle
-        raise ValueError(f"{where} is not plain data ({e}): not a loader state") from None
+        raise ValueError(f"{state_name} is not plain data ({e}): not a loader state") from None
 
 
 def hash_tokens(previous: str, tokens: np.ndarray) -> str:

@@ -79,17 +79,18 @@ def check_resume(reader, rank: int, world_size: int, state: dict, config: dict, 
     unit; a shuffled walk only from another rank's state of its own run, after that rank's
     window."""
     if not isinstance(state, dict):
-        raise TypeError(f"{where} must be a dict, got {type(state).__name__}")
+        raise TypeError(f"{state_name} must be a dict, got {type(state).__name__}")
     if message := not_a_loader_state(state, state_name):  # a model's state dict, passed by mistake
         raise ValueError(message)
     if "merged" in state:  # elastic resume: every rank gets the merge, and takes its own part
         state, state_name = rank_state(state, rank, world_size, state_name)
     elif "states" in state:
-        raise ValueError(f"{where} has 'states' but no 'merged': not a whole merge_states result "
+        raise ValueError(f"{state_name} has 'states' but no 'merged': not a whole merge_states "
+                         "result "
                          "(a truncated state?); pass what merge_states returned")
     # (`-` binds before `&`: any key of this loader's states but nanochat's three)
     if "version" not in state and state.keys() & set(REQUIRED) - set(NANOCHAT_KEYS):
-        raise ValueError(f"{where} is missing 'version' but has this loader's other keys "
+        raise ValueError(f"{state_name} is missing 'version' but has this loader's other keys "
                          f"({sorted(state.keys() & set(REQUIRED))}): a truncated state?")
     if "version" in state and check_state(state, config, reader.index if data else None,
                                           allow_mismatch=allow_state_mismatch,
@@ -118,7 +119,7 @@ def _resume_shuffled(state: dict, config: dict, state_name: str) -> Resume:
         for k in WALK_FIELDS
         if k not in ("rank", "world_size") and state["config"].get(k) != config.get(k)]
     if other:
-        raise ValueError(f"{where} is not a state of this shuffled walk "
+        raise ValueError(f"{state_name} is not a state of this shuffled walk "
                          f"({'; '.join(other)}), and a shuffled loader cannot tell which "
                          "documents were read under another order or on other data; resume "
                          "with the data and settings the state was taken with, or start afresh")
@@ -134,22 +135,22 @@ def check_nanochat_state(state: dict, reader, state_name: str = "resume_state_di
     """Validate a state in nanochat's form {pq_idx, rg_idx[, epoch]}: the unit it names."""
     missing = {"pq_idx", "rg_idx"} - state.keys()
     if missing:
-        raise ValueError(f"{where} is missing {sorted(missing)}")
+        raise ValueError(f"{state_name} is missing {sorted(missing)}")
     # "epoch" is optional: nanochat's concatenating loader's states do not carry it
     values = {"pq_idx": state["pq_idx"], "rg_idx": state["rg_idx"], "epoch": state.get("epoch", 1)}
     for key, value in values.items():
         if not is_int(value):
-            raise ValueError(f"{where}[{key!r}] must be an int, got {value!r}")
+            raise ValueError(f"{state_name}[{key!r}] must be an int, got {value!r}")
     pq_idx, rg_idx, epoch = values["pq_idx"], values["rg_idx"], values["epoch"]
     if epoch < 1:
-        raise ValueError(f"{where}['epoch'] must be >= 1 (epochs count from 1), got {epoch}")
+        raise ValueError(f"{state_name}['epoch'] must be >= 1 (epochs count from 1), got {epoch}")
     paths = reader.paths
     if not 0 <= pq_idx < len(paths):
-        raise ValueError(f"{where}['pq_idx']={pq_idx} points past the data: "
+        raise ValueError(f"{state_name}['pq_idx']={pq_idx} points past the data: "
                          f"the split has {len(paths)} file(s)")
     num_units = reader.index.count(pq_idx)
     if not 0 <= rg_idx < num_units:
-        raise ValueError(f"{where}['rg_idx']={rg_idx} points past the data: "
+        raise ValueError(f"{state_name}['rg_idx']={rg_idx} points past the data: "
                          f"{paths[pq_idx]} has {num_units} {reader.unit_name}(s)")
     return Position(pq_idx, rg_idx, epoch)
 
@@ -160,18 +161,22 @@ def rank_state(merged: dict, rank: int, world_size: int,
     messages call it."""
     check_keys(merged, state_name, ("version", "merged", "states"), ())
     if merged["version"] != VERSION:
-        raise ValueError(f"{where}['version'] is {reprlib.repr(merged['version'])}; this loader "
+        raise ValueError(f"{state_name}['version'] is {reprlib.repr(merged['version'])}; this "
+                         "loader "
                          f"reads version {VERSION}")
-    info, states = merged["merged"], check_list(merged["states"], f"{where}['states']")
-    check_keys(info, f"{where}['merged']", ("from_world_size", "world_size"), ())
-    check_int(f"{where}['merged']['from_world_size']", info["from_world_size"], 1)
+    info, states = merged["merged"], check_list(merged["states"], f"{state_name}['states']")
+    check_keys(info, f"{state_name}['merged']", ("from_world_size", "world_size"), ())
+    check_int(f"{state_name}['merged']['from_world_size']", info["from_world_size"], 1)
     if info["world_size"] != len(states):
-        raise ValueError(f"{where}['merged']['world_size'] is {reprlib.repr(info['world_size'])}, "
+        raise ValueError(f"{state_name}['merged']['world_size'] is "
+                         f"{reprlib.repr(info['world_size'])}, "
                          f"but it holds {len(states)} states")
     if len(states) != world_size:
-        raise ValueError(f"{where}['merged'] is for {len(states)} ranks, but this run has world "
+        raise ValueError(f"{state_name}['merged'] is for {len(states)} ranks, but this run has "
+                         "world "
                          f"size {world_size}; merge for this world size")
-    return check_keys(states[rank], f"{where}['states'][{rank}]", ()), f"{where}['states'][{rank}]"
+    part = f"{state_name}['states'][{rank}]"
+    return check_keys(states[rank], part, ()), part
 
 
 def check_state(state: dict, config: dict, index, *, allow_mismatch: bool,
@@ -182,11 +187,13 @@ def check_state(state: dict, config: dict, index, *, allow_mismatch: bool,
     walk), False when only nanochat's approximate keys {pq_idx, rg_idx, epoch} can be used
     (another rank's state, or allow_mismatch and another walk)."""
     if state.get("version") != VERSION:
-        raise ValueError(f"{where}['version'] is {reprlib.repr(state.get('version'))}; this loader "
+        raise ValueError(f"{state_name}['version'] is {reprlib.repr(state.get('version'))}; this "
+                         "loader "
                          f"reads version {VERSION} (and nanochat's {{pq_idx, rg_idx, epoch}} form)")
     check_keys(state, state_name, REQUIRED, ("pieces",))
     if not checksum_matches(state, state_name) and not allow_mismatch:
-        raise ValueError(f"{where}['checksum'] does not match its contents: the state was edited "
+        raise ValueError(f"{state_name}['checksum'] does not match its contents: the state was "
+                         "edited "
                          "or corrupted; pass allow_state_mismatch=True to resume from it anyway")
     check_fields(state, state_name, config)
     saved = dict(state["config"])
@@ -204,7 +211,7 @@ def check_state(state: dict, config: dict, index, *, allow_mismatch: bool,
                        "; ".join(differ), state["pq_idx"], state["rg_idx"])
         return False
     if differ and not allow_mismatch:
-        raise ValueError(f"{where} was taken on another configuration (" + "; ".join(differ)
+        raise ValueError(f"{state_name} was taken on another configuration (" + "; ".join(differ)
                          + "); pass allow_state_mismatch=True to resume as well as possible")
     # only a state of this very walk names places in this data; an approximate resume reads
     # just pq_idx, rg_idx and epoch
@@ -225,27 +232,28 @@ def check_fields(state: dict, state_name: str = "resume_state_dict",
     too."""
     check_keys(state, state_name, REQUIRED, ("pieces",))
     if state["version"] != VERSION:
-        raise ValueError(f"{where}['version'] is {reprlib.repr(state['version'])}; "
+        raise ValueError(f"{state_name}['version'] is {reprlib.repr(state['version'])}; "
                          f"this loader reads version {VERSION}")
     loader = state["loader"]
     if not isinstance(loader, str) or loader not in COUNTERS:  # a list is not hashable: str first
-        raise ValueError(f"{where}['loader'] must be 'bestfit' or 'concat', "
+        raise ValueError(f"{state_name}['loader'] must be 'bestfit' or 'concat', "
                          f"got {reprlib.repr(loader)}")
-    check_int(f"{where}['pq_idx']", state["pq_idx"], 0)
-    check_int(f"{where}['rg_idx']", state["rg_idx"], 0)
-    check_int(f"{where}['epoch']", state["epoch"], 1)  # epochs count from 1
-    check_hex(state["checksum"], f"{where}['checksum']")
-    config = _check_config(state["config"], loader, f"{where}['config']")
-    check_emitted(state["emitted"], f"{where}['emitted']")
+    check_int(f"{state_name}['pq_idx']", state["pq_idx"], 0)
+    check_int(f"{state_name}['rg_idx']", state["rg_idx"], 0)
+    check_int(f"{state_name}['epoch']", state["epoch"], 1)  # epochs count from 1
+    check_hex(state["checksum"], f"{state_name}['checksum']")
+    config = _check_config(state["config"], loader, f"{state_name}['config']")
+    check_emitted(state["emitted"], f"{state_name}['emitted']")
     # no counter is required: a missing one starts at 0
-    counters = check_keys(state["counters"], f"{where}['counters']", ())
+    counters = check_keys(state["counters"], f"{state_name}['counters']", ())
     for name, value in counters.items():
         if name not in COUNTERS[loader]:
-            raise ValueError(f"{where}['counters'] has an unknown counter {reprlib.repr(name)} "
+            raise ValueError(f"{state_name}['counters'] has an unknown counter "
+                             f"{reprlib.repr(name)} "
                              f"(a {loader} loader's are {', '.join(COUNTERS[loader])})")
-        check_int(f"{where}['counters'][{name!r}]", value, 0)
+        check_int(f"{state_name}['counters'][{name!r}]", value, 0)
     shuffled = "shuffle" in config
-    _check_next(state["next"], shuffled, f"{where}['next']")
+    _check_next(state["next"], shuffled, f"{state_name}['next']")
     buffered = _check_buffer(state, shuffled, state_name)
     # measured from the runs, before a row is decoded: a state cannot make the loader allocate
     # more than its buffer holds
@@ -255,23 +263,23 @@ def check_fields(state: dict, state_name: str = "resume_state_dict",
         # a loader as large can resume the states it yields meanwhile
         limit = max(limit, buffer_limit(loader_config, loader))
     if buffered > limit:
-        raise ValueError(f"{where}['buffer'] holds {buffered} whole documents, more than "
+        raise ValueError(f"{state_name}['buffer'] holds {buffered} whole documents, more than "
                          f"the {limit} a {loader} loader with this config keeps (a loader that "
                          "keeps as many can resume it, with allow_state_mismatch=True)")
-    offset = check_int(f"{where}['offset']", state["offset"], 0)
+    offset = check_int(f"{state_name}['offset']", state["offset"], 0)
     if offset and (loader == "bestfit" or not state["buffer"]):  # only concat consumes part of one
-        raise ValueError(f"{where}['offset'] must be 0 "
+        raise ValueError(f"{state_name}['offset'] must be 0 "
                          + ("for a best-fit state" if loader == "bestfit"
                             else "when the buffer is empty")
                          + f", got {offset}")
-    _check_plan(state["plan"], f"{where}['plan']")
+    _check_plan(state["plan"], f"{state_name}['plan']")
 
 
 def _check_next(cursor, shuffled: bool, state_name: str) -> None:
     form = ["epoch >= 1", *(["window"] if shuffled else ["pq_idx", "rg_idx"]), "row"]
     cursor = check_list(cursor, state_name)
     if len(cursor) != len(form) or not all(is_int(v) and v >= 0 for v in cursor) or cursor[0] < 1:
-        raise ValueError(f"{where} must be [{', '.join(form)}] (ints >= 0) for a walk "
+        raise ValueError(f"{state_name} must be [{', '.join(form)}] (ints >= 0) for a walk "
                          + ("shuffled by config['shuffle']" if shuffled
                             else "without config['shuffle']")
                          + f", got {reprlib.repr(cursor)}")
@@ -281,21 +289,22 @@ def _check_buffer(state: dict, shuffled: bool, state_name: str) -> int:
     """Check the buffer and its pieces; how many whole documents it holds."""
     # [[epoch, pq_idx, rg_idx, rows], ...], or shuffled also [epoch, window, rows]
     buffered, heads = 0, (2, 3) if shuffled else (3,)  # heads: the fields before the rows
-    for i, group in enumerate(check_list(state["buffer"], f"{where}['buffer']")):
+    for i, group in enumerate(check_list(state["buffer"], f"{state_name}['buffer']")):
         head = len(group) - 1 if isinstance(group, list) else 0
         if not (head in heads and all(is_int(v) and v >= 0 for v in group[:head])
                 and group[0] >= 1):
-            raise ValueError(f"{where}['buffer'][{i}] must be [epoch >= 1, pq_idx, rg_idx, rows]"
+            raise ValueError(f"{state_name}['buffer'][{i}] must be [epoch >= 1, pq_idx, rg_idx, "
+                             "rows]"
                              + (" or [epoch >= 1, window, rows]" if len(heads) == 2 else "")
                              + f", got {reprlib.repr(group)}")
-        buffered += _runs(group[-1], f"{where}['buffer'][{i}]")[0]
-    return buffered - _pieces(state.get("pieces", []), buffered, f"{where}['pieces']")
+        buffered += _runs(group[-1], f"{state_name}['buffer'][{i}]")[0]
+    return buffered - _pieces(state.get("pieces", []), buffered, f"{state_name}['pieces']")
 
 
 def _check_plan(plan, state_name: str) -> None:
     """Items of explicit rows (and their pieces), or bitmaps of whole row groups."""
     for i, item in enumerate(check_list(plan, state_name)):
-        at = f"{where}[{i}]"
+        at = f"{state_name}[{i}]"
         if isinstance(item, dict) and "row_groups" in item:
             check_keys(item, at, ("epoch", "row_groups", "total"), ())
             total = check_int(f"{at}['total']", item["total"], 1)
@@ -319,28 +328,30 @@ def check_data(state: dict, index, state_name: str = "resume_state_dict") -> Non
     files = len(index.paths)
     pq_idx, rg_idx = state["pq_idx"], state["rg_idx"]
     if pq_idx >= files or (rg_idx > 0 and rg_idx >= index.count(pq_idx)):  # (0, 0): no batch yet
-        raise ValueError(f"{where}['pq_idx'], ['rg_idx'] = {pq_idx}, {rg_idx}: a {_unit(index)} "
+        raise ValueError(f"{state_name}['pq_idx'], ['rg_idx'] = {pq_idx}, {rg_idx}: a "
+                         f"{_unit(index)} "
                          f"the data does not have ({files} files)")
     rank, world_size = state["config"]["rank"], state["config"]["world_size"]
     shuffle = config_shuffle(state["config"])
     if not _reads_next(state["next"], index, shuffle, rank, world_size):
-        raise ValueError(f"{where}['next'] = {state['next']} is not a place where rank {rank} "
+        raise ValueError(f"{state_name}['next'] = {state['next']} is not a place where rank {rank} "
                          f"of {world_size} reads"
                          + ("" if shuffle else f" (the data has {files} files)")
                          + ": the state does not match the data")
     for i, group in enumerate(state["buffer"]):
         if len(group) == 4:  # [epoch, pq_idx, rg_idx, rows]; 3: [epoch, window, rows]
-            _rows_in(index, group[1], group[2], group[3], f"{where}['buffer'][{i}]")
+            _rows_in(index, group[1], group[2], group[3], f"{state_name}['buffer'][{i}]")
             continue
         epoch, window, runs = group
         entries = _window_entries(index, shuffle, rank, world_size, epoch, window)
-        largest = _runs(runs, f"{where}['buffer'][{i}]")[1]
+        largest = _runs(runs, f"{state_name}['buffer'][{i}]")[1]
         if entries is None or largest >= entries:
-            raise ValueError(f"{where}['buffer'][{i}] refers to entry {largest} of window {window} "
+            raise ValueError(f"{state_name}['buffer'][{i}] refers to entry {largest} of window "
+                             f"{window} "
                              f"of epoch {epoch}, which rank {rank} of {world_size} does not read: "
                              "the state does not match the data")
     for i, item in enumerate(state["plan"]):
-        at = f"{where}['plan'][{i}]"
+        at = f"{state_name}['plan'][{i}]"
         if "row_groups" in item:
             if item["total"] != index.total:
                 raise ValueError(f"{at}['total'] is {item['total']}, "
@@ -415,7 +426,7 @@ def not_a_loader_state(state, state_name: str = "resume_state_dict") -> str | No
     tensors = any(hasattr(v, "shape") and hasattr(v, "dtype") for v in state.values())
     holds = (f"its keys are {', '.join(keys)}{more}" if state else "it is empty") + (
         ", and it holds tensors: a model's or an optimizer's state dict?" if tensors else "")
-    return (f"{where} is not a loader state ({holds}). A loader state is the third item the "
+    return (f"{state_name} is not a loader state ({holds}). A loader state is the third item the "
             "loader yields, (inputs, targets, state_dict): a dict of pq_idx, rg_idx, epoch, "
             "version, plan, ... (nanochat's own: pq_idx, rg_idx, epoch). Save that one with the "
             "checkpoint, e.g. as checkpoint['dataloader_state_dict'], and pass it back")
@@ -423,13 +434,13 @@ def not_a_loader_state(state, state_name: str = "resume_state_dict") -> str | No
 
 def check_hex(value, state_name: str, n: int = 32) -> None:
     if not (isinstance(value, str) and re.fullmatch(f"[0-9a-f]{{{n}}}", value)):
-        raise ValueError(f"{where} must be {n} lowercase hex digits (a sha256 prefix), "
+        raise ValueError(f"{state_name} must be {n} lowercase hex digits (a sha256 prefix), "
                          f"got {reprlib.repr(value)}")
 
 
 def check_list(value, state_name: str) -> list:
     if not isinstance(value, list):
-        raise ValueError(f"{where} must be a list, got {type(value).__name__}")
+        raise ValueError(f"{state_name} must be a list, got {type(value).__name__}")
     return value
 
 
@@ -437,14 +448,14 @@ def check_keys(value, state_name: str, required, optional=None) -> dict:
     """value, if it is a dict with every required key and no other than the optional ones
     (optional=None: any other)."""
     if not isinstance(value, dict):
-        raise ValueError(f"{where} must be a dict, got {type(value).__name__}")
+        raise ValueError(f"{state_name} must be a dict, got {type(value).__name__}")
     for key in required:
         if key not in value:
-            raise ValueError(f"{where} is missing {key!r} (a truncated state?)")
+            raise ValueError(f"{state_name} is missing {key!r} (a truncated state?)")
     for key in value if optional is not None else ():
         if key not in required and key not in optional:
             # reprlib: an edited state's key can be any size; the message shows its start
-            raise ValueError(f"{where} has an unknown field {reprlib.repr(key)}")
+            raise ValueError(f"{state_name} has an unknown field {reprlib.repr(key)}")
     return value
 
 
@@ -452,7 +463,8 @@ def _runs(runs, state_name: str) -> tuple[int, int]:
     """(how many rows, the largest) of encode_rows' output, measured without decoding it."""
     # runs[0] >= 0: a run (-k) continues the row before it, so one must come first
     if not (isinstance(runs, list) and runs and all(is_int(v) for v in runs) and runs[0] >= 0):
-        raise ValueError(f"{where} must be a non-empty list of rows (ints >= 0, a row followed by "
+        raise ValueError(f"{state_name} must be a non-empty list of rows (ints >= 0, a row "
+                         "followed by "
                          f"-k: the k rows after it too), got {reprlib.repr(runs)}")
     count = row = largest = 0
     for value in runs:
@@ -469,7 +481,7 @@ def _pieces(pieces, n: int, state_name: str) -> int:
         # increasing indices: each buffered entry is at most one piece, as buffered_pieces() writes
         if not (isinstance(pair, list) and len(pair) == 2 and all(is_int(v) for v in pair)
                 and previous < pair[0] < n and pair[1] >= 0):
-            raise ValueError(f"{where}: {reprlib.repr(pair)} is not [index, start] (indices "
+            raise ValueError(f"{state_name}: {reprlib.repr(pair)} is not [index, start] (indices "
                              f"increasing, below {n}; start >= 0)")
         previous = pair[0]
     return len(pieces)
@@ -485,48 +497,50 @@ def _bitmap(text, total: int, state_name: str) -> None:
                 return
         except binascii.Error:
             pass
-    raise ValueError(f"{where} must be the base64 bitmap of {total} row groups, "
+    raise ValueError(f"{state_name} must be the base64 bitmap of {total} row groups, "
                      f"got {reprlib.repr(text)}")
 
 
 def _check_config(config, loader: str, state_name: str) -> dict:
     check_keys(config, state_name, CONFIG_FIELDS, OPTIONAL_CONFIG_FIELDS)
     if config["loader"] != loader:
-        raise ValueError(f"{where}['loader'] is {reprlib.repr(config['loader'])}, "
+        raise ValueError(f"{state_name}['loader'] is {reprlib.repr(config['loader'])}, "
                          f"but the state is a {loader!r} state")
     if config.get("source", "parquet") not in ("parquet", "pretokenized"):  # absent: parquet
-        raise ValueError(f"{where}['source'] must be 'parquet' or 'pretokenized', "
+        raise ValueError(f"{state_name}['source'] must be 'parquet' or 'pretokenized', "
                          f"got {reprlib.repr(config['source'])}")
     for key in ("split", "tokenizer"):
         if not isinstance(config[key], str):
-            raise ValueError(f"{where}[{key!r}] must be a str, got {reprlib.repr(config[key])}")
-    check_hex(config["files"], f"{where}['files']")
+            raise ValueError(f"{state_name}[{key!r}] must be a str, got "
+                             f"{reprlib.repr(config[key])}")
+    check_hex(config["files"], f"{state_name}['files']")
     for key in ("num_files", "B", "T", "tokenizer_batch_size", "world_size", "chunk_size"):
         if key in config:  # chunk_size: only the pretokenized loader's
-            check_int(f"{where}[{key!r}]", config[key], 1)
+            check_int(f"{state_name}[{key!r}]", config[key], 1)
     if loader == "bestfit":
-        check_int(f"{where}['buffer_size']", config["buffer_size"], 1)
+        check_int(f"{state_name}['buffer_size']", config["buffer_size"], 1)
     elif config["buffer_size"] is not None:
-        raise ValueError(f"{where}['buffer_size'] must be None (the concatenating loader has no "
+        raise ValueError(f"{state_name}['buffer_size'] must be None (the concatenating loader has "
+                         "no "
                          f"buffer size), got {reprlib.repr(config['buffer_size'])}")
-    if check_int(f"{where}['rank']", config["rank"], 0) >= config["world_size"]:
-        raise ValueError(f"{where}['rank'] is {config['rank']}, "
+    if check_int(f"{state_name}['rank']", config["rank"], 0) >= config["world_size"]:
+        raise ValueError(f"{state_name}['rank'] is {config['rank']}, "
                          f"but world_size is {config['world_size']}")
     # a config without the policy fields was taken under "crop"
     policy, overlap = config.get("long_doc_policy", "crop"), config.get("split_overlap", 0)
     if policy not in POLICIES:
-        raise ValueError(f"{where}['long_doc_policy'] must be one of {POLICIES}, "
+        raise ValueError(f"{state_name}['long_doc_policy'] must be one of {POLICIES}, "
                          f"got {reprlib.repr(policy)}")
     # a piece repeats at most T-1 tokens, so that it brings one new; "crop" cuts no pieces
     high, why = (0, " ('crop' cuts no pieces)") if policy == "crop" else (config["T"] - 1, " (T-1)")
-    check_int(f"{where}['split_overlap']", overlap, 0, high, hint=why)
+    check_int(f"{state_name}['split_overlap']", overlap, 0, high, hint=why)
     if "shuffle" in config:  # only shuffled loaders record it
-        shuffle = check_keys(config["shuffle"], f"{where}['shuffle']", ("seed", "window"),
+        shuffle = check_keys(config["shuffle"], f"{state_name}['shuffle']", ("seed", "window"),
                              ("bucket",))
-        check_int(f"{where}['shuffle']['seed']", shuffle["seed"])
-        check_int(f"{where}['shuffle']['window']", shuffle["window"], 1)
+        check_int(f"{state_name}['shuffle']['seed']", shuffle["seed"])
+        check_int(f"{state_name}['shuffle']['window']", shuffle["window"], 1)
         if not isinstance(shuffle.get("bucket", ""), str):  # a mixture's bucket name
-            raise ValueError(f"{where}['shuffle']['bucket'] must be a str, "
+            raise ValueError(f"{state_name}['shuffle']['bucket'] must be a str, "
                              f"got {reprlib.repr(shuffle['bucket'])}")
     return config
 
@@ -541,9 +555,9 @@ def config_shuffle(config: dict) -> Shuffle | None:
 
 def check_emitted(emitted, state_name: str) -> None:
     check_keys(emitted, state_name, ("batches", "tokens", "hash"), ())
-    check_int(f"{where}['batches']", emitted["batches"], 0)
-    check_int(f"{where}['tokens']", emitted["tokens"], 0)
-    check_hex(emitted["hash"], f"{where}['hash']")
+    check_int(f"{state_name}['batches']", emitted["batches"], 0)
+    check_int(f"{state_name}['tokens']", emitted["tokens"], 0)
+    check_hex(emitted["hash"], f"{state_name}['hash']")
 
 
 def buffer_limit(config: dict, loader: str) -> int:

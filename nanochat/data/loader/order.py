@@ -202,7 +202,8 @@ class RankOrder:
         """One unit, checked to exist; rows: only those of its documents are wanted (a buffer's),
         and the unit is not kept for later (a streaming reader may give just those, from copies)."""
         if not (0 <= pq_idx < len(self.paths) and 0 <= rg_idx < self.index.count(pq_idx)):
-            raise ValueError(f"{where} refers to file {pq_idx}, {self.reader.unit_name} {rg_idx}, "
+            raise ValueError(f"{state_name} refers to file {pq_idx}, {self.reader.unit_name} "
+                             f"{rg_idx}, "
                              f"which this split does not have ({len(self.paths)} files): the state "
                              "does not match the data")
         if rows is not None:
@@ -218,7 +219,7 @@ class RankOrder:
         n = self.reader.size(unit)
         if len(rows) and not 0 <= min(rows) <= max(rows) < n:  # (min() of no rows would raise)
             pq_idx, rg_idx = place
-            raise ValueError(f"{where} refers to row {max(rows)} of {self.paths[pq_idx]} "
+            raise ValueError(f"{state_name} refers to row {max(rows)} of {self.paths[pq_idx]} "
                              f"{self.reader.unit_name} {rg_idx}, which has {n} rows: the state "
                              "does not match the data")
 

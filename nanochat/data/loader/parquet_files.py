@@ -91,6 +91,6 @@ def _found_words(data_dir: str) -> str:
     origin = ("from NANOCHAT_BASE_DIR" if os.environ.get("NANOCHAT_BASE_DIR")
              else "~/.cache/nanochat, as NANOCHAT_BASE_DIR is unset")
     return (f". Given no data_dir, the readers use <base_dir>/{spec.subdir}, with <base_dir> "
-            f"{where}; to read shards elsewhere, pass data_dir (--data-dir), or export "
+            f"{origin}; to read shards elsewhere, pass data_dir (--data-dir), or export "
             "NANOCHAT_DATA_DIR=DIR (the shards' directory) or NANOCHAT_BASE_DIR=DIR (DIR holds "
             f"{spec.subdir}/)")

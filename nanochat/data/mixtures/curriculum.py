@@ -107,37 +107,37 @@ def _read_spec(spec) -> tuple:
 def _phase(label: str, phase, buckets) -> Phase:
     """One phase of a curriculum, checked (where: what messages call it)."""
     if not isinstance(phase, dict):
-        raise ValueError(f"{where}: expected a mapping with 'tokens' and 'mix', got {phase!r}")
+        raise ValueError(f"{label}: expected a mapping with 'tokens' and 'mix', got {phase!r}")
     unknown_keys = set(phase) - {"tokens", "duration_tokens", "mix"}
     if unknown_keys:
-        raise ValueError(f"{where}: unknown keys {sorted(unknown_keys)} (a phase has 'tokens' "
+        raise ValueError(f"{label}: unknown keys {sorted(unknown_keys)} (a phase has 'tokens' "
                          "and 'mix')")
     tokens = phase.get("tokens", phase.get("duration_tokens"))  # GPT-Simple's name too
     if isinstance(tokens, float) and tokens.is_integer():  # YAML reads 5e9 as a float
         tokens = int(tokens)
     # is_int, not check_int: the message names the phase and says "positive"
     if not is_int(tokens) or tokens < 1:
-        raise ValueError(f"{where}: 'tokens' must be a positive integer, got {tokens!r}")
+        raise ValueError(f"{label}: 'tokens' must be a positive integer, got {tokens!r}")
     mix = phase.get("mix")
     if not isinstance(mix, dict) or not mix:
-        raise ValueError(f"{where}: empty mix; give {{bucket: weight, ...}}")
+        raise ValueError(f"{label}: empty mix; give {{bucket: weight, ...}}")
     for name, weight in mix.items():
         if buckets is not None and name not in buckets:
-            raise ValueError(f"{where}: unknown bucket {name!r} (buckets: "
+            raise ValueError(f"{label}: unknown bucket {name!r} (buckets: "
                              f"{', '.join(sorted(buckets))})")
         # a weight is any finite number; True would slip through as 1
         if (isinstance(weight, bool) or not isinstance(weight, (int, float))
                 or not math.isfinite(weight)):
-            raise ValueError(f"{where}: weight of {name!r} must be a number, got {weight!r}")
+            raise ValueError(f"{label}: weight of {name!r} must be a number, got {weight!r}")
         if weight < 0:
-            raise ValueError(f"{where}: weight of {name!r} is {weight}; weights must be >= 0")
+            raise ValueError(f"{label}: weight of {name!r} is {weight}; weights must be >= 0")
     total = sum(mix.values())
     if total <= 0:
-        raise ValueError(f"{where}: every weight is 0; give at least one bucket a positive "
+        raise ValueError(f"{label}: every weight is 0; give at least one bucket a positive "
                          "weight")
     if abs(total - 1) > 1e-9:  # 1e-9: 0.7 + 0.1 + 0.1 + 0.1 is not exactly 1 in floats
         # stacklevel 3: the warning points at load_curriculum's caller
-        warnings.warn(f"{where}: weights sum to {total:g}, normalised to 1", stacklevel=3)
+        warnings.warn(f"{label}: weights sum to {total:g}, normalised to 1", stacklevel=3)
     # sorted and without zero weights: the mix's order decides choose(), whatever the file's
     return Phase(tokens, {name: mix[name] / total for name in sorted(mix) if mix[name] > 0})
 
@@ -329,7 +329,7 @@ def _dry_message(phase: int, name: str, demanded: float, s: _Supply, short: bool
              f"{s.available:,} available, the smallest of {world_size} ranks' shares is "
              f"{s.smallest:,}")
     message = (f"phase {phase}: bucket {name!r} runs dry {when}: {demanded:,.0f} tokens demanded "
-               f"by the end of the phase, {where}")
+               f"by the end of the phase, {label}")
     # (the crop, unless it is too small to matter to a bucket short of tokens)
     if long_doc_policy == "crop" and s.crop_share is not None and (
             not short or s.crop_share >= 0.005):

@@ -52,10 +52,12 @@ def mixture_start(state, config, rank, world_size, allow_mismatch) -> tuple[dict
     if "merged" in state:  # every new rank is given the whole merge and takes its own part
         state, state_name = rank_state(state, rank, world_size)
     if state.get("version") != VERSION or state.get("loader") != "mixture":
-        raise ValueError(f"{where} is not a mixture loader state (version 2, loader 'mixture')")
+        raise ValueError(f"{state_name} is not a mixture loader state (version 2, loader "
+                         "'mixture')")
     check_keys(state, state_name, FIELDS, ())
     if not checksum_matches(state, state_name, mixture_checksum) and not allow_mismatch:
-        raise ValueError(f"{where}['checksum'] does not match its contents: the state was edited "
+        raise ValueError(f"{state_name}['checksum'] does not match its contents: the state was "
+                         "edited "
                          "or corrupted; pass allow_state_mismatch=True to resume from it anyway")
     check_mixture_fields(state, state_name)
     saved = state["config"]
@@ -71,7 +73,8 @@ def mixture_start(state, config, rank, world_size, allow_mismatch) -> tuple[dict
     if differ and (not allow_mismatch or walk_changed):
         hint = ("; pass allow_state_mismatch=True to go on with a changed curriculum, "
                 + ("" if "seed" in walk_fields else "seed, ") + "B, T or buffer size")
-        raise ValueError(f"{where} was taken on another configuration (" + "; ".join(differ) + ")"
+        raise ValueError(f"{state_name} was taken on another configuration ("
+                         + "; ".join(differ) + ")"
                          + ("" if allow_mismatch or walk_changed else hint))
     return state, state_name
 
@@ -79,47 +82,48 @@ def mixture_start(state, config, rank, world_size, allow_mismatch) -> tuple[dict
 def check_mixture_fields(state: dict, state_name: str) -> None:
     """Check every field of a mixture state but its bucket states (checked when each bucket
     resumes, or by merge_mixture_states): a ValueError naming the field."""
-    config = check_keys(state["config"], f"{where}['config']", CONFIG_FIELDS, ("shuffle",))
+    config = check_keys(state["config"], f"{state_name}['config']", CONFIG_FIELDS, ("shuffle",))
     if "shuffle" in config:  # {"window": chunks}: the buckets' own configs hold the rest
-        check_keys(config["shuffle"], f"{where}['config']['shuffle']", ("window",), ())
-        check_int(f"{where}['config']['shuffle']['window']", config["shuffle"]["window"], 1)
-    names = check_keys(config["buckets"], f"{where}['config']['buckets']", ())
+        check_keys(config["shuffle"], f"{state_name}['config']['shuffle']", ("window",), ())
+        check_int(f"{state_name}['config']['shuffle']['window']", config["shuffle"]["window"], 1)
+    names = check_keys(config["buckets"], f"{state_name}['config']['buckets']", ())
     for name, files in names.items():  # bucket name -> its files' fingerprint
-        check_hex(files, f"{where}['config']['buckets'][{name!r}]")
+        check_hex(files, f"{state_name}['config']['buckets'][{name!r}]")
     for key in ("chunk_size", "B", "T", "buffer_size", "tokenizer_batch_size", "world_size"):
-        check_int(f"{where}['config'][{key!r}]", config[key], 1)
-    if check_int(f"{where}['config']['rank']", config["rank"], 0) >= config["world_size"]:
-        raise ValueError(f"{where}['config']['rank'] is {config['rank']}, "
+        check_int(f"{state_name}['config'][{key!r}]", config[key], 1)
+    if check_int(f"{state_name}['config']['rank']", config["rank"], 0) >= config["world_size"]:
+        raise ValueError(f"{state_name}['config']['rank'] is {config['rank']}, "
                          f"but world_size is {config['world_size']}")
-    phases = check_list(config["curriculum"], f"{where}['config']['curriculum']")
+    phases = check_list(config["curriculum"], f"{state_name}['config']['curriculum']")
     for i, phase in enumerate(phases):
         if not (isinstance(phase, list) and len(phase) == 2 and is_int(phase[0]) and phase[0] >= 1
                 and isinstance(phase[1], list)
                 and all(isinstance(p, list) and len(p) == 2 and isinstance(p[0], str)
                         and p[0] in names for p in phase[1])):
-            raise ValueError(f"{where}['config']['curriculum'][{i}] must be "
+            raise ValueError(f"{state_name}['config']['curriculum'][{i}] must be "
                              "[tokens, [[bucket, weight], ...]]")
-    check_int(f"{where}['phase']", state["phase"], 1)  # phases count from 1
+    check_int(f"{state_name}['phase']", state["phase"], 1)  # phases count from 1
     if state["phase"] > len(phases):
-        raise ValueError(f"{where}['phase'] is {state['phase']}, "
+        raise ValueError(f"{state_name}['phase'] is {state['phase']}, "
                          f"but the curriculum has {len(phases)} phases")
-    check_int(f"{where}['tokens_done']", state["tokens_done"], 0)
-    phase_tokens = check_int(f"{where}['phase_tokens_done']", state["phase_tokens_done"], 0)
+    check_int(f"{state_name}['tokens_done']", state["tokens_done"], 0)
+    phase_tokens = check_int(f"{state_name}['phase_tokens_done']", state["phase_tokens_done"], 0)
     if phase_tokens > state["tokens_done"]:  # tokens_done counts every phase's
-        raise ValueError(f"{where}['phase_tokens_done'] is {state['phase_tokens_done']}, more than "
+        raise ValueError(f"{state_name}['phase_tokens_done'] is {state['phase_tokens_done']}, more "
+                         "than "
                          f"tokens_done {state['tokens_done']}")
-    check_int(f"{where}['position']", state["position"], 0)
-    check_int(f"{where}['generation']", state["generation"], 0)
-    dropped = check_list(state["dropped"], f"{where}['dropped']")
+    check_int(f"{state_name}['position']", state["position"], 0)
+    check_int(f"{state_name}['generation']", state["generation"], 0)
+    dropped = check_list(state["dropped"], f"{state_name}['dropped']")
     if (not all(isinstance(name, str) and name in names for name in dropped)
             or len(set(dropped)) != len(dropped)):
-        raise ValueError(f"{where}['dropped'] must list buckets of the mixture "
+        raise ValueError(f"{state_name}['dropped'] must list buckets of the mixture "
                          f"({', '.join(names)}) once each, got {reprlib.repr(dropped)}")
     # one state per bucket of the config, no other
-    buckets = check_keys(state["buckets"], f"{where}['buckets']", names, ())
+    buckets = check_keys(state["buckets"], f"{state_name}['buckets']", names, ())
     for name, bucket in buckets.items():
-        check_keys(bucket, f"{where}['buckets'][{name!r}]", ())
-    check_emitted(state["emitted"], f"{where}['emitted']")
+        check_keys(bucket, f"{state_name}['buckets'][{name!r}]", ())
+    check_emitted(state["emitted"], f"{state_name}['emitted']")
 
 
 def merge_mixture_states(states: list[dict], world_size: int, *, data_dir: str) -> dict:

@@ -81,6 +81,6 @@ def dry_message(stop, bucket_stats: dict, fixes: str) -> str:
                  f"far: {shares})")
     else:
         dry = "a bucket ran dry on another rank (its message says which)"
-    return (f"{where}; its `state` is the last good state: save a checkpoint with it and stop, "
+    return (f"{dry}; its `state` is the last good state: save a checkpoint with it and stop, "
             "or resume with allow_bucket_exhaustion=True to drop the bucket. For a run that "
             f"does not run dry, the fixes: {fixes}")

@@ -73,7 +73,7 @@ def shard_vocab(first_path: str, bos_token, vocab_size, settings_dirs: list[str]
     vocab_size, vocab_from = known[0] if known else (None, "")  # the first source; the others agree
     for size, other in known[1:]:
         if size != vocab_size:
-            raise ValueError(f"vocab_size {vocab_size:,} ({where}) disagrees with {size:,} "
+            raise ValueError(f"vocab_size {vocab_size:,} ({vocab_from}) disagrees with {size:,} "
                              f"({other}); pass the vocab_size of the tokenizer that wrote the "
                              "shards, and keep shards of different tokenizers apart")
     convention, key, recorded, record = records[0] if records else (None, None, None, None)
@@ -106,7 +106,7 @@ def shard_vocab(first_path: str, bos_token, vocab_size, settings_dirs: list[str]
         raise ValueError(f"{what} is {bos_token}; token ids are >= 0")
     if vocab_size is not None and bos_token >= vocab_size:
         raise ValueError(f"{what} is {bos_token}, outside the vocabulary [0, {vocab_size:,}) "
-                         f"({where})")
+                         f"({vocab_from})")
     check_bos_fits(bos_token, first)
     # our writer's nanochat-convention entries all start with the recorded BOS; a caller who passes
     # bos_token vouches for the shards instead (GPT-Simple's own shards start with no fixed id)
@@ -151,7 +151,8 @@ def check_ids(shard, start: int, stop: int, vocab_size: int, vocab_from: str) ->
         entry = int(np.searchsorted(shard.offsets, at, side="right")) - 1
         raise ValueError(f"{shard.bin_path}: entry {entry} holds token id "
                          f"{int(shard.tokens[at])} (token {at - int(shard.offsets[entry])} of the "
-                         f"entry), outside the vocabulary [0, {vocab_size:,}) ({where}); the shard "
+                         f"entry), outside the vocabulary [0, {vocab_size:,}) ({vocab_from}); the "
+                         "shard "
                          "is damaged or was written with another tokenizer: delete the pair and "
                          "rerun python -m nanochat.pretokenize")
 

@@ -107,7 +107,7 @@ def _write(run: PretokenizeRun, tokenizer, load_tokenizer, todo: list, skipped: 
 
     seconds = time.time() - t0
     output_name = run.output if run.bucket is None else f"{run.output} (bucket {run.bucket})"
-    print(f"wrote {written}/{len(todo)} shards to {where} in {seconds:.1f}s: "
+    print(f"wrote {written}/{len(todo)} shards to {output_name} in {seconds:.1f}s: "
           f"{totals['documents']:,} documents -> {totals['entries']:,} entries, "
           f"{totals['tokens']:,} tokens; {totals['windowed']:,} documents cut into windows; "
           f"{skipped} skipped (already done)")
