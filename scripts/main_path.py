@@ -6,6 +6,7 @@ their lines; then what `import nanochat.dataloader` loads, and the path's size i
 docs/ARCHITECTURE.md's walk covers (~15 s on 2 cores):
 
     python -m scripts.main_path [--stream]
+    python -m scripts.main_path --sizes   # every module's lines, the longest functions
 
 --stream serves the shards from a local server (nanochat/data/fetch/serve.py) and streams them
 (stream=True), so the shard cache joins the path. The tokenizer is a byte-level stand-in. The worker
@@ -193,11 +194,35 @@ def imported() -> tuple[int, int]:
     return len(files), lines
 
 
+def sizes(longest: int = 5) -> None:
+    """Every module of ours with its lines, longest first, then the longest functions."""
+    package = os.path.dirname(PACKAGE)
+    modules, spans = [], []
+    for folder, _, names in os.walk(PACKAGE):
+        for name in sorted(names):
+            if name.endswith(".py"):
+                path = os.path.join(folder, name)
+                with open(path, encoding="utf-8") as f:
+                    modules.append((sum(1 for _ in f), os.path.relpath(path, package)))
+                spans += [(last - first + 1, f"{os.path.relpath(path, package)}:{first} {qual}")
+                          for qual, first, last in functions(path)]
+    for lines, path in sorted(modules, reverse=True):
+        print(f"{lines:5d}  {path}")
+    print(f"{sum(n for n, _ in modules):,} lines in {len(modules)} files")
+    for lines, name in sorted(spans, reverse=True)[:longest]:
+        print(f"longest function: {lines} lines  {name}")
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m scripts.main_path", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--stream", action="store_true", help="stream the shards (stream=True)")
+    parser.add_argument("--sizes", action="store_true",
+                        help="print every module's lines and the longest functions, then stop")
     args = parser.parse_args(argv)
+    if args.sizes:
+        sizes()
+        return 0
     with tempfile.TemporaryDirectory() as tmp:
         here = trace(args.stream, 0, tmp)
         bootstrap = os.path.join(tmp, "bootstrap")

@@ -160,7 +160,7 @@ def test_unit_index_numbers_units_across_files():
 class Walk:
     """The recorder's view of a walk: its units and the name of the state it resumed from."""
     index = index()
-    where = "resume_state_dict"
+    state_name = "resume_state_dict"
 
 
 class Packer:

@@ -53,7 +53,7 @@ def test_attention_info_of_two_rows():
 class Order:
     """The walk's side a feed and a restore use: where a state of it starts, places, documents."""
     first_position = Cursor(1, 0, 0, 0)
-    where = "resume_state_dict"
+    state_name = "resume_state_dict"
     index = UnitIndex(["a.parquet"], lambda path: [4])
 
     def __init__(self):
@@ -65,8 +65,8 @@ class Order:
     def progress(self, after, position):
         return Progress([PlanUnit(1, 0, 0, None, None)], after, position)
 
-    def read_documents(self, keys, where):
-        self.read.append((keys, where))
+    def read_documents(self, keys, state_name):
+        self.read.append((keys, state_name))
         return [f"text{key.row}" for key in keys]
 
 
