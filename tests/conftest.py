@@ -1,8 +1,10 @@
 """Shared fixtures: tiny parquet shards written with pyarrow into tmp dirs, a byte-level tokenizer,
 and where a state's buffered documents are."""
 
+import contextlib
 import json
 import os
+import random
 import signal
 import subprocess
 import threading
@@ -14,13 +16,21 @@ import pytest
 import torch
 
 from nanochat.data.fetch import stores
+from nanochat.data.fetch.download import Limits
+from nanochat.data.fetch.serve import ShardServer
 from nanochat.data.streaming.ledger import STREAM_DIR
 from nanochat.data.loader.order import UnitIndex
 from nanochat.data.base.state import WindowKey, decode_keys
 from nanochat.data.base.state_checks import config_shuffle
+from nanochat.dataset import index_to_filename
+from nanochat.tokenizer import RustBPETokenizer
 
 TESTS = os.path.dirname(os.path.abspath(__file__))  # tests/: its workers and helpers
 REPO_ROOT = os.path.dirname(TESTS)
+# download limits that give up fast: 2 attempts, 10 ms backoff, 5 s per request, 30 s per file
+FAST = Limits(max_attempts=2, backoff_base=0.01, timeout=5, deadline=30)
+FAST_CLI = ["--max-attempts", "2", "--backoff-base", "0.01", "--timeout", "5"]  # FAST, as flags
+WORDS = ("alpha", "beta", "gamma", "delta", "shard", "token", "river", "stone", "cloud", "paper")
 
 # Most tests build a loader in this process (on threads): a worker process costs ~1.5 s to start.
 # tests/data/loader/test_worker.py runs every kind of loader in one (the default) and checks it
@@ -45,6 +55,29 @@ def write_shards(data_dir, files, row_group_size):
         write_shard(path, texts, row_group_size)
         paths.append(path)
     return paths
+
+
+def sample_texts(seed: int, n: int, *, words=WORDS, lengths=range(5, 41), prefix: str = "doc",
+                 empty_middle: bool = False) -> list[str]:
+    """n documents "{prefix} {seed}-{i}: " + a number of words drawn from `lengths`, each word
+    drawn from `words`; the same arguments give the same texts. empty_middle: document n // 2 is
+    "" (a tokenizer makes it a lone BOS)."""
+    rng = random.Random(seed)
+    texts = [f"{prefix} {seed}-{i}: " + " ".join(rng.choice(words)
+                                                 for _ in range(rng.choice(lengths)))
+             for i in range(n)]
+    if empty_middle:
+        texts[n // 2] = ""
+    return texts
+
+
+@pytest.fixture(scope="module")
+def tokenizer_dir(tmp_path_factory, request):
+    """A directory holding a 300-token RustBPETokenizer trained on the test module's
+    TOKENIZER_TEXTS (one per module: training takes a second)."""
+    path = str(tmp_path_factory.mktemp("tokenizer"))
+    RustBPETokenizer.train_from_iterator(iter(request.module.TOKENIZER_TEXTS), 300).save(path)
+    return path
 
 
 class ByteTokenizer:
@@ -113,6 +146,22 @@ def peak_while(cache, work):
         watcher.join()
 
 
+def take(loader, n: int, *, copy=torch.Tensor.tolist) -> list[tuple]:
+    """The next n (inputs, targets, state) of a loader, the tensors copied by `copy` (the yielded
+    tensors are views the next batch overwrites): as lists, so that batches compare with ==; the
+    state as yielded; the loader stays open."""
+    out = []
+    for _ in range(n):
+        inputs, targets, state = next(loader)
+        out.append((copy(inputs), copy(targets), state))
+    return out
+
+
+def take_tensors(loader, n: int) -> list[tuple]:
+    """take, the tensors cloned (to compare with torch.equal)."""
+    return take(loader, n, copy=torch.Tensor.clone)
+
+
 def take_batches(loader, n: int) -> list:
     """The first n (inputs, targets, state) of a loader, cloned (the tensors are views the next
     batch overwrites) and the state through JSON, as a checkpoint saves it; the loader closed."""
@@ -138,9 +187,8 @@ def worker_env() -> dict:
     nanochat first on the path (a worker runs as a script, so the checkout is not on its path and an
     editable install elsewhere would be imported instead)."""
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE")}
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     return dict(env, OMP_NUM_THREADS="1",
-                PYTHONPATH=os.pathsep.join(filter(None, [root, env.get("PYTHONPATH")])))
+                PYTHONPATH=os.pathsep.join(filter(None, [REPO_ROOT, env.get("PYTHONPATH")])))
 
 
 def outcome(call, seconds: float = 60.0):
@@ -223,6 +271,38 @@ def _isolated_base_dir(tmp_path, monkeypatch):
     monkeypatch.delenv("NANOCHAT_DATA_DIR", raising=False)
     for var in ("RANK", "LOCAL_RANK", "WORLD_SIZE"):
         monkeypatch.delenv(var, raising=False)
+
+
+def write_hosted(directory, num_train: int = 7, docs: int = 300, seed: int = 0) -> list[int]:
+    """num_train train shards and the val shard, named as the dataset's, of documents of 18-77
+    characters in row groups of 32 (those longer than a row wait in a best-fit buffer); their
+    sizes, sorted."""
+    rng = random.Random(seed)
+    os.makedirs(directory, exist_ok=True)
+    for i in list(range(num_train)) + [6542]:
+        texts = [f"shard {i} doc {j}: " + "".join(rng.choice("abcdefgh ")
+                                                   for _ in range(rng.randint(1, 60)))
+                 for j in range(docs)]
+        write_shard(os.path.join(directory, index_to_filename(i)), texts, 32)
+    return sorted(os.path.getsize(os.path.join(directory, n)) for n in os.listdir(directory))
+
+
+@contextlib.contextmanager
+def hosting(directory):
+    """write_hosted's shards in directory, served over HTTP: (directory, ShardServer, sizes)."""
+    sizes = write_hosted(directory)
+    server = ShardServer(str(directory))
+    try:
+        yield str(directory), server, sizes
+    finally:
+        server.close()
+
+
+@pytest.fixture
+def hosted(tmp_path):
+    """hosting's shards and server, fresh for one test."""
+    with hosting(tmp_path / "hosted") as shards:
+        yield shards
 
 
 def buffered_places(state, paths, chunk_size=None) -> list[tuple]:

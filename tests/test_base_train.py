@@ -20,12 +20,11 @@ import pytest
 import torch
 
 import scripts.base_train as base_train
+from conftest import REPO_ROOT, write_shards
 from nanochat.dataloader import tokenizing_distributed_data_loader_with_state_bos_bestfit
 from nanochat.tokenizer import RustBPETokenizer
 from scripts.demo import generate_documents
-from tests.conftest import write_shards
 
-REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STEPS = 12
 RESUME_STEP = 6
 # tiny on purpose: B*T = 64 tokens per step, so a row group of 16 documents lasts several steps and

@@ -25,7 +25,7 @@ import torch
 from hypothesis import assume, given, settings, strategies as st
 
 import oracle
-from conftest import ByteTokenizer, worker_env, write_shard, write_shards
+from conftest import REPO_ROOT, ByteTokenizer, worker_env, write_shard, write_shards
 from nanochat.dataloader import (
     tokenizing_distributed_data_loader,
     tokenizing_distributed_data_loader_bos_bestfit,
@@ -533,8 +533,7 @@ print("running:", names())
 def test_a_loader_never_closed_stops_its_threads_at_exit(small_dir):
     # a script that just ends: the threads must be stopped before the interpreter finalizes, or
     # one of them can be cut off inside a C++ call (pyarrow, the tokenizer) and abort the process
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    result = subprocess.run([sys.executable, "-c", EXIT_SCRIPT, small_dir], cwd=root,
+    result = subprocess.run([sys.executable, "-c", EXIT_SCRIPT, small_dir], cwd=REPO_ROOT,
                             env=worker_env(), capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stderr
     running, at_exit = result.stdout.splitlines()
@@ -664,8 +663,7 @@ def test_exit_during_a_tokenizer_call_is_clean(small_dir):
     # the script ends while a loader thread is inside a C++ call: the interpreter must neither
     # abort ('terminate called without an active exception', as a daemon thread cut off there
     # does) nor start another call
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    result = subprocess.run([sys.executable, "-c", BUSY_EXIT_SCRIPT, small_dir], cwd=root,
+    result = subprocess.run([sys.executable, "-c", BUSY_EXIT_SCRIPT, small_dir], cwd=REPO_ROOT,
                             env=worker_env(), capture_output=True, text=True, timeout=60)
     assert result.returncode == 0 and "terminate called" not in result.stderr, result.stderr
     assert result.stdout.splitlines() == ["call started", "exiting", "call ended"]

@@ -8,7 +8,6 @@ Hermetic: no internet, tiny shards in tmp_path. Run:
 import gzip
 import json
 import os
-import random
 import subprocess
 import sys
 from collections import Counter
@@ -17,23 +16,13 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from conftest import write_shard, write_shards
+from conftest import REPO_ROOT, sample_texts, write_shard, write_shards
 from nanochat import dataset
 from nanochat.dataset import (
     download_single_file, get_data_dir, get_dataset, index_to_filename, list_parquet_files, main,
     parquets_iter_batched, repackage, split_parquet_files,
 )
 
-REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-FAST = ["--backoff-base", "0.01"]  # 5 attempts then cost 0.01+0.02+0.04+0.08 s of sleep
-
-
-def _texts(seed: int, n: int = 300) -> list[str]:
-    rng = random.Random(seed)
-    words = ["alpha", "beta", "gamma", "delta", "shard", "token", "river", "stone", "cloud",
-             "paper"]
-    return [f"doc {seed}-{i}: " + " ".join(rng.choice(words) for _ in range(rng.randint(5, 40)))
-            for i in range(n)]
 
 
 # -----------------------------------------------------------------------------
@@ -273,7 +262,7 @@ def test_read_errors_name_file_and_row_group(tmp_path, table, message):
 
 def _write_inputs(folder) -> tuple[list[str], list[str]]:
     """One input of each kind, 2600 distinct documents in all; returns (paths, documents)."""
-    docs = _texts(7, n=2600)
+    docs = sample_texts(7, 2600)
     txt, jsonl, jsonl_gz, parquet = docs[:600], docs[600:1200], docs[1200:1900], docs[1900:]
     paths = [str(folder / n) for n in ("a.txt", "b.jsonl", "c.jsonl.gz", "d.parquet")]
     with open(paths[0], "w", encoding="utf-8") as f:

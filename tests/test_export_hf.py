@@ -20,10 +20,10 @@ import sys
 import pytest
 from hypothesis import given, settings, strategies as st
 
+from conftest import REPO_ROOT
 from nanochat.tokenizer import HF_EXPORT_MARK, SPECIAL_TOKENS, RustBPETokenizer
 from test_tokenizer import TEXTS, make_docs
 
-REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # beside test_tokenizer's TEXTS: what our split pattern treats specially, and bytes no training
 # text had

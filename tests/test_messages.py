@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import write_shards
+from conftest import REPO_ROOT, write_shards
 from nanochat.data.mixtures.curriculum import list_buckets
 from nanochat.dataloader import (pretokenized_distributed_data_loader_with_state_bos_bestfit,
                                  tokenizing_distributed_data_loader_with_state_bos_bestfit)
@@ -33,7 +33,6 @@ from nanochat.data.pretokenized.token_reader import shard_paths
 from nanochat.data.pretokenized.token_shards import write_token_shard
 from nanochat.tokenizer import RustBPETokenizer, get_tokenizer
 
-REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 REPACKAGE = "python -m nanochat.dataset repackage INPUTS --out"
 
 

@@ -14,10 +14,9 @@ import sys
 
 import pytest
 
-from conftest import write_shards
+from conftest import REPO_ROOT, write_shards
 from nanochat.data.base.files import progress_bar
 
-REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _run_logged(args: list[str], log_path: str) -> str:

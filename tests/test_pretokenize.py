@@ -12,7 +12,6 @@ or Ctrl-C (one line, exit status 130), and --rank/--world-size. Hermetic: tiny s
 import gzip
 import json
 import os
-import random
 import re
 import shutil
 import socket
@@ -27,7 +26,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from conftest import assert_interrupted, ctrl_c, worker_env, write_shards
+from conftest import TESTS, assert_interrupted, ctrl_c, sample_texts, worker_env, write_shards
 from nanochat import pretokenize
 from nanochat.pretokenize import INTERRUPTED, main, window_document, window_gpt_simple
 from nanochat.data.pretokenized.token_shards import (MAGIC, VERSION, TokenShard, list_token_shards,
@@ -37,24 +36,11 @@ from nanochat.tokenizer import RustBPETokenizer
 BOS = 9  # a stand-in BOS id for the format and windowing tests
 
 
-def _texts(seed: int, n: int) -> list[str]:
-    """n documents of 0 to ~120 words, so that some are longer than the windows used below."""
-    rng = random.Random(seed)
-    words = ["alpha", "beta", "gamma", "delta", "river", "stone", "cloud", "paper", "token",
-             "shard", "é", "42"]
-    texts = [f"doc {seed}-{i}: "
-             + " ".join(rng.choice(words) for _ in range(rng.choice([3, 10, 40, 120])))
-             for i in range(n)]
-    texts[n // 2] = ""  # an empty document is kept: it becomes a lone BOS
-    return texts
-
-
-@pytest.fixture(scope="module")
-def tokenizer_dir(tmp_path_factory):
-    path = str(tmp_path_factory.mktemp("tokenizer"))
-    texts = [t for seed in range(3) for t in _texts(seed, 40)]
-    RustBPETokenizer.train_from_iterator(iter(texts), 300).save(path)
-    return path
+# documents of 0 to ~120 words, so that some are longer than the windows used below; an empty
+# document is kept: it becomes a lone BOS
+TEXTS = dict(words=("alpha", "beta", "gamma", "delta", "river", "stone", "cloud", "paper", "token",
+                    "shard", "é", "42"), lengths=(3, 10, 40, 120), empty_middle=True)
+TOKENIZER_TEXTS = [t for seed in range(3) for t in sample_texts(seed, 40, **TEXTS)]
 
 
 @pytest.fixture(scope="module")
@@ -66,7 +52,8 @@ def tokenizer(tokenizer_dir):
 def parquet_dir(tmp_path):
     """Three train shards and a val shard (the last) of 30 documents, row groups of 8."""
     data_dir = str(tmp_path / "parquet")
-    write_shards(data_dir, [_texts(seed, 30) for seed in range(10, 14)], row_group_size=8)
+    write_shards(data_dir, [sample_texts(seed, 30, **TEXTS) for seed in range(10, 14)],
+                 row_group_size=8)
     return data_dir
 
 
@@ -489,7 +476,8 @@ def _check_outputs(out_dir, inputs: dict, tokenizer, max_length=None, overlap=0)
 
 def _parquet_inputs(parquet_dir) -> dict:
     names = sorted(os.listdir(parquet_dir))
-    texts = {n[:-len(".parquet")]: _texts(10 + i, 30) for i, n in enumerate(names)}
+    texts = {n[:-len(".parquet")]: sample_texts(10 + i, 30, **TEXTS)
+             for i, n in enumerate(names)}
     items = sorted(texts.items())
     return {"train": items[:-1], "val": items[-1:]}
 
@@ -633,7 +621,8 @@ def test_cli_ranks_split_inputs_disjointly(parquet_dir, tokenizer_dir, tmp_path,
 def test_cli_jsonl_and_jsonl_gz(tokenizer_dir, tokenizer, tmp_path):
     raw = tmp_path / "raw"
     os.makedirs(raw)
-    docs = {"a": _texts(20, 12), "b": _texts(21, 12), "c": _texts(22, 5)}
+    docs = {name: sample_texts(seed, n, **TEXTS) for name, seed, n in (("a", 20, 12), ("b", 21, 12),
+                                                                         ("c", 22, 5))}
 
     def lines(texts):
         # blank lines are skipped; other fields are ignored
@@ -672,7 +661,7 @@ def test_cli_bad_input_fails_alone(tokenizer_dir, tmp_path, capsys):
 # kill -9 and concurrent runs: real processes (tests/slow_pretokenize.py sleeps 0.1 s per encode
 # call, one call per input here, so a run of 24 inputs on 2 workers lasts over a second)
 
-SLOW_SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "slow_pretokenize.py")
+SLOW_SCRIPT = os.path.join(TESTS, "slow_pretokenize.py")
 
 
 @pytest.fixture(scope="module")
@@ -682,7 +671,8 @@ def many_inputs(tmp_path_factory, tokenizer_dir):
     os.makedirs(root / "raw")
     for i in range(24):
         (root / "raw" / f"part_{i:02d}.jsonl").write_text(
-            "".join(json.dumps({"text": t}) + "\n" for t in _texts(100 + i, 12)), encoding="utf-8")
+            "".join(json.dumps({"text": t}) + "\n" for t in sample_texts(100 + i, 12, **TEXTS)),
+            encoding="utf-8")
     argv = ["--input", str(root / "raw"), "--tokenizer-dir", tokenizer_dir, "--max-length", "16",
             "--overlap-size", "4", "--num-workers", "2"]
     assert main(argv + ["--output", str(root / "reference")]) == 0

@@ -13,10 +13,9 @@ import sys
 
 import pytest
 
-from conftest import worker_env
+from conftest import REPO_ROOT, worker_env
 from scripts.record_behaviour import main
 
-REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FIRST = ("bestfit train data=parquet B=2 T=32 buffer_size=8 tokenizer_batch_size=4 "
          "trace_documents=True attention_info=True rank=0 world_size=1")
 

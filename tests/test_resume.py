@@ -34,7 +34,7 @@ import torch
 from hypothesis import event, given, settings, strategies as st
 
 import oracle
-from conftest import ByteTokenizer, write_shard, write_shards
+from conftest import ByteTokenizer, take, write_shard, write_shards
 from nanochat.dataloader import (
     pretokenized_distributed_data_loader_with_state_bos_bestfit as PRETOKENIZED,
     tokenizing_distributed_data_loader_with_state,
@@ -92,15 +92,6 @@ def open_loader(kind: str, cfg: dict, **over):
     else:
         kw.pop("split_overlap", None)
     return BESTFIT(ByteTokenizer(), B, T, split, **kw)
-
-
-def take(loader, n: int) -> list[tuple[list, list, dict]]:
-    """The next n batches as lists (the yielded tensors are views the next batch overwrites)."""
-    out = []
-    for _ in range(n):
-        inputs, targets, state = next(loader)
-        out.append((inputs.tolist(), targets.tolist(), state))
-    return out
 
 
 def rows_of(batch) -> list[list[int]]:

@@ -26,11 +26,10 @@ import pytest
 import tiktoken
 from hypothesis import given, settings, strategies as st
 
-from conftest import write_shards
+from conftest import REPO_ROOT, write_shards
 from nanochat.tokenizer import (MIN_VOCAB_SIZE, SPECIAL_TOKENS, SPLIT_PATTERN, RustBPETokenizer,
                                 UnsafePickleError, get_token_bytes, get_tokenizer)
 
-REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 VOCAB_SIZE = 512
 
 TEXTS = [

@@ -27,7 +27,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from conftest import ByteTokenizer, outcome, write_shard
+from conftest import REPO_ROOT, ByteTokenizer, outcome, sample_texts, write_shard
 from nanochat import dataset
 from nanochat.data.fetch import download
 from nanochat.dataloader import tokenizing_distributed_data_loader_with_state_bos_bestfit
@@ -37,17 +37,8 @@ from nanochat.dataset import (
 )
 from nanochat.data.fetch.download import HostNotFoundError, Limits, summarize
 
-from conftest import REPO_ROOT
-FAST = ["--backoff-base", "0.01"]  # 5 attempts then cost 0.01+0.02+0.04+0.08 s of sleep
+QUICK_BACKOFF = ["--backoff-base", "0.01"]  # 5 attempts then cost 0.01+0.02+0.04+0.08 s of sleep
 NAME = "shard_00000.parquet"
-
-
-def _texts(seed: int, n: int = 300) -> list[str]:
-    rng = random.Random(seed)
-    words = ["alpha", "beta", "gamma", "delta", "shard", "token", "river", "stone", "cloud",
-             "paper"]
-    return [f"doc {seed}-{i}: " + " ".join(rng.choice(words) for _ in range(rng.randint(5, 40)))
-            for i in range(n)]
 
 
 def _sha256(body: bytes) -> str:
@@ -267,7 +258,7 @@ def _serve(server, tmp_path, indices, *, big: bool = False) -> dict[int, bytes]:
             rng = random.Random(i)
             write_shard(path, [rng.randbytes(200).hex() for _ in range(1000)], row_group_size=128)
         else:
-            write_shard(path, _texts(i), row_group_size=64)
+            write_shard(path, sample_texts(i, 300), row_group_size=64)
         served[i] = path.read_bytes()
         server.files[index_to_filename(i)] = served[i]
     return served
@@ -297,7 +288,7 @@ def _download(server, tmp_path, index, **kwargs) -> bool:
 
 
 def _cli(server, data_dir, *args) -> int:
-    return main(["--base-url", server.url, "--data-dir", str(data_dir), *FAST, *args])
+    return main(["--base-url", server.url, "--data-dir", str(data_dir), *QUICK_BACKOFF, *args])
 
 
 # -----------------------------------------------------------------------------
@@ -366,7 +357,7 @@ def test_n_minus_one_fetches_all_and_defaults_come_from_env(
     served = _serve(server, tmp_path, range(4))
     monkeypatch.setenv("NANOCHAT_DATASET", "tiny")
     monkeypatch.setenv("NANOCHAT_DATA_URL", server.url)
-    assert main(["-n", "-1"] + FAST) == 0
+    assert main(["-n", "-1"] + QUICK_BACKOFF) == 0
     _assert_only_complete_shards(get_data_dir(), served)  # <NANOCHAT_BASE_DIR>/tiny_data
     assert get_data_dir().endswith("tiny_data")
 
@@ -756,7 +747,7 @@ def test_a_corrupt_page_installed_earlier_is_found_and_its_fix_works(server, tmp
     out = capsys.readouterr().out
     assert "  1 x corrupt page: shard_00000.parquet\n" in out
     command = re.search(r"to fix: (python -m nanochat\.dataset .*?) \(", out).group(1)
-    assert main(command.split()[3:] + ["--base-url", server.url, *FAST]) == 0
+    assert main(command.split()[3:] + ["--base-url", server.url, *QUICK_BACKOFF]) == 0
     assert "  1 x corrupt page: shard_00000.parquet\n" in capsys.readouterr().out
     assert main(fix.split()[3:]) == 0
     _assert_only_complete_shards(data_dir, served)
@@ -1223,7 +1214,7 @@ def test_two_processes_download_into_one_dir(server, tmp_path):
         server.always[name] = "slow"
     data_dir = tmp_path / "data"
     cmd = [sys.executable, "-m", "nanochat.dataset", "-n", "3", "-w", "2", "--base-url", server.url,
-           "--data-dir", str(data_dir)] + FAST
+           "--data-dir", str(data_dir)] + QUICK_BACKOFF
     procs = [subprocess.Popen(cmd, cwd=REPO_ROOT, stdout=subprocess.PIPE,
                               stderr=subprocess.STDOUT, text=True)
              for _ in range(2)]

@@ -26,17 +26,15 @@ import pytest
 import requests
 import torch
 
-from conftest import ByteTokenizer, assert_interrupted, outcome, worker_env, write_shard
+from conftest import (FAST, REPO_ROOT, ByteTokenizer, assert_interrupted, outcome, worker_env,
+                      write_shard)
 from conftest import assert_same_batches as _same
 from conftest import take_batches as _batches
 from nanochat.dataloader import tokenizing_distributed_data_loader_with_state_bos_bestfit
 from nanochat.dataset import split_parquet_files
-from nanochat.data.fetch.download import Limits
 from nanochat.data.fetch import serve
 from nanochat.data.fetch.serve import ShardServer
 
-from conftest import REPO_ROOT as ROOT
-FAST = Limits(max_attempts=2, backoff_base=0.01, timeout=5, deadline=30)
 # the recipe's commands, exactly as docs/streaming.md gives them
 REPACKAGE = "python -m nanochat.dataset repackage my.jsonl --out shards/"
 SERVE = "python -m nanochat.dataset serve shards/ --port 8000"
@@ -101,7 +99,7 @@ def _write_own(directory, names: list[str], docs: int = 120) -> None:
 
 
 def test_the_recipe_for_your_own_shards_runs_as_written(tmp_path, monkeypatch):
-    doc = open(os.path.join(ROOT, "docs", "streaming.md"), encoding="utf-8").read()
+    doc = open(os.path.join(REPO_ROOT, "docs", "streaming.md"), encoding="utf-8").read()
     section = doc[doc.index("## Your own shards"):]
     section = section[:section.index("\n## ", 1)]
     for shown in (REPACKAGE, SERVE, f'base_url="{URL}"', 'data_dir="shards_cache/"'):

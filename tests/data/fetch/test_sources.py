@@ -17,15 +17,13 @@ import re
 
 import pytest
 
-from conftest import ByteTokenizer, assert_same_batches, take_batches, write_shard
+from conftest import FAST, FAST_CLI, assert_same_batches, ByteTokenizer, take_batches, write_shard
 from nanochat.dataloader import tokenizing_distributed_data_loader_with_state_bos_bestfit
 from nanochat.dataset import main
 from nanochat.data.fetch import download
-from nanochat.data.fetch.download import OtherSourceError, Limits, record_path
+from nanochat.data.fetch.download import OtherSourceError, record_path
 from nanochat.data.fetch.serve import ShardServer
 
-FAST = Limits(max_attempts=2, backoff_base=0.01, timeout=5, deadline=30)
-FAST_CLI = ["--max-attempts", "2", "--backoff-base", "0.01", "--timeout", "5"]
 NAMES = ["a.parquet", "b.parquet", "c.parquet", "zz_val.parquet"]
 
 

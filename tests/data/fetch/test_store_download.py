@@ -11,6 +11,7 @@ Reads are cut in chunks of 64 KiB here (STORE_CHUNK_BYTES), so a ~200 KB shard t
 python -m pytest tests/data/fetch/test_store_download.py -q
 """
 
+import dataclasses
 import errno
 import hashlib
 import json
@@ -23,7 +24,7 @@ import zlib
 
 import pytest
 
-from conftest import write_shard
+from conftest import FAST, write_shard
 from nanochat.data.fetch import download
 from nanochat.data.fetch import stores
 from nanochat.data.fetch.download import DownloadError, Limits
@@ -31,7 +32,7 @@ from nanochat.data.fetch.download import DownloadError, Limits
 CHUNK = 64 * 1024
 # a credential value: it must never appear in a log line, an error or the output
 SECRET = "nanochat-test-secret-9f3e1c"
-FAST = Limits(max_attempts=4, backoff_base=0.01, timeout=5.0, deadline=60.0)
+FOUR_TRIES = dataclasses.replace(FAST, max_attempts=4, deadline=60.0)  # FAST, with time for faults
 KEY = "data/shard_00000.parquet"
 
 
@@ -114,7 +115,7 @@ def _stopped_after_two_chunks(url: str, dest, monkeypatch):
     stop, real = threading.Event(), stores.read_range
     _reads_calling(monkeypatch, 2, stop.set)  # checked once the chunk is written
     with pytest.raises(download._Stopped):
-        download.download_file(url, str(dest), FAST, stop=stop)
+        download.download_file(url, str(dest), FOUR_TRIES, stop=stop)
     assert os.path.getsize(download.tmp_path(str(dest))) == 2 * CHUNK
     monkeypatch.setattr(stores, "read_range", real)
     return dest
@@ -132,7 +133,7 @@ def _no_temp(path) -> bool:
 def test_a_shard_is_installed_byte_identical_with_the_hashes_s3_stated(bucket, tmp_path):
     body = _put_shard(bucket, tmp_path)
     dest = tmp_path / "out" / "shard_00000.parquet"
-    assert download.download_file(bucket.url(KEY), str(dest), FAST) == ""  # there was none
+    assert download.download_file(bucket.url(KEY), str(dest), FOUR_TRIES) == ""  # there was none
     assert _read(dest) == body
     with open(download.record_path(str(dest))) as f:
         record = json.load(f)
@@ -148,7 +149,7 @@ def test_a_shard_is_installed_byte_identical_with_the_hashes_s3_stated(bucket, t
     assert _no_temp(dest)
     download.check_file(str(dest))
     # a second call finds it sound and fetches nothing
-    assert download.download_file(bucket.url(KEY), str(dest), FAST) is None
+    assert download.download_file(bucket.url(KEY), str(dest), FOUR_TRIES) is None
 
 
 def test_a_stated_hash_that_does_not_match_installs_nothing_and_keeps_the_old_file(
@@ -165,7 +166,7 @@ def test_a_stated_hash_that_does_not_match_installs_nothing_and_keeps_the_old_fi
     dest.parent.mkdir()
     dest.write_bytes(b"a bad file the user has")
     with pytest.raises(DownloadError) as caught:
-        download.download_file(bucket.url(KEY), str(dest), FAST)
+        download.download_file(bucket.url(KEY), str(dest), FOUR_TRIES)
     assert caught.value.reason == "md5 mismatch"
     message = str(caught.value)
     assert f"md5 {hashlib.md5(body).hexdigest()}" in message and "0" * 32 in message
@@ -182,7 +183,7 @@ def test_a_stated_crc32c_without_its_package_is_skipped_not_counted(bucket, tmp_
         len(body), real(address, timeout, **kwargs).version, {"crc32c": 12345}))
     monkeypatch.setattr(download, "_optional_crc", lambda name: None)  # no package installed
     dest = tmp_path / "out" / "shard_00000.parquet"
-    download.download_file(bucket.url(KEY), str(dest), FAST)
+    download.download_file(bucket.url(KEY), str(dest), FOUR_TRIES)
     assert _read(dest) == body
     with open(download.record_path(str(dest))) as f:
         record = json.load(f)
@@ -221,11 +222,11 @@ def test_a_stated_crc32c_is_checked_when_its_package_is_there(bucket, tmp_path, 
     monkeypatch.setitem(sys.modules, "google_crc32c", _FakeGoogleCrc32c)
     dest = tmp_path / "out" / "shard_00000.parquet"
     if right:
-        download.download_file(bucket.url(KEY), str(dest), FAST)
+        download.download_file(bucket.url(KEY), str(dest), FOUR_TRIES)
         assert _read(dest) == body and download.stated_check(str(dest)) == "crc32c"
     else:
         with pytest.raises(download.DownloadError) as caught:
-            download.download_file(bucket.url(KEY), str(dest), FAST)
+            download.download_file(bucket.url(KEY), str(dest), FOUR_TRIES)
         assert caught.value.reason == "crc32c mismatch"
         assert f"crc32c {_crc32c_bitwise(body):08x}" in str(caught.value)
         assert not dest.exists() and _no_temp(dest)
@@ -240,7 +241,7 @@ def test_a_cut_body_resumes_from_the_end_of_the_temp_file(faulty, tmp_path, monk
     body = _put_shard(faulty, tmp_path)
     _reads_calling(monkeypatch, 3, lambda: faulty.proxy.cut_after(1000))  # the 3rd GET is cut
     dest = tmp_path / "out" / "shard_00000.parquet"
-    download.download_file(faulty.url(KEY), str(dest), FAST)
+    download.download_file(faulty.url(KEY), str(dest), FOUR_TRIES)
     assert _read(dest) == body
     ranges = [f"bytes={start}-{min(start + CHUNK, len(body)) - 1}"
               for start in range(0, len(body), CHUNK)]
@@ -254,7 +255,7 @@ def test_a_partial_temp_is_resumed_by_the_next_run(faulty, tmp_path, monkeypatch
     dest = _stopped_after_two_chunks(faulty.url(KEY), dest=tmp_path / "out" / "a.parquet",
                                      monkeypatch=monkeypatch)
     faulty.proxy.clear()
-    download.download_file(faulty.url(KEY), str(dest), FAST)
+    download.download_file(faulty.url(KEY), str(dest), FOUR_TRIES)
     assert _read(dest) == body
     assert _gets(faulty.proxy) == [f"bytes={2 * CHUNK}-{len(body) - 1}"]  # only the rest
 
@@ -282,7 +283,7 @@ def test_an_object_replaced_during_a_download_is_fetched_whole_never_spliced(
     # the 2nd read already sees the new object: the bytes of two versions are in the temp file
     _reads_calling(monkeypatch, 2, lambda: faulty.put(KEY, new))
     dest = tmp_path / "out" / "shard_00000.parquet"
-    download.download_file(faulty.url(KEY), str(dest), FAST)
+    download.download_file(faulty.url(KEY), str(dest), FOUR_TRIES)
     assert _read(dest) == new
     assert "changed on the store" in caplog.text
     with open(download.record_path(str(dest))) as f:
@@ -296,7 +297,7 @@ def test_an_object_replaced_between_runs_starts_over(faulty, tmp_path, monkeypat
     new = _shard(tmp_path / "new.parquet", seed=1)
     faulty.put(KEY, new)
     faulty.proxy.clear()
-    download.download_file(faulty.url(KEY), str(dest), FAST)
+    download.download_file(faulty.url(KEY), str(dest), FOUR_TRIES)
     assert _read(dest) == new
     assert _gets(faulty.proxy)[0] == f"bytes=0-{CHUNK - 1}"  # from the start, not spliced
     assert "changed on the store since" in caplog.text
@@ -334,7 +335,7 @@ def test_a_wrong_key_or_bucket_is_one_clear_error_without_retries(faulty, tmp_pa
     url = faulty.url("data/nope.parquet") if where == "key" else "s3://no-such-bucket-x/a.parquet"
     dest = tmp_path / "out" / "a.parquet"
     with pytest.raises(DownloadError) as caught:
-        download.download_file(url, str(dest), FAST)
+        download.download_file(url, str(dest), FOUR_TRIES)
     assert caught.value.reason == "not found"
     assert f"{url}: not found in S3" in str(caught.value) and "not retrying" in str(caught.value)
     assert faulty.proxy.count() == 1  # one HEAD, no retry
@@ -344,7 +345,7 @@ def test_a_wrong_key_or_bucket_is_one_clear_error_without_retries(faulty, tmp_pa
 def test_a_secret_in_an_address_is_masked_in_errors_and_logs(faulty, tmp_path, caplog):
     # (a credential can end up in an address, as a SAS token does in a URL)
     with pytest.raises(DownloadError) as caught:
-        download.fetch_tail(f"s3://{SECRET}/a.parquet", 100, FAST)
+        download.fetch_tail(f"s3://{SECRET}/a.parquet", 100, FOUR_TRIES)
     assert SECRET not in str(caught.value) and "s3://***/a.parquet" in str(caught.value)
 
 
@@ -361,12 +362,12 @@ def test_missing_credentials_stop_the_run_with_one_line_and_fetch_nothing(
     files = [(faulty.url(f"data/shard_0000{i}.parquet"), str(tmp_path / "out" / f"s{i}.parquet"))
              for i in range(3)]
     with pytest.raises(stores.StoreError) as caught:
-        download.download_files(files, num_workers=2, limits=FAST)
+        download.download_files(files, num_workers=2, limits=FOUR_TRIES)
     message = str(caught.value)
     assert caught.value.reason == "no credentials" and "\n" not in message
     assert "AWS_ACCESS_KEY_ID" in message and "AWS_SECRET_ACCESS_KEY" in message
     with pytest.raises(stores.StoreError, match="no S3 credentials"):
-        download.download_file(files[0][0], files[0][1], FAST)
+        download.download_file(files[0][0], files[0][1], FOUR_TRIES)
     assert faulty.proxy.count() == 0
     assert not any(name.endswith(".parquet") for name in os.listdir(tmp_path / "out"))
 
@@ -375,7 +376,7 @@ def test_a_slow_down_storm_is_retried_until_it_passes(faulty, tmp_path, caplog):
     body = _put_shard(faulty, tmp_path)
     faulty.proxy.slow_down(3)
     dest = tmp_path / "out" / "shard_00000.parquet"
-    download.download_file(faulty.url(KEY), str(dest), FAST)
+    download.download_file(faulty.url(KEY), str(dest), FOUR_TRIES)
     assert _read(dest) == body
     assert caplog.text.count("S3 asks to slow down") == 3
 
@@ -385,10 +386,10 @@ def test_a_storm_longer_than_the_attempts_is_a_clear_error(faulty, tmp_path):
     faulty.proxy.slow_down(100)
     dest = tmp_path / "out" / "shard_00000.parquet"
     with pytest.raises(DownloadError) as caught:
-        download.download_file(faulty.url(KEY), str(dest), FAST)
+        download.download_file(faulty.url(KEY), str(dest), FOUR_TRIES)
     assert caught.value.reason == "slow down"
     assert "gave up after 4 attempts in a row without progress" in str(caught.value)
-    assert faulty.proxy.count() == FAST.max_attempts
+    assert faulty.proxy.count() == FOUR_TRIES.max_attempts
     assert not dest.exists()
 
 
@@ -396,7 +397,7 @@ def test_a_missing_extra_is_raised_unchanged(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "gcsfs", None)  # import gcsfs fails
     with pytest.raises(stores.MissingExtra, match=r"pip install 'nanochat-data\[gcs\]'"):
         download.download_files([("gs://bucket/a.parquet", str(tmp_path / "a.parquet"))],
-                                limits=FAST)
+                                limits=FOUR_TRIES)
 
 
 # -----------------------------------------------------------------------------
@@ -412,7 +413,8 @@ def test_two_downloads_of_one_shard_at_once_fetch_it_once(faulty, tmp_path):
         start.wait()
         # (recheck=False: a thread that comes late would also ask the store about the file it
         # finds, one HEAD more)
-        results.append(download.download_file(faulty.url(KEY), str(dest), FAST, recheck=False))
+        results.append(download.download_file(faulty.url(KEY), str(dest), FOUR_TRIES,
+                                              recheck=False))
 
     threads = [threading.Thread(target=fetch) for _ in range(2)]
     for thread in threads:
@@ -428,12 +430,12 @@ def test_two_downloads_of_one_shard_at_once_fetch_it_once(faulty, tmp_path):
 
 def test_fetch_tail_reads_the_end_of_an_object(bucket, tmp_path):
     body = _put_shard(bucket, tmp_path)
-    assert download.fetch_tail(bucket.url(KEY), 100, FAST) == (len(body), body[-100:])
-    assert download.fetch_tail(bucket.url(KEY), 10**9, FAST) == (len(body), body)
+    assert download.fetch_tail(bucket.url(KEY), 100, FOUR_TRIES) == (len(body), body[-100:])
+    assert download.fetch_tail(bucket.url(KEY), 10**9, FOUR_TRIES) == (len(body), body)
     with pytest.raises(DownloadError, match="not found in S3"):
-        download.fetch_tail(bucket.url("data/nope.parquet"), 100, FAST)
+        download.fetch_tail(bucket.url("data/nope.parquet"), 100, FOUR_TRIES)
     with pytest.raises(ValueError, match="http"):
-        download.fetch_small(bucket.url("index.json"), 1000, FAST)
+        download.fetch_small(bucket.url("index.json"), 1000, FOUR_TRIES)
 
 
 def test_the_disk_check_asks_the_store_for_the_size(bucket, tmp_path):
@@ -453,7 +455,7 @@ def test_download_files_fetches_a_prefix_of_shards(bucket, tmp_path):
               for i in range(3)}
     out = tmp_path / "out"
     report = download.download_files([(bucket.url(f"p/{name}"), str(out / name))
-                                      for name in bodies], num_workers=2, limits=FAST)
+                                      for name in bodies], num_workers=2, limits=FOUR_TRIES)
     assert report.failed == {} and report.total == 3
     assert {name: _read(out / name) for name in bodies} == bodies
 
@@ -483,7 +485,7 @@ def test_a_local_directory_is_copied_and_never_written_to(tmp_path, form, caplog
     base = str(src) if form == "path" else f"file://{src}"
     out = tmp_path / "out"
     files = [(stores.join(base, name), str(out / name)) for name in bodies]
-    report = download.download_files(files, num_workers=2, limits=FAST)
+    report = download.download_files(files, num_workers=2, limits=FOUR_TRIES)
     assert report.failed == {}
     assert {name: _read(out / name) for name in bodies} == bodies
     for name in bodies:  # a local file states no hash: size and structure, every page read
@@ -493,10 +495,10 @@ def test_a_local_directory_is_copied_and_never_written_to(tmp_path, form, caplog
         assert record["stated_hashes"] == [] and record["pages_checked"] is True
     # a bad copy is fetched again from the directory
     (out / "shard_00001.parquet").write_bytes(b"PAR1 broken")
-    report = download.download_files(files, num_workers=1, limits=FAST)
+    report = download.download_files(files, num_workers=1, limits=FOUR_TRIES)
     assert list(report.replaced) == ["shard_00001.parquet"]
     assert _read(out / "shard_00001.parquet") == bodies["shard_00001.parquet"]
     # the destination inside the source directory is refused
     with pytest.raises(ValueError, match="never written to"):
-        download.download_file(files[0][0], str(src / "copy.parquet"), FAST)
+        download.download_file(files[0][0], str(src / "copy.parquet"), FOUR_TRIES)
     assert _listing(src) == before

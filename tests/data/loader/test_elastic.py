@@ -16,11 +16,10 @@ import sys
 import pyarrow.parquet as pq
 import pytest
 
-from conftest import ByteTokenizer, worker_env, write_shard
+from conftest import TESTS, ByteTokenizer, worker_env, write_shard
 from nanochat.resume import merge_states
 from nanochat.data.base.state import decode_keys
 
-from conftest import TESTS as HERE
 BOS = ByteTokenizer.bos
 
 
@@ -32,7 +31,7 @@ def doc_text(i):
 
 def torchrun(nproc, *args, shuffle=False):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-           f"--nproc_per_node={nproc}", os.path.join(HERE, "elastic_worker.py"), *map(str, args)]
+           f"--nproc_per_node={nproc}", os.path.join(TESTS, "elastic_worker.py"), *map(str, args)]
     env = dict(worker_env(), NANOCHAT_TEST_SHUFFLE="1" if shuffle else "0")
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
     assert result.returncode == 0, result.stdout + result.stderr

@@ -25,7 +25,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import ByteTokenizer, outcome, write_shards
+from conftest import TESTS, ByteTokenizer, outcome, write_shards
 from nanochat.dataloader import (pretokenized_distributed_data_loader_with_state_bos_bestfit,
                                  tokenizing_distributed_data_loader_bos_bestfit,
                                  tokenizing_distributed_data_loader_with_state,
@@ -40,8 +40,6 @@ from nanochat.data.pretokenized.token_shards import write_token_shard
 from nanochat.data.fetch.serve import ShardServer
 
 BOS = ByteTokenizer.bos
-from conftest import TESTS as HERE
-
 
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory):
@@ -102,7 +100,7 @@ LOADERS = {
 }
 
 
-def take(loader, n: int) -> list:
+def take_traced(loader, n: int) -> list:
     """n batches, copied (a yielded batch's memory is reused), with the loader's trace."""
     out = []
     for _ in range(n):
@@ -154,12 +152,12 @@ def test_a_worker_yields_what_threads_yield(kind, corpus):
     worker = make(corpus, workers=1)
     assert threads.worker_pid is None and worker.worker_pid is not None
     n = 12
-    assert_same(take(worker, n), take(threads, n))
+    assert_same(take_traced(worker, n), take_traced(threads, n))
     # a state the worker yielded resumes exactly, in a worker
-    state = take(worker, 1)[0][2]
-    expected = take(threads, 6)[1:]
+    state = take_traced(worker, 1)[0][2]
+    expected = take_traced(threads, 6)[1:]
     resumed = make(corpus, workers=1, resume_state_dict=state)
-    assert_same(take(resumed, 5), expected)
+    assert_same(take_traced(resumed, 5), expected)
     for loader in (threads, worker, resumed):
         loader.close()
     assert wait_gone(worker.worker_pid, CLOSE_TIMEOUT + 1)
@@ -173,12 +171,12 @@ def test_an_elastic_resume_in_a_worker_is_the_one_on_threads(corpus):
     states = []
     for rank in (0, 1):
         loader = make(corpus, workers=1, rank=rank, world_size=2)
-        states.append(take(loader, 4)[-1][2])
+        states.append(take_traced(loader, 4)[-1][2])
         loader.close()
     merged = merge_states(states, 1, data_dir=parquet_dir)
     resumed = [make(corpus, workers=workers, rank=0, world_size=1, resume_state_dict=merged)
                for workers in (1, 0)]
-    assert_same(take(resumed[0], 8), take(resumed[1], 8))
+    assert_same(take_traced(resumed[0], 8), take_traced(resumed[1], 8))
     for loader in resumed:
         loader.close()
 
@@ -223,7 +221,7 @@ def test_streamed_in_a_worker(corpus, tmp_path):
                 ByteTokenizer(), 4, 32, "train", device="cpu", data_dir=str(tmp_path / "cache"),
                 stream=True, num_shards=3, base_url=server.url, tokenizer_batch_size=8,
                 buffer_size=16, workers=workers)
-        on_disk = take(tokenizing_distributed_data_loader_with_state_bos_bestfit(
+        on_disk = take_traced(tokenizing_distributed_data_loader_with_state_bos_bestfit(
             ByteTokenizer(), 4, 32, "train", device="cpu", data_dir=str(hosted),
             tokenizer_batch_size=8, buffer_size=16), 10)
         loader = make(1)
@@ -234,7 +232,7 @@ def test_streamed_in_a_worker(corpus, tmp_path):
         asking = threading.Thread(target=lambda: statuses.extend(
             loader.cache_status() for _ in range(20)))
         asking.start()
-        assert_same(take(loader, 10), on_disk)
+        assert_same(take_traced(loader, 10), on_disk)
         asking.join(30)
         assert len(statuses) == 20 and all(len(s.loaders) == 1 for s in statuses)
         assert loader.cache_status().fetched_bytes > 0
@@ -281,7 +279,7 @@ def test_status_while_next_waits_and_a_dropped_loader_waits_for_nothing(corpus, 
             SlowTokenizer(), 4, 32, "train", device="cpu", data_dir=str(tmp_path / "cache"),
             stream=True, num_shards=3, base_url=server.url, tokenizer_batch_size=64,
             buffer_size=16, workers=1)
-        waiting = threading.Thread(target=lambda: outcome(lambda: take(loader, 3), 60),
+        waiting = threading.Thread(target=lambda: outcome(lambda: take_traced(loader, 3), 60),
                                    daemon=True)
         waiting.start()  # next() waits for the worker, inside an 8-s call
         time.sleep(0.5)
@@ -343,7 +341,7 @@ class NoWorker:
 def _state(make, **more) -> dict:
     """The state after 2 batches of a loader on threads."""
     loader = make(workers=0, **more)
-    state = take(loader, 2)[-1][2]
+    state = take_traced(loader, 2)[-1][2]
     loader.close()
     return state
 
@@ -457,8 +455,9 @@ def test_a_tokenizer_that_cannot_be_pickled_runs_here_with_a_warning(corpus, cap
         Local(), 4, 32, "train", device="cpu", data_dir=str(corpus / "parquet"), workers=1)
     assert loader.worker_pid is None
     assert "not in a worker process" in caplog.text and "workers=0" in caplog.text
-    assert_same(take(loader, 3), take(tokenizing_distributed_data_loader_with_state_bos_bestfit(
-        ByteTokenizer(), 4, 32, "train", device="cpu", data_dir=str(corpus / "parquet")), 3))
+    in_threads = tokenizing_distributed_data_loader_with_state_bos_bestfit(
+        ByteTokenizer(), 4, 32, "train", device="cpu", data_dir=str(corpus / "parquet"))
+    assert_same(take_traced(loader, 3), take_traced(in_threads, 3))
     loader.close()
 
 
@@ -492,7 +491,7 @@ time.sleep(60)
 
 def test_a_killed_trainer_leaves_no_worker(corpus):
     trainer = subprocess.Popen(
-        [sys.executable, "-c", TRAINER.format(tests=HERE, data=str(corpus / "parquet"))],
+        [sys.executable, "-c", TRAINER.format(tests=TESTS, data=str(corpus / "parquet"))],
         stdout=subprocess.PIPE, text=True)
     try:
         pid = int(outcome(trainer.stdout.readline, 60))

@@ -9,40 +9,27 @@ whose package is missing is the one-line error naming the pip install. Run:
 """
 
 import os
-import random
 import subprocess
 import sys
 
 import pytest
 
-from conftest import write_shards
+from conftest import REPO_ROOT, sample_texts, write_shards
 from nanochat.data.fetch import stores
 from nanochat.pretokenize import STAGING, main
-from nanochat.tokenizer import RustBPETokenizer
-
-from conftest import REPO_ROOT as ROOT
 
 
-def _texts(seed: int, n: int) -> list[str]:
-    rng = random.Random(seed)
-    words = ["alpha", "beta", "river", "stone", "cloud", "paper", "token", "é", "42"]
-    return [f"doc {seed}-{i}: " + " ".join(rng.choice(words) for _ in range(rng.choice([2, 9, 60])))
-            for i in range(n)]
-
-
-@pytest.fixture(scope="module")
-def tokenizer_dir(tmp_path_factory):
-    path = str(tmp_path_factory.mktemp("tokenizer"))
-    texts = [t for seed in range(3) for t in _texts(seed, 40)]
-    RustBPETokenizer.train_from_iterator(iter(texts), 300).save(path)
-    return path
+TEXTS = dict(words=("alpha", "beta", "river", "stone", "cloud", "paper", "token", "é", "42"),
+             lengths=(2, 9, 60))
+TOKENIZER_TEXTS = [t for seed in range(3) for t in sample_texts(seed, 40, **TEXTS)]
 
 
 @pytest.fixture
 def parquet_dir(tmp_path):
     """Three train shards and a val shard (the last) of 30 documents, row groups of 8."""
     data_dir = str(tmp_path / "parquet")
-    write_shards(data_dir, [_texts(seed, 30) for seed in range(10, 14)], row_group_size=8)
+    write_shards(data_dir, [sample_texts(seed, 30, **TEXTS) for seed in range(10, 14)],
+                 row_group_size=8)
     return data_dir
 
 
@@ -70,7 +57,7 @@ def _cli(*args: str, hide: str | None = None) -> subprocess.CompletedProcess:
             "sys.argv = ['pretokenize'] + sys.argv[1:]\n"
             "runpy.run_module('nanochat.pretokenize', run_name='__main__', alter_sys=True)\n")
     return subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True,
-                          cwd=ROOT, timeout=120)
+                          cwd=REPO_ROOT, timeout=120)
 
 
 def test_from_s3_equals_from_disk(s3, parquet_dir, tokenizer_dir, tmp_path, capsys):

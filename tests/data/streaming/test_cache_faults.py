@@ -29,7 +29,8 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from conftest import ByteTokenizer, least_accepted, outcome, worker_env, write_shard
+from conftest import (FAST, TESTS, ByteTokenizer, hosting, least_accepted, outcome, worker_env,
+                      write_hosted, write_shard)
 from nanochat.data.streaming import catalog
 from nanochat.data.fetch import download
 from nanochat.data.streaming import cache as shard_cache
@@ -37,7 +38,7 @@ from nanochat.data.streaming import ledger as ledger_module
 from nanochat.data.streaming.catalog import catalog_entry, read_catalog
 from nanochat.dataloader import tokenizing_distributed_data_loader_with_state_bos_bestfit
 from nanochat.dataset import index_to_filename
-from nanochat.data.fetch.download import Limits, download_file
+from nanochat.data.fetch.download import download_file
 from nanochat.data.base.files import write_atomic
 from nanochat.data.streaming.kept import Keeper, encode
 from nanochat.data.streaming.ledger import STREAM_DIR, Ledger, Table
@@ -47,9 +48,7 @@ from nanochat.data.fetch import serve as shard_server
 from nanochat.data.fetch.serve import ShardServer
 from stream_worker import LOADER, rows_of
 
-from conftest import TESTS as HERE
 VAL = index_to_filename(6542)  # the default dataset's val shard
-FAST = Limits(max_attempts=2, backoff_base=0.01, timeout=5, deadline=30)
 FIX = "free some space, pass a smaller cache_limit, or use a data_dir on a bigger disk"
 # the part of a full disk's message that the cache's small files and the downloader share
 DISK_FULL = re.compile(r"needs \d+ bytes but \d+ are free")
@@ -57,20 +56,6 @@ DISK_FULL = re.compile(r"needs \d+ bytes but \d+ are free")
 
 # -----------------------------------------------------------------------------
 # Hosted shards, loaders, the on-disk oracle
-
-
-def host(directory, num_train: int = 7, docs: int = 300) -> list[int]:
-    """num_train train shards and the val shard, named as the dataset's, of documents of 18-77
-    characters in row groups of 32 (those longer than a row wait in a best-fit buffer); their
-    sizes, sorted."""
-    rng = random.Random(0)
-    os.makedirs(directory, exist_ok=True)
-    for i in list(range(num_train)) + [6542]:
-        texts = [f"shard {i} doc {j}: " + "".join(rng.choice("abcdefgh ")
-                                                   for _ in range(rng.randint(1, 60)))
-                 for j in range(docs)]
-        write_shard(os.path.join(directory, index_to_filename(i)), texts, 32)
-    return sorted(os.path.getsize(os.path.join(directory, n)) for n in os.listdir(directory))
 
 
 def streaming(cache, server, **kwargs):
@@ -120,12 +105,9 @@ def warnings_about(caplog, text: str) -> list[str]:
 
 @pytest.fixture(scope="module")
 def hosted(tmp_path_factory):
-    """The hosted shards and their server, shared by the tests of this file (none changes them)."""
-    directory = tmp_path_factory.mktemp("hosted")
-    sizes = host(directory)
-    server = ShardServer(str(directory))
-    yield str(directory), server, sizes
-    server.close()
+    """conftest's hosted, shared by the tests of this file (none changes them)."""
+    with hosting(tmp_path_factory.mktemp("hosted")) as shards:
+        yield shards
 
 
 @pytest.fixture(scope="module")
@@ -300,7 +282,7 @@ def test_a_download_on_a_full_disk_leaves_no_empty_file(small_disk, tmp_path):
     """The disk is full before the download starts: the error names the directory, the shard's
     size (the server stated it) and 0 bytes free; no empty partial file or record is left."""
     hosted = tmp_path / "hosted"
-    host(hosted, num_train=1)
+    write_hosted(hosted, num_train=1)
     name = index_to_filename(0)
     server = ShardServer(str(hosted))
     fill(small_disk / "filler")
@@ -381,7 +363,7 @@ def test_a_disk_filled_by_another_program_mid_run(small_disk, tmp_path):
     program fills it. The next write of the cache's ledger fails: next() raises an OSError(ENOSPC)
     naming the directory, the bytes needed and free, and the fix, and no temporary file is left."""
     hosted = tmp_path / "hosted"
-    host(hosted, num_train=3)
+    write_hosted(hosted, num_train=3)
     server = ShardServer(str(hosted))
     cache = small_disk / "cache"
     expected = batches(on_disk(hosted), 200)
@@ -741,7 +723,7 @@ def test_the_local_ranks_read_each_footer_once(tmp_path, monkeypatch):
     wait for the catalog's lock and find the entries there. Their batches are the on-disk
     loader's."""
     hosted, out = tmp_path / "hosted", tmp_path / "out"
-    host(hosted, num_train=4)
+    write_hosted(hosted, num_train=4)
     out.mkdir()
     serve = shard_server._Handler.do_GET
 
@@ -757,7 +739,7 @@ def test_the_local_ranks_read_each_footer_once(tmp_path, monkeypatch):
     try:
         result = subprocess.run(
             [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=3",
-             os.path.join(HERE, "stream_worker.py"), str(out), "4"],
+             os.path.join(TESTS, "stream_worker.py"), str(out), "4"],
             capture_output=True, text=True, timeout=180, env=env)
         assert result.returncode == 0, result.stdout + result.stderr
     finally:

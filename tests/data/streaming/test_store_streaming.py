@@ -19,18 +19,17 @@ from collections import Counter
 
 import pytest
 
-from conftest import ByteTokenizer, least_accepted, peak_while, write_shard
+from conftest import FAST, TESTS, ByteTokenizer, least_accepted, peak_while, write_shard
 from conftest import assert_same_batches as _same
 from conftest import take_batches as _batches
 from nanochat.data.fetch import stores
 from nanochat.dataloader import (tokenizing_distributed_data_loader_with_state,
                                  tokenizing_distributed_data_loader_with_state_bos_bestfit)
-from nanochat.data.fetch.download import TAIL_BYTES, Limits
+from nanochat.data.fetch.download import TAIL_BYTES
 from nanochat.data.streaming.ledger import STREAM_DIR
-from test_streaming_processes import (HERE, TORCHRUN, cache_dir, equal_docs, host_shards, on_disk,
+from test_streaming_processes import (TORCHRUN, cache_dir, equal_docs, host_shards, on_disk,
                                       read_lines, shards_in, stream_env)
 
-FAST = Limits(max_attempts=2, backoff_base=0.01, timeout=5, deadline=30)
 LOADERS = {"bestfit": tokenizing_distributed_data_loader_with_state_bos_bestfit,
            "concat": tokenizing_distributed_data_loader_with_state}
 NAMES = [f"part-{i:03d}.parquet" for i in range(13)]  # sorted; the last, part-012, is val
@@ -171,7 +170,7 @@ def test_ranks_of_one_machine_under_torchrun_fetch_each_object_once(s3_faulty, t
     s3_faulty.upload_dir(hosted, "hub")
     s3_faulty.proxy.clear()
     cmd = [*TORCHRUN, "--standalone", "--nproc-per-node=2",
-           os.path.join(HERE, "stream_worker.py"), str(out), "20"]
+           os.path.join(TESTS, "stream_worker.py"), str(out), "20"]
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=120,
                             env=stream_env(tmp_path / "base", s3_faulty.url("hub"), len(names)))
     assert result.returncode == 0, result.stdout + result.stderr

@@ -24,7 +24,8 @@ import pyarrow.parquet as pq
 import pytest
 from filelock import FileLock
 
-from conftest import ByteTokenizer, least_accepted, outcome, peak_while, write_shard
+from conftest import (FAST, ByteTokenizer, least_accepted, outcome, peak_while, write_hosted,
+                      write_shard)
 from conftest import assert_same_batches as _same
 from conftest import take_batches as _batches
 from nanochat.data.fetch import download
@@ -43,31 +44,8 @@ from nanochat.data.base.state import decode_keys
 from nanochat.data.fetch.serve import ShardServer
 
 VAL = index_to_filename(6542)  # the default dataset's (ClimbMix's) val shard
-FAST = Limits(max_attempts=2, backoff_base=0.01, timeout=5, deadline=30)
 LOADERS = {"bestfit": tokenizing_distributed_data_loader_with_state_bos_bestfit,
            "concat": tokenizing_distributed_data_loader_with_state}
-
-
-def _write_hosted(directory, num_train: int, docs: int = 300, seed: int = 0) -> list[int]:
-    """num_train train shards and the val shard, named as the dataset's, of documents of random
-    lengths."""
-    rng = random.Random(seed)
-    os.makedirs(directory, exist_ok=True)
-    for i in list(range(num_train)) + [6542]:
-        texts = [f"shard {i} doc {j}: "
-                 + "".join(rng.choice("abcdefgh ") for _ in range(rng.randint(1, 60)))
-                 for j in range(docs)]
-        write_shard(os.path.join(directory, index_to_filename(i)), texts, 32)
-    return sorted(os.path.getsize(os.path.join(directory, name)) for name in os.listdir(directory))
-
-
-@pytest.fixture
-def hosted(tmp_path):
-    directory = tmp_path / "hosted"
-    sizes = _write_hosted(directory, 7)
-    server = ShardServer(str(directory))
-    yield str(directory), server, sizes
-    server.close()
 
 
 # tokenizer batches of 8: what a loader reads ahead stays within a shard of these small ones (300
@@ -246,7 +224,7 @@ def test_shards_outside_the_split_in_the_cache_do_not_stop_the_copies(tmp_path, 
     error)."""
     monkeypatch.setattr(shard_cache, "ROOM_WAIT", 3.0)
     hosted_dir = tmp_path / "hosted"
-    _write_hosted(hosted_dir, 12)
+    write_hosted(hosted_dir, 12)
     server = ShardServer(str(hosted_dir))
     cache = tmp_path / "cache"
     cache.mkdir()
@@ -392,7 +370,7 @@ def test_a_merged_state_resumes_into_an_empty_cache_at_the_least_limit_without_a
     all read before the first state. The start check counts them: at the least limit it accepts,
     the resume is exact and does not wait for room."""
     hosted_dir = str(tmp_path / "hosted")
-    _write_hosted(hosted_dir, 12)
+    write_hosted(hosted_dir, 12)
     server = ShardServer(hosted_dir)
     limits = Limits(max_attempts=2, backoff_base=0.01, timeout=5, deadline=5)
     kwargs = dict(num_shards=12, buffer_size=40, download_limits=limits)

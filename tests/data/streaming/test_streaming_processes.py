@@ -27,7 +27,7 @@ from types import SimpleNamespace
 import pyarrow.parquet as pq
 import pytest
 
-from conftest import ByteTokenizer, least_accepted, outcome, worker_env, write_shard
+from conftest import TESTS, ByteTokenizer, least_accepted, outcome, worker_env, write_shard
 from nanochat.data.streaming import cache as shard_cache
 from nanochat.dataloader import tokenizing_distributed_data_loader_with_state_bos_bestfit
 from nanochat.dataset import get_dataset, index_to_filename
@@ -39,7 +39,6 @@ from nanochat.data.fetch import serve as shard_server
 from nanochat.data.fetch.serve import BLOCK, ShardServer
 from stream_worker import LOADER, rows_of
 
-from conftest import TESTS as HERE
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
 
 
@@ -76,12 +75,12 @@ def on_disk(
     loader = tokenizing_distributed_data_loader_with_state_bos_bestfit(
         ByteTokenizer(), data_dir=str(hosted), rank=rank, world_size=world_size,
         resume_state_dict=resume, **LOADER | settings)
-    batches = take(loader, num_batches)
+    batches = take_written(loader, num_batches)
     loader.close()
     return batches
 
 
-def take(loader, num_batches: int) -> list[dict]:
+def take_written(loader, num_batches: int) -> list[dict]:
     """The next batches of a loader as a worker writes them, and reads them back (tuples become
     lists)."""
     return [json.loads(json.dumps({"rows": rows_of(inputs, targets), "state": state}))
@@ -171,7 +170,7 @@ def test_ranks_of_one_machine_download_each_shard_once_within_the_budget(tmp_pat
     server = ShardServer(str(hosted))
     try:
         cmd = [*TORCHRUN, "--standalone", "--nproc-per-node=2",
-               os.path.join(HERE, "stream_worker.py"), str(out), str(num_batches)]
+               os.path.join(TESTS, "stream_worker.py"), str(out), str(num_batches)]
         result = subprocess.run(cmd, capture_output=True, text=True, timeout=120,
                                 env=stream_env(tmp_path / "base", server.url, len(names), limit))
         assert result.returncode == 0, result.stdout + result.stderr
@@ -202,7 +201,7 @@ def test_local_ranks_that_drift_apart_download_each_shard_once(tmp_path):
     server = ShardServer(str(hosted))
     try:
         cmd = [*TORCHRUN, "--standalone", "--nproc-per-node=3",
-               os.path.join(HERE, "stream_worker.py"), str(out), "400"]
+               os.path.join(TESTS, "stream_worker.py"), str(out), "400"]
         result = subprocess.run(cmd, capture_output=True, text=True, timeout=300,
                                 env=stream_env(tmp_path / "base", server.url, len(names), limit))
         assert result.returncode == 0, result.stdout + result.stderr
@@ -229,7 +228,8 @@ def test_two_nodes_each_fill_their_own_cache(tmp_path):
     try:
         nodes += [subprocess.Popen([*TORCHRUN, "--nnodes=2", f"--node-rank={node}",
                                     "--nproc-per-node=1", "--master-addr=127.0.0.1",
-                                    f"--master-port={port}", os.path.join(HERE, "stream_worker.py"),
+                                    f"--master-port={port}",
+                                    os.path.join(TESTS, "stream_worker.py"),
                                     str(out), str(num_batches)],
                                    stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                    env=stream_env(tmp_path / f"node{node}", server.url, len(names)))
@@ -292,7 +292,7 @@ def test_a_killed_streaming_run_resumes_exactly(tmp_path):
     try:
         with open(killed / "log", "w") as log:
             worker = subprocess.Popen(
-                [sys.executable, os.path.join(HERE, "stream_worker.py"), str(killed), "1000"],
+                [sys.executable, os.path.join(TESTS, "stream_worker.py"), str(killed), "1000"],
                 stdout=log, stderr=subprocess.STDOUT, env=env)
         try:
             partial = kill_mid_download(worker, killed, directory, min_batches=13)
@@ -314,7 +314,7 @@ def test_a_killed_streaming_run_resumes_exactly(tmp_path):
             json.dump(before[-1]["state"], f)
 
         mark = len(server.gets)
-        result = subprocess.run([sys.executable, os.path.join(HERE, "stream_worker.py"),
+        result = subprocess.run([sys.executable, os.path.join(TESTS, "stream_worker.py"),
                                  str(resumed), str(num_after), str(tmp_path / "state.json")],
                                 capture_output=True, text=True, timeout=60, env=env)
         assert result.returncode == 0, result.stdout + result.stderr
@@ -357,7 +357,7 @@ def test_a_resume_after_a_kill_reads_the_buffered_documents_from_the_dead_loader
     try:
         with open(killed / "log", "w") as log:
             worker = subprocess.Popen(
-                [sys.executable, os.path.join(HERE, "stream_worker.py"), str(killed), str(num)],
+                [sys.executable, os.path.join(TESTS, "stream_worker.py"), str(killed), str(num)],
                 stdout=log, stderr=subprocess.STDOUT, env=dict(env, STREAM_WORKER_IDLE="1"))
         try:
             for _ in range(2000):  # 20 s: until a shard of its last state's buffer is evicted
@@ -380,7 +380,7 @@ def test_a_resume_after_a_kill_reads_the_buffered_documents_from_the_dead_loader
         with open(tmp_path / "state.json", "w") as f:
             json.dump(state, f)
         mark = len(server.gets)
-        result = subprocess.run([sys.executable, os.path.join(HERE, "stream_worker.py"),
+        result = subprocess.run([sys.executable, os.path.join(TESTS, "stream_worker.py"),
                                  str(resumed), "20", str(tmp_path / "state.json")],
                                 capture_output=True, text=True, timeout=60, env=env)
         assert result.returncode == 0, result.stdout + result.stderr
@@ -423,7 +423,7 @@ def test_a_resume_elsewhere_fetches_the_buffered_documents_shards_first(tmp_path
     try:  # on another machine: an empty cache
         loader = streaming(tmp_path / "cache", server.url, len(names), prefetch_shards=2,
                            resume_state_dict=state)
-        resumed = take(loader, 10)
+        resumed = take_written(loader, 10)
         loader.close()
     finally:
         server.close()
@@ -453,7 +453,7 @@ def batches_until_error(loader, max_batches: int) -> tuple[list[dict], Exception
     """The batches next() gives, then the error it raises (within a minute); fails after
     max_batches."""
     got = []
-    error = outcome(lambda: [got.extend(take(loader, 1)) for _ in range(max_batches + 1)])
+    error = outcome(lambda: [got.extend(take_written(loader, 1)) for _ in range(max_batches + 1)])
     assert isinstance(error, Exception), f"{len(got)} batches and no error"
     return got, error
 
@@ -465,7 +465,7 @@ def test_a_server_gone_mid_run_is_an_error_naming_the_shard_and_its_url(tmp_path
     server = ShardServer(str(hosted))
     loader = streaming(tmp_path / "cache", server.url, len(names))
     try:
-        got = take(loader, 1)  # shard 0 arrived
+        got = take_written(loader, 1)  # shard 0 arrived
         server.close()
         more, error = batches_until_error(loader, 36)
     finally:
@@ -486,7 +486,7 @@ def test_a_server_gone_silent_mid_download_is_an_error_not_a_hang(tmp_path):
                        download_limits=Limits(max_attempts=2, backoff_base=0.01, timeout=0.5,
                                               deadline=10))
     try:
-        take(loader, 1)
+        take_written(loader, 1)
         # the connection stays open, and after the block in flight nothing more comes
         server.throttle.rate = 1.0
         _, error = batches_until_error(loader, 20)
@@ -524,7 +524,7 @@ def test_an_outage_over_before_its_shard_is_read_does_not_end_the_run(tmp_path, 
     try:
         loader = streaming(tmp_path / "cache", server.url, len(names), prefetch_shards=2)
         try:
-            got = take(loader, 1)  # shard 0 is read; shards 1 and 2 are fetched ahead
+            got = take_written(loader, 1)  # shard 0 is read; shards 1 and 2 are fetched ahead
             for _ in range(1000):
                 if len(refused) == LIMITS.max_attempts:
                     break
@@ -532,7 +532,7 @@ def test_an_outage_over_before_its_shard_is_read_does_not_end_the_run(tmp_path, 
             # the fetch of shard 2 gave up, long before it is read
             assert len(refused) == LIMITS.max_attempts
             outage.clear()
-            got += take(loader, 39)  # shard 2 is read from about batch 24 on
+            got += take_written(loader, 39)  # shard 2 is read from about batch 24 on
         finally:
             loader.close()
     finally:
@@ -579,7 +579,7 @@ def test_a_full_disk_is_an_enospc_error_naming_the_directory(tmp_path, monkeypat
     server = ShardServer(str(hosted))
     loader = streaming(cache, server.url, len(names))
     try:
-        got = take(loader, 1)
+        got = take_written(loader, 1)
         # the disk fills up while shard 0 is read: 1 KB left (a shard is ~7 KB)
         monkeypatch.setattr(shard_cache.shutil, "disk_usage",
                             lambda path: SimpleNamespace(free=1000))
@@ -659,7 +659,7 @@ def test_every_local_rank_checks_the_machines_least_and_a_merged_resume_at_it_ru
                 world_size=3, resume_state_dict=merged, **settings)))
         assert leasts[0] == leasts[1] == leasts[2], leasts
         cmd = [*TORCHRUN, "--standalone", "--nproc-per-node=3",
-               os.path.join(HERE, "stream_worker.py"), str(out), "30",
+               os.path.join(TESTS, "stream_worker.py"), str(out), "30",
                str(tmp_path / "merged.json")]
         env = dict(stream_env(tmp_path / "base", server.url, len(names), leasts[0]),
                    STREAM_WORKER_LOADER=json.dumps(settings))
@@ -711,7 +711,7 @@ def test_a_local_rank_starting_while_another_downloads_is_accepted(tmp_path):
         rank1 = streaming(cache, server.url, len(names), prefetch_shards=2, cache_limit=limit,
                           rank=1, world_size=2)
         server.throttle.rate = None
-        got = take(rank1, 6)  # once rank 0's attempt has timed out and resumed its download
+        got = take_written(rank1, 6)  # once rank 0's attempt has timed out and resumed its download
         rank1.close()
     finally:
         rank0.close()
@@ -732,7 +732,7 @@ def test_a_run_interrupted_mid_download_restarts_with_its_cache_limit(tmp_path):
         interrupted.close()  # what it leaves: its download of shard 0, half done
         server.throttle.rate = None
         again = streaming(cache, server.url, len(names), prefetch_shards=2, cache_limit=limit)
-        got = take(again, 6)
+        got = take_written(again, 6)
         again.close()
     finally:
         server.close()
@@ -770,7 +770,7 @@ def test_a_local_rank_starting_as_another_download_completes_is_accepted(tmp_pat
                               rank=1, world_size=2)
         finally:
             resume.set()
-        got = take(rank1, 6)
+        got = take_written(rank1, 6)
         rank1.close()
     finally:
         resume.set()
