@@ -1,5 +1,6 @@
 """Shared fixtures: tiny parquet shards written with pyarrow into tmp dirs, a byte-level tokenizer,
-and where a state's buffered documents are."""
+and where a state's buffered documents are. Where CI is set, a skipped test fails the run (a test
+marked cuda may skip without a GPU)."""
 
 import contextlib
 import json
@@ -255,6 +256,30 @@ def least_accepted(make) -> int:
             assert "is below what this streaming loader must hold" in str(e), e
             low = mid + 1
     return low
+
+
+# -----------------------------------------------------------------------------
+# Under CI nothing skips silently: a skip fails the run, but for tests marked cuda without a GPU
+
+def _skip_is_an_error(report, cuda: bool) -> None:
+    """Turn a skipped report into a failure that gives the skip's reason, where CI is set."""
+    if report.skipped and os.environ.get("CI") and not hasattr(report, "wasxfail") and not cuda:
+        reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else report.longrepr
+        report.outcome = "failed"
+        report.longrepr = f"CI is set, and this skipped: {reason}"
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    _skip_is_an_error(outcome.get_result(), item.get_closest_marker("cuda") is not None)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_make_collect_report(collector):
+    """A module that skips as a whole (pytest.importorskip at its top) fails under CI too."""
+    outcome = yield
+    _skip_is_an_error(outcome.get_result(), cuda=False)
 
 
 @pytest.fixture

@@ -457,9 +457,8 @@ def test_tokenizer_without_methods(small_dir):
         BESTFIT(object(), 2, 8, "train", device="cpu", data_dir=small_dir)
 
 
-def test_cuda_requested_without_gpu(small_dir):
-    if torch.cuda.is_available():
-        pytest.skip("a GPU is present")
+def test_cuda_requested_without_gpu(small_dir, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # a machine without a GPU
     with pytest.raises(ValueError, match="no CUDA GPU"):
         BESTFIT(ByteTokenizer(), 2, 8, "train", device="cuda", data_dir=small_dir)
 
