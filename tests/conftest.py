@@ -39,6 +39,12 @@ WORDS = ("alpha", "beta", "gamma", "delta", "shard", "token", "river", "stone", 
 os.environ.setdefault("NANOCHAT_LOADER_WORKERS", "0")
 
 
+def slow_beyond(values, n: int) -> list:
+    """values for pytest.mark.parametrize: the first n in the fast tier (-m "not slow"), the rest
+    marked slow."""
+    return [v if i < n else pytest.param(v, marks=pytest.mark.slow) for i, v in enumerate(values)]
+
+
 def write_shard(path, texts, row_group_size):
     """Write one shard like the real ones: a single `text` column, zstd, fixed-size row groups."""
     table = pa.table({"text": pa.array(texts, type=pa.string())})

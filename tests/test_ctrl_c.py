@@ -106,6 +106,7 @@ def _host(directory) -> dict[str, bytes]:
             for name in sorted(os.listdir(directory))}
 
 
+@pytest.mark.slow
 def test_ctrl_c_on_a_download_then_a_rerun_resumes_it(tmp_path):
     hosted = _host(tmp_path / "hosted")
     server = ShardServer(str(tmp_path / "hosted"), rate=200e3)  # ~4 s for the whole download
@@ -157,6 +158,7 @@ runpy.run_module("nanochat.dataset", run_name="__main__", alter_sys=True)
 """
 
 
+@pytest.mark.slow
 def test_ctrl_c_on_repackage_leaves_no_shard_and_a_rerun_writes_them_all(tmp_path):
     rng = random.Random(2)
     with open(tmp_path / "my.jsonl", "w") as f:

@@ -25,7 +25,8 @@ import torch
 from hypothesis import assume, given, settings, strategies as st
 
 import oracle
-from conftest import REPO_ROOT, ByteTokenizer, outcome, worker_env, write_shard, write_shards
+from conftest import (REPO_ROOT, ByteTokenizer, outcome, slow_beyond, worker_env, write_shard,
+                      write_shards)
 from nanochat.dataloader import (
     tokenizing_distributed_data_loader,
     tokenizing_distributed_data_loader_bos_bestfit,
@@ -117,7 +118,7 @@ def usable_rank(files, cfg, split="train"):
         for p in paths)
 
 
-@pytest.mark.parametrize("seed", range(40))
+@pytest.mark.parametrize("seed", slow_beyond(range(40), 4))
 def test_bestfit_matches_oracle(seed, tmp_path):
     rng, files, cfg = random_config(seed, tmp_path)
     buffer_size = rng.choice([1, 2, 5, 17, 40])
@@ -159,7 +160,7 @@ def test_bestfit_matches_oracle(seed, tmp_path):
     resumed.close()
 
 
-@pytest.mark.parametrize("seed", range(24))
+@pytest.mark.parametrize("seed", slow_beyond(range(24), 3))
 def test_policies_match_oracle(seed, tmp_path):
     # long_doc_policy "split" / "split_reuse" against the token-tagged oracle, then exact resume
     rng, files, cfg = random_config(1000 + seed, tmp_path)
@@ -210,7 +211,7 @@ def test_policies_match_oracle(seed, tmp_path):
     check_exact_resume(rng, tok, cfg, kw, states, batches)
 
 
-@pytest.mark.parametrize("seed", range(20))
+@pytest.mark.parametrize("seed", slow_beyond(range(20), 3))
 def test_concat_matches_oracle(seed, tmp_path):
     rng, files, cfg = random_config(seed, tmp_path)
     tok = ByteTokenizer()
@@ -249,6 +250,7 @@ def test_concat_matches_oracle(seed, tmp_path):
     resumed.close()
 
 
+@pytest.mark.slow
 @settings(max_examples=30, deadline=None)
 @given(files=st.lists(st.lists(st.text("abc xyz", max_size=25), min_size=1, max_size=12),
                       min_size=1, max_size=3),
@@ -291,6 +293,7 @@ def test_concat_batches_cut_the_stream(files, row_group_size, world_size, data):
             resumed.close()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("buffer_size", [10_000, 100_000])
 def test_bestfit_matches_oracle_large_buffers(buffer_size, tmp_path):
     rng = random.Random(buffer_size)
@@ -495,6 +498,7 @@ def test_bad_shard_in_background_raises_on_next(tmp_path):
     assert wait_for_no_loader_threads() == []
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("how", ["break", "close", "gc"])
 def test_early_stop_ends_threads(how, small_dir):
     assert wait_for_no_loader_threads() == []
@@ -531,6 +535,7 @@ print("running:", names())
 """
 
 
+@pytest.mark.slow
 def test_a_loader_never_closed_stops_its_threads_at_exit(small_dir):
     # a script that just ends: the threads must be stopped before the interpreter finalizes, or
     # one of them can be cut off inside a C++ call (pyarrow, the tokenizer) and abort the process
@@ -568,6 +573,7 @@ class SlowArrayTokenizer(SlowTokenizer):
         return [np.array(ids, dtype=np.uint16) for ids in self.encode(texts, prepend, num_threads)]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("tokenizer", [SlowTokenizer, SlowArrayTokenizer])
 def test_close_returns_while_a_tokenizer_call_runs(tokenizer, small_dir):
     tok = tokenizer(delay=300.0)  # the calls end when the test releases them
@@ -663,6 +669,7 @@ print("exiting", flush=True)
 """
 
 
+@pytest.mark.slow
 def test_exit_during_a_tokenizer_call_is_clean(small_dir):
     # the script ends while a loader thread is inside a C++ call: the interpreter must neither
     # abort ('terminate called without an active exception', as a daemon thread cut off there

@@ -96,6 +96,7 @@ def test_a_parquet_file_given_to_the_pretokenized_loader_says_where_it_is(tmp_pa
     assert str(info.value).endswith(f"; the file is in {tmp_path / 'shards'}")
 
 
+@pytest.mark.slow
 def test_a_file_on_the_cli_is_called_a_file(tmp_path):
     paths = write_shards(str(tmp_path / "shards"), [_docs(10, 0), _docs(5, 1)], 5)
     done = _dataset_cli("--verify", "--data-dir", paths[1])

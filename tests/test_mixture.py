@@ -74,6 +74,7 @@ CURRICULUM = [{"tokens": 2_500_000, "mix": {"web": 0.5, "code": 0.3, "math": 0.2
 KW = dict(device="cpu", buffer_size=64, chunk_size=128, batch_size=32, bos_token=BOS)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world_size", [1, 2])
 def test_realised_mix_follows_every_phase(buckets, world_size):
     # the job's rows (all ranks, step by step): every 1M-token window inside a phase within 1 point
@@ -310,6 +311,7 @@ def test_bos_token_comes_from_pretokenize_json_never_a_guess(tmp_path):
         MIX(4, 99, "train", TINY_CUR, **kw)
 
 
+@pytest.mark.slow
 def test_a_worker_process_says_the_same(tmp_path):
     # the message is made in the trainer's process, from what the worker sends with the stop
     data = tiny_buckets(tmp_path)
@@ -405,6 +407,7 @@ def test_curriculum_errors_name_the_phase(buckets, tmp_path):
         MIX(2, 16, "train", [{"tokens": 10, "mix": {"maths": 1}}], data_dir=buckets, **KW)
 
 
+@pytest.mark.slow
 def test_validate_report_and_exit_codes(tmp_path, capsys):
     data = tiny_buckets(tmp_path / "data")
     config = tmp_path / "cur.yaml"
@@ -468,6 +471,7 @@ def run_workers(data, out, mode):
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
 
 
+@pytest.mark.slow
 def test_ranks_stop_at_the_same_step(tmp_path):
     # tiny runs dry on one rank first (its share is smaller); both raise BucketExhausted at the
     # same step
@@ -480,6 +484,7 @@ def test_ranks_stop_at_the_same_step(tmp_path):
     assert all(r["state_is_last"] for r in reports)
 
 
+@pytest.mark.slow
 def test_a_failing_rank_stops_the_others(tmp_path):
     # a read error on rank 1 only: rank 1 raises it, rank 0 raises at the same step instead of
     # hanging

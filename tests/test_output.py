@@ -84,6 +84,7 @@ def test_on_a_terminal_a_bar():
     assert text.startswith("\rreading:   0%|") and "\rreading: 100%|" in text
 
 
+@pytest.mark.slow
 def test_tok_train_into_a_log_file(tmp_path):
     """The reported case: tok_train's bar in a log file was one long line of '\\r' frames."""
     data_dir = str(tmp_path / "shards")

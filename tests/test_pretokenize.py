@@ -324,6 +324,7 @@ def test_gpt_simple_windows_property(doc_len, max_length, data):
     assert all(len(w) == max_length for w, _ in windows[:-1])
 
 
+@pytest.mark.slow
 @settings(max_examples=300, deadline=None)
 @given(lengths=st.lists(st.integers(0, 60), min_size=1, max_size=8), max_length=st.integers(2, 24),
        data=st.data())
@@ -482,6 +483,7 @@ def _parquet_inputs(parquet_dir) -> dict:
     return {"train": items[:-1], "val": items[-1:]}
 
 
+@pytest.mark.slow
 def test_cli_parquet_windowed_two_workers_then_rerun_skips(
         parquet_dir, tokenizer_dir, tokenizer, tmp_path, capsys):
     out = str(tmp_path / "tokens")
@@ -519,6 +521,7 @@ def test_cli_parquet_unwindowed(parquet_dir, tokenizer_dir, tokenizer, tmp_path)
     assert not shard.overlaps.any() and shard.lengths().max() > 24  # nothing was cut
 
 
+@pytest.mark.slow
 def test_cli_gpt_simple_convention(parquet_dir, tokenizer_dir, tokenizer, tmp_path, capsys):
     """--convention gpt-simple, in 2 worker processes: each document's tokens + EOD (the tokenizer's
     BOS id), no BOS, windowed as the reference says, every entry within --max-length; recorded in
@@ -718,6 +721,7 @@ def _wait_for(condition, seconds: float, what: str):
         time.sleep(0.01)
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
 def test_cli_kill_9_leaves_no_process_and_a_rerun_matches(many_inputs, tmp_path, capsys):
     argv, reference = many_inputs
@@ -750,6 +754,7 @@ def test_cli_kill_9_leaves_no_process_and_a_rerun_matches(many_inputs, tmp_path,
               "exit of all")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("num_workers", ["2", "1"])
 def test_cli_ctrl_c_says_so_in_one_line_and_a_rerun_matches(many_inputs, tmp_path, capsys,
                                                            num_workers):
@@ -773,6 +778,7 @@ def test_cli_ctrl_c_says_so_in_one_line_and_a_rerun_matches(many_inputs, tmp_pat
     assert {k: data for k, (data, _) in _files(out).items()} == reference  # byte for byte
 
 
+@pytest.mark.slow
 def test_cli_two_runs_on_one_output(many_inputs, tmp_path, capsys):
     """A second run on an output a run is writing is refused, naming the output and the other run's
     pid; the first run is undisturbed, and once it is done the output is free again."""
@@ -815,6 +821,7 @@ def test_cli_two_runs_on_one_output(many_inputs, tmp_path, capsys):
     assert "24 already done" in printed and "waiting" not in printed  # (a free lock: no wait)
 
 
+@pytest.mark.slow
 def test_cli_plain_run_and_a_rank_on_one_output_at_once(many_inputs, tmp_path):
     """A plain run and rank 0 of 2 on one output at once hold different output locks and share the
     even inputs: each pair is written once, by whichever run takes its pair lock first, and the
@@ -843,6 +850,7 @@ def _die(job):
     os._exit(3)  # a worker killed mid-shard (the OOM killer, kill -9)
 
 
+@pytest.mark.slow
 def test_cli_dead_worker_fails_the_run(parquet_dir, tokenizer_dir, tmp_path, monkeypatch):
     # the pool pickles the task function by name, so spawned workers run this module's _die
     monkeypatch.setattr(pretokenize, "_run_job", _die)

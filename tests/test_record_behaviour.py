@@ -40,6 +40,7 @@ def compare(old, new, capsys) -> tuple[int, list[str]]:
     return code, capsys.readouterr().out.splitlines()
 
 
+@pytest.mark.slow
 def test_two_recordings_are_identical(recordings, capsys):
     a, b = recordings
     assert a.read_bytes() == b.read_bytes()
@@ -64,6 +65,7 @@ def tampered(path, tmp_path, change):
     return out
 
 
+@pytest.mark.slow
 def test_a_changed_hash_is_found(recordings, tmp_path, capsys):
     a, _ = recordings
 
@@ -79,6 +81,7 @@ def test_a_changed_hash_is_found(recordings, tmp_path, capsys):
                             "configurations")
 
 
+@pytest.mark.slow
 def test_a_changed_state_names_its_key(recordings, tmp_path, capsys):
     a, _ = recordings
 
@@ -95,6 +98,7 @@ def test_a_changed_state_names_its_key(recordings, tmp_path, capsys):
             f"new {old_row + 1}") in lines
 
 
+@pytest.mark.slow
 def test_a_missing_step_is_found(recordings, tmp_path, capsys):
     a, _ = recordings
     code, lines = compare(a, tampered(a, tmp_path,
@@ -103,6 +107,7 @@ def test_a_missing_step_is_found(recordings, tmp_path, capsys):
     assert f"{FIRST}: DIFFERENT at step 16: old has 16 steps, new 15" in lines
 
 
+@pytest.mark.slow
 def test_bad_arguments(recordings, tmp_path, capsys):
     a, _ = recordings
     assert main(["compare", str(a), str(tmp_path / "missing.json")]) == 2

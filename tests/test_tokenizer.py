@@ -603,6 +603,7 @@ def test_convert_cli(tok, tmp_path):
             == tok.compute_token_bytes()).all()
 
 
+@pytest.mark.slow
 def test_convert_keeps_a_different_tokenizer_json(tok, tmp_path):
     # tokenizer.json is the user's: convert replaces it only when told to, and says nothing needs
     # doing when it already holds the pickle's tokenizer
@@ -778,6 +779,7 @@ def _run(args: list[str]) -> subprocess.CompletedProcess:
                           text=True, timeout=120)
 
 
+@pytest.mark.slow
 def test_scripts_end_to_end(tmp_path):
     data_dir = str(tmp_path / "shards")
     write_shards(data_dir, [make_docs(400, seed=10), make_docs(400, seed=11),
@@ -836,6 +838,7 @@ def test_tok_train_bar_counts_the_text_there(tmp_path, capsys, max_chars, row_gr
     assert lines[-1].startswith(f"reading: 100%| {row_groups}/{row_groups} [")
 
 
+@pytest.mark.slow
 def test_scripts_report_bad_input(tmp_path):
     too_small = _run(["scripts.tok_train", "--vocab-size", "100", "--data-dir", str(tmp_path)])
     assert too_small.returncode == 2 and "--vocab-size must be >= 265" in too_small.stderr

@@ -913,6 +913,7 @@ def test_the_deadline_also_bounds_the_wait_for_headers(server, tmp_path, caplog)
     assert server.gets[NAME] == 1 and not os.path.exists(tmp_path / "data" / NAME)
 
 
+@pytest.mark.slow
 def test_the_deadline_holds_through_an_http_proxy(server, tmp_path, monkeypatch, caplog):
     # the test server serves as the proxy too: requests sends it "GET http://shards.example/...",
     # and the host in that URL is never looked up here
@@ -936,6 +937,7 @@ def test_the_deadline_holds_through_an_http_proxy(server, tmp_path, monkeypatch,
 TAIL_LIMITS = Limits(deadline=5, timeout=3, min_rate=2000, rate_window=1)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fault, limits, reason", [
     # a valid 206, then ~50 B/s: the 14 KB would take 5 minutes
     ("trickle", TAIL_LIMITS, "too slow"),
@@ -956,6 +958,7 @@ def test_reading_a_footer_from_a_slow_server_fails_in_bounded_time(server, tmp_p
     assert server.ranges[NAME][0] == f"bytes=-{download.TAIL_BYTES}"
 
 
+@pytest.mark.slow
 def test_a_trickling_footer_fails_a_streaming_loaders_first_call_in_bounded_time(server,
                                                                                    tmp_path):
     _serve(server, tmp_path, [0, 6542])  # one train shard and the val shard
@@ -1100,6 +1103,7 @@ def test_unresolvable_host_stops_the_run_at_once(tmp_path):
     assert not [n for n in os.listdir(data_dir) if not n.endswith(".lock")]
 
 
+@pytest.mark.slow
 def test_unresolvable_host_on_the_cli_is_one_error(tmp_path):
     cmd = [sys.executable, "-m", "nanochat.dataset", "-n", "240",
            "--base-url", "https://shards.invalid/x", "--data-dir", str(tmp_path / "data")]
@@ -1140,6 +1144,7 @@ def test_url_without_http_scheme_is_refused_up_front(server, tmp_path, url):
     assert not os.path.exists(data_dir)
 
 
+@pytest.mark.slow
 def test_summary_stays_short_for_many_failures(server, tmp_path, monkeypatch, capsys):
     # 1,000 shards that are not on the server and one that always fails with a 500
     monkeypatch.setitem(DATASETS, "many", DatasetSpec("many", "example/many", 1000, "many_data"))
@@ -1208,6 +1213,7 @@ def test_two_threads_download_one_shard_once(server, tmp_path):
     _assert_only_complete_shards(tmp_path / "data", served)
 
 
+@pytest.mark.slow
 def test_two_processes_download_into_one_dir(server, tmp_path):
     served = _serve(server, tmp_path, [0, 1, 2, 6542])
     for name in server.files:
@@ -1239,6 +1245,7 @@ def test_not_enough_disk_space_stops_before_downloading(server, tmp_path, monkey
     assert server.heads["shard_00000.parquet"] == 1 and not server.gets
 
 
+@pytest.mark.slow
 def test_the_disk_checks_head_request_ends_within_the_timeout(server, tmp_path, monkeypatch):
     _serve(server, tmp_path, [0])
     server.always[NAME] = "slow_headers"  # every read gets a byte well within the timeout
@@ -1260,6 +1267,7 @@ def test_disk_check_falls_back_to_the_estimate(tmp_path, monkeypatch):
         download.check_disk_space(str(tmp_path), 3)
 
 
+@pytest.mark.slow
 def test_download_imports_nothing_of_dataset():
     code = "import sys, nanochat.data.fetch.download; assert 'nanochat.dataset' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True, cwd=REPO_ROOT)

@@ -98,6 +98,7 @@ def _write_own(directory, names: list[str], docs: int = 120) -> None:
 # The recipe, as written
 
 
+@pytest.mark.slow
 def test_the_recipe_for_your_own_shards_runs_as_written(tmp_path, monkeypatch):
     doc = open(os.path.join(REPO_ROOT, "docs", "streaming.md"), encoding="utf-8").read()
     section = doc[doc.index("## Your own shards"):]
@@ -163,6 +164,7 @@ def odd(tmp_path):
     assert served.stop()[0] == 130  # Ctrl-C
 
 
+@pytest.mark.slow
 def test_shards_of_any_names_stream_by_the_rule_on_disk(odd, tmp_path):
     directory, url = odd
     listing = requests.get(f"{url}/index.json", timeout=10).json()
@@ -203,6 +205,7 @@ def test_a_shard_replaced_while_served_gets_its_new_etag(tmp_path):
         server.close()
 
 
+@pytest.mark.slow
 def test_a_dataset_directory_is_refused_as_the_cache_of_your_own_shards(odd, tmp_path):
     _, url = odd
     for data_dir in (tmp_path / "base_data_climbmix", None):  # None: the default, that one too
@@ -219,6 +222,7 @@ def test_a_dataset_directory_is_refused_as_the_cache_of_your_own_shards(odd, tmp
         assert "Pass a data_dir of their own as the cache" in message
 
 
+@pytest.mark.slow
 def test_scripts_that_pass_no_data_dir_stream_them_by_the_environment(odd, tmp_path,
                                                                      monkeypatch):
     """nanochat's own scripts pass no data_dir, stream or base_url: NANOCHAT_DATA_DIR names the
@@ -349,6 +353,7 @@ def test_a_wrong_listing_is_an_error_naming_its_url(tmp_path, listing, message):
 # The command and the Range error
 
 
+@pytest.mark.slow
 def test_serve_help_and_its_refusals(tmp_path):
     result = _run("python -m nanochat.dataset serve --help", tmp_path)
     assert result.returncode == 0 and result.stderr == ""
@@ -377,6 +382,7 @@ def test_serve_help_and_its_refusals(tmp_path):
     assert result.stderr.endswith("); pass another --port, or --port 0 for a free one\n")
 
 
+@pytest.mark.slow
 def test_serve_answers_only_for_shards_and_the_listing(tmp_path):
     """Other files in the directory (notes, credentials, partial downloads, a subdirectory's
     shards) are a 404, by GET and HEAD; shards, a symlinked one too, and the listing are served."""

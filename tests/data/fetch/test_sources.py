@@ -68,6 +68,7 @@ def two_sources(tmp_path):
         server.close()
 
 
+@pytest.mark.slow
 def test_a_cache_filled_from_one_source_is_refused_for_another(two_sources, tmp_path):
     url_a, url_b, (server_a, server_b) = two_sources
     cache = tmp_path / "cache"
@@ -161,6 +162,7 @@ def test_a_directory_with_shards_of_other_names_from_another_source_is_refused(t
             server.close()
 
 
+@pytest.mark.slow
 def test_the_same_files_at_a_new_address_are_adopted(tmp_path, caplog):
     """serve restarted on another port (or a mirror) states the same sha256 for every shard
     there: the run goes on, and the records name the new address."""

@@ -81,6 +81,7 @@ def _snapshot(directory) -> dict:
 # From S3
 
 
+@pytest.mark.slow
 def test_download_from_s3_fetches_the_first_n_listed_names_and_a_rerun_fetches_nothing(
         s3_faulty, tmp_path):
     source = _write_source(tmp_path / "source")
@@ -105,6 +106,7 @@ def test_download_from_s3_fetches_the_first_n_listed_names_and_a_rerun_fetches_n
     assert s3_faulty.proxy.count() > 0 and reads == []  # it listed, and read no shard
 
 
+@pytest.mark.slow
 def test_minus_one_fetches_every_listed_name_and_too_many_is_a_shortfall(s3, tmp_path):
     source = _write_source(tmp_path / "source")
     s3.upload_dir(source, "corpus")
@@ -126,6 +128,7 @@ def test_minus_one_fetches_every_listed_name_and_too_many_is_a_shortfall(s3, tmp
     assert result.returncode == 0 and _parquet(tmp_path / "val") == ["omega.parquet"]
 
 
+@pytest.mark.slow
 def test_verify_finds_a_corrupted_shard_and_its_fix_fetches_it_again(s3, tmp_path):
     source = _write_source(tmp_path / "source")
     s3.upload_dir(source, "corpus")
@@ -151,6 +154,7 @@ def test_verify_finds_a_corrupted_shard_and_its_fix_fetches_it_again(s3, tmp_pat
     assert _cli("--verify", "--base-url", url, "--data-dir", str(data)).returncode == 0
 
 
+@pytest.mark.slow
 def test_a_wrong_bucket_is_one_line_naming_it(s3, tmp_path):
     result = _cli("-n", "1", "--base-url", "s3://no-such-bucket-here/corpus", "--data-dir",
                   str(tmp_path / "data"), *FLAGS)
@@ -166,6 +170,7 @@ def test_a_wrong_bucket_is_one_line_naming_it(s3, tmp_path):
 # From a local directory: copied, never written to
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("form", ["path", "file://"])
 def test_a_local_directory_is_copied_and_left_as_it_was(tmp_path, form):
     source = _write_source(tmp_path / "source")
@@ -185,6 +190,7 @@ def test_a_local_directory_is_copied_and_left_as_it_was(tmp_path, form):
     assert _snapshot(source) == before
 
 
+@pytest.mark.slow
 def test_the_source_directory_or_one_inside_it_is_refused_as_data_dir(tmp_path):
     source = _write_source(tmp_path / "source")
     before = _snapshot(source)
@@ -206,6 +212,7 @@ def test_the_source_directory_or_one_inside_it_is_refused_as_data_dir(tmp_path):
 # Bad addresses, missing extras, credentials
 
 
+@pytest.mark.slow
 def test_a_missing_extra_is_one_line_with_the_pip_install(tmp_path):
     block = "import sys; sys.modules['gcsfs'] = None"  # as if gcsfs were not installed
     result = _cli("-n", "1", "--base-url", "gs://b/p", "--data-dir", str(tmp_path / "data"),

@@ -152,6 +152,7 @@ def test_a_shard_is_installed_byte_identical_with_the_hashes_s3_stated(bucket, t
     assert download.download_file(bucket.url(KEY), str(dest), FOUR_TRIES) is None
 
 
+@pytest.mark.slow
 def test_a_stated_hash_that_does_not_match_installs_nothing_and_keeps_the_old_file(
         bucket, tmp_path, monkeypatch):
     body = _put_shard(bucket, tmp_path)
@@ -210,6 +211,7 @@ class _FakeGoogleCrc32c:
         return _crc32c_bitwise(data, value)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("right", [True, False])
 def test_a_stated_crc32c_is_checked_when_its_package_is_there(bucket, tmp_path, monkeypatch,
                                                               right):
@@ -260,6 +262,7 @@ def test_a_partial_temp_is_resumed_by_the_next_run(faulty, tmp_path, monkeypatch
     assert _gets(faulty.proxy) == [f"bytes={2 * CHUNK}-{len(body) - 1}"]  # only the rest
 
 
+@pytest.mark.slow
 def test_the_server_stopped_mid_download_then_started_again(faulty, tmp_path, monkeypatch):
     body = _put_shard(faulty, tmp_path)
 
@@ -290,6 +293,7 @@ def test_an_object_replaced_during_a_download_is_fetched_whole_never_spliced(
         assert json.load(f)["sha256"] == hashlib.sha256(new).hexdigest()
 
 
+@pytest.mark.slow
 def test_an_object_replaced_between_runs_starts_over(faulty, tmp_path, monkeypatch, caplog):
     _put_shard(faulty, tmp_path)
     dest = _stopped_after_two_chunks(faulty.url(KEY), dest=tmp_path / "out" / "a.parquet",
@@ -330,6 +334,7 @@ def test_a_rate_below_min_rate_ends_the_attempt_between_chunks(bucket, tmp_path,
 # Errors no retry can help, and a storm that retries do
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("where", ["key", "bucket"])
 def test_a_wrong_key_or_bucket_is_one_clear_error_without_retries(faulty, tmp_path, where):
     url = faulty.url("data/nope.parquet") if where == "key" else "s3://no-such-bucket-x/a.parquet"
@@ -349,6 +354,7 @@ def test_a_secret_in_an_address_is_masked_in_errors_and_logs(faulty, tmp_path, c
     assert SECRET not in str(caught.value) and "s3://***/a.parquet" in str(caught.value)
 
 
+@pytest.mark.slow
 def test_missing_credentials_stop_the_run_with_one_line_and_fetch_nothing(
         faulty, tmp_path, monkeypatch):
     _put_shard(faulty, tmp_path)
@@ -404,6 +410,7 @@ def test_a_missing_extra_is_raised_unchanged(tmp_path, monkeypatch):
 # One download per shard; the footer and the disk probe from a store
 
 
+@pytest.mark.slow
 def test_two_downloads_of_one_shard_at_once_fetch_it_once(faulty, tmp_path):
     body = _put_shard(faulty, tmp_path)
     dest = tmp_path / "out" / "shard_00000.parquet"
@@ -450,6 +457,7 @@ def test_the_disk_check_asks_the_store_for_the_size(bucket, tmp_path):
     assert f"{len(body) / 1e6:.1f} MB each, from the store" in str(caught.value)
 
 
+@pytest.mark.slow
 def test_download_files_fetches_a_prefix_of_shards(bucket, tmp_path):
     bodies = {f"shard_0000{i}.parquet": _put_shard(bucket, tmp_path, i, f"p/shard_0000{i}.parquet")
               for i in range(3)}

@@ -47,6 +47,7 @@ def run_torchrun(world_size, data_dir, out_path, num_batches):
         return json.load(f)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_ranks_partition_every_epoch(world_size, tmp_path):
     # 3 train shards with 7, 4 and 5 row groups of uneven sizes, plus a val shard

@@ -52,6 +52,7 @@ def check_rows_against_trace(results, text_of):
                 assert row[start:end] == expected[:end - start]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("n_old,n_new,old_batches,shuffle",
                          [(2, 3, 6, False), (4, 2, 9, False), (2, 3, 6, True)])
 def test_elastic_resume_places_every_document_once(n_old, n_new, old_batches, shuffle, tmp_path):

@@ -8,6 +8,7 @@ TokenShard.entry.
 """
 
 import numpy as np
+import pytest
 from hypothesis import given, settings, strategies as st
 
 from nanochat.data.base.state import DocKey, KeyEncoder, WindowKey, decode_keys, encode_keys
@@ -23,6 +24,7 @@ buffers = st.lists(st.lists(st.one_of(doc_keys, window_keys), max_size=40), min_
                    max_size=8)
 
 
+@pytest.mark.slow
 @settings(max_examples=300, deadline=None)
 @given(buffers, st.integers(0, 3))
 def test_key_encoder_equals_encode_keys(batches, runs):

@@ -145,6 +145,7 @@ def wait_gone(pid: int, seconds: float) -> bool:
 # The same batches and states, and exact resume
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", LOADERS)
 def test_a_worker_yields_what_threads_yield(kind, corpus):
     make = LOADERS[kind]
@@ -163,6 +164,7 @@ def test_a_worker_yields_what_threads_yield(kind, corpus):
     assert wait_gone(worker.worker_pid, CLOSE_TIMEOUT + 1)
 
 
+@pytest.mark.slow
 def test_an_elastic_resume_in_a_worker_is_the_one_on_threads(corpus):
     # two ranks' states, taken in workers at one step, merged for one rank: the resumed loader
     # yields in a worker what it yields on threads
@@ -181,6 +183,7 @@ def test_an_elastic_resume_in_a_worker_is_the_one_on_threads(corpus):
         loader.close()
 
 
+@pytest.mark.slow
 def test_a_mixture_stops_in_the_trainer_as_on_threads(corpus):
     outcomes = []
     for workers in (0, 1):
@@ -193,6 +196,7 @@ def test_a_mixture_stops_in_the_trainer_as_on_threads(corpus):
     assert outcomes[0] == outcomes[1]
 
 
+@pytest.mark.slow
 def test_without_state_and_the_environment_default(corpus, monkeypatch):
     monkeypatch.setenv("NANOCHAT_LOADER_WORKERS", "1")
     loader = tokenizing_distributed_data_loader_bos_bestfit(
@@ -208,6 +212,7 @@ def test_without_state_and_the_environment_default(corpus, monkeypatch):
     assert LOADERS["bestfit"](corpus, workers=1, prefetch=0).worker_pid is None
 
 
+@pytest.mark.slow
 def test_streamed_in_a_worker(corpus, tmp_path):
     hosted = tmp_path / "hosted"  # the dataset's names: the last shard is val
     os.makedirs(hosted)
@@ -268,6 +273,7 @@ class SlowTokenizer(ByteTokenizer):
         return super().encode(texts, prepend=prepend, num_threads=num_threads)
 
 
+@pytest.mark.slow
 def test_status_while_next_waits_and_a_dropped_loader_waits_for_nothing(corpus, tmp_path):
     hosted = tmp_path / "hosted"
     os.makedirs(hosted)
@@ -308,6 +314,7 @@ def printed(error: BaseException) -> str:
     return "".join(traceback.format_exception(error))
 
 
+@pytest.mark.slow
 def test_a_failure_in_the_worker_is_printed_once_its_message_last(corpus):
     loader = tokenizing_distributed_data_loader_with_state_bos_bestfit(
         FailingTokenizer(), 4, 32, "train", device="cpu", data_dir=str(corpus / "parquet"),
@@ -433,6 +440,7 @@ def test_a_cache_limit_below_the_least_fails_at_the_call(corpus, tmp_path, monke
     assert printed(raised.value).count("cache_limit=1,000 bytes") == 1
 
 
+@pytest.mark.slow
 def test_what_the_checks_at_the_call_log_is_said_once(corpus, caplog, capfd):
     # rank 0 of 2's state, given to a run of one rank: resumed approximately, with a warning
     make = parquet(tokenizing_distributed_data_loader_with_state_bos_bestfit, buffer_size=16)
@@ -461,6 +469,7 @@ def test_a_tokenizer_that_cannot_be_pickled_runs_here_with_a_warning(corpus, cap
     loader.close()
 
 
+@pytest.mark.slow
 def test_close_is_bounded_from_another_thread_while_next_waits(corpus):
     loader = LOADERS["bestfit"](corpus, workers=1)
     next(loader)
@@ -489,6 +498,7 @@ time.sleep(60)
 """
 
 
+@pytest.mark.slow
 def test_a_killed_trainer_leaves_no_worker(corpus):
     trainer = subprocess.Popen(
         [sys.executable, "-c", TRAINER.format(tests=TESTS, data=str(corpus / "parquet"))],
@@ -503,6 +513,7 @@ def test_a_killed_trainer_leaves_no_worker(corpus):
         trainer.kill()
 
 
+@pytest.mark.slow
 def test_under_torchrun_each_rank_runs_its_own_worker(tmp_path):
     from test_distributed import run_torchrun  # (the same ranks, loaders and shards)
     files = [[f"{s}-{i} " + "ab" * (i % 17) for i in range(40)] for s in range(3)]

@@ -78,6 +78,7 @@ def _segments(row: list[int], bos: int) -> list[tuple[int, list[int]]]:
 # The README's walkthrough
 
 
+@pytest.mark.slow
 def test_readme_mixture_walkthrough(tmp_path, tokenizer_dir, monkeypatch, caplog):
     """The README's commands, in its order, with tiny sizes: three buckets written into one DATA by
     three pretokenize runs (web windowed, the others not), validate exits 0, and the loader's rows
@@ -180,6 +181,7 @@ def _long_texts(seed: int, n: int) -> list[str]:
             for i in range(n)]
 
 
+@pytest.mark.slow
 def test_walkthrough_warns_before_a_long_document_bucket_runs_dry(tmp_path, tokenizer_dir,
                                                                   monkeypatch, caplog):
     """The walkthrough again, with a code bucket of a few long documents, not windowed: enough

@@ -60,6 +60,7 @@ def _cli(*args: str, hide: str | None = None) -> subprocess.CompletedProcess:
                           cwd=REPO_ROOT, timeout=120)
 
 
+@pytest.mark.slow
 def test_from_s3_equals_from_disk(s3, parquet_dir, tokenizer_dir, tmp_path, capsys):
     keys = s3.upload_dir(parquet_dir, "datasets/climb")
     assert len(keys) == 4
@@ -92,6 +93,7 @@ def test_file_address_reads_the_directory_in_place(parquet_dir, tokenizer_dir, t
     assert not os.path.exists(os.path.join(via, STAGING))  # nothing was copied
 
 
+@pytest.mark.slow
 def test_a_shard_gone_after_the_listing_fails_alone(s3, parquet_dir, tokenizer_dir, tmp_path,
                                                     monkeypatch, capsys):
     s3.upload_dir(parquet_dir, "data")
@@ -123,6 +125,7 @@ def test_a_shard_gone_after_the_listing_fails_alone(s3, parquet_dir, tokenizer_d
     assert _files(out) == _files(local)
 
 
+@pytest.mark.slow
 def test_a_wrong_bucket_or_an_empty_prefix_is_a_clear_error(s3, parquet_dir, tokenizer_dir,
                                                             tmp_path):
     s3.upload_dir(parquet_dir, "data")
@@ -146,6 +149,7 @@ def test_a_wrong_bucket_or_an_empty_prefix_is_a_clear_error(s3, parquet_dir, tok
     assert "Traceback" not in done.stderr and os.environ["AWS_SECRET_ACCESS_KEY"] not in lines[-1]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("address, package, extra", [("gs://bucket/data", "gcsfs", "gcs"),
                                                      ("s3://bucket/data", "s3fs", "s3")])
 def test_a_missing_extra_is_one_line(address, package, extra, tokenizer_dir, tmp_path):

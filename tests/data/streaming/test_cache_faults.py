@@ -171,6 +171,7 @@ def _all_train_shards_fetched(cache, server) -> list[str]:
 
 # a flipped byte: the first of the deflate stream (past the 10-byte gzip header: an invalid block
 # type, zlib.error), or one in its middle (the gzip CRC does not match, or a bad code)
+@pytest.mark.slow
 @pytest.mark.parametrize("damage", ["flipped block byte", "flipped middle byte", "truncated",
                                     "edited text"])
 def test_a_damaged_kept_copy_is_removed_and_its_shard_fetched_again(hosted, expected, streamed,
@@ -416,6 +417,7 @@ def names_and_urls(server, num_train: int = 7) -> tuple[list[str], list[str]]:
     return names, [f"{server.url}/{name}" for name in names]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("bad", ["[1, 2, 3]", "entries"])
 def test_a_catalog_of_the_wrong_shape_is_read_again(hosted, expected, tmp_path, caplog, bad):
     """A catalog that is a list, or whose entries are not {"url": str, "size": int, "rows":
@@ -577,6 +579,7 @@ def test_a_damaged_ledger_is_rebuilt_from_the_disk_once(streamed, tmp_path, capl
     assert json.loads(path.read_text())["kept"] == good["kept"]
 
 
+@pytest.mark.slow
 def test_a_resume_at_the_least_after_the_ledger_is_damaged_is_accepted_and_evicts(
         hosted, expected, streamed, tmp_path, caplog):
     """A streaming run left its shards and copies; then its ledger became garbage. The shards it
@@ -605,6 +608,7 @@ def test_a_resume_at_the_least_after_the_ledger_is_damaged_is_accepted_and_evict
     assert len(said) == 1 and "rebuilt from what is on disk" in said[0], caplog.text
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not os.path.exists("/proc/self/stat"), reason="start times come from /proc")
 @pytest.mark.parametrize("unknown", ["no start time", "no /proc", "another host"])
 def test_a_row_of_unknown_liveness_pins_shards_for_one_bounded_wait(
@@ -680,6 +684,7 @@ def test_a_wrong_size_in_the_catalog_is_corrected_and_the_resume_is_exact(
     assert json.loads(path.read_text()) == good
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("damage", ["cut", "tail"])
 @pytest.mark.parametrize("catalog_kept", [True, False])
 def test_a_shard_damaged_in_the_cache_is_fetched_again_not_read_for_the_catalog(
@@ -717,6 +722,7 @@ def test_cache_limit_nan_or_inf_is_a_clear_error(hosted, tmp_path, monkeypatch, 
 # D: one footer request per shard per machine
 
 
+@pytest.mark.slow
 def test_the_local_ranks_read_each_footer_once(tmp_path, monkeypatch):
     """3 ranks under torchrun stream into one cache; each footer takes the server a second, so
     every rank starts while the first is still reading them. One request per shard: the others

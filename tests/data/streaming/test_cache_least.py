@@ -136,6 +136,7 @@ def test_the_refusal_says_each_thing_once_and_ends_on_the_number_to_pass(hosted_
     _loader(own, server, cache_limit=least + mine).close()
 
 
+@pytest.mark.slow
 def test_small_shards_least_is_below_whole_shards_and_a_run_at_it_gives_the_on_disk_batches(
         hosted_uneven, tmp_path):
     """Shard 2 holds fewer documents than the loader reads ahead: counted in whole shards, the
@@ -168,6 +169,7 @@ def test_small_shards_least_is_below_whole_shards_and_a_run_at_it_gives_the_on_d
     assert len(fetched) > len(set(fetched)) == len(DOCS)
 
 
+@pytest.mark.slow
 def test_the_least_is_never_more_than_all_the_data(hosted_uneven, tmp_path):
     """The default read-ahead, (5 x 4 + 3) x 128 documents, spans every shard of these small ones,
     and the copies of 1,000 buffered documents would take more than a shard: the terms' sum is more

@@ -74,6 +74,7 @@ def _on_disk(kind, directory, **kwargs):
 # Streamed from S3 is the loader on disk, within the budget
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["bestfit", "concat"])
 def test_streamed_from_s3_equals_on_disk_below_the_datas_size(s3, tmp_path, kind):
     disk, url, sizes = _upload(s3, tmp_path)
@@ -91,6 +92,7 @@ def test_streamed_from_s3_equals_on_disk_below_the_datas_size(s3, tmp_path, kind
     assert len([f for f in os.listdir(cache) if f.endswith(".parquet")]) < len(NAMES) - 1
 
 
+@pytest.mark.slow
 def test_states_move_between_s3_and_disk_both_ways_and_into_an_empty_cache(s3, tmp_path):
     disk, url, sizes = _upload(s3, tmp_path)
     limit = least_accepted(lambda limit: _streaming("bestfit", url, tmp_path / "least",
@@ -117,6 +119,7 @@ def test_states_move_between_s3_and_disk_both_ways_and_into_an_empty_cache(s3, t
 # What the cache may evict, and the kept listing
 
 
+@pytest.mark.slow
 def test_evicts_only_what_it_fetched_and_restarts_on_the_kept_listing(s3_faulty, tmp_path,
                                                                        caplog):
     disk, url, sizes = _upload(s3_faulty, tmp_path)
@@ -159,6 +162,7 @@ def _get_kind(range_header: str | None) -> str:
     return "footer" if end - start + 1 == TAIL_BYTES else "other"
 
 
+@pytest.mark.slow
 def test_ranks_of_one_machine_under_torchrun_fetch_each_object_once(s3_faulty, tmp_path):
     # real processes: two ranks of one machine stream the hub's names from S3 into one cache
     hosted, out = tmp_path / "hosted", tmp_path / "out"

@@ -65,6 +65,7 @@ def _on_disk(kind, hosted_dir, **kwargs):
 # Streamed batches are the on-disk loader's, within the budget
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind, world_size, prefetch, prefetch_shards, limit_shards", [
     ("bestfit", 1, 4, 2, 6.2), ("bestfit", 3, 0, 0, 4.2), ("concat", 2, 4, 1, 6.2),
     ("bestfit", 2, 1, 3, None)])
@@ -141,6 +142,7 @@ def test_shuffle_with_stream_is_refused(hosted, tmp_path):
 # Resume and elastic merge
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["bestfit", "concat"])
 def test_resume_exact_into_an_empty_cache_fetches_the_buffer_first(hosted, tmp_path, kind):
     hosted_dir, server, sizes = hosted
@@ -216,6 +218,7 @@ def _split_dir(hosted_dir, directory, num_train: int) -> str:
     return str(directory)
 
 
+@pytest.mark.slow
 def test_shards_outside_the_split_in_the_cache_do_not_stop_the_copies(tmp_path, monkeypatch):
     """A cache_limit that holds the split and the val shard, but not the 3 shards already in the
     cache from elsewhere (as after an earlier -n run): the loader must evict, so it copies buffered
@@ -245,6 +248,7 @@ def test_shards_outside_the_split_in_the_cache_do_not_stop_the_copies(tmp_path, 
     assert os.listdir(cache / STREAM_DIR / "kept")  # it copied
 
 
+@pytest.mark.slow
 def test_copies_beyond_their_room_give_way_to_a_waiting_reader(tmp_path, monkeypatch, caplog):
     """One document in 20 is 8,000 characters, far longer than a row: best-fit keeps them waiting,
     and their copies outgrow the room the start check sets aside (copies_estimate, from the average
@@ -292,6 +296,7 @@ def _kept(cache, name: str) -> dict[tuple[int, int], str]:
     return texts
 
 
+@pytest.mark.slow
 def test_a_buffers_documents_are_on_disk_or_kept_and_a_resume_reads_the_copies(hosted, tmp_path):
     """Documents longer than a row (T=64) wait in the best-fit buffer for many shards. After every
     batch, each document the yielded state buffers is in its shard on disk or in a copy, with the
@@ -341,6 +346,7 @@ def test_a_buffers_documents_are_on_disk_or_kept_and_a_resume_reads_the_copies(h
     assert not gone & set(server.fetched()[before:])  # read from the copies
 
 
+@pytest.mark.slow
 def test_elastic_merge_of_streamed_states(hosted, tmp_path, monkeypatch):
     """2 streaming ranks -> merge_states(stream=True) on a cache without the shards -> 3 streaming
     ranks: the same batches as the merge of the on-disk loaders' states resumed on disk."""
@@ -365,6 +371,7 @@ def test_elastic_merge_of_streamed_states(hosted, tmp_path, monkeypatch):
     assert merge_states(states, 3, data_dir=str(tmp_path / "new")) == merged
 
 
+@pytest.mark.slow
 def test_a_merged_state_resumes_into_an_empty_cache_at_the_least_limit_without_a_stall(tmp_path):
     """merge_states of 2 ranks for 1: its plan deals the old buffers' documents, from 8 shards,
     all read before the first state. The start check counts them: at the least limit it accepts,
@@ -393,6 +400,7 @@ def test_a_merged_state_resumes_into_an_empty_cache_at_the_least_limit_without_a
     _same(resumed, expected)
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not os.path.exists("/proc/self/stat"), reason="start times come from /proc")
 def test_a_reader_short_of_room_fails_within_the_deadline_naming_who_holds_it(hosted, tmp_path):
     """Another live loader of the machine needs every shard in the cache, and the budget has no
@@ -428,6 +436,7 @@ def test_a_reader_short_of_room_fails_within_the_deadline_naming_who_holds_it(ho
 # The environment: what nanochat's scripts, which pass none of the arguments, get
 
 
+@pytest.mark.slow
 def test_environment_turns_streaming_on(hosted, tmp_path, monkeypatch):
     hosted_dir, server, sizes = hosted
     expected = _batches(_on_disk("bestfit", hosted_dir), 100)

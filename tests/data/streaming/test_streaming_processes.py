@@ -152,6 +152,7 @@ def free_port() -> int:
 # Many ranks, one machine; many machines, a disk each
 
 
+@pytest.mark.slow
 def test_ranks_of_one_machine_download_each_shard_once_within_the_budget(tmp_path):
     # 10 shards of 48 equal documents in row groups of 2: 24 documents (6 batches) per rank per
     # shard
@@ -189,6 +190,7 @@ def test_ranks_of_one_machine_download_each_shard_once_within_the_budget(tmp_pat
     assert len(kept) < len(fetched) and sum(kept.values()) <= limit
 
 
+@pytest.mark.slow
 def test_local_ranks_that_drift_apart_download_each_shard_once(tmp_path):
     """3 ranks, 10 row groups per shard: rank 0 reads 4 of each shard, ranks 1 and 2 read 3, so
     ranks 1 and 2 move through the shards faster and drift ~33 shards ahead in 400 steps. With a
@@ -216,6 +218,7 @@ def test_local_ranks_that_drift_apart_download_each_shard_once(tmp_path):
     assert sorted(fetched) == sorted(set(fetched))  # none downloaded twice
 
 
+@pytest.mark.slow
 def test_two_nodes_each_fill_their_own_cache(tmp_path):
     # torchrun --nnodes 2 on one machine: node 0 and node 1 are two launches with a base dir (a
     # local disk) each
@@ -275,6 +278,7 @@ def buffered_shards(state) -> list[int]:
     return [p for i, p in enumerate(shards) if i == 0 or p != shards[i - 1]]
 
 
+@pytest.mark.slow
 def test_a_killed_streaming_run_resumes_exactly(tmp_path):
     hosted, base = tmp_path / "hosted", tmp_path / "base"
     names = host_shards(hosted, 10, mixed_docs, row_group_size=2)
@@ -337,6 +341,7 @@ def lingering_docs(i: int) -> list[str]:
     return [f"shard {i} doc {j}: " + letters(rng, rng.randint(1, 60)) for j in range(100)]
 
 
+@pytest.mark.slow
 def test_a_resume_after_a_kill_reads_the_buffered_documents_from_the_dead_loaders_copies(tmp_path):
     hosted, base = tmp_path / "hosted", tmp_path / "base"
     names = host_shards(hosted, 10, lingering_docs, row_group_size=16)
@@ -412,6 +417,7 @@ def kill_mid_download(worker, out, directory, min_batches: int) -> str:
     raise AssertionError("no download was seen under way")
 
 
+@pytest.mark.slow
 def test_a_resume_elsewhere_fetches_the_buffered_documents_shards_first(tmp_path):
     hosted = tmp_path / "hosted"
     names = host_shards(hosted, 10, mixed_docs, row_group_size=2)
@@ -477,6 +483,7 @@ def test_a_server_gone_mid_run_is_an_error_naming_the_shard_and_its_url(tmp_path
     assert "gave up after 2 attempts" in str(error)
 
 
+@pytest.mark.slow
 def test_a_server_gone_silent_mid_download_is_an_error_not_a_hang(tmp_path):
     hosted = tmp_path / "hosted"
     # ~150 KB shards: 3 of the server's blocks
@@ -632,6 +639,7 @@ def test_a_budget_below_what_must_be_held_is_refused_at_the_call(tmp_path):
                          "buffer_size.", f"pass cache_limit={least} or more"]
 
 
+@pytest.mark.slow
 def test_every_local_rank_checks_the_machines_least_and_a_merged_resume_at_it_runs(
         tmp_path, monkeypatch):
     """2 ranks' states merged for 3 ranks of one machine, each given the whole merge. Shards of 4
@@ -697,6 +705,7 @@ def wait_for_partial(path) -> None:
     raise AssertionError(f"{path} did not appear")
 
 
+@pytest.mark.slow
 def test_a_local_rank_starting_while_another_downloads_is_accepted(tmp_path):
     hosted, cache = tmp_path / "hosted", tmp_path / "cache"
     names = host_shards(hosted, 3, mixed_docs, row_group_size=2)
@@ -719,6 +728,7 @@ def test_a_local_rank_starting_while_another_downloads_is_accepted(tmp_path):
     assert got == expected
 
 
+@pytest.mark.slow
 def test_a_run_interrupted_mid_download_restarts_with_its_cache_limit(tmp_path):
     hosted, cache = tmp_path / "hosted", tmp_path / "cache"
     names = host_shards(hosted, 3, mixed_docs, row_group_size=2)
