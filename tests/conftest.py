@@ -82,8 +82,12 @@ def sample_texts(seed: int, n: int, *, words=WORDS, lengths=range(5, 41), prefix
 def tokenizer_dir(tmp_path_factory, request):
     """A directory holding a 300-token RustBPETokenizer trained on the test module's
     TOKENIZER_TEXTS (one per module: training takes a second)."""
+    texts = getattr(request.module, "TOKENIZER_TEXTS", None)
+    if texts is None:
+        pytest.fail(f"{request.module.__name__} uses tokenizer_dir: give it TOKENIZER_TEXTS, the "
+                    "documents to train on")
     path = str(tmp_path_factory.mktemp("tokenizer"))
-    RustBPETokenizer.train_from_iterator(iter(request.module.TOKENIZER_TEXTS), 300).save(path)
+    RustBPETokenizer.train_from_iterator(iter(texts), 300).save(path)
     return path
 
 
