@@ -10,7 +10,6 @@ Run: python -m pytest tests/test_dataloader.py -q
 """
 
 import gc
-import os
 import random
 import subprocess
 import sys

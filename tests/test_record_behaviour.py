@@ -7,7 +7,6 @@ Run: python -m pytest tests/test_record_behaviour.py -q (~10 s)
 """
 
 import json
-import os
 import subprocess
 import sys
 
