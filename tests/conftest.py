@@ -1,8 +1,10 @@
 """Shared fixtures: tiny parquet shards written with pyarrow into tmp dirs, a byte-level tokenizer,
 where a state's buffered documents are, shards in the datasets' own directories, `need`, which
 skips a test without an optional tool here but fails it in CI, and a local HTTP shard server that
-injects faults."""
+injects faults. Where CI is set, a skipped test fails the run (a test marked cuda may skip without
+a GPU)."""
 
+import contextlib
 import hashlib
 import importlib
 import importlib.util
@@ -27,6 +29,8 @@ import torch
 from nanochat.data.base import datasets
 from nanochat.data.base.datasets import get_data_dir, index_to_filename
 from nanochat.data.fetch import stores
+from nanochat.data.fetch.limits import Limits
+from nanochat.data.fetch.serve import ShardServer
 from nanochat.data.streaming.ledger import STREAM_DIR
 from nanochat.data.loader.order import parquet_index
 from nanochat.data.pretokenized.token_reader import chunk_index
@@ -36,14 +40,25 @@ from nanochat.dataset import download_single_file, main
 from nanochat.data.mixtures.mixture_plan import MixtureOptions
 from nanochat.data.pretokenized.token_shards import write_token_shard
 from nanochat.mixture import pretokenized_mixture_loader_with_state_bos_bestfit
+from nanochat.tokenizer import RustBPETokenizer
 
 TESTS = os.path.dirname(os.path.abspath(__file__))  # tests/: its workers and helpers
 REPO_ROOT = os.path.dirname(TESTS)
+# download limits that give up fast: 2 attempts, 10 ms backoff, 5 s per request, 30 s per file
+FAST = Limits(max_attempts=2, backoff_base=0.01, timeout=5, deadline=30)
+FAST_CLI = ["--max-attempts", "2", "--backoff-base", "0.01", "--timeout", "5"]  # FAST, as flags
+WORDS = ("alpha", "beta", "gamma", "delta", "shard", "token", "river", "stone", "cloud", "paper")
 
 # Most tests build a loader in this process (on threads): a worker process costs ~1.5 s to start.
 # tests/data/loader/test_worker.py runs every kind of loader in one (the default) and checks it
 # yields the same batches and states. A subprocess a test starts inherits the setting.
 os.environ.setdefault("NANOCHAT_LOADER_WORKERS", "0")
+
+
+def slow_beyond(values, n: int) -> list:
+    """values for pytest.mark.parametrize: the first n in the fast tier (-m "not slow"), the rest
+    marked slow."""
+    return [v if i < n else pytest.param(v, marks=pytest.mark.slow) for i, v in enumerate(values)]
 
 
 def write_shard(path, texts, row_group_size):
@@ -63,6 +78,33 @@ def write_shards(data_dir, files, row_group_size):
         write_shard(path, texts, row_group_size)
         paths.append(path)
     return paths
+
+
+def sample_texts(seed: int, n: int, *, words=WORDS, lengths=range(5, 41), prefix: str = "doc",
+                 empty_middle: bool = False) -> list[str]:
+    """n documents "{prefix} {seed}-{i}: " + a number of words drawn from `lengths`, each word
+    drawn from `words`; the same arguments give the same texts. empty_middle: document n // 2 is
+    "" (a tokenizer makes it a lone BOS)."""
+    rng = random.Random(seed)
+    texts = [f"{prefix} {seed}-{i}: " + " ".join(rng.choice(words)
+                                                 for _ in range(rng.choice(lengths)))
+             for i in range(n)]
+    if empty_middle:
+        texts[n // 2] = ""
+    return texts
+
+
+@pytest.fixture(scope="module")
+def tokenizer_dir(tmp_path_factory, request):
+    """A directory holding a 300-token RustBPETokenizer trained on the test module's
+    TOKENIZER_TEXTS (one per module: training takes a second)."""
+    texts = getattr(request.module, "TOKENIZER_TEXTS", None)
+    if texts is None:
+        pytest.fail(f"{request.module.__name__} uses tokenizer_dir: give it TOKENIZER_TEXTS, the "
+                    "documents to train on")
+    path = str(tmp_path_factory.mktemp("tokenizer"))
+    RustBPETokenizer.train_from_iterator(iter(texts), 300).save(path)
+    return path
 
 
 class ByteTokenizer:
@@ -138,6 +180,22 @@ def peak_while(cache, work):
         watcher.join()
 
 
+def take(loader, n: int, *, copy=torch.Tensor.tolist) -> list[tuple]:
+    """The next n (inputs, targets, state) of a loader, the tensors copied by `copy` (the yielded
+    tensors are views the next batch overwrites): as lists, so that batches compare with ==; the
+    state as yielded; the loader stays open."""
+    out = []
+    for _ in range(n):
+        inputs, targets, state = next(loader)
+        out.append((copy(inputs), copy(targets), state))
+    return out
+
+
+def take_tensors(loader, n: int) -> list[tuple]:
+    """take, the tensors cloned (to compare with torch.equal)."""
+    return take(loader, n, copy=torch.Tensor.clone)
+
+
 def take_batches(loader, n: int) -> list:
     """The first n (inputs, targets, state) of a loader, cloned (the tensors are views the next
     batch overwrites) and the state through JSON, as a checkpoint saves it; the loader closed."""
@@ -163,9 +221,8 @@ def worker_env() -> dict:
     nanochat first on the path (a worker runs as a script, so the checkout is not on its path and an
     editable install elsewhere would be imported instead)."""
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE")}
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     return dict(env, OMP_NUM_THREADS="1",
-                PYTHONPATH=os.pathsep.join(filter(None, [root, env.get("PYTHONPATH")])))
+                PYTHONPATH=os.pathsep.join(filter(None, [REPO_ROOT, env.get("PYTHONPATH")])))
 
 
 def outcome(call, seconds: float = 60.0):
@@ -234,6 +291,30 @@ def least_accepted(make) -> int:
     return low
 
 
+# -----------------------------------------------------------------------------
+# Under CI nothing skips silently: a skip fails the run, but for tests marked cuda without a GPU
+
+def _skip_is_an_error(report, cuda: bool) -> None:
+    """Turn a skipped report into a failure that gives the skip's reason, where CI is set."""
+    if report.skipped and os.environ.get("CI") and not hasattr(report, "wasxfail") and not cuda:
+        reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else report.longrepr
+        report.outcome = "failed"
+        report.longrepr = f"CI is set, and this skipped: {reason}"
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    _skip_is_an_error(outcome.get_result(), item.get_closest_marker("cuda") is not None)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_make_collect_report(collector):
+    """A module that skips as a whole (pytest.importorskip at its top) fails under CI too."""
+    outcome = yield
+    _skip_is_an_error(outcome.get_result(), cuda=False)
+
+
 @pytest.fixture
 def byte_tokenizer():
     return ByteTokenizer()
@@ -294,6 +375,36 @@ def dataset_shards(name: str, indices) -> str:
         write_shard(os.path.join(data_dir, index_to_filename(i)), [f"{name} {i}"],
                     row_group_size=1)
     return data_dir
+def write_hosted(directory, num_train: int = 7, docs: int = 300, seed: int = 0) -> list[int]:
+    """num_train train shards and the val shard, named as the dataset's, of documents of 18-77
+    characters in row groups of 32 (those longer than a row wait in a best-fit buffer); their
+    sizes, sorted."""
+    rng = random.Random(seed)
+    os.makedirs(directory, exist_ok=True)
+    for i in list(range(num_train)) + [6542]:
+        texts = [f"shard {i} doc {j}: " + "".join(rng.choice("abcdefgh ")
+                                                   for _ in range(rng.randint(1, 60)))
+                 for j in range(docs)]
+        write_shard(os.path.join(directory, index_to_filename(i)), texts, 32)
+    return sorted(os.path.getsize(os.path.join(directory, n)) for n in os.listdir(directory))
+
+
+@contextlib.contextmanager
+def hosting(directory):
+    """write_hosted's shards in directory, served over HTTP: (directory, ShardServer, sizes)."""
+    sizes = write_hosted(directory)
+    server = ShardServer(str(directory))
+    try:
+        yield str(directory), server, sizes
+    finally:
+        server.close()
+
+
+@pytest.fixture
+def hosted(tmp_path):
+    """hosting's shards and server, fresh for one test."""
+    with hosting(tmp_path / "hosted") as shards:
+        yield shards
 
 
 def buffered_places(state, paths, chunk_size=None) -> list[tuple]:

@@ -25,8 +25,9 @@ import re
 
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-PACKAGE = os.path.join(ROOT, "nanochat")
+from conftest import REPO_ROOT
+
+PACKAGE = os.path.join(REPO_ROOT, "nanochat")
 # every module of ours, dotted below nanochat: "dataloader", "data.loader.order", ...
 MODULES = sorted(os.path.relpath(os.path.join(folder, name), PACKAGE)[:-3].replace(os.sep, ".")
                  for folder, _, names in os.walk(PACKAGE) for name in names
@@ -54,7 +55,7 @@ def parse(module: str) -> ast.Module:
 
 
 def read(relative: str) -> str:
-    with open(os.path.join(ROOT, relative), encoding="utf-8") as f:
+    with open(os.path.join(REPO_ROOT, relative), encoding="utf-8") as f:
         return f.read()
 
 
@@ -289,7 +290,7 @@ def documented_fronts() -> set[str]:
     """The modules at the top of nanochat/ that README.md and docs/ run (python -m nanochat.X) or
     import from (from nanochat.X import ...)."""
     pages = ["README.md"] + [os.path.join("docs", name)
-                             for name in sorted(os.listdir(os.path.join(ROOT, "docs")))
+                             for name in sorted(os.listdir(os.path.join(REPO_ROOT, "docs")))
                              if name.endswith(".md")]
     pattern = r"(?:python -m |from |import )nanochat\.([a-z_]+)\b(?!\.)"  # (not nanochat.X)
     return {name for page in pages for name in re.findall(pattern, read(page))}
@@ -386,9 +387,9 @@ def test_no_name_is_imported_only_to_be_shown_here(module):
 # -----------------------------------------------------------------------------
 # Habits a reader relies on
 
-SOURCES = sorted(os.path.relpath(os.path.join(folder, name), ROOT)
+SOURCES = sorted(os.path.relpath(os.path.join(folder, name), REPO_ROOT)
                  for top in ("nanochat", "scripts", "tests")
-                 for folder, _, names in os.walk(os.path.join(ROOT, top))
+                 for folder, _, names in os.walk(os.path.join(REPO_ROOT, top))
                  for name in names if name.endswith(".py"))
 # words about the project's past, and the names of modules, classes and files that are gone
 HISTORY = re.compile(r"(?i:\bseeds'|\bthe seeds\b|\bseed 00\d|before that change|\bpreviously\b|"
@@ -411,7 +412,7 @@ def _cells(row: str) -> int:
 
 
 @pytest.mark.parametrize("path", ["README.md"] + sorted(
-    os.path.join("docs", name) for name in os.listdir(os.path.join(ROOT, "docs"))
+    os.path.join("docs", name) for name in os.listdir(os.path.join(REPO_ROOT, "docs"))
     if name.endswith(".md")))
 def test_markdown_tables_render_whole(path):
     """Each run of table rows starts with a header and its `| --- |` line, and every row has the
@@ -491,16 +492,17 @@ def test_scripts_and_tests_import_names_that_exist(path):
             module = __import__(node.module, fromlist=["*"])
             missing += [f"{node.module}.{alias.name}" for alias in node.names
                         if not hasattr(module, alias.name)
-                        and not os.path.exists(os.path.join(ROOT, *node.module.split("."),
+                        and not os.path.exists(os.path.join(REPO_ROOT, *node.module.split("."),
                                                             alias.name + ".py"))]
         elif isinstance(node, ast.Import):
             missing += [alias.name for alias in node.names if alias.name.startswith("nanochat.")
-                        and not os.path.exists(os.path.join(ROOT, *alias.name.split(".")) + ".py")]
+                        and not os.path.exists(os.path.join(REPO_ROOT, *alias.name.split("."))
+                                               + ".py")]
     assert not missing, f"{path} imports what is not there: {missing}"
 
 
 def test_no_project_history_in_the_readme_docs_or_code():
-    pages = [os.path.join("docs", name) for name in os.listdir(os.path.join(ROOT, "docs"))]
+    pages = [os.path.join("docs", name) for name in os.listdir(os.path.join(REPO_ROOT, "docs"))]
     this = os.path.join("tests", "test_architecture.py")  # (it spells out the words it looks for)
     found = [f"{path}:{n}: {line.strip()[:80]}" for path in ["README.md"] + pages + SOURCES
              if path != this

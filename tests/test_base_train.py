@@ -20,12 +20,11 @@ import pytest
 import torch
 
 import scripts.base_train as base_train
+from conftest import REPO_ROOT, write_shards
 from nanochat.dataloader import tokenizing_distributed_data_loader_with_state_bos_bestfit
 from nanochat.tokenizer import RustBPETokenizer
 from scripts.demo import generate_documents
-from tests.conftest import write_shards
 
-REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STEPS = 12
 RESUME_STEP = 6
 # tiny on purpose: B*T = 64 tokens per step, so a row group of 16 documents lasts several steps and
@@ -81,6 +80,7 @@ def checkpoint_dir(corpus, tmp_path_factory):
     return checkpoint_dir
 
 
+@pytest.mark.slow
 def test_straight_run_is_deterministic_and_learns(corpus, straight, tmp_path):
     again = train(corpus, tmp_path, "again")
     assert again["losses"] == straight["losses"]
@@ -103,6 +103,7 @@ def test_straight_run_is_deterministic_and_learns(corpus, straight, tmp_path):
                             r"crop \d+\.\d% masked 0\.0% \| \d+\.\d docs/row", line), line
 
 
+@pytest.mark.slow
 def test_checkpoints_are_complete_and_plain(checkpoint_dir):
     # no .tmp left
     assert sorted(os.listdir(checkpoint_dir)) == ["step_000003.pt", "step_000006.pt"]
@@ -119,6 +120,7 @@ def resumed(corpus, checkpoint_dir, tmp_path_factory):
                  str(checkpoint_dir), "--resume-from-step", str(RESUME_STEP))
 
 
+@pytest.mark.slow
 def test_resume_runs_to_the_end(resumed):
     assert f"continuing with step {RESUME_STEP + 1}" in resumed["stdout"]
     assert resumed["stopped"] is False
@@ -127,6 +129,7 @@ def test_resume_runs_to_the_end(resumed):
     assert sorted(resumed["val"], key=int) == ["8", "12"]
 
 
+@pytest.mark.slow
 def test_resume_is_exact(straight, resumed):
     # the resume point is worth testing: documents are still waiting in the loader's buffer
     assert straight["buffer_docs"][str(RESUME_STEP)] > 0
@@ -161,6 +164,7 @@ class ReplayingLoader:
         self.loader.close()
 
 
+@pytest.mark.slow
 def test_training_side_of_resume_is_exact(corpus, tmp_path, monkeypatch):
     """Model, optimizer, RNG, step count and evaluation resume exactly, whatever the loader does."""
     monkeypatch.setattr(base_train, "tokenizing_distributed_data_loader_with_state_bos_bestfit",
@@ -183,6 +187,7 @@ def test_training_side_of_resume_is_exact(corpus, tmp_path, monkeypatch):
     assert resumed["val"] == straight["val"]
 
 
+@pytest.mark.slow
 def test_missing_checkpoint_names_the_path(corpus, tmp_path):
     result = subprocess.run(
         [sys.executable, "-m", "scripts.base_train", *TINY, "--data-dir", str(corpus / "data"),
@@ -194,6 +199,7 @@ def test_missing_checkpoint_names_the_path(corpus, tmp_path):
     assert str(tmp_path / "step_000005.pt") in result.stderr
 
 
+@pytest.mark.slow
 def test_resume_on_another_world_size(corpus, tmp_path):
     """Elastic: 2 processes under torchrun save a checkpoint, 1 process resumes it; the loader
     states of both ranks are merged, so the resumed rank first trains on what both had left."""
@@ -217,6 +223,7 @@ def test_resume_on_another_world_size(corpus, tmp_path):
     assert all(math.isfinite(loss) for loss in log["losses"].values())
 
 
+@pytest.mark.slow
 def test_resume_is_exact_with_split_documents(corpus, tmp_path):
     # long_doc_policy="split_reuse" with an overlap: the checkpoint's loader state holds pieces of
     # split documents, and the resumed losses still equal the uninterrupted run's, float for float

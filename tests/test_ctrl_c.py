@@ -16,12 +16,11 @@ import sys
 
 import pytest
 
-from conftest import assert_interrupted, ctrl_c, write_shard
+from conftest import REPO_ROOT, assert_interrupted, ctrl_c, write_shard
 from nanochat.data.loader.parquet_files import list_parquet_files
 from nanochat.dataset import interrupted
 from nanochat.data.fetch.serve import ShardServer, Throttle
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # the one command line that is not a person's: the loader's worker process, which ignores Ctrl-C
 # (its trainer decides, and closes it)
 NOT_COMMANDS = {"nanochat/data/loader/worker.py"}
@@ -29,9 +28,10 @@ NOT_COMMANDS = {"nanochat/data/loader/worker.py"}
 
 def _commands() -> list[str]:
     return sorted(f"{folder}/{name}" for folder in ("nanochat", "scripts")
-                  for name in os.listdir(os.path.join(ROOT, folder))
+                  for name in os.listdir(os.path.join(REPO_ROOT, folder))
                   if name.endswith(".py") and f"{folder}/{name}" not in NOT_COMMANDS
-                  and 'if __name__ == "__main__":' in open(os.path.join(ROOT, folder, name)).read())
+                  and 'if __name__ == "__main__":'
+                  in open(os.path.join(REPO_ROOT, folder, name)).read())
 
 
 def _calls(nodes) -> set[str]:
@@ -41,7 +41,7 @@ def _calls(nodes) -> set[str]:
 
 @pytest.mark.parametrize("path", _commands())
 def test_every_command_line_ends_through_cli_run(path):
-    tree = ast.parse(open(os.path.join(ROOT, path)).read())
+    tree = ast.parse(open(os.path.join(REPO_ROOT, path)).read())
     block = next(node for node in tree.body if isinstance(node, ast.If)
                  and ast.unparse(node.test) == "__name__ == '__main__'")
     functions = {node.name: node for node in tree.body if isinstance(node, ast.FunctionDef)}
@@ -78,7 +78,7 @@ run(main, "sleep stopped; it changes nothing: rerun it")
 
 def test_run_says_what_stopped_in_one_line_and_exits_130(tmp_path):
     ready = tmp_path / "ready"
-    code, out, err = ctrl_c([sys.executable, "-c", RUN, str(ready)], ready.exists, cwd=ROOT)
+    code, out, err = ctrl_c([sys.executable, "-c", RUN, str(ready)], ready.exists, cwd=REPO_ROOT)
     assert_interrupted(code, err, "interrupted: sleep stopped; it changes nothing: rerun it")
     assert out == ""
 
@@ -107,6 +107,7 @@ def _host(directory) -> dict[str, bytes]:
             for name in sorted(os.listdir(directory))}
 
 
+@pytest.mark.slow
 def test_ctrl_c_on_a_download_then_a_rerun_resumes_it(tmp_path):
     hosted = _host(tmp_path / "hosted")
     server = ShardServer(str(tmp_path / "hosted"), rate=200e3)  # ~4 s for the whole download
@@ -119,7 +120,7 @@ def test_ctrl_c_on_a_download_then_a_rerun_resumes_it(tmp_path):
             names = os.listdir(data) if data.is_dir() else []
             return "shard_00000.parquet" in names and any(n.endswith(".tmp") for n in names)
 
-        code, _, err = ctrl_c(command, under_way, cwd=ROOT)
+        code, _, err = ctrl_c(command, under_way, cwd=REPO_ROOT)
         assert_interrupted(code, err, "interrupted: " + interrupted(command[3:]))
         installed = {n for n in os.listdir(data) if n.endswith(".parquet")}
         partial = {n.removesuffix(".tmp") for n in os.listdir(data) if n.endswith(".parquet.tmp")}
@@ -129,7 +130,7 @@ def test_ctrl_c_on_a_download_then_a_rerun_resumes_it(tmp_path):
         server.throttle = Throttle(None)
         before = len(server.gets)
         # the same command again, to its end
-        done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=120)
+        done = subprocess.run(command, cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)
         assert done.returncode == 0, done.stderr
         # the partial downloads resumed where they were: a ranged request each
         ranged = {name for name, wanted in server.gets[before:] if wanted}
@@ -158,6 +159,7 @@ runpy.run_module("nanochat.dataset", run_name="__main__", alter_sys=True)
 """
 
 
+@pytest.mark.slow
 def test_ctrl_c_on_repackage_leaves_no_shard_and_a_rerun_writes_them_all(tmp_path):
     rng = random.Random(2)
     with open(tmp_path / "my.jsonl", "w") as f:
@@ -167,14 +169,14 @@ def test_ctrl_c_on_repackage_leaves_no_shard_and_a_rerun_writes_them_all(tmp_pat
             "--docs-per-shard", "50"]
     out = tmp_path / "out"
     code, _, err = ctrl_c([sys.executable, "-c", SLOW_REPACKAGE] + args,
-                          lambda: (out / "shard_00001.parquet").exists(), cwd=ROOT)
+                          lambda: (out / "shard_00001.parquet").exists(), cwd=REPO_ROOT)
     assert_interrupted(code, err, "interrupted: " + interrupted(args))
     # a part of the shards would be read with the wrong val (its last): none is left, nor a .tmp
     assert os.listdir(out) == []
     for directory in ("out", "clean"):  # the same command again, and a run never stopped
         done = subprocess.run([sys.executable, "-m", "nanochat.dataset"] + args[:3]
-                              + [str(tmp_path / directory), "--docs-per-shard", "50"], cwd=ROOT,
-                              capture_output=True, text=True, timeout=120)
+                              + [str(tmp_path / directory), "--docs-per-shard", "50"],
+                              cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)
         assert done.returncode == 0, done.stderr
     shards = list_parquet_files(str(out))
     assert len(shards) == 12

@@ -17,7 +17,7 @@ import sys
 
 import pytest
 
-REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from conftest import REPO_ROOT
 
 
 def run_demo(*args, env=None):
@@ -25,6 +25,7 @@ def run_demo(*args, env=None):
                           capture_output=True, text=True, timeout=120)
 
 
+@pytest.mark.slow
 def test_demo_end_to_end(tmp_path):
     out = tmp_path / "demo"
     # conftest points NANOCHAT_BASE_DIR at tmp_path; the demo must not write there, only to --out
@@ -119,6 +120,7 @@ def test_demo_end_to_end(tmp_path):
     assert (reused.returncode, reused.stdout) == (0, "torch.Size([4, 128])\n"), reused.stderr
 
 
+@pytest.mark.slow
 def test_demo_refuses_a_non_empty_out(tmp_path):
     (tmp_path / "keep.txt").write_text("mine")
     result = run_demo("--out", str(tmp_path))

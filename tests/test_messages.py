@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import write_shards
+from conftest import REPO_ROOT, write_shards
 from nanochat.data.mixtures.curriculum import list_buckets
 from nanochat.dataloader import (pretokenized_distributed_data_loader_with_state_bos_bestfit,
                                  tokenizing_distributed_data_loader_with_state_bos_bestfit)
@@ -34,7 +34,6 @@ from nanochat.data.pretokenized.token_reader import shard_paths
 from nanochat.data.pretokenized.token_shards import write_token_shard
 from nanochat.tokenizer import RustBPETokenizer, get_tokenizer
 
-REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 REPACKAGE = "python -m nanochat.dataset repackage INPUTS --out"
 
 
@@ -98,6 +97,7 @@ def test_a_parquet_file_given_to_the_pretokenized_loader_says_where_it_is(tmp_pa
     assert str(info.value).endswith(f"; the file is in {tmp_path / 'shards'}")
 
 
+@pytest.mark.slow
 def test_a_file_on_the_cli_is_called_a_file(tmp_path):
     paths = write_shards(str(tmp_path / "shards"), [_docs(10, 0), _docs(5, 1)], 5)
     done = _dataset_cli("--verify", "--data-dir", paths[1])

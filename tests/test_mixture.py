@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import worker_env
+from conftest import REPO_ROOT, take_tensors, worker_env
 from nanochat.data.mixtures.curriculum import bucket_shares, rank_shares, validate
 from nanochat.mixture import (BucketExhausted, CurriculumComplete, main as mixture_main,
                               pretokenized_mixture_loader_with_state_bos_bestfit as MIX)
@@ -27,7 +27,6 @@ from nanochat.data.pretokenized.token_shards import write_token_shard
 from nanochat.resume import merge_states
 
 BOS = 1
-REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # each bucket's tokens come from its own id range, so a row's bucket can be read off its tokens
 ID_RANGES = {"code": (1000, 2000), "math": (2000, 3000), "web": (3000, 4000), "tiny": (4000, 5000)}
 
@@ -74,6 +73,7 @@ CURRICULUM = [{"tokens": 2_500_000, "mix": {"web": 0.5, "code": 0.3, "math": 0.2
 KW = dict(device="cpu", buffer_size=64, chunk_size=128, batch_size=32, bos_token=BOS)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world_size", [1, 2])
 def test_realised_mix_follows_every_phase(buckets, world_size):
     # the job's rows (all ranks, step by step): every 1M-token window inside a phase within 1 point
@@ -126,10 +126,6 @@ def test_reproducible_and_seeded(buckets):
     assert not all(torch.equal(x, y) for x, y in zip(a, c))
 
 
-def take(loader, n):
-    return [(x.clone(), y.clone(), s) for x, y, s in (next(loader) for _ in range(n))]
-
-
 @pytest.mark.parametrize("policy", ["crop", "split_reuse"])
 def test_exact_resume_mid_phase_and_across_the_boundary(buckets, policy):
     B, T = 8, 127
@@ -137,7 +133,7 @@ def test_exact_resume_mid_phase_and_across_the_boundary(buckets, policy):
              {"tokens": 40 * B * T, "mix": {"code": 0.3, "math": 0.7}}]
     kw = dict(KW, data_dir=buckets, long_doc_policy=policy,
               split_overlap=2 if policy != "crop" else 0)
-    run = take(MIX(B, T, "train", short, **kw), 70)
+    run = take_tensors(MIX(B, T, "train", short, **kw), 70)
     phases = [s["phase"] for _, _, s in run]
     boundary = phases.index(2)
     # the state after a batch names that batch's phase: the 40th batch completes phase 0
@@ -147,7 +143,7 @@ def test_exact_resume_mid_phase_and_across_the_boundary(buckets, policy):
     for k in (5, boundary - 2, boundary - 1, boundary, 60):
         resumed = MIX(B, T, "train", short, resume_state_dict=json.loads(json.dumps(run[k][2])),
                       **kw)
-        for j, (x, y, s) in enumerate(take(resumed, 69 - k), k + 1):
+        for j, (x, y, s) in enumerate(take_tensors(resumed, 69 - k), k + 1):
             assert (torch.equal(x, run[j][0]) and torch.equal(y, run[j][1])
                     and s == run[j][2]), (k, j)
 
@@ -176,14 +172,14 @@ def test_elastic_resume(buckets):
         loader = MIX(B, T, "train", cur, rank=rank, world_size=3, resume_state_dict=merged, **kw)
         run = []
         for _ in range(60):
-            run.append(take(loader, 1)[0])
+            run.append(take_tensors(loader, 1)[0])
             placed += [key for row in loader.documents for key in row]
             new_rows += loader.stats["row_buckets"]
         assert run[0][2]["tokens_done"] == 25 * B * T * 2 + B * T * 3
         again = MIX(B, T, "train", cur, rank=rank, world_size=3, resume_state_dict=run[9][2],
                     **kw)
         assert all(torch.equal(x, r[0]) and s == r[2]
-                   for (x, _, s), r in zip(take(again, 5), run[10:15]))
+                   for (x, _, s), r in zip(take_tensors(again, 5), run[10:15]))
     assert len(placed) == len(set(placed)), "a document was trained on twice"
     shares = {name: new_rows.count(name) / len(new_rows) for name in ("web", "code", "math")}
     assert abs(shares["web"] - 0.5) < 0.02 and abs(shares["code"] - 0.25) < 0.02
@@ -241,14 +237,14 @@ def test_bucket_runs_dry_then_resumes_with_it_dropped(tmp_path, caplog):
     # then on
     resumed = MIX(4, 99, "train", TINY_CUR, resume_state_dict=stop.value.state,
                   allow_bucket_exhaustion=True, **kw)
-    x, _, state = take(resumed, 1)[0]
+    x, _, state = take_tensors(resumed, 1)[0]
     assert state["dropped"] == ["tiny"] and resumed.stats["dropped"] == ["tiny"]
     for _ in range(5):
         next(resumed)
         assert set(resumed.stats["row_buckets"]) == {"web"}
     # the same run with the flag from the start drops it at the same row and goes on
     straight = MIX(4, 99, "train", TINY_CUR, allow_bucket_exhaustion=True, **kw)
-    batches = take(straight, len(states) + 1)
+    batches = take_tensors(straight, len(states) + 1)
     assert batches[len(states)][2]["dropped"] == ["tiny"]
     assert torch.equal(batches[len(states)][0], x)
 
@@ -315,6 +311,7 @@ def test_bos_token_comes_from_pretokenize_json_never_a_guess(tmp_path):
         MIX(4, 99, "train", TINY_CUR, **kw)
 
 
+@pytest.mark.slow
 def test_a_worker_process_says_the_same(tmp_path):
     # the message is made in the trainer's process, from what the worker sends with the stop
     data = tiny_buckets(tmp_path)
@@ -385,6 +382,7 @@ def test_the_loader_names_an_unknown_bucket(buckets):
         MIX(2, 16, "train", [{"tokens": 10, "mix": {"maths": 1}}], data_dir=buckets, **KW)
 
 
+@pytest.mark.slow
 def test_validate_report_and_exit_codes(tmp_path, capsys):
     data = tiny_buckets(tmp_path / "data")
     config = tmp_path / "cur.yaml"
@@ -448,6 +446,7 @@ def run_workers(data, out, mode):
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
 
 
+@pytest.mark.slow
 def test_ranks_stop_at_the_same_step(tmp_path):
     # tiny runs dry on one rank first (its share is smaller); both raise BucketExhausted at the
     # same step
@@ -460,6 +459,7 @@ def test_ranks_stop_at_the_same_step(tmp_path):
     assert all(r["state_is_last"] for r in reports)
 
 
+@pytest.mark.slow
 def test_a_failing_rank_stops_the_others(tmp_path):
     # a read error on rank 1 only: rank 1 raises it, rank 0 raises at the same step instead of
     # hanging

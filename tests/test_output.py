@@ -14,10 +14,9 @@ import sys
 
 import pytest
 
-from conftest import write_shards
+from conftest import REPO_ROOT, write_shards
 from nanochat.data.base.files import progress_bar
 
-REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _run_logged(args: list[str], log_path: str) -> str:
@@ -85,6 +84,7 @@ def test_on_a_terminal_a_bar():
     assert text.startswith("\rreading:   0%|") and "\rreading: 100%|" in text
 
 
+@pytest.mark.slow
 def test_tok_train_into_a_log_file(tmp_path):
     """The reported case: tok_train's bar in a log file was one long line of '\\r' frames."""
     data_dir = str(tmp_path / "shards")

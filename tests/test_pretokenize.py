@@ -11,7 +11,6 @@ under tmp_path. Run:
 import gzip
 import json
 import os
-import random
 import re
 import socket
 import subprocess
@@ -22,8 +21,8 @@ from concurrent.futures.process import BrokenProcessPool
 import numpy as np
 import pytest
 
-from conftest import (assert_interrupted, ctrl_c, gpt_simple_windows, worker_env,
-                      write_shards)
+from conftest import (TESTS, assert_interrupted, ctrl_c, gpt_simple_windows, sample_texts,
+                      worker_env, write_shards)
 from nanochat.data.processing import pair_workers
 from nanochat.data.pretokenized.token_shards import TokenShard, list_token_shards
 from nanochat.data.processing.windows import window_document
@@ -31,24 +30,11 @@ from nanochat.pretokenize import INTERRUPTED, main
 from nanochat.tokenizer import RustBPETokenizer
 
 
-def _texts(seed: int, n: int) -> list[str]:
-    """n documents of 0 to ~120 words, so that some are longer than the windows used below."""
-    rng = random.Random(seed)
-    words = ["alpha", "beta", "gamma", "delta", "river", "stone", "cloud", "paper", "token",
-             "shard", "é", "42"]
-    texts = [f"doc {seed}-{i}: "
-             + " ".join(rng.choice(words) for _ in range(rng.choice([3, 10, 40, 120])))
-             for i in range(n)]
-    texts[n // 2] = ""  # an empty document is kept: it becomes a lone BOS
-    return texts
-
-
-@pytest.fixture(scope="module")
-def tokenizer_dir(tmp_path_factory):
-    path = str(tmp_path_factory.mktemp("tokenizer"))
-    texts = [t for seed in range(3) for t in _texts(seed, 40)]
-    RustBPETokenizer.train_from_iterator(iter(texts), 300).save(path)
-    return path
+# documents of 0 to ~120 words, so that some are longer than the windows used below; an empty
+# document is kept: it becomes a lone BOS
+TEXTS = dict(words=("alpha", "beta", "gamma", "delta", "river", "stone", "cloud", "paper", "token",
+                    "shard", "é", "42"), lengths=(3, 10, 40, 120), empty_middle=True)
+TOKENIZER_TEXTS = [t for seed in range(3) for t in sample_texts(seed, 40, **TEXTS)]
 
 
 @pytest.fixture(scope="module")
@@ -60,7 +46,8 @@ def tokenizer(tokenizer_dir):
 def parquet_dir(tmp_path):
     """Three train shards and a val shard (the last) of 30 documents, row groups of 8."""
     data_dir = str(tmp_path / "parquet")
-    write_shards(data_dir, [_texts(seed, 30) for seed in range(10, 14)], row_group_size=8)
+    write_shards(data_dir, [sample_texts(seed, 30, **TEXTS) for seed in range(10, 14)],
+                 row_group_size=8)
     return data_dir
 
 
@@ -127,11 +114,13 @@ def _check_outputs(out_dir, inputs: dict, tokenizer, max_length=None, overlap=0)
 
 def _parquet_inputs(parquet_dir) -> dict:
     names = sorted(os.listdir(parquet_dir))
-    texts = {n[:-len(".parquet")]: _texts(10 + i, 30) for i, n in enumerate(names)}
+    texts = {n[:-len(".parquet")]: sample_texts(10 + i, 30, **TEXTS)
+             for i, n in enumerate(names)}
     items = sorted(texts.items())
     return {"train": items[:-1], "val": items[-1:]}
 
 
+@pytest.mark.slow
 def test_cli_parquet_windowed_two_workers_then_rerun_skips(
         parquet_dir, tokenizer_dir, tokenizer, tmp_path, capsys):
     out = str(tmp_path / "tokens")
@@ -169,6 +158,7 @@ def test_cli_parquet_unwindowed(parquet_dir, tokenizer_dir, tokenizer, tmp_path)
     assert not shard.overlaps.any() and shard.lengths().max() > 24  # nothing was cut
 
 
+@pytest.mark.slow
 def test_cli_gpt_simple_convention(parquet_dir, tokenizer_dir, tokenizer, tmp_path, capsys):
     """--convention gpt-simple, in 2 worker processes: each document's tokens + EOD (the tokenizer's
     BOS id), no BOS, windowed as the reference says, every entry within --max-length; recorded in
@@ -271,7 +261,8 @@ def test_cli_ranks_split_inputs_disjointly(parquet_dir, tokenizer_dir, tmp_path,
 def test_cli_jsonl_and_jsonl_gz(tokenizer_dir, tokenizer, tmp_path):
     raw = tmp_path / "raw"
     os.makedirs(raw)
-    docs = {"a": _texts(20, 12), "b": _texts(21, 12), "c": _texts(22, 5)}
+    docs = {name: sample_texts(seed, n, **TEXTS) for name, seed, n in (("a", 20, 12), ("b", 21, 12),
+                                                                         ("c", 22, 5))}
 
     def lines(texts):
         # blank lines are skipped; other fields are ignored
@@ -310,7 +301,7 @@ def test_cli_bad_input_fails_alone(tokenizer_dir, tmp_path, capsys):
 # kill -9 and concurrent runs: real processes (tests/slow_pretokenize.py sleeps 0.1 s per encode
 # call, one call per input here, so a run of 24 inputs on 2 workers lasts over a second)
 
-SLOW_SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "slow_pretokenize.py")
+SLOW_SCRIPT = os.path.join(TESTS, "slow_pretokenize.py")
 
 
 @pytest.fixture(scope="module")
@@ -320,7 +311,8 @@ def many_inputs(tmp_path_factory, tokenizer_dir):
     os.makedirs(root / "raw")
     for i in range(24):
         (root / "raw" / f"part_{i:02d}.jsonl").write_text(
-            "".join(json.dumps({"text": t}) + "\n" for t in _texts(100 + i, 12)), encoding="utf-8")
+            "".join(json.dumps({"text": t}) + "\n" for t in sample_texts(100 + i, 12, **TEXTS)),
+            encoding="utf-8")
     argv = ["--input", str(root / "raw"), "--tokenizer-dir", tokenizer_dir, "--max-length", "16",
             "--overlap-size", "4", "--num-workers", "2"]
     assert main(argv + ["--output", str(root / "reference")]) == 0
@@ -366,6 +358,7 @@ def _wait_for(condition, seconds: float, what: str):
         time.sleep(0.01)
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
 def test_cli_kill_9_leaves_no_process_and_a_rerun_matches(many_inputs, tmp_path, capsys):
     argv, reference = many_inputs
@@ -398,6 +391,7 @@ def test_cli_kill_9_leaves_no_process_and_a_rerun_matches(many_inputs, tmp_path,
               "exit of all")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("num_workers", ["2", "1"])
 def test_cli_ctrl_c_says_so_in_one_line_and_a_rerun_matches(many_inputs, tmp_path, capsys,
                                                            num_workers):
@@ -421,6 +415,7 @@ def test_cli_ctrl_c_says_so_in_one_line_and_a_rerun_matches(many_inputs, tmp_pat
     assert {k: data for k, (data, _) in _files(out).items()} == reference  # byte for byte
 
 
+@pytest.mark.slow
 def test_cli_two_runs_on_one_output(many_inputs, tmp_path, capsys):
     """A second run on an output a run is writing is refused, naming the output and the other run's
     pid; the first run is undisturbed, and once it is done the output is free again."""
@@ -463,6 +458,7 @@ def test_cli_two_runs_on_one_output(many_inputs, tmp_path, capsys):
     assert "24 already done" in printed and "waiting" not in printed  # (a free lock: no wait)
 
 
+@pytest.mark.slow
 def test_cli_plain_run_and_a_rank_on_one_output_at_once(many_inputs, tmp_path):
     """A plain run and rank 0 of 2 on one output at once hold different output locks and share the
     even inputs: each pair is written once, by whichever run takes its pair lock first, and the
@@ -491,6 +487,7 @@ def _die(pair):
     os._exit(3)  # a worker killed mid-shard (the OOM killer, kill -9)
 
 
+@pytest.mark.slow
 def test_cli_dead_worker_fails_the_run(parquet_dir, tokenizer_dir, tmp_path, monkeypatch):
     # the pool pickles the task function by name, so spawned workers run this module's _die
     monkeypatch.setattr(pair_workers, "write_in_worker", _die)

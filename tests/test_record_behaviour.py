@@ -7,16 +7,14 @@ Run: python -m pytest tests/test_record_behaviour.py -q (~10 s)
 """
 
 import json
-import os
 import subprocess
 import sys
 
 import pytest
 
-from conftest import worker_env
+from conftest import REPO_ROOT, worker_env
 from scripts.record_behaviour import main
 
-REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FIRST = ("bestfit train data=parquet B=2 T=32 buffer_size=8 tokenizer_batch_size=4 "
          "trace_documents=True attention_info=True rank=0 world_size=1")
 
@@ -41,6 +39,7 @@ def compare(old, new, capsys) -> tuple[int, list[str]]:
     return code, capsys.readouterr().out.splitlines()
 
 
+@pytest.mark.slow
 def test_two_recordings_are_identical(recordings, capsys):
     a, b = recordings
     assert a.read_bytes() == b.read_bytes()
@@ -65,6 +64,7 @@ def tampered(path, tmp_path, change):
     return out
 
 
+@pytest.mark.slow
 def test_a_changed_hash_is_found(recordings, tmp_path, capsys):
     a, _ = recordings
 
@@ -80,6 +80,7 @@ def test_a_changed_hash_is_found(recordings, tmp_path, capsys):
                             "configurations")
 
 
+@pytest.mark.slow
 def test_a_changed_state_names_its_key(recordings, tmp_path, capsys):
     a, _ = recordings
 
@@ -96,6 +97,7 @@ def test_a_changed_state_names_its_key(recordings, tmp_path, capsys):
             f"new {old_row + 1}") in lines
 
 
+@pytest.mark.slow
 def test_a_missing_step_is_found(recordings, tmp_path, capsys):
     a, _ = recordings
     code, lines = compare(a, tampered(a, tmp_path,
@@ -104,6 +106,7 @@ def test_a_missing_step_is_found(recordings, tmp_path, capsys):
     assert f"{FIRST}: DIFFERENT at step 16: old has 16 steps, new 15" in lines
 
 
+@pytest.mark.slow
 def test_bad_arguments(recordings, tmp_path, capsys):
     a, _ = recordings
     assert main(["compare", str(a), str(tmp_path / "missing.json")]) == 2

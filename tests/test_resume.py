@@ -34,7 +34,7 @@ import torch
 from hypothesis import event, given, settings, strategies as st
 
 import oracle
-from conftest import ByteTokenizer, write_shard, write_shards
+from conftest import ByteTokenizer, slow_beyond, take, write_shard, write_shards
 from nanochat.dataloader import (
     pretokenized_distributed_data_loader_with_state_bos_bestfit as PRETOKENIZED,
     tokenizing_distributed_data_loader_with_state,
@@ -92,15 +92,6 @@ def open_loader(kind: str, cfg: dict, **over):
     else:
         kw.pop("split_overlap", None)
     return BESTFIT(ByteTokenizer(), B, T, split, **kw)
-
-
-def take(loader, n: int) -> list[tuple[list, list, dict]]:
-    """The next n batches as lists (the yielded tensors are views the next batch overwrites)."""
-    out = []
-    for _ in range(n):
-        inputs, targets, state = next(loader)
-        out.append((inputs.tolist(), targets.tolist(), state))
-    return out
 
 
 def rows_of(batch) -> list[list[int]]:
@@ -185,7 +176,7 @@ def small(tmp_path):
 # 1. exact resume after every batch
 
 
-@pytest.mark.parametrize("seed", range(3))
+@pytest.mark.parametrize("seed", slow_beyond(range(3), 1))
 @pytest.mark.parametrize("prefetch", [0, 3])
 @pytest.mark.parametrize("split", ["train", "val"])
 @pytest.mark.parametrize("kind", ["bestfit", "concat", "split", "split_reuse"])
@@ -744,6 +735,7 @@ def test_chained_merges_place_every_document_once(chain, tmp_path):
     assert [key for key, c in counts.items() if c != 1] == []
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("prefetch", [0, 3])
 def test_exact_resume_mid_plan(prefetch, tmp_path):
     # a new rank's states while it works through its plan (rows of row groups, then whole row
@@ -1120,6 +1112,7 @@ def bounded(seconds: float = 20, megabytes: float = 64):
         assert peak < megabytes * 2**20, f"allocated {peak / 2**20:.0f} MB"
 
 
+@pytest.mark.slow
 @settings(max_examples=150, deadline=None)
 @given(data=st.data())
 def test_every_field_of_an_edited_state_is_checked(saved, data):
@@ -1142,6 +1135,7 @@ def test_every_field_of_an_edited_state_is_checked(saved, data):
             event("resumed")
 
 
+@pytest.mark.slow
 @settings(max_examples=40, deadline=None)
 @given(data=st.data())
 def test_every_field_of_an_edited_state_to_merge_is_checked(saved, data):

@@ -28,6 +28,7 @@ def fresh_fs():
     return s3fs.S3FileSystem()
 
 
+@pytest.mark.slow
 def test_s3fs_reads_back_uploaded_bytes_with_an_md5_etag(s3, tmp_path):
     (tmp_path / "up" / "sub").mkdir(parents=True)
     (tmp_path / "up" / "a.bin").write_bytes(DATA)

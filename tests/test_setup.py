@@ -12,9 +12,9 @@ import sys
 import pytest
 import torch
 
+from conftest import REPO_ROOT
 from scripts.check_torch import mismatch
 
-REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CHOSEN = os.path.join(REPO_ROOT, ".venv", "nanochat-torch")
 
 

@@ -26,11 +26,10 @@ import pytest
 import tiktoken
 from hypothesis import given, settings, strategies as st
 
-from conftest import write_shards
+from conftest import REPO_ROOT, write_shards
 from nanochat.tokenizer import (MIN_VOCAB_SIZE, SPECIAL_TOKENS, SPLIT_PATTERN, RustBPETokenizer,
                                 get_token_bytes, get_tokenizer)
 
-REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 VOCAB_SIZE = 512
 
 TEXTS = [
@@ -535,6 +534,7 @@ def test_convert_cli(tok, tmp_path):
             == tok.compute_token_bytes()).all()
 
 
+@pytest.mark.slow
 def test_convert_keeps_a_different_tokenizer_json(tok, tmp_path):
     # tokenizer.json is the user's: convert replaces it only when told to, and says nothing needs
     # doing when it already holds the pickle's tokenizer
@@ -710,6 +710,7 @@ def _run(args: list[str]) -> subprocess.CompletedProcess:
                           text=True, timeout=120)
 
 
+@pytest.mark.slow
 def test_scripts_end_to_end(tmp_path):
     data_dir = str(tmp_path / "shards")
     write_shards(data_dir, [make_docs(400, seed=10), make_docs(400, seed=11),
@@ -768,6 +769,7 @@ def test_tok_train_bar_counts_the_text_there(tmp_path, capsys, max_chars, row_gr
     assert lines[-1].startswith(f"reading: 100%| {row_groups}/{row_groups} [")
 
 
+@pytest.mark.slow
 def test_scripts_report_bad_input(tmp_path):
     too_small = _run(["scripts.tok_train", "--vocab-size", "100", "--data-dir", str(tmp_path)])
     assert too_small.returncode == 2 and "--vocab-size must be >= 265" in too_small.stderr

@@ -56,6 +56,7 @@ def run_oracle(docs, B, row_capacity, buffer_size, batch):
 doc_lengths = st.lists(st.integers(1, 80), min_size=1, max_size=400)
 
 
+@pytest.mark.slow
 @settings(max_examples=300, deadline=None)
 @given(lengths=doc_lengths, B=st.integers(1, 6), row_capacity=st.integers(2, 64),
        buffer_size=st.integers(1, 40), batch=st.integers(1, 9))
@@ -222,6 +223,7 @@ def policy_case(data, max_length=150):
     return docs, windows, capacity, policy, overlap
 
 
+@pytest.mark.slow
 @settings(max_examples=400, deadline=None)
 @given(data=st.data(), B=st.integers(1, 6), buffer_size=st.integers(1, 40), batch=st.integers(1, 9))
 def test_policies_match_oracle(data, B, buffer_size, batch):
@@ -287,6 +289,7 @@ def drain(packer, capacity):
     return rows, masked
 
 
+@pytest.mark.slow
 @settings(max_examples=300, deadline=None)
 @given(data=st.data())
 def test_policy_accounting_closes(data):

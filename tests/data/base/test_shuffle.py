@@ -21,7 +21,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 import oracle
-from conftest import ByteTokenizer, buffered_places, write_shards
+from conftest import ByteTokenizer, buffered_places, slow_beyond, write_shards
 from nanochat.dataloader import (
     pretokenized_distributed_data_loader_with_state_bos_bestfit as PRETOKENIZED,
 )
@@ -142,7 +142,7 @@ def test_entries_leave_file_order(tmp_path):
 # 3. exact resume
 
 
-@pytest.mark.parametrize("seed", range(2))
+@pytest.mark.parametrize("seed", slow_beyond(range(2), 1))
 @pytest.mark.parametrize("prefetch", [0, 3])
 @pytest.mark.parametrize("kind", ["bestfit", "concat", "split_reuse"])
 def test_exact_resume_after_every_batch(kind, prefetch, seed, tmp_path):
@@ -187,6 +187,7 @@ def windowed(tmp_path_factory):
     return root
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("policy,overlap", [("crop", 0), ("split_reuse", 2)])
 def test_pretokenized_exact_resume(windowed, policy, overlap):
     kw = dict(device="cpu", buffer_size=6, data_dir=str(windowed / "tokens"), chunk_size=5,

@@ -81,6 +81,7 @@ buffers = st.lists(st.lists(st.one_of(doc_keys, window_keys), max_size=40), min_
                    max_size=8)
 
 
+@pytest.mark.slow
 @settings(max_examples=300, deadline=None)
 @given(buffers, st.integers(0, 3))
 def test_key_encoder_equals_encode_keys(batches, runs):

@@ -320,6 +320,7 @@ def test_unresolvable_host_stops_downloads_in_flight(fault_server, tmp_path):
     assert os.path.getsize(data_dir / f"{NAME}.tmp") > 0 and not os.path.exists(data_dir / NAME)
 
 
+@pytest.mark.slow
 def test_summary_stays_short_for_many_failures(fault_server, tmp_path, monkeypatch, capsys):
     # 1,000 shards that are not on the server and one that always fails with a 500
     monkeypatch.setitem(DATASETS, "many", DatasetSpec("many", "example/many", 1000, "many_data"))
@@ -364,6 +365,7 @@ def test_two_threads_download_one_shard_once(fault_server, tmp_path):
     assert_only_complete_shards(tmp_path / "data", served)
 
 
+@pytest.mark.slow
 def test_two_processes_download_into_one_dir(fault_server, tmp_path):
     served = serve_shards(fault_server, tmp_path, [0, 1, 2, 6542])
     for name in fault_server.files:
@@ -395,6 +397,7 @@ def test_not_enough_disk_space_stops_before_downloading(fault_server, tmp_path, 
     assert fault_server.heads["shard_00000.parquet"] == 1 and not fault_server.gets
 
 
+@pytest.mark.slow
 def test_the_disk_checks_head_request_ends_within_the_timeout(fault_server, tmp_path, monkeypatch):
     serve_shards(fault_server, tmp_path, [0])
     fault_server.always[NAME] = "slow_headers"  # every read gets a byte well within the timeout
@@ -416,6 +419,7 @@ def test_disk_check_falls_back_to_the_estimate(tmp_path, monkeypatch):
         download.check_disk_space(str(tmp_path), 3)
 
 
+@pytest.mark.slow
 def test_download_imports_nothing_of_dataset():
     code = "import sys, nanochat.data.fetch.download; assert 'nanochat.dataset' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True, cwd=REPO_ROOT)

@@ -50,6 +50,7 @@ def test_unresolvable_host_stops_the_run_at_once(tmp_path, caplog):
     assert not [n for n in os.listdir(data_dir) if not n.endswith(".lock")]
 
 
+@pytest.mark.slow
 def test_unresolvable_host_on_the_cli_is_one_error(tmp_path):
     cmd = [sys.executable, "-m", "nanochat.dataset", "-n", "240",
            "--base-url", "https://shards.invalid/x", "--data-dir", str(tmp_path / "data")]

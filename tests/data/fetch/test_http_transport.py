@@ -126,6 +126,7 @@ def test_the_deadline_also_bounds_the_wait_for_headers(fault_server, tmp_path, c
     assert fault_server.gets[NAME] == 1 and not os.path.exists(tmp_path / "data" / NAME)
 
 
+@pytest.mark.slow
 def test_the_deadline_holds_through_an_http_proxy(fault_server, tmp_path, monkeypatch, caplog):
     # the test server serves as the proxy too: requests sends it "GET http://shards.example/...",
     # and the host in that URL is never looked up here

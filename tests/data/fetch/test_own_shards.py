@@ -26,7 +26,8 @@ import pytest
 import requests
 import torch
 
-from conftest import ByteTokenizer, assert_interrupted, outcome, worker_env, write_shard
+from conftest import (FAST, REPO_ROOT, ByteTokenizer, assert_interrupted, outcome, worker_env,
+                      write_shard)
 from conftest import assert_same_batches as _same
 from conftest import take_batches as _batches
 from nanochat.dataloader import tokenizing_distributed_data_loader_with_state_bos_bestfit
@@ -35,8 +36,6 @@ from nanochat.data.fetch.limits import Limits
 from nanochat.data.fetch import serve
 from nanochat.data.fetch.serve import ShardServer
 
-from conftest import REPO_ROOT as ROOT
-FAST = Limits(max_attempts=2, backoff_base=0.01, timeout=5, deadline=30)
 # the recipe's commands, exactly as docs/streaming.md gives them
 REPACKAGE = "python -m nanochat.dataset repackage my.jsonl --out shards/"
 SERVE = "python -m nanochat.dataset serve shards/ --port 8000"
@@ -100,8 +99,9 @@ def _write_own(directory, names: list[str], docs: int = 120) -> None:
 # The recipe, as written
 
 
+@pytest.mark.slow
 def test_the_recipe_for_your_own_shards_runs_as_written(tmp_path, monkeypatch):
-    doc = open(os.path.join(ROOT, "docs", "streaming.md"), encoding="utf-8").read()
+    doc = open(os.path.join(REPO_ROOT, "docs", "streaming.md"), encoding="utf-8").read()
     section = doc[doc.index("## Your own shards"):]
     section = section[:section.index("\n## ", 1)]
     for shown in (REPACKAGE, SERVE, f'base_url="{URL}"', 'data_dir="shards_cache/"'):
@@ -165,6 +165,7 @@ def odd(tmp_path):
     assert served.stop()[0] == 130  # Ctrl-C
 
 
+@pytest.mark.slow
 def test_shards_of_any_names_stream_by_the_rule_on_disk(odd, tmp_path):
     directory, url = odd
     listing = requests.get(f"{url}/index.json", timeout=10).json()
@@ -205,6 +206,7 @@ def test_a_shard_replaced_while_served_gets_its_new_etag(tmp_path):
         server.close()
 
 
+@pytest.mark.slow
 def test_a_dataset_directory_is_refused_as_the_cache_of_your_own_shards(odd, tmp_path):
     _, url = odd
     for data_dir in (tmp_path / "base_data_climbmix", None):  # None: the default, that one too
@@ -221,6 +223,7 @@ def test_a_dataset_directory_is_refused_as_the_cache_of_your_own_shards(odd, tmp
         assert "Pass a data_dir of their own as the cache" in message
 
 
+@pytest.mark.slow
 def test_scripts_that_pass_no_data_dir_stream_them_by_the_environment(odd, tmp_path,
                                                                      monkeypatch):
     """nanochat's own scripts pass no data_dir, stream or base_url: NANOCHAT_DATA_DIR names the
@@ -351,6 +354,7 @@ def test_a_wrong_listing_is_an_error_naming_its_url(tmp_path, listing, message):
 # The command and the Range error
 
 
+@pytest.mark.slow
 def test_serve_help_and_its_refusals(tmp_path):
     result = _run("python -m nanochat.dataset serve --help", tmp_path)
     assert result.returncode == 0 and result.stderr == ""
@@ -379,6 +383,7 @@ def test_serve_help_and_its_refusals(tmp_path):
     assert result.stderr.endswith("); pass another --port, or --port 0 for a free one\n")
 
 
+@pytest.mark.slow
 def test_serve_answers_only_for_shards_and_the_listing(tmp_path):
     """Other files in the directory (notes, credentials, partial downloads, a subdirectory's
     shards) are a 404, by GET and HEAD; shards, a symlinked one too, and the listing are served."""

@@ -21,6 +21,7 @@ NAME = index_to_filename(0)  # the shard most tests fetch
 TAIL_LIMITS = Limits(deadline=5, timeout=3, min_rate=2000, rate_window=1)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fault, limits, reason", [
     # a valid 206, then ~50 B/s: the 14 KB would take 5 minutes
     ("trickle", TAIL_LIMITS, "too slow"),
@@ -41,6 +42,7 @@ def test_reading_a_footer_from_a_slow_server_fails_in_bounded_time(fault_server,
     assert fault_server.ranges[NAME][0] == f"bytes=-{small_reads.TAIL_BYTES}"
 
 
+@pytest.mark.slow
 def test_a_trickling_footer_fails_a_streaming_loaders_first_call_in_bounded_time(fault_server,
                                                                                    tmp_path):
     serve_shards(fault_server, tmp_path, [0, 6542])  # one train shard and the val shard

@@ -17,7 +17,7 @@ import re
 
 import pytest
 
-from conftest import ByteTokenizer, assert_same_batches, take_batches, write_shard
+from conftest import FAST, FAST_CLI, assert_same_batches, ByteTokenizer, take_batches, write_shard
 from nanochat.dataloader import tokenizing_distributed_data_loader_with_state_bos_bestfit
 from nanochat.dataset import main
 from nanochat.data.fetch import download, sources
@@ -26,8 +26,6 @@ from nanochat.data.fetch.records import record_path
 from nanochat.data.fetch.sources import OtherSourceError
 from nanochat.data.fetch.serve import ShardServer
 
-FAST = Limits(max_attempts=2, backoff_base=0.01, timeout=5, deadline=30)
-FAST_CLI = ["--max-attempts", "2", "--backoff-base", "0.01", "--timeout", "5"]
 NAMES = ["a.parquet", "b.parquet", "c.parquet", "zz_val.parquet"]
 
 
@@ -72,6 +70,7 @@ def two_sources(tmp_path):
         server.close()
 
 
+@pytest.mark.slow
 def test_a_cache_filled_from_one_source_is_refused_for_another(two_sources, tmp_path):
     url_a, url_b, (server_a, server_b) = two_sources
     cache = tmp_path / "cache"
@@ -165,6 +164,7 @@ def test_a_directory_with_shards_of_other_names_from_another_source_is_refused(t
             server.close()
 
 
+@pytest.mark.slow
 def test_the_same_files_at_a_new_address_are_adopted(tmp_path, caplog):
     """serve restarted on another port (or a mirror) states the same sha256 for every shard
     there: the run goes on, and the records name the new address."""

@@ -16,15 +16,14 @@ import sys
 
 import pytest
 
-from conftest import worker_env, write_shard
+from conftest import FAST_CLI, REPO_ROOT, worker_env, write_shard
 from nanochat.data.fetch import stores
 from nanochat.data.streaming.streamed_split import streamed_split
 from nanochat.dataset import download_shards, download_single_file, main
 
-from conftest import REPO_ROOT as ROOT
 # sorted, the last (omega) is val; zeta is under a folder of the prefix, so it is not listed
 NAMES = ["alpha.parquet", "beta.parquet", "delta.parquet", "gamma.parquet", "omega.parquet"]
-FAST = ["--max-attempts", "2", "--backoff-base", "0.01", "--timeout", "5", "-w", "2"]
+FLAGS = [*FAST_CLI, "-w", "2"]  # and 2 download workers
 
 
 @pytest.fixture(autouse=True)
@@ -54,7 +53,7 @@ def _cli(*args, code: str | None = None) -> subprocess.CompletedProcess:
     code: run it after this Python instead (python -c)."""
     head = ["-m", "nanochat.dataset"] if code is None else [
         "-c", code + "; import runpy; runpy.run_module('nanochat.dataset', run_name='__main__')"]
-    return subprocess.run([sys.executable, *head, *args], cwd=ROOT, env=worker_env(),
+    return subprocess.run([sys.executable, *head, *args], cwd=REPO_ROOT, env=worker_env(),
                           capture_output=True, text=True, timeout=120)
 
 
@@ -82,12 +81,13 @@ def _snapshot(directory) -> dict:
 # From S3
 
 
+@pytest.mark.slow
 def test_download_from_s3_fetches_the_first_n_listed_names_and_a_rerun_fetches_nothing(
         s3_faulty, tmp_path):
     source = _write_source(tmp_path / "source")
     s3_faulty.upload_dir(source, "corpus")
     data = tmp_path / "data"
-    result = _cli("-n", "2", "--base-url", s3_faulty.url("corpus"), "--data-dir", str(data), *FAST)
+    result = _cli("-n", "2", "--base-url", s3_faulty.url("corpus"), "--data-dir", str(data), *FLAGS)
     assert result.returncode == 0, result.stdout + result.stderr
     assert _parquet(data) == ["alpha.parquet", "beta.parquet", "omega.parquet"]
     for name in _parquet(data):
@@ -98,7 +98,7 @@ def test_download_from_s3_fetches_the_first_n_listed_names_and_a_rerun_fetches_n
     assert "size and structure checked" not in result.stdout
     stamps = {name: os.stat(data / name).st_mtime_ns for name in _parquet(data)}
     s3_faulty.proxy.clear()
-    again = _cli("-n", "2", "--base-url", s3_faulty.url("corpus"), "--data-dir", str(data), *FAST)
+    again = _cli("-n", "2", "--base-url", s3_faulty.url("corpus"), "--data-dir", str(data), *FLAGS)
     assert again.returncode == 0, again.stdout + again.stderr
     assert {name: os.stat(data / name).st_mtime_ns for name in _parquet(data)} == stamps
     reads = [seen for seen in s3_faulty.proxy.seen() if seen.method == "GET"
@@ -106,15 +106,16 @@ def test_download_from_s3_fetches_the_first_n_listed_names_and_a_rerun_fetches_n
     assert s3_faulty.proxy.count() > 0 and reads == []  # it listed, and read no shard
 
 
+@pytest.mark.slow
 def test_minus_one_fetches_every_listed_name_and_too_many_is_a_shortfall(s3, tmp_path):
     source = _write_source(tmp_path / "source")
     s3.upload_dir(source, "corpus")
     result = _cli("-n", "-1", "--base-url", s3.url("corpus/"), "--data-dir",
-                  str(tmp_path / "all"), *FAST)
+                  str(tmp_path / "all"), *FLAGS)
     assert result.returncode == 0, result.stdout + result.stderr
     assert _parquet(tmp_path / "all") == NAMES
     result = _cli("-n", "9", "--base-url", s3.url("corpus"), "--data-dir",
-                  str(tmp_path / "nine"), *FAST)
+                  str(tmp_path / "nine"), *FLAGS)
     # a shortfall: what there is is fetched, and the run says so and exits 1
     assert result.returncode == 1, result.stdout + result.stderr
     assert f"-n 9 asks for more train shards than the 4 {s3.url('corpus')} lists: fetching " \
@@ -123,16 +124,17 @@ def test_minus_one_fetches_every_listed_name_and_too_many_is_a_shortfall(s3, tmp
     assert "/5 shards" not in result.stdout
     assert _parquet(tmp_path / "nine") == NAMES
     result = _cli("-n", "0", "--base-url", s3.url("corpus"), "--data-dir",
-                  str(tmp_path / "val"), *FAST)
+                  str(tmp_path / "val"), *FLAGS)
     assert result.returncode == 0 and _parquet(tmp_path / "val") == ["omega.parquet"]
 
 
+@pytest.mark.slow
 def test_verify_finds_a_corrupted_shard_and_its_fix_fetches_it_again(s3, tmp_path):
     source = _write_source(tmp_path / "source")
     s3.upload_dir(source, "corpus")
     data = tmp_path / "data"
     url = s3.url("corpus")
-    assert _cli("-n", "2", "--base-url", url, "--data-dir", str(data), *FAST).returncode == 0
+    assert _cli("-n", "2", "--base-url", url, "--data-dir", str(data), *FLAGS).returncode == 0
     result = _cli("--verify", "--base-url", url, "--data-dir", str(data))
     assert result.returncode == 0, result.stdout + result.stderr
     assert f"checked 3 shards in {data}: 3 good, 0 bad" in result.stdout
@@ -145,16 +147,17 @@ def test_verify_finds_a_corrupted_shard_and_its_fix_fetches_it_again(s3, tmp_pat
     assert "1 bad" in result.stdout and "beta.parquet" in result.stdout
     fix = f"python -m nanochat.dataset --base-url {url} --data-dir {data} -n 2"
     assert f"to fix: {fix};" in result.stdout
-    result = _cli(*fix.split()[3:], *FAST)  # the command as printed
+    result = _cli(*fix.split()[3:], *FLAGS)  # the command as printed
     assert result.returncode == 0, result.stdout + result.stderr
     assert _bytes(data / "beta.parquet") == _bytes(os.path.join(source, "beta.parquet"))
     assert "replaced 1 bad shards that were there" in result.stdout
     assert _cli("--verify", "--base-url", url, "--data-dir", str(data)).returncode == 0
 
 
+@pytest.mark.slow
 def test_a_wrong_bucket_is_one_line_naming_it(s3, tmp_path):
     result = _cli("-n", "1", "--base-url", "s3://no-such-bucket-here/corpus", "--data-dir",
-                  str(tmp_path / "data"), *FAST)
+                  str(tmp_path / "data"), *FLAGS)
     assert result.returncode == 2
     errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
     assert errors == ["error: s3://no-such-bucket-here/corpus: not found in S3; check the bucket "
@@ -167,13 +170,14 @@ def test_a_wrong_bucket_is_one_line_naming_it(s3, tmp_path):
 # From a local directory: copied, never written to
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("form", ["path", "file://"])
 def test_a_local_directory_is_copied_and_left_as_it_was(tmp_path, form):
     source = _write_source(tmp_path / "source")
     before = _snapshot(source)
     base = source if form == "path" else f"file://{source}"
     data = tmp_path / "data"
-    result = _cli("-n", "-1", "--base-url", base, "--data-dir", str(data), *FAST)
+    result = _cli("-n", "-1", "--base-url", base, "--data-dir", str(data), *FLAGS)
     assert result.returncode == 0, result.stdout + result.stderr
     assert _parquet(data) == NAMES
     for name in NAMES:
@@ -186,12 +190,13 @@ def test_a_local_directory_is_copied_and_left_as_it_was(tmp_path, form):
     assert _snapshot(source) == before
 
 
+@pytest.mark.slow
 def test_the_source_directory_or_one_inside_it_is_refused_as_data_dir(tmp_path):
     source = _write_source(tmp_path / "source")
     before = _snapshot(source)
     for data_dir, words in ((source, "is the source directory"),
                             (os.path.join(source, "cache"), "is inside the source directory")):
-        result = _cli("-n", "1", "--base-url", source, "--data-dir", data_dir, *FAST)
+        result = _cli("-n", "1", "--base-url", source, "--data-dir", data_dir, *FLAGS)
         assert result.returncode == 2
         assert words in result.stderr and "pass a data_dir outside it" in result.stderr
         for call in (lambda: download_shards([0], data_dir, source),
@@ -207,6 +212,7 @@ def test_the_source_directory_or_one_inside_it_is_refused_as_data_dir(tmp_path):
 # Bad addresses, missing extras, credentials
 
 
+@pytest.mark.slow
 def test_a_missing_extra_is_one_line_with_the_pip_install(tmp_path):
     block = "import sys; sys.modules['gcsfs'] = None"  # as if gcsfs were not installed
     result = _cli("-n", "1", "--base-url", "gs://b/p", "--data-dir", str(tmp_path / "data"),

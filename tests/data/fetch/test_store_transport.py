@@ -11,6 +11,7 @@ Reads are cut in chunks of 64 KiB here (STORE_CHUNK_BYTES), so a ~200 KB shard t
 python -m pytest tests/data/fetch/test_store_transport.py -q
 """
 
+import dataclasses
 import errno
 import hashlib
 import json
@@ -23,7 +24,7 @@ import zlib
 
 import pytest
 
-from conftest import write_shard
+from conftest import FAST, write_shard
 from nanochat.data.fetch import (download, errors, records, small_reads, store_transport, stores,
                                  verify)
 from nanochat.data.fetch.errors import DownloadError
@@ -32,7 +33,7 @@ from nanochat.data.fetch.limits import Limits
 CHUNK = 64 * 1024
 # a credential value: it must never appear in a log line, an error or the output
 SECRET = "nanochat-test-secret-9f3e1c"
-FAST = Limits(max_attempts=4, backoff_base=0.01, timeout=5.0, deadline=60.0)
+FOUR_TRIES = dataclasses.replace(FAST, max_attempts=4, deadline=60.0)  # FAST, with time for faults
 KEY = "data/shard_00000.parquet"
 
 
@@ -133,7 +134,7 @@ def _no_temp(path) -> bool:
 def test_a_shard_is_installed_byte_identical_with_the_hashes_s3_stated(bucket, tmp_path):
     body = _put_shard(bucket, tmp_path)
     dest = tmp_path / "out" / "shard_00000.parquet"
-    assert download.download_file(bucket.url(KEY), str(dest), FAST) == ""  # there was none
+    assert download.download_file(bucket.url(KEY), str(dest), FOUR_TRIES) == ""  # there was none
     assert _read(dest) == body
     with open(records.record_path(str(dest))) as f:
         record = json.load(f)
@@ -149,9 +150,10 @@ def test_a_shard_is_installed_byte_identical_with_the_hashes_s3_stated(bucket, t
     assert _no_temp(dest)
     verify.check_file(str(dest))
     # a second call finds it sound and fetches nothing
-    assert download.download_file(bucket.url(KEY), str(dest), FAST) is None
+    assert download.download_file(bucket.url(KEY), str(dest), FOUR_TRIES) is None
 
 
+@pytest.mark.slow
 def test_a_stated_hash_that_does_not_match_installs_nothing_and_keeps_the_old_file(
         bucket, tmp_path, monkeypatch):
     body = _put_shard(bucket, tmp_path)
@@ -166,7 +168,7 @@ def test_a_stated_hash_that_does_not_match_installs_nothing_and_keeps_the_old_fi
     dest.parent.mkdir()
     dest.write_bytes(b"a bad file the user has")
     with pytest.raises(DownloadError) as caught:
-        download.download_file(bucket.url(KEY), str(dest), FAST)
+        download.download_file(bucket.url(KEY), str(dest), FOUR_TRIES)
     assert caught.value.reason == "md5 mismatch"
     message = str(caught.value)
     assert f"md5 {hashlib.md5(body).hexdigest()}" in message and "0" * 32 in message
@@ -183,7 +185,7 @@ def test_a_stated_crc32c_without_its_package_is_skipped_not_counted(bucket, tmp_
         len(body), real(address, timeout, **kwargs).version, {"crc32c": 12345}))
     monkeypatch.setattr(verify, "_optional_crc", lambda name: None)  # no package installed
     dest = tmp_path / "out" / "shard_00000.parquet"
-    download.download_file(bucket.url(KEY), str(dest), FAST)
+    download.download_file(bucket.url(KEY), str(dest), FOUR_TRIES)
     assert _read(dest) == body
     with open(records.record_path(str(dest))) as f:
         record = json.load(f)
@@ -210,6 +212,7 @@ class _FakeGoogleCrc32c:
         return _crc32c_bitwise(data, value)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("right", [True, False])
 def test_a_stated_crc32c_is_checked_when_its_package_is_there(bucket, tmp_path, monkeypatch,
                                                               right):
@@ -241,7 +244,7 @@ def test_a_cut_body_resumes_from_the_end_of_the_temp_file(faulty, tmp_path, monk
     body = _put_shard(faulty, tmp_path)
     _reads_calling(monkeypatch, 3, lambda: faulty.proxy.cut_after(1000))  # the 3rd GET is cut
     dest = tmp_path / "out" / "shard_00000.parquet"
-    download.download_file(faulty.url(KEY), str(dest), FAST)
+    download.download_file(faulty.url(KEY), str(dest), FOUR_TRIES)
     assert _read(dest) == body
     ranges = [f"bytes={start}-{min(start + CHUNK, len(body)) - 1}"
               for start in range(0, len(body), CHUNK)]
@@ -255,11 +258,12 @@ def test_a_partial_temp_is_resumed_by_the_next_run(faulty, tmp_path, monkeypatch
     dest = _stopped_after_two_chunks(faulty.url(KEY), dest=tmp_path / "out" / "a.parquet",
                                      monkeypatch=monkeypatch)
     faulty.proxy.clear()
-    download.download_file(faulty.url(KEY), str(dest), FAST)
+    download.download_file(faulty.url(KEY), str(dest), FOUR_TRIES)
     assert _read(dest) == body
     assert _gets(faulty.proxy) == [f"bytes={2 * CHUNK}-{len(body) - 1}"]  # only the rest
 
 
+@pytest.mark.slow
 def test_the_server_stopped_mid_download_then_started_again(faulty, tmp_path, monkeypatch):
     body = _put_shard(faulty, tmp_path)
 
@@ -283,13 +287,14 @@ def test_an_object_replaced_during_a_download_is_fetched_whole_never_spliced(
     # the 2nd read already sees the new object: the bytes of two versions are in the temp file
     _reads_calling(monkeypatch, 2, lambda: faulty.put(KEY, new))
     dest = tmp_path / "out" / "shard_00000.parquet"
-    download.download_file(faulty.url(KEY), str(dest), FAST)
+    download.download_file(faulty.url(KEY), str(dest), FOUR_TRIES)
     assert _read(dest) == new
     assert "changed on the store" in caplog.text
     with open(records.record_path(str(dest))) as f:
         assert json.load(f)["sha256"] == hashlib.sha256(new).hexdigest()
 
 
+@pytest.mark.slow
 def test_an_object_replaced_between_runs_starts_over(faulty, tmp_path, monkeypatch, caplog):
     _put_shard(faulty, tmp_path)
     dest = _stopped_after_two_chunks(faulty.url(KEY), dest=tmp_path / "out" / "a.parquet",
@@ -297,7 +302,7 @@ def test_an_object_replaced_between_runs_starts_over(faulty, tmp_path, monkeypat
     new = _shard(tmp_path / "new.parquet", seed=1)
     faulty.put(KEY, new)
     faulty.proxy.clear()
-    download.download_file(faulty.url(KEY), str(dest), FAST)
+    download.download_file(faulty.url(KEY), str(dest), FOUR_TRIES)
     assert _read(dest) == new
     assert _gets(faulty.proxy)[0] == f"bytes=0-{CHUNK - 1}"  # from the start, not spliced
     assert "changed on the store since" in caplog.text
@@ -330,12 +335,13 @@ def test_a_rate_below_min_rate_ends_the_attempt_between_chunks(bucket, tmp_path,
 # Errors no retry can help, and a storm that retries do
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("where", ["key", "bucket"])
 def test_a_wrong_key_or_bucket_is_one_clear_error_without_retries(faulty, tmp_path, where):
     url = faulty.url("data/nope.parquet") if where == "key" else "s3://no-such-bucket-x/a.parquet"
     dest = tmp_path / "out" / "a.parquet"
     with pytest.raises(DownloadError) as caught:
-        download.download_file(url, str(dest), FAST)
+        download.download_file(url, str(dest), FOUR_TRIES)
     assert caught.value.reason == "not found"
     assert f"{url}: not found in S3" in str(caught.value) and "not retrying" in str(caught.value)
     assert faulty.proxy.count() == 1  # one HEAD, no retry
@@ -349,6 +355,7 @@ def test_a_secret_in_an_address_is_masked_in_errors_and_logs(faulty, tmp_path, c
     assert SECRET not in str(caught.value) and "s3://***/a.parquet" in str(caught.value)
 
 
+@pytest.mark.slow
 def test_missing_credentials_stop_the_run_with_one_line_and_fetch_nothing(
         faulty, tmp_path, monkeypatch):
     _put_shard(faulty, tmp_path)
@@ -362,12 +369,12 @@ def test_missing_credentials_stop_the_run_with_one_line_and_fetch_nothing(
     files = [(faulty.url(f"data/shard_0000{i}.parquet"), str(tmp_path / "out" / f"s{i}.parquet"))
              for i in range(3)]
     with pytest.raises(stores.StoreError) as caught:
-        download.download_files(files, num_workers=2, limits=FAST)
+        download.download_files(files, num_workers=2, limits=FOUR_TRIES)
     message = str(caught.value)
     assert caught.value.reason == "no credentials" and "\n" not in message
     assert "AWS_ACCESS_KEY_ID" in message and "AWS_SECRET_ACCESS_KEY" in message
     with pytest.raises(stores.StoreError, match="no S3 credentials"):
-        download.download_file(files[0][0], files[0][1], FAST)
+        download.download_file(files[0][0], files[0][1], FOUR_TRIES)
     assert faulty.proxy.count() == 0
     assert not any(name.endswith(".parquet") for name in os.listdir(tmp_path / "out"))
 
@@ -376,7 +383,7 @@ def test_a_slow_down_storm_is_retried_until_it_passes(faulty, tmp_path, caplog):
     body = _put_shard(faulty, tmp_path)
     faulty.proxy.slow_down(3)
     dest = tmp_path / "out" / "shard_00000.parquet"
-    download.download_file(faulty.url(KEY), str(dest), FAST)
+    download.download_file(faulty.url(KEY), str(dest), FOUR_TRIES)
     assert _read(dest) == body
     assert caplog.text.count("S3 asks to slow down") == 3
 
@@ -386,10 +393,10 @@ def test_a_storm_longer_than_the_attempts_is_a_clear_error(faulty, tmp_path):
     faulty.proxy.slow_down(100)
     dest = tmp_path / "out" / "shard_00000.parquet"
     with pytest.raises(DownloadError) as caught:
-        download.download_file(faulty.url(KEY), str(dest), FAST)
+        download.download_file(faulty.url(KEY), str(dest), FOUR_TRIES)
     assert caught.value.reason == "slow down"
     assert "gave up after 4 attempts in a row without progress" in str(caught.value)
-    assert faulty.proxy.count() == FAST.max_attempts
+    assert faulty.proxy.count() == FOUR_TRIES.max_attempts
     assert not dest.exists()
 
 
@@ -397,13 +404,14 @@ def test_a_missing_extra_is_raised_unchanged(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "gcsfs", None)  # import gcsfs fails
     with pytest.raises(stores.MissingExtra, match=r"pip install 'nanochat-data\[gcs\]'"):
         download.download_files([("gs://bucket/a.parquet", str(tmp_path / "a.parquet"))],
-                                limits=FAST)
+                                limits=FOUR_TRIES)
 
 
 # -----------------------------------------------------------------------------
 # One download per shard; the footer and the disk probe from a store
 
 
+@pytest.mark.slow
 def test_two_downloads_of_one_shard_at_once_fetch_it_once(faulty, tmp_path):
     body = _put_shard(faulty, tmp_path)
     dest = tmp_path / "out" / "shard_00000.parquet"
@@ -413,7 +421,8 @@ def test_two_downloads_of_one_shard_at_once_fetch_it_once(faulty, tmp_path):
         start.wait()
         # (recheck=False: a thread that comes late would also ask the store about the file it
         # finds, one HEAD more)
-        results.append(download.download_file(faulty.url(KEY), str(dest), FAST, recheck=False))
+        results.append(download.download_file(faulty.url(KEY), str(dest), FOUR_TRIES,
+                                              recheck=False))
 
     threads = [threading.Thread(target=fetch) for _ in range(2)]
     for thread in threads:
@@ -449,12 +458,13 @@ def test_the_disk_check_asks_the_store_for_the_size(bucket, tmp_path):
     assert f"{len(body) / 1e6:.1f} MB each, from the store" in str(caught.value)
 
 
+@pytest.mark.slow
 def test_download_files_fetches_a_prefix_of_shards(bucket, tmp_path):
     bodies = {f"shard_0000{i}.parquet": _put_shard(bucket, tmp_path, i, f"p/shard_0000{i}.parquet")
               for i in range(3)}
     out = tmp_path / "out"
     report = download.download_files([(bucket.url(f"p/{name}"), str(out / name))
-                                      for name in bodies], num_workers=2, limits=FAST)
+                                      for name in bodies], num_workers=2, limits=FOUR_TRIES)
     assert report.failed == {} and report.total == 3
     assert {name: _read(out / name) for name in bodies} == bodies
 
@@ -484,7 +494,7 @@ def test_a_local_directory_is_copied_and_never_written_to(tmp_path, form, caplog
     base = str(src) if form == "path" else f"file://{src}"
     out = tmp_path / "out"
     files = [(stores.join(base, name), str(out / name)) for name in bodies]
-    report = download.download_files(files, num_workers=2, limits=FAST)
+    report = download.download_files(files, num_workers=2, limits=FOUR_TRIES)
     assert report.failed == {}
     assert {name: _read(out / name) for name in bodies} == bodies
     for name in bodies:  # a local file states no hash: size and structure, every page read
@@ -494,10 +504,10 @@ def test_a_local_directory_is_copied_and_never_written_to(tmp_path, form, caplog
         assert record["stated_hashes"] == [] and record["pages_checked"] is True
     # a bad copy is fetched again from the directory
     (out / "shard_00001.parquet").write_bytes(b"PAR1 broken")
-    report = download.download_files(files, num_workers=1, limits=FAST)
+    report = download.download_files(files, num_workers=1, limits=FOUR_TRIES)
     assert list(report.replaced) == ["shard_00001.parquet"]
     assert _read(out / "shard_00001.parquet") == bodies["shard_00001.parquet"]
     # the destination inside the source directory is refused
     with pytest.raises(ValueError, match="never written to"):
-        download.download_file(files[0][0], str(src / "copy.parquet"), FAST)
+        download.download_file(files[0][0], str(src / "copy.parquet"), FOUR_TRIES)
     assert _listing(src) == before

@@ -12,10 +12,9 @@ import sys
 import pyarrow.parquet as pq
 import pytest
 
-from conftest import ByteTokenizer, worker_env, write_shards
+from conftest import TESTS, ByteTokenizer, worker_env, write_shards
 
 BOS = ByteTokenizer.bos
-from conftest import TESTS as HERE
 
 
 def doc_text(i):
@@ -40,7 +39,7 @@ def split_docs(tokens):
 
 def run_torchrun(world_size, data_dir, out_path, num_batches):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-           f"--nproc_per_node={world_size}", os.path.join(HERE, "dist_worker.py"), str(data_dir),
+           f"--nproc_per_node={world_size}", os.path.join(TESTS, "dist_worker.py"), str(data_dir),
            str(out_path), str(num_batches)]
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=worker_env())
     assert result.returncode == 0, result.stdout + result.stderr
@@ -48,6 +47,7 @@ def run_torchrun(world_size, data_dir, out_path, num_batches):
         return json.load(f)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_ranks_partition_every_epoch(world_size, tmp_path):
     # 3 train shards with 7, 4 and 5 row groups of uneven sizes, plus a val shard

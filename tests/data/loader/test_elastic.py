@@ -17,14 +17,13 @@ import sys
 import pyarrow.parquet as pq
 import pytest
 
-from conftest import ByteTokenizer, worker_env, write_shard
+from conftest import TESTS, ByteTokenizer, worker_env, write_shard
 from nanochat.data.base.state import (EMPTY_HASH, DocKey, add_checksum, decode_keys, encode_keys,
                                       loader_config)
 from nanochat.data.base.state_checks import check_fields
 from nanochat.data.loader.elastic import merge_walk_states
 from nanochat.resume import merge_states
 
-from conftest import TESTS as HERE
 BOS = ByteTokenizer.bos
 
 
@@ -36,7 +35,7 @@ def doc_text(i):
 
 def torchrun(nproc, *args, shuffle=False):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-           f"--nproc_per_node={nproc}", os.path.join(HERE, "elastic_worker.py"), *map(str, args)]
+           f"--nproc_per_node={nproc}", os.path.join(TESTS, "elastic_worker.py"), *map(str, args)]
     env = dict(worker_env(), NANOCHAT_TEST_SHUFFLE="1" if shuffle else "0")
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
     assert result.returncode == 0, result.stdout + result.stderr
@@ -59,6 +58,7 @@ def check_rows_against_trace(results, text_of):
                     assert row[start:end] == expected[:end - start]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("n_old,n_new,old_batches,shuffle",
                          [(2, 3, 6, False), (4, 2, 9, False), (2, 3, 6, True)])
 def test_elastic_resume_places_every_document_once(n_old, n_new, old_batches, shuffle, tmp_path):

@@ -160,6 +160,7 @@ def test_after_a_resume_the_figures_count_from_the_resume(corpus):
     assert figures.total.crop_share == cropped / (out + cropped)
 
 
+@pytest.mark.slow
 def test_figures_from_a_worker_process(corpus):
     """The batches' figures come with them through the worker's pipe; the resumed state's counters
     with its start."""
@@ -210,6 +211,7 @@ def test_pretokenized_and_mixture_figures(corpus):
 # Streaming: what was downloaded and evicted
 
 
+@pytest.mark.slow
 def test_streaming_figures_count_downloads_and_evictions(tmp_path):
     hosted, cache = tmp_path / "hosted", tmp_path / "cache"
     hosted.mkdir()

@@ -27,7 +27,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import ByteTokenizer, outcome, write_shards
+from conftest import TESTS, ByteTokenizer, outcome, take, write_shards
 from nanochat.dataloader import (pretokenized_distributed_data_loader_with_state_bos_bestfit,
                                  tokenizing_distributed_data_loader_bos_bestfit,
                                  tokenizing_distributed_data_loader_with_state,
@@ -43,8 +43,6 @@ from nanochat.data.pretokenized.token_shards import write_token_shard
 from nanochat.data.fetch.serve import ShardServer
 
 BOS = ByteTokenizer.bos
-from conftest import TESTS as HERE
-
 
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory):
@@ -105,7 +103,7 @@ LOADERS = {
 }
 
 
-def take(loader, n: int) -> list:
+def take_traced(loader, n: int) -> list:
     """n batches, copied (a yielded batch's memory is reused), with the loader's trace."""
     out = []
     for _ in range(n):
@@ -150,6 +148,7 @@ def wait_gone(pid: int, seconds: float) -> bool:
 # The same batches and states, and exact resume
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", LOADERS)
 def test_a_worker_yields_what_threads_yield(kind, corpus):
     make = LOADERS[kind]
@@ -157,17 +156,18 @@ def test_a_worker_yields_what_threads_yield(kind, corpus):
     worker = make(corpus, workers=1)
     assert threads.worker_pid is None and worker.worker_pid is not None
     n = 12
-    assert_same(take(worker, n), take(threads, n))
+    assert_same(take_traced(worker, n), take_traced(threads, n))
     # a state the worker yielded resumes exactly, in a worker
-    state = take(worker, 1)[0][2]
-    expected = take(threads, 6)[1:]
+    state = take_traced(worker, 1)[0][2]
+    expected = take_traced(threads, 6)[1:]
     resumed = make(corpus, workers=1, resume_state_dict=state)
-    assert_same(take(resumed, 5), expected)
+    assert_same(take_traced(resumed, 5), expected)
     for loader in (threads, worker, resumed):
         loader.close()
     assert wait_gone(worker.worker_pid, CLOSE_TIMEOUT + 1)
 
 
+@pytest.mark.slow
 def test_an_elastic_resume_in_a_worker_is_the_one_on_threads(corpus):
     # two ranks' states, taken in workers at one step, merged for one rank: the resumed loader
     # yields in a worker what it yields on threads
@@ -176,16 +176,17 @@ def test_an_elastic_resume_in_a_worker_is_the_one_on_threads(corpus):
     states = []
     for rank in (0, 1):
         loader = make(corpus, workers=1, rank=rank, world_size=2)
-        states.append(take(loader, 4)[-1][2])
+        states.append(take_traced(loader, 4)[-1][2])
         loader.close()
     merged = merge_states(states, 1, data_dir=parquet_dir)
     resumed = [make(corpus, workers=workers, rank=0, world_size=1, resume_state_dict=merged)
                for workers in (1, 0)]
-    assert_same(take(resumed[0], 8), take(resumed[1], 8))
+    assert_same(take_traced(resumed[0], 8), take_traced(resumed[1], 8))
     for loader in resumed:
         loader.close()
 
 
+@pytest.mark.slow
 def test_a_mixture_stops_in_the_trainer_as_on_threads(corpus):
     outcomes = []
     for workers in (0, 1):
@@ -198,6 +199,7 @@ def test_a_mixture_stops_in_the_trainer_as_on_threads(corpus):
     assert outcomes[0] == outcomes[1]
 
 
+@pytest.mark.slow
 def test_without_state_and_the_environment_default(corpus, monkeypatch):
     monkeypatch.setenv("NANOCHAT_LOADER_WORKERS", "1")
     loader = tokenizing_distributed_data_loader_bos_bestfit(
@@ -213,6 +215,7 @@ def test_without_state_and_the_environment_default(corpus, monkeypatch):
     assert LOADERS["bestfit"](corpus, workers=1, prefetch=0).worker_pid is None
 
 
+@pytest.mark.slow
 def test_streamed_in_a_worker(corpus, tmp_path):
     hosted = tmp_path / "hosted"  # the dataset's names: the last shard is val
     os.makedirs(hosted)
@@ -226,7 +229,7 @@ def test_streamed_in_a_worker(corpus, tmp_path):
                 ByteTokenizer(), 4, 32, "train", device="cpu", data_dir=str(tmp_path / "cache"),
                 stream=True, num_shards=3, base_url=server.url, tokenizer_batch_size=8,
                 buffer_size=16, workers=workers)
-        on_disk = take(tokenizing_distributed_data_loader_with_state_bos_bestfit(
+        on_disk = take_traced(tokenizing_distributed_data_loader_with_state_bos_bestfit(
             ByteTokenizer(), 4, 32, "train", device="cpu", data_dir=str(hosted),
             tokenizer_batch_size=8, buffer_size=16), 10)
         loader = make(1)
@@ -237,7 +240,7 @@ def test_streamed_in_a_worker(corpus, tmp_path):
         asking = threading.Thread(target=lambda: statuses.extend(
             loader.cache_status() for _ in range(20)))
         asking.start()
-        assert_same(take(loader, 10), on_disk)
+        assert_same(take_traced(loader, 10), on_disk)
         asking.join(30)
         assert len(statuses) == 20 and all(len(s.loaders) == 1 for s in statuses)
         assert loader.cache_status().fetched_bytes > 0
@@ -273,6 +276,7 @@ class SlowTokenizer(ByteTokenizer):
         return super().encode(texts, prepend=prepend, num_threads=num_threads)
 
 
+@pytest.mark.slow
 def test_status_while_next_waits_and_a_dropped_loader_waits_for_nothing(corpus, tmp_path):
     hosted = tmp_path / "hosted"
     os.makedirs(hosted)
@@ -284,7 +288,7 @@ def test_status_while_next_waits_and_a_dropped_loader_waits_for_nothing(corpus, 
             SlowTokenizer(), 4, 32, "train", device="cpu", data_dir=str(tmp_path / "cache"),
             stream=True, num_shards=3, base_url=server.url, tokenizer_batch_size=64,
             buffer_size=16, workers=1)
-        waiting = threading.Thread(target=lambda: outcome(lambda: take(loader, 3), 60),
+        waiting = threading.Thread(target=lambda: outcome(lambda: take_traced(loader, 3), 60),
                                    daemon=True)
         waiting.start()  # next() waits for the worker, inside an 8-s call
         time.sleep(0.5)
@@ -313,6 +317,7 @@ def printed(error: BaseException) -> str:
     return "".join(traceback.format_exception(error))
 
 
+@pytest.mark.slow
 def test_a_failure_in_the_worker_is_printed_once_its_message_last(corpus):
     loader = tokenizing_distributed_data_loader_with_state_bos_bestfit(
         FailingTokenizer(), 4, 32, "train", device="cpu", data_dir=str(corpus / "parquet"),
@@ -346,7 +351,7 @@ class NoWorker:
 def _state(make, **more) -> dict:
     """The state after 2 batches of a loader on threads."""
     loader = make(workers=0, **more)
-    state = take(loader, 2)[-1][2]
+    state = take_traced(loader, 2)[-1][2]
     loader.close()
     return state
 
@@ -438,6 +443,7 @@ def test_a_cache_limit_below_the_least_fails_at_the_call(corpus, tmp_path, monke
     assert printed(raised.value).count("cache_limit=1,000 bytes") == 1
 
 
+@pytest.mark.slow
 def test_what_the_checks_at_the_call_log_is_said_once(corpus, caplog, capfd):
     # rank 0 of 2's state, given to a run of one rank: resumed approximately, with a warning
     make = parquet(tokenizing_distributed_data_loader_with_state_bos_bestfit, buffer_size=16)
@@ -493,11 +499,13 @@ def test_a_tokenizer_that_cannot_be_pickled_runs_here_with_a_warning(corpus, cap
         Local(), 4, 32, "train", device="cpu", data_dir=str(corpus / "parquet"), workers=1)
     assert loader.worker_pid is None
     assert "not in a worker process" in caplog.text and "workers=0" in caplog.text
-    assert_same(take(loader, 3), take(tokenizing_distributed_data_loader_with_state_bos_bestfit(
-        ByteTokenizer(), 4, 32, "train", device="cpu", data_dir=str(corpus / "parquet")), 3))
+    in_threads = tokenizing_distributed_data_loader_with_state_bos_bestfit(
+        ByteTokenizer(), 4, 32, "train", device="cpu", data_dir=str(corpus / "parquet"))
+    assert_same(take_traced(loader, 3), take_traced(in_threads, 3))
     loader.close()
 
 
+@pytest.mark.slow
 def test_close_is_bounded_from_another_thread_while_next_waits(corpus):
     loader = LOADERS["bestfit"](corpus, workers=1)
     next(loader)
@@ -526,9 +534,10 @@ time.sleep(60)
 """
 
 
+@pytest.mark.slow
 def test_a_killed_trainer_leaves_no_worker(corpus):
     trainer = subprocess.Popen(
-        [sys.executable, "-c", TRAINER.format(tests=HERE, data=str(corpus / "parquet"))],
+        [sys.executable, "-c", TRAINER.format(tests=TESTS, data=str(corpus / "parquet"))],
         stdout=subprocess.PIPE, text=True)
     try:
         pid = int(outcome(trainer.stdout.readline, 60))
@@ -540,6 +549,7 @@ def test_a_killed_trainer_leaves_no_worker(corpus):
         trainer.kill()
 
 
+@pytest.mark.slow
 def test_under_torchrun_each_rank_runs_its_own_worker(tmp_path):
     from test_distributed import run_torchrun  # (the same ranks, loaders and shards)
     files = [[f"{s}-{i} " + "ab" * (i % 17) for i in range(40)] for s in range(3)]

@@ -22,7 +22,7 @@ import pytest
 import torch
 from filelock import FileLock
 
-from conftest import worker_env
+from conftest import sample_texts, worker_env
 from nanochat.mixture import BucketExhausted, CurriculumComplete
 from nanochat.mixture import pretokenized_mixture_loader_with_state_bos_bestfit as MIX
 from nanochat.pretokenize import main as pretokenize
@@ -35,20 +35,10 @@ WORDS = {"web": "the river stone cloud paper walks under over bright morning".sp
          "math": "1 2 3 4 5 6 7 8 9 + - = x y".split()}
 
 
-def _texts(bucket: str, seed: int, n: int) -> list[str]:
-    """n documents of 1 to ~60 words: some longer than the web bucket's windows."""
-    rng = random.Random(seed)
-    return [f"{bucket} {seed}-{i}: "
-            + " ".join(rng.choice(WORDS[bucket]) for _ in range(rng.choice([1, 5, 15, 60])))
-            for i in range(n)]
-
-
-@pytest.fixture(scope="module")
-def tokenizer_dir(tmp_path_factory):
-    path = str(tmp_path_factory.mktemp("tokenizer"))
-    RustBPETokenizer.train_from_iterator(iter([t for b in WORDS for t in _texts(b, 0, 60)]),
-                                         300).save(path)
-    return path
+# a bucket's documents: 1 to ~60 of its words, some longer than the web bucket's windows
+TEXTS = {bucket: dict(words=words, lengths=(1, 5, 15, 60), prefix=bucket)
+         for bucket, words in WORDS.items()}
+TOKENIZER_TEXTS = [t for b in WORDS for t in sample_texts(0, 60, **TEXTS[b])]
 
 
 def _jsonl(path, texts) -> str:
@@ -88,15 +78,16 @@ def _segments(row: list[int], bos: int) -> list[tuple[int, list[int]]]:
 # The README's walkthrough
 
 
+@pytest.mark.slow
 def test_readme_mixture_walkthrough(tmp_path, tokenizer_dir, monkeypatch, caplog):
     """The README's commands, in its order, with tiny sizes: three buckets written into one DATA by
     three pretokenize runs (web windowed, the others not), validate exits 0, and the loader's rows
     are pieces of the right bucket's entries, with the windows' repeated tokens masked."""
     work = tmp_path / "work"
     for seed, bucket in enumerate(WORDS):
-        _jsonl(work / bucket / "part_0.jsonl", _texts(bucket, 10 + seed, 40))
-        _jsonl(work / bucket / "part_1.jsonl", _texts(bucket, 20 + seed, 40))
-        _jsonl(work / f"{bucket}_val.jsonl", _texts(bucket, 30 + seed, 10))
+        _jsonl(work / bucket / "part_0.jsonl", sample_texts(10 + seed, 40, **TEXTS[bucket]))
+        _jsonl(work / bucket / "part_1.jsonl", sample_texts(20 + seed, 40, **TEXTS[bucket]))
+        _jsonl(work / f"{bucket}_val.jsonl", sample_texts(30 + seed, 10, **TEXTS[bucket]))
     common = ["--tokenizer-dir", tokenizer_dir, "--num-workers", "1"]
     commands = [["--input", "web/", "--val-input", "web_val.jsonl", "--output", "DATA",
                  "--bucket", "web", "--max-length", "33", "--overlap-size", "8"],
@@ -190,6 +181,7 @@ def _long_texts(seed: int, n: int) -> list[str]:
             for i in range(n)]
 
 
+@pytest.mark.slow
 def test_walkthrough_warns_before_a_long_document_bucket_runs_dry(tmp_path, tokenizer_dir,
                                                                   monkeypatch, caplog):
     """The walkthrough again, with a code bucket of a few long documents, not windowed: enough
@@ -199,9 +191,10 @@ def test_walkthrough_warns_before_a_long_document_bucket_runs_dry(tmp_path, toke
     fixes), and with long_doc_policy="split" it runs every step."""
     work = tmp_path / "work"
     for seed, bucket in enumerate(WORDS):
-        texts = _long_texts(10, 8) if bucket == "code" else _texts(bucket, 10 + seed, 40)
+        texts = (_long_texts(10, 8) if bucket == "code"
+                 else sample_texts(10 + seed, 40, **TEXTS[bucket]))
         _jsonl(work / bucket / "part_0.jsonl", texts)
-        _jsonl(work / f"{bucket}_val.jsonl", _texts(bucket, 30 + seed, 10))
+        _jsonl(work / f"{bucket}_val.jsonl", sample_texts(30 + seed, 10, **TEXTS[bucket]))
     common = ["--output", "DATA", "--tokenizer-dir", tokenizer_dir, "--num-workers", "1"]
     for bucket, window in (("web", ["--max-length", "33", "--overlap-size", "8"]), ("code", []),
                            ("math", [])):
@@ -274,8 +267,8 @@ def test_walkthrough_warns_before_a_long_document_bucket_runs_dry(tmp_path, toke
 
 @pytest.fixture
 def inputs(tmp_path):
-    return {"train": _jsonl(tmp_path / "in" / "a.jsonl", _texts("web", 1, 30)),
-            "val": _jsonl(tmp_path / "in" / "v.jsonl", _texts("web", 2, 8))}
+    return {"train": _jsonl(tmp_path / "in" / "a.jsonl", sample_texts(1, 30, **TEXTS["web"])),
+            "val": _jsonl(tmp_path / "in" / "v.jsonl", sample_texts(2, 8, **TEXTS["web"]))}
 
 
 def _run(inputs, output, tokenizer_dir, *extra) -> int:
@@ -325,7 +318,8 @@ def test_a_bucket_is_a_plain_runs_pairs_in_place(inputs, tmp_path, tokenizer_dir
 def test_a_bucket_of_another_tokenizer_is_refused(inputs, tmp_path, tokenizer_dir):
     assert _run(inputs, tmp_path / "DATA", tokenizer_dir, "--bucket", "web") == 0
     other = str(tmp_path / "other_tokenizer")
-    RustBPETokenizer.train_from_iterator(iter(_texts("math", 0, 60)), 280).save(other)
+    RustBPETokenizer.train_from_iterator(iter(sample_texts(0, 60, **TEXTS["math"])),
+                                         280).save(other)
     before = _files(tmp_path / "DATA")
     with pytest.raises(ValueError, match=r"DATA/train/web/pretokenize.json records another "
                                          r"tokenizer .*tokenizer_sha256 .*vocab_size"):
@@ -363,8 +357,8 @@ def test_bucket_entries_are_the_documents(inputs, tmp_path, tokenizer_dir):
     splits."""
     assert _run(inputs, tmp_path / "DATA", tokenizer_dir, "--bucket", "web") == 0
     tokenizer = RustBPETokenizer.from_directory(tokenizer_dir)
-    for split, name, texts in (("train", "a", _texts("web", 1, 30)),
-                               ("val", "v", _texts("web", 2, 8))):
+    for split, name, texts in (("train", "a", sample_texts(1, 30, **TEXTS["web"])),
+                               ("val", "v", sample_texts(2, 8, **TEXTS["web"]))):
         shard = TokenShard(tmp_path / "DATA" / split / "web" / name)
         expected = tokenizer.encode_to_arrays(texts, prepend=tokenizer.get_bos_token_id(),
                                               num_threads=1)

@@ -25,7 +25,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import ByteTokenizer, write_shards
+from conftest import ByteTokenizer, sample_texts, write_shards
 from nanochat.data.mixtures.curriculum import load_curriculum, validate
 from nanochat.dataloader import (
     pretokenized_distributed_data_loader_with_state_bos_bestfit as PRETOKENIZED,
@@ -45,12 +45,7 @@ from nanochat.data.pretokenized.token_shards import write_token_shard
 from nanochat.tokenizer import RustBPETokenizer
 
 WORDS = "the loader reads shards of tokens from a directory given as a path 12 é".split()
-
-
-def _texts(seed: int, n: int) -> list[str]:
-    return [f"doc {seed}-{i} "
-            + " ".join(WORDS[(seed + i * k) % len(WORDS)] for k in range(1 + i % 30))
-            for i in range(n)]
+TEXTS = dict(words=WORDS, lengths=range(1, 31))
 
 
 @pytest.fixture(scope="module")
@@ -59,8 +54,10 @@ def root(tmp_path_factory):
     output), root/DATA (buckets web, from the parquet shards, and code, from jsonl),
     root/cur.yaml."""
     root = tmp_path_factory.mktemp("layout")
-    write_shards(root / "parquet", [_texts(seed, 40) for seed in range(3)], row_group_size=8)
-    RustBPETokenizer.train_from_iterator(iter(_texts(0, 60)), 300).save(str(root / "tokenizer"))
+    write_shards(root / "parquet", [sample_texts(seed, 40, **TEXTS) for seed in range(3)],
+                 row_group_size=8)
+    RustBPETokenizer.train_from_iterator(iter(sample_texts(0, 60, **TEXTS)), 300).save(
+        str(root / "tokenizer"))
     common = ["--tokenizer-dir", str(root / "tokenizer"), "--num-workers", "1"]
     assert pretokenize(["--input", str(root / "parquet"), "--output", str(root / "tokens"),
                         *common]) == 0
@@ -68,7 +65,7 @@ def root(tmp_path_factory):
                         "--bucket", "web", *common]) == 0
     for split, seed in (("train", 7), ("val", 8)):
         with open(root / f"code_{split}.jsonl", "w", encoding="utf-8") as f:
-            f.writelines(json.dumps({"text": t}) + "\n" for t in _texts(seed, 40))
+            f.writelines(json.dumps({"text": t}) + "\n" for t in sample_texts(seed, 40, **TEXTS))
     assert pretokenize(["--input", str(root / "code_train.jsonl"),
                         "--val-input", str(root / "code_val.jsonl"),
                         "--output", str(root / "DATA"), "--bucket", "code", *common]) == 0
@@ -197,8 +194,10 @@ def test_clis_expand_tilde(home, capsys):
                         "--output", "~/cli_data", "--bucket", "code", *common]) == 0
     for split in ("train", "val"):
         assert (sorted(os.listdir(home / "cli_tokens" / split))
-                == sorted(os.listdir(home / "tokens" / split)))
-        for name in os.listdir(home / "DATA" / split / "code"):
+                == sorted(os.listdir(home / "tokens" / split)) != [])
+        names = os.listdir(home / "DATA" / split / "code")
+        assert names, f"no {split} shards of bucket code to compare"
+        for name in names:
             assert (home / "cli_data" / split / "code" / name).read_bytes() == \
                 (home / "DATA" / split / "code" / name).read_bytes()
     capsys.readouterr()
@@ -362,8 +361,8 @@ def test_readme_pretokenized_snippets_with_tilde(tmp_path, monkeypatch):
     either."""
     monkeypatch.setenv("HOME", str(tmp_path))
     write_shards(tmp_path / ".cache" / "nanochat" / "base_data_climbmix",
-                 [_texts(seed, 30) for seed in range(3)], row_group_size=8)
-    RustBPETokenizer.train_from_iterator(iter(_texts(0, 60)), 300).save(
+                 [sample_texts(seed, 30, **TEXTS) for seed in range(3)], row_group_size=8)
+    RustBPETokenizer.train_from_iterator(iter(sample_texts(0, 60, **TEXTS)), 300).save(
         os.environ["NANOCHAT_BASE_DIR"] + "/tokenizer")
     assert pretokenize(["--input", "~/.cache/nanochat/base_data_climbmix",
                         "--output", "~/.cache/nanochat/base_tokens",

@@ -315,6 +315,7 @@ def trained_positions(data_dir, convention: str, documents: list[list[int]], B: 
     return trained
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("max_length,overlap", [(17, 5), (9, 0)])
 def test_both_conventions_train_the_same_targets(corpus, tmp_path, max_length, overlap):
     """The same corpus pretokenized in both conventions, windowed, and read by our loader with

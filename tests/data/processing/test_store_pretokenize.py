@@ -9,13 +9,12 @@ whose package is missing is the one-line error naming the pip install. Run:
 """
 
 import os
-import random
 import subprocess
 import sys
 
 import pytest
 
-from conftest import write_shards
+from conftest import REPO_ROOT, sample_texts, write_shards
 from nanochat.data.fetch import stores
 from nanochat.data.processing.inputs import STAGING
 from nanochat.pretokenize import main
@@ -24,26 +23,17 @@ from nanochat.tokenizer import RustBPETokenizer
 from conftest import REPO_ROOT as ROOT
 
 
-def _texts(seed: int, n: int) -> list[str]:
-    rng = random.Random(seed)
-    words = ["alpha", "beta", "river", "stone", "cloud", "paper", "token", "é", "42"]
-    return [f"doc {seed}-{i}: " + " ".join(rng.choice(words) for _ in range(rng.choice([2, 9, 60])))
-            for i in range(n)]
-
-
-@pytest.fixture(scope="module")
-def tokenizer_dir(tmp_path_factory):
-    path = str(tmp_path_factory.mktemp("tokenizer"))
-    texts = [t for seed in range(3) for t in _texts(seed, 40)]
-    RustBPETokenizer.train_from_iterator(iter(texts), 300).save(path)
-    return path
+TEXTS = dict(words=("alpha", "beta", "river", "stone", "cloud", "paper", "token", "é", "42"),
+             lengths=(2, 9, 60))
+TOKENIZER_TEXTS = [t for seed in range(3) for t in sample_texts(seed, 40, **TEXTS)]
 
 
 @pytest.fixture
 def parquet_dir(tmp_path):
     """Three train shards and a val shard (the last) of 30 documents, row groups of 8."""
     data_dir = str(tmp_path / "parquet")
-    write_shards(data_dir, [_texts(seed, 30) for seed in range(10, 14)], row_group_size=8)
+    write_shards(data_dir, [sample_texts(seed, 30, **TEXTS) for seed in range(10, 14)],
+                 row_group_size=8)
     return data_dir
 
 
@@ -71,9 +61,10 @@ def _cli(*args: str, hide: str | None = None) -> subprocess.CompletedProcess:
             "sys.argv = ['pretokenize'] + sys.argv[1:]\n"
             "runpy.run_module('nanochat.pretokenize', run_name='__main__', alter_sys=True)\n")
     return subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True,
-                          cwd=ROOT, timeout=120)
+                          cwd=REPO_ROOT, timeout=120)
 
 
+@pytest.mark.slow
 def test_from_s3_equals_from_disk(s3, parquet_dir, tokenizer_dir, tmp_path, capsys):
     keys = s3.upload_dir(parquet_dir, "datasets/climb")
     assert len(keys) == 4
@@ -106,6 +97,7 @@ def test_file_address_reads_the_directory_in_place(parquet_dir, tokenizer_dir, t
     assert not os.path.exists(os.path.join(via, STAGING))  # nothing was copied
 
 
+@pytest.mark.slow
 def test_a_shard_gone_after_the_listing_fails_alone(s3, parquet_dir, tokenizer_dir, tmp_path,
                                                     monkeypatch, capsys):
     s3.upload_dir(parquet_dir, "data")
@@ -137,6 +129,7 @@ def test_a_shard_gone_after_the_listing_fails_alone(s3, parquet_dir, tokenizer_d
     assert _files(out) == _files(local)
 
 
+@pytest.mark.slow
 def test_a_wrong_bucket_or_an_empty_prefix_is_a_clear_error(s3, parquet_dir, tokenizer_dir,
                                                             tmp_path):
     s3.upload_dir(parquet_dir, "data")
@@ -160,6 +153,7 @@ def test_a_wrong_bucket_or_an_empty_prefix_is_a_clear_error(s3, parquet_dir, tok
     assert "Traceback" not in done.stderr and os.environ["AWS_SECRET_ACCESS_KEY"] not in lines[-1]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("address, package, extra", [("gs://bucket/data", "gcsfs", "gcs"),
                                                      ("s3://bucket/data", "s3fs", "s3")])
 def test_a_missing_extra_is_one_line(address, package, extra, tokenizer_dir, tmp_path):

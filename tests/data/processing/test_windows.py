@@ -117,6 +117,7 @@ def test_gpt_simple_windows_property(doc_len, max_length, data):
     assert all(len(w) == max_length for w, _ in windows[:-1])
 
 
+@pytest.mark.slow
 @settings(max_examples=300, deadline=None)
 @given(lengths=st.lists(st.integers(0, 60), min_size=1, max_size=8), max_length=st.integers(2, 24),
        data=st.data())

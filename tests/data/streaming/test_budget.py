@@ -22,7 +22,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from conftest import ByteTokenizer, least_accepted, write_shard
+from conftest import FAST, ByteTokenizer, least_accepted, write_shard
 from nanochat.data.fetch.limits import Limits
 from nanochat.data.fetch.serve import ShardServer
 from nanochat.data.streaming.budget import (Budget, Disk, ReadAhead, Term, copies_estimate,
@@ -34,7 +34,6 @@ from nanochat.data.base.datasets import index_to_filename
 
 
 VAL = index_to_filename(6542)  # the default dataset's val shard
-FAST = Limits(max_attempts=2, backoff_base=0.01, timeout=5, deadline=30)
 # 5 train shards of ~67 KB, row groups of 20 documents of 400 letters; shard 2 holds 20 documents
 DOCS = [200, 200, 20, 200, 200]
 # B=4, T=64; read-ahead: (5 x prefetch + 3) x tokenizer_batch_size = 64 documents, more than
@@ -189,7 +188,7 @@ def test_what_goes_is_the_shortest_prefix_that_fits(sizes, used, limit):
 
 
 @pytest.fixture
-def hosted(tmp_path):
+def hosted_uneven(tmp_path):
     directory = tmp_path / "hosted"
     os.makedirs(directory)
     for i, n in enumerate(DOCS):
@@ -222,8 +221,8 @@ def _batches(loader, n: int) -> list:
     return out
 
 
-def test_the_refusal_states_the_least_exactly_and_the_least_is_accepted(hosted, tmp_path):
-    directory, server = hosted
+def test_the_refusal_states_the_least_exactly_and_the_least_is_accepted(hosted_uneven, tmp_path):
+    directory, server = hosted_uneven
     sizes, val = _sizes(directory), os.path.getsize(directory / VAL)
     least = least_accepted(lambda limit: _loader(tmp_path / "probe", server, cache_limit=limit))
     # the terms, counted here from the files: the 3 largest shards whole (the one read, the one
@@ -260,12 +259,12 @@ def test_the_refusal_states_the_least_exactly_and_the_least_is_accepted(hosted, 
     _loader(tmp_path / "cache", server, cache_limit=least).close()
 
 
-def test_the_refusal_says_each_thing_once_and_ends_on_the_number_to_pass(hosted, tmp_path):
+def test_the_refusal_says_each_thing_once_and_ends_on_the_number_to_pass(hosted_uneven, tmp_path):
     """The least is said once, on the first line, beside its terms; the last line is the one
     number to pass. Another data_dir is advised only where the cache holds something that counts
     against the limit (not a new, empty one): here a shard of the user's, which the ledger (named)
     does not list as fetched by a streaming loader."""
-    directory, server = hosted
+    directory, server = hosted_uneven
     least = least_accepted(lambda limit: _loader(tmp_path / "probe", server, cache_limit=limit))
     with pytest.raises(ValueError) as raised:
         _loader(tmp_path / "new", server, cache_limit=least // 2)
@@ -291,13 +290,14 @@ def test_the_refusal_says_each_thing_once_and_ends_on_the_number_to_pass(hosted,
     _loader(own, server, cache_limit=least + mine).close()
 
 
+@pytest.mark.slow
 def test_small_shards_least_is_below_whole_shards_and_a_run_at_it_gives_the_on_disk_batches(
-        hosted, tmp_path):
+        hosted_uneven, tmp_path):
     """Shard 2 holds fewer documents than the loader reads ahead: counted in whole shards, the
     read-ahead spans all 5 (1 + ceil(64 / 20) from the one packed from to the one read, 2 of
     them whole); counted in documents, the shards between take a third of one. At exactly the
     least, 2 epochs stream with evictions, within the limit, and equal the on-disk loader's."""
-    directory, server = hosted
+    directory, server = hosted_uneven
     sizes, val = _sizes(directory), os.path.getsize(directory / VAL)
     least = least_accepted(lambda limit: _loader(tmp_path / "probe", server, cache_limit=limit))
     entries = [{"size": size, "rows": [n]} for size, n in zip(sizes, DOCS)]
@@ -323,12 +323,13 @@ def test_small_shards_least_is_below_whole_shards_and_a_run_at_it_gives_the_on_d
     assert len(fetched) > len(set(fetched)) == len(DOCS)
 
 
-def test_the_least_is_never_more_than_all_the_data(hosted, tmp_path):
+@pytest.mark.slow
+def test_the_least_is_never_more_than_all_the_data(hosted_uneven, tmp_path):
     """The default read-ahead, (5 x 4 + 3) x 128 documents, spans every shard of these small ones,
     and the copies of 1,000 buffered documents would take more than a shard: the terms' sum is more
     than all the data. At all of it nothing is ever evicted, so that is the least; a run at it
     streams every shard once."""
-    directory, server = hosted
+    directory, server = hosted_uneven
     sizes, val = _sizes(directory), os.path.getsize(directory / VAL)
     everything = sum(sizes) + val
     settings = dict(tokenizer_batch_size=128, prefetch=4, buffer_size=1000, prefetch_shards=2)

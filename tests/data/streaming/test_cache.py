@@ -45,6 +45,7 @@ def hosted(tmp_path):
 # Streamed batches are the on-disk loader's, within the budget
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind, world_size, prefetch, prefetch_shards, limit_shards", [
     ("bestfit", 1, 4, 2, 6.2), ("bestfit", 3, 0, 0, 4.2), ("concat", 2, 4, 1, 6.2),
     ("bestfit", 2, 1, 3, None)])
@@ -121,6 +122,7 @@ def test_shuffle_with_stream_is_refused(hosted, tmp_path):
 # Resume and elastic merge
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["bestfit", "concat"])
 def test_resume_exact_into_an_empty_cache_fetches_the_buffer_first(hosted, tmp_path, kind):
     hosted_dir, server, sizes = hosted
@@ -140,6 +142,7 @@ def test_resume_exact_into_an_empty_cache_fetches_the_buffer_first(hosted, tmp_p
     assert server.fetched()[before:before + len(buffered)] == buffered
 
 
+@pytest.mark.slow
 def test_elastic_merge_of_streamed_states(hosted, tmp_path, monkeypatch):
     """2 streaming ranks -> merge_states(stream=True) on a cache without the shards -> 3 streaming
     ranks: the same batches as the merge of the on-disk loaders' states resumed on disk."""
@@ -164,6 +167,7 @@ def test_elastic_merge_of_streamed_states(hosted, tmp_path, monkeypatch):
     assert merge_states(states, 3, data_dir=str(tmp_path / "new")) == merged
 
 
+@pytest.mark.slow
 def test_a_merged_state_resumes_into_an_empty_cache_at_the_least_limit_without_a_stall(tmp_path):
     """merge_states of 2 ranks for 1: its plan deals the old buffers' documents, from 8 shards,
     all read before the first state. The start check counts them: at the least limit it accepts,
@@ -192,6 +196,7 @@ def test_a_merged_state_resumes_into_an_empty_cache_at_the_least_limit_without_a
     _same(resumed, expected)
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not os.path.exists("/proc/self/stat"), reason="start times come from /proc")
 def test_a_reader_short_of_room_fails_within_the_deadline_naming_who_holds_it(hosted, tmp_path):
     """Another live loader of the machine needs every shard in the cache, and the budget has no
@@ -227,6 +232,7 @@ def test_a_reader_short_of_room_fails_within_the_deadline_naming_who_holds_it(ho
 # The environment: what nanochat's scripts, which pass none of the arguments, get
 
 
+@pytest.mark.slow
 def test_environment_turns_streaming_on(hosted, tmp_path, monkeypatch):
     hosted_dir, server, sizes = hosted
     expected = _batches(disk_loader("bestfit", hosted_dir), 100)

@@ -126,6 +126,7 @@ def test_the_status_command_prints_them_for_a_person(small_cache):
     assert result.stdout == describe(read_status(str(small_cache))) + "\n"
 
 
+@pytest.mark.slow
 def test_the_status_command_on_a_directory_never_streamed_into_and_a_missing_one(tmp_path):
     (tmp_path / "plain").mkdir()
     (tmp_path / "plain" / S[0]).write_bytes(b"x" * 2500)
@@ -142,6 +143,7 @@ def test_the_status_command_on_a_directory_never_streamed_into_and_a_missing_one
     assert result.stderr == f"{tmp_path / 'missing'} is not a directory\n"
 
 
+@pytest.mark.slow
 def test_the_status_command_reads_the_default_data_directory(small_cache, tmp_path):
     # the dataset's directory under NANOCHAT_BASE_DIR, as the loaders find it
     os.rename(small_cache, tmp_path / "base_data_climbmix")
@@ -150,6 +152,7 @@ def test_the_status_command_reads_the_default_data_directory(small_cache, tmp_pa
     assert result.stdout == EXPECTED.format(cache=tmp_path / "base_data_climbmix")
 
 
+@pytest.mark.slow
 def test_a_streaming_loader_reports_the_same_figures(tmp_path):
     hosted, cache = tmp_path / "hosted", tmp_path / "cache"
     hosted.mkdir()

@@ -94,6 +94,7 @@ def names_and_urls(server, num_train: int = 7) -> tuple[list[str], list[str]]:
     return names, [f"{server.url}/{name}" for name in names]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("bad", ["[1, 2, 3]", "entries"])
 def test_a_catalog_of_the_wrong_shape_is_read_again(hosted, expected, tmp_path, caplog, bad):
     """A catalog that is a list, or whose entries are not {"url": str, "size": int, "rows":
@@ -160,6 +161,7 @@ def test_a_wrong_size_in_the_catalog_is_corrected_and_the_resume_is_exact(
     assert json.loads(path.read_text()) == good
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("damage", ["cut", "tail"])
 @pytest.mark.parametrize("catalog_kept", [True, False])
 def test_a_shard_damaged_in_the_cache_is_fetched_again_not_read_for_the_catalog(
@@ -179,6 +181,7 @@ def test_a_shard_damaged_in_the_cache_is_fetched_again_not_read_for_the_catalog(
     assert path.read_bytes() == data
 
 
+@pytest.mark.slow
 def test_the_local_ranks_read_each_footer_once(tmp_path, monkeypatch):
     """3 ranks under torchrun stream into one cache; each footer takes the server a second, so
     every rank starts while the first is still reading them. One request per shard: the others

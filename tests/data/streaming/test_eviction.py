@@ -69,6 +69,7 @@ def test_eviction_spares_what_any_loader_of_the_machine_needs(tmp_path):
     assert evicted == {names[0]: 1, names[1]: 1, names[3]: 1, names[4]: 1}
 
 
+@pytest.mark.slow
 def test_copies_beyond_their_room_give_way_to_a_waiting_reader(tmp_path, monkeypatch, caplog):
     """One document in 20 is 8,000 characters, far longer than a row: best-fit keeps them waiting,
     and their copies outgrow the room the start check sets aside (copies_estimate, from the average

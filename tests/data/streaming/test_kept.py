@@ -29,6 +29,7 @@ from served_shards import (batches, disk_loader, expected, hosted, kept_texts, s
                            stream_loader, streamed, streaming, VAL, warnings_about, write_hosted)
 
 
+@pytest.mark.slow
 def test_shards_outside_the_split_in_the_cache_do_not_stop_the_copies(tmp_path, monkeypatch):
     """A cache_limit that holds the split and the val shard, but not the 3 shards already in the
     cache from elsewhere (as after an earlier -n run): the loader must evict, so it copies buffered
@@ -58,6 +59,7 @@ def test_shards_outside_the_split_in_the_cache_do_not_stop_the_copies(tmp_path, 
     assert os.listdir(cache / STREAM_DIR / "kept")  # it copied
 
 
+@pytest.mark.slow
 def test_a_buffers_documents_are_on_disk_or_kept_and_a_resume_reads_the_copies(hosted, tmp_path):
     """Documents longer than a row (T=64) wait in the best-fit buffer for many shards. After every
     batch, each document the yielded state buffers is in its shard on disk or in a copy, with the
@@ -132,6 +134,7 @@ def edit_texts(path, texts: list[str]) -> None:
 
 # a flipped byte: the first of the deflate stream (past the 10-byte gzip header: an invalid block
 # type, zlib.error), or one in its middle (the gzip CRC does not match, or a bad code)
+@pytest.mark.slow
 @pytest.mark.parametrize("damage", ["flipped block byte", "flipped middle byte", "truncated",
                                     "edited text"])
 def test_a_damaged_kept_copy_is_removed_and_its_shard_fetched_again(hosted, expected, streamed,

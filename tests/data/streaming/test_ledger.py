@@ -162,6 +162,7 @@ def test_a_damaged_ledger_is_rebuilt_from_the_disk_once(streamed, tmp_path, capl
     assert json.loads(path.read_text())["kept"] == good["kept"]
 
 
+@pytest.mark.slow
 def test_a_resume_at_the_least_after_the_ledger_is_damaged_is_accepted_and_evicts(
         hosted, expected, streamed, tmp_path, caplog):
     """A streaming run left its shards and copies; then its ledger became garbage. The shards it
@@ -190,6 +191,7 @@ def test_a_resume_at_the_least_after_the_ledger_is_damaged_is_accepted_and_evict
     assert len(said) == 1 and "rebuilt from what is on disk" in said[0], caplog.text
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not os.path.exists("/proc/self/stat"), reason="start times come from /proc")
 @pytest.mark.parametrize("unknown", ["no start time", "no /proc", "another host"])
 def test_a_row_of_unknown_liveness_pins_shards_for_one_bounded_wait(

@@ -19,7 +19,7 @@ from collections import Counter
 
 import pytest
 
-from conftest import ByteTokenizer, least_accepted, peak_while, write_shard
+from conftest import FAST, TESTS, ByteTokenizer, least_accepted, peak_while, write_shard
 from conftest import assert_same_batches as _same
 from conftest import take_batches as _batches
 from nanochat.data.fetch import stores
@@ -28,10 +28,9 @@ from nanochat.dataloader import (tokenizing_distributed_data_loader_with_state,
 from nanochat.data.fetch.limits import Limits
 from nanochat.data.fetch.small_reads import TAIL_BYTES
 from nanochat.data.streaming.ledger import STREAM_DIR
-from test_streaming_processes import (HERE, TORCHRUN, cache_dir, equal_docs, host_shards, on_disk,
+from test_streaming_processes import (TORCHRUN, cache_dir, equal_docs, host_shards, on_disk,
                                       read_lines, shards_in, stream_env)
 
-FAST = Limits(max_attempts=2, backoff_base=0.01, timeout=5, deadline=30)
 LOADERS = {"bestfit": tokenizing_distributed_data_loader_with_state_bos_bestfit,
            "concat": tokenizing_distributed_data_loader_with_state}
 NAMES = [f"part-{i:03d}.parquet" for i in range(13)]  # sorted; the last, part-012, is val
@@ -76,6 +75,7 @@ def _on_disk(kind, directory, **kwargs):
 # Streamed from S3 is the loader on disk, within the budget
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["bestfit", "concat"])
 def test_streamed_from_s3_equals_on_disk_below_the_datas_size(s3, tmp_path, kind):
     disk, url, sizes = _upload(s3, tmp_path)
@@ -93,6 +93,7 @@ def test_streamed_from_s3_equals_on_disk_below_the_datas_size(s3, tmp_path, kind
     assert len([f for f in os.listdir(cache) if f.endswith(".parquet")]) < len(NAMES) - 1
 
 
+@pytest.mark.slow
 def test_states_move_between_s3_and_disk_both_ways_and_into_an_empty_cache(s3, tmp_path):
     disk, url, sizes = _upload(s3, tmp_path)
     limit = least_accepted(lambda limit: _streaming("bestfit", url, tmp_path / "least",
@@ -119,6 +120,7 @@ def test_states_move_between_s3_and_disk_both_ways_and_into_an_empty_cache(s3, t
 # What the cache may evict, and the kept listing
 
 
+@pytest.mark.slow
 def test_evicts_only_what_it_fetched_and_restarts_on_the_kept_listing(s3_faulty, tmp_path,
                                                                        caplog):
     disk, url, sizes = _upload(s3_faulty, tmp_path)
@@ -161,6 +163,7 @@ def _get_kind(range_header: str | None) -> str:
     return "footer" if end - start + 1 == TAIL_BYTES else "other"
 
 
+@pytest.mark.slow
 def test_ranks_of_one_machine_under_torchrun_fetch_each_object_once(s3_faulty, tmp_path):
     # real processes: two ranks of one machine stream the hub's names from S3 into one cache
     hosted, out = tmp_path / "hosted", tmp_path / "out"
@@ -172,7 +175,7 @@ def test_ranks_of_one_machine_under_torchrun_fetch_each_object_once(s3_faulty, t
     s3_faulty.upload_dir(hosted, "hub")
     s3_faulty.proxy.clear()
     cmd = [*TORCHRUN, "--standalone", "--nproc-per-node=2",
-           os.path.join(HERE, "stream_worker.py"), str(out), "20"]
+           os.path.join(TESTS, "stream_worker.py"), str(out), "20"]
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=120,
                             env=stream_env(tmp_path / "base", s3_faulty.url("hub"), len(names)))
     assert result.returncode == 0, result.stdout + result.stderr

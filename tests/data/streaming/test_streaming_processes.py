@@ -27,7 +27,7 @@ from types import SimpleNamespace
 import pyarrow.parquet as pq
 import pytest
 
-from conftest import ByteTokenizer, least_accepted, outcome, worker_env, write_shard
+from conftest import TESTS, ByteTokenizer, least_accepted, outcome, worker_env, write_shard
 from nanochat.data.streaming import eviction
 from nanochat.data.streaming import fetcher
 from nanochat.dataloader import tokenizing_distributed_data_loader_with_state_bos_bestfit
@@ -41,7 +41,6 @@ from nanochat.data.fetch import serve as shard_server
 from nanochat.data.fetch.serve import BLOCK, ShardServer
 from stream_worker import LOADER, rows_of
 
-from conftest import TESTS as HERE
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
 
 
@@ -78,12 +77,12 @@ def on_disk(
     loader = tokenizing_distributed_data_loader_with_state_bos_bestfit(
         ByteTokenizer(), data_dir=str(hosted), rank=rank, world_size=world_size,
         resume_state_dict=resume, **LOADER | settings)
-    batches = take(loader, num_batches)
+    batches = take_written(loader, num_batches)
     loader.close()
     return batches
 
 
-def take(loader, num_batches: int) -> list[dict]:
+def take_written(loader, num_batches: int) -> list[dict]:
     """The next batches of a loader as a worker writes them, and reads them back (tuples become
     lists)."""
     return [json.loads(json.dumps({"rows": rows_of(inputs, targets), "state": state}))
@@ -155,6 +154,7 @@ def free_port() -> int:
 # Many ranks, one machine; many machines, a disk each
 
 
+@pytest.mark.slow
 def test_ranks_of_one_machine_download_each_shard_once_within_the_budget(tmp_path):
     # 10 shards of 48 equal documents in row groups of 2: 24 documents (6 batches) per rank per
     # shard
@@ -173,7 +173,7 @@ def test_ranks_of_one_machine_download_each_shard_once_within_the_budget(tmp_pat
     server = ShardServer(str(hosted))
     try:
         cmd = [*TORCHRUN, "--standalone", "--nproc-per-node=2",
-               os.path.join(HERE, "stream_worker.py"), str(out), str(num_batches)]
+               os.path.join(TESTS, "stream_worker.py"), str(out), str(num_batches)]
         result = subprocess.run(cmd, capture_output=True, text=True, timeout=120,
                                 env=stream_env(tmp_path / "base", server.url, len(names), limit))
         assert result.returncode == 0, result.stdout + result.stderr
@@ -192,6 +192,7 @@ def test_ranks_of_one_machine_download_each_shard_once_within_the_budget(tmp_pat
     assert len(kept) < len(fetched) and sum(kept.values()) <= limit
 
 
+@pytest.mark.slow
 def test_local_ranks_that_drift_apart_download_each_shard_once(tmp_path):
     """3 ranks, 10 row groups per shard: rank 0 reads 4 of each shard, ranks 1 and 2 read 3, so
     ranks 1 and 2 move through the shards faster and drift ~33 shards ahead in 400 steps. With a
@@ -204,7 +205,7 @@ def test_local_ranks_that_drift_apart_download_each_shard_once(tmp_path):
     server = ShardServer(str(hosted))
     try:
         cmd = [*TORCHRUN, "--standalone", "--nproc-per-node=3",
-               os.path.join(HERE, "stream_worker.py"), str(out), "400"]
+               os.path.join(TESTS, "stream_worker.py"), str(out), "400"]
         result = subprocess.run(cmd, capture_output=True, text=True, timeout=300,
                                 env=stream_env(tmp_path / "base", server.url, len(names), limit))
         assert result.returncode == 0, result.stdout + result.stderr
@@ -219,6 +220,7 @@ def test_local_ranks_that_drift_apart_download_each_shard_once(tmp_path):
     assert sorted(fetched) == sorted(set(fetched))  # none downloaded twice
 
 
+@pytest.mark.slow
 def test_two_nodes_each_fill_their_own_cache(tmp_path):
     # torchrun --nnodes 2 on one machine: node 0 and node 1 are two launches with a base dir (a
     # local disk) each
@@ -231,7 +233,8 @@ def test_two_nodes_each_fill_their_own_cache(tmp_path):
     try:
         nodes += [subprocess.Popen([*TORCHRUN, "--nnodes=2", f"--node-rank={node}",
                                     "--nproc-per-node=1", "--master-addr=127.0.0.1",
-                                    f"--master-port={port}", os.path.join(HERE, "stream_worker.py"),
+                                    f"--master-port={port}",
+                                    os.path.join(TESTS, "stream_worker.py"),
                                     str(out), str(num_batches)],
                                    stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                    env=stream_env(tmp_path / f"node{node}", server.url, len(names)))
@@ -277,6 +280,7 @@ def buffered_shards(state) -> list[int]:
     return [p for i, p in enumerate(shards) if i == 0 or p != shards[i - 1]]
 
 
+@pytest.mark.slow
 def test_a_killed_streaming_run_resumes_exactly(tmp_path):
     hosted, base = tmp_path / "hosted", tmp_path / "base"
     names = host_shards(hosted, 10, mixed_docs, row_group_size=2)
@@ -294,7 +298,7 @@ def test_a_killed_streaming_run_resumes_exactly(tmp_path):
     try:
         with open(killed / "log", "w") as log:
             worker = subprocess.Popen(
-                [sys.executable, os.path.join(HERE, "stream_worker.py"), str(killed), "1000"],
+                [sys.executable, os.path.join(TESTS, "stream_worker.py"), str(killed), "1000"],
                 stdout=log, stderr=subprocess.STDOUT, env=env)
         try:
             partial = kill_mid_download(worker, killed, directory, min_batches=13)
@@ -316,7 +320,7 @@ def test_a_killed_streaming_run_resumes_exactly(tmp_path):
             json.dump(before[-1]["state"], f)
 
         mark = len(server.gets)
-        result = subprocess.run([sys.executable, os.path.join(HERE, "stream_worker.py"),
+        result = subprocess.run([sys.executable, os.path.join(TESTS, "stream_worker.py"),
                                  str(resumed), str(num_after), str(tmp_path / "state.json")],
                                 capture_output=True, text=True, timeout=60, env=env)
         assert result.returncode == 0, result.stdout + result.stderr
@@ -339,6 +343,7 @@ def lingering_docs(i: int) -> list[str]:
     return [f"shard {i} doc {j}: " + letters(rng, rng.randint(1, 60)) for j in range(100)]
 
 
+@pytest.mark.slow
 def test_a_resume_after_a_kill_reads_the_buffered_documents_from_the_dead_loaders_copies(tmp_path):
     hosted, base = tmp_path / "hosted", tmp_path / "base"
     names = host_shards(hosted, 10, lingering_docs, row_group_size=16)
@@ -359,7 +364,7 @@ def test_a_resume_after_a_kill_reads_the_buffered_documents_from_the_dead_loader
     try:
         with open(killed / "log", "w") as log:
             worker = subprocess.Popen(
-                [sys.executable, os.path.join(HERE, "stream_worker.py"), str(killed), str(num)],
+                [sys.executable, os.path.join(TESTS, "stream_worker.py"), str(killed), str(num)],
                 stdout=log, stderr=subprocess.STDOUT, env=dict(env, STREAM_WORKER_IDLE="1"))
         try:
             for _ in range(2000):  # 20 s: until a shard of its last state's buffer is evicted
@@ -382,7 +387,7 @@ def test_a_resume_after_a_kill_reads_the_buffered_documents_from_the_dead_loader
         with open(tmp_path / "state.json", "w") as f:
             json.dump(state, f)
         mark = len(server.gets)
-        result = subprocess.run([sys.executable, os.path.join(HERE, "stream_worker.py"),
+        result = subprocess.run([sys.executable, os.path.join(TESTS, "stream_worker.py"),
                                  str(resumed), "20", str(tmp_path / "state.json")],
                                 capture_output=True, text=True, timeout=60, env=env)
         assert result.returncode == 0, result.stdout + result.stderr
@@ -414,6 +419,7 @@ def kill_mid_download(worker, out, directory, min_batches: int) -> str:
     raise AssertionError("no download was seen under way")
 
 
+@pytest.mark.slow
 def test_a_resume_elsewhere_fetches_the_buffered_documents_shards_first(tmp_path):
     hosted = tmp_path / "hosted"
     names = host_shards(hosted, 10, mixed_docs, row_group_size=2)
@@ -425,7 +431,7 @@ def test_a_resume_elsewhere_fetches_the_buffered_documents_shards_first(tmp_path
     try:  # on another machine: an empty cache
         loader = streaming(tmp_path / "cache", server.url, len(names), prefetch_shards=2,
                            resume_state_dict=state)
-        resumed = take(loader, 10)
+        resumed = take_written(loader, 10)
         loader.close()
     finally:
         server.close()
@@ -455,7 +461,7 @@ def batches_until_error(loader, max_batches: int) -> tuple[list[dict], Exception
     """The batches next() gives, then the error it raises (within a minute); fails after
     max_batches."""
     got = []
-    error = outcome(lambda: [got.extend(take(loader, 1)) for _ in range(max_batches + 1)])
+    error = outcome(lambda: [got.extend(take_written(loader, 1)) for _ in range(max_batches + 1)])
     assert isinstance(error, Exception), f"{len(got)} batches and no error"
     return got, error
 
@@ -467,7 +473,7 @@ def test_a_server_gone_mid_run_is_an_error_naming_the_shard_and_its_url(tmp_path
     server = ShardServer(str(hosted))
     loader = streaming(tmp_path / "cache", server.url, len(names))
     try:
-        got = take(loader, 1)  # shard 0 arrived
+        got = take_written(loader, 1)  # shard 0 arrived
         server.close()
         more, error = batches_until_error(loader, 36)
     finally:
@@ -479,6 +485,7 @@ def test_a_server_gone_mid_run_is_an_error_naming_the_shard_and_its_url(tmp_path
     assert "gave up after 2 attempts" in str(error)
 
 
+@pytest.mark.slow
 def test_a_server_gone_silent_mid_download_is_an_error_not_a_hang(tmp_path):
     hosted = tmp_path / "hosted"
     # ~150 KB shards: 3 of the server's blocks
@@ -488,7 +495,7 @@ def test_a_server_gone_silent_mid_download_is_an_error_not_a_hang(tmp_path):
                        download_limits=Limits(max_attempts=2, backoff_base=0.01, timeout=0.5,
                                               deadline=10))
     try:
-        take(loader, 1)
+        take_written(loader, 1)
         # the connection stays open, and after the block in flight nothing more comes
         server.throttle.rate = 1.0
         _, error = batches_until_error(loader, 20)
@@ -526,7 +533,7 @@ def test_an_outage_over_before_its_shard_is_read_does_not_end_the_run(tmp_path, 
     try:
         loader = streaming(tmp_path / "cache", server.url, len(names), prefetch_shards=2)
         try:
-            got = take(loader, 1)  # shard 0 is read; shards 1 and 2 are fetched ahead
+            got = take_written(loader, 1)  # shard 0 is read; shards 1 and 2 are fetched ahead
             for _ in range(1000):
                 if len(refused) == LIMITS.max_attempts:
                     break
@@ -534,7 +541,7 @@ def test_an_outage_over_before_its_shard_is_read_does_not_end_the_run(tmp_path, 
             # the fetch of shard 2 gave up, long before it is read
             assert len(refused) == LIMITS.max_attempts
             outage.clear()
-            got += take(loader, 39)  # shard 2 is read from about batch 24 on
+            got += take_written(loader, 39)  # shard 2 is read from about batch 24 on
         finally:
             loader.close()
     finally:
@@ -581,7 +588,7 @@ def test_a_full_disk_is_an_enospc_error_naming_the_directory(tmp_path, monkeypat
     server = ShardServer(str(hosted))
     loader = streaming(cache, server.url, len(names))
     try:
-        got = take(loader, 1)
+        got = take_written(loader, 1)
         # the disk fills up while shard 0 is read: 1 KB left (a shard is ~7 KB)
         monkeypatch.setattr(eviction.shutil, "disk_usage",
                             lambda path: SimpleNamespace(free=1000))
@@ -634,6 +641,7 @@ def test_a_budget_below_what_must_be_held_is_refused_at_the_call(tmp_path):
                          "buffer_size.", f"pass cache_limit={least} or more"]
 
 
+@pytest.mark.slow
 def test_every_local_rank_checks_the_machines_least_and_a_merged_resume_at_it_runs(
         tmp_path, monkeypatch):
     """2 ranks' states merged for 3 ranks of one machine, each given the whole merge. Shards of 4
@@ -661,7 +669,7 @@ def test_every_local_rank_checks_the_machines_least_and_a_merged_resume_at_it_ru
                 world_size=3, resume_state_dict=merged, **settings)))
         assert leasts[0] == leasts[1] == leasts[2], leasts
         cmd = [*TORCHRUN, "--standalone", "--nproc-per-node=3",
-               os.path.join(HERE, "stream_worker.py"), str(out), "30",
+               os.path.join(TESTS, "stream_worker.py"), str(out), "30",
                str(tmp_path / "merged.json")]
         env = dict(stream_env(tmp_path / "base", server.url, len(names), leasts[0]),
                    STREAM_WORKER_LOADER=json.dumps(settings))
@@ -699,6 +707,7 @@ def wait_for_partial(path) -> None:
     raise AssertionError(f"{path} did not appear")
 
 
+@pytest.mark.slow
 def test_a_local_rank_starting_while_another_downloads_is_accepted(tmp_path):
     hosted, cache = tmp_path / "hosted", tmp_path / "cache"
     names = host_shards(hosted, 3, mixed_docs, row_group_size=2)
@@ -713,7 +722,7 @@ def test_a_local_rank_starting_while_another_downloads_is_accepted(tmp_path):
         rank1 = streaming(cache, server.url, len(names), prefetch_shards=2, cache_limit=limit,
                           rank=1, world_size=2)
         server.throttle.rate = None
-        got = take(rank1, 6)  # once rank 0's attempt has timed out and resumed its download
+        got = take_written(rank1, 6)  # once rank 0's attempt has timed out and resumed its download
         rank1.close()
     finally:
         rank0.close()
@@ -721,6 +730,7 @@ def test_a_local_rank_starting_while_another_downloads_is_accepted(tmp_path):
     assert got == expected
 
 
+@pytest.mark.slow
 def test_a_run_interrupted_mid_download_restarts_with_its_cache_limit(tmp_path):
     hosted, cache = tmp_path / "hosted", tmp_path / "cache"
     names = host_shards(hosted, 3, mixed_docs, row_group_size=2)
@@ -734,7 +744,7 @@ def test_a_run_interrupted_mid_download_restarts_with_its_cache_limit(tmp_path):
         interrupted.close()  # what it leaves: its download of shard 0, half done
         server.throttle.rate = None
         again = streaming(cache, server.url, len(names), prefetch_shards=2, cache_limit=limit)
-        got = take(again, 6)
+        got = take_written(again, 6)
         again.close()
     finally:
         server.close()
@@ -772,7 +782,7 @@ def test_a_local_rank_starting_as_another_download_completes_is_accepted(tmp_pat
                               rank=1, world_size=2)
         finally:
             resume.set()
-        got = take(rank1, 6)
+        got = take_written(rank1, 6)
         rank1.close()
     finally:
         resume.set()
