@@ -10,7 +10,6 @@ import gzip
 import json
 import logging
 import os
-import random
 import shutil
 import time
 from collections import Counter
@@ -18,32 +17,15 @@ from collections import Counter
 import pytest
 import torch
 
-from conftest import ByteTokenizer, write_shard
-from nanochat.data.fetch.limits import Limits
-from nanochat.data.fetch.serve import ShardServer
+from conftest import FAST, ByteTokenizer, hosting
 from nanochat.data.streaming.ledger import STREAM_DIR
 from nanochat.dataloader import (tokenizing_distributed_data_loader_with_state,
                                  tokenizing_distributed_data_loader_with_state_bos_bestfit)
 from nanochat.data.base.datasets import index_to_filename
 
 VAL = index_to_filename(6542)  # the default dataset's (ClimbMix's) val shard
-FAST = Limits(max_attempts=2, backoff_base=0.01, timeout=5, deadline=30)
 LOADERS = {"bestfit": tokenizing_distributed_data_loader_with_state_bos_bestfit,
            "concat": tokenizing_distributed_data_loader_with_state}
-
-
-def write_hosted(directory, num_train: int = 7, docs: int = 300, seed: int = 0) -> list[int]:
-    """num_train train shards and the val shard, named as the dataset's, of documents of 18-77
-    characters in row groups of 32 (those longer than a row wait in a best-fit buffer); their
-    sizes, sorted."""
-    rng = random.Random(seed)
-    os.makedirs(directory, exist_ok=True)
-    for i in list(range(num_train)) + [6542]:
-        texts = [f"shard {i} doc {j}: "
-                 + "".join(rng.choice("abcdefgh ") for _ in range(rng.randint(1, 60)))
-                 for j in range(docs)]
-        write_shard(os.path.join(directory, index_to_filename(i)), texts, 32)
-    return sorted(os.path.getsize(os.path.join(directory, name)) for name in os.listdir(directory))
 
 
 # tokenizer batches of 8: what a loader reads ahead stays within a shard of these small ones (300
@@ -128,11 +110,8 @@ def warnings_about(caplog, text: str) -> list[str]:
 @pytest.fixture(scope="module")
 def hosted(tmp_path_factory):
     """The hosted shards and their server, shared by the tests of a file (none changes them)."""
-    directory = tmp_path_factory.mktemp("hosted")
-    sizes = write_hosted(directory)
-    server = ShardServer(str(directory))
-    yield str(directory), server, sizes
-    server.close()
+    with hosting(tmp_path_factory.mktemp("hosted")) as shards:
+        yield shards
 
 
 @pytest.fixture(scope="module")

@@ -18,8 +18,8 @@ import socket
 
 import pytest
 
-from conftest import (assert_same_batches as _same, ByteTokenizer, least_accepted, outcome,
-                      peak_while, take_batches as _batches)
+from conftest import (FAST, ByteTokenizer, assert_same_batches as _same, least_accepted, outcome,
+                      peak_while, take_batches as _batches, write_hosted)
 from nanochat.data.base.state import decode_keys
 from nanochat.data.fetch.limits import Limits
 from nanochat.data.fetch.serve import ShardServer
@@ -29,7 +29,7 @@ from nanochat.data.streaming.ledger import (FETCHED, Ledger, Loader, ShardRow, s
 from nanochat.dataloader import tokenizing_distributed_data_loader_with_state_bos_bestfit
 from nanochat.data.base.datasets import index_to_filename
 from nanochat.resume import merge_states
-from served_shards import disk_loader, FAST, stream_loader, streaming, VAL, write_hosted
+from served_shards import disk_loader, stream_loader, streaming, VAL
 
 
 @pytest.fixture

@@ -21,7 +21,7 @@ import time
 
 import pytest
 
-from conftest import outcome, write_shard
+from conftest import FAST, outcome, write_hosted, write_shard
 from nanochat.data.base.files import write_atomic
 from nanochat.data.fetch import download, verify
 from nanochat.data.fetch.download import download_file
@@ -30,8 +30,7 @@ from nanochat.data.streaming.catalog import read_catalog
 from nanochat.data.streaming.kept import encode, Keeper
 from nanochat.data.streaming.ledger import Ledger, STREAM_DIR, Table
 from nanochat.data.base.datasets import index_to_filename
-from served_shards import (batches, batches_of, expected, FAST, hosted, on_disk, same, streaming,
-                           write_hosted)
+from served_shards import batches, batches_of, expected, hosted, on_disk, same, streaming
 
 
 FIX = "free some space, pass a smaller cache_limit, or use a data_dir on a bigger disk"

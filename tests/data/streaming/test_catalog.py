@@ -23,7 +23,8 @@ from itertools import islice
 
 import pytest
 
-from conftest import ByteTokenizer, take_batches as _batches, TESTS as HERE, worker_env
+from conftest import (FAST, ByteTokenizer, TESTS as HERE, take_batches as _batches, worker_env,
+                      write_hosted)
 from nanochat.data.fetch import serve as shard_server
 from nanochat.data.fetch.small_reads import fetch_tail
 from nanochat.data.fetch.errors import DownloadError
@@ -33,8 +34,8 @@ from nanochat.data.streaming.catalog import catalog_entry, footer_rows, read_cat
 from nanochat.data.streaming.ledger import STREAM_DIR
 from nanochat.dataloader import tokenizing_distributed_data_loader_with_state_bos_bestfit
 from nanochat.data.base.datasets import index_to_filename
-from served_shards import (batches, expected, FAST, footers, hosted, same, stream_loader, streamed,
-                           streaming, VAL, warnings_about, write_hosted)
+from served_shards import (batches, expected, footers, hosted, same, stream_loader, streamed,
+                           streaming, VAL, warnings_about)
 from stream_worker import LOADER, rows_of
 
 

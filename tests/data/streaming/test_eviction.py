@@ -12,14 +12,16 @@ import os
 import random
 import socket
 
-from conftest import (assert_same_batches as _same, least_accepted, peak_while,
+import pytest
+
+from conftest import (FAST, assert_same_batches as _same, least_accepted, peak_while,
                       take_batches as _batches, write_shard)
 from nanochat.data.fetch.serve import ShardServer
 from nanochat.data.streaming import cache as shard_cache
 from nanochat.data.streaming.cache import ShardCache
 from nanochat.data.streaming.ledger import FETCHED, Ledger, Loader, ShardRow, STREAM_DIR, Table
 from nanochat.data.base.datasets import index_to_filename
-from served_shards import disk_loader, FAST, split_dir, stream_loader
+from served_shards import disk_loader, split_dir, stream_loader
 
 
 def test_eviction_spares_what_any_loader_of_the_machine_needs(tmp_path):

@@ -10,11 +10,11 @@ test_streaming_processes.py.
 
 import pytest
 
-from conftest import write_shard
+from conftest import write_hosted, write_shard
 from nanochat.data.fetch.serve import ShardServer
 from nanochat.data.streaming.catalog import catalog_path
 from nanochat.data.base.datasets import index_to_filename
-from served_shards import batches_of, streaming, write_hosted
+from served_shards import batches_of, streaming
 
 
 def test_a_shard_changed_at_its_source_mid_run_is_an_error_naming_both_sizes(tmp_path):

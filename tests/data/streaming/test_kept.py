@@ -18,7 +18,7 @@ import pyarrow.parquet as pq
 import pytest
 from filelock import FileLock
 
-from conftest import assert_same_batches as _same
+from conftest import assert_same_batches as _same, write_hosted
 from conftest import take_batches as _batches
 from nanochat.data.base.state import decode_keys
 from nanochat.data.fetch.serve import ShardServer
@@ -26,7 +26,7 @@ from nanochat.data.streaming import cache as shard_cache
 from nanochat.data.streaming.ledger import Ledger, STREAM_DIR
 from nanochat.data.base.datasets import index_to_filename
 from served_shards import (batches, disk_loader, expected, hosted, kept_texts, same, split_dir,
-                           stream_loader, streamed, streaming, VAL, warnings_about, write_hosted)
+                           stream_loader, streamed, streaming, VAL, warnings_about)
 
 
 @pytest.mark.slow
