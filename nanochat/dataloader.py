@@ -24,7 +24,7 @@ from nanochat.data.loader.order import ParquetReader
 from nanochat.data.loader.rows import Encoder, EntryDocuments
 from nanochat.data.pretokenized.token_reader import TokenShardReader, shard_paths, shard_vocab
 from nanochat.data.streaming.cache import local_peers
-from nanochat.data.loader.parquet_files import split_parquet_files
+from nanochat.data.base.datasets import split_parquet_files
 from nanochat.data.streaming.budget import copies_estimate, read_ahead_span
 from nanochat.data.streaming.catalog import streamed_files
 

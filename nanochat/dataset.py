@@ -25,9 +25,10 @@ from tqdm.contrib.logging import logging_redirect_tqdm
 from nanochat.data.base.checks import check_int
 from nanochat.data.base.cli import run
 from nanochat.data.base.datasets import (DATASETS, DEFAULT_DATASET, DatasetSpec, dataset_of,
-                                         get_base_url, get_data_dir, get_dataset, hosted,
-                                         index_to_filename, shard_index)
-from nanochat.data.base.parquet import open_parquet, read_row_group_texts
+                                         get_base_url, get_data_dir, get_dataset, get_shards_hint,
+                                         hosted, index_to_filename, list_parquet_files,
+                                         open_parquet, read_row_group_texts, shard_index,
+                                         split_parquet_files)
 from nanochat.data.fetch import stores
 from nanochat.data.fetch.address import check_source, shown
 from nanochat.data.fetch.download import Report, download_file, download_files, summarize
@@ -40,8 +41,6 @@ from nanochat.data.fetch.verify import check_files
 from nanochat.data.fetch.listing import check_own, listing_source, read_listing
 from nanochat.data.fetch.repackage import main as repackage_main
 from nanochat.data.fetch.serve import main as serve_main
-from nanochat.data.loader.parquet_files import (get_shards_hint, list_parquet_files,
-                                                split_parquet_files)
 
 logger = logging.getLogger(__name__)
 

@@ -25,8 +25,7 @@ import pyarrow.parquet as pq
 
 from nanochat.data.base.cli import run
 from nanochat.dataloader import tokenizing_distributed_data_loader_with_state_bos_bestfit
-from nanochat.data.base.parquet import read_row_group_texts
-from nanochat.data.loader.parquet_files import split_parquet_files
+from nanochat.data.base.datasets import read_row_group_texts, split_parquet_files
 from nanochat.data.base.packing import BestFitPacker, token_dtype
 from nanochat.data.loader.rows import to_documents
 from nanochat.data.pretokenized.token_reader import check_ids
@@ -389,7 +388,8 @@ def pretokenized_section(tokenizer, data_dir, tmp, docs_np, args) -> dict:
     from nanochat.dataloader import pretokenized_distributed_data_loader_with_state_bos_bestfit
     from nanochat.data.processing.tokenize_pair import pretokenize_file
     from nanochat.data.processing.windows import window_document
-    from nanochat.data.pretokenized.token_shards import TokenShard, list_token_shards
+    from nanochat.data.pretokenized.token_shards import TokenShard
+    from nanochat.data.base.layout import list_token_shards
     out = os.path.join(tmp, "tokens")
     t0 = time.perf_counter()
     for split in ("train", "val"):
@@ -475,7 +475,8 @@ def window_spread(tokenizer, data_dir, tmp, args, tbs, *, L=257, overlap=32, B=1
     same batch, median distance in batches, pairs seen)."""
     from nanochat.dataloader import pretokenized_distributed_data_loader_with_state_bos_bestfit
     from nanochat.data.processing.tokenize_pair import pretokenize_file
-    from nanochat.data.pretokenized.token_shards import TokenShard, list_token_shards
+    from nanochat.data.pretokenized.token_shards import TokenShard
+    from nanochat.data.base.layout import list_token_shards
     out = os.path.join(tmp, "windows")
     for split in ("train", "val"):
         for path in split_parquet_files(split, data_dir):

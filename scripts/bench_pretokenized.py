@@ -50,7 +50,7 @@ def prepare(work: str, num_docs: int, vocab_size: int, threads: int) -> str:
     """Write (once) the parquet corpus, its BPE and its pretokenized shards under work; returns the
     pretokenized directory (train/ and val/, with pretokenize.json's settings passed as
     arguments)."""
-    from nanochat.data.loader.parquet_files import split_parquet_files
+    from nanochat.data.base.datasets import split_parquet_files
     from nanochat.data.processing.tokenize_pair import pretokenize_file
     from nanochat.tokenizer import RustBPETokenizer
     from scripts.bench_dataloader import make_corpus, read_all, write_corpus

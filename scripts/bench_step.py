@@ -35,8 +35,7 @@ from nanochat.data.base.cli import run
 from nanochat.dataloader import (pretokenized_distributed_data_loader_with_state_bos_bestfit,
                                  tokenizing_distributed_data_loader_with_state,
                                  tokenizing_distributed_data_loader_with_state_bos_bestfit)
-from nanochat.data.base.datasets import index_to_filename
-from nanochat.data.loader.parquet_files import split_parquet_files
+from nanochat.data.base.datasets import index_to_filename, split_parquet_files
 from nanochat.mixture import pretokenized_mixture_loader_with_state_bos_bestfit
 from nanochat.data.processing.tokenize_pair import pretokenize_file
 from nanochat.tokenizer import RustBPETokenizer

@@ -16,9 +16,7 @@ from tqdm.contrib.logging import logging_redirect_tqdm
 
 from nanochat.data.base.cli import run
 from nanochat.common import get_base_dir
-from nanochat.data.base.datasets import find_data_dir
-from nanochat.data.base.parquet import open_parquet
-from nanochat.data.loader.parquet_files import split_parquet_files
+from nanochat.data.base.datasets import find_data_dir, open_parquet, split_parquet_files
 from nanochat.dataset import parquets_iter_batched
 from nanochat.data.base.files import progress_bar
 from nanochat.tokenizer import MIN_VOCAB_SIZE, RustBPETokenizer

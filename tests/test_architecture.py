@@ -44,7 +44,7 @@ STREAMING = [BY_LEAF["cache"]]  # what stream=True adds to the path
 # shuffled order, the state's format and its checks, the worker process that carries the same
 # batches across, the pretokenized reader, streaming's helpers, the figures for a log
 ASIDE = {BY_LEAF[leaf] for leaf in (
-    "checks", "dataset", "parquet_files", "parquet", "limits", "shuffle", "state", "state_checks",
+    "checks", "dataset", "datasets", "limits", "shuffle", "state", "state_checks",
     "worker", "token_reader", "token_shards", "common", "files", "layout", "catalog", "kept",
     "ledger", "cache_status", "budget", "figures")}
 

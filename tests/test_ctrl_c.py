@@ -17,7 +17,7 @@ import sys
 import pytest
 
 from conftest import REPO_ROOT, assert_interrupted, ctrl_c, write_shard
-from nanochat.data.loader.parquet_files import list_parquet_files
+from nanochat.data.base.datasets import list_parquet_files
 from nanochat.dataset import interrupted
 from nanochat.data.fetch.serve import ShardServer, Throttle
 

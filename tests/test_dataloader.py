@@ -30,7 +30,7 @@ from nanochat.dataloader import (tokenizing_distributed_data_loader,
                                  tokenizing_distributed_data_loader_bos_bestfit,
                                  tokenizing_distributed_data_loader_with_state,
                                  tokenizing_distributed_data_loader_with_state_bos_bestfit)
-from nanochat.data.loader.parquet_files import split_parquet_files
+from nanochat.data.base.datasets import split_parquet_files
 
 BESTFIT = tokenizing_distributed_data_loader_with_state_bos_bestfit
 CONCAT = tokenizing_distributed_data_loader_with_state

@@ -26,7 +26,7 @@ from conftest import REPO_ROOT, write_shards
 from nanochat.data.mixtures.curriculum import list_buckets
 from nanochat.dataloader import (pretokenized_distributed_data_loader_with_state_bos_bestfit,
                                  tokenizing_distributed_data_loader_with_state_bos_bestfit)
-from nanochat.data.loader.parquet_files import list_parquet_files, split_parquet_files
+from nanochat.data.base.datasets import list_parquet_files, split_parquet_files
 from nanochat.dataset import main as dataset_main
 from nanochat.data.mixtures.mixture_state import mixture_start
 from nanochat.resume import merge_states

@@ -171,7 +171,7 @@ def test_the_dropin_check_lays_out_what_the_downloader_would(layout, subdir, val
                                                              monkeypatch):
     # scripts/nanochat_dropin.py runs nanochat's scripts on these layouts (it needs a nanochat
     # checkout)
-    from nanochat.data.loader.parquet_files import split_parquet_files
+    from nanochat.data.base.datasets import split_parquet_files
     from scripts.nanochat_dropin import main, write_layout
     write_layout(str(tmp_path), layout)
     monkeypatch.setenv("NANOCHAT_BASE_DIR", str(tmp_path))

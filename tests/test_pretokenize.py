@@ -24,7 +24,8 @@ import pytest
 from conftest import (TESTS, assert_interrupted, ctrl_c, gpt_simple_windows, sample_texts,
                       worker_env, write_shards)
 from nanochat.data.processing import pair_workers
-from nanochat.data.pretokenized.token_shards import TokenShard, list_token_shards
+from nanochat.data.pretokenized.token_shards import TokenShard
+from nanochat.data.base.layout import list_token_shards
 from nanochat.data.processing.windows import window_document
 from nanochat.pretokenize import INTERRUPTED, main
 from nanochat.tokenizer import RustBPETokenizer

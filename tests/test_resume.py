@@ -40,9 +40,8 @@ from nanochat.dataloader import (
     tokenizing_distributed_data_loader_with_state,
     tokenizing_distributed_data_loader_with_state_bos_bestfit,
 )
-from nanochat.data.loader.parquet_files import split_parquet_files
-from nanochat.mixture import MixtureStop
-from nanochat.mixture import pretokenized_mixture_loader_with_state_bos_bestfit as MIX
+from nanochat.data.base.datasets import split_parquet_files
+from nanochat.mixture import MixtureStop, pretokenized_mixture_loader_with_state_bos_bestfit as MIX
 from nanochat.data.pretokenized.token_shards import write_token_shard
 from nanochat.data.mixtures.mixture_state import add_mixture_checksum
 from nanochat.data.loader.order import parquet_index

@@ -6,7 +6,7 @@ the last shard val. `python -m nanochat.dataset repackage INPUTS --out DIR` runs
 
 Cost: holds every document in memory; writing is pyarrow's zstd, ~100MB shards by default.
 
-May import: nanochat.data.base.checks, nanochat.data.base.datasets, nanochat.data.base.files.
+May import: nanochat.data.base.
 """
 
 import argparse
@@ -20,6 +20,7 @@ import random
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from nanochat.data.base.layout import INPUT_SUFFIXES
 from nanochat.data.base.checks import check_int
 from nanochat.data.base.datasets import index_to_filename
 from nanochat.data.base.files import progress_bar, remove_if_exists
@@ -28,7 +29,6 @@ logger = logging.getLogger(__name__)
 
 ROW_GROUP_SIZE = 1024  # documents per row group, like the hosted shards
 SHARD_SIZE_MB = 100.0  # the hosted shards are ~100MB after zstd
-INPUT_SUFFIXES = (".txt", ".jsonl", ".jsonl.gz", ".parquet")
 RATIO_SAMPLE_DOCS = 2048  # documents compressed up front to estimate the zstd ratio of this data
 
 

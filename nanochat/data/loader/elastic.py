@@ -6,14 +6,13 @@ nanochat/resume.py's merge_states is the front users call; a mixture merges each
 merge_walk_states (nanochat/data/mixtures/mixture_state.py). Cost: every file's footer (index, or
 catalog entry) is read, and no document: states and plans name documents by place.
 
-May import: nanochat.data.base.state, nanochat.data.base.state_checks, nanochat.data.loader.order,
-nanochat.data.streaming.catalog, nanochat.data.loader.parquet_files, nanochat.data.loader.order,
-nanochat.data.pretokenized.
+May import: nanochat.data.base, nanochat.data.loader.order, nanochat.data.pretokenized,
+nanochat.data.streaming.catalog.
 """
 
 import os
 
-from nanochat.data.loader.parquet_files import split_parquet_files
+from nanochat.data.base.datasets import split_parquet_files
 from nanochat.data.streaming.catalog import streamed_files
 from nanochat.data.base.state import (EMPTY_HASH, VERSION, DocKey, PieceKey, PlanUnit, UnitIndex,
                                       WindowCursor, WindowKey, add_checksum, checksum_matches,
@@ -22,7 +21,7 @@ from nanochat.data.base.state import (EMPTY_HASH, VERSION, DocKey, PieceKey, Pla
 from nanochat.data.base.state_checks import buffer_limit, check_data, check_fields, config_shuffle
 from nanochat.data.loader.order import parquet_index
 from nanochat.data.pretokenized.token_reader import chunk_index
-from nanochat.data.pretokenized.token_shards import list_token_shards
+from nanochat.data.base.layout import list_token_shards
 
 # every config field but rank: the states of one run, on one configuration
 SAME_CONFIG = ("loader", "source", "split", "files", "num_files", "chunk_size", "B", "T",

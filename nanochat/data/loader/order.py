@@ -12,7 +12,7 @@ units and 4 window tables held. Design: docs/ARCHITECTURE.md (the main path) and
 (states and plans).
 
 May import: numpy, nanochat.data.base.state, nanochat.data.base.state_checks,
-nanochat.data.base.shuffle, nanochat.data.base.parquet.
+nanochat.data.base.shuffle, nanochat.data.base.datasets.
 """
 
 import itertools
@@ -22,7 +22,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from nanochat.data.base.parquet import open_parquet, read_row_group_column
+from nanochat.data.base.datasets import open_parquet, read_row_group_column
 from nanochat.data.base.shuffle import Shuffle, WindowTable
 from nanochat.data.base.state import (Cursor, DocKey, PlanUnit, Position, Progress, UnitIndex,
                                       WindowCursor, WindowKey, decode_plan)

@@ -9,7 +9,7 @@ nanochat.mixture validate` prints validate()'s table; the draw itself is mix.py.
 Design: docs/mixtures.md
 
 May import: nanochat.data.base.checks, nanochat.data.base.shuffle, nanochat.data.base.packing,
-nanochat.data.pretokenized.token_shards, nanochat.data.pretokenized.layout, pyyaml, numpy.
+nanochat.data.pretokenized.token_shards, nanochat.data.base.layout, pyyaml, numpy.
 """
 
 import hashlib
@@ -23,10 +23,10 @@ import numpy as np
 import yaml
 
 from nanochat.data.base.checks import is_int
-from nanochat.data.pretokenized.layout import check_kind
+from nanochat.data.base.layout import check_kind, list_token_shards
 from nanochat.data.base.packing import POLICIES
 from nanochat.data.base.shuffle import Shuffle
-from nanochat.data.pretokenized.token_shards import TokenShard, list_token_shards
+from nanochat.data.pretokenized.token_shards import TokenShard
 
 # the golden ratio's fractional part: the most evenly spread steps on [0, 1)
 PHI = (math.sqrt(5) - 1) / 2

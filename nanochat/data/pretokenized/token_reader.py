@@ -6,7 +6,7 @@ overlap) views into the memory map, each chunk's ids checked against the vocabul
 from the pretokenize.json our writer leaves; it never guesses. Design: docs/pretokenized.md.
 
 May import: numpy, nanochat.data.base.state, nanochat.data.pretokenized.token_shards,
-nanochat.data.base.checks, nanochat.data.pretokenized.layout.
+nanochat.data.base.checks, nanochat.data.base.layout.
 """
 
 import logging
@@ -18,10 +18,10 @@ from typing import NamedTuple
 import numpy as np
 
 from nanochat.data.base.checks import check_int, is_int
-from nanochat.data.pretokenized.layout import check_kind
+from nanochat.data.base.layout import check_kind, list_token_shards
 from nanochat.data.base.state import UnitIndex
 from nanochat.data.pretokenized.token_shards import (META_FILENAME, TokenShard, entry_count,
-                                                     list_token_shards, recorded_settings)
+                                                     recorded_settings)
 
 logger = logging.getLogger(__name__)
 

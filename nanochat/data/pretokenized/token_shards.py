@@ -172,20 +172,6 @@ def _parse_index(data: bytes, idx_path: str) -> tuple[np.dtype, np.ndarray, np.n
     return np.dtype(DTYPE_CODES[code]), offsets, overlaps
 
 
-def list_token_shards(data_dir: str) -> list[str]:
-    """Sorted prefixes of the complete pairs (an .idx with its .bin) directly in data_dir.
-    Temporary files of a killed run (*.tmp) and a .bin without its .idx are never listed."""
-    if not os.path.isdir(data_dir):
-        raise FileNotFoundError(f"token shard directory {data_dir} does not exist; write shards "
-                                "first: python -m nanochat.pretokenize --input ... --output ...")
-    prefixes = []
-    for name in sorted(os.listdir(data_dir)):
-        prefix = os.path.join(data_dir, name[:-len(".idx")])
-        # isfile: a directory named x.idx is no pair; the .bin check skips a half-deleted one
-        if (name.endswith(".idx") and os.path.isfile(prefix + ".idx")
-                and os.path.isfile(prefix + ".bin")):
-            prefixes.append(prefix)
-    return prefixes
 
 
 def recorded_settings(directory: str) -> dict | None:

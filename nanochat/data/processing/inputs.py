@@ -5,7 +5,7 @@ store's address (its last shard in sorted order is val), or jsonl files and dire
 A store's shard is downloaded to a staging path under OUTPUT/.inputs/ before it is read. Cost: a
 directory listing, or one listing request to the store.
 
-May import: nanochat.data.fetch, nanochat.data.loader.parquet_files.
+May import: nanochat.data.fetch, nanochat.data.base.datasets.
 """
 
 import os
@@ -13,7 +13,7 @@ from typing import NamedTuple
 
 from nanochat.data.fetch import stores
 from nanochat.data.fetch.listing import read_listing
-from nanochat.data.loader.parquet_files import split_parquet_files
+from nanochat.data.base.datasets import split_parquet_files
 from nanochat.data.fetch.limits import Limits
 
 JSONL_SUFFIXES = (".jsonl.gz", ".jsonl")

@@ -6,7 +6,7 @@ pairs not yet written (on worker processes), with a progress bar and a summary l
 loads the tokenizer and says how workers load theirs. Cost: one tokenizer pass over the inputs.
 
 May import: nanochat.data.base.files, nanochat.data.processing.inputs,
-nanochat.data.pretokenized.layout, nanochat.data.processing.output_lock,
+nanochat.data.base.layout, nanochat.data.processing.output_lock,
 nanochat.data.processing.pair_workers, nanochat.data.processing.settings.
 """
 
@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 from nanochat.data.base.files import progress_bar
 from nanochat.data.processing.inputs import plan_pairs
-from nanochat.data.pretokenized.layout import check_kind
+from nanochat.data.base.layout import check_kind
 from nanochat.data.processing.output_lock import output_lock
 from nanochat.data.processing.pair_workers import pair_results
 from nanochat.data.processing.settings import (check_or_write_settings, check_other_buckets,

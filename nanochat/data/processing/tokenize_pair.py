@@ -18,7 +18,7 @@ import pyarrow as pa
 from filelock import FileLock
 
 from nanochat.data.fetch import stores
-from nanochat.data.base.parquet import open_parquet, read_row_group_texts
+from nanochat.data.base.datasets import open_parquet, read_row_group_texts
 from nanochat.data.fetch.repackage import read_jsonl_texts
 from nanochat.data.fetch.errors import DownloadError
 from nanochat.data.fetch.download import download_file

@@ -25,7 +25,7 @@ from filelock import FileLock
 from tqdm import tqdm
 
 from nanochat.data.base.checks import is_int
-from nanochat.data.base.parquet import open_parquet
+from nanochat.data.base.datasets import open_parquet
 from nanochat.data.fetch.address import shown
 from nanochat.data.fetch.listing import read_listing
 from nanochat.data.streaming.streamed_split import stream_source, streamed_split

@@ -21,7 +21,7 @@ from nanochat.data.streaming.cache_status import size_words
 from nanochat.data.streaming.catalog import catalog_path, read_catalog
 from nanochat.data.streaming.kept import encode
 from nanochat.data.streaming.ledger import FETCHED, ShardRow
-from nanochat.data.base.parquet import open_parquet
+from nanochat.data.base.datasets import open_parquet
 from nanochat.data.fetch.address import shown
 
 logger = logging.getLogger(__name__)

@@ -8,7 +8,7 @@ damaged or edited copy is removed with a warning, and its shard fetched again. A
 buffer's documents from any loader's copies. The copies are files (they are data); which loader owns
 which is in the ledger. A copy costs a gzip of a few documents. Design: docs/streaming.md.
 
-May import: nanochat.data.base.parquet, nanochat.data.base.files,
+May import: nanochat.data.base.datasets, nanochat.data.base.files,
 nanochat.data.streaming.ledger.
 """
 
@@ -23,7 +23,7 @@ import zlib
 from collections import deque
 from typing import NamedTuple
 
-from nanochat.data.base.parquet import open_parquet, read_row_group_column
+from nanochat.data.base.datasets import open_parquet, read_row_group_column
 from nanochat.data.base.files import disk_full, remove_if_exists, write_atomic
 from nanochat.data.streaming.ledger import KEPT_DIR, KEPT_SUFFIX, STREAM_DIR, Ledger, Table, listdir
 

@@ -25,13 +25,14 @@ from conftest import ByteTokenizer, buffered_places, slow_beyond, write_shards
 from nanochat.dataloader import (
     pretokenized_distributed_data_loader_with_state_bos_bestfit as PRETOKENIZED,
 )
-from nanochat.data.loader.parquet_files import split_parquet_files
+from nanochat.data.base.datasets import split_parquet_files
 from nanochat.mixture import pretokenized_mixture_loader_with_state_bos_bestfit as MIX
 from nanochat.pretokenize import main as pretokenize_main
 from nanochat.resume import merge_states
 from nanochat.data.base.shuffle import Shuffle, permutation, permute, round_keys
 from nanochat.data.base.state import decode_keys
-from nanochat.data.pretokenized.token_shards import TokenShard, list_token_shards
+from nanochat.data.pretokenized.token_shards import TokenShard
+from nanochat.data.base.layout import list_token_shards
 from test_resume import (BOS, check_rows_against_trace, elastic_corpus, open_loader, random_corpus,
                          take, texts_by_key, write_token_dir)
 

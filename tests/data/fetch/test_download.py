@@ -23,10 +23,9 @@ from conftest import (FAST_BACKOFF, REPO_ROOT, assert_only_complete_shards, bit_
                       dataset_cli, download_shard, outcome, serve_shards, sha256_hex)
 from nanochat import dataset
 from nanochat.data.fetch import download, errors
-from nanochat.dataloader import tokenizing_distributed_data_loader_with_state_bos_bestfit
-from nanochat.data.base.datasets import DATASETS, DatasetSpec, get_data_dir, index_to_filename
-from nanochat.data.loader.parquet_files import list_parquet_files, split_parquet_files
-from nanochat.dataset import download_shards, download_single_file, main, parquets_iter_batched
+from nanochat.data.base.datasets import (DATASETS, DatasetSpec, get_data_dir, index_to_filename,
+                                         list_parquet_files, split_parquet_files)
+from nanochat.dataset import download_shards, download_single_file, main
 from nanochat.data.fetch.download import summarize
 from nanochat.data.fetch.errors import HostNotFoundError
 from nanochat.data.fetch.limits import Limits

@@ -15,8 +15,7 @@ import pytest
 from conftest import assert_only_complete_shards, download_shard, serve_shards, sha256_hex
 from nanochat.data.fetch import download, errors
 from nanochat.data.fetch.limits import Limits
-from nanochat.data.base.datasets import index_to_filename
-from nanochat.data.loader.parquet_files import list_parquet_files
+from nanochat.data.base.datasets import index_to_filename, list_parquet_files
 
 NAME = index_to_filename(0)  # the shard most tests fetch
 

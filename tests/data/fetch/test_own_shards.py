@@ -26,13 +26,11 @@ import pytest
 import requests
 import torch
 
-from conftest import (FAST, REPO_ROOT, ByteTokenizer, assert_interrupted, outcome, worker_env,
+from conftest import (FAST, REPO_ROOT, ByteTokenizer, assert_interrupted,
+                      assert_same_batches as _same, outcome, take_batches as _batches, worker_env,
                       write_shard)
-from conftest import assert_same_batches as _same
-from conftest import take_batches as _batches
 from nanochat.dataloader import tokenizing_distributed_data_loader_with_state_bos_bestfit
-from nanochat.data.loader.parquet_files import split_parquet_files
-from nanochat.data.fetch.limits import Limits
+from nanochat.data.base.datasets import split_parquet_files
 from nanochat.data.fetch import serve
 from nanochat.data.fetch.serve import ShardServer
 

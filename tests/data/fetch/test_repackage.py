@@ -17,10 +17,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from nanochat.data.base.datasets import index_to_filename
+from nanochat.data.base.datasets import index_to_filename, list_parquet_files
 from nanochat.data.fetch import repackage as repackage_module
 from nanochat.data.fetch.repackage import repackage
-from nanochat.data.loader.parquet_files import list_parquet_files
 from nanochat.dataset import main, parquets_iter_batched
 
 

@@ -21,7 +21,6 @@ from conftest import FAST, FAST_CLI, assert_same_batches, ByteTokenizer, take_ba
 from nanochat.dataloader import tokenizing_distributed_data_loader_with_state_bos_bestfit
 from nanochat.dataset import main
 from nanochat.data.fetch import download, sources
-from nanochat.data.fetch.limits import Limits
 from nanochat.data.fetch.records import record_path
 from nanochat.data.fetch.sources import OtherSourceError
 from nanochat.data.fetch.serve import ShardServer

@@ -23,10 +23,11 @@ import torch
 from filelock import FileLock
 
 from conftest import sample_texts, worker_env
-from nanochat.mixture import BucketExhausted, CurriculumComplete
-from nanochat.mixture import pretokenized_mixture_loader_with_state_bos_bestfit as MIX
+from nanochat.mixture import (BucketExhausted, CurriculumComplete,
+                              pretokenized_mixture_loader_with_state_bos_bestfit as MIX)
 from nanochat.pretokenize import main as pretokenize
-from nanochat.data.pretokenized.token_shards import TokenShard, list_token_shards
+from nanochat.data.pretokenized.token_shards import TokenShard
+from nanochat.data.base.layout import list_token_shards
 from nanochat.tokenizer import RustBPETokenizer
 
 # each bucket writes its own kind of text, so that no entry of one bucket is an entry of another

@@ -21,10 +21,10 @@ from nanochat.dataloader import (
     tokenizing_distributed_data_loader_with_state_bos_bestfit as PARQUET,
 )
 from nanochat.pretokenize import main as pretokenize_main
-from nanochat.data.pretokenized.token_shards import write_token_shard
+from nanochat.data.pretokenized.token_shards import TokenShard, write_token_shard
 from nanochat.resume import merge_states
 from nanochat.data.base.state import decode_keys
-from nanochat.data.pretokenized.token_shards import TokenShard, list_token_shards
+from nanochat.data.base.layout import list_token_shards
 from nanochat.tokenizer import RustBPETokenizer
 
 WORDS = "the data loader packs rows of tokens into batches while windows overlap 12 345 é".split()

@@ -13,8 +13,8 @@ import struct
 import numpy as np
 import pytest
 
-from nanochat.data.pretokenized.token_shards import (MAGIC, VERSION, TokenShard, list_token_shards,
-                                                     write_token_shard)
+from nanochat.data.pretokenized.token_shards import MAGIC, VERSION, TokenShard, write_token_shard
+from nanochat.data.base.layout import list_token_shards
 
 BOS = 9  # a stand-in BOS id
 

@@ -12,7 +12,7 @@ import os
 
 from conftest import ByteArrayTokenizer
 from nanochat.data.processing.pretokenize_run import PretokenizeRun, run_pretokenize
-from nanochat.data.pretokenized.token_shards import list_token_shards
+from nanochat.data.base.layout import list_token_shards
 
 
 def a_run(tmp_path, **changes) -> PretokenizeRun:

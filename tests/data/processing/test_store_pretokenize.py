@@ -18,9 +18,7 @@ from conftest import REPO_ROOT, sample_texts, write_shards
 from nanochat.data.fetch import stores
 from nanochat.data.processing.inputs import STAGING
 from nanochat.pretokenize import main
-from nanochat.tokenizer import RustBPETokenizer
 
-from conftest import REPO_ROOT as ROOT
 
 
 TEXTS = dict(words=("alpha", "beta", "river", "stone", "cloud", "paper", "token", "é", "42"),

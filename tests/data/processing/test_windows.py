@@ -8,8 +8,7 @@ GPT-Simple's labelling rule applied to our gpt-simple entries. Run:
 
 import numpy as np
 import pytest
-from hypothesis import given, settings
-from hypothesis import strategies as st
+from hypothesis import given, settings, strategies as st
 
 from conftest import gpt_simple_windows
 from nanochat.data.processing.windows import window_document, window_gpt_simple

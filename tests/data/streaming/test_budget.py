@@ -19,11 +19,9 @@ import random
 
 import pytest
 import torch
-from hypothesis import given, settings
-from hypothesis import strategies as st
+from hypothesis import given, settings, strategies as st
 
 from conftest import FAST, ByteTokenizer, least_accepted, write_shard
-from nanochat.data.fetch.limits import Limits
 from nanochat.data.fetch.serve import ShardServer
 from nanochat.data.streaming.budget import (Budget, Disk, ReadAhead, Term, copies_estimate,
                                             eviction_order, evictions, needed, read_ahead_span,

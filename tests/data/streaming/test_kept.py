@@ -18,8 +18,7 @@ import pyarrow.parquet as pq
 import pytest
 from filelock import FileLock
 
-from conftest import assert_same_batches as _same, write_hosted
-from conftest import take_batches as _batches
+from conftest import assert_same_batches as _same, take_batches as _batches, write_hosted
 from nanochat.data.base.state import decode_keys
 from nanochat.data.fetch.serve import ShardServer
 from nanochat.data.streaming import cache as shard_cache

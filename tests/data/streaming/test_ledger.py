@@ -19,8 +19,7 @@ import subprocess
 import pytest
 
 from conftest import least_accepted, outcome, write_shard
-from nanochat.data.streaming import cache as shard_cache
-from nanochat.data.streaming import ledger as ledger_module
+from nanochat.data.streaming import cache as shard_cache, ledger as ledger_module
 from nanochat.data.streaming.ledger import FETCHED, Ledger, Loader, ShardRow, STREAM_DIR, Table
 from nanochat.data.base.datasets import index_to_filename
 from served_shards import (all_train_shards_fetched, batches, batches_of, expected, hosted, same,

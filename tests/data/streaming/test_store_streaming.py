@@ -19,13 +19,11 @@ from collections import Counter
 
 import pytest
 
-from conftest import FAST, TESTS, ByteTokenizer, least_accepted, peak_while, write_shard
-from conftest import assert_same_batches as _same
-from conftest import take_batches as _batches
+from conftest import (FAST, TESTS, ByteTokenizer, assert_same_batches as _same, least_accepted,
+                      peak_while, take_batches as _batches, write_shard)
 from nanochat.data.fetch import stores
 from nanochat.dataloader import (tokenizing_distributed_data_loader_with_state,
                                  tokenizing_distributed_data_loader_with_state_bos_bestfit)
-from nanochat.data.fetch.limits import Limits
 from nanochat.data.fetch.small_reads import TAIL_BYTES
 from nanochat.data.streaming.ledger import STREAM_DIR
 from test_streaming_processes import (TORCHRUN, cache_dir, equal_docs, host_shards, on_disk,

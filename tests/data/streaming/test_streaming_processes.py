@@ -28,8 +28,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from conftest import TESTS, ByteTokenizer, least_accepted, outcome, worker_env, write_shard
-from nanochat.data.streaming import eviction
-from nanochat.data.streaming import fetcher
+from nanochat.data.streaming import eviction, fetcher
 from nanochat.dataloader import tokenizing_distributed_data_loader_with_state_bos_bestfit
 from nanochat.data.base.datasets import get_dataset, index_to_filename
 from nanochat.data.fetch.limits import Limits

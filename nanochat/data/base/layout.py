@@ -12,12 +12,11 @@ instead, and never suggests writing into it. The kinds:
 
 Cost: a directory listing or three, only on the way to an error, or once when pretokenize starts.
 
-May import: nanochat.data.pretokenized.token_shards.
+May import: the standard library.
 """
 
 import os
 
-from nanochat.data.pretokenized.token_shards import list_token_shards
 
 SPLITS = ("train", "val")
 
@@ -162,3 +161,23 @@ def describe_mismatch(directory: str, wanted: str) -> str | None:
         return None
     return (f"{label}{directory} holds {WHAT[kind]}, not {WHAT[WANTED[wanted]]}: "
             f"{_fix(directory, kind, wanted)}")
+
+
+# text files that `python -m nanochat.dataset repackage` turns into shards
+INPUT_SUFFIXES = (".txt", ".jsonl", ".jsonl.gz", ".parquet")
+
+
+def list_token_shards(data_dir: str) -> list[str]:
+    """Sorted prefixes of the complete pairs (an .idx with its .bin) directly in data_dir.
+    Temporary files of a killed run (*.tmp) and a .bin without its .idx are never listed."""
+    if not os.path.isdir(data_dir):
+        raise FileNotFoundError(f"token shard directory {data_dir} does not exist; write shards "
+                                "first: python -m nanochat.pretokenize --input ... --output ...")
+    prefixes = []
+    for name in sorted(os.listdir(data_dir)):
+        prefix = os.path.join(data_dir, name[:-len(".idx")])
+        # isfile: a directory named x.idx is no pair; the .bin check skips a half-deleted one
+        if (name.endswith(".idx") and os.path.isfile(prefix + ".idx")
+                and os.path.isfile(prefix + ".bin")):
+            prefixes.append(prefix)
+    return prefixes

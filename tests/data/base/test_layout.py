@@ -1,5 +1,5 @@
 """
-Paths and kinds of data directories (nanochat/data/pretokenized/layout.py and every public entry
+Paths and kinds of data directories (nanochat/data/base/layout.py and every public entry
 point that takes a directory):
 - every data_dir= (parquet loaders, pretokenized loader, mixture loader, validate, the dataset
   listing and downloader, merge_states) and every CLI path (--input, --val-input, --output, --data,
@@ -9,7 +9,7 @@ point that takes a directory):
   what it holds and what to pass instead, never one that suggests writing into it.
 Hermetic: tiny parquet shards, jsonl files and a 300-token tokenizer trained in-process, all under
 tmp_path.
-Run: python -m pytest tests/data/pretokenized/test_layout.py -q
+Run: python -m pytest tests/data/base/test_layout.py -q
 """
 
 import functools
@@ -29,16 +29,16 @@ from conftest import ByteTokenizer, sample_texts, write_shards
 from nanochat.data.mixtures.curriculum import load_curriculum, validate
 from nanochat.dataloader import (
     pretokenized_distributed_data_loader_with_state_bos_bestfit as PRETOKENIZED,
+    tokenizing_distributed_data_loader_with_state as CONCAT,
+    tokenizing_distributed_data_loader_with_state_bos_bestfit as PARQUET,
 )
-from nanochat.dataloader import tokenizing_distributed_data_loader_with_state as CONCAT
-from nanochat.dataloader import tokenizing_distributed_data_loader_with_state_bos_bestfit as PARQUET
-from nanochat.data.loader.parquet_files import list_parquet_files, split_parquet_files
-from nanochat.dataset import download_shards, download_single_file, parquets_iter_batched
-from nanochat.dataset import main as dataset_main
-from nanochat.data.pretokenized.layout import data_kind, describe_mismatch
-from nanochat.mixture import main as mixture_main
+from nanochat.data.base.datasets import list_parquet_files, split_parquet_files
+from nanochat.dataset import (download_shards, download_single_file, main as dataset_main,
+                              parquets_iter_batched)
+from nanochat.data.base.layout import data_kind, describe_mismatch
+from nanochat.mixture import (main as mixture_main,
+                              pretokenized_mixture_loader_with_state_bos_bestfit as MIX)
 from nanochat.data.mixtures.mixture_state import merge_mixture_states
-from nanochat.mixture import pretokenized_mixture_loader_with_state_bos_bestfit as MIX
 from nanochat.pretokenize import main as pretokenize
 from nanochat.resume import merge_states
 from nanochat.data.pretokenized.token_shards import write_token_shard
