@@ -19,6 +19,9 @@ import os
 
 
 SPLITS = ("train", "val")
+LISTING = "index.json"  # <base_url>/index.json: {"files": [{"name": ..., "size": ...}, ...]}
+# text files that `python -m nanochat.dataset repackage` turns into shards
+INPUT_SUFFIXES = (".txt", ".jsonl", ".jsonl.gz", ".parquet")
 
 # what each kind is, in a message ("... holds X, not Y")
 WHAT = {"parquet": "parquet shards",
@@ -162,9 +165,6 @@ def describe_mismatch(directory: str, wanted: str) -> str | None:
     return (f"{label}{directory} holds {WHAT[kind]}, not {WHAT[WANTED[wanted]]}: "
             f"{_fix(directory, kind, wanted)}")
 
-
-# text files that `python -m nanochat.dataset repackage` turns into shards
-INPUT_SUFFIXES = (".txt", ".jsonl", ".jsonl.gz", ".parquet")
 
 
 def list_token_shards(data_dir: str) -> list[str]:

@@ -7,7 +7,7 @@ The download and a streaming loader both take their split from it.
 
 Cost: one small request (at most LISTING_MAX_BYTES), or one store listing, retried within limits.
 
-May import: nanochat.data.base.datasets, nanochat.data.fetch.
+May import: nanochat.data.base, nanochat.data.fetch.
 """
 
 import json
@@ -15,12 +15,12 @@ import logging
 import time
 
 from nanochat.data.base.datasets import dataset_of, hosted, log_once, shard_index
+from nanochat.data.base.layout import LISTING
 from nanochat.data.fetch import stores
 from nanochat.data.fetch.address import shown
 from nanochat.data.fetch.errors import DownloadError
 from nanochat.data.fetch.limits import Limits
 from nanochat.data.fetch.small_reads import fetch_small
-from nanochat.data.fetch.serve import LISTING
 
 logger = logging.getLogger(__name__)
 

@@ -13,7 +13,7 @@ it (main below).
 
 Design: docs/streaming.md#your-own-shards
 
-May import: nothing of ours.
+May import: nanochat.data.base.layout.
 """
 
 import argparse
@@ -27,8 +27,9 @@ import time
 import urllib.parse
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
+from nanochat.data.base.layout import LISTING
+
 BLOCK = 64 * 1024  # bytes written at a time (and the rate limiter's step)
-LISTING = "index.json"  # <base_url>/index.json: {"files": [{"name": ..., "size": ...}, ...]}
 
 
 def servable(name: str) -> bool:
