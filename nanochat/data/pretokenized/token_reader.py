@@ -55,34 +55,8 @@ def shard_vocab(first_path: str, bos_token, vocab_size, settings_dirs: list[str]
     read); for the gpt-simple convention the EOD, prepended to every entry. With no record,
     bos_token must be passed: a ValueError shows the first ids of the first shard. It must be an id
     in the vocabulary that the first shard's dtype can hold."""
-    known, records = [], []
-    if vocab_size is not None:
-        check_int("vocab_size", vocab_size, 1)
-        known.append((vocab_size, "the vocab_size argument"))
-    for directory in settings_dirs:  # a mixture's: its data directory and each bucket's
-        settings = recorded_settings(directory)
-        if settings is None:
-            continue
-        path = os.path.join(directory, META_FILENAME)
-        if settings["vocab_size"] is not None:
-            known.append((settings["vocab_size"], path))
-        # gpt-simple entries have no BOS but end with EOD: that id is the one prepended
-        key = "eod_token_id" if settings["convention"] == "gpt-simple" else "bos_token_id"
-        if settings[key] is not None:
-            records.append((settings["convention"], key, settings[key], path))
-    vocab_size, vocab_from = known[0] if known else (None, "")  # the first source; the others agree
-    for size, other in known[1:]:
-        if size != vocab_size:
-            raise ValueError(f"vocab_size {vocab_size:,} ({vocab_from}) disagrees with {size:,} "
-                             f"({other}); pass the vocab_size of the tokenizer that wrote the "
-                             "shards, and keep shards of different tokenizers apart")
-    convention, key, recorded, record = records[0] if records else (None, None, None, None)
-    for other_convention, other_key, other_id, other_record in records[1:]:
-        if (other_convention, other_id) != (convention, recorded):
-            raise ValueError(f"{record} records the {convention} convention with {key} {recorded}, "
-                             f"but {other_record} the {other_convention} convention with "
-                             f"{other_key} {other_id}; keep shards written with other conventions "
-                             "or tokenizers apart")
+    vocab_size, vocab_from, (convention, key, recorded, record) = _recorded(vocab_size,
+                                                                            settings_dirs)
     first = TokenShard(first_path)  # the one shard opened up front: its dtype, its first entries
     given = bos_token is not None
     if not given:
@@ -122,6 +96,48 @@ def shard_vocab(first_path: str, bos_token, vocab_size, settings_dirs: list[str]
                        "checked only against their dtype (%s); pass vocab_size to catch a damaged "
                        "shard before the model sees its ids", directory, first.dtype.name)
     return ShardVocab(bos_token, vocab_size, vocab_from, convention, bos_record)
+
+
+class BosRecord(NamedTuple):
+    """What a pretokenize.json records of the id every entry gets first (all Nones: no record)."""
+    convention: str | None  # "nanochat" or "gpt-simple"
+    key: str | None  # "bos_token_id", or "eod_token_id" for gpt-simple
+    token: int | None
+    path: str | None  # the pretokenize.json
+
+
+def _recorded(vocab_size, settings_dirs: list[str]) -> tuple[int | None, str, BosRecord]:
+    """The vocabulary size and where it comes from, and the BOS record, from the vocab_size
+    argument and the pretokenize.json files in settings_dirs: all must agree."""
+    known, records = [], []
+    if vocab_size is not None:
+        check_int("vocab_size", vocab_size, 1)
+        known.append((vocab_size, "the vocab_size argument"))
+    for directory in settings_dirs:  # a mixture's: its data directory and each bucket's
+        settings = recorded_settings(directory)
+        if settings is None:
+            continue
+        path = os.path.join(directory, META_FILENAME)
+        if settings["vocab_size"] is not None:
+            known.append((settings["vocab_size"], path))
+        # gpt-simple entries have no BOS but end with EOD: that id is the one prepended
+        key = "eod_token_id" if settings["convention"] == "gpt-simple" else "bos_token_id"
+        if settings[key] is not None:
+            records.append(BosRecord(settings["convention"], key, settings[key], path))
+    vocab_size, vocab_from = known[0] if known else (None, "")  # the first source; the others agree
+    for size, other in known[1:]:
+        if size != vocab_size:
+            raise ValueError(f"vocab_size {vocab_size:,} ({vocab_from}) disagrees with {size:,} "
+                             f"({other}); pass the vocab_size of the tokenizer that wrote the "
+                             "shards, and keep shards of different tokenizers apart")
+    convention, key, recorded, record = records[0] if records else BosRecord(None, None, None, None)
+    for other_convention, other_key, other_id, other_record in records[1:]:
+        if (other_convention, other_id) != (convention, recorded):
+            raise ValueError(f"{record} records the {convention} convention with {key} {recorded}, "
+                             f"but {other_record} the {other_convention} convention with "
+                             f"{other_key} {other_id}; keep shards written with other conventions "
+                             "or tokenizers apart")
+    return vocab_size, vocab_from, BosRecord(convention, key, recorded, record)
 
 
 def first_ids(shard, start: int, count: int = 8) -> str:
