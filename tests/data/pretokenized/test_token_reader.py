@@ -59,6 +59,10 @@ def test_an_id_outside_the_vocabulary_is_refused_naming_the_entry(tmp_path):
     with pytest.raises(ValueError, match=message):
         check_ids(shard, 0, 5, 6, "the vocab_size argument")
     check_ids(shard, 0, 3, 6, "the vocab_size argument")  # entries 0-2 only: all below 6
+    check_ids(shard, 0, 5, 8, "the vocab_size argument")  # the largest id, 7, is the last allowed
+    with pytest.raises(ValueError, match=r"entry 4 holds token id 7 \(token 1 of the entry\), "
+                                         r"outside the vocabulary \[0, 7\)"):
+        check_ids(shard, 0, 5, 7, "the vocab_size argument")
     reader = TokenShardReader([path], 2, ShardVocab(0, 6, "the vocab_size argument", None, None))
     reader.read(0, 0)
     with pytest.raises(ValueError, match="entry 3 holds token id 6"):
