@@ -8,9 +8,10 @@ fault-injecting local HTTP server of conftest.py (`fault_server`). Run:
 
 import pytest
 
-from conftest import ByteTokenizer, outcome, serve_shards
+from conftest import FAST, ByteTokenizer, outcome, serve_shards
 from nanochat.data.fetch import errors, small_reads
 from nanochat.data.fetch.limits import Limits
+from nanochat.data.fetch.serve import ShardServer
 from nanochat.dataloader import tokenizing_distributed_data_loader_with_state_bos_bestfit
 from nanochat.data.base.datasets import index_to_filename
 
@@ -65,3 +66,27 @@ def test_a_trickling_footer_fails_a_streaming_loaders_first_call_in_bounded_time
     url = f"{fault_server.url}/{NAME}"
     assert f"could not read the footer of shard {NAME} from {url}: " in str(error)
     assert "below the minimum of 2 KB/s" in str(error)  # too slow
+
+
+def test_fetch_tail_returns_the_size_and_the_last_bytes_of_a_served_shard(tmp_path):
+    body = bytes(range(256)) * 3  # 768 bytes
+    (tmp_path / "a.parquet").write_bytes(body)
+    server = ShardServer(str(tmp_path))
+    try:
+        assert small_reads.fetch_tail(f"{server.url}/a.parquet", 100, FAST) == (768, body[-100:])
+        # more than the file: the whole file
+        assert small_reads.fetch_tail(f"{server.url}/a.parquet", 5000, FAST) == (768, body)
+    finally:
+        server.close()
+
+
+def test_fetch_small_returns_a_listing_and_none_for_a_missing_file(tmp_path):
+    (tmp_path / "index.json").write_bytes(b'{"files": []}')
+    server = ShardServer(str(tmp_path))
+    try:
+        assert small_reads.fetch_small(f"{server.url}/index.json", 1000, FAST) == b'{"files": []}'
+        assert small_reads.fetch_small(f"{server.url}/gone.parquet", 1000, FAST) is None
+    finally:
+        server.close()
+    with pytest.raises(ValueError, match=r"fetch_small reads http\(s\) URLs only, not 's3://b/x'"):
+        small_reads.fetch_small("s3://b/x", 1000)

@@ -9,6 +9,7 @@ split in the cache do not stop the copies. Shards are served by a real HTTP serv
 """
 
 import gzip
+import hashlib
 import json
 import logging
 import os
@@ -18,11 +19,14 @@ import pyarrow.parquet as pq
 import pytest
 from filelock import FileLock
 
-from conftest import assert_same_batches as _same, take_batches as _batches, write_hosted
-from nanochat.data.base.state import decode_keys
+from conftest import (assert_same_batches as _same, take_batches as _batches, write_hosted,
+                      write_shard)
+from nanochat.data.base.state import DocKey, decode_keys
 from nanochat.data.fetch.serve import ShardServer
 from nanochat.data.streaming import cache as shard_cache
-from nanochat.data.streaming.ledger import Ledger, STREAM_DIR
+from nanochat.data.streaming.kept import (Copy, CopyPlan, Keeper, drop_oldest, encode, file_mtime,
+                                         kept_bytes, kept_root, read_copy, remove_gone)
+from nanochat.data.streaming.ledger import KEPT_SUFFIX, Ledger, STREAM_DIR, Table
 from nanochat.data.base.datasets import index_to_filename
 from served_shards import (batches, disk_loader, expected, hosted, kept_texts, same, split_dir,
                            stream_loader, streamed, streaming, VAL, warnings_about)
@@ -181,3 +185,79 @@ def test_a_damaged_kept_copy_is_removed_and_its_shard_fetched_again(hosted, expe
 def on_disk_text(hosted_dir, name: str, rg_idx: int, row: int) -> str:
     table = pq.ParquetFile(os.path.join(hosted_dir, name)).read_row_group(rg_idx)
     return table.column("text")[row].as_py()
+
+
+# -----------------------------------------------------------------------------
+# The module's functions on tmp files (fast)
+
+def put_copy(root, owner: str, name: str, body: bytes, mtime: float) -> str:
+    """A copy's file at root/owner/name + KEPT_SUFFIX, with the given bytes and mtime."""
+    os.makedirs(os.path.join(root, owner), exist_ok=True)
+    path = os.path.join(root, owner, name + KEPT_SUFFIX)
+    with open(path, "wb") as f:
+        f.write(body)
+    os.utime(path, (mtime, mtime))
+    return path
+
+
+def test_encode_writes_the_same_bytes_for_the_same_documents_and_read_copy_reads_them(tmp_path):
+    texts = {(1, 0): "b", (0, 2): "a"}
+    data = encode(texts)
+    assert data == encode(dict(reversed(list(texts.items()))))  # sorted, mtime 0
+    docs = [[0, 2, "a"], [1, 0, "b"]]
+    assert json.loads(gzip.decompress(data)) == {
+        "sha256": hashlib.sha256(json.dumps(docs).encode()).hexdigest(), "docs": docs}
+    path = tmp_path / "copy.json.gz"
+    path.write_bytes(data)
+    assert read_copy(str(path)) == texts
+    edited = {"sha256": json.loads(gzip.decompress(data))["sha256"], "docs": [[0, 2, "A"]]}
+    path.write_bytes(gzip.compress(json.dumps(edited).encode()))
+    with pytest.raises(ValueError, match="its documents do not match its sha256"):
+        read_copy(str(path))
+
+
+def test_file_mtime_and_kept_bytes_count_what_is_on_disk(tmp_path):
+    root = kept_root(str(tmp_path))
+    assert root == os.path.join(str(tmp_path), STREAM_DIR, "kept")
+    assert kept_bytes(root) == 0  # no directory yet
+    path = put_copy(root, "host-1-0", "a.parquet", b"x" * 10, 1000.0)
+    put_copy(root, "host-2-0", "b.parquet", b"y" * 7, 2000.0)
+    assert file_mtime(path) == 1000.0
+    assert file_mtime(str(tmp_path / "gone")) == 0.0
+    assert kept_bytes(root) == 17
+
+
+def test_remove_gone_and_drop_oldest_remove_files_and_their_rows(tmp_path):
+    root = kept_root(str(tmp_path))
+    old = put_copy(root, "live", "a.parquet", b"x" * 10, 1000.0)
+    new = put_copy(root, "live", "b.parquet", b"y" * 20, 3000.0)
+    put_copy(root, "dead", "c.parquet", b"z" * 5, 2000.0)
+    table = Table(kept={"live": {"a.parquet": 10, "b.parquet": 20}, "dead": {"c.parquet": 5},
+                        "ghost": {"d.parquet": 1}})
+    remove_gone(root, table, {"live"})
+    assert sorted(os.listdir(root)) == ["live"]
+    assert table.kept == {"live": {"a.parquet": 10, "b.parquet": 20}}
+    # oldest first, until 5 bytes are dropped: the first (10 bytes) is enough
+    assert drop_oldest(root, table, lambda dropped: dropped >= 5) == 10
+    assert not os.path.exists(old) and os.path.exists(new)
+    assert table.kept == {"live": {"b.parquet": 20}}
+
+
+def test_a_keeper_plans_writes_and_removes_its_copies(tmp_path):
+    names = ["shard_00000.parquet", "shard_00001.parquet"]
+    write_shard(tmp_path / names[0], ["zero", "one", "two", "three"], 2)
+    keeper = Keeper(str(tmp_path), names, "host-1-0", 1, Ledger(str(tmp_path)))
+    keeper.hold([DocKey(0, 0, 1, 1), DocKey(0, 0, 0, 0), DocKey(0, 1, 0, 0)])
+    assert keeper.unkept == {0, 1} and keeper.pending
+    assert keeper.plan({1}) == CopyPlan([Copy(0, frozenset({(0, 0), (1, 1)}))], [])
+    # shard 0 is on disk: its documents are read from it (row group 1, row 1 is "three")
+    texts = keeper.texts(0, frozenset({(0, 0), (1, 1)}))
+    assert texts == {(0, 0): "zero", (1, 1): "three"}
+    table = Table()
+    keeper.write(0, encode(texts), table)
+    assert keeper.path(0) == os.path.join(kept_root(str(tmp_path)), "host-1-0",
+                                          "shard_00000.parquet.json.gz")
+    assert read_copy(keeper.path(0)) == texts
+    assert table.kept == {"host-1-0": {"shard_00000.parquet": len(encode(texts))}}
+    keeper.remove(0, table)
+    assert not os.path.exists(keeper.path(0)) and table.kept == {"host-1-0": {}}
