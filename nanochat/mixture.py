@@ -75,7 +75,7 @@ def _prepare(options: MixtureOptions) -> Prepared:
     walks = [Walk(LoaderSpec(kind="bestfit", reader=b.reader, encoder=plan.encoder,
                              config=b.config, rank=plan.rules.rank,
                              world_size=plan.rules.world_size, batch_size=o.batch_size, B=o.B,
-                             T=o.T, buffer_size=o.buffer_size, shuffle=b.order,
+                             T=o.T, buffer_size=o.buffer_size, shuffle=b.shuffle,
                              allow_state_mismatch=o.allow_state_mismatch, epochs=1,
                              state_name=b.state_name), b.state)
              for b in plan.buckets]

@@ -434,6 +434,14 @@ def _require_s3_tools():
         skip_unless_ci(f"{', '.join(missing)} not installed: pip install -e \".[dev]\"")
 
 
+@pytest.fixture
+def fresh_filesystems():
+    """Each test's store endpoint and credentials are read afresh (the fixtures change them)."""
+    stores.forget_filesystems()
+    yield
+    stores.forget_filesystems()
+
+
 @pytest.fixture(scope="session")
 def s3_server():
     """One moto S3 server (tests/s3_server.py's S3Server) for the whole session."""
@@ -496,12 +504,6 @@ def s3_faulty(s3_server, tmp_path, monkeypatch):
 FAST_BACKOFF = ["--backoff-base", "0.01"]  # 5 attempts then cost 0.01+0.02+0.04+0.08 s of sleep
 
 
-def _shard_texts(seed: int, n: int = 300) -> list[str]:
-    rng = random.Random(seed)
-    words = ["alpha", "beta", "gamma", "delta", "shard", "token", "river", "stone", "cloud",
-             "paper"]
-    return [f"doc {seed}-{i}: " + " ".join(rng.choice(words) for _ in range(rng.randint(5, 40)))
-            for i in range(n)]
 
 
 def sha256_hex(body: bytes) -> str:
@@ -718,7 +720,7 @@ def serve_shards(server, tmp_path, indices, *, big: bool = False) -> dict[int, b
             rng = random.Random(i)
             write_shard(path, [rng.randbytes(200).hex() for _ in range(1000)], row_group_size=128)
         else:
-            write_shard(path, _shard_texts(i), row_group_size=64)
+            write_shard(path, sample_texts(i, 300), row_group_size=64)
         served[i] = path.read_bytes()
         server.files[index_to_filename(i)] = served[i]
     return served

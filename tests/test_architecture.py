@@ -256,7 +256,6 @@ def test_each_folder_says_what_it_does_and_names_only_lower_floors(folder):
                         f"{sorted(lower)}, and nanochat.common")
 
 
-# the one arrow back up: pretokenized/token_reader.py walks by loader/order.py's UnitIndex
 @pytest.mark.parametrize("module", DATA_MODULES)
 def test_each_module_keeps_to_its_folders_rule(module):
     """A module of nanochat/data/<folder> imports, and its own "May import" line names, only its

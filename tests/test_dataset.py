@@ -2,7 +2,7 @@
 Tests for nanochat/dataset.py's own API: importing it does nothing, nanochat's
 parquets_iter_batched (start/step across ranks, errors naming the file and row group), and
 download_single_file's check of the dataset's name. The pieces behind it are tested beside their
-modules: tests/data/base/ (datasets, parquet), tests/data/loader/test_parquet_files.py,
+modules: tests/data/base/test_datasets.py (the table, a directory's split, reading a shard),
 tests/data/fetch/ (repackage, listing, address, and the downloader and its CLI in test_download.py).
 Hermetic: no internet, tiny shards in tmp_path. Run:
     python -m pytest tests/test_dataset.py -q

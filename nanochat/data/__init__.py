@@ -7,10 +7,10 @@ resume, shard_cache), import these folders; a nanochat checkout gets the three f
     base/          what every stage stands on: packing, the state's format, checks, the shuffle
     tokenizing/    the tokenizer's files: their names, nanochat's pickle read safely, the HF export
     fetch/         bytes from a source to a verified file on disk: HTTP, object stores, serve
-    pretokenized/  token shards (.bin/.idx): their format, layout and reader
+    pretokenized/  token shards (.bin/.idx): their format and reader
+    processing/    writing token shards: pretokenize's run, from its inputs to the pairs on disk
     streaming/     the cache that fetches shards just ahead of the reader, within cache_limit
     loader/        one rank's walk from shards to packed rows, its worker, resume and figures
-    processing/    writing token shards: pretokenize's run, from its inputs to the pairs on disk
     mixtures/      buckets over loaders, with weights over the tokens
 
 May import: a folder imports its own modules, the folders its __init__.py names (lower floors in

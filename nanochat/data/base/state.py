@@ -96,8 +96,8 @@ class Progress(NamedTuple):
 
 class StateRecorder:
     """Builds the state yielded with each batch, and restores a packer from the resumed one.
-    order: the rank's walk (a RankOrder: index, its units; where, what messages call the resumed
-    state) and encoder, kept for the packing stage, which reads the resumed buffer with them
+    order: the rank's walk (a RankOrder: index, its units; state_name, what messages call the
+    resumed state) and encoder, kept for the packing stage, which reads the resumed buffer with them
     (nanochat/data/loader/rows.py); resumed: a version-2 state that continues this walk, or None;
     watch: called with each state's buffered keys and the file (epoch, pq_idx) the walk goes on in
     (a streaming loader keeps on disk what a resume from that state reads)."""

@@ -37,7 +37,7 @@ def start_order(reader, rank: int, world_size: int, batch_size: int, state, conf
                 allow_state_mismatch: bool, epochs: int | None = None,
                 state_name: str = "resume_state_dict", shuffle: Shuffle | None = None):
     """The walk a loader starts from: fresh, or resumed from a state that check_resume checks
-    (against the data too). where: what messages call the state. Returns a Started."""
+    (against the data too). state_name: what messages call the state. Returns a Started."""
     walk = dict(epochs=epochs, shuffle=shuffle)
     if state is None:
         return Started(RankOrder(reader, rank, world_size, batch_size, **walk), None,

@@ -105,7 +105,7 @@ def _read_spec(spec) -> tuple:
 
 
 def _phase(label: str, phase, buckets) -> Phase:
-    """One phase of a curriculum, checked (where: what messages call it)."""
+    """One phase of a curriculum, checked (label: what messages call it)."""
     if not isinstance(phase, dict):
         raise ValueError(f"{label}: expected a mapping with 'tokens' and 'mix', got {phase!r}")
     unknown_keys = set(phase) - {"tokens", "duration_tokens", "mix"}

@@ -38,12 +38,12 @@ class MixRules(NamedTuple):
 
 
 def mixture_batches(phases: list[Phase], buckets: dict, rules: MixRules, config: dict,
-                    start: dict | None, trace: bool = False):
+                    resumed: dict | None, trace: bool = False):
     """Yield a RowBatch per batch; its `stop` is set (with the last good state as its state) when
-    the loader must stop. buckets: {name: (its walk, dataloader.assemble's parts; its packer)},
-    start: the state resumed from (None: afresh), trace: record each row's documents."""
+    the loader must stop. buckets: {name: (its walk, build.assemble's parts; its packer)},
+    resumed: the state resumed from (None: afresh), trace: record each row's documents."""
     made = {name: _Bucket(name, parts, packer, trace) for name, (parts, packer) in buckets.items()}
-    yield from _Mixture(phases, made, rules, config, start).mixed_batches()
+    yield from _Mixture(phases, made, rules, config, resumed).mixed_batches()
 
 
 class _Lookahead:
@@ -74,7 +74,7 @@ class _Bucket:
     """One bucket: its single-pass walk, best-fit packer and state recorder."""
 
     def __init__(self, name: str, parts, packer: BestFitPacker, trace: bool):
-        # parts: the bucket's walk as dataloader.assemble makes it (order, recorder, position)
+        # parts: the bucket's walk as build.assemble makes it (order, recorder, position)
         order, recorder = parts.order, parts.recorder
         self.name, self.order, self.recorder, self.packer = name, order, recorder, packer
         self.batches = _Lookahead(token_batches(order.document_batches(), recorder.encoder))
@@ -127,7 +127,7 @@ class BucketPiece(NamedTuple):
 class _Mixture:
     """The curriculum's position, and the rows it draws from the buckets."""
 
-    def __init__(self, phases, buckets: dict, rules: MixRules, config: dict, start: dict | None):
+    def __init__(self, phases, buckets: dict, rules: MixRules, config: dict, resumed: dict | None):
         self.phases, self.buckets, self.config = phases, buckets, config
         self.B, self.T, self.world_size, self.rank = rules.B, rules.T, rules.world_size, rules.rank
         self.seed, self.buffer_size = rules.seed, rules.buffer_size
@@ -135,7 +135,7 @@ class _Mixture:
         self.allow_budget_mismatch = rules.allow_budget_mismatch
         # where each phase ends, in tokens of the whole job
         self.ends = list(itertools.accumulate(p.tokens for p in phases))
-        s = start or {}
+        s = resumed or {}
         self.tokens_done = s.get("tokens_done", 0)  # tokens the whole job has trained
         self.phase = s.get("phase", 1) - 1  # (the state counts phases from 1, as the messages do)
         # job tokens trained in this phase's batches

@@ -64,7 +64,7 @@ class BucketWalk(NamedTuple):
     name: str
     reader: TokenShardReader
     config: dict  # the bucket's own loader config (its state's)
-    order: Shuffle | None  # the bucket's shuffled order, or None
+    shuffle: Shuffle | None  # the bucket's shuffled order, or None
     state: dict | None  # the bucket's state in the resume state, or None
     state_name: str  # what messages call that state
 
@@ -86,7 +86,7 @@ def plan_mixture(options: MixtureOptions) -> MixturePlan:
     check_options(o.B, o.T, o.split, o.prefetch, buffer_size=o.buffer_size,
                   chunk_size=o.chunk_size, batch_size=o.batch_size)
     check_long_doc_policy(o.long_doc_policy, o.split_overlap, o.T)
-    order = check_shuffle(o.shuffle, o.seed, o.shuffle_window)
+    shuffle = check_shuffle(o.shuffle, o.seed, o.shuffle_window)
     rank, world_size = resolve_rank(o.rank, o.world_size)
     data_dir = os.path.expanduser(os.fspath(o.data_dir))
     paths = list_buckets(data_dir, o.split)
@@ -100,18 +100,18 @@ def plan_mixture(options: MixtureOptions) -> MixturePlan:
                              (rank, world_size))
     state, state_name = mixture_start(o.resume_state_dict, config, rank, world_size,
                                       o.allow_state_mismatch)
-    _check_fit(o, phases, data_dir, order, world_size, fresh=state is None)
+    _check_fit(o, phases, data_dir, shuffle, world_size, fresh=state is None)
     walks = []
     for name in used:
-        bucket_order = order and order.bucket(name)
+        bucket_shuffle = shuffle and shuffle.bucket(name)
         sub_config = loader_config("bestfit", "pretokenized", f"{o.split}/{name}", paths[name],
                                    B=o.B, T=o.T, buffer_size=o.buffer_size,
                                    batch_size=o.batch_size, tokenizer=config["tokenizer"],
                                    rank=rank, world_size=world_size, chunk_size=o.chunk_size,
                                    policy=(o.long_doc_policy, o.split_overlap),
-                                   shuffle=bucket_order)
+                                   shuffle=bucket_shuffle)
         walks.append(BucketWalk(name, TokenShardReader(paths[name], o.chunk_size, vocab),
-                                sub_config, bucket_order,
+                                sub_config, bucket_shuffle,
                                 state["buckets"][name] if state else None,
                                 f"{state_name}['buckets'][{name!r}]"))
     rules = MixRules(o.B, o.T, rank, world_size, o.seed, o.buffer_size, o.allow_bucket_exhaustion,
@@ -139,7 +139,7 @@ def _mixture_config(o: MixtureOptions, phases: list[Phase], paths: dict, bos_tok
     return config
 
 
-def _check_fit(o: MixtureOptions, phases: list[Phase], data_dir: str, order: Shuffle | None,
+def _check_fit(o: MixtureOptions, phases: list[Phase], data_dir: str, shuffle: Shuffle | None,
                world_size: int, *, fresh: bool) -> None:
     """A fresh run: refuse a curriculum that is predicted to run dry, and log what only may. A
     resumed one: refuse a budget mismatch (unless allowed)."""
@@ -150,7 +150,7 @@ def _check_fit(o: MixtureOptions, phases: list[Phase], data_dir: str, order: Shu
             phases, data_dir, o.split, total_tokens=o.total_tokens,
             allow_bucket_exhaustion=o.allow_bucket_exhaustion,
             allow_budget_mismatch=o.allow_budget_mismatch, T=o.T, world_size=world_size,
-            chunk_size=o.chunk_size, step_tokens=step_tokens, shuffle=order,
+            chunk_size=o.chunk_size, step_tokens=step_tokens, shuffle=shuffle,
             long_doc_policy=o.long_doc_policy)
         for note in notes:
             logger.warning("mixture: %s", note)

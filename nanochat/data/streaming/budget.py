@@ -236,11 +236,11 @@ def eviction_order(victims: list[str], loaders: dict, release: str | None,
                                           mtimes[n]))
 
 
-def evictions(used: int, limit: int, order: list[str], sizes: dict[str, int]) -> list[str]:
+def evictions(used: int, limit: int, candidates: list[str], sizes: dict[str, int]) -> list[str]:
     """The first shards of `order` to evict so that `used` bytes fall to `limit` (all of them
     when that is not enough)."""
     gone = []
-    for victim in order:
+    for victim in candidates:
         if used <= limit:
             break
         gone.append(victim)

@@ -289,9 +289,10 @@ def streamed_files(split: str, data_dir: str | None, num_shards: int | None, bas
     """A streamed split (streamed_split: by the server's listing when it has one) with its catalog
     entries."""
     listing = kept_listing(data_dir, base_url, limits)
-    data_dir, paths, urls, val_name = streamed_split(split, data_dir, num_shards, base_url,
-                                                     listing)
-    _, val_paths, val_urls, _ = streamed_split("val", data_dir, num_shards, base_url, listing)
+    shards = streamed_split(split, data_dir, num_shards, base_url, listing)
+    data_dir, paths, urls = shards.data_dir, shards.paths, shards.urls
+    val = streamed_split("val", data_dir, num_shards, base_url, listing)
+    val_paths, val_urls = val.paths, val.urls
     # a cache holds one source's shards, as the source states them now: another's, or an old
     # version of its own, are refused here, at the start, before any is read
     files = list(zip(urls + val_urls, paths + val_paths))
@@ -299,9 +300,9 @@ def streamed_files(split: str, data_dir: str | None, num_shards: int | None, bas
     check_versions(files, CHANGED_FIX, limits)
     names = [os.path.basename(p) for p in paths]
     # (the val shard's entry too: every loader's budget holds it)
-    entries = read_catalog(data_dir, list(dict.fromkeys(names + [val_name])),
+    entries = read_catalog(data_dir, list(dict.fromkeys(names + [shards.val_name])),
                            list(dict.fromkeys(urls + val_urls)), limits, verify=True)
-    return StreamedSplit(data_dir, paths, urls, {val_name: entries[-1]["size"]},
+    return StreamedSplit(data_dir, paths, urls, {shards.val_name: entries[-1]["size"]},
                          entries[:len(names)])
 
 

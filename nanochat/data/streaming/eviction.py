@@ -95,10 +95,10 @@ class Room:
         victims = [n for n in table.fetched()
                    if n in complete and n not in held and n not in in_flight]
         mtimes = {n: file_mtime(os.path.join(self.data_dir, n)) for n in victims}
-        order = eviction_order(victims, table.loaders, release, mtimes)
+        candidates = eviction_order(victims, table.loaders, release, mtimes)
         if used > self.budget.limit:
             table.evicting = True  # (every loader of the machine copies its buffers now)
-        for victim in evictions(used, self.budget.limit, order, complete):
+        for victim in evictions(used, self.budget.limit, candidates, complete):
             path = os.path.join(self.data_dir, victim)
             remove_if_exists(path)
             remove_if_exists(record_path(path))

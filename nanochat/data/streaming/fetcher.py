@@ -87,7 +87,7 @@ class Fetcher:
         """The buffer's shards, what readers wait for (earliest in the order first), the current
         shard, then the next prefetch_shards."""
         cache, visits = self.cache, self.cache.visits
-        waiting = sorted(cache.waiting, key=visits.order_of)
+        waiting = sorted(cache.waiting, key=visits.first_visit)
         wanted = cache.first + waiting
         wanted += ([] if visits.at is None else [visits.current()]) + visits.ahead()
         for p in wanted:

@@ -11,6 +11,7 @@ nanochat.data.fetch.listing, nanochat.data.fetch.stores.
 """
 
 import os
+from typing import NamedTuple
 
 from nanochat.data.base.checks import check_int
 from nanochat.data.base.datasets import (DatasetSpec, check_split, dataset_of, find_data_dir,
@@ -20,15 +21,21 @@ from nanochat.data.fetch.address import check_source
 from nanochat.data.fetch.listing import check_own, listing_source
 
 
+class SplitShards(NamedTuple):
+    data_dir: str  # where the shards are (or will be) on disk
+    paths: list[str]  # each shard's path in data_dir
+    urls: list[str]  # each shard's address at the source
+    val_name: str  # the val shard's name
+
+
 def streamed_split(split: str, data_dir: str | None = None, num_shards: int | None = None,
                    base_url: str | None = None,
-                   listing: list[str] | None = None) -> tuple[str, list[str], list[str], str]:
+                   listing: list[str] | None = None) -> SplitShards:
     """A split of shards read while they stream in (a loader's stream=True), whether the files are
     on disk or not. With a listing (read_listing's names), the rule on disk: val is the last name,
     train the first num_shards others (default: all), the names kept as they are. Without one, the
     dataset's names: val is its last index, train its first num_shards; the dataset is the one
-    data_dir is the directory of, else find_dataset()'s. Returns (data_dir, paths, URLs, the val
-    shard's name)."""
+    data_dir is the directory of, else find_dataset()'s."""
     check_split(split)
     data_dir, spec, base_url = _stream_source(data_dir, base_url)
     if listing is None:
@@ -43,8 +50,8 @@ def streamed_split(split: str, data_dir: str | None = None, num_shards: int | No
               hint=shards_hint)
     # val is the last name even when few train shards are streamed
     chosen = names[-1:] if split == "val" else names[:num_shards]
-    return (data_dir, [os.path.join(data_dir, name) for name in chosen],
-            [stores.join(base_url, name) for name in chosen], names[-1])
+    return SplitShards(data_dir, [os.path.join(data_dir, name) for name in chosen],
+                       [stores.join(base_url, name) for name in chosen], names[-1])
 
 
 def _stream_source(data_dir, base_url) -> tuple[str, DatasetSpec, str]:

@@ -19,15 +19,16 @@ class Visits:
 
     def __init__(self, names: list[str], prefetch_shards: int, later_count: int):
         self.names, self.prefetch_shards, self.later_count = names, prefetch_shards, later_count
-        self.order = iter(())
+        self.upcoming = iter(())
         self.visits: list[tuple[int, int]] = []  # (epoch, pq_idx) of the order, as far as looked
         self.at: int | None = None  # the visit the reader is at
         self.dealt = 0  # the visit the last state's walk goes on in: all before it is packed
         self.first_seen: dict[int, int] = {}  # pq_idx -> where the order first names it
 
-    def begin(self, order) -> None:
-        """Start along `order`, an iterator of (epoch, pq_idx) visits: the reader at the first."""
-        self.order = order
+    def begin(self, upcoming) -> None:
+        """Start along `upcoming`, an iterator of (epoch, pq_idx) visits, the reader at the
+        first."""
+        self.upcoming = upcoming
         self.fill(1)
         if self.visits:
             self.at = 0
@@ -36,7 +37,7 @@ class Visits:
     def fill(self, count: int) -> None:
         """Look `count` visits past the reader's (or to the order's end)."""
         wanted = (-1 if self.at is None else self.at) + 1 + count - len(self.visits)
-        for epoch, p in itertools.islice(self.order, max(wanted, 0)):
+        for epoch, p in itertools.islice(self.upcoming, max(wanted, 0)):
             self.first_seen.setdefault(p, len(self.visits))
             self.visits.append((epoch, p))
 
@@ -59,7 +60,7 @@ class Visits:
                 self.dealt = v
                 break
 
-    def order_of(self, p: int) -> int:
+    def first_visit(self, p: int) -> int:
         """Where the order first names shard p (past all looked at when it has not yet)."""
         return self.first_seen.get(p, len(self.visits))
 

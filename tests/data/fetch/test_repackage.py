@@ -10,30 +10,24 @@ Hermetic: inputs and shards in tmp_path. Run:
 import gzip
 import json
 import os
-import random
 from collections import Counter
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+from conftest import sample_texts
 from nanochat.data.base.datasets import index_to_filename, list_parquet_files
 from nanochat.data.fetch import repackage as repackage_module
 from nanochat.data.fetch.repackage import repackage
 from nanochat.dataset import main, parquets_iter_batched
 
 
-def _texts(seed: int, n: int = 300) -> list[str]:
-    rng = random.Random(seed)
-    words = ["alpha", "beta", "gamma", "delta", "shard", "token", "river", "stone", "cloud",
-             "paper"]
-    return [f"doc {seed}-{i}: " + " ".join(rng.choice(words) for _ in range(rng.randint(5, 40)))
-            for i in range(n)]
 
 
 def _write_inputs(folder) -> tuple[list[str], list[str]]:
     """One input of each kind, 2600 distinct documents in all; returns (paths, documents)."""
-    docs = _texts(7, n=2600)
+    docs = sample_texts(7, 2600)
     txt, jsonl, jsonl_gz, parquet = docs[:600], docs[600:1200], docs[1200:1900], docs[1900:]
     paths = [str(folder / n) for n in ("a.txt", "b.jsonl", "c.jsonl.gz", "d.parquet")]
     with open(paths[0], "w", encoding="utf-8") as f:

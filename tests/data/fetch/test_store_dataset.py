@@ -17,7 +17,6 @@ import sys
 import pytest
 
 from conftest import FAST_CLI, REPO_ROOT, worker_env, write_shard
-from nanochat.data.fetch import stores
 from nanochat.data.streaming.streamed_split import streamed_split
 from nanochat.dataset import download_shards, download_single_file, main
 
@@ -26,12 +25,7 @@ NAMES = ["alpha.parquet", "beta.parquet", "delta.parquet", "gamma.parquet", "ome
 FLAGS = [*FAST_CLI, "-w", "2"]  # and 2 download workers
 
 
-@pytest.fixture(autouse=True)
-def _fresh_filesystems():
-    """Each test's endpoint and credentials are read afresh (the fixtures change them)."""
-    stores.forget_filesystems()
-    yield
-    stores.forget_filesystems()
+pytestmark = pytest.mark.usefixtures("fresh_filesystems")
 
 
 def _write_source(directory) -> str:

@@ -41,7 +41,8 @@ def draw(data_dir, curriculum, trace=False, rules=None, **given):
     for walk in plan.buckets:
         spec = LoaderSpec(kind="bestfit", reader=walk.reader, encoder=plan.encoder,
                           config=walk.config, rank=0, world_size=1, batch_size=128, B=B, T=T,
-                          buffer_size=16, shuffle=walk.order, epochs=1, state_name=walk.state_name)
+                          buffer_size=16, shuffle=walk.shuffle, epochs=1,
+                          state_name=walk.state_name)
         buckets[walk.name] = (assemble(spec, walk.state), BestFitPacker(T + 1, "crop", 0))
     return mixture_batches(plan.phases, buckets, plan.rules._replace(**rules or {}),
                            plan.config, plan.state, trace)

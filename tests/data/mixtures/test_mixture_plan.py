@@ -51,11 +51,11 @@ def test_a_fresh_plan(data_dir):
                                     [20_000, [["code", 1.0]]]]
     for walk in plan.buckets:
         assert walk.config["split"] == f"train/{walk.name}"
-        assert walk.order is None and walk.state is None
+        assert walk.shuffle is None and walk.state is None
         assert walk.state_name == f"resume_state_dict['buckets'][{walk.name!r}]"
     shuffled = plan_mixture(options(data_dir, shuffle=True, shuffle_window=4))
     assert shuffled.config["shuffle"] == {"window": 4}
-    assert all(walk.order is not None for walk in shuffled.buckets)
+    assert all(walk.shuffle is not None for walk in shuffled.buckets)
 
 
 def test_refusals(data_dir):

@@ -32,13 +32,6 @@ from nanochat.resume import merge_states
 from served_shards import disk_loader, stream_loader, streaming, VAL
 
 
-@pytest.fixture
-def hosted(tmp_path):
-    directory = tmp_path / "hosted"
-    sizes = write_hosted(directory, 7)
-    server = ShardServer(str(directory))
-    yield str(directory), server, sizes
-    server.close()
 
 
 # -----------------------------------------------------------------------------

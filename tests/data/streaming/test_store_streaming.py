@@ -21,7 +21,6 @@ import pytest
 
 from conftest import (FAST, TESTS, ByteTokenizer, assert_same_batches as _same, least_accepted,
                       peak_while, take_batches as _batches, write_shard)
-from nanochat.data.fetch import stores
 from nanochat.dataloader import (tokenizing_distributed_data_loader_with_state,
                                  tokenizing_distributed_data_loader_with_state_bos_bestfit)
 from nanochat.data.fetch.small_reads import TAIL_BYTES
@@ -35,12 +34,7 @@ NAMES = [f"part-{i:03d}.parquet" for i in range(13)]  # sorted; the last, part-0
 EPOCH = 280  # batches past the end of the first epoch, for both loaders
 
 
-@pytest.fixture(autouse=True)
-def _fresh_filesystems():
-    """Each test's endpoint and credentials are read afresh (the fixtures change them)."""
-    stores.forget_filesystems()
-    yield
-    stores.forget_filesystems()
+pytestmark = pytest.mark.usefixtures("fresh_filesystems")
 
 
 def _upload(bucket, tmp_path) -> tuple[str, str, list[int]]:

@@ -15,7 +15,6 @@ import json
 import os
 import random
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -28,6 +27,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from conftest import TESTS, ByteTokenizer, least_accepted, outcome, worker_env, write_shard
+from s3_server import free_port
 from nanochat.data.streaming import eviction, fetcher
 from nanochat.dataloader import tokenizing_distributed_data_loader_with_state_bos_bestfit
 from nanochat.data.base.datasets import get_dataset, index_to_filename
@@ -141,12 +141,6 @@ def ledger_loaders(directory) -> dict[str, dict]:
 def file_bytes(path) -> bytes:
     with open(path, "rb") as f:
         return f.read()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 # -----------------------------------------------------------------------------

@@ -20,9 +20,9 @@ def test_the_reader_and_what_it_reads_next():
     visits.begin(iter(ORDER))
     assert visits.current() == 2 and visits.ahead() == [0, 1]
     assert visits.visits == ORDER[:3]  # looked at lazily: the reader's and prefetch_shards'
-    assert visits.order_of(1) == 2 and visits.order_of(3) == 3  # (3: past all looked at)
+    assert visits.first_visit(1) == 2 and visits.first_visit(3) == 3  # (3: past all looked at)
     assert visits.later() == ("s2", "s3", "s0")  # past the 2 ahead, distinct, soonest first
-    assert visits.order_of(3) == 4  # (looked at by now)
+    assert visits.first_visit(3) == 4  # (looked at by now)
 
 
 def test_a_reader_moves_to_a_shard_further_on_and_the_packing_span_follows():
