@@ -25,143 +25,6 @@ from nanochat.data.loader.order import RankOrder
 
 
 # -----------------------------------------------------------------------------
-# Documents to rows, with the state of each batch
-
-
-def bestfit_batches(token_batches, recorder: StateRecorder, position: Position, *, B: int, T: int,
-                    buffer_size: int, trace: bool = False, max_docs_per_row: int | None = None):
-    """Yield a RowBatch of (B, T+1) rows packed best-fit, a fresh array each batch (trace: where
-    each row's documents came from; max_docs_per_row: the attention outputs' bound, None: none)."""
-    # T + 1 so that inputs and targets can both be sliced from one row
-    packer = BestFitPacker(T + 1, recorder.config["long_doc_policy"],
-                           recorder.config["split_overlap"])
-    restore_buffer(recorder, packer)
-    feed = DocumentFeed(token_batches, recorder.order, position)
-    while True:
-        # fresh each batch: the ones before may still wait in the prefetch queue; the storage
-        # dtype (2 bytes a token up to 65,536 ids), which the transfer widens to int64
-        rows = np.empty((B, T + 1), dtype=recorder.encoder.dtype)
-        packer.trace = [] if trace else None
-        packer.fill(rows, feed, buffer_size)
-        documents = None
-        if trace:  # where a document is (a DocKey), or a PieceKey for a piece of a split one
-            place = recorder.order.place
-            documents = [[place(key) if start is None else PieceKey(*place(key), start)
-                          for key, start in row] for row in packer.trace]
-        info = None if max_docs_per_row is None else attention_info(packer.starts, T,
-                                                                    max_docs_per_row)
-        state = recorder.state(packer, feed.progress(), rows)
-        yield RowBatch(rows, state, packer.stats(), documents, packer.masked, info)
-
-
-def concat_batches(token_batches, recorder: StateRecorder, position: Position, B: int, T: int):
-    """Yield a RowBatch of the next B*T+1 tokens of the documents, concatenated, of which B*T
-    are consumed: the last (the last target) is the next batch's first token too."""
-    packer = ConcatPacker()
-    restore_buffer(recorder, packer)
-    feed = DocumentFeed(token_batches, recorder.order, position)
-    while True:
-        tokens = np.empty(B * T + 1, dtype=recorder.encoder.dtype)  # +1: the last target
-        packer.take(tokens, feed)
-        yield RowBatch(tokens, recorder.state(packer, feed.progress(), tokens), packer.stats())
-
-
-def restore_buffer(recorder: StateRecorder, packer) -> None:
-    """Refill a packer from the recorder's resumed state: the buffered documents read and tokenized
-    again (each once, however many of its pieces are buffered), the buffer rebuilt in arrival
-    order, the counters restored."""
-    if not recorder.resumed:
-        return
-    keys, _ = recorder.buffered()
-    unique = list(dict.fromkeys(keys))  # a split document may be buffered as several pieces
-    items = recorder.order.read_documents(unique, f"{recorder.state_name}['buffer']")
-    documents = {}
-    for i in range(0, len(items), 1024):  # 1,024 at a time: one tokenizer call stays small
-        docs, overlaps = recorder.encoder(items[i:i + 1024])
-        documents.update(zip(unique[i:i + 1024], zip(docs, overlaps)))
-    recorder.restore(packer, documents)
-
-
-class DocumentFeed:
-    """Hands a packer the next batch's documents as Pieces, and remembers where the walk stands
-    after the last batch pulled (what a state must describe: consumed, not read ahead)."""
-
-    def __init__(self, token_batches, order: RankOrder, position: Position):
-        self.token_batches = token_batches
-        self.order = order
-        self.after = order.first_position
-        self.position = position  # nanochat's keys of the last batch pulled
-        self.state_name = order.state_name
-
-    def progress(self) -> Progress:
-        """What the state after the last batch pulled records of the walk."""
-        return self.order.progress(self.after, self.position)
-
-    def __call__(self):
-        batch = next(self.token_batches)
-        self.after = batch.after
-        # nanochat's keys name the unit of the batch's last document (a shuffled key, its place)
-        last = self.order.place(batch.keys[-1])
-        self.position = Position(last.pq_idx, last.rg_idx, last.epoch)
-        if batch.starts is None:  # every document whole (start None), made as the packer pulls
-            return map(Piece._make, zip(batch.docs, batch.keys, batch.overlaps,
-                                        itertools.repeat(None)))
-        # an elastic plan may deal single pieces of split documents
-        for doc, key, start in zip(batch.docs, batch.keys, batch.starts):
-            if start is not None and start >= len(doc):
-                raise ValueError(f"{self.state_name}['plan'] deals document {tuple(key)} from "
-                                 f"token {start}, but it has {len(doc)}: the state does not "
-                                 "match the data or the tokenizer")
-        return [Piece(*piece) for piece in
-                zip(batch.docs, batch.keys, batch.overlaps, batch.starts)]
-
-
-class Stop(NamedTuple):
-    """Why a mixture must stop: a bucket ran dry ("bucket"), or the curriculum is done
-    ("budget")."""
-    kind: str
-    bucket: str | None = None  # the bucket that ran dry on this rank; None: every bucket, or none
-
-
-class RowBatch(NamedTuple):
-    """One packed batch on its way to the device, with its state and statistics."""
-    rows: np.ndarray | None  # (B, T+1) best-fit rows, or (B*T+1,) concatenated tokens
-    state: dict | None  # the state after this batch (what it consumed)
-    stats: dict  # the packer's running statistics
-    trace: list | None = None  # trace_documents: per row, where each document came from
-    masked: list = ()  # (row, start, end): targets to set to -100 (a window's repeated tokens)
-    info: dict | None = None  # attention_info's arrays
-    stop: Stop | None = None  # a mixture that must stop, and why
-
-
-def attention_info(starts: list[list[int]], T: int, max_docs_per_row: int) -> dict[str, np.ndarray]:
-    """Per-batch outputs for document-aware attention, from where each row's documents start:
-    doc_ids (B, T) (0, 1, ... within each row), position_ids (B, T) restarting at every document,
-    and cu_seqlens (B * max_docs_per_row + 1,) int32: the document boundaries of the flattened B*T
-    inputs for variable-length attention kernels, padded with B*T to a fixed size (a fixed shape
-    never makes torch.compile recompile)."""
-    B = len(starts)
-    marker = np.zeros((B, T), dtype=np.int64)
-    bounds = []
-    for r, row_starts in enumerate(starts):
-        inside = [s for s in row_starts if s < T]  # a document starting at T is only a target
-        if len(inside) > max_docs_per_row:
-            raise ValueError(f"a row holds {len(inside)} documents, more than max_docs_per_row="
-                             f"{max_docs_per_row}; raise max_docs_per_row (the padded size of "
-                             "cu_seqlens)")
-        marker[r, inside[1:]] = inside[1:]  # the first document's start, 0, is the fill value
-        bounds += [r * T + s for s in inside]
-    # a running maximum carries each start forward to the end of its document
-    segment_start = np.maximum.accumulate(marker, axis=1)
-    doc_ids = np.cumsum(marker > 0, axis=1).astype(np.int32)
-    position_ids = np.arange(T)[None, :] - segment_start
-    cu_seqlens = np.full(B * max_docs_per_row + 1, B * T, dtype=np.int32)
-    cu_seqlens[:len(bounds)] = bounds
-    return {"doc_ids": doc_ids, "position_ids": position_ids, "cu_seqlens": cu_seqlens}
-
-
-
-# -----------------------------------------------------------------------------
 # Texts to documents
 
 def token_batches(doc_batches, encoder, overlap_calls: bool = False):
@@ -301,3 +164,139 @@ class EntryDocuments:
         docs = [tokens if not self.always and len(tokens) and tokens[0] == self.bos
                 else np.concatenate(([self.bos], tokens)) for tokens, _ in items]
         return docs, [overlap for _, overlap in items]
+
+
+# -----------------------------------------------------------------------------
+# Documents to rows, with the state of each batch
+
+
+def bestfit_batches(token_batches, recorder: StateRecorder, position: Position, *, B: int, T: int,
+                    buffer_size: int, trace: bool = False, max_docs_per_row: int | None = None):
+    """Yield a RowBatch of (B, T+1) rows packed best-fit, a fresh array each batch (trace: where
+    each row's documents came from; max_docs_per_row: the attention outputs' bound, None: none)."""
+    # T + 1 so that inputs and targets can both be sliced from one row
+    packer = BestFitPacker(T + 1, recorder.config["long_doc_policy"],
+                           recorder.config["split_overlap"])
+    restore_buffer(recorder, packer)
+    feed = DocumentFeed(token_batches, recorder.order, position)
+    while True:
+        # fresh each batch: the ones before may still wait in the prefetch queue; the storage
+        # dtype (2 bytes a token up to 65,536 ids), which the transfer widens to int64
+        rows = np.empty((B, T + 1), dtype=recorder.encoder.dtype)
+        packer.trace = [] if trace else None
+        packer.fill(rows, feed, buffer_size)
+        documents = None
+        if trace:  # where a document is (a DocKey), or a PieceKey for a piece of a split one
+            place = recorder.order.place
+            documents = [[place(key) if start is None else PieceKey(*place(key), start)
+                          for key, start in row] for row in packer.trace]
+        info = None if max_docs_per_row is None else attention_info(packer.starts, T,
+                                                                    max_docs_per_row)
+        state = recorder.state(packer, feed.progress(), rows)
+        yield RowBatch(rows, state, packer.stats(), documents, packer.masked, info)
+
+
+def concat_batches(token_batches, recorder: StateRecorder, position: Position, B: int, T: int):
+    """Yield a RowBatch of the next B*T+1 tokens of the documents, concatenated, of which B*T
+    are consumed: the last (the last target) is the next batch's first token too."""
+    packer = ConcatPacker()
+    restore_buffer(recorder, packer)
+    feed = DocumentFeed(token_batches, recorder.order, position)
+    while True:
+        tokens = np.empty(B * T + 1, dtype=recorder.encoder.dtype)  # +1: the last target
+        packer.take(tokens, feed)
+        yield RowBatch(tokens, recorder.state(packer, feed.progress(), tokens), packer.stats())
+
+
+def restore_buffer(recorder: StateRecorder, packer) -> None:
+    """Refill a packer from the recorder's resumed state: the buffered documents read and tokenized
+    again (each once, however many of its pieces are buffered), the buffer rebuilt in arrival
+    order, the counters restored."""
+    if not recorder.resumed:
+        return
+    keys, _ = recorder.buffered()
+    unique = list(dict.fromkeys(keys))  # a split document may be buffered as several pieces
+    items = recorder.order.read_documents(unique, f"{recorder.state_name}['buffer']")
+    documents = {}
+    for i in range(0, len(items), 1024):  # 1,024 at a time: one tokenizer call stays small
+        docs, overlaps = recorder.encoder(items[i:i + 1024])
+        documents.update(zip(unique[i:i + 1024], zip(docs, overlaps)))
+    recorder.restore(packer, documents)
+
+
+class DocumentFeed:
+    """Hands a packer the next batch's documents as Pieces, and remembers where the walk stands
+    after the last batch pulled (what a state must describe: consumed, not read ahead)."""
+
+    def __init__(self, token_batches, order: RankOrder, position: Position):
+        self.token_batches = token_batches
+        self.order = order
+        self.after = order.first_position
+        self.position = position  # nanochat's keys of the last batch pulled
+        self.state_name = order.state_name
+
+    def progress(self) -> Progress:
+        """What the state after the last batch pulled records of the walk."""
+        return self.order.progress(self.after, self.position)
+
+    def __call__(self):
+        batch = next(self.token_batches)
+        self.after = batch.after
+        # nanochat's keys name the unit of the batch's last document (a shuffled key, its place)
+        last = self.order.place(batch.keys[-1])
+        self.position = Position(last.pq_idx, last.rg_idx, last.epoch)
+        if batch.starts is None:  # every document whole (start None), made as the packer pulls
+            return map(Piece._make, zip(batch.docs, batch.keys, batch.overlaps,
+                                        itertools.repeat(None)))
+        # an elastic plan may deal single pieces of split documents
+        for doc, key, start in zip(batch.docs, batch.keys, batch.starts):
+            if start is not None and start >= len(doc):
+                raise ValueError(f"{self.state_name}['plan'] deals document {tuple(key)} from "
+                                 f"token {start}, but it has {len(doc)}: the state does not "
+                                 "match the data or the tokenizer")
+        return [Piece(*piece) for piece in
+                zip(batch.docs, batch.keys, batch.overlaps, batch.starts)]
+
+
+class Stop(NamedTuple):
+    """Why a mixture must stop: a bucket ran dry ("bucket"), or the curriculum is done
+    ("budget")."""
+    kind: str
+    bucket: str | None = None  # the bucket that ran dry on this rank; None: every bucket, or none
+
+
+class RowBatch(NamedTuple):
+    """One packed batch on its way to the device, with its state and statistics."""
+    rows: np.ndarray | None  # (B, T+1) best-fit rows, or (B*T+1,) concatenated tokens
+    state: dict | None  # the state after this batch (what it consumed)
+    stats: dict  # the packer's running statistics
+    trace: list | None = None  # trace_documents: per row, where each document came from
+    masked: list = ()  # (row, start, end): targets to set to -100 (a window's repeated tokens)
+    info: dict | None = None  # attention_info's arrays
+    stop: Stop | None = None  # a mixture that must stop, and why
+
+
+def attention_info(starts: list[list[int]], T: int, max_docs_per_row: int) -> dict[str, np.ndarray]:
+    """Per-batch outputs for document-aware attention, from where each row's documents start:
+    doc_ids (B, T) (0, 1, ... within each row), position_ids (B, T) restarting at every document,
+    and cu_seqlens (B * max_docs_per_row + 1,) int32: the document boundaries of the flattened B*T
+    inputs for variable-length attention kernels, padded with B*T to a fixed size (a fixed shape
+    never makes torch.compile recompile)."""
+    B = len(starts)
+    marker = np.zeros((B, T), dtype=np.int64)
+    bounds = []
+    for r, row_starts in enumerate(starts):
+        inside = [s for s in row_starts if s < T]  # a document starting at T is only a target
+        if len(inside) > max_docs_per_row:
+            raise ValueError(f"a row holds {len(inside)} documents, more than max_docs_per_row="
+                             f"{max_docs_per_row}; raise max_docs_per_row (the padded size of "
+                             "cu_seqlens)")
+        marker[r, inside[1:]] = inside[1:]  # the first document's start, 0, is the fill value
+        bounds += [r * T + s for s in inside]
+    # a running maximum carries each start forward to the end of its document
+    segment_start = np.maximum.accumulate(marker, axis=1)
+    doc_ids = np.cumsum(marker > 0, axis=1).astype(np.int32)
+    position_ids = np.arange(T)[None, :] - segment_start
+    cu_seqlens = np.full(B * max_docs_per_row + 1, B * T, dtype=np.int32)
+    cu_seqlens[:len(bounds)] = bounds
+    return {"doc_ids": doc_ids, "position_ids": position_ids, "cu_seqlens": cu_seqlens}
