@@ -94,6 +94,20 @@ def sample_texts(seed: int, n: int, *, words=WORDS, lengths=range(5, 41), prefix
     return texts
 
 
+@pytest.fixture
+def parquet_dir(tmp_path, request):
+    """Three train shards and a val shard (the last) of 30 documents each, row groups of 8, drawn
+    by sample_texts with the test module's TEXTS (its words and lengths)."""
+    texts = getattr(request.module, "TEXTS", None)
+    if texts is None:
+        pytest.fail(f"{request.module.__name__} uses parquet_dir: give it TEXTS, sample_texts' "
+                    "arguments")
+    data_dir = str(tmp_path / "parquet")
+    write_shards(data_dir, [sample_texts(seed, 30, **texts) for seed in range(10, 14)],
+                 row_group_size=8)
+    return data_dir
+
+
 @pytest.fixture(scope="module")
 def tokenizer_dir(tmp_path_factory, request):
     """A directory holding a 300-token RustBPETokenizer trained on the test module's
@@ -189,6 +203,15 @@ def take(loader, n: int, *, copy=torch.Tensor.tolist) -> list[tuple]:
         inputs, targets, state = next(loader)
         out.append((copy(inputs), copy(targets), state))
     return out
+
+
+def take_across_epoch(loader, most: int) -> list:
+    """take(loader, 1) until a batch's epoch differs from the first's (at most `most` batches),
+    then 3 more: a run that crosses an epoch boundary."""
+    run = take(loader, 1)
+    while len(run) < most and run[-1][2]["epoch"] == run[0][2]["epoch"]:
+        run += take(loader, 1)
+    return run + take(loader, 3)
 
 
 def take_tensors(loader, n: int) -> list[tuple]:

@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 
 from conftest import (TESTS, assert_interrupted, ctrl_c, gpt_simple_windows, sample_texts,
-                      worker_env, write_shards)
+                      worker_env)
 from nanochat.data.processing import pair_workers
 from nanochat.data.pretokenized.token_shards import TokenShard
 from nanochat.data.base.layout import list_token_shards
@@ -41,15 +41,6 @@ TOKENIZER_TEXTS = [t for seed in range(3) for t in sample_texts(seed, 40, **TEXT
 @pytest.fixture(scope="module")
 def tokenizer(tokenizer_dir):
     return RustBPETokenizer.from_directory(tokenizer_dir)
-
-
-@pytest.fixture
-def parquet_dir(tmp_path):
-    """Three train shards and a val shard (the last) of 30 documents, row groups of 8."""
-    data_dir = str(tmp_path / "parquet")
-    write_shards(data_dir, [sample_texts(seed, 30, **TEXTS) for seed in range(10, 14)],
-                 row_group_size=8)
-    return data_dir
 
 
 def _files(directory) -> dict:

@@ -34,7 +34,7 @@ import torch
 from hypothesis import event, given, settings, strategies as st
 
 import oracle
-from conftest import ByteTokenizer, slow_beyond, take, write_shard, write_shards
+from conftest import ByteTokenizer, slow_beyond, take, take_across_epoch, write_shard, write_shards
 from nanochat.dataloader import (
     pretokenized_distributed_data_loader_with_state_bos_bestfit as PRETOKENIZED,
     tokenizing_distributed_data_loader_with_state,
@@ -191,10 +191,7 @@ def test_exact_resume_after_every_batch(kind, split, prefetch, seed, tmp_path):
                world_size=world_size, prefetch=prefetch, data_dir=str(tmp_path),
                split_overlap=rng.choice([0, rng.randint(0, T - 1)]))
     loader = open_loader(kind, cfg)
-    run = take(loader, 1)
-    while len(run) < 400 and run[-1][2]["epoch"] == run[0][2]["epoch"]:
-        run += take(loader, 1)
-    run += take(loader, 3)
+    run = take_across_epoch(loader, 400)
     loader.close()
     states = [s for _, _, s in run]
     n = len(run)

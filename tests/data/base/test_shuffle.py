@@ -21,7 +21,8 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 import oracle
-from conftest import ByteTokenizer, buffered_places, slow_beyond, write_shards
+from conftest import (ByteTokenizer, buffered_places, slow_beyond, take, take_across_epoch,
+                      write_shards)
 from nanochat.dataloader import (
     pretokenized_distributed_data_loader_with_state_bos_bestfit as PRETOKENIZED,
 )
@@ -34,7 +35,7 @@ from nanochat.data.base.state import decode_keys
 from nanochat.data.pretokenized.token_shards import TokenShard
 from nanochat.data.base.layout import list_token_shards
 from test_resume import (BOS, check_rows_against_trace, elastic_corpus, open_loader, random_corpus,
-                         take, texts_by_key, write_token_dir)
+                         texts_by_key, write_token_dir)
 
 SHUFFLED = dict(shuffle=True, seed=5, shuffle_window=2)
 
@@ -150,10 +151,7 @@ def test_exact_resume_after_every_batch(kind, prefetch, seed, tmp_path):
     cfg = dict(corpus_config(seed + 10, tmp_path), split="train", prefetch=prefetch,
                split_overlap=1)
     loader = open_loader(kind, cfg)
-    run = take(loader, 1)
-    while len(run) < 300 and run[-1][2]["epoch"] == run[0][2]["epoch"]:
-        run += take(loader, 1)
-    run += take(loader, 3)
+    run = take_across_epoch(loader, 300)
     loader.close()
     states = [s for _, _, s in run]
     assert states[0]["epoch"] < states[-1]["epoch"], "the run should cross an epoch boundary"

@@ -14,7 +14,7 @@ import sys
 
 import pytest
 
-from conftest import REPO_ROOT, sample_texts, write_shards
+from conftest import REPO_ROOT, sample_texts
 from nanochat.data.fetch import stores
 from nanochat.data.processing.inputs import STAGING
 from nanochat.pretokenize import main
@@ -24,15 +24,6 @@ from nanochat.pretokenize import main
 TEXTS = dict(words=("alpha", "beta", "river", "stone", "cloud", "paper", "token", "é", "42"),
              lengths=(2, 9, 60))
 TOKENIZER_TEXTS = [t for seed in range(3) for t in sample_texts(seed, 40, **TEXTS)]
-
-
-@pytest.fixture
-def parquet_dir(tmp_path):
-    """Three train shards and a val shard (the last) of 30 documents, row groups of 8."""
-    data_dir = str(tmp_path / "parquet")
-    write_shards(data_dir, [sample_texts(seed, 30, **TEXTS) for seed in range(10, 14)],
-                 row_group_size=8)
-    return data_dir
 
 
 def _files(root: str) -> dict[str, bytes]:
