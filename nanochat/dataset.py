@@ -30,9 +30,9 @@ from nanochat.data.base.datasets import (DATASETS, DEFAULT_DATASET, DatasetSpec,
                                          open_parquet, read_row_group_texts, shard_index,
                                          split_parquet_files)
 from nanochat.data.fetch import stores
-from nanochat.data.fetch.address import check_source, shown
+from nanochat.data.fetch.address import check_address, check_source, is_http, join, shown
+from nanochat.data.fetch.errors import DownloadError, MissingExtra
 from nanochat.data.fetch.download import Report, download_file, download_files, summarize
-from nanochat.data.fetch.errors import DownloadError, check_address
 from nanochat.data.fetch.limits import (BACKOFF_BASE, DEADLINE, MAX_ATTEMPTS, MIN_RATE, RATE_WINDOW,
                                         REQUEST_TIMEOUT, Limits)
 from nanochat.data.fetch.records import record_path, stated_check
@@ -64,7 +64,7 @@ def parquets_iter_batched(split: str, start: int = 0, step: int = 1, data_dir: s
 
 
 def shard_url(index: int, base_url: str) -> str:
-    return stores.join(base_url, index_to_filename(index))
+    return join(base_url, index_to_filename(index))
 
 
 def download_single_file(index: int, data_dir: str | None = None, base_url: str | None = None,
@@ -221,7 +221,7 @@ def _download_main(argv: list[str]) -> int:
     if short:
         print(f"-n {asked} asks for more train shards than the {len(train)} {label}: fetching "
               f"those {len(train)} and val, then exiting 1")
-    files = [(stores.join(base_url, name), os.path.join(data_dir, name)) for name in names]
+    files = [(join(base_url, name), os.path.join(data_dir, name)) for name in names]
     report = download_files(files, args.num_workers, limits, progress=None, check_disk=True)
     got = len(names) - len(report.failed)
     if short:  # never N/N for fewer than were asked for
@@ -298,7 +298,7 @@ def _verify_main(spec: DatasetSpec, data_dir: str, num_workers: int, base_url: s
     print("\n".join(summarize({os.path.basename(p): e.reason for p, e in bad.items()})))
     for path, error in list(bad.items())[:3]:  # the full messages of a few, for the log
         logger.info("%s", error)
-    if not stores.is_http(base_url):
+    if not is_http(base_url):
         return _store_fix(paths, data_dir, base_url)
     # only a shard of the dataset is fetched again: named like its shards, and either in its own
     # directory (nanochat's downloader writes no .json record) or with our downloader's record.
@@ -373,4 +373,4 @@ if __name__ == "__main__":
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     stores.quiet_clients()
     # FileNotFoundError is an OSError: one line, no traceback
-    run(_main, interrupted, (ValueError, OSError, stores.MissingExtra))
+    run(_main, interrupted, (ValueError, OSError, MissingExtra))

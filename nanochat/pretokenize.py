@@ -11,8 +11,9 @@ downloaded and verified into OUTPUT/.inputs/, tokenized, and removed once its pa
 Cost: one tokenizer pass, several MB of text per second per worker; a rerun skips written pairs.
 The run: nanochat/data/pretokenized/. Design: docs/pretokenized.md, docs/streaming.md (stores).
 
-May import: nanochat.common, nanochat.tokenizer, nanochat.data.base.cli, nanochat.data.fetch.stores,
-nanochat.data.pretokenized, nanochat.data.processing.
+May import: nanochat.common, nanochat.data.base.cli, nanochat.data.fetch.errors,
+nanochat.data.fetch.stores, nanochat.data.pretokenized, nanochat.data.processing,
+nanochat.tokenizer.
 """
 
 import argparse
@@ -21,6 +22,7 @@ import logging
 import os
 
 from nanochat.data.fetch import stores
+from nanochat.data.fetch.errors import MissingExtra
 from nanochat.data.base.cli import run
 from nanochat.common import get_dist_info
 from nanochat.data.processing.inputs import local_input
@@ -144,7 +146,7 @@ def command() -> None:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     stores.quiet_clients()
     # FileNotFoundError and a store's error are OSErrors; a store's missing package is one line too
-    run(main, INTERRUPTED, (ValueError, OSError, stores.MissingExtra))
+    run(main, INTERRUPTED, (ValueError, OSError, MissingExtra))
 
 
 if __name__ == "__main__":

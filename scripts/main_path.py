@@ -2,8 +2,9 @@
 Measure the main path a reader follows: run the public best-fit loader on a few tiny shards up to
 its third batch, trace which functions of the package run, and print, per module, the functions and
 their lines; then what `import nanochat.dataloader` loads, and the path's size in this process
-(workers=0) and with the worker process (the default). What it prints is what
-docs/ARCHITECTURE.md's walk covers (~15 s on 2 cores):
+(workers=0, prefetch=0: everything in the caller) and with the worker process (the defaults:
+workers=1, prefetch=4). What it prints is what docs/ARCHITECTURE.md's walk covers (~15 s on 2
+cores):
 
     python -m scripts.main_path [--stream]
     python -m scripts.main_path --sizes   # every module's lines, the longest functions
@@ -111,7 +112,7 @@ def functions(path: str) -> list[tuple[str, int, int]]:
 
 def trace(stream: bool, workers: int, tmp: str) -> dict[str, set[int]]:
     """Lines of the package executed while a fresh loader yields three batches, by file: in this
-    process, and with workers=1 in the worker process too."""
+    process (prefetch=0: no thread), and with workers=1 (prefetch=4) in the worker process too."""
     ran: dict[str, set[int]] = {}
 
     def tracer(frame, event, arg):
@@ -140,7 +141,8 @@ def trace(stream: bool, workers: int, tmp: str) -> dict[str, set[int]]:
     try:
         loader = tokenizing_distributed_data_loader_with_state_bos_bestfit(
             tokenizer, 2, 32, "train", device="cpu", buffer_size=8,
-            tokenizer_batch_size=4, rank=0, world_size=1, workers=workers, **options)
+            tokenizer_batch_size=4, rank=0, world_size=1, workers=workers,
+            prefetch=4 if workers else 0, **options)
         for _ in range(3):
             next(loader)
         loader.close()
@@ -247,7 +249,8 @@ def main(argv=None) -> int:
     counts = [f"{len(r)} modules, {sum(n for n, _ in r.values()):,} lines read "
               f"({executed(t, r):,} executed)" for t, r in ((here, read_here),
                                                             (worker, read_worker))]
-    print(f"main path: {counts[0]} (in-process); worker: {counts[1]} (both processes)")
+    print(f"main path: {counts[0]} (in-process, prefetch=0); worker: {counts[1]} "
+          "(both processes, the defaults)")
     extra = sorted(os.path.basename(p) for p in set(read_worker) - set(read_here))
     print(f"the worker adds: {', '.join(extra) or 'nothing'}")
     return 0

@@ -22,6 +22,8 @@ Run: python -m pytest tests/test_architecture.py -q
 import ast
 import os
 import re
+import subprocess
+import sys
 
 import pytest
 
@@ -131,6 +133,11 @@ def test_the_package_has_the_modules_this_test_reads():
             "mixture", "order", "rows", "packing", "state", "prefetch", "cache"} <= set(BY_LEAF)
 
 
+# our modules that may be imported late, where a store's address is met: they bring fsspec and a
+# store's client, which a loader reading http or local files never needs
+LATE_OURS = {"nanochat.data.fetch.stores", "nanochat.data.fetch.store_transport"}
+
+
 @pytest.mark.parametrize("module", MODULES)
 def test_every_import_is_at_the_top(module):
     tree = parse(module)
@@ -143,7 +150,7 @@ def test_every_import_is_at_the_top(module):
         if isinstance(node, (ast.Import, ast.ImportFrom)) and id(node) not in top:
             names = ([node.module] if isinstance(node, ast.ImportFrom)
                      else [alias.name for alias in node.names])
-            if not all(name and not name.startswith("nanochat") and name in late_ok
+            if not all(name in late_ok and (not name.startswith("nanochat") or name in LATE_OURS)
                        for name in names):
                 hidden.append(f"{module}.py:{node.lineno} {names}")
     assert not hidden, f"imports inside a function, class or branch: {hidden}"
@@ -316,6 +323,23 @@ def test_nanochats_files_need_nothing_but_the_drop_in():
              for other in sorted(nanochat_imports(parse(module)))
              if other.split(".")[0] not in ours]
     assert not found, f"nanochat's files import what the drop-in does not copy: {found}"
+
+
+def test_importing_the_loader_loads_its_path_and_no_other_stage():
+    """`import nanochat.dataloader`, in a fresh interpreter, loads the main path and what its
+    options need (the streaming cache, the downloader over HTTP), but no pretokenizing, mixtures,
+    repackaging, nor the store transports and fsspec: those load where a store's address is met."""
+    code = "import sys, nanochat.dataloader; print(' '.join(sorted(sys.modules)))"
+    loaded = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True,
+                            text=True, timeout=120, check=True).stdout.split()
+    assert {"nanochat.data.loader.build", "nanochat.data.loader.order", "nanochat.data.loader.rows",
+            "nanochat.data.base.packing", "nanochat.data.streaming.cache"} <= set(loaded)
+    unwanted = [name for name in loaded
+                if name.startswith(("nanochat.data.processing", "nanochat.data.mixtures", "fsspec"))
+                or name in {"nanochat.pretokenize", "nanochat.mixture",
+                            "nanochat.data.fetch.repackage", "nanochat.data.fetch.stores",
+                            "nanochat.data.fetch.store_transport"}]
+    assert not unwanted, f"import nanochat.dataloader loads {unwanted}"
 
 
 def test_the_readme_shows_the_one_copy_the_drop_in_check_makes():

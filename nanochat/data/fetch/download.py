@@ -5,10 +5,12 @@ download_files fetches many (threads, the disk check, a Report); summarize words
 Transports: http_transport.py, store_transport.py; checks: verify.py; records: records.py.
 Design: docs/downloads.md
 
-May import: nanochat.data.base.checks, nanochat.data.base.files, nanochat.data.fetch.errors,
-nanochat.data.fetch.http_transport, nanochat.data.fetch.install, nanochat.data.fetch.limits,
-nanochat.data.fetch.records, nanochat.data.fetch.sources, nanochat.data.fetch.store_transport,
-nanochat.data.fetch.stores, nanochat.data.fetch.verify, requests, urllib3, filelock.
+Imported only when needed: nanochat.data.fetch.store_transport (a store's file; fsspec with it).
+
+May import: nanochat.data.base.checks, nanochat.data.base.files, nanochat.data.fetch.address,
+nanochat.data.fetch.errors, nanochat.data.fetch.http_transport, nanochat.data.fetch.install,
+nanochat.data.fetch.limits, nanochat.data.fetch.records, nanochat.data.fetch.sources,
+nanochat.data.fetch.store_transport, nanochat.data.fetch.verify, requests, urllib3, filelock.
 """
 
 import errno
@@ -26,9 +28,9 @@ from filelock import FileLock
 
 from nanochat.data.base.checks import check_int, is_int
 from nanochat.data.base.files import disk_full, progress_bar
-from nanochat.data.fetch import stores
+from nanochat.data.fetch.address import check_address, is_http, is_local, path_in_store
 from nanochat.data.fetch.errors import (BadFileError, DownloadError, GiveUp, NotThere, RetryLater,
-                                        Stopped, check_address, reason_of, unresolved_host)
+                                        Stopped, StoreError, reason_of, unresolved_host)
 from nanochat.data.fetch.http_transport import fetch_to_tmp, probe_bytes
 from nanochat.data.fetch.install import install
 from nanochat.data.fetch.limits import REQUEST_TIMEOUT, Limits
@@ -37,7 +39,6 @@ from nanochat.data.fetch.records import (discard, lock_path, open_nofollow, reco
                                          write_json)
 from nanochat.data.fetch.sources import (SOURCE_FIX, adopt_source, changed_at_source,
                                          check_file_source, check_sources)
-from nanochat.data.fetch.store_transport import fetch_object_to_tmp, probe_object_bytes
 from nanochat.data.fetch.verify import pages_vouched, problem_with
 
 logger = logging.getLogger(__name__)
@@ -67,8 +68,8 @@ def download_file(url: str, path: str, limits: Limits | None = None, *,
     check_address). Returns None when it was already there and passed check_file; else it was
     fetched, and the return value says what was wrong with the file that was there ("" when there
     was none). Raises DownloadError when it could not be fetched (a bad file that was there stays),
-    HostNotFoundError when no file from that host can be, stores.StoreError when the store finds
-    no credentials, stores.MissingExtra when the store's package is missing, OtherSourceError when
+    HostNotFoundError when no file from that host can be, StoreError when the store finds
+    no credentials, MissingExtra when the store's package is missing, OtherSourceError when
     path holds a shard from another source. Safe to call from several threads or processes at
     once: one downloads, the others wait and find the file there. streamed: a streaming cache
     fetches it (its record says so: the cache may evict it). recheck: a file there is asked of
@@ -112,9 +113,9 @@ def download_file(url: str, path: str, limits: Limits | None = None, *,
 def _check_not_the_source(url: str, path: str) -> None:
     """A local directory we copy from is never written to: path (with its temp file and lock
     beside it) must be in another directory."""
-    if stores.is_http(url) or not stores.is_local(url):
+    if is_http(url) or not is_local(url):
         return
-    source = os.path.dirname(os.path.realpath(stores.path_in_store(url)))
+    source = os.path.dirname(os.path.realpath(path_in_store(url)))
     if source == os.path.dirname(os.path.realpath(path)):
         raise ValueError(f"{path} would be written into the directory it is copied from "
                          f"({source}), which is never written to; pass another --data-dir")
@@ -126,7 +127,10 @@ def _download_locked(url: str, path: str, limits: Limits, progress: bool | None,
     name, tmp = os.path.basename(path), tmp_path(path)
     deadline = time.monotonic() + limits.deadline
     attempt = 1  # attempts in a row without progress, this one included
-    fetch = fetch_to_tmp if stores.is_http(url) else fetch_object_to_tmp
+    if is_http(url):
+        fetch = fetch_to_tmp
+    else:  # (late: a loader that never reads a store never loads its transport)
+        from nanochat.data.fetch.store_transport import fetch_object_to_tmp as fetch
     while True:
         before = resumable(tmp)
         try:
@@ -138,7 +142,7 @@ def _download_locked(url: str, path: str, limits: Limits, progress: bool | None,
             kept = resumable(tmp)  # tmp keeps what it holds: the next run resumes it
             raise type(e)(e.reason, f"{name}: {e}; not retrying"
                           + (f" ({kept} bytes kept in {tmp})" if kept else "")) from None
-        except stores.StoreError:  # (missing credentials: no file of that store can be fetched)
+        except StoreError:  # (missing credentials: no file of that store can be fetched)
             raise
         except (DownloadError, requests.RequestException, urllib3.exceptions.HTTPError,
                 OSError) as e:
@@ -316,9 +320,12 @@ def check_disk_space(data_dir: str, num_shards: int, probe_url: str | None = Non
     credentials, StoreError)."""
     if num_shards <= 0:
         return
-    probe = probe_bytes if probe_url and stores.is_http(probe_url) else probe_object_bytes
+    if probe_url and is_http(probe_url):
+        probe = probe_bytes
+    else:  # (late, as in _download_locked)
+        from nanochat.data.fetch.store_transport import probe_object_bytes as probe
     shard_bytes = probe(probe_url, timeout) if probe_url else None
-    asked = "from a HEAD request" if stores.is_http(probe_url or "http:") else "from the store"
+    asked = "from a HEAD request" if is_http(probe_url or "http:") else "from the store"
     source = asked if shard_bytes else "estimated"
     shard_bytes = shard_bytes or SHARD_BYTES_ESTIMATE
     need = int(shard_bytes * num_shards * DISK_MARGIN)

@@ -1,10 +1,10 @@
 """
 The errors of a fetch, and what each says about retrying.
-DownloadError and its kinds (a bad file, give up, not there, retry later), the check that refuses a
-bad address before any request, and the rule that a host that does not resolve stops the run
+DownloadError and its kinds (a bad file, give up, not there, retry later), a store's errors (its
+package missing, a call failed), and the rule that a host that does not resolve stops the run
 unless it has answered before.
 
-May import: nanochat.data.fetch.stores, requests, urllib3.
+May import: requests, urllib3.
 """
 
 import errno
@@ -14,7 +14,6 @@ import urllib.parse
 import requests
 import urllib3
 
-from nanochat.data.fetch import stores
 
 
 class DownloadError(Exception):
@@ -52,34 +51,24 @@ class RetryLater(DownloadError):
         self.seconds = seconds
 
 
+class MissingExtra(ImportError):
+    """A store's package is not installed: the message is one line with the pip install."""
+
+
+class StoreError(OSError):
+    """A store call failed. reason: a short category for summaries ("not found", "slow down");
+    retry: whether trying again can help."""
+
+    def __init__(self, reason: str, message: str, retry: bool):
+        super().__init__(message)
+        self.reason, self.retry = reason, retry
+
+    def __str__(self):
+        return self.args[0]
+
+
 class Stopped(Exception):
     """Another file of the run hit an error that stops the run (or the user pressed Ctrl-C)."""
-
-
-# -----------------------------------------------------------------------------
-# A bad address: refused before any request
-
-
-def check_url(url: str) -> None:
-    """Raise ValueError unless url is an http:// or https:// URL with a host."""
-    parts = urllib.parse.urlsplit(url)
-    if parts.scheme not in ("http", "https") or not parts.netloc:
-        raise ValueError(f"download URL {url!r} must start with http:// or https:// and name a "
-                         "host, e.g. https://huggingface.co/datasets/...; fix --base-url or "
-                         "NANOCHAT_DATA_URL")
-
-
-def check_address(address: str) -> None:
-    """Raise ValueError unless address is an http(s) URL with a host (check_url) or a store's
-    address (stores.check_address: s3://bucket/prefix, ..., file://..., a local path)."""
-    if not isinstance(address, str) or stores.is_http(address):
-        return check_url(address)
-    if stores.scheme_of(address) and stores.scheme_of(address) not in stores.STORES:
-        netloc = urllib.parse.urlsplit(address).netloc  # (shown without a user:password@)
-        shown = stores.redact(address.replace(netloc, netloc.rsplit("@", 1)[-1], 1))
-        raise ValueError(f"base_url {shown!r} must start with http:// or https:// or be a store's "
-                         f"address: {stores.ADDRESS_FORMS}; fix --base-url or NANOCHAT_DATA_URL")
-    stores.check_address(address)
 
 
 # -----------------------------------------------------------------------------

@@ -7,6 +7,8 @@ The download and a streaming loader both take their split from it.
 
 Cost: one small request (at most LISTING_MAX_BYTES), or one store listing, retried within limits.
 
+Imported only when needed: nanochat.data.fetch.stores (a store's listing; fsspec with it).
+
 May import: nanochat.data.base, nanochat.data.fetch.
 """
 
@@ -16,9 +18,8 @@ import time
 
 from nanochat.data.base.datasets import dataset_of, hosted, log_once, shard_index
 from nanochat.data.base.layout import LISTING
-from nanochat.data.fetch import stores
-from nanochat.data.fetch.address import shown
-from nanochat.data.fetch.errors import DownloadError
+from nanochat.data.fetch.address import is_http, shown
+from nanochat.data.fetch.errors import DownloadError, StoreError
 from nanochat.data.fetch.limits import Limits
 from nanochat.data.fetch.small_reads import fetch_small
 
@@ -33,7 +34,7 @@ def read_listing(base_url: str, limits: Limits) -> list[str] | None:
     when the server has none (the Hugging Face hub); a store's address: the parquet files directly
     under it. Small requests, bounded by limits; a listing that cannot be read is a ConnectionError,
     one that is wrong a ValueError, naming it."""
-    if not stores.is_http(base_url):
+    if not is_http(base_url):
         return _store_listing(base_url, limits)
     url = listing_url(base_url)
     try:
@@ -60,19 +61,20 @@ def listing_url(base_url: str) -> str:
 def listing_source(base_url: str) -> str:
     """What lists base_url's shards, for messages: its index.json (http), else the store's
     listing of the prefix."""
-    return listing_url(shown(base_url)) if stores.is_http(base_url) else shown(base_url)
+    return listing_url(shown(base_url)) if is_http(base_url) else shown(base_url)
 
 
 def _store_listing(base_url: str, limits: Limits) -> list[str]:
     """The parquet names directly under a store's address (stores.list_names), retried with the
     download limits' backoff while the store says a retry can help, within their deadline; then a
     ConnectionError. One a retry cannot help (not found, no credentials) is raised as it is."""
+    from nanochat.data.fetch.stores import list_names  # (late: a loader that reads no store)
     deadline = time.monotonic() + limits.deadline
     for attempt in range(1, limits.max_attempts + 1):
         try:
-            names = stores.list_names(base_url, limits.timeout)
+            names = list_names(base_url, limits.timeout)
             break
-        except stores.StoreError as e:
+        except StoreError as e:
             if not e.retry:
                 raise
             wait = limits.backoff_base * 2 ** (attempt - 1)

@@ -4,8 +4,8 @@ Their names, the record's reading and writing (atomic, never through a symlink),
 installed file's record says: its size, sha256, source and source_version, the hashes that vouched
 for it.
 
-May import: nanochat.data.base.checks, nanochat.data.base.files, nanochat.data.fetch.errors,
-nanochat.data.fetch.stores.
+May import: nanochat.data.base.checks, nanochat.data.base.files, nanochat.data.fetch.address,
+nanochat.data.fetch.errors.
 """
 
 import errno
@@ -15,7 +15,7 @@ import urllib.parse
 
 from nanochat.data.base.checks import is_int
 from nanochat.data.base.files import fsync_dir, remove_if_exists
-from nanochat.data.fetch import stores
+from nanochat.data.fetch.address import is_http, is_local, path_in_store
 from nanochat.data.fetch.errors import BadFileError, GiveUp
 
 
@@ -123,11 +123,11 @@ def record_or_none(path: str) -> dict | None:
 def source_of(address: str) -> str:
     """What a shard's record names as its source: the address without a URL's user:password@, a
     local directory's file by its real path (two spellings of one source are one)."""
-    if stores.is_http(address):
+    if is_http(address):
         parts = urllib.parse.urlsplit(address)
         return urllib.parse.urlunsplit(parts._replace(netloc=parts.netloc.rsplit("@", 1)[-1]))
-    if stores.is_local(address):
-        return os.path.realpath(stores.path_in_store(address))
+    if is_local(address):
+        return os.path.realpath(path_in_store(address))
     return address
 
 

@@ -3,8 +3,9 @@ Small reads of a source, bounded and retried as a download is.
 A file's last bytes (the footer of a shard a streaming loader has not fetched yet), and a small
 file whole (a server's listing).
 
-May import: nanochat.data.fetch.errors, nanochat.data.fetch.http_transport,
-nanochat.data.fetch.limits, nanochat.data.fetch.store_transport, nanochat.data.fetch.stores,
+Imported only when needed: nanochat.data.fetch.store_transport (a store's file; fsspec with it).
+May import: nanochat.data.fetch.address, nanochat.data.fetch.errors,
+nanochat.data.fetch.http_transport, nanochat.data.fetch.limits, nanochat.data.fetch.store_transport,
 requests, urllib3.
 """
 
@@ -14,12 +15,11 @@ import time
 import requests
 import urllib3
 
-from nanochat.data.fetch import stores
-from nanochat.data.fetch.errors import (DownloadError, GiveUp, RetryLater, check_address,
-                                        reason_of, unresolved_host)
+from nanochat.data.fetch.address import check_address, is_http, redact
+from nanochat.data.fetch.errors import (DownloadError, GiveUp, RetryLater, StoreError, reason_of,
+                                        unresolved_host)
 from nanochat.data.fetch.http_transport import small_attempt, tail_attempt
 from nanochat.data.fetch.limits import Limits
-from nanochat.data.fetch.store_transport import object_tail_attempt
 
 logger = logging.getLogger(__name__)
 
@@ -33,7 +33,10 @@ def fetch_tail(url: str, nbytes: int, limits: Limits | None = None) -> tuple[int
     backoff, timeout, min_rate, deadline for all attempts together). Raises DownloadError naming
     the URL when it keeps failing or the server ignores Range, HostNotFoundError when the host does
     not resolve (a store: StoreError without credentials, MissingExtra without its package)."""
-    attempt = tail_attempt if stores.is_http(url) else object_tail_attempt
+    if is_http(url):
+        attempt = tail_attempt
+    else:  # (late: a loader that never reads a store never loads its transport)
+        from nanochat.data.fetch.store_transport import object_tail_attempt as attempt
     return _retried(url, limits, "reading the end of",
                     lambda limits, deadline: attempt(url, nbytes, limits, deadline))
 
@@ -43,7 +46,7 @@ def fetch_small(url: str, max_bytes: int, limits: Limits | None = None) -> bytes
     the server has no such file (HTTP 404, or 403 and 410, which S3-like stores answer for a
     missing key). Raises DownloadError naming the URL past max_bytes or when it keeps failing.
     HTTP only: a store lists its files (stores.list_names)."""
-    if isinstance(url, str) and not stores.is_http(url):
+    if isinstance(url, str) and not is_http(url):
         raise ValueError(f"fetch_small reads http(s) URLs only, not {url!r}: a store's files are "
                          "listed with stores.list_names")
     return _retried(url, limits, "reading",
@@ -56,13 +59,13 @@ def _retried(url: str, limits: Limits | None, doing: str, attempt_once):
     check_address(url)
     limits = Limits() if limits is None else limits
     deadline = time.monotonic() + limits.deadline
-    shown = url if stores.is_http(url) else stores.redact(url)  # (a store's address: no secret)
+    shown = url if is_http(url) else redact(url)  # (a store's address: no secret)
     attempt = 1
     while True:
         wait = limits.backoff_base * 2 ** (attempt - 1)
         try:
             return attempt_once(limits, deadline)
-        except (GiveUp, stores.StoreError):  # (StoreError: missing credentials)
+        except (GiveUp, StoreError):  # (StoreError: missing credentials)
             raise
         except RetryLater as e:
             error, wait = e, e.seconds

@@ -4,9 +4,10 @@ A shard fetched from another source is refused, unless the run's source states t
 it (a mirror); a shard that changed at its source is found by one HEAD or stat; a shard whose
 record names no source is adopted by the first source that asks.
 
-May import: nanochat.data.fetch.errors, nanochat.data.fetch.http_transport,
-nanochat.data.fetch.limits, nanochat.data.fetch.records, nanochat.data.fetch.stores, requests,
-filelock.
+Imported only when needed: nanochat.data.fetch.stores (a store's stat; fsspec with it).
+May import: nanochat.data.fetch.address, nanochat.data.fetch.errors,
+nanochat.data.fetch.http_transport, nanochat.data.fetch.limits, nanochat.data.fetch.records,
+nanochat.data.fetch.stores, requests, filelock.
 """
 
 import logging
@@ -17,8 +18,8 @@ from typing import NamedTuple
 import requests
 from filelock import FileLock
 
-from nanochat.data.fetch import stores
-from nanochat.data.fetch.errors import BadFileError
+from nanochat.data.fetch.address import is_http, join, redact
+from nanochat.data.fetch.errors import BadFileError, StoreError
 from nanochat.data.fetch.http_transport import head, stated_sha256, validator
 from nanochat.data.fetch.limits import Limits
 from nanochat.data.fetch.records import (lock_path, record_or_none, record_path, recorded_source,
@@ -75,15 +76,15 @@ def check_sources(files: list[tuple[str, str]], fix: str, limits: Limits | None 
                                                             "source_version": now.version})
         logger.info("%d shard(s) in %s from %s are the same files at %s (it states their "
                     "sha256): their records name it now", len(others),
-                    os.path.dirname(others[0][1]), stores.redact(_parent(others[0][2])),
-                    stores.redact(_parent(source_of(others[0][0]))))
+                    os.path.dirname(others[0][1]), redact(_parent(others[0][2])),
+                    redact(_parent(source_of(others[0][0]))))
         return
     address, path, source = others[0]
     names = ", ".join(os.path.basename(p) for _, p, _ in others[:2])
     raise OtherSourceError(
         f"{os.path.dirname(path)} holds {len(others)} shard(s) fetched from "
-        f"{stores.redact(_parent(source))} ({names}{', ...' if len(others) > 2 else ''}), not "
-        f"from {stores.redact(_parent(source_of(address)))}, which this run reads from, and that "
+        f"{redact(_parent(source))} ({names}{', ...' if len(others) > 2 else ''}), not "
+        f"from {redact(_parent(source_of(address)))}, which this run reads from, and that "
         f"does not state the same sha256 for them: one directory holds one source's shards. {fix}")
 
 
@@ -93,8 +94,8 @@ def check_file_source(address: str, path: str) -> None:
     source = recorded_source(path)
     if source is not None and source != source_of(address):
         raise OtherSourceError(
-            f"{path} was fetched from {stores.redact(source)}, not from "
-            f"{stores.redact(source_of(address))}, which this call reads it from: one directory "
+            f"{path} was fetched from {redact(source)}, not from "
+            f"{redact(source_of(address))}, which this call reads it from: one directory "
             f"holds one source's shards. {SOURCE_FIX}")
 
 
@@ -124,7 +125,7 @@ def changed_at_source(address: str, path: str, limits: Limits) -> BadFileError |
         return None
     now = f"sha256 {stated.sha256}" if stated.sha256 is not None else f"version {stated.version}"
     return BadFileError("changed at its source",
-                        f"{path}: {stores.redact(source_of(address))} now states {now} for it, "
+                        f"{path}: {redact(source_of(address))} now states {now} for it, "
                         "not the file here: it changed at its source")
 
 
@@ -134,7 +135,7 @@ def adopt_source(address: str, path: str) -> None:
     record = record_or_none(path)
     if record is not None and "source" not in record:
         logger.info("%s records no source: taken as from %s, the source that asks for it first",
-                    path, stores.redact(source_of(address)))
+                    path, redact(source_of(address)))
         write_json(record_path(path), record | {"source": source_of(address),
                                                 "source_version": None})
 
@@ -151,16 +152,17 @@ def stated_now(address: str, limits: Limits) -> Stated | None:
     if parent in _SILENT:
         return None
     try:
-        if not stores.is_http(address):
-            info = stores.stat(address, limits.timeout)
+        if not is_http(address):  # (late: a loader that never reads a store never loads it)
+            from nanochat.data.fetch.stores import stat
+            info = stat(address, limits.timeout)
             return Stated(info.hashes.get("sha256"), info.version)
         response = head(address, limits.timeout)
         if response is None:
             raise requests.Timeout(f"no whole answer in {limits.timeout:g}s")
-    except (requests.RequestException, stores.StoreError, OSError) as e:
+    except (requests.RequestException, StoreError, OSError) as e:
         _SILENT.add(parent)
         logger.warning("could not ask %s whether its files changed (%s): the shards on disk from "
-                       "it are taken as its files, by their records", stores.redact(parent), e)
+                       "it are taken as its files, by their records", redact(parent), e)
         return None
     if response.status_code != 200:  # (gone from the source: the copy here is what it had)
         return None
@@ -191,7 +193,7 @@ def _on_disk_from_elsewhere(files: list[tuple[str, str]]) -> list[tuple[str, str
             path = os.path.join(directory, name)
             source = recorded_source(path) if name.endswith(".parquet") else None
             if source is not None and _parent(source) != wanted:
-                found.append((stores.join(parent, name), path, source))
+                found.append((join(parent, name), path, source))
     return found
 
 

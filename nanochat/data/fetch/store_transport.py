@@ -4,8 +4,9 @@ A store is S3, GCS, Azure, the hub or a local directory (stores.py, over fsspec)
 fills in ranged reads of STORE_CHUNK_BYTES, resumed while the object's version is unchanged; each
 call is bounded by the limits, and a store's errors become the fetch's, by whether a retry helps.
 
-May import: nanochat.data.base.files, nanochat.data.fetch.errors, nanochat.data.fetch.install,
-nanochat.data.fetch.limits, nanochat.data.fetch.records, nanochat.data.fetch.stores.
+May import: nanochat.data.base.files, nanochat.data.fetch.address, nanochat.data.fetch.errors,
+nanochat.data.fetch.install, nanochat.data.fetch.limits, nanochat.data.fetch.records,
+nanochat.data.fetch.stores.
 """
 
 import contextlib
@@ -16,7 +17,9 @@ import time
 
 from nanochat.data.base.files import progress_bar
 from nanochat.data.fetch import stores
-from nanochat.data.fetch.errors import BadFileError, DiskFull, DownloadError, GiveUp, NotThere
+from nanochat.data.fetch.address import redact
+from nanochat.data.fetch.errors import (BadFileError, DiskFull, DownloadError, GiveUp, NotThere,
+                                        StoreError)
 from nanochat.data.fetch.install import resume_point
 from nanochat.data.fetch.limits import Limits, Pace
 from nanochat.data.fetch.records import open_nofollow, record_path, write_json
@@ -43,7 +46,7 @@ def fetch_object_to_tmp(address: str, tmp: str, limits: Limits, deadline: float,
     have, record = resume_point(tmp)
     if have and (record.get("validator") != info.version or record.get("size") != info.size):
         logger.info("%s: the object changed on the store since %s was started; starting over",
-                    stores.redact(address), tmp)
+                    redact(address), tmp)
         have = 0
     if not have:
         record = {"url": address, "validator": info.version, "size": info.size,
@@ -51,7 +54,7 @@ def fetch_object_to_tmp(address: str, tmp: str, limits: Limits, deadline: float,
         if info.version is None:
             logger.warning("%s: the store states no version of it, so a broken transfer of it "
                            "cannot be resumed: each attempt starts from byte 0",
-                           stores.redact(address))
+                           redact(address))
     flags = os.O_WRONLY | os.O_CREAT | (os.O_APPEND if have else os.O_TRUNC)
     pace = Pace(limits, deadline, stop)
     try:
@@ -82,7 +85,7 @@ def fetch_object_to_tmp(address: str, tmp: str, limits: Limits, deadline: float,
     after = _stat_object(address, limits, deadline)
     if (after.version, after.size) != (info.version, info.size):
         raise BadFileError("changed on the store",
-                           f"{stores.redact(address)} changed on the store during the "
+                           f"{redact(address)} changed on the store during the "
                            f"download of {tmp}")
     return record
 
@@ -103,7 +106,7 @@ def probe_object_bytes(address: str, timeout: float) -> int | None:
     and MissingExtra are raised: no file of the store can be fetched)."""
     try:
         return stores.stat(address, timeout).size
-    except stores.StoreError as e:
+    except StoreError as e:
         if e.reason == "no credentials":
             raise
         logger.info("%s; using the per-shard estimate", e)
@@ -126,7 +129,7 @@ def _read_object(address: str, start: int, end: int, limits: Limits, deadline: f
                                  within=_call_bound(limits, deadline, end - start))
     if len(body) != end - start:
         raise BadFileError("changed on the store",
-                           f"{stores.redact(address)}: asked for bytes {start}-{end}, got "
+                           f"{redact(address)}: asked for bytes {start}-{end}, got "
                            f"{len(body)}: it changed on the store")
     return body
 
@@ -146,7 +149,7 @@ def _store_errors(limits: Limits, deadline: float):
     store can be fetched. A missing extra (MissingExtra) passes unchanged."""
     try:
         yield
-    except stores.StoreError as e:
+    except StoreError as e:
         if e.reason == "no credentials":
             raise
         if time.monotonic() >= deadline:  # the call was cut at the deadline

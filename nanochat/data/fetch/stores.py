@@ -1,14 +1,15 @@
 """
 Reading shards where they live: s3://, gs://, az://, hf://, file:// or a local directory.
-An http(s) URL goes through http_transport.py; this module reads the others through fsspec and each
-store's package (the extras s3, gcs, azure, hf): stat (size, version, the hashes the store states),
-read_range, list_names. Every call is bounded (timeout); retrying is the caller's. A store's error
-becomes a StoreError that says whether a retry can help; its message never holds a credential.
+An http(s) URL goes through http_transport.py; this module reads the others (address.py names their
+forms) through fsspec and each store's package (the extras s3, gcs, azure, hf): stat (size,
+version, the hashes the store states), read_range, list_names. Every call is bounded (timeout);
+retrying is the caller's. A store's error becomes a StoreError that says whether a retry can help;
+its message never holds a credential.
 Credentials come from each store's own chain (environment, config files, instance roles).
 
 Imported only when needed: fsspec, fsspec.asyn, fsspec.implementations.local, and the store's
 package (s3fs, gcsfs, adlfs, huggingface_hub).
-May import: nothing of ours.
+May import: nanochat.data.fetch.address, nanochat.data.fetch.errors.
 """
 
 import base64
@@ -17,56 +18,10 @@ import logging
 import os
 import re
 import threading
-import urllib.parse
 from dataclasses import dataclass, field
 
-PACKAGE = "nanochat-data"  # what `pip install` names
-
-
-@dataclass(frozen=True)
-class Store:
-    """A kind of address: fsspec's protocol for it, the package that implements it, our extra."""
-    name: str  # for messages: "S3", "GCS", ...
-    protocol: str
-    package: str
-    extra: str | None  # None: nothing to install
-    credentials: str = ""  # where its own tools look for credentials
-
-    def install_hint(self) -> str:
-        return f"pip install '{PACKAGE}[{self.extra}]'"
-
-
-_S3 = Store("S3", "s3", "s3fs", "s3", "AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, "
-            "~/.aws/credentials (AWS_PROFILE) or an instance role; AWS_ENDPOINT_URL for another "
-            "S3-compatible service")
-_GCS = Store("GCS", "gcs", "gcsfs", "gcs", "`gcloud auth application-default login`, "
-             "GOOGLE_APPLICATION_CREDENTIALS or the instance's service account")
-_AZURE = "AZURE_STORAGE_ACCOUNT_NAME with AZURE_STORAGE_ACCOUNT_KEY or a SAS token, or `az login`"
-STORES = {"s3": _S3, "gs": _GCS, "gcs": _GCS,
-          "az": Store("Azure", "az", "adlfs", "azure", _AZURE),
-          "abfs": Store("Azure", "abfs", "adlfs", "azure", _AZURE),
-          "hf": Store("the Hugging Face hub", "hf", "huggingface_hub", "hf",
-                      "HF_TOKEN or `hf auth login`"),
-          "file": Store("a local directory", "file", "fsspec", None)}
-LOCAL = STORES["file"]
-ADDRESS_FORMS = ("https://..., s3://bucket/prefix, gs://bucket/prefix, az://container/prefix, "
-                 "hf://datasets/owner/name/folder, file:///path or a local directory")
-
-
-class MissingExtra(ImportError):
-    """A store's package is not installed: the message is one line with the pip install."""
-
-
-class StoreError(OSError):
-    """A store call failed. reason: a short category for summaries ("not found", "slow down");
-    retry: whether trying again can help."""
-
-    def __init__(self, reason: str, message: str, retry: bool):
-        super().__init__(message)
-        self.reason, self.retry = reason, retry
-
-    def __str__(self):
-        return self.args[0]
+from nanochat.data.fetch.address import Store, path_in_store, redact, store_of
+from nanochat.data.fetch.errors import MissingExtra, StoreError
 
 
 @dataclass(frozen=True)
@@ -77,76 +32,6 @@ class ObjectInfo:
     size: int
     version: str | None
     hashes: dict = field(default_factory=dict)
-
-
-# -----------------------------------------------------------------------------
-# Addresses
-
-
-def scheme_of(address: str) -> str:
-    """"http", "https", a key of STORES, or "" for a local path."""
-    match = re.match(r"([a-zA-Z][a-zA-Z0-9+.-]*)://", address)
-    return match.group(1).lower() if match else ""
-
-
-def is_http(address: str) -> bool:
-    return scheme_of(address) in ("http", "https")
-
-
-def store_of(address: str) -> Store:
-    """The Store of a non-HTTP address (a local path is file://). ValueError for other schemes."""
-    scheme = scheme_of(address)
-    if scheme == "":
-        return LOCAL
-    if scheme not in STORES:
-        raise ValueError(f"unknown address {address!r}: use {ADDRESS_FORMS}; fix --base-url or "
-                         "NANOCHAT_DATA_URL")
-    return STORES[scheme]
-
-
-def check_address(address: str) -> None:
-    """Raise ValueError unless address has one of the accepted forms (an http(s) URL with a host,
-    a store's scheme with a bucket or repository, or a local path)."""
-    if not isinstance(address, str) or not address:
-        raise ValueError(f"address {address!r} must be a non-empty string: {ADDRESS_FORMS}")
-    scheme = scheme_of(address)
-    if scheme in ("http", "https"):
-        if not urllib.parse.urlsplit(address).netloc:
-            raise ValueError(f"URL {address!r} names no host; fix --base-url or "
-                             "NANOCHAT_DATA_URL")
-        return
-    store = store_of(address)
-    if scheme == "file" and not address[len("file://"):].strip("/"):
-        raise ValueError(f"{address!r} names no directory, e.g. file:///data/shards; fix "
-                         "--base-url or NANOCHAT_DATA_URL")
-    if scheme == "hf" and len(address[len("hf://"):].strip("/").split("/")) < (
-            3 if address[len("hf://"):].startswith(("datasets/", "spaces/")) else 2):
-        raise ValueError(f"{address!r} names no repository of the Hugging Face hub, e.g. "
-                         "hf://datasets/owner/name/folder; fix --base-url or NANOCHAT_DATA_URL")
-    if scheme and scheme != "file" and not address[len(scheme) + 3:].strip("/"):
-        example = ("hf://datasets/owner/name/folder" if scheme == "hf"
-                   else f"{scheme}://bucket/prefix")
-        raise ValueError(f"{address!r} names no bucket or repository of {store.name}, e.g. "
-                         f"{example}; fix --base-url or NANOCHAT_DATA_URL")
-
-
-def path_in_store(address: str) -> str:
-    """The path fsspec's filesystem takes: s3://bucket/key -> bucket/key; a local path or file://
-    -> its absolute path."""
-    scheme = scheme_of(address)
-    if scheme in ("", "file"):
-        path = urllib.parse.unquote(address[len("file://"):]) if scheme else address
-        return os.path.abspath(os.path.expanduser(path))
-    return address[len(scheme) + 3:].rstrip("/")
-
-
-def join(base: str, name: str) -> str:
-    """base/name: a URL quotes the name, a store's path does not."""
-    return f"{base.rstrip('/')}/{urllib.parse.quote(name) if is_http(base) else name}"
-
-
-def is_local(address: str) -> bool:
-    return store_of(address) is LOCAL if not is_http(address) else False
 
 
 # -----------------------------------------------------------------------------
@@ -239,22 +124,7 @@ def _within(work, seconds: float):
 # -----------------------------------------------------------------------------
 # Errors: what happened, whether a retry can help, and never a credential
 
-# environment variables whose values are secrets: never shown, whatever a store's message holds
-_SECRET_NAME = re.compile(r"KEY|SECRET|TOKEN|PASSWORD|CREDENTIAL|SAS|CONNECTION_STRING")
 THROTTLED = ("SlowDown", "reduce your request rate", "Throttl", "TooManyRequests", "429", "503")
-
-
-# values that name no secret, whatever the variable (TOKENIZERS_PARALLELISM=false)
-_PLAIN_VALUES = {"true", "false", "yes", "no", "on", "off", "none", "null"}
-
-
-def redact(text: str) -> str:
-    """text with the value of every secret-looking environment variable replaced by ***."""
-    for name, value in os.environ.items():
-        if (_SECRET_NAME.search(name.upper()) and len(value) >= 4
-                and value.lower() not in _PLAIN_VALUES and not value.isdigit()):
-            text = text.replace(value, "***")
-    return text
 
 
 def store_error(error: BaseException, address: str) -> StoreError:

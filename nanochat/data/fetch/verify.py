@@ -7,8 +7,8 @@ crc32, crc32c) in one read of the file.
 Cost: a ~100MB shard's checks take ~0.07 s from the page cache (sha256 at ~1.4 GB/s); reading its
 pages ~0.6 s, once, and only when no hash was stated.
 
-May import: nanochat.data.base.files, nanochat.data.fetch.errors, nanochat.data.fetch.records,
-nanochat.data.fetch.stores, pyarrow.
+May import: nanochat.data.base.files, nanochat.data.fetch.address, nanochat.data.fetch.errors,
+nanochat.data.fetch.records, pyarrow.
 """
 
 import hashlib
@@ -23,7 +23,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from nanochat.data.base.files import progress_bar
-from nanochat.data.fetch import stores
+from nanochat.data.fetch.address import redact
 from nanochat.data.fetch.errors import BadFileError
 from nanochat.data.fetch.records import read_json, record_path
 
@@ -224,7 +224,7 @@ def check_stated(tmp: str, record: dict, digests: dict) -> list[str]:
         if digests[name] != want:
             raise BadFileError(f"{name} mismatch",
                                f"{tmp} has {name} {_shown(digests[name])}, the store stated "
-                               f"{_shown(want)} for {stores.redact(record['url'])}")
+                               f"{_shown(want)} for {redact(record['url'])}")
         matched.append(name)
     return matched
 

@@ -32,7 +32,7 @@ from nanochat.data.base.state_checks import check_resume
 from nanochat.data.fetch.limits import Limits
 from nanochat.data.loader.figures import LoaderFigures, Mark, stretch
 from nanochat.data.loader.order import ParquetReader, RankOrder, start_order
-from nanochat.data.loader.prefetch import maybe_prefetch
+from nanochat.data.loader.prefetch import Prefetcher
 from nanochat.data.loader.rows import (Encoder, RowBatch, bestfit_batches, concat_batches,
                                        token_batches)
 from nanochat.data.loader.worker import Job, WorkerBatches, WorkerUnavailable, noting_logs
@@ -250,15 +250,21 @@ def _pipeline(doc_batches, encoder, depth: int, pack):
     stages = []  # a prefetcher closes its source itself, on its thread (which may still run it)
     try:
         # reading runs a few row groups ahead, so the tokenizer's pool never waits on parquet
-        stages.append(maybe_prefetch(doc_batches, 4 * depth, "nanochat-read"))
+        stages.append(run_ahead(doc_batches, 4 * depth, "nanochat-read"))
         # a second encode call starts before the first returns, so the pool never idles on a tail
         overlap_calls = depth > 0 and getattr(encoder, "thread_safe", False)
-        stages.append(maybe_prefetch(token_batches(stages[-1], encoder, overlap_calls), depth,
-                                     "nanochat-tokenize"))
+        stages.append(run_ahead(token_batches(stages[-1], encoder, overlap_calls), depth,
+                                "nanochat-tokenize"))
         yield from pack(stages[-1])
     finally:
         for stage in reversed(stages):  # downstream first: it may be waiting on the one before
             stage.close()
+
+
+def run_ahead(source, depth: int, name: str):
+    """`source` run `depth` items ahead on a daemon thread (prefetch.py), or itself when depth is
+    0: then no thread at all, and everything runs in the caller."""
+    return Prefetcher(source, depth, name) if depth > 0 else source
 
 
 def start_counters(kind: str, recorders) -> dict:
@@ -341,7 +347,7 @@ class DataLoader:
             if self._closed:
                 raise StopIteration  # as a closed generator: nothing comes out after close()
             if self._source is None:
-                self._source = maybe_prefetch(self._batches, self._prefetch, "nanochat-packing")
+                self._source = run_ahead(self._batches, self._prefetch, "nanochat-packing")
         t0 = time.perf_counter()
         try:
             batch = next(self._source)

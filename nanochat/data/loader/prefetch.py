@@ -20,11 +20,6 @@ from collections import deque
 logger = logging.getLogger(__name__)
 
 
-def maybe_prefetch(source, depth: int, name: str):
-    """`source` run `depth` items ahead on a daemon thread, or itself when depth is 0."""
-    return Prefetcher(source, depth, name) if depth > 0 else source  # depth 0: no thread at all
-
-
 class Prefetcher:
     """Runs an iterator on a daemon thread, up to `depth` items ahead.
     An exception in the thread is raised by the consumer's next `next()` (and every one after).

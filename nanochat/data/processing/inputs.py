@@ -11,7 +11,7 @@ May import: nanochat.data.fetch, nanochat.data.base.datasets.
 import os
 from typing import NamedTuple
 
-from nanochat.data.fetch import stores
+from nanochat.data.fetch.address import check_store_address, is_http, join, path_in_store, scheme_of
 from nanochat.data.fetch.listing import read_listing
 from nanochat.data.base.datasets import split_parquet_files
 from nanochat.data.fetch.limits import Limits
@@ -67,29 +67,29 @@ def plan_pairs(inputs: list[str], output: str, val_inputs: list[str] | None = No
 def is_store(path: str) -> bool:
     """Whether an --input is an address (s3://, gs://, az://, hf://; http(s):// is refused), whose
     shards are downloaded to be read; file:// and plain paths are read in place."""
-    return stores.scheme_of(path) not in ("", "file")
+    return scheme_of(path) not in ("", "file")
 
 
 def local_input(path: str) -> str:
     """A plain path for a local --input: "~" expanded, file:///x read as /x; a store's address
     unchanged."""
-    return stores.path_in_store(path) if stores.scheme_of(path) == "file" else \
+    return path_in_store(path) if scheme_of(path) == "file" else \
         os.path.expanduser(path)
 
 
 def _store_splits(address: str, inputs: list[str], val_inputs: list[str] | None) -> dict:
     """{"train": [address, ...], "val": [address]}: the parquet shards the store lists under
     address, split by the on-disk rule (the last name in sorted order is val)."""
-    if stores.is_http(address):
+    if is_http(address):
         raise ValueError(f"--input {address}: pretokenize reads a local directory or a store "
                          "(s3://, gs://, az://, hf://); download over HTTP first (python -m "
                          "nanochat.dataset --base-url URL --data-dir DIR) and pass --input DIR")
     if len(inputs) > 1 or val_inputs:
         raise ValueError(f"--input {address} is a store's dataset, whose last shard is val "
                          "already: pass it alone, without other --input paths or --val-input")
-    stores.check_address(address)
+    check_store_address(address)
     names = read_listing(address, Limits())  # retried while the store asks to slow down
-    paths = [stores.join(address, name) for name in names]
+    paths = [join(address, name) for name in names]
     return {"train": paths[:-1], "val": paths[-1:]}
 
 

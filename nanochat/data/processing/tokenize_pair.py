@@ -17,7 +17,7 @@ import numpy as np
 import pyarrow as pa
 from filelock import FileLock
 
-from nanochat.data.fetch import stores
+from nanochat.data.fetch.address import redact
 from nanochat.data.base.datasets import open_parquet, read_row_group_texts
 from nanochat.data.fetch.repackage import read_jsonl_texts
 from nanochat.data.fetch.errors import DownloadError
@@ -59,7 +59,7 @@ def write_pair(tokenizer, options: dict, pair: PairToWrite) -> PairResult:
             return PairResult(path, stats, None)
     # BadGzipFile is an OSError, and so is a store's error
     except (ValueError, OSError, EOFError, pa.ArrowException, DownloadError) as e:
-        return PairResult(path, None, f"{type(e).__name__}: {stores.redact(str(e))}")
+        return PairResult(path, None, f"{type(e).__name__}: {redact(str(e))}")
 
 
 def pair_lock(prefix: str) -> FileLock:

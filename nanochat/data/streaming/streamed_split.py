@@ -16,8 +16,7 @@ from typing import NamedTuple
 from nanochat.data.base.checks import check_int
 from nanochat.data.base.datasets import (DatasetSpec, check_split, dataset_of, find_data_dir,
                                          find_dataset, get_base_url, index_to_filename)
-from nanochat.data.fetch import stores
-from nanochat.data.fetch.address import check_source
+from nanochat.data.fetch.address import check_source, join
 from nanochat.data.fetch.listing import check_own, listing_source
 
 
@@ -51,7 +50,7 @@ def streamed_split(split: str, data_dir: str | None = None, num_shards: int | No
     # val is the last name even when few train shards are streamed
     chosen = names[-1:] if split == "val" else names[:num_shards]
     return SplitShards(data_dir, [os.path.join(data_dir, name) for name in chosen],
-                       [stores.join(base_url, name) for name in chosen], names[-1])
+                       [join(base_url, name) for name in chosen], names[-1])
 
 
 def _stream_source(data_dir, base_url) -> tuple[str, DatasetSpec, str]:

@@ -27,7 +27,8 @@ import pytest
 from conftest import FAST, write_shard
 from nanochat.data.fetch import (download, errors, records, small_reads, store_transport, stores,
                                  verify)
-from nanochat.data.fetch.errors import DownloadError
+from nanochat.data.fetch.address import join
+from nanochat.data.fetch.errors import DownloadError, MissingExtra, StoreError
 from nanochat.data.fetch.limits import Limits
 
 CHUNK = 64 * 1024
@@ -368,12 +369,12 @@ def test_missing_credentials_stop_the_run_with_one_line_and_fetch_nothing(
     stores.forget_filesystems()
     files = [(faulty.url(f"data/shard_0000{i}.parquet"), str(tmp_path / "out" / f"s{i}.parquet"))
              for i in range(3)]
-    with pytest.raises(stores.StoreError) as caught:
+    with pytest.raises(StoreError) as caught:
         download.download_files(files, num_workers=2, limits=FOUR_TRIES)
     message = str(caught.value)
     assert caught.value.reason == "no credentials" and "\n" not in message
     assert "AWS_ACCESS_KEY_ID" in message and "AWS_SECRET_ACCESS_KEY" in message
-    with pytest.raises(stores.StoreError, match="no S3 credentials"):
+    with pytest.raises(StoreError, match="no S3 credentials"):
         download.download_file(files[0][0], files[0][1], FOUR_TRIES)
     assert faulty.proxy.count() == 0
     assert not any(name.endswith(".parquet") for name in os.listdir(tmp_path / "out"))
@@ -402,7 +403,7 @@ def test_a_storm_longer_than_the_attempts_is_a_clear_error(faulty, tmp_path):
 
 def test_a_missing_extra_is_raised_unchanged(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "gcsfs", None)  # import gcsfs fails
-    with pytest.raises(stores.MissingExtra, match=r"pip install 'nanochat-data\[gcs\]'"):
+    with pytest.raises(MissingExtra, match=r"pip install 'nanochat-data\[gcs\]'"):
         download.download_files([("gs://bucket/a.parquet", str(tmp_path / "a.parquet"))],
                                 limits=FOUR_TRIES)
 
@@ -493,7 +494,7 @@ def test_a_local_directory_is_copied_and_never_written_to(tmp_path, form, caplog
     before = _listing(src)
     base = str(src) if form == "path" else f"file://{src}"
     out = tmp_path / "out"
-    files = [(stores.join(base, name), str(out / name)) for name in bodies]
+    files = [(join(base, name), str(out / name)) for name in bodies]
     report = download.download_files(files, num_workers=2, limits=FOUR_TRIES)
     assert report.failed == {}
     assert {name: _read(out / name) for name in bodies} == bodies

@@ -22,9 +22,11 @@ from fsspec.implementations.memory import MemoryFileSystem
 
 from conftest import write_shard
 from nanochat.data.fetch import stores
+from nanochat.data.fetch.address import join, path_in_store, redact, store_of
 from nanochat.data.fetch.download import download_file
 from nanochat.data.fetch.records import record_path
-from nanochat.data.fetch.stores import MissingExtra, ObjectInfo, StoreError
+from nanochat.data.fetch.errors import MissingExtra, StoreError
+from nanochat.data.fetch.stores import ObjectInfo
 
 DATA = b"PAR1 not a real shard, but real bytes to hash" * 100
 
@@ -45,65 +47,6 @@ def b64(raw: bytes) -> str:
 
 def test_crc32c_is_the_standard_one():
     assert crc32c(b"123456789") == 0xE3069283  # the check value of the CRC-32C catalogue
-
-
-# -----------------------------------------------------------------------------
-# Addresses
-
-
-@pytest.mark.parametrize("address", [
-    "s3://b/p", "s3://bucket", "gs://b/p", "gcs://b/p", "az://container/p", "abfs://c/p",
-    "hf://datasets/owner/name/dir", "file:///x", "/a/local/dir", "relative/dir",
-    "https://host/path", "http://127.0.0.1:8000"])
-def test_check_address_accepts(address):
-    stores.check_address(address)
-
-
-@pytest.mark.parametrize("address, words", [
-    ("ftp://host/x", "unknown address 'ftp://host/x'"),
-    ("s3://", "names no bucket or repository of S3"),
-    ("s3:///", "names no bucket or repository of S3"),
-    ("gs://", "names no bucket or repository of GCS"),
-    ("hf://", "e.g. hf://datasets/owner/name/folder"),
-    ("hf://datasets/owner", "names no repository of the Hugging Face hub"),
-    ("file://", "names no directory"),
-    ("", "must be a non-empty string"), (None, "must be a non-empty string"),
-    ("https:///path", "names no host")])
-def test_check_address_refuses(address, words):
-    with pytest.raises(ValueError) as e:
-        stores.check_address(address)
-    assert words in str(e.value)
-    assert "\n" not in str(e.value)
-
-
-def test_path_in_store_and_join(tmp_path, monkeypatch):
-    assert stores.path_in_store("s3://b/p/") == "b/p"
-    assert stores.path_in_store("gs://b/p/x.parquet") == "b/p/x.parquet"
-    assert stores.path_in_store("hf://datasets/o/n/dir") == "datasets/o/n/dir"
-    assert stores.path_in_store("file:///x/a%20b") == "/x/a b"
-    monkeypatch.setenv("HOME", str(tmp_path))
-    assert stores.path_in_store("~/data") == str(tmp_path / "data")
-    monkeypatch.chdir(tmp_path)
-    assert stores.path_in_store("rel") == str(tmp_path / "rel")
-    # a URL quotes the name; a store's path takes it as it is
-    assert stores.join("https://h/p/", "a b.parquet") == "https://h/p/a%20b.parquet"
-    assert stores.join("s3://b/p/", "a b.parquet") == "s3://b/p/a b.parquet"
-    assert stores.join("s3://b", "x.parquet") == "s3://b/x.parquet"
-
-
-def test_store_of():
-    assert stores.store_of("gs://b") is stores.store_of("gcs://b")
-    assert stores.store_of("gs://b").protocol == "gcs"
-    assert stores.store_of("az://c").package == "adlfs"
-    assert stores.store_of("abfs://c").extra == "azure"
-    assert stores.store_of("hf://datasets/o/n").package == "huggingface_hub"
-    assert stores.store_of("s3://b").install_hint() == "pip install 'nanochat-data[s3]'"
-    assert stores.store_of("/x") is stores.LOCAL and stores.store_of("file:///x") is stores.LOCAL
-    assert stores.is_local("/x") and not stores.is_local("s3://b")
-    assert not stores.is_local("http://h")
-    assert stores.is_http("HTTPS://h/x") and not stores.is_http("s3://b")
-    with pytest.raises(ValueError, match="unknown address 'ftp://h/x'"):
-        stores.store_of("ftp://h/x")
 
 
 # -----------------------------------------------------------------------------
@@ -186,13 +129,13 @@ def test_redact_hides_secret_values(monkeypatch):
     monkeypatch.setenv("HF_TOKEN", "hf_exampletoken123")
     monkeypatch.setenv("NANOCHAT_BUCKET_NAME", "public-bucket")  # not a secret's name
     text = "signed with wJalrXUtnFEMI-example-secret and hf_exampletoken123 in public-bucket"
-    assert stores.redact(text) == "signed with *** and *** in public-bucket"
+    assert redact(text) == "signed with *** and *** in public-bucket"
     error = stores.store_error(ConnectionError("refused for wJalrXUtnFEMI-example-secret"),
                                "s3://public-bucket/p")
     assert "wJalrXUtnFEMI-example-secret" not in str(error) and "***" in str(error)
     # a setting of a secret-sounding name is no secret: "false" stays readable everywhere
     monkeypatch.setenv("TOKENIZERS_PARALLELISM", "false")
-    assert stores.redact("retry: false") == "retry: false"
+    assert redact("retry: false") == "retry: false"
 
 
 class NoCredentialsError(Exception):
@@ -259,7 +202,7 @@ def stand_ins(monkeypatch):
     real = stores.filesystem
 
     def filesystem(address, timeout):
-        protocol = stores.store_of(address).protocol
+        protocol = store_of(address).protocol
         return made[protocol] if protocol in made else real(address, timeout)
 
     monkeypatch.setattr(stores, "filesystem", filesystem)
@@ -270,13 +213,13 @@ def stand_ins(monkeypatch):
                                             ("hf", "hf://datasets/owner/name/data")])
 def test_stat_read_range_and_list_names_through_a_stand_in(stand_ins, protocol, base):
     fs = stand_ins[protocol]
-    where = stores.path_in_store(base)
+    where = path_in_store(base)
     for name in ("b.parquet", "a.parquet", "notes.txt", "deeper/c.parquet", "text/notes.txt"):
         fs.pipe_file(f"{where}/{name}", DATA + name.encode())
     assert stores.list_names(base, 5.0) == ["a.parquet", "b.parquet"]
 
     data = DATA + b"a.parquet"
-    address = stores.join(base, "a.parquet")
+    address = join(base, "a.parquet")
     info = stores.stat(address, 5.0)
     if protocol == "gcs":
         expected = ObjectInfo(len(data), f"generation:{_gcs_info(data)['generation']}",
@@ -294,16 +237,16 @@ def test_stat_read_range_and_list_names_through_a_stand_in(stand_ins, protocol, 
     assert changed.version != info.version and changed.hashes != info.hashes
 
     with pytest.raises(StoreError) as e:
-        stores.stat(stores.join(base, "missing.parquet"), 5.0)
+        stores.stat(join(base, "missing.parquet"), 5.0)
     assert e.value.reason == "not found" and not e.value.retry
     with pytest.raises(StoreError) as e:
         stores.stat(base, 5.0)  # a directory is no object
     assert e.value.reason == "not found"
     with pytest.raises(StoreError, match="holds no .parquet files") as e:
-        stores.list_names(stores.join(base, "text"), 5.0)
+        stores.list_names(join(base, "text"), 5.0)
     assert e.value.reason == "not found"
     with pytest.raises(StoreError, match="not found in") as e:
-        stores.list_names(stores.join(base, "nowhere"), 5.0)
+        stores.list_names(join(base, "nowhere"), 5.0)
     assert e.value.reason == "not found"
 
 
@@ -314,8 +257,8 @@ def test_download_file_through_a_stand_in(stand_ins, tmp_path, protocol, base, s
     shard = tmp_path / "shard_00000.parquet"
     write_shard(shard, [f"document {i} " * (i % 7 + 1) for i in range(200)], row_group_size=50)
     data = shard.read_bytes()
-    stand_ins[protocol].pipe_file(f"{stores.path_in_store(base)}/shard_00000.parquet", data)
-    address = stores.join(base, "shard_00000.parquet")
+    stand_ins[protocol].pipe_file(f"{path_in_store(base)}/shard_00000.parquet", data)
+    address = join(base, "shard_00000.parquet")
     assert set(stores.stat(address, 5.0).hashes) == stated
 
     path = tmp_path / "out" / "shard_00000.parquet"
@@ -332,7 +275,7 @@ def test_a_synchronous_client_that_never_answers_is_cut_at_the_bound(stand_ins, 
     answer, answered = threading.Event(), threading.Event()
     fs = stand_ins["hf"]
     base = "hf://datasets/owner/name/data"
-    fs.pipe_file(f"{stores.path_in_store(base)}/a.parquet", DATA)
+    fs.pipe_file(f"{path_in_store(base)}/a.parquet", DATA)
     real_info = type(fs).info
 
     def info(self, path, **kwargs):  # silent until the test lets it answer
@@ -342,9 +285,9 @@ def test_a_synchronous_client_that_never_answers_is_cut_at_the_bound(stand_ins, 
 
     monkeypatch.setattr(type(fs), "info", info)
     with pytest.raises(StoreError) as e:
-        stores.stat(stores.join(base, "a.parquet"), 5.0, within=0.3)
+        stores.stat(join(base, "a.parquet"), 5.0, within=0.3)
     assert e.value.reason == "timed out" and e.value.retry
     assert not answered.is_set()  # the call ended while the client was still silent
     answer.set()  # the thread left behind ends
     assert answered.wait(5)
-    assert stores.stat(stores.join(base, "a.parquet"), 5.0).size == len(DATA)
+    assert stores.stat(join(base, "a.parquet"), 5.0).size == len(DATA)

@@ -15,8 +15,10 @@ from conftest import ByteTokenizer, assert_same_batches, sample_texts, take_batc
 from nanochat.data.base.datasets import split_parquet_files
 from nanochat.data.base.state import loader_config, tokenizer_fingerprint
 from nanochat.data.loader.build import (IGNORE_INDEX, DataLoader, DeviceBatches, LoaderSpec, Run,
-                                        build_loader, flat_split, make_loader, one_walk, row_split)
+                                        build_loader, flat_split, make_loader, one_walk, row_split,
+                                        run_ahead)
 from nanochat.data.loader.order import ParquetReader
+from nanochat.data.loader.prefetch import Prefetcher
 from nanochat.data.loader.rows import Encoder
 from nanochat.dataloader import tokenizing_distributed_data_loader_with_state_bos_bestfit
 
@@ -91,3 +93,10 @@ def test_row_split_and_flat_split_shapes():
                                                    [[1, 2, 3, 4], [6, 7, 8, 9]])
     inputs, targets = flat_split(2, 3)(np.arange(7))  # B*T + 1 tokens
     assert (inputs.tolist(), targets.tolist()) == ([[0, 1, 2], [3, 4, 5]], [[1, 2, 3], [4, 5, 6]])
+
+
+def test_run_ahead_with_depth_0_returns_the_source_itself():
+    source = iter([1, 2, 3])
+    assert run_ahead(source, 0, "unused") is source  # prefetch=0: no thread, all in the caller
+    ahead = run_ahead(iter([1, 2, 3]), 2, "test-run-ahead")
+    assert isinstance(ahead, Prefetcher) and list(ahead) == [1, 2, 3]

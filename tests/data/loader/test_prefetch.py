@@ -1,8 +1,7 @@
 """
 Tests for running a stage ahead on a thread (nanochat/data/loader/prefetch.py): a Prefetcher yields
 its source's items in order, hands a failure in the source to the consumer as the same exception
-(and again on every later next()), and close() ends its thread and closes the source; with depth
-0, maybe_prefetch returns the source itself. Run:
+(and again on every later next()), and close() ends its thread and closes the source. Run:
     python -m pytest tests/data/loader/test_prefetch.py -q
 """
 
@@ -12,7 +11,7 @@ import time
 import pytest
 
 from conftest import outcome
-from nanochat.data.loader.prefetch import Prefetcher, maybe_prefetch
+from nanochat.data.loader.prefetch import Prefetcher
 
 
 def running(name: str) -> bool:
@@ -72,10 +71,3 @@ def test_close_ends_the_thread_and_closes_the_source():
     assert closed == [True]
     with pytest.raises(StopIteration):  # items made ahead are dropped
         next(prefetcher)
-
-
-def test_maybe_prefetch_with_depth_0_returns_the_source_itself():
-    source = iter([1, 2, 3])
-    assert maybe_prefetch(source, 0, "unused") is source
-    ahead = maybe_prefetch(iter([1, 2, 3]), 2, "test-prefetch-maybe")
-    assert isinstance(ahead, Prefetcher) and list(ahead) == [1, 2, 3]

@@ -16,6 +16,8 @@ import pytest
 
 from conftest import REPO_ROOT, sample_texts
 from nanochat.data.fetch import stores
+from nanochat.data.fetch.address import store_of
+from nanochat.data.fetch.errors import StoreError
 from nanochat.data.processing.inputs import STAGING
 from nanochat.pretokenize import main
 
@@ -123,13 +125,13 @@ def test_a_wrong_bucket_or_an_empty_prefix_is_a_clear_error(s3, parquet_dir, tok
                                                             tmp_path):
     s3.upload_dir(parquet_dir, "data")
     out = str(tmp_path / "out")
-    with pytest.raises(stores.StoreError) as e:
+    with pytest.raises(StoreError) as e:
         _run(tokenizer_dir, f"s3://{s3.bucket}-missing/data", out)
     assert e.value.reason == "not found" and f"s3://{s3.bucket}-missing/data" in str(e.value)
-    with pytest.raises(stores.StoreError, match="elsewhere: not found") as e:
+    with pytest.raises(StoreError, match="elsewhere: not found") as e:
         _run(tokenizer_dir, s3.url("elsewhere"), out)
     s3.put("notes/readme.txt", b"no shards here")
-    with pytest.raises(stores.StoreError, match="notes holds no .parquet files"):
+    with pytest.raises(StoreError, match="notes holds no .parquet files"):
         _run(tokenizer_dir, s3.url("notes"), out)
     assert not os.path.exists(os.path.join(out, "train"))  # nothing was written
 
@@ -150,7 +152,7 @@ def test_a_missing_extra_is_one_line(address, package, extra, tokenizer_dir, tmp
                 "--tokenizer-dir", tokenizer_dir, hide=package)
     assert done.returncode == 2, done.stderr
     assert done.stderr.strip().splitlines()[-1] == (
-        f"error: {stores.store_of(address).name} addresses need the package {package}: "
+        f"error: {store_of(address).name} addresses need the package {package}: "
         f"pip install 'nanochat-data[{extra}]'")
     assert "Traceback" not in done.stderr
 
