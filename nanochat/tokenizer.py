@@ -27,10 +27,11 @@ import numpy as np
 import tiktoken
 
 from nanochat.common import get_base_dir
-from nanochat.data.base.checks import check_int, is_int
+from nanochat.data.base.checks import check_int
 from nanochat.data.base.cli import run
 from nanochat.data.tokenizing.hf_export import export_hf, hf_json
 from nanochat.data.tokenizing.pickle_reader import read_pickled_encoding
+from nanochat.data.tokenizing.tables import check_tables
 from nanochat.data.tokenizing.tokenizer_files import (FORMAT_NAME, FORMAT_VERSION, PICKLE_FILENAME,
                                                        TOKEN_BYTES_FILENAME, TOKENIZER_FILENAME,
                                                        TRAIN_HINT, write_atomic)
@@ -57,7 +58,6 @@ SPLIT_PATTERN = (r"""'(?i:[sdmt]|ll|ve|re)|[^\r\n\p{L}\p{N}]?+\p{L}+|\p{N}{1,2}|
                  r""" ?[^\s\p{L}\p{N}]++[\r\n]*|\s*[\r\n]|\s+(?!\S)|\s+""")
 
 MIN_VOCAB_SIZE = 256 + len(SPECIAL_TOKENS)  # the byte alphabet plus our specials: 265
-MAX_ID_GAP = 1024  # unused ids a loaded tokenizer may have (tiktoken's cl100k_base has a handful)
 CONVERT_HINT = "python -m nanochat.tokenizer convert"
 
 # how each kind of assistant part is rendered: (opening special, closing special, mask of the part)
@@ -161,7 +161,7 @@ class RustBPETokenizer:
                      special_tokens: dict[str, int], bos_token: str):
         """Build the tiktoken Encoding from tables, checked first: tables read from a file may be
         damaged, and tiktoken panics (rather than raising ValueError) on some bad ones."""
-        _check_tables(name, pattern, mergeable_ranks, special_tokens, bos_token)
+        check_tables(name, pattern, mergeable_ranks, special_tokens, bos_token)
         enc = tiktoken.Encoding(name, pat_str=pattern, mergeable_ranks=mergeable_ranks,
                                 special_tokens=special_tokens)
         return cls(enc, bos_token)
@@ -487,54 +487,6 @@ def _chat_messages(conversation: dict) -> list[dict]:
         raise ValueError(f"a system message and the user message after it must both hold a str, "
                          f"got {type(system).__name__} and {type(user).__name__}")
     return [dict(messages[1], content=system + "\n\n" + user)] + messages[2:]
-
-
-def _id_table(table, argument: str, mapping: str, key_type: type, entry: str, value: str):
-    """Yield the (key, id) pairs of `table`, each checked (a key_type key, an int id >= 0) before
-    it is yielded; ValueError when one is not, or when table is not a dict (mapping, entry, value:
-    how messages call the whole, a key and an id)."""
-    if not isinstance(table, dict):
-        raise ValueError(f"{argument} must be a mapping of {mapping}, got {type(table).__name__}")
-    for key, token_id in table.items():
-        # is_int, not check_int: the message names the entry, and this runs once per token
-        if not isinstance(key, key_type) or not is_int(token_id) or token_id < 0:
-            raise ValueError(f"bad {entry} {key!r} with {value} {token_id!r}")
-        yield key, token_id
-
-
-def _check_tables(name, pattern, mergeable_ranks, special_tokens, bos_token) -> None:
-    """Raise ValueError unless the tables make a usable tokenizer (a loaded file may be damaged)."""
-    if not isinstance(name, str):
-        raise ValueError(f"name must be a str, got {type(name).__name__}")
-    if not isinstance(pattern, str):
-        raise ValueError(f"pattern must be a str, got {type(pattern).__name__}")
-    for _ in _id_table(mergeable_ranks, "mergeable_ranks", "bytes to rank", bytes,
-                       "mergeable token", "rank"):
-        pass  # the checks run as the pairs are drawn
-    ranks = set(mergeable_ranks.values())
-    if len(ranks) != len(mergeable_ranks):
-        raise ValueError("two mergeable tokens share a rank")
-    missing = [b for b in range(256) if bytes([b]) not in mergeable_ranks]
-    if missing:
-        # without every single byte, some text could not be encoded at all
-        raise ValueError(f"{len(missing)} of the 256 single-byte tokens are missing (e.g. byte "
-                         f"{missing[0]})")
-    for name, token_id in _id_table(special_tokens, "special_tokens", "name to id", str,
-                                    "special token", "id"):
-        if token_id in ranks:
-            raise ValueError(f"special token {name} has id {token_id}, which a mergeable token "
-                             "already has")
-    if len(set(special_tokens.values())) != len(special_tokens):
-        raise ValueError("two special tokens share an id")
-    if bos_token not in special_tokens:
-        raise ValueError(f"bos_token {bos_token!r} is not among the special tokens "
-                         f"{sorted(special_tokens)}")
-    # ids index arrays of vocab size (token_bytes, embeddings): a stray huge id would make them huge
-    num_tokens = len(ranks) + len(special_tokens)
-    top = max(ranks | set(special_tokens.values()))
-    if top >= num_tokens + MAX_ID_GAP:
-        raise ValueError(f"the largest token id is {top:,} for {num_tokens:,} tokens; ids must be "
-                         f"nearly dense (at most {MAX_ID_GAP} unused ids)")
 
 
 # -----------------------------------------------------------------------------

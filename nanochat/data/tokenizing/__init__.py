@@ -1,7 +1,7 @@
 """
 The tokenizer's files beside nanochat's API in tokenizer.py.
-Their names and format, the safe reader of nanochat's tokenizer.pkl, and the export for Hugging
-Face tools.
+Their names and format, the checks of a tokenizer's tables, the safe reader of nanochat's
+tokenizer.pkl, and the export for Hugging Face tools.
 
-May import: the standard library; nothing of ours outside tokenizing/.
+May import: nanochat.data.base.
 """
