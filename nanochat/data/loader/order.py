@@ -373,8 +373,8 @@ class ParquetReader:
     """The walk's view of parquet shards: units are row groups, items are texts to tokenize.
     Streaming (nanochat/data/streaming/cache.py): `catalog` gives each shard's size and row-group
     counts before it is fetched, and `cache.need(pq_idx)` waits for a shard to be on disk before
-    it is read; a resumed buffer's documents (doc_indices given) may come from the copies the cache kept
-    of them, the other entries None."""
+    it is read; a resumed buffer's documents (doc_indices given) may come from the copies the
+    cache kept of them, the other entries None."""
 
     unit_name = "row group"
 
