@@ -431,8 +431,9 @@ def hosted(tmp_path):
 
 
 def buffered_places(state, paths, chunk_size=None) -> list[tuple]:
-    """Where a state's buffered documents are: (epoch, pq_idx, rg_idx, row). A shuffled walk names
-    those of its windows by position, (epoch, window, i): the i-th entry of that window's order."""
+    """Where a state's buffered documents are: (epoch, pq_idx, rg_idx, doc_index). A shuffled walk
+    names those of its windows by position, (epoch, window, i): the i-th entry of that window's
+    order."""
     config = state["config"]
     index = parquet_index(paths) if chunk_size is None else chunk_index(paths, chunk_size)
     shuffle = config_shuffle(config)

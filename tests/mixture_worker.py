@@ -25,11 +25,11 @@ def main():
         import nanochat.data.pretokenized.token_reader as token_reader
         pick, calls = token_reader.TokenShardReader.pick, [0]
 
-        def failing_pick(unit, rows):
+        def failing_pick(unit, doc_indices):
             calls[0] += 1
             if calls[0] > 12:
                 raise OSError("injected read error")
-            return pick(unit, rows)
+            return pick(unit, doc_indices)
         token_reader.TokenShardReader.pick = staticmethod(failing_pick)
     curriculum = [{"tokens": 60_000, "mix": {"web": 0.9, "tiny": 0.1}}]
     loader = pretokenized_mixture_loader_with_state_bos_bestfit(

@@ -1182,15 +1182,16 @@ def first_bitmap_item(state) -> dict:
     ("bestfit", set_path(["counters", "rows"], -5), True,
      r"\['counters'\]\['rows'\] must be an integer >= 0, got -5"),
     ("bestfit", set_path(["buffer", 0, 3], [0, -10]), True,
-     r"\['buffer'\]\[0\] refers to row 10 of shard_00000.parquet row group 0, which has 6 rows"),
+     r"\['buffer'\]\[0\] refers to document 10 of shard_00000.parquet row group 0, "
+     r"which has 6 documents"),
     ("bestfit", set_path(["buffer", 0, 1], 9), True,
      r"\['buffer'\]\[0\] refers to file 9, row group 0"),
     ("bestfit", set_path(["buffer", 0, 3], [-1, 3]), True,
-     r"\['buffer'\]\[0\] must be a non-empty list of rows"),
+     r"\['buffer'\]\[0\] must be a non-empty list of indices"),
     ("bestfit", set_path(["buffer", 0], [1, 0, 0]), True,
      r"\['buffer'\]\[0\] must be \[epoch >= 1, pq_idx"),
     ("bestfit", set_path(["next"], [1, 0, 4]), True,
-     r"\['next'\] must be \[epoch >= 1, pq_idx, rg_idx, row\]"),
+     r"\['next'\] must be \[epoch >= 1, pq_idx, rg_idx, doc_index\]"),
     ("bestfit", set_path(["next", 3], 10**6), True,
      r"\['next'\] = \[1, 0, 4, 1000000\] is not a place where rank 0"),
     ("bestfit", set_path(["next", 1], 3), True, r"\['next'\] = \[1, 3, 4, 0\] is not a place"),
@@ -1246,7 +1247,8 @@ def first_bitmap_item(state) -> dict:
     ("merged", lambda s: first_bitmap_item(s).update(row_groups="AA==", total=8), True,
      r"\['states'\]\[1\]\['plan'\]\[\d+\]\['total'\] is 8, but the data has 21 row groups"),
     ("merged", lambda s: first_rows_item(s).update(rows=[0, -10**6]), True,
-     r"\['states'\]\[1\]\['plan'\]\[\d+\]\['rows'\] refers to row 1000000 of shard_0000\d.parquet"),
+     r"\['states'\]\[1\]\['plan'\]\[\d+\]\['rows'\] refers to document 1000000 of "
+     r"shard_0000\d.parquet"),
     ("merged", lambda s: first_rows_item(s).update(rows=[0, 1, 0, 1, 0, 1, 0, 1, 0]), True,
      r"\['states'\]\[1\]\['plan'\]\[\d+\]\['rows'\] lists 9 whole documents of a row group "
      r"that has [5-7]"),
@@ -1255,7 +1257,7 @@ def first_bitmap_item(state) -> dict:
      r"but it has \d+"),
     # the pretokenized loader's chunks, and a mixture's own fields and its buckets' states
     ("pretokenized", set_path(["buffer", 0, 3], [9]), True,
-     r"\['buffer'\]\[0\] refers to row 9 of shard_00\d.bin chunk \d+, which has 8 rows"),
+     r"\['buffer'\]\[0\] refers to document 9 of shard_00\d.bin chunk \d+, which has 8 documents"),
     ("mixture", set_path(["dropped"], ["nope"]), True,
      r"\['dropped'\] must list buckets of the mixture"),
     ("mixture", lambda s: s["buckets"].pop("code"), True, r"\['buckets'\] is missing 'code'"),

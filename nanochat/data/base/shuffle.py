@@ -113,7 +113,7 @@ class Shuffle:
 
     @staticmethod
     def entry(table: WindowTable, i: int) -> tuple[int, int, int]:
-        """(pq_idx, rg_idx, row) of the i-th entry of a window's permutation."""
+        """(pq_idx, rg_idx, doc_index) of the i-th entry of a window's permutation."""
         places, bounds, permutation = table
         # the unit whose [start, next start) holds the entry: a binary search, not a table per entry
         u = int(np.searchsorted(bounds, permutation[i], side="right")) - 1
@@ -124,6 +124,7 @@ class Shuffle:
         others remain, so a plan saved half-read and resumed continues in the same order."""
         return permute(units, total, round_keys(self.seed, self.name, "plan", epoch))
 
-    def plan_rows(self, epoch: int, unit: int, n: int) -> np.ndarray:
-        """The order of the n entries of a whole unit dealt by an elastic merge."""
+    def plan_doc_indices(self, epoch: int, unit: int, n: int) -> np.ndarray:
+        """The order of the n documents of a whole unit dealt by an elastic merge."""
+        # the label "plan rows" seeds the order: a different one would deal other documents
         return permutation(n, round_keys(self.seed, self.name, "plan rows", epoch, unit))

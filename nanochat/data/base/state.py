@@ -28,11 +28,11 @@ EMPTY_HASH = "0" * 32  # the emitted hash before the first batch
 
 
 class DocKey(NamedTuple):
-    """One document: where it was read (row: its index in the unit)."""
+    """One document: where it was read (doc_index: its index in the unit)."""
     epoch: int
     pq_idx: int
     rg_idx: int
-    row: int
+    doc_index: int
 
 
 class WindowKey(NamedTuple):
@@ -47,7 +47,7 @@ class PieceKey(NamedTuple):
     epoch: int
     pq_idx: int
     rg_idx: int
-    row: int
+    doc_index: int
     start: int
 
 
@@ -56,8 +56,8 @@ class PlanUnit(NamedTuple):
     epoch: int
     pq_idx: int
     rg_idx: int
-    rows: tuple | None  # the unit's documents to read, in order; None: all of them
-    starts: tuple | None  # aligned with rows: None for a whole document, else its piece's start
+    doc_indices: tuple | None  # the unit's documents to read, in order; None: all of them
+    starts: tuple | None  # aligned with doc_indices: None for a whole document, else a start
 
 
 class Position(NamedTuple):
@@ -68,19 +68,19 @@ class Position(NamedTuple):
 
 
 class Cursor(NamedTuple):
-    """Where the regular walk goes on (a state's "next"): the document batch from `row` of a
-    unit."""
+    """Where the regular walk goes on (a state's "next"): the document batch from document
+    `doc_index` of a unit."""
     epoch: int
     pq_idx: int
     rg_idx: int
-    row: int
+    doc_index: int
 
 
 class WindowCursor(NamedTuple):
-    """Where a shuffled walk goes on (a state's "next"): the row-th entry of a window's order."""
+    """Where a shuffled walk goes on (a state's "next"): the i-th entry of a window's order."""
     epoch: int
     window: int
-    row: int
+    i: int
 
 
 class Progress(NamedTuple):
@@ -173,7 +173,7 @@ class StateRecorder:
         # the encoded tail of a long plan changes only when a unit is finished or begun (a shuffled
         # plan lists a begun unit first, the others in file order): cache it
         first = units[0]
-        key = (len(units), (first.epoch, first.pq_idx, first.rg_idx), first.rows is None)
+        key = (len(units), (first.epoch, first.pq_idx, first.rg_idx), first.doc_indices is None)
         if self._plan_cache[0] != key:
             self._plan_cache = (key, encode_plan(units[1:], self.index))
         return encode_plan(units[:1], self.index) + self._plan_cache[1]
@@ -238,39 +238,40 @@ class UnitIndex:
 # Compact encodings
 
 
-def encode_rows(rows) -> list[int]:
-    """Rows, order kept, as a flat list: a row r, then -k when the k rows after it follow:
-    [3, 4, 5, 9] -> [3, -2, 9]. One int for each lone row, the common case in a best-fit buffer."""
+def encode_indices(indices) -> list[int]:
+    """A unit's document indices, order kept, as a flat list: an index i, then -k when the k
+    indices after it follow: [3, 4, 5, 9] -> [3, -2, 9]. One int for each lone index, the common
+    case in a best-fit buffer."""
     out: list[int] = []
-    previous = -2  # no row follows it: row 0 starts a run (-1 + 1 would continue one)
-    for row in rows:
-        if row == previous + 1:
+    previous = -2  # no index follows it: index 0 starts a run (-1 + 1 would continue one)
+    for index in indices:
+        if index == previous + 1:
             if out[-1] < 0:  # the run goes on
                 out[-1] -= 1
             else:
                 out.append(-1)
         else:
-            out.append(row)
-        previous = row
+            out.append(index)
+        previous = index
     return out
 
 
-def decode_rows(runs) -> list[int]:
-    rows: list[int] = []
+def decode_indices(runs) -> list[int]:
+    indices: list[int] = []
     for value in runs:
         if value >= 0:
-            rows.append(value)
-        else:  # -k: the k rows after the last one
-            rows.extend(range(rows[-1] + 1, rows[-1] + 1 - value))
-    return rows
+            indices.append(value)
+        else:  # -k: the k indices after the last one
+            indices.extend(range(indices[-1] + 1, indices[-1] + 1 - value))
+    return indices
 
 
 def encode_keys(keys) -> list[list]:
-    """Document keys in order -> [[epoch, pq_idx, rg_idx, rows], ...]: consecutive keys of one unit
-    grouped, their rows as encode_rows writes them. A shuffled walk's documents are keyed by
-    position, (epoch, window, i): they group as [epoch, window, rows]."""
+    """Document keys in order -> [[epoch, pq_idx, rg_idx, runs], ...]: consecutive keys of one unit
+    grouped, their document indices as encode_indices writes them. A shuffled walk's documents
+    are keyed by position, (epoch, window, i): they group as [epoch, window, runs]."""
     # groupby and itemgetter run in C: this runs once per batch over the whole buffer
-    return [[*head, encode_rows(map(_last, group))]
+    return [[*head, encode_indices(map(_last, group))]
             for head, group in itertools.groupby(keys, key=_head)]
 
 
@@ -283,11 +284,11 @@ _last = itemgetter(-1)
 
 class KeyEncoder:
     """encode_keys for a buffer that changes a little every batch (a state's "buffer"): each key is
-    numbered once, as one int (its head's number << 32 | its row), then the groups and runs of the
+    numbered once, as one int (its head's number << 32 | its index), then the groups and runs of the
     whole buffer are found with numpy. The output is encode_keys' exactly; one pass over the keys
     in C instead of two in Python (~0.1 ms less at 1,000 keys)."""
 
-    ROWS = 2**32  # rows below this fit under the head's number in the int64 code
+    INDEX_LIMIT = 2**32  # indices below this fit under the head's number in the int64 code
 
     def __init__(self):
         self._codes = _Codes(self)  # key -> its code, computed on first sight
@@ -301,13 +302,13 @@ class KeyEncoder:
         if len(self._codes) > 4 * n + 4096:  # keys long gone: forget them all, stay bounded
             self._codes.clear(), self._head_ids.clear(), self._heads.clear()
         code = np.fromiter(map(self._codes.__getitem__, keys), dtype=np.int64, count=n)
-        heads, rows = code >> 32, code & (self.ROWS - 1)
-        # a group starts where the head changes; a row follows the one before it in its group
+        heads, indices = code >> 32, code & (self.INDEX_LIMIT - 1)
+        # a group starts where the head changes; an index follows the one before it in its group
         new_group = np.ones(n, dtype=bool)
         np.not_equal(heads[1:], heads[:-1], out=new_group[1:])
         follows = np.zeros(n, dtype=bool)
-        follows[1:] = (rows[1:] == rows[:-1] + 1) & ~new_group[1:]
-        # encode_rows: a row that follows none is written; the k rows after it that follow, as -k
+        follows[1:] = (indices[1:] == indices[:-1] + 1) & ~new_group[1:]
+        # encode_indices: an index that follows none is written; the k after it that follow, as -k
         starts = np.flatnonzero(~follows)
         run = np.empty(len(starts), dtype=np.int64)
         run[:-1] = starts[1:] - starts[:-1] - 1
@@ -315,7 +316,7 @@ class KeyEncoder:
         has_run = run > 0
         at = np.arange(len(starts)) + np.cumsum(has_run) - has_run  # each start's place in `out`
         out = np.empty(len(starts) + int(np.count_nonzero(has_run)), dtype=np.int64)
-        out[at] = rows[starts]
+        out[at] = indices[starts]
         out[at[has_run] + 1] = -run[has_run]
         firsts = np.flatnonzero(new_group[starts])  # the starts that begin a group
         bounds = at[firsts].tolist() + [len(out)]
@@ -324,14 +325,14 @@ class KeyEncoder:
                 for h, a, b in zip(heads[starts[firsts]].tolist(), bounds, bounds[1:])]
 
     def code(self, key: tuple) -> int:
-        head, row = key[:-1], key[-1]
-        if not 0 <= row < self.ROWS:
-            raise ValueError(f"document key {tuple(key)} has a row outside [0, 2**32)")
+        head, index = key[:-1], key[-1]
+        if not 0 <= index < self.INDEX_LIMIT:
+            raise ValueError(f"document key {tuple(key)} has an index outside [0, 2**32)")
         number = self._head_ids.get(head)
         if number is None:
             number = self._head_ids[head] = len(self._heads)
             self._heads.append(list(head))
-        return number << 32 | row
+        return number << 32 | index
 
 
 class _Codes(dict):
@@ -347,10 +348,10 @@ class _Codes(dict):
 
 
 def decode_keys(groups) -> list:
-    """[[epoch, pq_idx, rg_idx, rows], ...] -> DocKeys. A shuffled walk's groups of window entries,
-    [epoch, window, rows] (three fields where a unit's have four), -> WindowKeys."""
-    return [(WindowKey if len(group) == 3 else DocKey)(*group[:-1], row)
-            for group in groups for row in decode_rows(group[-1])]
+    """[[epoch, pq_idx, rg_idx, runs], ...] -> DocKeys. A shuffled walk's groups of window entries,
+    [epoch, window, runs] (three fields where a unit's have four), -> WindowKeys."""
+    return [(WindowKey if len(group) == 3 else DocKey)(*group[:-1], index)
+            for group in groups for index in decode_indices(group[-1])]
 
 
 def decode_pieces(pieces, n: int) -> list:
@@ -375,8 +376,8 @@ def decode_bitmap(text: str, total: int) -> list[int]:
 
 
 def encode_plan(units, index) -> list[dict]:
-    """Units -> state items: explicit rows stay rows; runs of whole row groups of one epoch become
-    a bitmap."""
+    """Units -> state items: a unit's listed documents stay a list; runs of whole row groups of one
+    epoch become a bitmap."""
     items: list[dict] = []
     pending: list[int] = []  # global indices of whole row groups of pending_epoch
     pending_epoch = None
@@ -388,16 +389,18 @@ def encode_plan(units, index) -> list[dict]:
                           "total": index.total})
             pending.clear()
 
-    for epoch, pq_idx, rg_idx, rows, starts in units:
-        if rows is None:
+    for epoch, pq_idx, rg_idx, doc_indices, starts in units:
+        if doc_indices is None:
             g = index.base(pq_idx) + rg_idx  # the row group's index across the split's files
             if pending and (epoch != pending_epoch or g <= pending[-1]):
                 flush()  # a bitmap holds one epoch's row groups in file order
             pending_epoch = epoch
             pending.append(g)
         else:
-            flush()  # an item of rows between whole row groups keeps the plan's order
-            item = {"epoch": epoch, "pq_idx": pq_idx, "rg_idx": rg_idx, "rows": encode_rows(rows)}
+            flush()  # an item of listed documents between whole row groups keeps the plan's order
+            # the format's key "rows" holds the unit's document indices, as encode_indices writes
+            item = {"epoch": epoch, "pq_idx": pq_idx, "rg_idx": rg_idx,
+                    "rows": encode_indices(doc_indices)}
             if starts is not None and any(start is not None for start in starts):
                 item["pieces"] = [[j, start] for j, start in enumerate(starts)
                                   if start is not None]
@@ -414,9 +417,11 @@ def decode_plan(items, index) -> list[PlanUnit]:
             groups = decode_bitmap(item["row_groups"], index.total)
             units += [PlanUnit(item["epoch"], *index.locate(g), None, None) for g in groups]
         else:
-            rows = tuple(decode_rows(item["rows"]))
-            starts = tuple(decode_pieces(item["pieces"], len(rows))) if "pieces" in item else None
-            units.append(PlanUnit(item["epoch"], item["pq_idx"], item["rg_idx"], rows, starts))
+            doc_indices = tuple(decode_indices(item["rows"]))
+            starts = (tuple(decode_pieces(item["pieces"], len(doc_indices))) if "pieces" in item
+                      else None)
+            units.append(PlanUnit(item["epoch"], item["pq_idx"], item["rg_idx"], doc_indices,
+                                  starts))
     return units
 
 

@@ -8,8 +8,8 @@ from it: exactly, approximately as nanochat resumes, or refused with what differ
 one rank's part of a merge. check_keys, check_hex and check_list serve the mixture state too. Every
 failure is a ValueError that names the field.
 
-Cost: run-length rows and bitmaps are measured before they are decoded, so a state cannot make a
-loader allocate more than its buffer and the data's units hold. Format: docs/resume.md.
+Cost: run-length indices and bitmaps are measured before they are decoded, so a state cannot
+make a loader allocate more than its buffer and the data's units hold. Format: docs/resume.md.
 
 May import: nanochat.data.base.checks, nanochat.data.base.state, nanochat.data.base.packing,
 nanochat.data.base.shuffle.
@@ -255,7 +255,7 @@ def check_fields(state: dict, state_name: str = "resume_state_dict",
     shuffled = "shuffle" in config
     _check_next(state["next"], shuffled, f"{state_name}['next']")
     buffered = _check_buffer(state, shuffled, state_name)
-    # measured from the runs, before a row is decoded: a state cannot make the loader allocate
+    # measured from the runs, before an index is decoded: a state cannot make the loader allocate
     # more than its buffer holds
     limit = buffer_limit(config, loader)
     if loader_config is not None and loader_config["loader"] == loader:
@@ -276,7 +276,7 @@ def check_fields(state: dict, state_name: str = "resume_state_dict",
 
 
 def _check_next(cursor, shuffled: bool, state_name: str) -> None:
-    form = ["epoch >= 1", *(["window"] if shuffled else ["pq_idx", "rg_idx"]), "row"]
+    form = ["epoch >= 1", *(["window", "i"] if shuffled else ["pq_idx", "rg_idx", "doc_index"])]
     cursor = check_list(cursor, state_name)
     if len(cursor) != len(form) or not all(is_int(v) and v >= 0 for v in cursor) or cursor[0] < 1:
         raise ValueError(f"{state_name} must be [{', '.join(form)}] (ints >= 0) for a walk "
@@ -287,22 +287,22 @@ def _check_next(cursor, shuffled: bool, state_name: str) -> None:
 
 def _check_buffer(state: dict, shuffled: bool, state_name: str) -> int:
     """Check the buffer and its pieces; how many whole documents it holds."""
-    # [[epoch, pq_idx, rg_idx, rows], ...], or shuffled also [epoch, window, rows]
-    buffered, heads = 0, (2, 3) if shuffled else (3,)  # heads: the fields before the rows
+    # [[epoch, pq_idx, rg_idx, doc_indices], ...], or shuffled also [epoch, window, entries]
+    buffered, heads = 0, (2, 3) if shuffled else (3,)  # heads: the fields before the indices
     for i, group in enumerate(check_list(state["buffer"], f"{state_name}['buffer']")):
         head = len(group) - 1 if isinstance(group, list) else 0
         if not (head in heads and all(is_int(v) and v >= 0 for v in group[:head])
                 and group[0] >= 1):
             raise ValueError(f"{state_name}['buffer'][{i}] must be [epoch >= 1, pq_idx, rg_idx, "
-                             "rows]"
-                             + (" or [epoch >= 1, window, rows]" if len(heads) == 2 else "")
+                             "doc_indices]"
+                             + (" or [epoch >= 1, window, entries]" if len(heads) == 2 else "")
                              + f", got {reprlib.repr(group)}")
         buffered += _runs(group[-1], f"{state_name}['buffer'][{i}]")[0]
     return buffered - _pieces(state.get("pieces", []), buffered, f"{state_name}['pieces']")
 
 
 def _check_plan(plan, state_name: str) -> None:
-    """Items of explicit rows (and their pieces), or bitmaps of whole row groups."""
+    """Items of listed documents (and their pieces), or bitmaps of whole row groups."""
     for i, item in enumerate(check_list(plan, state_name)):
         at = f"{state_name}[{i}]"
         if isinstance(item, dict) and "row_groups" in item:
@@ -313,8 +313,8 @@ def _check_plan(plan, state_name: str) -> None:
             check_keys(item, at, ("epoch", "pq_idx", "rg_idx", "rows"), ("pieces",))
             check_int(f"{at}['pq_idx']", item["pq_idx"], 0)
             check_int(f"{at}['rg_idx']", item["rg_idx"], 0)
-            rows = _runs(item["rows"], f"{at}['rows']")[0]
-            _pieces(item.get("pieces", []), rows, f"{at}['pieces']")
+            listed = _runs(item["rows"], f"{at}['rows']")[0]
+            _pieces(item.get("pieces", []), listed, f"{at}['pieces']")
         check_int(f"{at}['epoch']", item["epoch"], 1)
 
 
@@ -324,7 +324,8 @@ def _check_plan(plan, state_name: str) -> None:
 
 def check_data(state: dict, index, state_name: str = "resume_state_dict") -> None:
     """Check that every place a state (through check_fields) refers to is in the data: its files,
-    their row groups (or chunks) and rows; and that `next` is in the share of the state's rank."""
+    their row groups (or chunks) and documents; and that `next` is in the share of the state's
+    rank."""
     files = len(index.paths)
     pq_idx, rg_idx = state["pq_idx"], state["rg_idx"]
     if pq_idx >= files or (rg_idx > 0 and rg_idx >= index.count(pq_idx)):  # (0, 0): no batch yet
@@ -339,8 +340,8 @@ def check_data(state: dict, index, state_name: str = "resume_state_dict") -> Non
                          + ("" if shuffle else f" (the data has {files} files)")
                          + ": the state does not match the data")
     for i, group in enumerate(state["buffer"]):
-        if len(group) == 4:  # [epoch, pq_idx, rg_idx, rows]; 3: [epoch, window, rows]
-            _rows_in(index, group[1], group[2], group[3], f"{state_name}['buffer'][{i}]")
+        if len(group) == 4:  # [epoch, pq_idx, rg_idx, doc_indices]; 3: [epoch, window, entries]
+            _docs_in(index, group[1], group[2], group[3], f"{state_name}['buffer'][{i}]")
             continue
         epoch, window, runs = group
         entries = _window_entries(index, shuffle, rank, world_size, epoch, window)
@@ -357,8 +358,8 @@ def check_data(state: dict, index, state_name: str = "resume_state_dict") -> Non
                 raise ValueError(f"{at}['total'] is {item['total']}, "
                                  f"but the data has {index.total} {_unit(index)}s")
         else:
-            listed = _rows_in(index, item["pq_idx"], item["rg_idx"], item["rows"], f"{at}['rows']")
-            whole = listed - len(item.get("pieces", []))  # pieces of one document repeat its row
+            listed = _docs_in(index, item["pq_idx"], item["rg_idx"], item["rows"], f"{at}['rows']")
+            whole = listed - len(item.get("pieces", []))  # pieces of one document repeat its index
             if whole > index.docs(item["pq_idx"], item["rg_idx"]):
                 raise ValueError(f"{at}['rows'] lists {whole} whole documents of a {_unit(index)} "
                                  f"that has {index.docs(item['pq_idx'], item['rg_idx'])}")
@@ -368,8 +369,8 @@ def _unit(index) -> str:
     return "row group" if index.chunk_size is None else "chunk"  # chunks: pretokenized shards
 
 
-def _rows_in(index, pq_idx: int, rg_idx: int, runs, at: str) -> int:
-    """How many rows `runs` lists, checked to be rows of that unit."""
+def _docs_in(index, pq_idx: int, rg_idx: int, runs, at: str) -> int:
+    """How many document indices `runs` lists, checked to be documents of that unit."""
     files = len(index.paths)
     if pq_idx >= files or rg_idx >= index.count(pq_idx):
         raise ValueError(f"{at} refers to file {pq_idx}, {_unit(index)} {rg_idx}, which the data "
@@ -378,8 +379,8 @@ def _rows_in(index, pq_idx: int, rg_idx: int, runs, at: str) -> int:
     n = index.docs(pq_idx, rg_idx)
     if largest >= n:
         name = os.path.basename(index.paths[pq_idx])
-        raise ValueError(f"{at} refers to row {largest} of {name} {_unit(index)} {rg_idx}, which "
-                         f"has {n} rows: the state does not match the data")
+        raise ValueError(f"{at} refers to document {largest} of {name} {_unit(index)} {rg_idx}, "
+                         f"which has {n} documents: the state does not match the data")
     return count
 
 
@@ -397,18 +398,18 @@ def _window_entries(index, shuffle: Shuffle, rank: int, world_size: int, epoch: 
 def _reads_next(cursor: list, index, shuffle: Shuffle | None, rank: int, world_size: int) -> bool:
     """Whether a state's `next` is a place where the rank's walk goes on."""
     if shuffle:
-        epoch, window, row = cursor
-        # a window of this rank's share of the epoch, or just past the last one; at a row of it
+        epoch, window, i = cursor
+        # a window of this rank's share of the epoch, or just past the last one; at an entry of it
         # only if it exists
         entries = _window_entries(index, shuffle, rank, world_size, epoch, window)
-        return entries is not None and (row == 0 or row < entries)
-    _, pq_idx, rg_idx, row = cursor
+        return entries is not None and (i == 0 or i < entries)
+    _, pq_idx, rg_idx, doc_index = cursor
     # the regular walk goes on at one of this rank's units (rank, rank + world_size, ...),
-    # or just past a file's last one; at a row of it only if that row exists
+    # or just past a file's last one; at a document of it only if that document exists
     files = len(index.paths)
     units = index.count(pq_idx) if pq_idx < files else 0
     return (pq_idx < files and rg_idx % world_size == rank and rg_idx < units + world_size
-            and (row == 0 or (rg_idx < units and row < index.docs(pq_idx, rg_idx))))
+            and (doc_index == 0 or (rg_idx < units and doc_index < index.docs(pq_idx, rg_idx))))
 
 
 # -----------------------------------------------------------------------------
@@ -460,17 +461,17 @@ def check_keys(value, state_name: str, required, optional=None) -> dict:
 
 
 def _runs(runs, state_name: str) -> tuple[int, int]:
-    """(how many rows, the largest) of encode_rows' output, measured without decoding it."""
-    # runs[0] >= 0: a run (-k) continues the row before it, so one must come first
+    """(how many indices, the largest) of encode_indices' output, measured without decoding it."""
+    # runs[0] >= 0: a run (-k) continues the index before it, so one must come first
     if not (isinstance(runs, list) and runs and all(is_int(v) for v in runs) and runs[0] >= 0):
-        raise ValueError(f"{state_name} must be a non-empty list of rows (ints >= 0, a row "
+        raise ValueError(f"{state_name} must be a non-empty list of indices (ints >= 0, an index "
                          "followed by "
-                         f"-k: the k rows after it too), got {reprlib.repr(runs)}")
-    count = row = largest = 0
+                         f"-k: the k indices after it too), got {reprlib.repr(runs)}")
+    count = index = largest = 0
     for value in runs:
-        # a row on its own, or -k: the k rows after the last one
-        row, count = (value, count + 1) if value >= 0 else (row - value, count - value)
-        largest = max(largest, row)
+        # an index on its own, or -k: the k indices after the last one
+        index, count = (value, count + 1) if value >= 0 else (index - value, count - value)
+        largest = max(largest, index)
     return count, largest
 
 

@@ -333,8 +333,9 @@ class DataLoader:
         nothing = 0 if self._streaming else None  # (the cache is this loader's own: from 0)
         self._first_mark = self._last_mark = Mark(time.perf_counter(), 0.0, 0, self._counters,
                                                    nothing, nothing)
-        # with trace_documents=True: per row of the last batch, the (epoch, pq_idx, rg_idx, row) of
-        # every document placed in it, in order (a debugging aid: which documents did a step see?)
+        # with trace_documents=True: per row of the last batch, the (epoch, pq_idx, rg_idx,
+        # doc_index) of every document placed in it, in order (a debugging aid: which documents
+        # did a step see?)
         self.documents: list | None = None
 
     def __iter__(self):

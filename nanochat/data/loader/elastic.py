@@ -172,16 +172,17 @@ def _left_over(states: list, index: UnitIndex, shuffle) -> tuple[list, dict[int,
         if s["loader"] == "concat" and s["offset"] > 0:
             key = buffered[0]
             start = key.start if isinstance(key, PieceKey) else 0
-            buffered[0] = PieceKey(key.epoch, key.pq_idx, key.rg_idx, key.row, start + s["offset"])
+            buffered[0] = PieceKey(key.epoch, key.pq_idx, key.rg_idx, key.doc_index,
+                                   start + s["offset"])
         docs += buffered
         for unit in decode_plan(s["plan"], index):
-            if unit.rows is None:
+            if unit.doc_indices is None:
                 whole.setdefault(unit.epoch, set()).add(index.base(unit.pq_idx) + unit.rg_idx)
             else:
-                starts = unit.starts or (None,) * len(unit.rows)
+                starts = unit.starts or (None,) * len(unit.doc_indices)
                 docs += [DocKey(*_unit_of(unit), r) if st is None
                          else PieceKey(*_unit_of(unit), r, st)
-                         for r, st in zip(unit.rows, starts)]
+                         for r, st in zip(unit.doc_indices, starts)]
     return docs, whole
 
 
@@ -196,7 +197,7 @@ def _rest_shuffled(cursor: list, index: UnitIndex, shuffle, ranks: tuple[int, in
     if epoch <= last_epoch:
         cursor = WindowCursor(*cursor)
         docs = _window_rest(index, shuffle, rank, n_old, cursor)
-        window = cursor.window + (cursor.row > 0)
+        window = cursor.window + (cursor.i > 0)
         later = [(epoch, g) for g in
                  _share(index, shuffle, epoch, rank, n_old)[window * shuffle.window:]]
     later += [(e, g) for e in range(epoch + 1, last_epoch + 1)
@@ -209,7 +210,7 @@ def _rest_in_files(cursor: list, index: UnitIndex, shuffle, ranks: tuple[int, in
     """(documents, (epoch, unit) pairs) a rank has left up to last_epoch, in file order: a unit
     begun document by document, the others whole."""
     rank, n_old = ranks
-    epoch, pq_idx, rg_idx, row = cursor
+    epoch, pq_idx, rg_idx, doc_index = cursor
     docs, later = [], []
     for e in range(epoch, last_epoch + 1):
         for p in range(len(index.paths)):
@@ -217,8 +218,8 @@ def _rest_in_files(cursor: list, index: UnitIndex, shuffle, ranks: tuple[int, in
                 if e == epoch and (p, g) < (pq_idx, rg_idx):  # read already
                     continue
                 # begun: its unread documents are dealt one by one
-                if e == epoch and (p, g) == (pq_idx, rg_idx) and row > 0:
-                    docs += [DocKey(e, p, g, r) for r in range(row, index.docs(p, g))]
+                if e == epoch and (p, g) == (pq_idx, rg_idx) and doc_index > 0:
+                    docs += [DocKey(e, p, g, r) for r in range(doc_index, index.docs(p, g))]
                     continue
                 later.append((e, index.base(p) + g))
     return docs, later
@@ -235,7 +236,7 @@ def _deal(docs: list, whole: dict[int, set[int]], index: UnitIndex,
     units: list[list[PlanUnit]] = [[] for _ in range(world_size)]
     for i, key in enumerate(docs):
         piece = (key.start,) if isinstance(key, PieceKey) else None
-        units[i % world_size].append(PlanUnit(*_unit_of(key), (key.row,), piece))
+        units[i % world_size].append(PlanUnit(*_unit_of(key), (key.doc_index,), piece))
     dealt = 0
     for epoch in sorted(whole):
         for g in sorted(whole[epoch]):
@@ -274,11 +275,11 @@ def _share(index: UnitIndex, shuffle, epoch: int, rank: int, world_size: int):
 def _window_rest(index: UnitIndex, shuffle, rank: int, world_size: int,
                  cursor: WindowCursor) -> list[DocKey]:
     """The documents of a shuffled rank's begun window that it has not read yet, in its order."""
-    if cursor.row == 0:  # not begun: it is dealt unit by unit, with the windows after it
+    if cursor.i == 0:  # not begun: it is dealt unit by unit, with the windows after it
         return []
     table = shuffle.window_table(index, cursor.epoch, rank, world_size, cursor.window)
     return [DocKey(cursor.epoch, *shuffle.entry(table, i))
-            for i in range(cursor.row, int(table.bounds[-1]))]
+            for i in range(cursor.i, int(table.bounds[-1]))]
 
 
 def _places(keys: list, index: UnitIndex, shuffle, rank: int, world_size: int) -> list[DocKey]:
@@ -306,13 +307,13 @@ def _coalesce(units: list[PlanUnit]) -> list[PlanUnit]:
     out: list[PlanUnit] = []
     for unit in units:
         last = out[-1] if out else None
-        if (last and unit.rows is not None and last.rows is not None
+        if (last and unit.doc_indices is not None and last.doc_indices is not None
                 and _unit_of(last) == _unit_of(unit)):
             starts = None  # pieces stay None when neither part has one: whole documents
             if last.starts is not None or unit.starts is not None:
-                starts = ((last.starts or (None,) * len(last.rows))
-                          + (unit.starts or (None,) * len(unit.rows)))
-            out[-1] = unit._replace(rows=last.rows + unit.rows, starts=starts)
+                starts = ((last.starts or (None,) * len(last.doc_indices))
+                          + (unit.starts or (None,) * len(unit.doc_indices)))
+            out[-1] = unit._replace(doc_indices=last.doc_indices + unit.doc_indices, starts=starts)
         else:
             out.append(unit)
     return out

@@ -102,36 +102,38 @@ class RankOrder:
         for u, unit in enumerate(self.plan):
             state_name = f"{self.state_name}['plan']"
             read = self._unit(unit.pq_idx, unit.rg_idx, state_name)
-            rows = unit.rows
-            if rows is None:  # a whole unit: every document, in the plan's order for it
-                rows = self._plan_rows(unit, self.reader.size(read))
-            starts = unit.starts or (None,) * len(rows)  # None: a whole document
-            self._check_rows(rows, read, (unit.pq_idx, unit.rg_idx), state_name)
-            for i in range(0, len(rows), size):
-                chunk = rows[i:i + size]
+            doc_indices = unit.doc_indices
+            if doc_indices is None:  # a whole unit: every document, in the plan's order for it
+                doc_indices = self._plan_doc_indices(unit, self.reader.size(read))
+            starts = unit.starts or (None,) * len(doc_indices)  # None: a whole document
+            self._check_doc_indices(doc_indices, read, (unit.pq_idx, unit.rg_idx), state_name)
+            for i in range(0, len(doc_indices), size):
+                chunk = doc_indices[i:i + size]
                 keys = [DocKey(unit.epoch, unit.pq_idx, unit.rg_idx, r) for r in chunk]
                 yield DocBatch(self.reader.pick(read, chunk), keys,
-                               PlanPlace(u, i + len(chunk), len(rows)), starts[i:i + size])
+                               PlanPlace(u, i + len(chunk), len(doc_indices)), starts[i:i + size])
         self._units.clear()  # the regular walk reads each unit once and keeps none
         yield from self._shuffled() if self.shuffle else self._regular()
 
     def _regular(self):
         size, rank, world_size = self.batch_size, self.rank, self.world_size
-        epoch, pq_idx, rg_idx, row = self.cursor
+        epoch, pq_idx, rg_idx, doc_index = self.cursor
         while self.epochs is None or epoch <= self.epochs:  # one epoch per pass
             docs_this_pass = 0
             # only a pass from the epoch's start can show that this rank receives nothing
-            full_pass = (pq_idx, rg_idx, row) == (0, rank, 0)
+            full_pass = (pq_idx, rg_idx, doc_index) == (0, rank, 0)
             while pq_idx < len(self.paths):
                 while rg_idx < self.index.count(pq_idx):
                     unit = self.reader.read(pq_idx, rg_idx)  # not kept: read once an epoch
                     n = self.reader.size(unit)
-                    if row > n:
-                        raise ValueError(f"{self.state_name}['next'] points at row {row} of "
+                    if doc_index > n:
+                        raise ValueError(f"{self.state_name}['next'] points at document "
+                                         f"{doc_index} of "
                                          f"{self.paths[pq_idx]} {self.reader.unit_name} {rg_idx}, "
-                                         f"which has {n} rows: the state does not match the data")
+                                         f"which has {n} documents: the state does not match "
+                                         "the data")
                     docs_this_pass += n
-                    for i in range(row, n, size):
+                    for i in range(doc_index, n, size):
                         j = min(i + size, n)
                         # where the walk goes on: the next batch of this unit, else the next unit
                         after = (Cursor(epoch, pq_idx, rg_idx, j) if j < n
@@ -139,44 +141,44 @@ class RankOrder:
                         keys = [DocKey(epoch, pq_idx, rg_idx, r) for r in range(i, j)]
                         yield DocBatch(self.reader.take(unit, i, j), keys, after)
                     rg_idx += world_size  # the rank's next unit of this file
-                    row = 0
+                    doc_index = 0
                 pq_idx += 1
                 rg_idx = rank
             # forever over no documents would hang the loader; a walk of `epochs` just ends
             if full_pass and docs_this_pass == 0 and self.epochs is None:
                 raise self._no_documents()
-            epoch, pq_idx, rg_idx, row = epoch + 1, 0, rank, 0
+            epoch, pq_idx, rg_idx, doc_index = epoch + 1, 0, rank, 0
 
     def _shuffled(self):
         """The regular walk, shuffled: per epoch this rank's share of the permuted units, `window`
         units at a time, their entries read in a permuted order."""
         size, window_units = self.batch_size, self.shuffle.window
-        epoch, window, row = self.cursor
+        epoch, window, entry = self.cursor
         while self.epochs is None or epoch <= self.epochs:
             units = self.shuffle.units(epoch, self.index.total, self.rank, self.world_size)
-            docs_this_pass, full_pass = 0, (window, row) == (0, 0)
+            docs_this_pass, full_pass = 0, (window, entry) == (0, 0)
             for w in range(window, -(-len(units) // window_units)):  # ceil: the last may be short
                 places, bounds, permutation = self._window(epoch, w)
                 # every unit of the window at once: any batch may take entries from each of them
                 read = [self.reader.read(pq_idx, rg_idx) for pq_idx, rg_idx in places]
                 n = int(bounds[-1])  # the window's entries
-                if row > n:
-                    raise ValueError(f"{self.state_name}['next'] points at entry {row} of window "
+                if entry > n:
+                    raise ValueError(f"{self.state_name}['next'] points at entry {entry} of window "
                                      f"{w} of epoch {epoch}, which has {n}: the state does not "
                                      "match the data")
                 docs_this_pass += n
-                for i in range(row, n, size):
+                for i in range(entry, n, size):
                     j = min(i + size, n)
-                    # the unit each entry of the order falls in, then its row within that unit
+                    # the unit each entry of the order falls in, then its document's index there
                     which = np.searchsorted(bounds, permutation[i:j], side="right") - 1
-                    rows = permutation[i:j] - bounds[which]
+                    doc_indices = permutation[i:j] - bounds[which]
                     after = WindowCursor(epoch, w, j) if j < n else WindowCursor(epoch, w + 1, 0)
                     keys = [WindowKey(epoch, w, k) for k in range(i, j)]
-                    yield DocBatch(self._pick_scattered(read, which, rows), keys, after)
-                row = 0
+                    yield DocBatch(self._pick_scattered(read, which, doc_indices), keys, after)
+                entry = 0
             if full_pass and docs_this_pass == 0 and self.epochs is None:
                 raise self._no_documents()
-            epoch, window, row = epoch + 1, 0, 0
+            epoch, window, entry = epoch + 1, 0, 0
 
     def _no_documents(self) -> ValueError:
         # nanochat's loader loops here forever; a rank with nothing to read is a configuration error
@@ -187,27 +189,29 @@ class RankOrder:
             f"are dealt out rank, rank+{self.world_size}, ...); use fewer ranks or shards with "
             f"more, smaller {unit}s")
 
-    def _pick_scattered(self, read: list, which: np.ndarray, rows: np.ndarray) -> list:
-        """The items at (read[which[k]], rows[k]) for every k, in order, one pick per unit."""
-        items = [None] * len(rows)
+    def _pick_scattered(self, read: list, which: np.ndarray, doc_indices: np.ndarray) -> list:
+        """The items at (read[which[k]], doc_indices[k]) for every k, in order, one pick per
+        unit."""
+        items = [None] * len(doc_indices)
         for u in np.unique(which):
             at = np.flatnonzero(which == u)
-            for k, item in zip(at, self.reader.pick(read[u], rows[at].tolist())):
+            for k, item in zip(at, self.reader.pick(read[u], doc_indices[at].tolist())):
                 items[k] = item
         return items
 
     # -- reading --------------------------------------------------------------------------------
 
-    def _unit(self, pq_idx: int, rg_idx: int, state_name: str, rows=None):
-        """One unit, checked to exist; rows: only those of its documents are wanted (a buffer's),
-        and the unit is not kept for later (a streaming reader may give just those, from copies)."""
+    def _unit(self, pq_idx: int, rg_idx: int, state_name: str, doc_indices=None):
+        """One unit, checked to exist; doc_indices: only those of its documents are wanted (a
+        buffer's), and the unit is not kept for later (a streaming reader may give just those, from
+        copies)."""
         if not (0 <= pq_idx < len(self.paths) and 0 <= rg_idx < self.index.count(pq_idx)):
             raise ValueError(f"{state_name} refers to file {pq_idx}, {self.reader.unit_name} "
                              f"{rg_idx}, "
                              f"which this split does not have ({len(self.paths)} files): the state "
                              "does not match the data")
-        if rows is not None:
-            return self.reader.read(pq_idx, rg_idx, rows)
+        if doc_indices is not None:
+            return self.reader.read(pq_idx, rg_idx, doc_indices)
         if (pq_idx, rg_idx) not in self._units:
             self._units[pq_idx, rg_idx] = self.reader.read(pq_idx, rg_idx)
             if len(self._units) > KEEP_UNITS:
@@ -215,13 +219,15 @@ class RankOrder:
         self._units.move_to_end((pq_idx, rg_idx))
         return self._units[pq_idx, rg_idx]
 
-    def _check_rows(self, rows, unit, place: tuple[int, int], state_name: str) -> None:
+    def _check_doc_indices(self, doc_indices, unit, place: tuple[int, int],
+                           state_name: str) -> None:
         n = self.reader.size(unit)
-        if len(rows) and not 0 <= min(rows) <= max(rows) < n:  # (min() of no rows would raise)
+        # (min() of no indices would raise)
+        if len(doc_indices) and not 0 <= min(doc_indices) <= max(doc_indices) < n:
             pq_idx, rg_idx = place
-            raise ValueError(f"{state_name} refers to row {max(rows)} of {self.paths[pq_idx]} "
-                             f"{self.reader.unit_name} {rg_idx}, which has {n} rows: the state "
-                             "does not match the data")
+            raise ValueError(f"{state_name} refers to document {max(doc_indices)} of "
+                             f"{self.paths[pq_idx]} {self.reader.unit_name} {rg_idx}, which has "
+                             f"{n} documents: the state does not match the data")
 
     def _window(self, epoch: int, window: int) -> WindowTable:
         """One window of this rank's shuffled share, kept a while."""
@@ -240,20 +246,20 @@ class RankOrder:
         position (a WindowKey), which the window's order turns into a place."""
         if isinstance(key, WindowKey):
             return DocKey(key.epoch, *Shuffle.entry(self._window(key.epoch, key.window), key.i))
-        return DocKey(key.epoch, key.pq_idx, key.rg_idx, key.row)  # (a PieceKey's document)
+        return DocKey(key.epoch, key.pq_idx, key.rg_idx, key.doc_index)  # (a PieceKey's document)
 
     def read_documents(self, keys: list, state_name: str) -> list:
         """The items of the given documents (to rebuild a buffer), in order, each unit read once."""
-        rows: dict = {}  # (pq_idx, rg_idx) -> [(position in keys, row)]
+        wanted_of: dict = {}  # (pq_idx, rg_idx) -> [(position in keys, doc_index)]
         for i, key in enumerate(keys):
             doc = self.place(key)
-            rows.setdefault((doc.pq_idx, doc.rg_idx), []).append((i, doc.row))
+            wanted_of.setdefault((doc.pq_idx, doc.rg_idx), []).append((i, doc.doc_index))
         items = [None] * len(keys)
-        for (pq_idx, rg_idx), wanted in rows.items():  # a unit at a time: one pick for its rows
-            at, unit_rows = zip(*wanted)
-            unit = self._unit(pq_idx, rg_idx, state_name, unit_rows)
-            self._check_rows(unit_rows, unit, (pq_idx, rg_idx), state_name)
-            for i, item in zip(at, self.reader.pick(unit, unit_rows)):
+        for (pq_idx, rg_idx), wanted in wanted_of.items():  # a unit at a time: one pick for it
+            at, unit_indices = zip(*wanted)
+            unit = self._unit(pq_idx, rg_idx, state_name, unit_indices)
+            self._check_doc_indices(unit_indices, unit, (pq_idx, rg_idx), state_name)
+            for i, item in zip(at, self.reader.pick(unit, unit_indices)):
                 items[i] = item
         self._units.clear()
         return items
@@ -267,10 +273,10 @@ class RankOrder:
         """A shuffled walk reads its plan's single documents as dealt (in a shuffled order
         already), then its whole units sorted by a keyed order that does not depend on which
         others are left."""
-        dealt = [unit for unit in plan if unit.rows is not None]
+        dealt = [unit for unit in plan if unit.doc_indices is not None]
         by_epoch: dict[int, list[PlanUnit]] = {}
         for unit in plan:
-            if unit.rows is None:
+            if unit.doc_indices is None:
                 by_epoch.setdefault(unit.epoch, []).append(unit)
         for epoch in sorted(by_epoch):
             whole = by_epoch[epoch]
@@ -279,11 +285,11 @@ class RankOrder:
             dealt += [whole[i] for i in np.argsort(keys)]
         return dealt
 
-    def _plan_rows(self, unit: PlanUnit, n: int):
+    def _plan_doc_indices(self, unit: PlanUnit, n: int):
         """The order a plan reads a whole unit's n entries in."""
         if self.shuffle is None:
             return range(n)
-        return tuple(self.shuffle.plan_rows(unit.epoch, self._global(unit), n).tolist())
+        return tuple(self.shuffle.plan_doc_indices(unit.epoch, self._global(unit), n).tolist())
 
     def progress(self, after, position: Position) -> Progress:
         """What a state records at an `after` that document_batches yielded: the plan's units not
@@ -293,15 +299,15 @@ class RankOrder:
         units = self.plan[after.unit:]
         if after.offset:  # a unit begun: only its unread documents are left
             first = units[0]
-            rows = first.rows
-            if rows is None:  # (a keyed order: the same n gives the same order again)
-                rows = self._plan_rows(first, after.n)
-            rest = tuple(rows[after.offset:])
+            doc_indices = first.doc_indices
+            if doc_indices is None:  # (a keyed order: the same n gives the same order again)
+                doc_indices = self._plan_doc_indices(first, after.n)
+            rest = tuple(doc_indices[after.offset:])
             starts = None if first.starts is None else first.starts[after.offset:]
-            units = ([first._replace(rows=rest, starts=starts)] if rest else []) + units[1:]
+            units = ([first._replace(doc_indices=rest, starts=starts)] if rest else []) + units[1:]
         if self.shuffle:  # whole units in file order: one bitmap an epoch, re-sorted on resume
-            units = ([unit for unit in units if unit.rows is not None] +
-                     sorted((unit for unit in units if unit.rows is None),
+            units = ([unit for unit in units if unit.doc_indices is not None] +
+                     sorted((unit for unit in units if unit.doc_indices is None),
                             key=lambda unit: (unit.epoch, self._global(unit))))
         return Progress(units, self.cursor, position)
 
@@ -316,7 +322,7 @@ class RankOrder:
             if count >= docs:
                 break
             files.append(unit.pq_idx)
-            count += (len(unit.rows) if unit.rows is not None
+            count += (len(unit.doc_indices) if unit.doc_indices is not None
                       else self.index.docs(unit.pq_idx, unit.rg_idx))
         return list(dict.fromkeys(files))
 
@@ -367,8 +373,8 @@ class ParquetReader:
     """The walk's view of parquet shards: units are row groups, items are texts to tokenize.
     Streaming (nanochat/data/streaming/cache.py): `catalog` gives each shard's size and row-group
     counts before it is fetched, and `cache.need(pq_idx)` waits for a shard to be on disk before
-    it is read; a resumed buffer's documents (rows given) may come from the copies the cache kept
-    of them, the other entries None."""
+    it is read; a resumed buffer's documents (doc_indices given) may come from the copies the
+    cache kept of them, the other entries None."""
 
     unit_name = "row group"
 
@@ -378,16 +384,17 @@ class ParquetReader:
         self.sizes = [entry["size"] for entry in catalog] if catalog else None
         self.index = parquet_index(paths, [entry["rows"] for entry in catalog] if catalog else None)
 
-    def read(self, pq_idx: int, rg_idx: int, rows=None):
+    def read(self, pq_idx: int, rg_idx: int, doc_indices=None):
         if self.cache is None:
             path = self.paths[pq_idx]
         else:
-            if rows is not None:  # a resumed buffer's: its shard may be evicted, its copies kept
-                unit = self.cache.kept_unit(pq_idx, rg_idx, rows, self.index.docs(pq_idx, rg_idx))
+            if doc_indices is not None:  # a resumed buffer's: its shard may be evicted, copies kept
+                unit = self.cache.kept_unit(pq_idx, rg_idx, doc_indices,
+                                            self.index.docs(pq_idx, rg_idx))
                 if unit is not None:
                     return unit
             # a buffer's documents do not move the cache's place in the file order
-            path = self.cache.need(pq_idx, in_order=rows is None)
+            path = self.cache.need(pq_idx, in_order=doc_indices is None)
         return read_row_group_column(open_parquet(path), rg_idx, path)
 
     @staticmethod
@@ -401,17 +408,17 @@ class ParquetReader:
         return unit.slice(first, stop - first).to_pylist()
 
     @staticmethod
-    def pick(unit, rows) -> list[str]:
-        return unit.take(list(rows)).to_pylist()
+    def pick(unit, doc_indices) -> list[str]:
+        return unit.take(list(doc_indices)).to_pylist()
 
 
 
 def parquet_index(paths: list[str], known_sizes: list[list[int]] | None = None) -> UnitIndex:
     """The row groups of parquet shards (known_sizes: each shard's, from a streaming catalog)."""
-    return UnitIndex(paths, row_group_sizes, known_sizes=known_sizes)
+    return UnitIndex(paths, docs_per_group, known_sizes=known_sizes)
 
 
-def row_group_sizes(path: str) -> list[int]:
-    """Documents in each row group of a parquet shard, from its footer: no row is read."""
+def docs_per_group(path: str) -> list[int]:
+    """Documents in each row group of a parquet shard, from its footer: no document is read."""
     meta = open_parquet(path).metadata
     return [meta.row_group(g).num_rows for g in range(meta.num_row_groups)]

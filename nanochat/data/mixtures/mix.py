@@ -111,7 +111,7 @@ class BucketDoc(NamedTuple):
     epoch: int
     pq_idx: int
     rg_idx: int
-    row: int
+    doc_index: int
 
 
 class BucketPiece(NamedTuple):
@@ -120,7 +120,7 @@ class BucketPiece(NamedTuple):
     epoch: int
     pq_idx: int
     rg_idx: int
-    row: int
+    doc_index: int
     start: int
 
 

@@ -229,9 +229,10 @@ class TokenShardReader:
         self._open.move_to_end(pq_idx)
         return self._open[pq_idx]
 
-    def read(self, pq_idx: int, rg_idx: int, rows=None) -> Chunk:
-        """Chunk rg_idx of shard pq_idx, its ids checked. rows: unused (the walk passes a buffer's
-        rows to any reader; a parquet reader may serve them from kept copies)."""
+    def read(self, pq_idx: int, rg_idx: int, doc_indices=None) -> Chunk:
+        """Chunk rg_idx of shard pq_idx, its ids checked. doc_indices: unused (the walk passes a
+        buffer's document indices to any reader; a parquet reader may serve them from kept
+        copies)."""
         shard = self.shard(pq_idx)
         start = rg_idx * self.chunk_size
         stop = min(start + self.chunk_size, len(shard))  # the last chunk may be short
@@ -250,9 +251,9 @@ class TokenShardReader:
         return cls.pick(unit, range(first, stop))
 
     @staticmethod
-    def pick(unit: Chunk, rows) -> list:
+    def pick(unit: Chunk, doc_indices) -> list:
         shard, first, _ = unit
-        at = np.asarray(rows, dtype=np.int64) + first
+        at = np.asarray(doc_indices, dtype=np.int64) + first
         # the bounds and overlaps of every entry at once, as ints: a slice of the map per entry is
         # then all that is left (~3x cheaper per entry than shard.entry())
         bounds, overlaps = shard.offsets[at].tolist(), shard.overlaps[at].tolist()

@@ -138,10 +138,10 @@ class ShardCache:
     def to_fetch(self, keys) -> list[int]:
         """The shards of a resumed buffer's documents (keys) to fetch first: all but those not on
         disk whose documents copies kept on this machine hold."""
-        rows: dict[int, set] = {}
+        docs: dict[int, set] = {}  # pq_idx -> {(rg_idx, doc_index)}
         for key in keys:
-            rows.setdefault(key.pq_idx, set()).add((key.rg_idx, key.row))
-        return [p for p, wanted in rows.items()
+            docs.setdefault(key.pq_idx, set()).add((key.rg_idx, key.doc_index))
+        return [p for p, wanted in docs.items()
                 if os.path.exists(os.path.join(self.data_dir, self.names[p]))
                 or not wanted <= self.keeper.restored(self.names[p]).keys()]
 
@@ -210,21 +210,21 @@ class ShardCache:
             self.publish()
             self.cond.notify_all()
 
-    def kept_unit(self, p: int, rg_idx: int, rows, n: int):
-        """Documents `rows` of shard p's row group rg_idx (n documents) as the reader's unit, the
-        other entries None, from kept copies: when the shard is not on disk and the copies hold
+    def kept_unit(self, p: int, rg_idx: int, doc_indices, n: int):
+        """Documents `doc_indices` of shard p's row group rg_idx (n documents) as the reader's unit,
+        the other entries None, from kept copies: when the shard is not on disk and the copies hold
         all of them; else None."""
         name = self.names[p]
         if os.path.exists(os.path.join(self.data_dir, name)):
             return None
         texts = self.keeper.restored(name)
-        if any((rg_idx, row) not in texts for row in rows):
+        if any((rg_idx, i) not in texts for i in doc_indices):
             return None
         with self.cond:
             if p in self.first:  # (it was on disk when the loader started)
                 self.first.remove(p)
                 self.publish()
-        return pa.array([texts.get((rg_idx, row)) for row in range(n)], pa.large_string())
+        return pa.array([texts.get((rg_idx, i)) for i in range(n)], pa.large_string())
 
     def close(self) -> None:
         """Stop fetching (a download in flight stops at its next read) and take this loader's row

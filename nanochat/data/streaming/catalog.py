@@ -41,6 +41,7 @@ from nanochat.data.streaming.ledger import STREAM_DIR
 logger = logging.getLogger(__name__)
 
 CATALOG = "catalog.json"  # in STREAM_DIR: shard name -> {"url", "size", "rows", "check"}
+# (the format's key "rows" holds a shard's documents per row group: catalog_entry)
 # in STREAM_DIR: held while footers are read and the catalog written. Not the ledger's lock, which
 # loaders take every few ms: reading thousands of footers takes a minute
 CATALOG_LOCK = "catalog.lock"
@@ -58,15 +59,16 @@ def catalog_path(data_dir: str) -> str:
     return os.path.join(data_dir, STREAM_DIR, CATALOG)
 
 
-def _check(url: str, size: int, rows: list[int]) -> str:
+def _check(url: str, size: int, docs_per_group: list[int]) -> str:
     """An entry's checksum: an entry changed on disk (a flipped bit, an edit) is read again rather
     than planned on."""
-    return hashlib.sha256(json.dumps([url, size, rows]).encode()).hexdigest()[:16]
+    return hashlib.sha256(json.dumps([url, size, docs_per_group]).encode()).hexdigest()[:16]
 
 
-def catalog_entry(url: str, size: int, rows: list[int]) -> dict:
+def catalog_entry(url: str, size: int, docs_per_group: list[int]) -> dict:
     """A shard's entry: its URL, its bytes, its documents per row group, and their checksum."""
-    return {"url": url, "size": size, "rows": rows, "check": _check(url, size, rows)}
+    return {"url": url, "size": size, "rows": docs_per_group,
+            "check": _check(url, size, docs_per_group)}
 
 
 def _valid(entry) -> bool:
@@ -75,10 +77,11 @@ def _valid(entry) -> bool:
     shape: reading thousands of footers again would cost minutes)."""
     if not isinstance(entry, dict) or set(entry) - {"check"} != {"url", "size", "rows"}:
         return False
-    url, size, rows = entry["url"], entry["size"], entry["rows"]
-    fine = isinstance(url, str) and is_int(size) and size >= 0 and isinstance(rows, list)
-    fine = fine and all(is_int(n) and n >= 0 for n in rows)
-    return fine and entry.get("check", _check(url, size, rows)) == _check(url, size, rows)
+    url, size, docs_per_group = entry["url"], entry["size"], entry["rows"]
+    fine = isinstance(url, str) and is_int(size) and size >= 0 and isinstance(docs_per_group, list)
+    fine = fine and all(is_int(n) and n >= 0 for n in docs_per_group)
+    check = _check(url, size, docs_per_group)
+    return fine and entry.get("check", check) == check
 
 
 def _load(path: str) -> dict[str, dict]:
@@ -129,7 +132,7 @@ def catalog_sizes(data_dir: str) -> dict[str, int]:
     return {name: entry["size"] for name, entry in _load(catalog_path(data_dir)).items()}
 
 
-def footer_rows(tail: bytes, url: str) -> list[int] | None:
+def footer_docs_per_group(tail: bytes, url: str) -> list[int] | None:
     """Documents per row group from a parquet file's last bytes; None when they do not hold
     the whole footer."""
     # 12: the least a parquet file ends with (magic, a footer's length, magic)
@@ -148,8 +151,8 @@ def footer_rows(tail: bytes, url: str) -> list[int] | None:
 def _file_entry(path: str, url: str) -> dict:
     """The catalog entry of a shard on disk (complete: only verified files have final names)."""
     meta = open_parquet(path).metadata
-    rows = [meta.row_group(g).num_rows for g in range(meta.num_row_groups)]
-    return catalog_entry(url, os.path.getsize(path), rows)
+    docs_per_group = [meta.row_group(g).num_rows for g in range(meta.num_row_groups)]
+    return catalog_entry(url, os.path.getsize(path), docs_per_group)
 
 
 def _as_installed(path: str, url: str) -> bool:
@@ -172,16 +175,17 @@ def _read_entry(path: str, url: str, limits: Limits) -> dict:
         except (FileNotFoundError, ValueError):  # (evicted since, or damaged in place)
             pass
     size, tail = fetch_tail(url, TAIL_BYTES, limits)
-    rows = footer_rows(tail, url)
-    if rows is None:  # a footer longer than one request: ask for exactly it
+    docs_per_group = footer_docs_per_group(tail, url)
+    if docs_per_group is None:  # a footer longer than one request: ask for exactly it
         size, tail = fetch_tail(url, int.from_bytes(tail[-8:-4], "little") + 8, limits)
-        rows = footer_rows(tail, url)
-    return catalog_entry(url, size, rows)
+        docs_per_group = footer_docs_per_group(tail, url)
+    return catalog_entry(url, size, docs_per_group)
 
 
 def _disagree(data_dir: str, names: list[str], known: dict) -> list[str]:
-    """The shards on disk whose size is not their entry's. (A size is one stat; rows that differ
-    at the same size would take reading every footer on disk, and the checksum catches an edit.)"""
+    """The shards on disk whose size is not their entry's. (A size is one stat; documents per row
+    group that differ at the same size would take reading every footer on disk, and the checksum
+    catches an edit.)"""
     wrong = []
     for name in names:
         try:

@@ -166,14 +166,14 @@ class Fetcher:
         cache = self.cache
         name, url = cache.names[p], cache.urls[p]
         meta = open_parquet(path).metadata
-        rows = [meta.row_group(g).num_rows for g in range(meta.num_row_groups)]
-        # the size the walk was planned on, and the rows of the shard's catalog entry
+        docs_per_group = [meta.row_group(g).num_rows for g in range(meta.num_row_groups)]
+        # the size the walk was planned on, and the documents per row group of its catalog entry
         size, planned = cache.sizes[p], read_catalog(cache.data_dir, [name], [url],
                                                      cache.limits)[0]["rows"]
-        if (os.path.getsize(path), rows) != (size, planned):
+        if (os.path.getsize(path), docs_per_group) != (size, planned):
             raise ValueError(
                 f"{path} ({shown(url)}) is not the shard the walk was planned on: "
-                f"{os.path.getsize(path)} bytes and {len(rows)} row groups, the catalog "
+                f"{os.path.getsize(path)} bytes and {len(docs_per_group)} row groups, the catalog "
                 f"{catalog_path(cache.data_dir)} says {size} and {len(planned)}; the file changed "
                 "at its source. Remove the catalog to start over (states taken on the old files "
                 "will be refused)")
@@ -202,15 +202,16 @@ class Fetcher:
             with cache.cond:
                 keeper.forget(plan.drop)
         for copy in plan.todo:
-            self.keep_copy(copy.p, copy.rows)
+            self.keep_copy(copy.p, copy.docs)
         with cache.cond:
             keeper.settle()
             cache.publish()
 
-    def keep_copy(self, p: int, rows: frozenset) -> None:
-        """Write our copy of documents `rows` of shard p, once there is room for it."""
+    def keep_copy(self, p: int, docs: frozenset) -> None:
+        """Write our copy of documents `docs` {(rg_idx, doc_index)} of shard p, once there is room
+        for it."""
         cache, keeper = self.cache, self.cache.keeper
-        texts = keeper.texts(p, rows)
+        texts = keeper.texts(p, docs)
         if texts is None:  # (only a shard read from copies that are gone since: refetched)
             logger.debug("the buffered documents of %s are neither on disk nor kept",
                          cache.names[p])
@@ -225,6 +226,6 @@ class Fetcher:
             cache.ledger.write(table)
         with cache.cond:
             if room:
-                keeper.kept[p] = rows
+                keeper.kept[p] = docs
             else:  # once the other loaders of this machine move on (then this shard can go)
                 keeper.pending = True

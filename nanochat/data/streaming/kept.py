@@ -3,7 +3,7 @@ Kept copies of buffered documents, so that a shard may go while a buffer still h
 A best-fit buffer can hold a long document for many shards, so once a loader has packed every
 document of a shard it copies the few its recent states still buffer to
 DATA_DIR/.stream/kept/<loader>/<shard>.json.gz, and the shard may go. A copy is gzipped JSON,
-{"sha256": ..., "docs": [[row group, row, text], ...]}, the checksum that of the docs' JSON: a
+{"sha256": ..., "docs": [[rg_idx, doc_index, text], ...]}, the checksum that of the docs' JSON: a
 damaged or edited copy is removed with a warning, and its shard fetched again. A resume reads a
 buffer's documents from any loader's copies. The copies are files (they are data); which loader owns
 which is in the ledger. A copy costs a gzip of a few documents. Design: docs/streaming.md.
@@ -48,9 +48,9 @@ class KeptFile(NamedTuple):
 
 
 class Copy(NamedTuple):
-    """A copy to write: documents `rows` {(rg_idx, row)} of shard p."""
+    """A copy to write: documents `docs` {(rg_idx, doc_index)} of shard p."""
     p: int
-    rows: frozenset
+    docs: frozenset
 
 
 class CopyPlan(NamedTuple):
@@ -112,8 +112,8 @@ def _docs_sum(docs: list) -> str:
 
 
 def read_copy(path: str) -> dict[tuple[int, int], str]:
-    """{(rg_idx, row): text} of one copy. Raises FileNotFoundError when it is not there, and one of
-    DAMAGED, saying what is wrong, when it is not a copy as encode() writes them."""
+    """{(rg_idx, doc_index): text} of one copy. Raises FileNotFoundError when it is not there, and
+    one of DAMAGED, saying what is wrong, when it is not a copy as encode() writes them."""
     with gzip.open(path, "rt", encoding="utf-8") as f:
         value = json.load(f)
     if not isinstance(value, dict) or not isinstance(value.get("docs"), list):
@@ -123,8 +123,8 @@ def read_copy(path: str) -> dict[tuple[int, int], str]:
         raise ValueError("its documents do not match its sha256")
     if not all(isinstance(doc, list) and len(doc) == 3 and type(doc[0]) is int
                and type(doc[1]) is int and isinstance(doc[2], str) for doc in docs):
-        raise ValueError("its docs are not [row group, row, text] entries")
-    return {(rg_idx, row): text for rg_idx, row, text in docs}
+        raise ValueError("its docs are not [row group, document index, text] entries")
+    return {(rg_idx, doc_index): text for rg_idx, doc_index, text in docs}
 
 
 # -----------------------------------------------------------------------------
@@ -140,41 +140,43 @@ class Keeper:
         self.data_dir, self.names, self.owner, self.ledger = data_dir, names, owner, ledger
         self.root = kept_root(data_dir)
         self.directory = os.path.join(self.root, owner)
-        # the buffered documents {pq_idx: {(rg_idx, row)}} of the states built last: a DataLoader
-        # yields a state about prefetch + 1 states after it is built, and a resume may start from
-        # any of the last few yielded
+        # the buffered documents {pq_idx: {(rg_idx, doc_index)}} of the states built last: a
+        # DataLoader yields a state about prefetch + 1 states after it is built, and a resume may
+        # start from any of the last few yielded
         self.held: deque = deque(maxlen=2 * prefetch + HELD_STATES)
-        self.kept: dict[int, frozenset] = {}  # pq_idx -> the (rg_idx, row) of it our copy holds
+        # pq_idx -> the (rg_idx, doc_index) of it our copy holds
+        self.kept: dict[int, frozenset] = {}
         self.unkept: set[int] = set()  # shards recent states buffer that no copy of ours holds yet
         self.pending = False  # a state arrived, or a copy found no room: look again
         self.restoring = False  # a resumed buffer is read (perhaps from other loaders' copies)
-        self.restore_texts: dict[str, dict] = {}  # shard name -> {(rg_idx, row): text}, restoring
+        # shard name -> {(rg_idx, doc_index): text}, while restoring
+        self.restore_texts: dict[str, dict] = {}
 
     def hold(self, keys) -> None:
         """A state was just built: `keys` (DocKeys, PieceKeys) are its buffer."""
         held: dict[int, set] = {}
         for key in keys:
-            held.setdefault(key.pq_idx, set()).add((key.rg_idx, key.row))
-        self.held.append({p: frozenset(rows) for p, rows in held.items()})
+            held.setdefault(key.pq_idx, set()).add((key.rg_idx, key.doc_index))
+        self.held.append({p: frozenset(docs) for p, docs in held.items()})
         self.unkept = self.find_unkept()
         self.pending = True
 
     def find_unkept(self) -> set[int]:
         kept = self.kept
-        return {p for held in self.held for p, rows in held.items()
-                if not rows <= kept.get(p, frozenset())}
+        return {p for held in self.held for p, docs in held.items()
+                if not docs <= kept.get(p, frozenset())}
 
     def plan(self, skip: set[int]) -> CopyPlan:
         """The copies to write, and the shards whose copies no recent state needs. `skip`:
         shards not to copy from (still packed from, or never evicted)."""
         wanted: dict[int, set] = {}
         for held in self.held:
-            for p, rows in held.items():
-                wanted.setdefault(p, set()).update(rows)
+            for p, docs in held.items():
+                wanted.setdefault(p, set()).update(docs)
         todo = [Copy(p, frozenset(wanted[p])) for p in sorted(self.unkept) if p not in skip]
         # a copy whose documents the buffers hold less than half of is written again, smaller
-        todo += [Copy(p, frozenset(wanted[p])) for p, rows in self.kept.items()
-                 if p in wanted and p not in self.unkept and 2 * len(wanted[p]) <= len(rows)]
+        todo += [Copy(p, frozenset(wanted[p])) for p, docs in self.kept.items()
+                 if p in wanted and p not in self.unkept and 2 * len(wanted[p]) <= len(docs)]
         drop = [p for p in self.kept if p not in wanted]
         return CopyPlan(todo, drop)
 
@@ -182,7 +184,8 @@ class Keeper:
         return os.path.join(self.directory, self.names[p] + KEPT_SUFFIX)
 
     def copy_texts(self, name: str) -> dict[tuple[int, int], str]:
-        """{(rg_idx, row): text} of every loader's copies of shard `name` (the ledger says whose).
+        """{(rg_idx, doc_index): text} of every loader's copies of shard `name` (the ledger says
+        whose).
         A damaged copy is removed, with a warning: its documents are absent (fetched again)."""
         table = self.ledger.read()
         owners = sorted(owner for owner, copies in table.kept.items() if name in copies)
@@ -220,20 +223,20 @@ class Keeper:
             self.restore_texts[name] = self.copy_texts(name)
         return self.restore_texts[name]
 
-    def texts(self, p: int, rows: frozenset) -> dict | None:
-        """{(rg_idx, row): text} for the given documents of shard p: from the shard when it is on
-        disk, else from copies; None when some cannot be found."""
+    def texts(self, p: int, docs: frozenset) -> dict | None:
+        """{(rg_idx, doc_index): text} for the given documents of shard p: from the shard when it
+        is on disk, else from copies; None when some cannot be found."""
         path = os.path.join(self.data_dir, self.names[p])
         try:
             pf = open_parquet(path)
         except FileNotFoundError:
             texts = self.copy_texts(self.names[p])
-            return {key: texts[key] for key in rows} if rows <= texts.keys() else None
+            return {key: texts[key] for key in docs} if docs <= texts.keys() else None
         texts = {}
-        for rg_idx in sorted({rg for rg, _ in rows}):
-            wanted = sorted(row for rg, row in rows if rg == rg_idx)
+        for rg_idx in sorted({rg for rg, _ in docs}):
+            wanted = sorted(doc_index for rg, doc_index in docs if rg == rg_idx)
             column = read_row_group_column(pf, rg_idx, path)
-            texts.update(zip(((rg_idx, row) for row in wanted), column.take(wanted).to_pylist()))
+            texts.update(zip(((rg_idx, i) for i in wanted), column.take(wanted).to_pylist()))
         return texts
 
     def write(self, p: int, data: bytes, table: Table) -> None:

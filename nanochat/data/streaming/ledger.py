@@ -30,7 +30,7 @@ STREAM_DIR = ".stream"  # in the data directory: the ledger, its lock, the catal
 LEDGER = "ledger.json"
 LOCK = "lock"
 KEPT_DIR = "kept"  # in STREAM_DIR: a directory per loader, a file of kept documents per shard
-KEPT_SUFFIX = ".json.gz"  # {"sha256": ..., "docs": [[rg_idx, row, text], ...]} (kept.py)
+KEPT_SUFFIX = ".json.gz"  # {"sha256": ..., "docs": [[rg_idx, doc_index, text], ...]} (kept.py)
 
 # why a loader needs a shard, most pressing first: a shard is listed under the first that holds
 REASONS = {

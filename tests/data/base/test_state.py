@@ -17,8 +17,8 @@ from hypothesis import given, settings, strategies as st
 from nanochat.data.base.state import (EMPTY_HASH, Cursor, DocKey, KeyEncoder, PlanUnit, Position,
                                       Progress, StateRecorder, UnitIndex, WindowKey, add_checksum,
                                       checksum, decode_bitmap, decode_keys, decode_plan,
-                                      decode_rows, encode_bitmap, encode_keys, encode_plan,
-                                      encode_rows, hash_tokens)
+                                      decode_indices, encode_bitmap, encode_keys, encode_plan,
+                                      encode_indices, hash_tokens)
 
 # three files: 2 units (5 and 3 documents), none, 1 unit (4 documents)
 SIZES = {"a.parquet": [5, 3], "b.parquet": [], "c.parquet": [4]}
@@ -32,13 +32,13 @@ def index() -> UnitIndex:
 # Compact encodings
 
 
-def test_rows_run_length():
-    assert encode_rows([3, 4, 5, 9]) == [3, -2, 9]
-    assert encode_rows([0, 1]) == [0, -1]  # row 0 starts a run too
-    assert encode_rows([2, 1, 0]) == [2, 1, 0]  # only increasing neighbours run
-    assert encode_rows([]) == []
-    assert decode_rows([3, -2, 9]) == [3, 4, 5, 9]
-    assert decode_rows([0, -1, 7, -3]) == [0, 1, 7, 8, 9, 10]
+def test_doc_indices_run_length():
+    assert encode_indices([3, 4, 5, 9]) == [3, -2, 9]
+    assert encode_indices([0, 1]) == [0, -1]  # index 0 starts a run too
+    assert encode_indices([2, 1, 0]) == [2, 1, 0]  # only increasing neighbours run
+    assert encode_indices([]) == []
+    assert decode_indices([3, -2, 9]) == [3, 4, 5, 9]
+    assert decode_indices([0, -1, 7, -3]) == [0, 1, 7, 8, 9, 10]
 
 
 def test_keys_group_by_unit_and_window():
@@ -73,7 +73,7 @@ def test_plan_items_and_back():
 
 
 # a key of a unit's document or of a shuffled window's entry: small ranges, so that heads repeat
-# and rows run on (the cases encode_rows shortens)
+# and indices run on (the cases encode_indices shortens)
 doc_keys = st.builds(DocKey, st.integers(1, 2), st.integers(0, 1), st.integers(0, 2),
                      st.integers(0, 9))
 window_keys = st.builds(WindowKey, st.integers(1, 2), st.integers(0, 2), st.integers(0, 9))

@@ -62,9 +62,10 @@ def test_a_state_whose_buffer_was_edited_is_refused():
 
 
 @pytest.mark.parametrize("field,value,message", [
-    ("next", [1, 0, 0], r"\['next'\] must be \[epoch >= 1, pq_idx, rg_idx, row\]"),
-    ("buffer", [[0, 0, 0, [1]]], r"\['buffer'\]\[0\] must be \[epoch >= 1, pq_idx, rg_idx, rows\]"),
-    ("buffer", [[1, 0, 0, [-1]]], r"\['buffer'\]\[0\] must be a non-empty list of rows"),
+    ("next", [1, 0, 0], r"\['next'\] must be \[epoch >= 1, pq_idx, rg_idx, doc_index\]"),
+    ("buffer", [[0, 0, 0, [1]]],
+     r"\['buffer'\]\[0\] must be \[epoch >= 1, pq_idx, rg_idx, doc_indices\]"),
+    ("buffer", [[1, 0, 0, [-1]]], r"\['buffer'\]\[0\] must be a non-empty list of indices"),
     ("offset", 2, r"\['offset'\] must be 0 for a best-fit state, got 2"),
     ("plan", [{"epoch": 1, "row_groups": "gA==", "total": 9}],
      r"\['plan'\]\[0\]\['row_groups'\] must be the base64 bitmap of 9 row groups"),
@@ -83,8 +84,8 @@ def test_a_buffer_larger_than_the_loader_keeps_is_refused():
 
 
 @pytest.mark.parametrize("field,value,message", [
-    ("buffer", [[1, 0, 0, [5]]], r"\['buffer'\]\[0\] refers to row 5 of a.parquet row group 0, "
-                                 r"which has 5 rows"),
+    ("buffer", [[1, 0, 0, [5]]], r"\['buffer'\]\[0\] refers to document 5 of a.parquet row "
+                                 r"group 0, which has 5 documents"),
     ("buffer", [[1, 2, 0, [0]]], r"\['buffer'\]\[0\] refers to file 2, row group 0"),
     ("next", [1, 0, 0, 5], r"\['next'\] = \[1, 0, 0, 5\] is not a place where rank 0 of 1 reads "
                            r"\(the data has 2 files\)"),

@@ -23,7 +23,7 @@ class Reader:
     def __init__(self):
         self.index = UnitIndex(self.paths, SIZES.__getitem__)
 
-    def read(self, pq_idx, rg_idx, rows=None):
+    def read(self, pq_idx, rg_idx, doc_indices=None):
         return [f"{pq_idx}{rg_idx}{r}" for r in range(SIZES[self.paths[pq_idx]][rg_idx])]
 
     size = staticmethod(len)
@@ -33,8 +33,8 @@ class Reader:
         return unit[first:stop]
 
     @staticmethod
-    def pick(unit, rows):
-        return [unit[r] for r in rows]
+    def pick(unit, doc_indices):
+        return [unit[i] for i in doc_indices]
 
 
 def test_start_order_starts_a_fresh_walk_at_the_ranks_first_unit():

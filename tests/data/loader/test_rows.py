@@ -67,7 +67,7 @@ class Order:
 
     def read_documents(self, keys, state_name):
         self.read.append((keys, state_name))
-        return [f"text{key.row}" for key in keys]
+        return [f"text{key.doc_index}" for key in keys]
 
 
 def test_the_feed_hands_documents_and_says_where_the_walk_stands():

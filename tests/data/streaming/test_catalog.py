@@ -30,7 +30,7 @@ from nanochat.data.fetch.small_reads import fetch_tail
 from nanochat.data.fetch.errors import DownloadError
 from nanochat.data.fetch.serve import ShardServer
 from nanochat.data.streaming import catalog
-from nanochat.data.streaming.catalog import catalog_entry, footer_rows, read_catalog
+from nanochat.data.streaming.catalog import catalog_entry, footer_docs_per_group, read_catalog
 from nanochat.data.streaming.ledger import STREAM_DIR
 from nanochat.dataloader import tokenizing_distributed_data_loader_with_state_bos_bestfit
 from nanochat.data.base.datasets import index_to_filename
@@ -60,7 +60,7 @@ def test_catalog_is_read_once_and_reused(hosted, tmp_path):
                 if wanted and wanted.startswith("bytes=-")]
 
 
-def test_fetch_tail_and_footer_rows(hosted):
+def test_fetch_tail_and_footer_docs_per_group(hosted):
     hosted_dir, server, _ = hosted
     path = os.path.join(hosted_dir, index_to_filename(1))
     body = open(path, "rb").read()
@@ -68,10 +68,11 @@ def test_fetch_tail_and_footer_rows(hosted):
     assert (size, tail) == (len(body), body[-100:])
     size, tail = fetch_tail(f"{server.url}/{index_to_filename(1)}", 10 * len(body), FAST)
     assert tail == body
-    assert footer_rows(body[-100:], "x") is None  # too short for the footer: ask again for it whole
-    assert footer_rows(body, "x") == [32] * 9 + [12]
+    # too short for the footer: ask again for it whole
+    assert footer_docs_per_group(body[-100:], "x") is None
+    assert footer_docs_per_group(body, "x") == [32] * 9 + [12]
     with pytest.raises(ValueError, match="not a parquet file"):
-        footer_rows(b"x" * 100, "http://h/shard_00000.parquet")
+        footer_docs_per_group(b"x" * 100, "http://h/shard_00000.parquet")
     with pytest.raises(DownloadError, match="HTTP 404"):
         fetch_tail(f"{server.url}/missing.parquet", 100, FAST)
 
