@@ -225,7 +225,7 @@ def main(argv=None) -> int:
     try:
         # one step of all ranks: the budget's tolerance (0 without --B and --T: exact)
         step = args.B * args.T * args.world_size if args.B and args.T else 0
-        rows, problems, notes = validate(
+        lines, problems, notes = validate(
             args.config, args.data, args.split, total_tokens=args.tokens,
             allow_bucket_exhaustion=args.allow_bucket_exhaustion,
             allow_budget_mismatch=args.allow_budget_mismatch, T=args.T,
@@ -240,7 +240,7 @@ def main(argv=None) -> int:
           f"{'demanded so far':>16s} {'available':>16s}"
           + (f" {'smallest rank share':>20s}" if per_rank else "")
           + f" {'usable':>16s} {'crop':>5s}  status")
-    for r in rows:
+    for r in lines:
         crop = "-" if r["crop_share"] is None else f"{r['crop_share']:.2f}"
         print(f"{r['phase']:5d}  {r['bucket']:16s} {r['weight']:7.3f} {r['demanded']:16,d} "
               f"{r['demanded_so_far']:16,d} {r['available']:16,d}"

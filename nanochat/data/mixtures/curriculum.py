@@ -228,7 +228,7 @@ def validate(curriculum, data_dir: str, split: str = "train", *, total_tokens: i
              T: int | None = None, world_size: int = 1, chunk_size: int = 1024,
              step_tokens: int = 0, shuffle: Shuffle | None = None, long_doc_policy: str = "crop",
              strict: bool = False) -> tuple[list[dict], list[str], list[str]]:
-    """Tokens demanded versus available, per phase and bucket. Returns (rows, problems, warnings):
+    """Tokens demanded versus available, per phase and bucket. Returns (lines, problems, warnings):
     problems block a run (a predicted shortfall, a budget mismatch), warnings do not (the same under
     their allow_* flag).
     - Demand counts trained tokens; with T given, a row of T+1 tokens per T trained.
@@ -251,7 +251,7 @@ def validate(curriculum, data_dir: str, split: str = "train", *, total_tokens: i
     supply = {name: _supply(paths, chunk_size, world_size, shuffle and shuffle.bucket(name), T,
                             long_doc_policy) for name, paths in buckets.items()}
     scale = (T + 1) / T if T else 1.0  # a row of T + 1 tokens trains T: the last is a target only
-    rows, problems, notes = [], [], []
+    lines, problems, notes = [], [], []
     budgets = _budgets(phases, total_tokens, step_tokens, allow_budget_mismatch,
                        notes if allow_budget_mismatch else problems)
     demanded: dict[str, float] = dict.fromkeys(buckets, 0.0)
@@ -265,7 +265,7 @@ def validate(curriculum, data_dir: str, split: str = "train", *, total_tokens: i
             short = s.short(demanded[name], world_size, usable=False)
             dry = short or s.short(demanded[name], world_size, usable=True)
             status = "SHORT" if short else "CROP" if dry else "ok"
-            rows.append({"phase": i, "bucket": name, "weight": weight, "demanded": round(demand),
+            lines.append({"phase": i, "bucket": name, "weight": weight, "demanded": round(demand),
                          "demanded_so_far": round(demanded[name]), "available": s.available,
                          "smallest_rank_share": s.smallest, "usable": s.usable,
                          "smallest_rank_usable": s.smallest_usable, "crop_share": s.crop_share,
@@ -283,7 +283,7 @@ def validate(curriculum, data_dir: str, split: str = "train", *, total_tokens: i
             blocking = (short or strict) and not allow_bucket_exhaustion
             (problems if blocking else notes).append(message)
         phase_start += budget
-    return rows, problems, notes
+    return lines, problems, notes
 
 
 def _supply(paths: list[str], chunk_size: int, world_size: int, shuffle: Shuffle | None,

@@ -212,13 +212,13 @@ def size_up(nbytes: int) -> str:
 
 
 def needed(loaders: dict, keep, owner: str, release: str | None = None) -> set[str]:
-    """The shards no eviction may take: `keep` (the val shard) and what every live loader's row
+    """The shards no eviction may take: `keep` (the val shard) and what every live loader's entry
     (the ledger's, by owner) needs. `release`: a shard the `owner`'s buffers need only until the
     copy being written now (it may go)."""
     held = set(keep)
-    for who, row in loaders.items():
+    for who, entry in loaders.items():
         # buffered: documents not copied yet; `release` is being copied now
-        held.update(n for n, reason in row.needs.items()
+        held.update(n for n, reason in entry.needs.items()
                     if not (reason == "buffered" and who == owner and n == release))
     return held
 
@@ -229,8 +229,8 @@ def eviction_order(victims: list[str], loaders: dict, release: str | None,
     (`release` before the rest, then the oldest by mtime), then those read latest."""
     # soonest: where a live loader reads a shard next, in distinct shards from now
     soonest: dict[str, int] = {}
-    for row in loaders.values():
-        for i, n in enumerate(row.later):
+    for entry in loaders.values():
+        for i, n in enumerate(entry.later):
             soonest[n] = min(soonest.get(n, i), i)
     return sorted(victims, key=lambda n: (n in soonest, -soonest.get(n, 0), n != release,
                                           mtimes[n]))

@@ -1,7 +1,7 @@
 """
 The shard cache's reader side: each shard's path once it is on disk, fetched just ahead.
 `ShardCache` fetches one split's shards ahead of its reader (a loader's stream=True) within a disk
-budget, cache_limit, and keeps this loader's row of the machine's ledger (what it needs, and why).
+budget, cache_limit, and keeps this loader's entry of the machine's ledger (what it needs, and why).
 Its parts: the start check (budget.py), the fetching thread (fetcher.py), eviction (eviction.py),
 the order of visits (visits.py), the catalog's sizes (catalog.py) and kept copies of buffered
 documents (kept.py). A budget below what must be held at once is a ValueError at the start.
@@ -38,8 +38,8 @@ logger = logging.getLogger(__name__)
 
 NEED_MARGIN = 120.0  # seconds need() waits past the downloader's deadline (another rank's download)
 ROOM_WAIT = 600.0  # seconds the shard a reader waits for may find no room before that is an error
-# seconds a reader waits for room before the ledger's rows of unknown liveness (ledger.UNKNOWN)
-# count as stale: a live loader moves on within seconds, and writes its row again if it was one
+# seconds a reader waits for room before the ledger's entries of unknown liveness (ledger.UNKNOWN)
+# count as stale: a live loader moves on within seconds, and writes its entry again if it was one
 STALE_WAIT = 30.0
 
 
@@ -81,7 +81,7 @@ class ShardCache:
         self.waiting: dict[int, int] = {}
         self.first: list[int] = []  # shards to fetch before anything else, until first read
         self.just_read: dict[int, int] = {}  # thread -> the shard need() last gave it: it opens it
-        self.published = None  # the row last written to the ledger
+        self.published = None  # the entry last written to the ledger
         self.stop = threading.Event()
         # a reader waits this long for room the other loaders hold (they move on within seconds)
         self.room_wait = min(ROOM_WAIT, limits.deadline)
@@ -227,7 +227,7 @@ class ShardCache:
         return pa.array([texts.get((rg_idx, i)) for i in range(n)], pa.large_string())
 
     def close(self) -> None:
-        """Stop fetching (a download in flight stops at its next read) and take this loader's row
+        """Stop fetching (a download in flight stops at its next read) and take this loader's entry
         out of the ledger (its copies stay for a resume, until a live loader needs the room while
         none is restoring)."""
         if self.stop.is_set():  # (closed already: by the loader, then by its __del__)
@@ -238,16 +238,16 @@ class ShardCache:
         if self.fetcher.thread is not None:
             # (a download blocked in a read ends at its timeout)
             self.fetcher.thread.join(timeout=1.0)
-        if self.published is not None:  # (a row is written at start())
+        if self.published is not None:  # (an entry is written at start())
             try:
                 with self.ledger.lock:
                     table = self.ledger.read()
                     table.loaders.pop(self.owner, None)
                     self.ledger.write(table)
-            except OSError as e:  # (a full disk): the row goes at the next read, its process gone
+            except OSError as e:  # (a full disk): the entry goes at the next read, its process gone
                 logger.debug("could not take %s out of the ledger: %s", self.owner, e)
 
-    # -- this loader's row of the ledger ---------------------------------------------------
+    # -- this loader's entry of the ledger ---------------------------------------------------
 
     def needs(self) -> dict[str, str]:
         """shard name -> why this loader needs it: the first reason of REASONS that holds."""
@@ -269,17 +269,18 @@ class ShardCache:
         return needs
 
     def publish(self) -> None:
-        """Write this loader's row when it changed (the caller holds cond); nothing once closed."""
+        """Write this loader's entry when it changed (the caller holds cond); nothing once
+        closed."""
         if self.stop.is_set():
             return
         record = (self.needs(), self.fetcher.fetching, self.keeper.restoring, self.visits.later())
         if record == self.published:
             return
-        row = Loader(socket.gethostname(), os.getpid(), self.limit, *record,
+        entry = Loader(socket.gethostname(), os.getpid(), self.limit, *record,
                      started=start_time(os.getpid()))
         with self.ledger.lock:
             table = self.ledger.read()
-            table.loaders[self.owner] = row
+            table.loaders[self.owner] = entry
             self.ledger.write(table)
         self.published = record
 

@@ -15,7 +15,7 @@ from typing import NamedTuple
 
 from filelock import Timeout
 
-from nanochat.data.streaming.ledger import EVICTED, FETCHED, REASONS, Ledger, ShardRow, Table
+from nanochat.data.streaming.ledger import EVICTED, FETCHED, REASONS, Ledger, ShardEntry, Table
 
 LOCK_WAIT = 5.0  # seconds a status waits for the lock (held for milliseconds) before it reads as is
 
@@ -100,9 +100,9 @@ class CacheStatus:
         return self.shard_bytes + self.kept_bytes
 
 
-def _shard_rows(data_dir: str, table: Table) -> tuple[ShardFile, ...]:
+def _shard_files(data_dir: str, table: Table) -> tuple[ShardFile, ...]:
     """The shard files of the data directory, each with its kind."""
-    rows = []
+    files = []
     with os.scandir(data_dir) as entries:
         for entry in entries:
             name = entry.name.removesuffix(".tmp")
@@ -112,10 +112,10 @@ def _shard_rows(data_dir: str, table: Table) -> tuple[ShardFile, ...]:
                 size = entry.stat().st_size
             except FileNotFoundError:  # (evicted since it was listed)
                 continue
-            fetched = table.shards.get(name, ShardRow(EVICTED)).state == FETCHED
+            fetched = table.shards.get(name, ShardEntry(EVICTED)).state == FETCHED
             kind = "partial" if entry.name.endswith(".tmp") else "streamed" if fetched else "yours"
-            rows.append(ShardFile(name, size, kind))
-    return tuple(sorted(rows))
+            files.append(ShardFile(name, size, kind))
+    return tuple(sorted(files))
 
 
 class Own(NamedTuple):
@@ -143,23 +143,23 @@ def read_status(data_dir: str, own: Own | None = None) -> CacheStatus:
 
 def _status(data_dir: str, table: Table, own: Own | None) -> CacheStatus:
     """The record of a table and the shard files of its directory."""
-    live = tuple(LiveLoader(owner, row.cache_limit, row.restoring)
-                 for owner, row in sorted(table.loaders.items()))
-    needs = [ShardNeed(name, owner, reason) for owner, row in table.loaders.items()
-             for name, reason in row.needs.items()]
-    needs += [ShardNeed(row.fetching, owner, "fetching") for owner, row in table.loaders.items()
-              if row.fetching]
+    live = tuple(LiveLoader(owner, entry.cache_limit, entry.restoring)
+                 for owner, entry in sorted(table.loaders.items()))
+    needs = [ShardNeed(name, owner, reason) for owner, entry in table.loaders.items()
+             for name, reason in entry.needs.items()]
+    needs += [ShardNeed(entry.fetching, owner, "fetching") for owner, entry in table.loaders.items()
+              if entry.fetching]
     kept = [KeptCopy(name, owner, size, owner in table.loaders)
             for owner, copies in table.kept.items() for name, size in copies.items()]
     if own is None:  # the command, no loader: the least cache_limit of the live loaders
-        limits = [row.cache_limit for row in live if row.cache_limit is not None]
+        limits = [entry.cache_limit for entry in live if entry.cache_limit is not None]
         own = Own(None, min(limits, default=None), None, None, None)
     return CacheStatus(
-        data_dir=data_dir, cache_limit=own.cache_limit, shards=_shard_rows(data_dir, table),
+        data_dir=data_dir, cache_limit=own.cache_limit, shards=_shard_files(data_dir, table),
         loaders=live,
         needs=tuple(sorted(needs)), kept=tuple(sorted(kept)),
-        evicted=tuple(sorted(n for n, row in table.shards.items() if row.state == EVICTED)),
-        evictions=sum(row.evictions for row in table.shards.values()), evicting=table.evicting,
+        evicted=tuple(sorted(n for n, entry in table.shards.items() if entry.state == EVICTED)),
+        evictions=sum(entry.evictions for entry in table.shards.values()), evicting=table.evicting,
         owner=own.owner, peak_bytes=own.peak_bytes, fetched_bytes=own.fetched_bytes,
         copying=own.copying, own_evictions=own.evictions)
 
@@ -189,11 +189,11 @@ def describe(status: CacheStatus, most: int = 10) -> str:
     kinds = sorted({s.kind for s in status.shards})
     lines += [f"  ({kind}: {SHARD_KINDS[kind]})" for kind in kinds]  # (a legend)
     lines.append(f"live loaders: {len(status.loaders)}")
-    for row in status.loaders:
-        cap = row.cache_limit
+    for entry in status.loaders:
+        cap = entry.cache_limit
         limit = "no cache_limit" if cap is None else f"cache_limit {size_words(cap)}"
-        restoring = ", restoring a buffer" if row.restoring else ""
-        lines.append(f"  {row.owner}: {limit}{restoring}")
+        restoring = ", restoring a buffer" if entry.restoring else ""
+        lines.append(f"  {entry.owner}: {limit}{restoring}")
     lines.append(f"needs of the live loaders: {len(status.needs)}")
     lines += [f"  {n.shard:<{width}}  {n.loader}  {n.reason}: {NEED_REASONS[n.reason]}"
               for n in status.needs]

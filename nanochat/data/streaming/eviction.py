@@ -2,7 +2,7 @@
 Room in the cache for a download or a copy: the budget's evictions, carried out on disk.
 The disk's and the ledger's figures go to the budget's decisions (budget.py), and the shards it
 picks are removed. A shard goes only when no live loader of the machine needs it; for a shard a
-reader waits for, the oldest copies of buffered documents go last, and rows of unknown liveness
+reader waits for, the oldest copies of buffered documents go last, and entries of unknown liveness
 count as stale after a bounded wait. Each call lists the data directory and the kept copies: a few
 ms. Design: docs/streaming.md.
 
@@ -21,7 +21,8 @@ from nanochat.data.streaming.budget import Budget, eviction_order, evictions, ne
 from nanochat.data.streaming.cache_status import size_words
 from nanochat.data.streaming.catalog import catalog_sizes
 from nanochat.data.streaming.kept import Keeper, drop_oldest, file_mtime, kept_bytes, remove_gone
-from nanochat.data.streaming.ledger import EVICTED, UNKNOWN, Ledger, ShardRow, Table, unknown_rows
+from nanochat.data.streaming.ledger import (EVICTED, UNKNOWN, Ledger, ShardEntry, Table,
+                                            unknown_entries)
 
 logger = logging.getLogger(__name__)
 
@@ -53,7 +54,7 @@ class Room:
         self.evictions = 0  # shards this cache evicted to stay within cache_limit
         self.peak_bytes = 0  # the most the shards and kept copies took at once, as measured here
         self.warned = False  # (the last resort's warning, once)
-        self.stale: set[str] = set()  # the rows of unknown liveness dropped (and warned about)
+        self.stale: set[str] = set()  # the entries of unknown liveness dropped (and warned about)
 
     def make(self, table: Table, name: str | None, extra: int = 0, *,
              release: str | None = None, now: bool = False) -> bool:
@@ -63,10 +64,10 @@ class Room:
         copy is written (it goes first). Gone loaders' copies go first, unless a loader is
         restoring; for a shard a reader waits for (now), the others last (last_resort)."""
         on_disk = shard_files(self.data_dir)
-        if not any(row.restoring for row in table.loaders.values()):
+        if not any(entry.restoring for entry in table.loaders.values()):
             # (its own copies stay while it runs, closed or not)
             remove_gone(self.keeper.root, table, set(table.loaders) | {self.owner})
-        in_flight = {row.fetching for row in table.loaders.values() if row.fetching}
+        in_flight = {entry.fetching for entry in table.loaders.values() if entry.fetching}
         in_flight |= {name} if name else set()
         # a download in flight counts whole: its size from the catalog (any split's loader's)
         size_of = catalog_sizes(self.data_dir) | dict(zip(self.budget.names, self.budget.sizes))
@@ -103,7 +104,7 @@ class Room:
             remove_if_exists(path)
             remove_if_exists(record_path(path))
             used -= complete[victim]
-            table.shards[victim] = ShardRow(EVICTED, table.shards[victim].evictions + 1)
+            table.shards[victim] = ShardEntry(EVICTED, table.shards[victim].evictions + 1)
             self.evictions += 1
             logger.debug("evicted %s", victim)
         return used
@@ -133,20 +134,20 @@ class Room:
         return used - dropped
 
     def drop_unknown(self, table: Table, waited: float) -> None:
-        """A reader has waited `waited` seconds for room: the rows whose liveness cannot be told
+        """A reader has waited `waited` seconds for room: the entries whose liveness cannot be told
         (another host's, or one with no start time to check its pid by) count as stale, and go
         from the table (the caller holds the lock and writes it). One warning for each."""
-        for owner, why in unknown_rows(table).items():
-            row = table.loaders[owner]
-            if owner == self.owner or not (row.needs or row.fetching or row.restoring):
-                continue  # (a row that holds nothing stalls no one)
+        for owner, why in unknown_entries(table).items():
+            entry = table.loaders[owner]
+            if owner == self.owner or not (entry.needs or entry.fetching or entry.restoring):
+                continue  # (an entry that holds nothing stalls no one)
             del table.loaders[owner]
             if owner not in self.stale:
                 self.stale.add(owner)
                 logger.warning(
                     "%s: loader %s (host %s, pid %d) holds shards a reader has waited %.0fs for, "
-                    "and whether it lives cannot be told (%s): its row is dropped as stale, and "
-                    "what it held may be evicted", self.ledger.path, owner, row.host, row.pid,
+                    "and whether it lives cannot be told (%s): its entry is dropped as stale, and "
+                    "what it held may be evicted", self.ledger.path, owner, entry.host, entry.pid,
                     waited, UNKNOWN[why])
 
     def held(self) -> str:
@@ -154,7 +155,7 @@ class Room:
         of buffered documents."""
         table = self.ledger.read()
         held = [f"{owner}{' (this loader)' if owner == self.owner else ''}: "
-                + ", ".join(f"{n} ({why})" for n, why in sorted(row.needs.items()))
-                for owner, row in sorted(table.loaders.items()) if row.needs]
+                + ", ".join(f"{n} ({why})" for n, why in sorted(entry.needs.items()))
+                for owner, entry in sorted(table.loaders.items()) if entry.needs]
         copies = kept_bytes(self.keeper.root)
         return "; ".join(held or ["no live loader's shards"]) + f"; {size_words(copies)} of copies"

@@ -20,7 +20,7 @@ from nanochat.data.fetch.download import download_file
 from nanochat.data.streaming.cache_status import size_words
 from nanochat.data.streaming.catalog import catalog_path, read_catalog
 from nanochat.data.streaming.kept import encode
-from nanochat.data.streaming.ledger import FETCHED, ShardRow
+from nanochat.data.streaming.ledger import FETCHED, ShardEntry
 from nanochat.data.base.datasets import open_parquet
 from nanochat.data.fetch.address import shown
 
@@ -119,8 +119,8 @@ class Fetcher:
             room = cache.room.make(table, name, now=p in cache.waiting)
             if room and not os.path.exists(path):  # listed before it exists: a kill mid-way
                 # leaves nothing unlisted
-                evictions = table.shards.get(name, ShardRow(FETCHED)).evictions
-                table.shards[name] = ShardRow(FETCHED, evictions)
+                evictions = table.shards.get(name, ShardEntry(FETCHED)).evictions
+                table.shards[name] = ShardEntry(FETCHED, evictions)
             cache.ledger.write(table)
         if not room:
             self.set_fetching(None)

@@ -85,7 +85,7 @@ def kept_bytes(root: str) -> int:
 
 
 def remove_gone(root: str, table: Table, live: set[str]) -> None:
-    """Remove the copies of every loader not in `live`, and their rows in the table."""
+    """Remove the copies of every loader not in `live`, and their entries in the table."""
     for owner in set(listdir(root)) | set(table.kept):
         if owner not in live:
             shutil.rmtree(os.path.join(root, owner), ignore_errors=True)
@@ -94,7 +94,7 @@ def remove_gone(root: str, table: Table, live: set[str]) -> None:
 
 def drop_oldest(root: str, table: Table, enough) -> int:
     """Remove copies, any loader's, oldest first, until enough(bytes dropped) is true; the bytes
-    dropped. Their rows in the table go too."""
+    dropped. Their entries in the table go too."""
     spare = sorted((file_mtime(kept.path), kept) for kept in kept_files(root))
     dropped = 0
     for _, kept in spare:
@@ -134,7 +134,7 @@ def read_copy(path: str) -> dict[tuple[int, int], str]:
 class Keeper:
     """What one loader's recent states buffer, and the copies it keeps of them. Not thread-safe:
     the shard cache calls it holding its own lock (its condition). It reads the ledger; it changes
-    rows only in a table the cache passes in, under the ledger's lock."""
+    entries only in a table the cache passes in, under the ledger's lock."""
 
     def __init__(self, data_dir: str, names: list[str], owner: str, prefetch: int, ledger: Ledger):
         self.data_dir, self.names, self.owner, self.ledger = data_dir, names, owner, ledger
@@ -201,7 +201,7 @@ class Keeper:
         return texts
 
     def discard(self, owner: str, name: str, path: str) -> None:
-        """Remove a damaged copy and its row in the ledger, if it is still damaged under the lock
+        """Remove a damaged copy and its entry in the ledger, if it is still damaged under the lock
         (its owner writes copies whole, under the lock: it may have written it again)."""
         with self.ledger.lock:
             try:
@@ -241,7 +241,7 @@ class Keeper:
 
     def write(self, p: int, data: bytes, table: Table) -> None:
         """Write our copy of shard p's documents whole, then rename (a resume never reads half of
-        one), and its row in the table (the caller holds the ledger's lock)."""
+        one), and its entry in the table (the caller holds the ledger's lock)."""
         try:
             os.makedirs(self.directory, exist_ok=True)
         except OSError as e:  # (a directory takes a block on most file systems)
@@ -253,7 +253,7 @@ class Keeper:
         table.kept.setdefault(self.owner, {})[self.names[p]] = len(data)
 
     def remove(self, p: int, table: Table) -> None:
-        """Remove our copy of shard p, and its row in the table (the caller holds the lock)."""
+        """Remove our copy of shard p, and its entry in the table (the caller holds the lock)."""
         remove_if_exists(self.path(p))
         table.kept.get(self.owner, {}).pop(self.names[p], None)
 

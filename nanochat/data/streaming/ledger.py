@@ -58,18 +58,18 @@ def start_time(pid: int) -> int | None:
     return int(fields[19]) if len(fields) > 19 and fields[19].isdigit() else None
 
 
-# why a row's liveness cannot be told from here: such a row pins its shards for one bounded wait of
-# a reader (ShardCache), then counts as stale
+# why an entry's liveness cannot be told from here: such an entry pins its shards for one bounded
+# wait of a reader (ShardCache), then counts as stale
 UNKNOWN = {
-    "another host": "a row of another host: its process cannot be checked from here",
+    "another host": "an entry of another host: its process cannot be checked from here",
     "no start time": "no start time recorded (an older writer): a reused pid would pass for it",
     "no /proc": "its process's start time cannot be read (no /proc)",
 }
 
 
 def liveness(loader: "Loader", host: str) -> str:
-    """Whether the process that wrote a row lives: "alive", "gone" (no process has its pid, or one
-    started at another time: a pid is reused once its process is gone), or a key of UNKNOWN."""
+    """Whether the process that wrote an entry lives: "alive", "gone" (no process has its pid, or
+    one started at another time: a pid is reused once its process is gone), or a key of UNKNOWN."""
     if loader.host != host:
         return "another host"
     if not is_int(loader.pid) or loader.pid <= 0:
@@ -78,7 +78,7 @@ def liveness(loader: "Loader", host: str) -> str:
         os.kill(loader.pid, 0)  # signal 0: only the check that the process exists
     except ProcessLookupError:
         return "gone"
-    except PermissionError:  # another user's process: its start time says whether it is the row's
+    except PermissionError:  # another user's process: its start time says whether it is the entry's
         pass
     if loader.started is None:
         return "no start time"
@@ -86,11 +86,12 @@ def liveness(loader: "Loader", host: str) -> str:
     return "no /proc" if now is None else "alive" if now == loader.started else "gone"
 
 
-def unknown_rows(table: "Table") -> dict[str, str]:
-    """owner -> why its liveness cannot be told (a key of UNKNOWN), for every such loader's row."""
+def unknown_entries(table: "Table") -> dict[str, str]:
+    """owner -> why its liveness cannot be told (a key of UNKNOWN), for every such loader's
+    entry."""
     host = socket.gethostname()
-    return {owner: why for owner, row in table.loaders.items()
-            if (why := liveness(row, host)) in UNKNOWN}
+    return {owner: why for owner, entry in table.loaders.items()
+            if (why := liveness(entry, host)) in UNKNOWN}
 
 
 # -----------------------------------------------------------------------------
@@ -99,7 +100,7 @@ def unknown_rows(table: "Table") -> dict[str, str]:
 
 @dataclass(frozen=True)
 class Loader:
-    """One live loader's row: who it is and what it needs."""
+    """One live loader's entry: who it is and what it needs."""
     host: str
     pid: int
     cache_limit: int | None
@@ -112,7 +113,7 @@ class Loader:
 
 
 @dataclass(frozen=True)
-class ShardRow:
+class ShardEntry:
     """A shard a streaming loader fetched: FETCHED (listed before its download begins), or
     EVICTED since."""
     state: str
@@ -122,8 +123,8 @@ class ShardRow:
 @dataclass
 class Table:
     """The ledger's content. Change it only between `with ledger.lock:` and ledger.write(table)."""
-    loaders: dict[str, Loader] = field(default_factory=dict)  # owner (host-pid-n) -> its row
-    shards: dict[str, ShardRow] = field(default_factory=dict)
+    loaders: dict[str, Loader] = field(default_factory=dict)  # owner (host-pid-n) -> its entry
+    shards: dict[str, ShardEntry] = field(default_factory=dict)
     kept: dict[str, dict[str, int]] = field(default_factory=dict)  # owner -> {shard: copy's bytes}
     evicting: bool = False  # a loader has had to evict: from then on every loader copies buffers
     # the JSON it was read from: write() skips a write that would change nothing
@@ -131,18 +132,18 @@ class Table:
 
     def fetched(self) -> list[str]:
         """The shards a streaming loader fetched and no loader has evicted since."""
-        return sorted(name for name, row in self.shards.items() if row.state == FETCHED)
+        return sorted(name for name, entry in self.shards.items() if entry.state == FETCHED)
 
     def to_json(self) -> dict:
         loaders = {owner: vars(loader) | {"later": list(loader.later)}
                    for owner, loader in self.loaders.items()}
-        shards = {name: vars(row) for name, row in self.shards.items()}
-        kept = {owner: copies for owner, copies in self.kept.items() if copies}  # (none: no row)
+        shards = {name: vars(entry) for name, entry in self.shards.items()}
+        kept = {owner: copies for owner, copies in self.kept.items() if copies}  # (none: no entry)
         return {"loaders": loaders, "shards": shards, "kept": kept, "evicting": self.evicting}
 
 
 def _loader(value) -> Loader | None:
-    """A loader row from its JSON, or None when it has the wrong shape."""
+    """A loader's entry from its JSON, or None when it has the wrong shape."""
     try:
         loader = Loader(**value)
     except TypeError:  # (not a dict, or other fields)
@@ -155,12 +156,12 @@ def _loader(value) -> Loader | None:
     return replace(loader, later=tuple(loader.later)) if fine else None
 
 
-def _shard_row(value) -> ShardRow | None:
+def _shard_entry(value) -> ShardEntry | None:
     try:
-        row = ShardRow(**value)
+        entry = ShardEntry(**value)
     except TypeError:
         return None
-    return row if row.state in (FETCHED, EVICTED) and type(row.evictions) is int else None
+    return entry if entry.state in (FETCHED, EVICTED) and type(entry.evictions) is int else None
 
 
 def _copies(value) -> dict[str, int] | None:
@@ -172,30 +173,30 @@ PARTS = ("loaders", "shards", "kept", "evicting")
 
 
 def _table(value) -> tuple[Table, list[str], set[str]]:
-    """The table of a JSON value less its rows of the wrong shape; what was wrong (a part, or a
-    row's name), and the parts it lost, whole or in part: those the disk fills in (rebuild). A
-    loader's row of the wrong shape is dropped alone: no disk holds it."""
+    """The table of a JSON value less its entries of the wrong shape; what was wrong (a part, or an
+    entry's name), and the parts it lost, whole or in part: those the disk fills in (rebuild). A
+    loader's entry of the wrong shape is dropped alone: no disk holds it."""
     if not isinstance(value, dict):
         return Table(), ["not a table"], set(PARTS)
     table, bad, lost = Table(evicting=value.get("evicting") is True), [], set()
     if type(value.get("evicting")) is not bool:
         bad.append("evicting")
         lost.add("evicting")
-    parts = (("loaders", table.loaders, _loader), ("shards", table.shards, _shard_row),
+    parts = (("loaders", table.loaders, _loader), ("shards", table.shards, _shard_entry),
              ("kept", table.kept, _copies))
     for key, part, parse in parts:
-        rows = value.get(key)
-        if not isinstance(rows, dict):
+        entries = value.get(key)
+        if not isinstance(entries, dict):
             bad.append(key)
             lost.add(key)
             continue
-        for name, raw in rows.items():
-            row = parse(raw)
-            if row is None:
+        for name, raw in entries.items():
+            entry = parse(raw)
+            if entry is None:
                 bad.append(name)
                 lost.update([key] if key != "loaders" else [])
             else:
-                part[name] = row
+                part[name] = entry
     return table, bad, lost
 
 
@@ -203,12 +204,12 @@ def rebuild(data_dir: str) -> Table:
     """What the disk says of a data directory's table: a shard is FETCHED when its download record
     says a streaming loader fetched it ("streamed": true), each kept copy is its directory's
     loader's, and evicting is set when copies are kept (a loader copies its buffered documents
-    only when shards are evicted, or its cache_limit cannot hold them all). No loader's row: a
+    only when shards are evicted, or its cache_limit cannot hold them all). No loader's entry: a
     live loader writes its own again at its next change."""
     table = Table()
     for name in listdir(data_dir):
         if name.endswith(".parquet") and _streamed(record_path(os.path.join(data_dir, name))):
-            table.shards[name] = ShardRow(FETCHED)
+            table.shards[name] = ShardEntry(FETCHED)
     root = os.path.join(data_dir, STREAM_DIR, KEPT_DIR)
     for owner in listdir(root):
         for name in listdir(os.path.join(root, owner)):
@@ -252,7 +253,7 @@ def _rebuilt_words(disk: Table, lost: set[str]) -> str:
         words.append("evicting: " + ("yes, as copies of buffered documents are kept" if
                                      disk.evicting else "no, as no copies are kept"))
     if "loaders" in lost:
-        words.append("no loader rows (a live loader writes its own again at its next change)")
+        words.append("no loader entries (a live loader writes its own again at its next change)")
     return "; ".join(words)
 
 
@@ -287,7 +288,7 @@ class Ledger:
     def read(self) -> Table:
         """The table, less the loaders of this host whose process is gone. Without the lock held it
         is a snapshot: the file is replaced whole, so it is never half written. A damaged file
-        (not JSON, not a table, a part or row of the wrong shape), or none beside shards streaming
+        (not JSON, not a table, a part or entry of the wrong shape), or none beside shards streaming
         fetched, is rebuilt from the disk (rebuild) with one warning; the next write replaces it."""
         try:
             data, stamp = _read_bytes(self.path)
@@ -296,7 +297,7 @@ class Ledger:
         table = self._parse(data, stamp)
         host = socket.gethostname()
         # (another host's loaders, on a shared disk, cannot be checked from here: they stay)
-        gone = [owner for owner, row in table.loaders.items() if liveness(row, host) == "gone"]
+        gone = [owner for owner, entry in table.loaders.items() if liveness(entry, host) == "gone"]
         for owner in gone:
             del table.loaders[owner]
         return table
@@ -311,21 +312,21 @@ class Ledger:
                 text = data.decode()
                 value = json.loads(text)
                 table, bad, lost = _table(value)
-                problem = (f": dropped parts or rows of the wrong shape: {bad}"
+                problem = (f": dropped parts or entries of the wrong shape: {bad}"
                            if isinstance(value, dict) else " is not a table")
             except ValueError as e:  # (UnicodeDecodeError too)
                 table, bad, lost, problem = Table(), [], set(PARTS), f" is unreadable ({e})"
-            if not lost:  # (only loaders' rows dropped: a live loader writes its own again)
+            if not lost:  # (only loaders' entries dropped: a live loader writes its own again)
                 if bad:
-                    warn_once(logger, self.path, stamp, "%s: dropped rows of the wrong shape: %s",
-                              self.path, bad)
+                    warn_once(logger, self.path, stamp,
+                              "%s: dropped entries of the wrong shape: %s", self.path, bad)
                 table.text = text
                 return table
         if stamp is not None and self._rebuilt is not None and self._rebuilt[0] == stamp:
             return _table(self._rebuilt[1])[0]
         disk = rebuild(self.data_dir)
         if "shards" in lost:
-            table.shards = disk.shards | table.shards  # (a row read whole stands)
+            table.shards = disk.shards | table.shards  # (an entry read whole stands)
         if "kept" in lost:
             for owner, copies in disk.kept.items():
                 table.kept[owner] = copies | table.kept.get(owner, {})

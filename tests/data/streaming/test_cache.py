@@ -24,7 +24,7 @@ from nanochat.data.base.state import decode_keys
 from nanochat.data.fetch.limits import Limits
 from nanochat.data.fetch.serve import ShardServer
 from nanochat.data.base.checks import parse_bytes
-from nanochat.data.streaming.ledger import (FETCHED, Ledger, Loader, ShardRow, start_time,
+from nanochat.data.streaming.ledger import (FETCHED, Ledger, Loader, ShardEntry, start_time,
                                             STREAM_DIR, Table)
 from nanochat.dataloader import tokenizing_distributed_data_loader_with_state_bos_bestfit
 from nanochat.data.base.datasets import index_to_filename
@@ -208,7 +208,7 @@ def test_a_reader_short_of_room_fails_within_the_deadline_naming_who_holds_it(ho
         another = Loader(socket.gethostname(), os.getpid(), None, dict.fromkeys(held, "reading"),
                          started=start_time(os.getpid()))
         ledger.write(Table(loaders={"another": another},
-                           shards={name: ShardRow(FETCHED) for name in held}))
+                           shards={name: ShardEntry(FETCHED) for name in held}))
     limits = Limits(max_attempts=2, backoff_base=0.01, timeout=5, deadline=3)
     # room for 5 shards and a half: the 5 held and not one more
     loader = stream_loader("bestfit", server, cache, cache_limit=int(5.5 * sizes[-1]),

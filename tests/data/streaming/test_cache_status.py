@@ -21,8 +21,8 @@ from nanochat.data.fetch.limits import Limits
 from nanochat.data.fetch.serve import ShardServer
 from nanochat.data.streaming.cache_status import (CacheStatus, describe, KeptCopy, LiveLoader,
                                                   read_status, ShardFile, ShardNeed)
-from nanochat.data.streaming.ledger import (EVICTED, FETCHED, Ledger, Loader, ShardRow, STREAM_DIR,
-                                            Table)
+from nanochat.data.streaming.ledger import (EVICTED, FETCHED, STREAM_DIR, Ledger, Loader,
+                                            ShardEntry, Table)
 from nanochat.dataloader import tokenizing_distributed_data_loader_with_state_bos_bestfit
 from nanochat.data.base.datasets import index_to_filename
 
@@ -62,8 +62,8 @@ def small_cache(tmp_path):
         loaders={"box-1-0": Loader(HOST, os.getpid(), 20_000, NEEDS, fetching=S[4]),
                  "box-2-0": Loader(HOST, os.getpid(), 15_000, {S[1]: "packing"}, restoring=True),
                  "box-9-0": Loader(HOST, dead_pid(), 10_000, {S[5]: "reading"})},
-        shards={S[0]: ShardRow(FETCHED, 1), S[1]: ShardRow(FETCHED), S[2]: ShardRow(FETCHED),
-                S[4]: ShardRow(FETCHED), S[5]: ShardRow(EVICTED, 2)},
+        shards={S[0]: ShardEntry(FETCHED, 1), S[1]: ShardEntry(FETCHED), S[2]: ShardEntry(FETCHED),
+                S[4]: ShardEntry(FETCHED), S[5]: ShardEntry(EVICTED, 2)},
         kept={"box-1-0": {S[0]: 120}, "box-9-0": {S[5]: 80}}, evicting=True)
     with ledger.lock:
         ledger.write(table)

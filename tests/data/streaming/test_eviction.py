@@ -19,7 +19,7 @@ from conftest import (FAST, assert_same_batches as _same, least_accepted, peak_w
 from nanochat.data.fetch.serve import ShardServer
 from nanochat.data.streaming import cache as shard_cache
 from nanochat.data.streaming.cache import ShardCache
-from nanochat.data.streaming.ledger import FETCHED, Ledger, Loader, ShardRow, STREAM_DIR, Table
+from nanochat.data.streaming.ledger import FETCHED, Ledger, Loader, ShardEntry, STREAM_DIR, Table
 from nanochat.data.base.datasets import index_to_filename
 from served_shards import disk_loader, split_dir, stream_loader
 
@@ -40,7 +40,7 @@ def test_eviction_spares_what_any_loader_of_the_machine_needs(tmp_path):
     with ledger.lock:
         another = Loader(socket.gethostname(), os.getpid(), 4000, needs)
         ledger.write(Table(loaders={"another": another},
-                           shards={name: ShardRow(FETCHED) for name in names[:5]}))
+                           shards={name: ShardEntry(FETCHED) for name in names[:5]}))
     shards = ShardCache(str(cache), names, [f"http://127.0.0.1:9/{name}" for name in names],
                         [1000] * 6, prefetch_shards=0, cache_limit=4000, limits=FAST)
 

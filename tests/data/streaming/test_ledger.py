@@ -20,7 +20,7 @@ import pytest
 
 from conftest import least_accepted, outcome, write_shard
 from nanochat.data.streaming import cache as shard_cache, ledger as ledger_module
-from nanochat.data.streaming.ledger import FETCHED, Ledger, Loader, ShardRow, STREAM_DIR, Table
+from nanochat.data.streaming.ledger import FETCHED, Ledger, Loader, ShardEntry, STREAM_DIR, Table
 from nanochat.data.base.datasets import index_to_filename
 from served_shards import (all_train_shards_fetched, batches, batches_of, expected, hosted, same,
                            streamed, streaming, warnings_about)
@@ -242,7 +242,7 @@ def test_a_ledger_of_the_wrong_shape_is_read_as_empty_or_without_its_bad_rows(tm
         "loaders": {"a": {"host": HOST}, "b": vars(live)},
         "shards": {S[0]: {"state": "lost"}, S[1]: {"state": "fetched", "evictions": 0}},
         "kept": {"a": [1]}, "evicting": "yes"}))
-    assert ledger.read() == Table(loaders={"b": live}, shards={S[1]: ShardRow(FETCHED)})
+    assert ledger.read() == Table(loaders={"b": live}, shards={S[1]: ShardEntry(FETCHED)})
     # (a shard's and a copy's rows are on disk: rebuilt from there; here there are none)
-    assert (f"{path}: dropped parts or rows of the wrong shape: ['evicting', 'a', "
+    assert (f"{path}: dropped parts or entries of the wrong shape: ['evicting', 'a', "
             "'shard_00000.parquet', 'a']; rebuilt from what is on disk: ") in caplog.text
