@@ -35,50 +35,6 @@ class Piece(NamedTuple):
 Refill = Callable[[], Iterable[Piece]]  # the next Pieces of the walk (possibly none)
 
 
-def token_dtype(vocab_size: int | None) -> np.dtype:
-    """The narrowest unsigned dtype that holds every id of a vocabulary (uint32 when unknown)."""
-    if vocab_size is not None and vocab_size <= 2**16:
-        return np.dtype(np.uint16)  # half the buffer's bytes of uint32
-    return np.dtype(np.uint32)
-
-
-# -----------------------------------------------------------------------------
-# Long documents: where they are cut
-
-
-POLICIES = ("crop", "split", "split_reuse")
-
-
-def next_cut(start: int, capacity: int, overlap: int) -> int:
-    """Where the piece of a document that begins at token `start` ends (exclusive), on the fixed
-    grid of cuts capacity, capacity + step, capacity + 2 step, ... with step = capacity - 1 -
-    overlap: piece 0 is tokens [0, capacity) (its own BOS first); every later piece is BOS, the
-    `overlap` tokens before its start again, then step new tokens, so every piece is at most
-    `capacity` long. GPT-Simple's windowing (max_length = capacity) cuts at the same places."""
-    if start < capacity:
-        return capacity
-    step = capacity - 1 - overlap  # the BOS and the overlap take the rest of a piece
-    return capacity + ((start - capacity) // step + 1) * step
-
-
-def check_long_doc_policy(policy: str, overlap: int, T: int) -> None:
-    """Raise ValueError unless (long_doc_policy, split_overlap) are valid for rows of T+1 tokens."""
-    if policy not in POLICIES:
-        raise ValueError(f"long_doc_policy must be one of {POLICIES}, got {policy!r}")
-    check_int("split_overlap", overlap, 0, T - 1,
-              hint=" (at most T-1: each piece needs a new token)")
-    if overlap and policy == "crop":
-        raise ValueError("split_overlap needs long_doc_policy='split' or 'split_reuse' "
-                         "(crop never splits)")
-
-
-def check_piece_start(start: int, n: int) -> None:
-    """Raise ValueError unless a piece of an n-token document can start at token `start`."""
-    if not 0 <= start < n:
-        raise ValueError(f"a piece starting at token {start} of a {n}-token document: the state "
-                         "does not match the data or the tokenizer")
-
-
 # -----------------------------------------------------------------------------
 # Best-fit
 
@@ -141,46 +97,43 @@ class BestFitPacker:
         self.tokens_continued = 0  # placed tokens of pieces that continue a document (start > 0)
         self.docs_split = 0  # documents cut into pieces
 
-    def __len__(self) -> int:
-        return self._num_docs
-
-    def stats(self) -> dict:
-        """Running totals: what entered the buffer, what went out in rows, what was cropped away."""
-        # the BOS and overlap in front of a piece are placed but are no document's new tokens
-        document_tokens_out = self.tokens_out - self.tokens_bos_added - self.tokens_repeated
-        return {
-            "tokens_tokenized": self.tokens_in,
-            "tokens_emitted": self.tokens_out,
-            "tokens_cropped": self.tokens_cropped,
-            # the share of the tokens taken from the buffer that were thrown away
-            "crop_share": self.tokens_cropped / max(1, document_tokens_out + self.tokens_cropped),
-            "tokens_masked": self.tokens_masked,
-            "tokens_bos_added": self.tokens_bos_added,
-            "tokens_repeated": self.tokens_repeated,
-            "docs_split": self.docs_split,
-            # emitted tokens whose own document starts in the same row (1.0 under "crop")
-            "doc_start_visible_share": 1 - self.tokens_continued / max(1, self.tokens_out),
-            "docs_per_row_mean": self.docs_placed / max(1, self.rows),
-            "docs_per_row_max": self.max_docs_per_row,
-            "buffer_docs": self._num_docs,
-            "buffer_tokens": self.tokens_in - document_tokens_out - self.tokens_cropped,
-        }
-
-    def buffered(self) -> list[tuple[object, int | None]]:
-        """(key, start) of the buffered documents in arrival order; start is None for a whole
-        document, else the piece's start (add_piece(document, key, overlap, start) rebuilds it)."""
-        return [(key, self._starts.get(seq)) for seq, key in self._keys.items()]
-
-    def buffered_keys(self) -> list:
-        """The keys of buffered(), alone (a C-speed copy: the state is built every batch)."""
-        return list(self._keys.values())
-
-    def buffered_pieces(self) -> list[list[int]]:
-        """[[index in buffered(), start], ...] for the buffered pieces (empty unless the policy
-        splits)."""
-        if not self._starts:  # the common case, "crop": no walk over the buffer every batch
-            return []
-        return [[i, self._starts[seq]] for i, seq in enumerate(self._keys) if seq in self._starts]
+    def fill(self, rows: np.ndarray, refill: Refill, buffer_size: int) -> None:
+        """Fill every row of `rows` (shape (n, row_capacity)), refilling the buffer to at least
+        `buffer_size` documents before each placement, as nanochat's loader does. A refill that
+        returns nothing means the walk has ended: the buffer is drained (the caller makes sure
+        it holds enough tokens to finish the rows)."""
+        capacity, trace, add, place = self.row_capacity, self.trace, self.add, self._place
+        assert rows.shape[1] == capacity
+        self.starts, self.masked = [], []
+        for r, row in enumerate(rows):
+            pos, starts = 0, []
+            if trace is not None:
+                trace.append([])
+            while pos < capacity:
+                while self._num_docs < buffer_size:
+                    added = False
+                    for doc, key, overlap, start in refill():
+                        added = True
+                        add(doc, key, overlap, start)
+                    if not added:  # a finite walk ran out: place from what is left
+                        break
+                start = pos
+                pos, key, piece, masked = place(row, pos)
+                starts.append(start)
+                if trace is not None:
+                    trace[-1].append((key, piece))
+                if masked:
+                    # the targets that predict the repeated tokens (row positions
+                    # start+1..start+masked, so targets start..start+masked-1), as far as the
+                    # document made it into the row
+                    end = min(start + masked, pos - 1)
+                    if end > start:
+                        self.masked.append((r, start, end))
+                        self.tokens_masked += end - start
+            self.starts.append(starts)
+            self.rows += 1
+            self.docs_placed += len(starts)
+            self.max_docs_per_row = max(self.max_docs_per_row, len(starts))
 
     def add(self, doc: np.ndarray, key=None, overlap: int = 0, start: int | None = None) -> None:
         """Buffer a document, cut into pieces if the policy splits and it is longer than a row; or,
@@ -236,14 +189,6 @@ class BestFitPacker:
         self._seq += 1
         self._num_docs += 1
 
-    def _pop_length(self, n: int) -> tuple[int, np.ndarray]:
-        bucket = self._by_length[n]
-        seq, doc = bucket.popleft()
-        if not bucket:  # no document of length n left: its bit goes
-            del self._by_length[n]
-            self._fit_mask &= ~(1 << n)
-        return seq, doc
-
     def place(self, row: np.ndarray, pos: int) -> int:
         """Place one document into row[pos:] by the best-fit rule; returns the new position."""
         return self._place(row, pos)[0]
@@ -292,43 +237,54 @@ class BestFitPacker:
                 self.tokens_cropped += len(doc) - placed_to
         return pos + m, key, start, masked
 
-    def fill(self, rows: np.ndarray, refill: Refill, buffer_size: int) -> None:
-        """Fill every row of `rows` (shape (n, row_capacity)), refilling the buffer to at least
-        `buffer_size` documents before each placement, as nanochat's loader does. A refill that
-        returns nothing means the walk has ended: the buffer is drained (the caller makes sure
-        it holds enough tokens to finish the rows)."""
-        capacity, trace, add, place = self.row_capacity, self.trace, self.add, self._place
-        assert rows.shape[1] == capacity
-        self.starts, self.masked = [], []
-        for r, row in enumerate(rows):
-            pos, starts = 0, []
-            if trace is not None:
-                trace.append([])
-            while pos < capacity:
-                while self._num_docs < buffer_size:
-                    added = False
-                    for doc, key, overlap, start in refill():
-                        added = True
-                        add(doc, key, overlap, start)
-                    if not added:  # a finite walk ran out: place from what is left
-                        break
-                start = pos
-                pos, key, piece, masked = place(row, pos)
-                starts.append(start)
-                if trace is not None:
-                    trace[-1].append((key, piece))
-                if masked:
-                    # the targets that predict the repeated tokens (row positions
-                    # start+1..start+masked, so targets start..start+masked-1), as far as the
-                    # document made it into the row
-                    end = min(start + masked, pos - 1)
-                    if end > start:
-                        self.masked.append((r, start, end))
-                        self.tokens_masked += end - start
-            self.starts.append(starts)
-            self.rows += 1
-            self.docs_placed += len(starts)
-            self.max_docs_per_row = max(self.max_docs_per_row, len(starts))
+    def _pop_length(self, n: int) -> tuple[int, np.ndarray]:
+        bucket = self._by_length[n]
+        seq, doc = bucket.popleft()
+        if not bucket:  # no document of length n left: its bit goes
+            del self._by_length[n]
+            self._fit_mask &= ~(1 << n)
+        return seq, doc
+
+    def __len__(self) -> int:
+        return self._num_docs
+
+    def stats(self) -> dict:
+        """Running totals: what entered the buffer, what went out in rows, what was cropped away."""
+        # the BOS and overlap in front of a piece are placed but are no document's new tokens
+        document_tokens_out = self.tokens_out - self.tokens_bos_added - self.tokens_repeated
+        return {
+            "tokens_tokenized": self.tokens_in,
+            "tokens_emitted": self.tokens_out,
+            "tokens_cropped": self.tokens_cropped,
+            # the share of the tokens taken from the buffer that were thrown away
+            "crop_share": self.tokens_cropped / max(1, document_tokens_out + self.tokens_cropped),
+            "tokens_masked": self.tokens_masked,
+            "tokens_bos_added": self.tokens_bos_added,
+            "tokens_repeated": self.tokens_repeated,
+            "docs_split": self.docs_split,
+            # emitted tokens whose own document starts in the same row (1.0 under "crop")
+            "doc_start_visible_share": 1 - self.tokens_continued / max(1, self.tokens_out),
+            "docs_per_row_mean": self.docs_placed / max(1, self.rows),
+            "docs_per_row_max": self.max_docs_per_row,
+            "buffer_docs": self._num_docs,
+            "buffer_tokens": self.tokens_in - document_tokens_out - self.tokens_cropped,
+        }
+
+    def buffered(self) -> list[tuple[object, int | None]]:
+        """(key, start) of the buffered documents in arrival order; start is None for a whole
+        document, else the piece's start (add_piece(document, key, overlap, start) rebuilds it)."""
+        return [(key, self._starts.get(seq)) for seq, key in self._keys.items()]
+
+    def buffered_keys(self) -> list:
+        """The keys of buffered(), alone (a C-speed copy: the state is built every batch)."""
+        return list(self._keys.values())
+
+    def buffered_pieces(self) -> list[list[int]]:
+        """[[index in buffered(), start], ...] for the buffered pieces (empty unless the policy
+        splits)."""
+        if not self._starts:  # the common case, "crop": no walk over the buffer every batch
+            return []
+        return [[i, self._starts[seq]] for i, seq in enumerate(self._keys) if seq in self._starts]
 
 
 # -----------------------------------------------------------------------------
@@ -413,3 +369,51 @@ class ConcatPacker:
         out[pos] = self._docs[0][0][self._offset]  # peeked: the next take starts with it
         self._num_tokens -= needed - 1
         self.tokens_out += needed - 1
+
+
+# -----------------------------------------------------------------------------
+# Long documents: where they are cut
+
+
+POLICIES = ("crop", "split", "split_reuse")
+
+
+def next_cut(start: int, capacity: int, overlap: int) -> int:
+    """Where the piece of a document that begins at token `start` ends (exclusive), on the fixed
+    grid of cuts capacity, capacity + step, capacity + 2 step, ... with step = capacity - 1 -
+    overlap: piece 0 is tokens [0, capacity) (its own BOS first); every later piece is BOS, the
+    `overlap` tokens before its start again, then step new tokens, so every piece is at most
+    `capacity` long. GPT-Simple's windowing (max_length = capacity) cuts at the same places."""
+    if start < capacity:
+        return capacity
+    step = capacity - 1 - overlap  # the BOS and the overlap take the rest of a piece
+    return capacity + ((start - capacity) // step + 1) * step
+
+
+def check_long_doc_policy(policy: str, overlap: int, T: int) -> None:
+    """Raise ValueError unless (long_doc_policy, split_overlap) are valid for rows of T+1 tokens."""
+    if policy not in POLICIES:
+        raise ValueError(f"long_doc_policy must be one of {POLICIES}, got {policy!r}")
+    check_int("split_overlap", overlap, 0, T - 1,
+              hint=" (at most T-1: each piece needs a new token)")
+    if overlap and policy == "crop":
+        raise ValueError("split_overlap needs long_doc_policy='split' or 'split_reuse' "
+                         "(crop never splits)")
+
+
+def check_piece_start(start: int, n: int) -> None:
+    """Raise ValueError unless a piece of an n-token document can start at token `start`."""
+    if not 0 <= start < n:
+        raise ValueError(f"a piece starting at token {start} of a {n}-token document: the state "
+                         "does not match the data or the tokenizer")
+
+
+# -----------------------------------------------------------------------------
+# Storage
+
+
+def token_dtype(vocab_size: int | None) -> np.dtype:
+    """The narrowest unsigned dtype that holds every id of a vocabulary (uint32 when unknown)."""
+    if vocab_size is not None and vocab_size <= 2**16:
+        return np.dtype(np.uint16)  # half the buffer's bytes of uint32
+    return np.dtype(np.uint32)
