@@ -14,7 +14,8 @@ import os
 from typing import Any, NamedTuple
 
 from nanochat.data.base.checks import (Streaming, check_int, check_options, check_shuffle,
-                                       check_stream, resolve_rank, resolve_workers)
+                                       check_stream, resolve_rank, resolve_tokenizer_processes,
+                                       resolve_workers)
 from nanochat.data.base.packing import check_long_doc_policy
 from nanochat.data.base.state import loader_config, tokenizer_fingerprint
 from nanochat.data.fetch.limits import Limits
@@ -22,6 +23,7 @@ from nanochat.data.loader.build import (DataLoader, LoaderSpec, Run, Stream, mak
                                         one_walk)
 from nanochat.data.loader.order import ParquetReader
 from nanochat.data.loader.rows import Encoder, EntryDocuments
+from nanochat.data.loader.tokenize_procs import IN_FLIGHT
 from nanochat.data.pretokenized.token_reader import TokenShardReader, shard_paths, shard_vocab
 from nanochat.data.streaming.cache import local_peers
 from nanochat.data.base.datasets import split_parquet_files
@@ -43,7 +45,8 @@ def tokenizing_distributed_data_loader_with_state_bos_bestfit(
         seed: int = 0, shuffle_window: int = 8, stream: bool | None = None,
         cache_limit: int | str | None = None, prefetch_shards: int = 2,
         num_shards: int | None = None, base_url: str | None = None,
-        download_limits: Limits | None = None, workers: int | None = None) -> "DataLoader":
+        download_limits: Limits | None = None, workers: int | None = None,
+        tokenizer_processes: int | None = None) -> "DataLoader":
     """Yield (inputs, targets, state_dict) forever: (B, T) int64 batches of BOS-aligned best-fit
     rows.
 
@@ -57,6 +60,10 @@ def tokenizing_distributed_data_loader_with_state_bos_bestfit(
     workers: 1 (the default, or NANOCHAT_LOADER_WORKERS) runs reading, tokenizing and packing in a
     worker process, so that they never take the trainer's GIL (docs/loaders.md); 0 runs them on
     threads of this process. The tokenizer must then pickle, or the loader warns and runs here.
+    tokenizer_processes: processes the worker tokenizes on, each with its own copy of the
+    tokenizer (0: the tokenizer's threads, tokenizer_threads of them). Default: the CPUs this rank
+    may use (affinity mask / LOCAL_WORLD_SIZE) less one for the trainer, when that is at least 2.
+    Batches are the same at any count (docs/loaders.md).
     attention_info: also yield a dict of doc_ids, position_ids and cu_seqlens (padded to
     B * max_docs_per_row + 1; default bound T).
     long_doc_policy: tokens that do not fit a row are "crop"ped (nanochat's way: about a third at
@@ -88,7 +95,8 @@ def tokenizing_distributed_data_loader_with_state(
         shuffle: bool = False, seed: int = 0, shuffle_window: int = 8,
         stream: bool | None = None, cache_limit: int | str | None = None,
         prefetch_shards: int = 2, num_shards: int | None = None, base_url: str | None = None,
-        download_limits: Limits | None = None, workers: int | None = None) -> "DataLoader":
+        download_limits: Limits | None = None, workers: int | None = None,
+        tokenizer_processes: int | None = None) -> "DataLoader":
     """The concatenating loader: documents back to back (each after its BOS), each batch the next
     B*T+1 tokens of the concatenated documents, advancing by B*T, so no token is skipped. Wastes
     nothing, but rows start mid-document. Yields (inputs, targets, state_dict).
@@ -171,6 +179,7 @@ class ParquetCall(NamedTuple):
     base_url: str | None
     download_limits: Limits | None
     workers: int | None
+    tokenizer_processes: int | None
     # the best-fit loader's own (the concatenating loader has none of these)
     buffer_size: int | None = None
     trace_documents: bool = False
@@ -244,11 +253,13 @@ def _tokenizing_spec(kind: str, call: ParquetCall) -> LoaderSpec:
                             f"{type(tokenizer).__name__}")
     rank, world_size = resolve_rank(call.rank, call.world_size)
     batch_size = call.tokenizer_batch_size
+    processes = resolve_tokenizer_processes(call.tokenizer_processes,
+                                            resolve_workers(call.workers, call.prefetch))
     if settings is None:  # the shards on disk
         reader, stream = ParquetReader(split_parquet_files(call.split, call.data_dir)), None
     else:
         stream = _stream(call, settings, (rank, world_size),
-                         buffer_size if kind == "bestfit" else batch_size)
+                         buffer_size if kind == "bestfit" else batch_size, processes)
         reader = ParquetReader(stream.paths, stream.catalog)  # (its cache: where it is built)
     config = loader_config(kind, "parquet", call.split, reader.paths, B=B, T=T,
                            buffer_size=buffer_size, batch_size=batch_size,
@@ -260,11 +271,12 @@ def _tokenizing_spec(kind: str, call: ParquetCall) -> LoaderSpec:
                       B=B, T=T, buffer_size=buffer_size, shuffle=shuffle,
                       allow_state_mismatch=call.allow_state_mismatch, stream=stream,
                       prefetch=call.prefetch, with_state=call.with_state,
-                      trace_documents=call.trace_documents, max_docs_per_row=max_docs)
+                      trace_documents=call.trace_documents, max_docs_per_row=max_docs,
+                      tokenizer_processes=processes)
 
 
 def _stream(call: ParquetCall, settings: Streaming, ranks: tuple[int, int],
-            buffer_docs: int) -> Stream:
+            buffer_docs: int, processes: int) -> Stream:
     """A streamed split: the dataset's shards, each fetched into data_dir just before it is read,
     within the cache's budget (docs/streaming.md). ranks: (rank, world_size); buffer_docs: the
     documents a buffer holds."""
@@ -273,8 +285,8 @@ def _stream(call: ParquetCall, settings: Streaming, ranks: tuple[int, int],
     files = streamed_files(call.split, call.data_dir, settings.num_shards, call.base_url, limits)
     catalog = files.entries
     # documents read and not yet packed, at most: the pipeline's queues, a batch in each stage's
-    # hands and one more in the tokenizer's (overlap_calls)
-    docs = (5 * call.prefetch + 3) * call.tokenizer_batch_size
+    # hands and one more in the tokenizer's (overlap_calls), or those out to tokenizing processes
+    docs = (5 * call.prefetch + 3 + IN_FLIGHT * processes) * call.tokenizer_batch_size
     return Stream(files.data_dir, files.paths, files.urls, catalog, keep=files.val, limits=limits,
                   prefetch_shards=settings.prefetch_shards, cache_limit=settings.cache_limit,
                   prefetch=call.prefetch, copies=copies_estimate(catalog, buffer_docs),

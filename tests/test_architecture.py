@@ -44,11 +44,12 @@ MAIN_PATH = [BY_LEAF[leaf]
 STREAMING = [BY_LEAF["cache"]]  # what stream=True adds to the path
 # what the path calls without a reader having to follow it: the integer check, file listing, the
 # shuffled order, the state's format and its checks, the worker process that carries the same
-# batches across, the pretokenized reader, streaming's helpers, the figures for a log
+# batches across and the processes that tokenize there, the pretokenized reader, streaming's
+# helpers, the figures for a log
 ASIDE = {BY_LEAF[leaf] for leaf in (
     "checks", "dataset", "datasets", "limits", "shuffle", "state", "state_checks",
-    "worker", "token_reader", "token_shards", "common", "files", "layout", "catalog", "kept",
-    "ledger", "cache_status", "budget", "figures")}
+    "worker", "tokenize_procs", "token_reader", "token_shards", "common", "files", "layout",
+    "catalog", "kept", "ledger", "cache_status", "budget", "figures")}
 
 
 def parse(module: str) -> ast.Module:

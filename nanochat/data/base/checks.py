@@ -2,9 +2,10 @@
 Checking a loader's arguments at the call, through one integer check.
 check_int is the one check every argument, field and setting goes through: bad input gets the same
 kind of message everywhere (the name, the range, the value and, where it helps, a hint). Then the
-options every loader takes, torchrun's rank, the worker count, the shuffle, and streaming's
-settings from the arguments or the environment (NANOCHAT_STREAM, NANOCHAT_CACHE_LIMIT,
-NANOCHAT_STREAM_SHARDS, NANOCHAT_LOADER_WORKERS).
+options every loader takes, torchrun's rank, the worker and tokenizing process counts, the
+shuffle, and streaming's settings from the arguments or the environment (NANOCHAT_STREAM,
+NANOCHAT_CACHE_LIMIT, NANOCHAT_STREAM_SHARDS, NANOCHAT_LOADER_WORKERS,
+NANOCHAT_TOKENIZER_PROCESSES).
 
 May import: nanochat.common, nanochat.data.base.datasets, nanochat.data.base.shuffle.
 """
@@ -20,6 +21,10 @@ import numpy as np
 from nanochat.common import get_dist_info
 from nanochat.data.base.datasets import SPLITS
 from nanochat.data.base.shuffle import Shuffle
+
+# below this, a rank's spare CPUs tokenize on threads: one process costs its pickling and gains
+# little over the tokenizer's own threads (docs/loaders.md, the measurement)
+MIN_TOKENIZER_PROCESSES = 2
 
 
 def is_int(value, numpy: bool = False) -> bool:
@@ -87,6 +92,34 @@ def resolve_workers(workers: int | None, prefetch: int) -> int:
     check_int("workers", workers, 0, 1, hint=" (0 = the loader's threads run in this process)")
     # (a bad prefetch is refused by check_options, in this process)
     return workers if isinstance(prefetch, int) and prefetch > 0 else 0
+
+
+def resolve_tokenizer_processes(processes: int | None, workers: int) -> int:
+    """Processes a tokenizing loader encodes on (0: threads of the loader's own process). The
+    argument, else NANOCHAT_TOKENIZER_PROCESSES, else the CPUs this rank may use (its affinity
+    mask, shared among the machine's LOCAL_WORLD_SIZE ranks) less one for the trainer, when that
+    leaves at least MIN_TOKENIZER_PROCESSES. Only a loader in its worker process starts them
+    (workers=1): workers=0 keeps all of a loader's work in the trainer's process."""
+    if processes is None and os.environ.get("NANOCHAT_TOKENIZER_PROCESSES"):
+        value = os.environ["NANOCHAT_TOKENIZER_PROCESSES"]
+        processes = check_int("NANOCHAT_TOKENIZER_PROCESSES", int(value) if value.isdigit()
+                              else value, 0, hint=" (0: tokenize on threads)")
+        return processes if workers else 0  # (a loader in the caller tokenizes on threads)
+    if processes is None:
+        share = len(os.sched_getaffinity(0)) // local_ranks()
+        return share - 1 if workers and share - 1 >= MIN_TOKENIZER_PROCESSES else 0
+    check_int("tokenizer_processes", processes, 0, hint=" (0: tokenize on threads)")
+    if processes and not workers:
+        raise ValueError(f"tokenizer_processes={processes} needs the loader's worker process: "
+                         "pass workers=1 (the default) and prefetch > 0, or tokenizer_processes=0")
+    return processes
+
+
+def local_ranks() -> int:
+    """The ranks of this machine (torchrun's LOCAL_WORLD_SIZE; 1 without it)."""
+    value = os.environ.get("LOCAL_WORLD_SIZE", "1")
+    return check_int("LOCAL_WORLD_SIZE", int(value) if value.isdigit() else value, 1,
+                     hint=" (torchrun sets it)")
 
 
 def check_shuffle(shuffle, seed, shuffle_window, bucket: str = "") -> Shuffle | None:

@@ -33,6 +33,7 @@ from nanochat.data.fetch.limits import Limits
 from nanochat.data.loader.figures import LoaderFigures, Mark, stretch
 from nanochat.data.loader.order import ParquetReader, RankOrder, start_order
 from nanochat.data.loader.prefetch import Prefetcher
+from nanochat.data.loader.tokenize_procs import encoded_on_processes
 from nanochat.data.loader.rows import (Encoder, RowBatch, bestfit_batches, concat_batches,
                                        token_batches)
 from nanochat.data.loader.worker import Job, WorkerBatches, WorkerUnavailable, noting_logs
@@ -155,6 +156,7 @@ class LoaderSpec:
     with_state: bool = True
     trace_documents: bool = False
     max_docs_per_row: int | None = None  # attention_info's bound; None: no attention outputs
+    tokenizer_processes: int = 0  # processes the texts are encoded on (0: the encoder's threads)
 
 
 class Stream(NamedTuple):
@@ -214,7 +216,8 @@ def build_loader(spec: LoaderSpec, resume_state_dict: dict | None, device) -> "D
     # slower (scripts/bench_pretokenized)
     tokenizing = isinstance(spec.encoder, Encoder)
     depth = spec.prefetch if tokenizing else 0
-    batches = _pipeline(order.document_batches(), spec.encoder, depth, pack)
+    processes = spec.tokenizer_processes if depth else 0
+    batches = _pipeline(order.document_batches(), spec.encoder, (depth, processes), pack)
     return DataLoader(batches, DeviceBatches(B, T, device), split_rows, depth,
                       spec.with_state, attention_info=spec.max_docs_per_row is not None,
                       shard_cache=cache, start_counters=start_counters(spec.kind, [recorder]))
@@ -244,17 +247,20 @@ def assemble(spec: LoaderSpec, resume_state_dict: dict | None,
     return Assembled(order, recorder, position)
 
 
-def _pipeline(doc_batches, encoder, depth: int, pack):
+def _pipeline(doc_batches, encoder, ahead: tuple[int, int], pack):
     """Yield what pack(token batches) yields, reading and tokenizing ahead on threads
-    (depth > 0)."""
+    (ahead: the depth, > 0 for threads, and the processes the texts are encoded on, if any)."""
+    depth, processes = ahead
     stages = []  # a prefetcher closes its source itself, on its thread (which may still run it)
     try:
         # reading runs a few row groups ahead, so the tokenizer's pool never waits on parquet
         stages.append(run_ahead(doc_batches, 4 * depth, "nanochat-read"))
-        # a second encode call starts before the first returns, so the pool never idles on a tail
-        overlap_calls = depth > 0 and getattr(encoder, "thread_safe", False)
-        stages.append(run_ahead(token_batches(stages[-1], encoder, overlap_calls), depth,
-                                "nanochat-tokenize"))
+        if processes:  # each encodes whole batches, back in order (tokenize_procs.py)
+            tokenized = encoded_on_processes(stages[-1], encoder, processes)
+        else:  # a second encode call starts before the first returns: the pool never idles
+            tokenized = token_batches(stages[-1], encoder,
+                                      depth > 0 and getattr(encoder, "thread_safe", False))
+        stages.append(run_ahead(tokenized, depth, "nanochat-tokenize"))
         yield from pack(stages[-1])
     finally:
         for stage in reversed(stages):  # downstream first: it may be waiting on the one before

@@ -98,7 +98,7 @@ class WorkerBatches:
         # a fresh interpreter, not a fork: the trainer's threads (CUDA's, the tokenizer's pools)
         # and locks do not survive a fork, and multiprocessing's spawn would run the trainer's
         # script again in it
-        env = os.environ | {"PYTHONPATH": os.pathsep.join(_import_path())}
+        env = os.environ | {"PYTHONPATH": os.pathsep.join(import_path())}
         try:
             self.process = subprocess.Popen(
                 [sys.executable, "-m", __spec__.name, str(to_read), str(to_write), str(slots_fd)],
@@ -245,11 +245,13 @@ def _shared_file(size: int) -> int:
     return fd
 
 
-def _import_path() -> list[str]:
-    """The trainer's sys.path, so that the worker imports the same modules (the tokenizer's own
-    among them), this package's directory first."""
-    package_parent = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    return [package_parent] + [os.path.abspath(p or os.curdir) for p in sys.path]
+def import_path() -> list[str]:
+    """A child interpreter's sys.path: this process's, the checkout that holds this package first,
+    so that it imports the same modules (the tokenizer's own among them)."""
+    root = os.path.abspath(__file__)
+    for _ in __name__.split("."):  # nanochat/data/loader/worker.py: four levels up
+        root = os.path.dirname(root)
+    return [root] + [os.path.abspath(p or os.curdir) for p in sys.path]
 
 
 @atexit.register

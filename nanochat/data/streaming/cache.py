@@ -22,7 +22,7 @@ from typing import NamedTuple
 
 import pyarrow as pa
 
-from nanochat.data.base.checks import check_int
+from nanochat.data.base.checks import local_ranks
 from nanochat.data.base.state import decode_keys, decode_plan
 from nanochat.data.fetch.limits import Limits
 from nanochat.data.streaming.budget import Budget, Disk, ReadAhead, refusal, start_check
@@ -63,7 +63,7 @@ class ShardCache:
         self.limit, self.limits = cache_limit, limits
         self.keep = dict(keep or {})  # name -> size: never evicted (the val shard)
         self.budget = Budget(cache_limit, names, sizes, self.keep, prefetch_shards, packing,
-                             copies, _local_ranks())
+                             copies, local_ranks())
         self.read_ahead = read_ahead  # documents read and not yet packed, at most
         self.copying = False  # whether this loader copies them: start check, or once one evicts
         self.ledger = Ledger(data_dir)
@@ -292,7 +292,7 @@ def local_peers(rank: int, world_size: int) -> range:
     if not local.isdigit() or int(local) > rank:
         return range(rank, rank + 1)
     first = rank - int(local)
-    return range(first, min(first + _local_ranks(), world_size))
+    return range(first, min(first + local_ranks(), world_size))
 
 
 def peer_starts(state, rank: int, world_size: int) -> list[PeerStart]:
@@ -305,11 +305,3 @@ def peer_starts(state, rank: int, world_size: int) -> list[PeerStart]:
     parts = [state["states"][peer] for peer in local_peers(rank, world_size) if peer != rank]
     return [PeerStart(part.get("buffer", []), part.get("plan", [])) for part in parts
             if isinstance(part, dict)]
-
-
-def _local_ranks() -> int:
-    """The ranks of this machine (torchrun's LOCAL_WORLD_SIZE; 1 without it): each keeps copies
-    of its buffer."""
-    value = os.environ.get("LOCAL_WORLD_SIZE", "1")
-    return check_int("LOCAL_WORLD_SIZE", int(value) if value.isdigit() else value, 1,
-                     hint=" (torchrun sets it)")
