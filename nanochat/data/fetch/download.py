@@ -302,23 +302,32 @@ def _run(files: list[tuple[str, str]], num_workers: int, fetch, done, stop) -> N
     # here alone, so it never lands inside a lock the workers share (tqdm's, while done() draws the
     # bar), which would stay held and leave the workers, and the wait for them, stuck for good.
     raised: list[BaseException] = []
+    finished = threading.Event()
 
     def drive() -> None:
         try:
             _drive(files, num_workers, fetch, done, stop)
         except BaseException as e:  # raised in this thread, below
             raised.append(e)
+        finally:
+            finished.set()
 
-    driver = threading.Thread(target=drive, name="download-driver")
-    driver.start()
+    threading.Thread(target=drive, name="download-driver").start()
     try:
-        driver.join()
+        _wait_for(finished)
     except BaseException:  # Ctrl-C: the workers stop at their next read or wait
         stop.set()
-        driver.join()
+        _wait_for(finished)
         raise
     if raised:
         raise raised[0]
+
+
+def _wait_for(finished: threading.Event) -> None:
+    """Sleep until finished is set, holding no lock: not Event.wait (a Condition's lock), nor
+    Thread.join (Python 3.11: one that Ctrl-C interrupted returns at once from then on)."""
+    while not finished.is_set():
+        time.sleep(0.05)
 
 
 def _drive(files: list[tuple[str, str]], num_workers: int, fetch, done, stop) -> None:
@@ -335,7 +344,8 @@ def _drive(files: list[tuple[str, str]], num_workers: int, fetch, done, stop) ->
             stop.set()
             pool.shutdown(cancel_futures=True)
             raise
-        pool.shutdown(cancel_futures=True)  # (as_completed never yields a cancelled future)
+        # files not yet started never start (out of the loop: as_completed would wait for them)
+        pool.shutdown(cancel_futures=True)
     for future in futures:  # the error of a file that came after the break
         if not future.cancelled() and future.exception() is not None:
             raise future.exception()
