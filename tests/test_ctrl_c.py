@@ -143,6 +143,50 @@ def test_ctrl_c_on_a_download_then_a_rerun_resumes_it(tmp_path):
         assert (data / name).read_bytes() == data_bytes
 
 
+# the files bar takes 5 s to write its first line (one file of four: "files:  25%"), so Ctrl-C lands
+# while it is drawn with tqdm's lock held; the other worker then logs its file's end through that
+# lock (logging_redirect_tqdm), and a new file's bar takes it too
+SLOW_BAR = """
+import os, runpy, sys, time
+class SlowBar:
+    def __init__(self, stream):
+        self.stream = stream
+    def write(self, text):
+        if text.startswith("files:  25%"):
+            open(os.environ["DRAWING"], "w").close()
+            time.sleep(5)
+        return self.stream.write(text)
+    def __getattr__(self, name):
+        return getattr(self.stream, name)
+sys.stderr = SlowBar(sys.stderr)
+sys.argv = ["python -m nanochat.dataset"] + sys.argv[1:]
+runpy.run_module("nanochat.dataset", run_name="__main__", alter_sys=True)
+"""
+
+
+@pytest.mark.slow
+def test_ctrl_c_while_the_files_bar_is_drawn_ends_the_download(tmp_path):
+    hosted = _host(tmp_path / "hosted")
+    server = ShardServer(str(tmp_path / "hosted"), rate=200e3)
+    data, drawing = tmp_path / "data", tmp_path / "drawing"
+    args = ["-n", "3", "-w", "2", "--base-url", server.url, "--data-dir", str(data)]
+    try:
+        # the first line is being drawn, and both first files are in (the second one's log waits)
+        def drawn():
+            return drawing.exists() and all((data / f"shard_0000{i}.parquet").exists()
+                                            for i in (0, 1))
+
+        code, _, err = ctrl_c([sys.executable, "-c", SLOW_BAR] + args, drawn,
+                              cwd=REPO_ROOT, env=dict(os.environ, DRAWING=str(drawing)))
+    finally:
+        server.close()
+    assert_interrupted(code, err, "interrupted: " + interrupted(args))
+    installed = [n for n in os.listdir(data) if n.endswith(".parquet")]
+    assert installed and set(installed) < set(hosted)
+    for name in installed:  # what it installed is whole
+        assert (data / name).read_bytes() == hosted[name]
+
+
 # -----------------------------------------------------------------------------
 # repackage: stopped while it writes shards, then run again
 

@@ -282,6 +282,8 @@ def _fetch_one(url: str, path: str, limits: Limits, progress: bool | None,
                stop: threading.Event) -> tuple[str, str | None, DownloadError | None]:
     """(path, what download_file returned, the DownloadError it raised): a file that fails lets the
     others go on; any other error sets stop and is raised."""
+    if stop.is_set():  # the run is stopping: a file not yet started never starts
+        return path, None, None
     try:
         return path, download_file(url, path, limits, progress=progress, stop=stop), None
     except DownloadError as e:  # this file failed; the others go on
@@ -300,15 +302,57 @@ def _run(files: list[tuple[str, str]], num_workers: int, fetch, done, stop) -> N
         for url, path in files:
             done(*fetch(url, path))
         return
+    # The pool is driven from a thread of its own, and this thread only waits for it: Ctrl-C raises
+    # here alone, so it never lands inside a lock the workers share (tqdm's, while done() draws the
+    # bar), which would stay held and leave the workers, and the wait for them, stuck for good.
+    raised: list[BaseException] = []
+    finished = threading.Event()
+
+    def drive() -> None:
+        try:
+            _drive(files, num_workers, fetch, done, stop)
+        except BaseException as e:  # raised in this thread, below
+            raised.append(e)
+        finally:
+            finished.set()
+
+    threading.Thread(target=drive, name="download-driver").start()
+    try:
+        _wait_for(finished)
+    except BaseException:  # Ctrl-C: the workers stop at their next read or wait
+        stop.set()
+        _wait_for(finished)
+        raise
+    if raised:
+        raise raised[0]
+
+
+def _wait_for(finished: threading.Event) -> None:
+    """Sleep until finished is set, holding no lock: not Event.wait (a Condition's lock), nor
+    Thread.join (Python 3.11: one that Ctrl-C interrupted returns at once from then on)."""
+    while not finished.is_set():
+        time.sleep(0.05)
+
+
+def _drive(files: list[tuple[str, str]], num_workers: int, fetch, done, stop) -> None:
+    """_run's pool. Once stop is set (a file's error, or Ctrl-C), files not yet started never
+    start; the error of a file that stopped the run is raised."""
     with ThreadPoolExecutor(max_workers=num_workers) as pool:
         futures = [pool.submit(fetch, url, path) for url, path in files]
         try:
             for future in as_completed(futures):
-                done(*future.result())
-        except BaseException:  # Ctrl-C included: the threads stop, queued files never start
+                done(*future.result())  # a file's error that stops the run raises here
+                if stop.is_set():  # Ctrl-C, or an error whose file is still to come
+                    break
+        except BaseException:
             stop.set()
             pool.shutdown(cancel_futures=True)
             raise
+        # files not yet started never start (out of the loop: as_completed would wait for them)
+        pool.shutdown(cancel_futures=True)
+    for future in futures:  # the error of a file that came after the break
+        if not future.cancelled() and future.exception() is not None:
+            raise future.exception()
 
 
 def check_disk_space(data_dir: str, num_shards: int, probe_url: str | None = None, *,

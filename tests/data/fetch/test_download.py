@@ -15,6 +15,7 @@ import os
 import subprocess
 import sys
 import threading
+import time
 from collections import namedtuple
 
 import pytest
@@ -318,6 +319,32 @@ def test_unresolvable_host_stops_downloads_in_flight(fault_server, tmp_path):
     assert isinstance(error, HostNotFoundError), error
     assert os.path.getsize(data_dir / f"{NAME}.tmp") > 0 and not os.path.exists(data_dir / NAME)
 
+
+
+def test_a_stopped_run_starts_no_more_files_and_raises_the_error_that_stopped_it(tmp_path,
+                                                                                 monkeypatch):
+    # a stops at the run's stop and comes back first; b's error stopped the run and comes after
+    # it; c, queued behind them, must never start
+    started = []
+
+    def fake(url, path, limits, *, progress, stop):
+        name = os.path.basename(path)
+        started.append(name)
+        if name == "a.parquet":
+            stop.wait(10)
+            raise errors.Stopped()
+        if name == "b.parquet":
+            stop.set()  # (as a run-stopping error does)
+            time.sleep(0.5)  # a's file ends first
+            raise HostNotFoundError("shards.invalid does not resolve")
+        return ""
+
+    monkeypatch.setattr(download, "download_file", fake)
+    files = [(f"http://127.0.0.1:9/{name}", str(tmp_path / name))
+             for name in ("a.parquet", "b.parquet", "c.parquet")]
+    error = outcome(lambda: download.download_files(files, num_workers=2, check_disk=False))
+    assert isinstance(error, HostNotFoundError), error
+    assert sorted(started) == ["a.parquet", "b.parquet"]
 
 @pytest.mark.slow
 def test_summary_stays_short_for_many_failures(fault_server, tmp_path, monkeypatch, capsys):
