@@ -6,10 +6,12 @@
 # NANOCHAT_CHECKOUT: a karpathy/nanochat checkout (92d63d4; copied, never changed). WHEEL_DIR:
 # wheels nanochat needs and the machine lacks (rustbpe), installed into /tmp/site. Our package is
 # not installed: the repo root on PYTHONPATH is how `nanochat` imports. Steps: our CUDA tests,
-# scripts.bench_step on the GPU, scripts.bench_train_step (nanochat's base_train, three loaders).
+# scripts.bench_step on the GPU, scripts.bench_train_step (nanochat's base_train, three loaders),
+# then ours against prebuilt batches with the rank pinned to 1, 4, 8 and all its cores (taskset),
+# and scripts.bench_cores' tokens/s table by cores.
 # Each step has a timeout, and a failed step does not stop the next; the exit codes come last.
 # Environment: PYTHON (default python3); OUT (a folder: each step's log goes to $OUT/<step>.log);
-# BENCH_STEP_ARGS, TRAIN_STEP_ARGS (override the steps' short settings).
+# BENCH_STEP_ARGS, TRAIN_STEP_ARGS, CORES_STEP_ARGS (override the steps' short settings).
 set -u
 checkout=${1:?usage: bash scripts/gpu_checks.sh NANOCHAT_CHECKOUT WHEEL_DIR}
 wheels=${2:?usage: bash scripts/gpu_checks.sh NANOCHAT_CHECKOUT WHEEL_DIR}
@@ -78,5 +80,19 @@ if [ -n "${OUT:-}" ]; then  # nanochat's own logs, in one file (few files come b
         [ -e "$log" ] && { echo "===== $log"; cat "$log"; } >>"$OUT/train_logs.txt"
     done
 fi
+
+# 4. the same step, ours against prebuilt, with the rank pinned to 1, 4, 8 and all of its cores: the
+#    loader sizes its tokenizing processes to what it is given (cores less one for the trainer)
+all=$(nproc)
+for cores in 1 4 8 "$all"; do
+    [ "$cores" -gt "$all" ] && continue
+    step "train_step_cores_$cores" 200 taskset -c "0-$((cores - 1))" \
+        "$PY" -m scripts.bench_train_step \
+        --checkout "$checkout" --python "$PY" --out "/tmp/bench_train_step_$cores" \
+        --sides ours,prebuilt $backend ${TRAIN_STEP_ARGS:---steps 60}
+done
+
+# 5. tokens/s by cores, a consumer that does nothing: the loader against the tokenizer alone
+step bench_cores 300 "$PY" -m scripts.bench_cores ${CORES_STEP_ARGS:---cores 1,4,8,$all}
 
 echo "exit codes:$codes"
