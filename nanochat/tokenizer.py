@@ -429,9 +429,9 @@ class RustBPETokenizer:
                     raise ValueError(f"message {i}: unknown part type {part_type!r} in {part!r}; "
                                      f"a part is a dict with a 'type' in {list(_PARTS)} and a "
                                      "'text'")
-                start, end, supervised = _PARTS[part_type]
-                opening = [] if start is None else [special(start)]
-                closing = [] if end is None else [special(end)]
+                opener, closer, supervised = _PARTS[part_type]
+                opening = [] if opener is None else [special(opener)]
+                closing = [] if closer is None else [special(closer)]
                 add(opening + self.encode(part["text"]) + closing, supervised)
             add([special("<|assistant_end|>")], 1)  # supervised: the model must learn to stop
         # cut long conversations rather than fail: a batch must fit in memory

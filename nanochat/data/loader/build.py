@@ -37,7 +37,7 @@ from nanochat.data.loader.tokenize_procs import encoded_on_processes
 from nanochat.data.loader.rows import (Encoder, RowBatch, bestfit_batches, concat_batches,
                                        token_batches)
 from nanochat.data.loader.worker import Job, WorkerBatches, WorkerUnavailable, noting_logs
-from nanochat.data.streaming.cache import ShardCache, peer_starts
+from nanochat.data.streaming.cache import ShardCache, peer_first_reads
 from nanochat.data.streaming.budget import ReadAhead
 
 logger = logging.getLogger(__name__)
@@ -239,9 +239,9 @@ def assemble(spec: LoaderSpec, resume_state_dict: dict | None,
         state_name=spec.state_name, shuffle=spec.shuffle)
     watch = None
     if cache is not None:
-        peers = peer_starts(resume_state_dict, spec.rank, spec.world_size)
+        peers = peer_first_reads(resume_state_dict, spec.rank, spec.world_size)
         buffered = decode_keys(resumed["buffer"]) if resumed else ()
-        cache.start(order, buffered=buffered, peers=peers)
+        cache.begin(order, buffered=buffered, peers=peers)
         watch = cache.hold  # keeps on disk what a resume from a yielded state reads
     recorder = StateRecorder(spec.kind, order, spec.encoder, spec.config, resumed, watch)
     return Assembled(order, recorder, position)

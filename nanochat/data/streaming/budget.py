@@ -1,6 +1,6 @@
 """
 The cache budget, pure: sizes in, decisions (what must be held, what may be evicted) out.
-Whether cache_limit holds what a streaming loader must hold at once (the start check, its terms in
+Whether cache_limit holds what a streaming loader must hold at once (the budget check, its terms in
 bytes, the message of a refusal), what may be evicted and in which order, and the estimates the
 check counts (documents read ahead, copies of buffered documents). No I/O, no threads, no clock:
 the cache reads the disk and the ledger, and passes their figures in. Design: docs/streaming.md.
@@ -13,7 +13,7 @@ from typing import NamedTuple
 
 
 class ReadAhead(NamedTuple):
-    """What the documents a loader has read and not yet packed can span, for the start check: its
+    """What the documents a loader has read and not yet packed can span, for the budget check: its
     local ranks' most (they share the cache)."""
     docs: int  # documents read and not yet packed, at most
     shards: int  # the most shards from the one packed from to the one read, both included
@@ -23,7 +23,7 @@ class ReadAhead(NamedTuple):
 
 
 class Budget(NamedTuple):
-    """One loader's side of the start check: its split, its limit and what it reads ahead."""
+    """One loader's side of the budget check: its split, its limit and what it reads ahead."""
     limit: int | None  # cache_limit in bytes; None: no budget
     names: list[str]  # the split's shards
     sizes: list[int]  # their bytes, aligned with names
@@ -35,7 +35,7 @@ class Budget(NamedTuple):
 
 
 class Disk(NamedTuple):
-    """The machine's side of the start check: a snapshot of the cache's directory and ledger."""
+    """The machine's side of the budget check: a snapshot of the cache's directory and ledger."""
     data_dir: str
     ledger_path: str
     on_disk: dict[str, int]  # name -> bytes of every complete shard in data_dir
@@ -45,14 +45,14 @@ class Disk(NamedTuple):
 
 
 class Term(NamedTuple):
-    """One term of the least cache_limit (the start check)."""
+    """One term of the least cache_limit (the budget check)."""
     what: str
     how: str  # how it is counted
     nbytes: int
 
 
 class Verdict(NamedTuple):
-    """The start check's decision: the least cache_limit, its terms, and the copies it sets
+    """The budget check's decision: the least cache_limit, its terms, and the copies it sets
     aside."""
     least: int  # the least cache_limit that holds what must be held at once
     terms: list[Term]
@@ -64,10 +64,10 @@ class Verdict(NamedTuple):
 
 
 # -----------------------------------------------------------------------------
-# The start check
+# The budget check
 
 
-def start_check(budget: Budget, disk: Disk, restore: list[int] = ()) -> Verdict:
+def budget_check(budget: Budget, disk: Disk, restore: list[int] = ()) -> Verdict:
     """What must be held at once (`restore`: the shards of resumed walks' first documents), and
     whether this loader copies its buffered documents. Fits when budget.limit >= verdict.least."""
     if budget.limit is None:
@@ -162,7 +162,7 @@ def restore_term(budget: Budget, restore: list[int], walk: int) -> Term | None:
 
 
 def refusal(budget: Budget, disk: Disk, verdict: Verdict) -> str:
-    """The start check's message: the least, its terms, what lowers it, and last the one
+    """The budget check's message: the least, its terms, what lowers it, and last the one
     number to pass."""
     least, terms = verdict.least, verdict.terms
     lines = [f"cache_limit={budget.limit:,} bytes is below what this streaming loader must hold "
@@ -249,7 +249,7 @@ def evictions(used: int, limit: int, candidates: list[str], sizes: dict[str, int
 
 
 # -----------------------------------------------------------------------------
-# The estimates of the start check
+# The estimates of the budget check
 
 
 def packing_shards(entries: list[dict], rank: int, world_size: int, read_ahead: int) -> int:

@@ -2,7 +2,7 @@
 The shard cache's reader side: each shard's path once it is on disk, fetched just ahead.
 `ShardCache` fetches one split's shards ahead of its reader (a loader's stream=True) within a disk
 budget, cache_limit, and keeps this loader's entry of the machine's ledger (what it needs, and why).
-Its parts: the start check (budget.py), the fetching thread (fetcher.py), eviction (eviction.py),
+Its parts: the budget check (budget.py), the fetching thread (fetcher.py), eviction (eviction.py),
 the order of visits (visits.py), the catalog's sizes (catalog.py) and kept copies of buffered
 documents (kept.py). A budget below what must be held at once is a ValueError at the start.
 Design: docs/streaming.md.
@@ -25,7 +25,7 @@ import pyarrow as pa
 from nanochat.data.base.checks import local_ranks
 from nanochat.data.base.state import decode_keys, decode_plan
 from nanochat.data.fetch.limits import Limits
-from nanochat.data.streaming.budget import Budget, Disk, ReadAhead, refusal, start_check
+from nanochat.data.streaming.budget import Budget, Disk, ReadAhead, refusal, budget_check
 from nanochat.data.streaming.cache_status import CacheStatus, Own, read_status
 from nanochat.data.streaming.eviction import Room, shard_files
 from nanochat.data.streaming.fetcher import Fetcher
@@ -43,14 +43,14 @@ ROOM_WAIT = 600.0  # seconds the shard a reader waits for may find no room befor
 STALE_WAIT = 30.0
 
 
-class PeerStart(NamedTuple):
-    """What another local rank reads first from a merged state (peer_starts)."""
+class PeerFirstReads(NamedTuple):
+    """What another local rank reads first from a merged state (peer_first_reads)."""
     buffer: list  # its buffered documents, as the state encodes them
     plan: list  # its plan's items
 
 
 class ShardCache:
-    """Fetches one split's shards just ahead of its reader, within a budget. `start` it along the
+    """Fetches one split's shards just ahead of its reader, within a budget. `begin` it along the
     reader's order, `need` a shard to read it, `hold` each state's buffer, `close` at the end."""
 
     _count = itertools.count()
@@ -65,7 +65,7 @@ class ShardCache:
         self.budget = Budget(cache_limit, names, sizes, self.keep, prefetch_shards, packing,
                              copies, local_ranks())
         self.read_ahead = read_ahead  # documents read and not yet packed, at most
-        self.copying = False  # whether this loader copies them: start check, or once one evicts
+        self.copying = False  # whether this loader copies them: budget check, or once one evicts
         self.ledger = Ledger(data_dir)
         self.owner = f"{socket.gethostname()}-{os.getpid()}-{next(self._count)}"
         self.keeper = Keeper(data_dir, names, self.owner, prefetch, self.ledger)
@@ -96,7 +96,7 @@ class ShardCache:
         return read_status(self.data_dir, own)
 
     def check_budget(self, restore: list[int] = ()) -> None:
-        """The start check (budget.start_check) on the disk and ledger of now: a ValueError when
+        """The budget check (budget.budget_check) on the disk and ledger of now: a ValueError when
         cache_limit is below what must be held at once (`restore`: the shards of resumed walks'
         first documents), naming each term in bytes. Also decides whether this loader copies its
         buffered documents."""
@@ -105,7 +105,7 @@ class ShardCache:
             table = self.ledger.read()  # (a snapshot: only what this loader may not evict matters)
             disk = Disk(self.data_dir, self.ledger.path, shard_files(self.data_dir, partial=False),
                         set(table.fetched()), kept_bytes(self.keeper.root), table.evicting)
-        verdict = start_check(self.budget, disk, restore)
+        verdict = budget_check(self.budget, disk, restore)
         self.copying = self.copying if self.limit is None else verdict.copying
         self.room.copies = verdict.copies
         if self.limit is not None and self.limit < verdict.least:
@@ -113,11 +113,11 @@ class ShardCache:
 
     # -- the start -----------------------------------------------------------------------
 
-    def start(self, order, buffered=(), peers: list[PeerStart] = ()) -> None:
+    def begin(self, order, buffered=(), peers: list[PeerFirstReads] = ()) -> None:
         """Begin fetching the files the walk `order` (a RankOrder) will read, visit by visit:
         first the shards of `buffered`, a resumed state's buffered documents (keys), unless
         copies kept on this machine hold them all. `peers`: what the other local ranks read first
-        (peer_starts), at the same time: the start check counts it with this rank's plan."""
+        (peer_first_reads), at the same time: the budget check counts it with this rank's plan."""
         first = self.to_fetch(buffered)
         starting = set(first) | set(order.plan_files(self.read_ahead))
         for peer in peers:
@@ -133,7 +133,7 @@ class ShardCache:
             self.keeper.restoring = bool(buffered)
             self.visits.begin(iter(order.file_visits()))
             self.publish()
-        self.fetcher.start()
+        self.fetcher.begin()
 
     def to_fetch(self, keys) -> list[int]:
         """The shards of a resumed buffer's documents (keys) to fetch first: all but those not on
@@ -238,7 +238,7 @@ class ShardCache:
         if self.fetcher.thread is not None:
             # (a download blocked in a read ends at its timeout)
             self.fetcher.thread.join(timeout=1.0)
-        if self.published is not None:  # (an entry is written at start())
+        if self.published is not None:  # (an entry is written at begin())
             try:
                 with self.ledger.lock:
                     table = self.ledger.read()
@@ -295,7 +295,7 @@ def local_peers(rank: int, world_size: int) -> range:
     return range(first, min(first + local_ranks(), world_size))
 
 
-def peer_starts(state, rank: int, world_size: int) -> list[PeerStart]:
+def peer_first_reads(state, rank: int, world_size: int) -> list[PeerFirstReads]:
     """What the other local ranks read first from a merged state (every rank is given all of it):
     per rank, its buffered documents and its plan's items. Their shards are fetched at the same
     time as this rank's. [] for any other state (each rank has only its own)."""
@@ -303,5 +303,5 @@ def peer_starts(state, rank: int, world_size: int) -> list[PeerStart]:
             and len(state["states"]) == world_size):
         return []
     parts = [state["states"][peer] for peer in local_peers(rank, world_size) if peer != rank]
-    return [PeerStart(part.get("buffer", []), part.get("plan", [])) for part in parts
+    return [PeerFirstReads(part.get("buffer", []), part.get("plan", [])) for part in parts
             if isinstance(part, dict)]

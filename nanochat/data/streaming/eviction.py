@@ -50,7 +50,7 @@ class Room:
     def __init__(self, data_dir: str, budget: Budget, owner: str, keeper: Keeper, ledger: Ledger):
         self.data_dir, self.budget, self.owner = data_dir, budget, owner
         self.keeper, self.ledger = keeper, ledger
-        self.copies = 0  # the room the start check set aside for one rank's copies
+        self.copies = 0  # the room the budget check set aside for one rank's copies
         self.evictions = 0  # shards this cache evicted to stay within cache_limit
         self.peak_bytes = 0  # the most the shards and kept copies took at once, as measured here
         self.warned = False  # (the last resort's warning, once)
@@ -111,7 +111,7 @@ class Room:
 
     def last_resort(self, table: Table, name: str, used: int) -> int:
         """The shard a reader waits for has no room, and the copies of buffered documents have
-        outgrown the room the start check set aside (long documents can wait in a best-fit buffer
+        outgrown the room the budget check set aside (long documents can wait in a best-fit buffer
         for good). The oldest copies go, with a warning, rather than the reader waiting; a resume
         from the states of now fetches their shards again, first (still exact). Returns `used`
         less what went."""
@@ -126,9 +126,9 @@ class Room:
             self.warned = True
             logger.warning(
                 "cache_limit=%s had no room for %s, which a reader waits for; the copies of "
-                "buffered documents in %s took %s (the start check set aside %s for them): dropped "
-                "%s of them, oldest first. A resume from the states of now fetches their shards "
-                "again. Raise cache_limit by about %s to keep them", size_words(limit), name,
+                "buffered documents in %s took %s (the budget check set aside %s for them): "
+                "dropped %s of them, oldest first. A resume from the states of now fetches their "
+                "shards again. Raise cache_limit by about %s to keep them", size_words(limit), name,
                 self.keeper.root, size_words(copies), size_words(room), size_words(dropped),
                 size_words(max(copies - room, dropped)))
         return used - dropped

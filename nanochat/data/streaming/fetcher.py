@@ -47,7 +47,7 @@ class Fetcher:
         self.fetched_bytes = 0  # what this cache downloaded
         self.thread: threading.Thread | None = None
 
-    def start(self) -> None:
+    def begin(self) -> None:
         self.thread = threading.Thread(target=self.run, name="nanochat-shards", daemon=True)
         self.thread.start()
 

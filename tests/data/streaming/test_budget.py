@@ -3,7 +3,7 @@ The cache budget (nanochat/data/streaming/budget.py). Pure, first: exact decisio
 (the least cache_limit and its terms, whether a loader copies its buffered documents, the refusal's
 lines, a resume's term; what no eviction may take, the order shards go in and how many), and
 hypothesis properties of them (the least is never more than all the data unless the machine's
-loaders evict, what goes is the shortest prefix that fits). Then through a loader (the start check,
+loaders evict, what goes is the shortest prefix that fits). Then through a loader (the budget check,
 docs/streaming.md "The least cache_limit"): the refusal states the least in bytes, exactly, one line
 per term, and it is what the check compares against (one byte less is refused, it is accepted); it
 says the least once, ends on the one number to pass, and advises another data_dir only where the
@@ -25,7 +25,7 @@ from conftest import FAST, ByteTokenizer, least_accepted, write_shard
 from nanochat.data.fetch.serve import ShardServer
 from nanochat.data.streaming.budget import (Budget, Disk, ReadAhead, Term, copies_estimate,
                                             eviction_order, evictions, needed, read_ahead_span,
-                                            refusal, size_up, start_check)
+                                            refusal, size_up, budget_check)
 from nanochat.data.streaming.ledger import STREAM_DIR
 from nanochat.dataloader import tokenizing_distributed_data_loader_with_state_bos_bestfit as bestfit
 from nanochat.data.base.datasets import index_to_filename
@@ -52,7 +52,7 @@ DISK = Disk("D", "D/.stream/ledger.json", {"s0": 100, "mine": 70}, {"s0"}, 20, F
 
 
 def test_the_least_is_the_sum_of_its_terms_each_exact():
-    verdict = start_check(SPLIT, DISK)
+    verdict = budget_check(SPLIT, DISK)
     # the walk: the one read, the one packed from and one for a rank out of step, the 3 largest
     # (500 + 400 + 300); the 2 between those two by their documents, 10 x 5.0 bytes (< 200 + 100)
     assert [term.nbytes for term in verdict.terms] == [1200, 50, 50, 60, 70]
@@ -70,7 +70,7 @@ def test_the_least_is_the_sum_of_its_terms_each_exact():
 
 
 def test_the_refusal_names_each_term_and_ends_on_the_least():
-    verdict = start_check(SPLIT, DISK)
+    verdict = budget_check(SPLIT, DISK)
     lines = refusal(SPLIT, DISK, verdict).split("\n")
     assert lines[0] == ("cache_limit=1,429 bytes is below what this streaming loader must hold "
                         "at once, 1,430 bytes (1.43 KB):")
@@ -86,26 +86,26 @@ def test_the_refusal_names_each_term_and_ends_on_the_least():
 
 
 def test_a_limit_that_holds_everything_copies_nothing_unless_the_machine_evicts():
-    fits = start_check(SPLIT._replace(limit=1640), DISK)
+    fits = budget_check(SPLIT._replace(limit=1640), DISK)
     assert (fits.least, fits.copying, fits.copies) == (1430, False, 0)
     # the machine's loaders evict already: every loader copies, and the least is the terms' sum
     # even when all the data is less
     small = DISK._replace(on_disk={}, evicting=True)
-    evicting = start_check(SPLIT._replace(limit=10**6, copies_each=10**4), small)
+    evicting = budget_check(SPLIT._replace(limit=10**6, copies_each=10**4), small)
     assert evicting.copying and evicting.copies == 1500  # (at most the split's bytes)
     assert evicting.least == 1200 + 50 + 50 + 1500 * 2 > evicting.everything == 1570
-    assert start_check(SPLIT._replace(limit=None), DISK) == (0, [], 0, False, 0, [], False)
+    assert budget_check(SPLIT._replace(limit=None), DISK) == (0, [], 0, False, 0, [], False)
 
 
 def test_a_resume_term_replaces_the_walks_when_it_is_more():
     # shards 3 and 4 (400 + 500) and 500 for a local rank out of step: more than the walk's 1,250
-    verdict = start_check(SPLIT, DISK, [3, 4])
+    verdict = budget_check(SPLIT, DISK, [3, 4])
     assert verdict.terms[0].what == "shards a resume reads first"
     assert [term.nbytes for term in verdict.terms] == [1400, 50, 60, 70]
     assert verdict.restoring and verdict.least == 1580
     assert not refusal(SPLIT, DISK, verdict).count("lower prefetch_shards")  # the state decides
     # shard 4 alone, 500 + 500, is within the walk: no term of its own
-    assert [term.nbytes for term in start_check(SPLIT, DISK, [4]).terms] == [1200, 50, 50, 60, 70]
+    assert [term.nbytes for term in budget_check(SPLIT, DISK, [4]).terms] == [1200, 50, 50, 60, 70]
 
 
 class Row:
@@ -157,7 +157,7 @@ def test_the_least_is_never_more_than_all_the_data_unless_the_machine_evicts(
     budget = Budget(limit, names, sizes, {"val": 7}, prefetch_shards,
                     ReadAhead(docs, shards, doc_bytes), copies, ranks)
     disk = Disk("D", "L", {}, set(), kept, evicting)
-    verdict = start_check(budget, disk, sorted({p % len(sizes) for p in restore}))
+    verdict = budget_check(budget, disk, sorted({p % len(sizes) for p in restore}))
     total = sum(term.nbytes for term in verdict.terms)
     assert verdict.least == (total if evicting else min(total, verdict.everything))
     assert verdict.everything == sum(sizes) + 7 + kept
@@ -167,7 +167,7 @@ def test_the_least_is_never_more_than_all_the_data_unless_the_machine_evicts(
     # the walk's whole shards: never more than the split has
     assert verdict.terms[0].nbytes <= sum(sizes) + max(sizes) * (ranks > 1)
     # the limit decides nothing but whether it suffices
-    again = start_check(budget._replace(limit=limit + 1), disk, sorted({p % len(sizes)
+    again = budget_check(budget._replace(limit=limit + 1), disk, sorted({p % len(sizes)
                                                                         for p in restore}))
     assert (again.least, again.terms) == (verdict.least, verdict.terms)
 

@@ -5,7 +5,7 @@ and state is checked against the same loader over the served files on disk, the 
 (tests/test_dataloader.py checks that one against tests/oracle.py). Also: the budget (peak disk use,
 the val shard and the shards still read never evicted), resume (exact, and the buffered documents'
 shards fetched first), the elastic merge of streamed states, and the argument and environment
-checks. The catalog, the ledger, kept copies, eviction and the start check have files of their own
+checks. The catalog, the ledger, kept copies, eviction and the budget check have files of their own
 (test_catalog.py, ...); processes and torchrun: test_streaming_processes.py.
 
     python -m pytest tests/data/streaming/test_cache.py -q
@@ -163,7 +163,7 @@ def test_elastic_merge_of_streamed_states(hosted, tmp_path, monkeypatch):
 @pytest.mark.slow
 def test_a_merged_state_resumes_into_an_empty_cache_at_the_least_limit_without_a_stall(tmp_path):
     """merge_states of 2 ranks for 1: its plan deals the old buffers' documents, from 8 shards,
-    all read before the first state. The start check counts them: at the least limit it accepts,
+    all read before the first state. The budget check counts them: at the least limit it accepts,
     the resume is exact and does not wait for room."""
     hosted_dir = str(tmp_path / "hosted")
     write_hosted(hosted_dir, 12)

@@ -1,7 +1,7 @@
 """
 Eviction in a streaming cache (nanochat/data/streaming/eviction.py): a shard goes only when no live
 loader of the machine needs it, those no loader reads soon first, oldest first; and copies of
-buffered documents beyond the room the start check set aside give way, with a warning, to a reader
+buffered documents beyond the room the budget check set aside give way, with a warning, to a reader
 waiting for room, its batches still the on-disk loader's, the disk within the limit.
 
     python -m pytest tests/data/streaming/test_eviction.py -q
@@ -74,7 +74,7 @@ def test_eviction_spares_what_any_loader_of_the_machine_needs(tmp_path):
 @pytest.mark.slow
 def test_copies_beyond_their_room_give_way_to_a_waiting_reader(tmp_path, monkeypatch, caplog):
     """One document in 20 is 8,000 characters, far longer than a row: best-fit keeps them waiting,
-    and their copies outgrow the room the start check sets aside (copies_estimate, from the average
+    and their copies outgrow the room the budget check sets aside (copies_estimate, from the average
     document: ~55 KB here, against ~250 KB). At the least cache_limit it accepts, the reader that
     finds no room has the oldest copies dropped, with a warning, rather than wait: the batches are
     the on-disk loader's, and the disk stays within the limit."""

@@ -639,7 +639,7 @@ def test_every_local_rank_checks_the_machines_least_and_a_merged_resume_at_it_ru
         tmp_path, monkeypatch):
     """2 ranks' states merged for 3 ranks of one machine, each given the whole merge. Shards of 4
     row groups of 25 documents: rank 0 reads 50 of each, ranks 1 and 2 read 25, so their 36
-    documents read ahead span one more shard. Every local rank's start check counts what all of
+    documents read ahead span one more shard. Every local rank's budget check counts what all of
     them read first (their plans' shards, from 8 old buffers of 40) and the most any of them packs
     from, so they accept the same least cache_limit; at it, 3 torchrun ranks resume into an empty
     cache exactly, without waiting for room."""
