@@ -1,6 +1,6 @@
 """
 Shards served on 127.0.0.1 for the streaming tests, and the loaders that read them: streamed into a
-cache, and on disk, the oracle. The module-scoped fixtures `hosted` (7 train shards and the val
+cache, and on disk, the oracle. The module-scoped fixtures `hosted_once` (7 train shards and the val
 shard, their server), `expected` (the on-disk loader's first 260 batches) and `streamed` (a cache a
 loader left within a tight cache_limit) are shared by the files that import them.
 Not a test file: tests/data/streaming/test_*.py import it.
@@ -71,11 +71,11 @@ def streaming(cache, server, **kwargs):
         ByteTokenizer(), data_dir=str(cache), **kwargs)
 
 
-def on_disk(hosted, **kwargs):
+def on_disk(hosted_once, **kwargs):
     kwargs = dict(B=4, T=64, split="train", device="cpu", tokenizer_batch_size=8,
                   buffer_size=20) | kwargs
     return tokenizing_distributed_data_loader_with_state_bos_bestfit(
-        ByteTokenizer(), data_dir=str(hosted), **kwargs)
+        ByteTokenizer(), data_dir=str(hosted_once), **kwargs)
 
 
 def batches(loader, n: int) -> list:
@@ -108,23 +108,23 @@ def warnings_about(caplog, text: str) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def hosted(tmp_path_factory):
+def hosted_once(tmp_path_factory):
     """The hosted shards and their server, shared by the tests of a file (none changes them)."""
     with hosting(tmp_path_factory.mktemp("hosted")) as shards:
         yield shards
 
 
 @pytest.fixture(scope="module")
-def expected(hosted):
+def expected(hosted_once):
     """The on-disk loader's first 260 batches: the oracle."""
-    return batches(on_disk(hosted[0]), 260)
+    return batches(on_disk(hosted_once[0]), 260)
 
 
 @pytest.fixture(scope="module")
-def streamed(hosted, expected, tmp_path_factory):
+def streamed(hosted_once, expected, tmp_path_factory):
     """A cache left by a streaming loader that took 200 batches within a tight cache_limit (so it
     evicted shards and kept copies of buffered documents), and its last state."""
-    _, server, sizes = hosted
+    _, server, sizes = hosted_once
     cache = tmp_path_factory.mktemp("streamed") / "cache"
     # about the least it accepts: (packing 2 + prefetch_shards=1 + 1) x the largest, val, copies
     limit = int(5.2 * sizes[-1])

@@ -30,7 +30,7 @@ from nanochat.data.streaming.catalog import read_catalog
 from nanochat.data.streaming.kept import encode, Keeper
 from nanochat.data.streaming.ledger import Ledger, STREAM_DIR, Table
 from nanochat.data.base.datasets import index_to_filename
-from served_shards import batches, batches_of, expected, hosted, on_disk, same, streaming
+from served_shards import batches, batches_of, expected, hosted_once, on_disk, same, streaming
 
 
 FIX = "free some space, pass a smaller cache_limit, or use a data_dir on a bigger disk"
@@ -131,10 +131,10 @@ def test_a_write_on_a_full_disk_names_the_directory_and_leaves_no_temporary_file
 def test_a_download_on_a_full_disk_leaves_no_empty_file(small_disk, tmp_path):
     """The disk is full before the download starts: the error names the directory, the shard's
     size (the server stated it) and 0 bytes free; no empty partial file or record is left."""
-    hosted = tmp_path / "hosted"
-    write_hosted(hosted, num_train=1)
+    source = tmp_path / "hosted"
+    write_hosted(source, num_train=1)
     name = index_to_filename(0)
-    server = ShardServer(str(hosted))
+    server = ShardServer(str(source))
     fill(small_disk / "filler")
     try:
         with pytest.raises(OSError) as raised:
@@ -144,7 +144,7 @@ def test_a_download_on_a_full_disk_leaves_no_empty_file(small_disk, tmp_path):
     message = str(raised.value)
     assert raised.value.errno == errno.ENOSPC
     assert message.startswith(f"[Errno {errno.ENOSPC}] {small_disk}: fetching {name} (nothing "
-                              f"kept) needs {os.path.getsize(hosted / name)} bytes but "), message
+                              f"kept) needs {os.path.getsize(source / name)} bytes but "), message
     assert sorted(os.listdir(small_disk)) == [f".{name}.lock", "filler"]
 
 
@@ -152,13 +152,13 @@ def test_a_download_that_fills_the_disk_names_it_and_keeps_what_it_fetched(small
     """A shard of ~2 MB into a disk with ~0.5 MB free: the download fails at once (no retry can
     help) with the directory, the bytes it still needs and those free, and the fix; what arrived
     stays in the partial file for a rerun to resume, and nothing has the shard's name."""
-    hosted = tmp_path / "hosted"
-    hosted.mkdir()
+    source = tmp_path / "hosted"
+    source.mkdir()
     name = index_to_filename(0)
     rng = random.Random(0)
     # (random hex: it does not compress below half)
-    write_shard(str(hosted / name), ["%0512x" % rng.getrandbits(2048) for _ in range(8000)], 1000)
-    server = ShardServer(str(hosted))
+    write_shard(str(source / name), ["%0512x" % rng.getrandbits(2048) for _ in range(8000)], 1000)
+    server = ShardServer(str(source))
     fill(small_disk / "filler")
     with open(small_disk / "filler", "r+b") as f:  # (about 0.5 MB free again)
         f.truncate(os.path.getsize(small_disk / "filler") - 500_000)
@@ -167,7 +167,7 @@ def test_a_download_that_fills_the_disk_names_it_and_keeps_what_it_fetched(small
             download_file(f"{server.url}/{name}", str(small_disk / name), FAST)
     finally:
         server.close()
-    message, size = str(raised.value), os.path.getsize(hosted / name)
+    message, size = str(raised.value), os.path.getsize(source / name)
     assert raised.value.errno == errno.ENOSPC and size > 1_500_000
     kept = os.path.getsize(small_disk / (name + ".tmp"))
     assert 0 < kept < size
@@ -212,11 +212,11 @@ def test_a_disk_filled_by_another_program_mid_run(small_disk, tmp_path):
     """Streaming into a small disk; once every shard is on disk (no download pending), another
     program fills it. The next write of the cache's ledger fails: next() raises an OSError(ENOSPC)
     naming the directory, the bytes needed and free, and the fix, and no temporary file is left."""
-    hosted = tmp_path / "hosted"
-    write_hosted(hosted, num_train=3)
-    server = ShardServer(str(hosted))
+    source = tmp_path / "hosted"
+    write_hosted(source, num_train=3)
+    server = ShardServer(str(source))
     cache = small_disk / "cache"
-    expected = batches(on_disk(hosted), 200)
+    expected = batches(on_disk(source), 200)
     got = []
     try:
         # no cache_limit: nothing is evicted or copied; all 3 shards are fetched ahead at once

@@ -34,13 +34,13 @@ from nanochat.data.streaming.catalog import catalog_entry, footer_docs_per_group
 from nanochat.data.streaming.ledger import STREAM_DIR
 from nanochat.dataloader import tokenizing_distributed_data_loader_with_state_bos_bestfit
 from nanochat.data.base.datasets import index_to_filename
-from served_shards import (batches, expected, footers, hosted, same, stream_loader, streamed,
+from served_shards import (batches, expected, footers, hosted_once, same, stream_loader, streamed,
                            streaming, VAL, warnings_about)
 from stream_worker import LOADER, rows_of
 
 
-def test_catalog_is_read_once_and_reused(hosted, tmp_path):
-    hosted_dir, server, _ = hosted
+def test_catalog_is_read_once_and_reused(hosted_once, tmp_path):
+    hosted_dir, server, _ = hosted_once
     start = len(server.gets)  # (the server is the file's: what this test asks for, from here)
     _batches(stream_loader("bestfit", server, tmp_path / "cache"), 1)
     # the file's end
@@ -60,8 +60,8 @@ def test_catalog_is_read_once_and_reused(hosted, tmp_path):
                 if wanted and wanted.startswith("bytes=-")]
 
 
-def test_fetch_tail_and_footer_docs_per_group(hosted):
-    hosted_dir, server, _ = hosted
+def test_fetch_tail_and_footer_docs_per_group(hosted_once):
+    hosted_dir, server, _ = hosted_once
     path = os.path.join(hosted_dir, index_to_filename(1))
     body = open(path, "rb").read()
     size, tail = fetch_tail(f"{server.url}/{index_to_filename(1)}", 100, FAST)
@@ -98,11 +98,11 @@ def names_and_urls(server, num_train: int = 7) -> tuple[list[str], list[str]]:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("bad", ["[1, 2, 3]", "entries"])
-def test_a_catalog_of_the_wrong_shape_is_read_again(hosted, expected, tmp_path, caplog, bad):
+def test_a_catalog_of_the_wrong_shape_is_read_again(hosted_once, expected, tmp_path, caplog, bad):
     """A catalog that is a list, or whose entries are not {"url": str, "size": int, "rows":
     [int, ...]} with their checksum: one warning, the bad entries read again from the footers,
     the catalog written whole again, and the batches the on-disk loader's."""
-    _, server, _ = hosted
+    _, server, _ = hosted_once
     cache = tmp_path / "cache"
     names, urls = names_and_urls(server)
     good = {name: entry for name, entry in zip(names, read_catalog(str(cache), names, urls, FAST))}
@@ -128,13 +128,13 @@ def test_a_catalog_of_the_wrong_shape_is_read_again(hosted, expected, tmp_path, 
 
 
 def test_a_wrong_size_in_the_catalog_is_corrected_and_the_resume_is_exact(
-        hosted, expected, streamed, tmp_path, caplog):
+        hosted_once, expected, streamed, tmp_path, caplog):
     """The catalog gives the sizes the state's fingerprint of the files is taken on. One entry
     disagrees with its shard on disk (its checksum right: as after the file changed on the
     server), another's size was changed on disk (its checksum wrong): the first is corrected from
     the file, with a warning that names the shard, the catalog and both values, and the second is
     read again from the server's footer. The resume is exact."""
-    _, server, _ = hosted
+    _, server, _ = hosted_once
     template, state, limit = streamed
     cache = tmp_path / "cache"
     shutil.copytree(template, cache)
@@ -167,11 +167,11 @@ def test_a_wrong_size_in_the_catalog_is_corrected_and_the_resume_is_exact(
 @pytest.mark.parametrize("damage", ["cut", "tail"])
 @pytest.mark.parametrize("catalog_kept", [True, False])
 def test_a_shard_damaged_in_the_cache_is_fetched_again_not_read_for_the_catalog(
-        hosted, expected, tmp_path, damage, catalog_kept):
+        hosted_once, expected, tmp_path, damage, catalog_kept):
     """A shard the cache holds is cut in half, or its last bytes zeroed (its record as it was;
     the catalog too, or gone): the next loader neither plans on it nor fails on it; it fetches it
     again, and the batches are exact."""
-    hosted_dir, server, _ = hosted
+    hosted_dir, server, _ = hosted_once
     cache = tmp_path / "cache"
     same(batches(streaming(cache, server), 1), expected[:1])
     path = cache / index_to_filename(0)
@@ -189,8 +189,8 @@ def test_the_local_ranks_read_each_footer_once(tmp_path, monkeypatch):
     every rank starts while the first is still reading them. One request per shard: the others
     wait for the catalog's lock and find the entries there. Their batches are the on-disk
     loader's."""
-    hosted, out = tmp_path / "hosted", tmp_path / "out"
-    write_hosted(hosted, num_train=4)
+    hosted_once, out = tmp_path / "hosted", tmp_path / "out"
+    write_hosted(hosted_once, num_train=4)
     out.mkdir()
     serve = shard_server._Handler.do_GET
 
@@ -200,7 +200,7 @@ def test_the_local_ranks_read_each_footer_once(tmp_path, monkeypatch):
         serve(handler)
 
     monkeypatch.setattr(shard_server._Handler, "do_GET", slow_footers)
-    server = ShardServer(str(hosted))
+    server = ShardServer(str(hosted_once))
     env = dict(worker_env(), NANOCHAT_STREAM="1", NANOCHAT_BASE_DIR=str(tmp_path / "base"),
                NANOCHAT_DATA_URL=server.url, NANOCHAT_STREAM_SHARDS="4")
     try:
@@ -214,7 +214,7 @@ def test_the_local_ranks_read_each_footer_once(tmp_path, monkeypatch):
     assert footers(server) == Counter([index_to_filename(i) for i in range(4)] + [VAL])
     for rank in range(3):
         loader = tokenizing_distributed_data_loader_with_state_bos_bestfit(
-            ByteTokenizer(), data_dir=str(hosted), rank=rank, world_size=3, **LOADER)
+            ByteTokenizer(), data_dir=str(hosted_once), rank=rank, world_size=3, **LOADER)
         expected = [json.loads(json.dumps({"rows": rows_of(inputs, targets), "state": state}))
                     for inputs, targets, state in islice(loader, 4)]
         loader.close()
@@ -222,10 +222,10 @@ def test_the_local_ranks_read_each_footer_once(tmp_path, monkeypatch):
             assert [json.loads(line) for line in f] == expected
 
 
-def test_the_catalog_keeps_what_a_failed_reading_read(hosted, tmp_path, monkeypatch):
+def test_the_catalog_keeps_what_a_failed_reading_read(hosted_once, tmp_path, monkeypatch):
     """Footers are written to the catalog a chunk at a time: a reading that fails (here a shard
     missing on the server) keeps the entries it read, and the next reads only the rest."""
-    _, server, _ = hosted
+    _, server, _ = hosted_once
     monkeypatch.setattr(catalog, "CHUNK", 2)
     names, urls = names_and_urls(server, 4)
     names, urls = names[:4] + ["missing.parquet"], urls[:4] + [f"{server.url}/missing.parquet"]

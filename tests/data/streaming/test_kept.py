@@ -28,7 +28,7 @@ from nanochat.data.streaming.kept import (Copy, CopyPlan, Keeper, drop_oldest, e
                                          kept_bytes, kept_root, read_copy, remove_gone)
 from nanochat.data.streaming.ledger import KEPT_SUFFIX, Ledger, STREAM_DIR, Table
 from nanochat.data.base.datasets import index_to_filename
-from served_shards import (batches, disk_loader, expected, hosted, kept_texts, same, split_dir,
+from served_shards import (batches, disk_loader, expected, hosted_once, kept_texts, same, split_dir,
                            stream_loader, streamed, streaming, VAL, warnings_about)
 
 
@@ -63,12 +63,13 @@ def test_shards_outside_the_split_in_the_cache_do_not_stop_the_copies(tmp_path, 
 
 
 @pytest.mark.slow
-def test_a_buffers_documents_are_on_disk_or_kept_and_a_resume_reads_the_copies(hosted, tmp_path):
+def test_a_buffers_documents_are_on_disk_or_kept_and_a_resume_reads_the_copies(hosted_once,
+                                                                                tmp_path):
     """Documents longer than a row (T=64) wait in the best-fit buffer for many shards. After every
     batch, each document the yielded state buffers is in its shard on disk or in a copy, with the
     shard's text; a resume in the same cache reads the copies and fetches none of the shards they
     came from."""
-    hosted_dir, server, sizes = hosted
+    hosted_dir, server, sizes = hosted_once
     cache = tmp_path / "cache"
     source = {}  # name -> {(rg_idx, row): text} of the hosted shards
     for name in sorted(os.listdir(hosted_dir)):
@@ -140,12 +141,12 @@ def edit_texts(path, texts: list[str]) -> None:
 @pytest.mark.slow
 @pytest.mark.parametrize("damage", ["flipped block byte", "flipped middle byte", "truncated",
                                     "edited text"])
-def test_a_damaged_kept_copy_is_removed_and_its_shard_fetched_again(hosted, expected, streamed,
+def test_a_damaged_kept_copy_is_removed_and_its_shard_fetched_again(hosted_once, expected, streamed,
                                                                      tmp_path, caplog, damage):
     """The shard files are gone but the copies are there; one copy of the resumed buffer's
     documents is damaged. The resume names it in one warning, removes it (and its row in the
     ledger), fetches its shard again, and its batches are the on-disk loader's."""
-    hosted_dir, server, _ = hosted
+    hosted_dir, server, _ = hosted_once
     template, state, limit = streamed
     cache = tmp_path / "cache"
     shutil.copytree(template, cache)

@@ -22,18 +22,19 @@ from conftest import least_accepted, outcome, write_shard
 from nanochat.data.streaming import cache as shard_cache, ledger as ledger_module
 from nanochat.data.streaming.ledger import FETCHED, Ledger, Loader, ShardEntry, STREAM_DIR, Table
 from nanochat.data.base.datasets import index_to_filename
-from served_shards import (all_train_shards_fetched, batches, batches_of, expected, hosted, same,
-                           streamed, streaming, warnings_about)
+from served_shards import (all_train_shards_fetched, batches, batches_of, expected, hosted_once,
+                           same, streamed, streaming, warnings_about)
 
 
 HOST = socket.gethostname()
 S = [index_to_filename(i) for i in range(2)]  # shard_00000.parquet, shard_00001.parquet
 
 
-def test_a_garbage_ledger_is_warned_about_once_and_replaced(hosted, expected, tmp_path, caplog):
+def test_a_garbage_ledger_is_warned_about_once_and_replaced(hosted_once, expected, tmp_path,
+                                                             caplog):
     """A loader reads the ledger at every state: a garbage file is one warning, until a write
     replaces it (a garbage file written again is another)."""
-    _, server, _ = hosted
+    _, server, _ = hosted_once
     cache = tmp_path / "cache"
     (cache / STREAM_DIR).mkdir(parents=True)
     path = cache / STREAM_DIR / "ledger.json"
@@ -60,13 +61,13 @@ def proc_start_time(pid: int) -> int:
 
 
 @pytest.mark.skipif(not os.path.exists("/proc/self/stat"), reason="start times come from /proc")
-def test_a_row_whose_pid_now_names_another_process_pins_nothing(hosted, expected, tmp_path,
+def test_a_row_whose_pid_now_names_another_process_pins_nothing(hosted_once, expected, tmp_path,
                                                                  monkeypatch):
     """A loader's row records its pid and its process's start time. A row whose pid is alive but
     names a process started at another time (the pid was reused) is a gone loader's: the shards it
     said it needed are evicted at once, where the pid alone would pin them (a reader waiting for
     room, then a ValueError)."""
-    _, server, sizes = hosted
+    _, server, sizes = hosted_once
     monkeypatch.setattr(shard_cache, "ROOM_WAIT", 5.0)  # (a stall is an error within seconds)
     cache = tmp_path / "cache"
     # every train shard on disk, fetched by a streaming loader: evicted only when no one needs it
@@ -163,12 +164,12 @@ def test_a_damaged_ledger_is_rebuilt_from_the_disk_once(streamed, tmp_path, capl
 
 @pytest.mark.slow
 def test_a_resume_at_the_least_after_the_ledger_is_damaged_is_accepted_and_evicts(
-        hosted, expected, streamed, tmp_path, caplog):
+        hosted_once, expected, streamed, tmp_path, caplog):
     """A streaming run left its shards and copies; then its ledger became garbage. The shards it
     fetched stay evictable (their download records say so), so a resume at the least cache_limit of
     the intact cache is accepted, evicts what it fetched before, and gives the on-disk batches.
     Else they would count as the user's own, never evicted, and the resume be refused."""
-    _, server, _ = hosted
+    _, server, _ = hosted_once
     template, state, _ = streamed
     resume = dict(prefetch_shards=0, prefetch=0, resume_state_dict=state, workers=0)
     least = least_accepted(lambda limit: streaming(fresh_copy(template, tmp_path / "probes"),
@@ -194,13 +195,13 @@ def test_a_resume_at_the_least_after_the_ledger_is_damaged_is_accepted_and_evict
 @pytest.mark.skipif(not os.path.exists("/proc/self/stat"), reason="start times come from /proc")
 @pytest.mark.parametrize("unknown", ["no start time", "no /proc", "another host"])
 def test_a_row_of_unknown_liveness_pins_shards_for_one_bounded_wait(
-        hosted, expected, tmp_path, monkeypatch, caplog, unknown):
+        hosted_once, expected, tmp_path, monkeypatch, caplog, unknown):
     """A row whose liveness cannot be told holds every train shard: it has no start time and names
     a live pid (this process's, as an older writer's row would), or its start time cannot be read
     (no /proc), or it is another host's. A reader waits for room for STALE_WAIT, then the row counts
     as stale: one warning names it and the ledger, and the loader goes on, its batches exact.
     Pinned, the reader would wait ROOM_WAIT, then raise."""
-    _, server, sizes = hosted
+    _, server, sizes = hosted_once
     monkeypatch.setattr(shard_cache, "ROOM_WAIT", 5.0)  # (a stall is an error within seconds)
     monkeypatch.setattr(shard_cache, "STALE_WAIT", 0.2, raising=False)
     cache = tmp_path / "cache"
