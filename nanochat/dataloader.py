@@ -6,6 +6,8 @@ one at the call (nanochat/data/base/checks.py), fills a LoaderSpec, and hands it
 (nanochat/data/loader/build.py), which builds the loader in a worker process or in this one.
 Walk-through: docs/ARCHITECTURE.md. Resume and its states: docs/resume.md.
 
+Imported only when needed: nanochat.data.streaming.budget (stream=True),
+nanochat.data.streaming.cache (stream=True), nanochat.data.streaming.catalog (stream=True).
 May import: nanochat.data.base, nanochat.data.fetch.limits, nanochat.data.loader,
 nanochat.data.pretokenized.token_reader, nanochat.data.streaming.
 """
@@ -25,10 +27,7 @@ from nanochat.data.loader.order import ParquetReader
 from nanochat.data.loader.rows import Encoder, EntryDocuments
 from nanochat.data.loader.tokenize_procs import IN_FLIGHT
 from nanochat.data.pretokenized.token_reader import TokenShardReader, shard_paths, shard_vocab
-from nanochat.data.streaming.cache import local_peers
 from nanochat.data.base.datasets import split_parquet_files
-from nanochat.data.streaming.budget import copies_estimate, read_ahead_span
-from nanochat.data.streaming.catalog import streamed_files
 
 # -----------------------------------------------------------------------------
 # The public loaders: nanochat's names and signatures
@@ -280,6 +279,10 @@ def _stream(call: ParquetCall, settings: Streaming, ranks: tuple[int, int],
     """A streamed split: the dataset's shards, each fetched into data_dir just before it is read,
     within the cache's budget (docs/streaming.md). ranks: (rank, world_size); buffer_docs: the
     documents a buffer holds."""
+    # (late: a loader over shards on disk never loads the streaming cache, nor the downloader)
+    from nanochat.data.streaming.budget import copies_estimate, read_ahead_span
+    from nanochat.data.streaming.cache import local_peers
+    from nanochat.data.streaming.catalog import streamed_files
     rank, world_size = ranks
     limits = Limits() if call.download_limits is None else call.download_limits
     files = streamed_files(call.split, call.data_dir, settings.num_shards, call.base_url, limits)

@@ -134,9 +134,13 @@ def test_the_package_has_the_modules_this_test_reads():
             "mixture", "order", "rows", "packing", "state", "prefetch", "cache"} <= set(BY_LEAF)
 
 
-# our modules that may be imported late, where a store's address is met: they bring fsspec and a
-# store's client, which a loader reading http or local files never needs
-LATE_OURS = {"nanochat.data.fetch.stores", "nanochat.data.fetch.store_transport"}
+# our modules that may be imported late: the store transports, where a store's address is met (they
+# bring fsspec and a store's client, which a loader reading http or local files never needs), and
+# the streaming cache's, for stream=True (they bring the downloader, which a loader over shards on
+# disk never needs)
+LATE_OURS = {"nanochat.data.fetch.stores", "nanochat.data.fetch.store_transport",
+             "nanochat.data.streaming.budget", "nanochat.data.streaming.cache",
+             "nanochat.data.streaming.catalog"}
 
 
 @pytest.mark.parametrize("module", MODULES)
@@ -327,19 +331,22 @@ def test_nanochats_files_need_nothing_but_the_drop_in():
 
 
 def test_importing_the_loader_loads_its_path_and_no_other_stage():
-    """`import nanochat.dataloader`, in a fresh interpreter, loads the main path and what its
-    options need (the streaming cache, the downloader over HTTP), but no pretokenizing, mixtures,
-    repackaging, nor the store transports and fsspec: those load where a store's address is met."""
+    """`import nanochat.dataloader`, in a fresh interpreter, loads the main path and what it needs,
+    but no pretokenizing, mixtures, repackaging, nor the streaming cache with its downloader (they
+    load at a stream=True call) or the store transports and fsspec (where a store's address is
+    met)."""
     code = "import sys, nanochat.dataloader; print(' '.join(sorted(sys.modules)))"
     loaded = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True,
                             text=True, timeout=120, check=True).stdout.split()
     assert {"nanochat.data.loader.build", "nanochat.data.loader.order", "nanochat.data.loader.rows",
-            "nanochat.data.base.packing", "nanochat.data.streaming.cache"} <= set(loaded)
+            "nanochat.data.base.packing", "nanochat.data.loader.worker"} <= set(loaded)
     unwanted = [name for name in loaded
-                if name.startswith(("nanochat.data.processing", "nanochat.data.mixtures", "fsspec"))
+                if name.startswith(("nanochat.data.processing", "nanochat.data.mixtures",
+                                    "nanochat.data.streaming", "fsspec"))
                 or name in {"nanochat.pretokenize", "nanochat.mixture",
                             "nanochat.data.fetch.repackage", "nanochat.data.fetch.stores",
-                            "nanochat.data.fetch.store_transport"}]
+                            "nanochat.data.fetch.store_transport", "nanochat.data.fetch.download",
+                            "nanochat.data.fetch.http_transport"}]
     assert not unwanted, f"import nanochat.dataloader loads {unwanted}"
 
 

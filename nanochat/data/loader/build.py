@@ -8,6 +8,8 @@ hands each batch to the device through DeviceBatches. The loader functions that 
 nanochat/dataloader.py; a mixture's buckets: nanochat/mixture.py. Walk-through:
 docs/ARCHITECTURE.md.
 
+Imported only when needed: nanochat.data.streaming.cache (stream=True: the shard cache, and with it
+the downloader).
 May import: torch, numpy, nanochat.data.base, nanochat.data.fetch.limits, nanochat.data.loader,
 nanochat.data.streaming.
 """
@@ -37,8 +39,6 @@ from nanochat.data.loader.tokenize_procs import encoded_on_processes
 from nanochat.data.loader.rows import (Encoder, RowBatch, bestfit_batches, concat_batches,
                                        token_batches)
 from nanochat.data.loader.worker import Job, WorkerBatches, WorkerUnavailable, noting_logs
-from nanochat.data.streaming.cache import ShardCache, peer_first_reads
-from nanochat.data.streaming.budget import ReadAhead
 
 logger = logging.getLogger(__name__)
 PACKAGE = __name__.split(".")[0]  # nanochat: the loggers whose level a worker takes on
@@ -171,12 +171,14 @@ class Stream(NamedTuple):
     cache_limit: int | None
     prefetch: int  # the loader's
     copies: int  # what copies of the buffered documents may take (catalog.copies_estimate)
-    packing: ReadAhead  # what the documents read and not yet packed span
+    packing: tuple  # budget.ReadAhead: what the documents read and not yet packed span
     read_ahead: int  # documents read and not yet packed, at most
 
 
-def open_stream(stream: Stream) -> tuple[ParquetReader, ShardCache]:
-    """The streamed split's reader, and the cache it waits on; the cache checks its budget here."""
+def open_stream(stream: Stream) -> tuple:
+    """(the streamed split's reader, the ShardCache it waits on); the cache checks its budget
+    here."""
+    from nanochat.data.streaming.cache import ShardCache  # (late: stream=True only)
     cache = ShardCache(
         stream.data_dir, [os.path.basename(path) for path in stream.paths], stream.urls,
         [entry["size"] for entry in stream.catalog], limits=stream.limits, keep=stream.keep,
@@ -230,15 +232,17 @@ class Assembled(NamedTuple):
 
 
 def assemble(spec: LoaderSpec, resume_state_dict: dict | None,
-             cache: ShardCache | None = None) -> Assembled:
+             cache=None) -> Assembled:
     """Start the walk from the state (fresh when None) and the recorder of its states; a streaming
-    loader's cache starts fetching what the walk reads first, the resumed buffer's shards first."""
+    loader's cache (a ShardCache) starts fetching what the walk reads first, the resumed buffer's
+    shards first."""
     order, resumed, position = start_order(
         spec.reader, spec.rank, spec.world_size, spec.batch_size, resume_state_dict, spec.config,
         allow_state_mismatch=spec.allow_state_mismatch, epochs=spec.epochs,
         state_name=spec.state_name, shuffle=spec.shuffle)
     watch = None
     if cache is not None:
+        from nanochat.data.streaming.cache import peer_first_reads  # (late: stream=True only)
         peers = peer_first_reads(resume_state_dict, spec.rank, spec.world_size)
         buffered = decode_keys(resumed["buffer"]) if resumed else ()
         cache.begin(order, buffered=buffered, peers=peers)
@@ -310,11 +314,11 @@ class DataLoader:
 
     def __init__(self, batches, transfer: "DeviceBatches", split_rows, prefetch: int,
                  with_state: bool, *, attention_info: bool = False,
-                 shard_cache: ShardCache | None = None, streaming: bool = False,
+                 shard_cache=None, streaming: bool = False,
                  start_counters: dict | None = None):
         self._batches = batches  # generator of RowBatch, or the worker that runs the loader
         self._worker = batches if isinstance(batches, WorkerBatches) else None
-        self._shard_cache = shard_cache  # a streaming loader's, when it runs here
+        self._shard_cache = shard_cache  # a streaming loader's ShardCache, when it runs here
         # streaming: the shard cache's status comes from the shard cache, or from the worker
         self._streaming = shard_cache is not None or streaming
         self._attention_info = attention_info
