@@ -1,25 +1,29 @@
 """
 Tokenizing that grows with the cores a rank is given: tokens/s by cores, and against the tokenizer.
-For each set of cores (1, then 2, ... up to the machine's), one fresh process pinned to them
-(sched_setaffinity, as `taskset -c`) measures, on the same texts, with a consumer that does nothing:
-- the tokenizer alone: encode(texts, num_threads=cores) over every document batch (tiktoken's own
+For each set of cores (1, then every core here, or --cores), one fresh process pinned to them
+(taskset -c) measures, on the same texts, with a consumer that does nothing, alternating so that
+the host's drift falls on every side alike (medians of --rounds):
+- the tokenizer alone: encode(texts, num_threads=cores) over the document batches (tiktoken's own
   threads), for our tokenizer (encode_to_arrays) and one that returns lists (as nanochat's);
-- the public loader in its worker process (B=32, T=2048), tokenizing on threads
-  (tokenizer_processes=0), on as many processes as cores (the count a rank with a free trainer
-  could use) and with the default (cores less one for the trainer);
-- the serial part: CPU seconds per million tokens of the loader's own process (its threads read,
-  send texts out, take documents back, pack and write the rows), without its tokenizing processes.
-From the last it prints what one loader can emit at 8, 16 and 32 cores: the fewer of the
-tokenizing processes' rate (cores - 1 of them) and the serial part's (1e6 / its CPU seconds per
-million tokens). Speed is a measurement here, never a test assertion.
+- the public loader in its worker (B=32, T=2048) tokenizing on threads (tokenizer_processes=0), on
+  as many processes as cores, and with the default (cores less one for the trainer, from 2): tokens
+  emitted per second, and tokens tokenized per second (best-fit crops about a third of what it
+  tokenizes at T=2048), the one to hold against the tokenizer alone;
+- the serial part: CPU seconds per million tokens tokenized of the loader's own process (its
+  threads read, send texts out, take documents back, pack and write the rows), its tokenizing
+  processes not included.
+From the last two it predicts tokens tokenized per second at 8, 16 and 32 cores: the fewer of
+cores - 1 processes at one thread's rate and the serial part's 1e6 / (its CPU seconds per
+million). Speed is a measurement here, never a test assertion.
 
-    python -m scripts.bench_cores                   # 1 and 2 cores here; ~3 min
-    python -m scripts.bench_cores --cores 1,2,4,8   # on a bigger machine
+    python -m scripts.bench_cores                   # 1 and 2 cores here; ~6 min
+    python -m scripts.bench_cores --cores 1,4,8,16  # on a bigger machine
 """
 
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -44,7 +48,7 @@ def _cpu_seconds(pid: int) -> float:
 
 
 def tokenizer_alone(tokenizer, text_batches, cores: int) -> float:
-    """Tokens/s of the tokenizer's own batch call over every text batch, on `cores` threads."""
+    """Tokens/s of the tokenizer's own batch call over the text batches, on `cores` threads."""
     encode = getattr(tokenizer, "encode_to_arrays", None) or tokenizer.encode
     bos = tokenizer.get_bos_token_id()
     start, tokens = time.perf_counter(), 0
@@ -53,37 +57,47 @@ def tokenizer_alone(tokenizer, text_batches, cores: int) -> float:
     return tokens / (time.perf_counter() - start)
 
 
-def loader_rate(tokenizer, data_dir: str, batches: int, processes: int | None) -> tuple:
-    """(tokens/s, the loader process's CPU seconds per million tokens) of the public loader in its
-    worker, over `batches` batches after the first (start-up) few."""
+def loader_rate(tokenizer, data_dir: str, batches: int, processes: int | None) -> dict:
+    """The public loader in its worker, over `batches` batches after the first (start-up) few:
+    tokens emitted and tokens tokenized per second (best-fit crops some of what it tokenizes), and
+    the loader process's CPU seconds per million tokens tokenized."""
     loader = tokenizing_distributed_data_loader_with_state_bos_bestfit(
         tokenizer, B, T, "train", device="cpu", data_dir=data_dir, rank=0, world_size=1,
         workers=1, tokenizer_processes=processes, tokenizer_batch_size=TOKENIZER_BATCH)
     try:
         for _ in range(3):  # start-up: the worker, its processes, the buffer's first fill
             next(loader)
-        pid = loader.worker_pid
+        pid, tokenized = loader.worker_pid, loader.stats["tokens_tokenized"]
         cpu, start = _cpu_seconds(pid), time.perf_counter()
         for _ in range(batches):
             next(loader)
         seconds, cpu = time.perf_counter() - start, _cpu_seconds(pid) - cpu
+        tokenized = loader.stats["tokens_tokenized"] - tokenized
     finally:
         loader.close()
-    tokens = batches * B * (T + 1)
-    return tokens / seconds, cpu / (tokens / 1e6)
+    return {"emitted": batches * B * (T + 1) / seconds, "tokenized": tokenized / seconds,
+            "serial": cpu / (tokenized / 1e6)}
 
 
-def measure(cores: int, data_dir: str, tokenizer_dir: str, batches: int) -> dict:
-    """Everything for one set of cores, in this process (pinned by the caller)."""
+def measure(cores: int, data_dir: str, tokenizer_dir: str, batches: int, rounds: int) -> dict:
+    """Everything for one set of cores, in this process (pinned by the caller). The tokenizer alone
+    and the loader alternate, `rounds` times each, so that the machine's drift (a shared host's
+    clock moves a core's speed by a third between minutes) falls on both: the medians are kept."""
     ours = RustBPETokenizer.from_directory(tokenizer_dir)
     texts = [t for batch in read_all(split_parquet_files("train", data_dir)) for t in batch]
     text_batches = [texts[i:i + TOKENIZER_BATCH] for i in range(0, len(texts), TOKENIZER_BATCH)]
     found = {}
     for name, tokenizer in (("ours", ours), ("lists", ListTokenizer(ours))):
-        found[name] = {"alone": tokenizer_alone(tokenizer, text_batches, cores),
-                       "one_thread": tokenizer_alone(tokenizer, text_batches[:40], 1)}
-        for label, processes in (("threads", 0), ("processes", cores), ("default", None)):
-            found[name][label] = loader_rate(tokenizer, data_dir, batches, processes)
+        runs: dict = {"alone": [], "one_thread": [], "threads": [], "processes": [], "default": []}
+        for _ in range(rounds):
+            runs["alone"].append(tokenizer_alone(tokenizer, text_batches, cores))
+            runs["one_thread"].append(tokenizer_alone(tokenizer, text_batches[:60], 1))
+            for label, processes in (("threads", 0), ("processes", cores), ("default", None)):
+                runs[label].append(loader_rate(tokenizer, data_dir, batches, processes))
+        found[name] = {label: (statistics.median(values) if label in ("alone", "one_thread")
+                               else {key: statistics.median(run[key] for run in values)
+                                     for key in values[0]})
+                       for label, values in runs.items()}
     return found
 
 
@@ -92,12 +106,13 @@ def main(argv=None) -> int:
     parser.add_argument("--cores", default=None,
                         help="comma-separated core counts (default: 1 and every core here)")
     parser.add_argument("--num-docs", type=int, default=12_000)
-    parser.add_argument("--batches", type=int, default=40, help="loader batches timed per run")
+    parser.add_argument("--batches", type=int, default=120, help="loader batches timed per run")
+    parser.add_argument("--rounds", type=int, default=3, help="runs of each, alternating")
     parser.add_argument("--one", default=None, help=argparse.SUPPRESS)  # a pinned child's job
     args = parser.parse_args(argv)
     if args.one:  # a child: cores, data_dir, tokenizer_dir
         cores, data_dir, tokenizer_dir = args.one.split(",", 2)
-        print(json.dumps(measure(int(cores), data_dir, tokenizer_dir, args.batches)))
+        print(json.dumps(measure(int(cores), data_dir, tokenizer_dir, args.batches, args.rounds)))
         return 0
     available = sorted(os.sched_getaffinity(0))
     counts = ([int(c) for c in args.cores.split(",")] if args.cores
@@ -113,7 +128,8 @@ def main(argv=None) -> int:
             print(f"cores {pinned} ...", flush=True)
             done = subprocess.run(
                 ["taskset", "-c", pinned, sys.executable, "-m", "scripts.bench_cores",
-                 "--batches", str(args.batches), "--one", f"{cores},{data_dir},{tokenizer_dir}"],
+                 "--batches", str(args.batches), "--rounds", str(args.rounds),
+                 "--one", f"{cores},{data_dir},{tokenizer_dir}"],
                 capture_output=True, text=True, check=True)
             results[cores] = json.loads(done.stdout.strip().splitlines()[-1])
     report(results)
@@ -123,25 +139,26 @@ def main(argv=None) -> int:
 def report(results: dict) -> None:
     first = min(results)
     for name in ("ours", "lists"):
-        print(f"\n{name}: tokens/s (M) by cores; loader / the tokenizer alone on the same cores")
-        print("cores  alone  threads  processes  default   processes/alone  scale vs 1 core  "
-              "serial CPU s/M")
-        # against the better of threads and processes on one core
-        base = max(results[first][name]["processes"][0], results[first][name]["threads"][0])
+        print(f"\n{name}: M tokens/s by cores (medians); tokenized by the loader / the tokenizer "
+              "alone on the same cores; emitted against one core's best")
+        print("cores  alone  threads  processes  default  | processes: tokenized  /alone  "
+              "scale  serial s/M")
+        one_core = results[first][name]
+        base = max(one_core["processes"]["emitted"], one_core["threads"]["emitted"])
         for cores, found in sorted(results.items()):
             one = found[name]
-            rate, serial = one["processes"]
-            scale = rate / base
-            print(f"{cores:5d} {one['alone'] / 1e6:6.2f} {one['threads'][0] / 1e6:8.2f} "
-                  f"{rate / 1e6:10.2f} {one['default'][0] / 1e6:8.2f} {rate / one['alone']:17.2f} "
-                  f"{scale:16.2f} {serial:15.3f}")
+            rate = one["processes"]
+            print(f"{cores:5d} {one['alone'] / 1e6:6.2f} {one['threads']['emitted'] / 1e6:8.2f} "
+                  f"{rate['emitted'] / 1e6:10.2f} {one['default']['emitted'] / 1e6:8.2f}  | "
+                  f"{rate['tokenized'] / 1e6:20.2f} {rate['tokenized'] / one['alone']:7.2f} "
+                  f"{rate['emitted'] / base:6.2f} {rate['serial']:11.3f}")
         last = results[max(results)][name]
-        per_process, serial = last["one_thread"], last["processes"][1]
+        per_process, serial = last["one_thread"], last["processes"]["serial"]
         predicted = ", ".join(
             f"{cores} cores {min((cores - 1) * per_process, 1e6 / serial) / 1e6:.1f}M"
             for cores in (8, 16, 32))
-        print(f"predicted (cores - 1 processes at {per_process / 1e6:.2f}M/s each, the serial "
-              f"part at most {1 / serial:.1f}M/s): {predicted}")
+        print(f"predicted tokens tokenized/s (cores - 1 processes at {per_process / 1e6:.2f}M/s "
+              f"each, the serial part at most {1 / serial:.1f}M/s): {predicted}")
 
 
 if __name__ == "__main__":
