@@ -265,14 +265,15 @@ class FailingTokenizer(ByteTokenizer):
 
 
 class SlowTokenizer(ByteTokenizer):
-    """Takes 8 s a call after its first: the worker stays inside a call."""
+    """Takes 5 s a call after its first: the worker stays inside a call (longer than close()'s
+    CLOSE_TIMEOUT of 3 s, and what the test does meanwhile)."""
 
     calls = 0
 
     def encode(self, texts, prepend=None, num_threads=0):
         self.calls += 1
         if self.calls > 1:
-            time.sleep(8)
+            time.sleep(5)
         return super().encode(texts, prepend=prepend, num_threads=num_threads)
 
 
@@ -290,7 +291,7 @@ def test_status_while_next_waits_and_a_dropped_loader_waits_for_nothing(corpus, 
             buffer_size=16, workers=1)
         waiting = threading.Thread(target=lambda: outcome(lambda: take_traced(loader, 3), 60),
                                    daemon=True)
-        waiting.start()  # next() waits for the worker, inside an 8-s call
+        waiting.start()  # next() waits for the worker, inside a 5-s call
         time.sleep(0.5)
         status = outcome(loader.cache_status, 5)  # answered by the worker's other thread
         assert not isinstance(status, Exception) and len(status.loaders) == 1, status
@@ -299,7 +300,7 @@ def test_status_while_next_waits_and_a_dropped_loader_waits_for_nothing(corpus, 
         server.close()
     # a loader dropped without close() while its worker is inside a long call
     loader = LOADERS["bestfit"](corpus, workers=1, tokenizer=SlowTokenizer())
-    next(loader)  # the calls after the first take 8 s
+    next(loader)  # the calls after the first take 5 s
     time.sleep(0.5)
     pid = loader.worker_pid
 
@@ -310,7 +311,7 @@ def test_status_while_next_waits_and_a_dropped_loader_waits_for_nothing(corpus, 
 
     assert outcome(drop, 60) is None  # (a hang guard only)
     # garbage collection asked the worker to stop and did not wait: the worker is still inside its
-    # 8-s call (a drop that waited for it to end, or killed it after CLOSE_TIMEOUT, finds it gone)
+    # 5-s call (a drop that waited for it to end, or killed it after CLOSE_TIMEOUT, finds it gone)
     assert not gone(pid)
     assert wait_gone(pid, CLOSE_TIMEOUT + 1)
 
