@@ -100,10 +100,8 @@ def resolve_tokenizer_processes(processes: int | None, workers: int) -> int:
     mask, shared among the machine's LOCAL_WORLD_SIZE ranks) less one for the trainer, when that
     leaves at least MIN_TOKENIZER_PROCESSES. Only a loader in its worker process starts them
     (workers=1): workers=0 keeps all of a loader's work in the trainer's process."""
-    if processes is None and os.environ.get("NANOCHAT_TOKENIZER_PROCESSES"):
-        value = os.environ["NANOCHAT_TOKENIZER_PROCESSES"]
-        processes = check_int("NANOCHAT_TOKENIZER_PROCESSES", int(value) if value.isdigit()
-                              else value, 0, hint=" (0: tokenize on threads)")
+    if processes is None and _env("NANOCHAT_TOKENIZER_PROCESSES"):
+        processes = _env_count("NANOCHAT_TOKENIZER_PROCESSES", 0, " (0: tokenize on threads)")
         return processes if workers else 0  # (a loader in the caller tokenizes on threads)
     if processes is None:
         share = len(os.sched_getaffinity(0)) // local_ranks()
@@ -117,9 +115,16 @@ def resolve_tokenizer_processes(processes: int | None, workers: int) -> int:
 
 def local_ranks() -> int:
     """The ranks of this machine (torchrun's LOCAL_WORLD_SIZE; 1 without it)."""
-    value = os.environ.get("LOCAL_WORLD_SIZE", "1")
-    return check_int("LOCAL_WORLD_SIZE", int(value) if value.isdigit() else value, 1,
-                     hint=" (torchrun sets it)")
+    if "LOCAL_WORLD_SIZE" not in os.environ:
+        return 1
+    return _env_count("LOCAL_WORLD_SIZE", 1, " (torchrun sets it)")
+
+
+def _env_count(name: str, low: int, hint: str) -> int:
+    """The count an environment variable holds, checked (a string that is no count is refused as
+    it is, in check_int's words)."""
+    value = os.environ[name]
+    return check_int(name, int(value) if value.isdigit() else value, low, hint=hint)
 
 
 def check_shuffle(shuffle, seed, shuffle_window, bucket: str = "") -> Shuffle | None:

@@ -219,7 +219,7 @@ def build_loader(spec: LoaderSpec, resume_state_dict: dict | None, device) -> "D
     tokenizing = isinstance(spec.encoder, Encoder)
     depth = spec.prefetch if tokenizing else 0
     processes = spec.tokenizer_processes if depth else 0
-    batches = _pipeline(order.document_batches(), spec.encoder, (depth, processes), pack)
+    batches = _pipeline(order.document_batches(), spec.encoder, depth, pack, processes)
     return DataLoader(batches, DeviceBatches(B, T, device), split_rows, depth,
                       spec.with_state, attention_info=spec.max_docs_per_row is not None,
                       shard_cache=cache, start_counters=start_counters(spec.kind, [recorder]))
@@ -251,10 +251,9 @@ def assemble(spec: LoaderSpec, resume_state_dict: dict | None,
     return Assembled(order, recorder, position)
 
 
-def _pipeline(doc_batches, encoder, ahead: tuple[int, int], pack):
-    """Yield what pack(token batches) yields, reading and tokenizing ahead on threads
-    (ahead: the depth, > 0 for threads, and the processes the texts are encoded on, if any)."""
-    depth, processes = ahead
+def _pipeline(doc_batches, encoder, depth: int, pack, processes: int = 0):
+    """Yield what pack(token batches) yields, reading and tokenizing ahead on threads (depth > 0),
+    the texts encoded on `processes` processes when there are any."""
     stages = []  # a prefetcher closes its source itself, on its thread (which may still run it)
     try:
         # reading runs a few row groups ahead, so the tokenizer's pool never waits on parquet
