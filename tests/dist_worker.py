@@ -1,7 +1,8 @@
 """
 One rank of the multi-process sharding test (run by test_distributed.py under torchrun, gloo, CPU).
 Reads RANK/WORLD_SIZE like a training script would, runs both loaders on its shard of the data,
-and sends what it emitted to rank 0, which writes it as JSON.
+and sends what it emitted to rank 0, which writes it as JSON (test_worker.py calls `emitted`
+itself for the ranks on threads).
 Usage: torchrun --nproc_per_node=N tests/dist_worker.py DATA_DIR OUT_JSON NUM_BATCHES
 """
 
@@ -23,6 +24,18 @@ def main():
     dist.init_process_group("gloo")
     ddp, rank, _, world_size = get_dist_info()
     assert ddp and rank == dist.get_rank() and world_size == dist.get_world_size()
+    mine = emitted(data_dir, num_batches)  # the loaders take the rank from the environment
+    gathered = [None] * world_size
+    dist.all_gather_object(gathered, mine)
+    if rank == 0:
+        with open(out_path, "w") as f:
+            json.dump(gathered, f)
+    dist.destroy_process_group()
+
+
+def emitted(data_dir: str, num_batches: int, **where) -> dict:
+    """What both loaders emit on this rank; `where` gives rank and world_size to a call outside
+    torchrun (under it, none: the loaders read them from the environment)."""
     tok = ByteTokenizer()
     B, T = 2, 32
     # the concatenating loader: the stream is every batch's inputs, then the last batch's last
@@ -30,7 +43,7 @@ def main():
     concat_stream = []
     loader = tokenizing_distributed_data_loader_with_state(tok, B, T, "train", device="cpu",
                                                            data_dir=data_dir,
-                                                           tokenizer_batch_size=3)
+                                                           tokenizer_batch_size=3, **where)
     for _ in range(num_batches):
         inputs, targets, state = next(loader)
         concat_stream += inputs.flatten().tolist()
@@ -40,7 +53,8 @@ def main():
     # the best-fit loader: rows (every document starts with BOS), and the states
     rows, states = [], []
     loader = tokenizing_distributed_data_loader_with_state_bos_bestfit(
-        tok, B, T, "train", device="cpu", data_dir=data_dir, buffer_size=8, tokenizer_batch_size=3)
+        tok, B, T, "train", device="cpu", data_dir=data_dir, buffer_size=8, tokenizer_batch_size=3,
+        **where)
     for _ in range(num_batches):
         inputs, targets, state = next(loader)
         full = torch_cat_rows(inputs, targets)
@@ -48,14 +62,9 @@ def main():
         states.append(state)
     workers.append(loader.worker_pid is not None)
     loader.close()
-    mine = {"rank": rank, "concat_stream": concat_stream, "bestfit_rows": rows, "states": states,
+    rank = where["rank"] if where else get_dist_info()[1]
+    return {"rank": rank, "concat_stream": concat_stream, "bestfit_rows": rows, "states": states,
             "workers": workers}
-    gathered = [None] * world_size
-    dist.all_gather_object(gathered, mine)
-    if rank == 0:
-        with open(out_path, "w") as f:
-            json.dump(gathered, f)
-    dist.destroy_process_group()
 
 
 def torch_cat_rows(inputs, targets):

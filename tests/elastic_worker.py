@@ -1,5 +1,6 @@
 """
-One rank of the elastic-resume test (run by test_elastic.py under torchrun, gloo, CPU).
+One rank of the elastic-resume test (run by test_elastic.py under torchrun, gloo, CPU; the test
+calls run_rank itself for the old ranks, one after the other).
   old: run NUM_BATCHES batches from the start, then save this rank's state (as a training script
        does at a checkpoint) and the documents placed in every row (trace_documents=True).
   new: resume from the merged state in RESUME_JSON and run until this rank has read its whole share
@@ -32,11 +33,23 @@ def main():
         with open(sys.argv[5]) as f:
             resume = json.load(f)
     dist.init_process_group("gloo")
-    rank = dist.get_rank()
+    mine = run_rank(mode, data_dir, num_batches, resume,  # (the rank from the environment)
+                    shuffle=os.environ.get("NANOCHAT_TEST_SHUFFLE") == "1")
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, mine)
+    if dist.get_rank() == 0:
+        with open(out_path, "w") as f:
+            json.dump(gathered, f)
+    dist.destroy_process_group()
+
+
+def run_rank(mode: str, data_dir: str, num_batches: int, resume=None, shuffle=False,
+             **where) -> dict:
+    """What one rank saw; `where` gives rank and world_size to a call outside torchrun."""
     loader = tokenizing_distributed_data_loader_with_state_bos_bestfit(
         ByteTokenizer(), B, T, "train", device="cpu", data_dir=data_dir, buffer_size=BUFFER,
         tokenizer_batch_size=TBS, resume_state_dict=resume, trace_documents=True,
-        shuffle=os.environ.get("NANOCHAT_TEST_SHUFFLE") == "1", seed=5, shuffle_window=2)
+        shuffle=shuffle, seed=5, shuffle_window=2, **where)
     rows, placed, state, extra = [], [], None, 5
     for step in range(num_batches):
         inputs, targets, state = next(loader)
@@ -47,13 +60,8 @@ def main():
             if extra == 0:
                 break
     loader.close()
-    mine = {"rank": rank, "rows": rows, "placed": placed, "state": state, "batches": step + 1}
-    gathered = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, mine)
-    if rank == 0:
-        with open(out_path, "w") as f:
-            json.dump(gathered, f)
-    dist.destroy_process_group()
+    rank = where["rank"] if where else dist.get_rank()
+    return {"rank": rank, "rows": rows, "placed": placed, "state": state, "batches": step + 1}
 
 
 if __name__ == "__main__":

@@ -50,22 +50,40 @@ def corpus(tmp_path_factory):
 
 def train(corpus, tmp_path, name, *args):
     """Run base_train in a subprocess; returns its JSON log."""
-    log_json = tmp_path / f"{name}.json"
-    result = subprocess.run(
+    return train_side_by_side(corpus, tmp_path, {name: args})[name]
+
+
+def train_side_by_side(corpus, tmp_path, runs: dict) -> dict:
+    """Run base_train once for each name -> args in `runs`, in subprocesses that run at once;
+    returns their JSON logs by name."""
+    started = {name: subprocess.Popen(
         [sys.executable, "-m", "scripts.base_train", *TINY, "--data-dir", str(corpus / "data"),
-         "--tokenizer-dir", str(corpus / "tokenizer"), "--log-json", str(log_json), *args],
-        cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    with open(log_json) as f:
-        log = json.load(f)
-    log["stdout"] = result.stdout
-    return log
+         "--tokenizer-dir", str(corpus / "tokenizer"), "--log-json", str(tmp_path / f"{name}.json"),
+         *args], cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        for name, args in runs.items()}
+    logs = {}
+    try:
+        for name, run in started.items():
+            stdout, stderr = run.communicate(timeout=120)
+            assert run.returncode == 0, stdout[-3000:] + stderr[-3000:]
+            with open(tmp_path / f"{name}.json") as f:
+                logs[name] = json.load(f) | {"stdout": stdout}
+    finally:
+        for run in started.values():
+            run.kill()
+    return logs
 
 
 @pytest.fixture(scope="module")
-def straight(corpus, tmp_path_factory):
-    """The uninterrupted run: 12 steps."""
-    return train(corpus, tmp_path_factory.mktemp("straight"), "straight")
+def straight_twice(corpus, tmp_path_factory):
+    """The uninterrupted run, 12 steps, twice at once."""
+    return train_side_by_side(corpus, tmp_path_factory.mktemp("straight"),
+                              {"straight": (), "again": ()})
+
+
+@pytest.fixture(scope="module")
+def straight(straight_twice):
+    return straight_twice["straight"]
 
 
 @pytest.fixture(scope="module")
@@ -81,8 +99,8 @@ def checkpoint_dir(corpus, tmp_path_factory):
 
 
 @pytest.mark.slow
-def test_straight_run_is_deterministic_and_learns(corpus, straight, tmp_path):
-    again = train(corpus, tmp_path, "again")
+def test_straight_run_is_deterministic_and_learns(straight, straight_twice):
+    again = straight_twice["again"]
     assert again["losses"] == straight["losses"]
     assert again["val"] == straight["val"]
     losses = [straight["losses"][str(s)] for s in range(1, STEPS + 1)]
@@ -229,9 +247,9 @@ def test_resume_is_exact_with_split_documents(corpus, tmp_path):
     # split documents, and the resumed losses still equal the uninterrupted run's, float for float
     policy = ["--long-doc-policy", "split_reuse", "--split-overlap", "3",
               "--checkpoint-dir", str(tmp_path / "ck")]
-    straight = train(corpus, tmp_path, "straight", *policy)
-    train(corpus, tmp_path, "stopped", *policy, "--save-every", "3",
-          "--stop-after-step", str(RESUME_STEP))
+    straight = train_side_by_side(corpus, tmp_path, {
+        "straight": policy, "stopped": (*policy, "--save-every", "3",
+                                             "--stop-after-step", str(RESUME_STEP))})["straight"]
     state = torch.load(tmp_path / "ck" / f"step_{RESUME_STEP:06d}.pt",
                        weights_only=True)["dataloader_state_dicts"][0]
     assert state["pieces"] and state["config"]["long_doc_policy"] == "split_reuse"

@@ -3,7 +3,7 @@ scripts/record_behaviour.py: two recordings made by two processes (with differen
 the same bytes and `compare` calls them identical; a recording with one hash or one state changed
 makes `compare` exit 1 naming the configuration, the step and the field; bad arguments exit 2 with
 the file named.
-Run: python -m pytest tests/test_record_behaviour.py -q (~10 s)
+Run: python -m pytest tests/test_record_behaviour.py -q (~7 s)
 """
 
 import json
@@ -19,18 +19,25 @@ FIRST = ("bestfit train data=parquet B=2 T=32 buffer_size=8 tokenizer_batch_size
          "trace_documents=True attention_info=True rank=0 world_size=1")
 
 
-def record(path, hash_seed: int) -> None:
-    env = dict(worker_env(), PYTHONHASHSEED=str(hash_seed))
-    result = subprocess.run([sys.executable, "-m", "scripts.record_behaviour", "record", str(path)],
-                            cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stdout + result.stderr
+def record(paths_and_seeds) -> None:
+    """Recordings made side by side, each by its own process with its own hash seed."""
+    runs = [subprocess.Popen([sys.executable, "-m", "scripts.record_behaviour", "record", str(path)],
+                             cwd=REPO_ROOT, env=dict(worker_env(), PYTHONHASHSEED=str(seed)),
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+            for path, seed in paths_and_seeds]
+    try:
+        for run in runs:
+            output = run.communicate(timeout=300)[0]
+            assert run.returncode == 0, output
+    finally:
+        for run in runs:
+            run.kill()
 
 
 @pytest.fixture(scope="module")
 def recordings(tmp_path_factory):
     root = tmp_path_factory.mktemp("recordings")
-    record(root / "a.json", 1)
-    record(root / "b.json", 2)
+    record([(root / "a.json", 1), (root / "b.json", 2)])
     return root / "a.json", root / "b.json"
 
 

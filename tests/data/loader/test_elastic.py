@@ -1,12 +1,12 @@
 """
-Elastic resume with real processes: N ranks (torchrun, gloo, CPU) train for a while and each saves
-its state; merge_states turns the N states into the start of M ranks (2 -> 3 and 4 -> 2); the M
-ranks resume (also with shuffle=True). Every document of the interrupted epoch(s) is placed into a
+Elastic resume: N ranks train for a while and each saves its state (made here, one rank after the
+other); merge_states turns the N states into the start of M ranks (2 -> 3 and 4 -> 2); the M ranks
+resume as real processes (torchrun, gloo, CPU), also with shuffle=True. Every document of the interrupted epoch(s) is placed into a
 row exactly once across the old and the new ranks (a cropped document counts as placed) or still
 waits in exactly one new rank's buffer (best-fit may keep a small document waiting for a long
 time), never both and never twice; checked on the documents' positions and, independently, on the
 tokens of the rows. And the deal itself on hand-made states, with the exact plans each new rank
-gets. Run: python -m pytest tests/data/loader/test_elastic.py -q (~30 s)
+gets. Run: python -m pytest tests/data/loader/test_elastic.py -q (~20 s)
 """
 
 import json
@@ -18,6 +18,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from conftest import TESTS, ByteTokenizer, worker_env, write_shard
+from elastic_worker import run_rank
 from nanochat.data.base.state import (EMPTY_HASH, DocKey, add_checksum, decode_keys, encode_keys,
                                       loader_config)
 from nanochat.data.base.state_checks import check_fields
@@ -78,7 +79,9 @@ def test_elastic_resume_places_every_document_once(n_old, n_new, old_batches, sh
                 text_of[(pq_idx, rg, row)] = text
     write_shard(data_dir / "shard_00003.parquet", ["val"], row_group_size=1)
 
-    old = torchrun(n_old, "old", data_dir, tmp_path / "old.json", old_batches, shuffle=shuffle)
+    # the old ranks here, one after the other; the new ones under torchrun
+    old = [run_rank("old", str(data_dir), old_batches, shuffle=shuffle, rank=rank,
+                    world_size=n_old) for rank in range(n_old)]
     states = [r["state"] for r in old]
     merged = merge_states(states, n_new, data_dir=str(data_dir))
     json.dumps(merged)  # plain data, like every state

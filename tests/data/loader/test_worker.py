@@ -68,8 +68,8 @@ def corpus(tmp_path_factory):
 def parquet(function, **kwargs):
     def make(corpus, tokenizer=None, **more):
         return function(tokenizer or ByteTokenizer(), 4, 32, "train", device="cpu",
-                        data_dir=str(corpus / "parquet"), tokenizer_batch_size=8,
-                        **kwargs | more)
+                        data_dir=str(corpus / "parquet"),
+                        **{"tokenizer_batch_size": 8} | kwargs | more)
     return make
 
 
@@ -265,15 +265,19 @@ class FailingTokenizer(ByteTokenizer):
 
 
 class SlowTokenizer(ByteTokenizer):
-    """Takes 5 s a call after its first: the worker stays inside a call (longer than close()'s
-    CLOSE_TIMEOUT of 3 s, and what the test does meanwhile)."""
+    """Takes 5 s a call for each batch of documents after its first `fast` ones: the worker stays
+    inside a call (longer than close()'s CLOSE_TIMEOUT of 3 s, and what the test does meanwhile).
+    (The state's one-text probe is never slow.)"""
 
-    calls = 0
+    def __init__(self, fast: int = 0):
+        super().__init__()
+        self.fast = fast
 
     def encode(self, texts, prepend=None, num_threads=0):
-        self.calls += 1
-        if self.calls > 1:
-            time.sleep(5)
+        if len(texts) > 1:
+            if self.fast == 0:
+                time.sleep(5)
+            self.fast = max(0, self.fast - 1)
         return super().encode(texts, prepend=prepend, num_threads=num_threads)
 
 
@@ -299,8 +303,9 @@ def test_status_while_next_waits_and_a_dropped_loader_waits_for_nothing(corpus, 
     finally:
         server.close()
     # a loader dropped without close() while its worker is inside a long call
-    loader = LOADERS["bestfit"](corpus, workers=1, tokenizer=SlowTokenizer())
-    next(loader)  # the calls after the first take 5 s
+    loader = LOADERS["bestfit"](corpus, workers=1, tokenizer=SlowTokenizer(fast=1),
+                                tokenizer_batch_size=64)
+    next(loader)  # from the first call's 64 documents; the calls after it take 5 s
     time.sleep(0.5)
     pid = loader.worker_pid
 
@@ -555,15 +560,18 @@ def test_a_killed_trainer_leaves_no_worker(corpus):
 
 @pytest.mark.slow
 def test_under_torchrun_each_rank_runs_its_own_worker(tmp_path):
-    from test_distributed import run_torchrun  # (the same ranks, loaders and shards)
+    from dist_worker import emitted  # (the loaders and shards of test_distributed)
+    from test_distributed import run_torchrun
     files = [[f"{s}-{i} " + "ab" * (i % 17) for i in range(40)] for s in range(3)]
     write_shards(tmp_path / "data", files, row_group_size=5)
-    threads = run_torchrun(2, tmp_path / "data", tmp_path / "threads.json", num_batches=20)
     os.environ["NANOCHAT_LOADER_WORKERS"] = "1"
     try:
         workers = run_torchrun(2, tmp_path / "data", tmp_path / "workers.json", num_batches=20)
     finally:
         os.environ["NANOCHAT_LOADER_WORKERS"] = "0"
+    # each rank's batches on threads, made here
+    threads = [json.loads(json.dumps(emitted(str(tmp_path / "data"), 20, rank=rank, world_size=2)))
+               for rank in range(2)]
     assert [r["workers"] for r in threads] == [[False, False]] * 2
     assert [r["workers"] for r in workers] == [[True, True]] * 2
     for r in threads + workers:
