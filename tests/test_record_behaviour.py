@@ -21,8 +21,9 @@ FIRST = ("bestfit train data=parquet B=2 T=32 buffer_size=8 tokenizer_batch_size
 
 def record(paths_and_seeds) -> None:
     """Recordings made side by side, each by its own process with its own hash seed."""
-    runs = [subprocess.Popen([sys.executable, "-m", "scripts.record_behaviour", "record", str(path)],
-                             cwd=REPO_ROOT, env=dict(worker_env(), PYTHONHASHSEED=str(seed)),
+    command = [sys.executable, "-m", "scripts.record_behaviour", "record"]
+    runs = [subprocess.Popen(command + [str(path)], cwd=REPO_ROOT,
+                             env=dict(worker_env(), PYTHONHASHSEED=str(seed)),
                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
             for path, seed in paths_and_seeds]
     try:

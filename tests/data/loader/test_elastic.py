@@ -1,12 +1,13 @@
 """
-Elastic resume: N ranks train for a while and each saves its state (made here, one rank after the
+Elastic resume: N ranks train for a while and each saves its state (here, one rank after the
 other); merge_states turns the N states into the start of M ranks (2 -> 3 and 4 -> 2); the M ranks
-resume as real processes (torchrun, gloo, CPU), also with shuffle=True. Every document of the interrupted epoch(s) is placed into a
-row exactly once across the old and the new ranks (a cropped document counts as placed) or still
-waits in exactly one new rank's buffer (best-fit may keep a small document waiting for a long
-time), never both and never twice; checked on the documents' positions and, independently, on the
-tokens of the rows. And the deal itself on hand-made states, with the exact plans each new rank
-gets. Run: python -m pytest tests/data/loader/test_elastic.py -q (~20 s)
+resume as real processes (torchrun, gloo, CPU), also with shuffle=True. Every document of the
+interrupted epoch(s) is placed into a row exactly once across the old and the new ranks (a cropped
+document counts as placed) or still waits in exactly one new rank's buffer (best-fit may keep a
+small document waiting for a long time), never both and never twice; checked on the documents'
+positions and, independently, on the tokens of the rows. And the deal itself on hand-made states,
+with the exact plans each new rank gets.
+Run: python -m pytest tests/data/loader/test_elastic.py -q (~20 s)
 """
 
 import json
