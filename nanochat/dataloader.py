@@ -17,7 +17,7 @@ from typing import Any, NamedTuple
 
 from nanochat.data.base.checks import (Streaming, check_int, check_options, check_shuffle,
                                        check_stream, resolve_rank, resolve_tokenizer_processes,
-                                       resolve_workers)
+                                       resolve_tokenizer_threads, resolve_workers)
 from nanochat.data.base.packing import check_long_doc_policy
 from nanochat.data.base.state import loader_config, tokenizer_fingerprint
 from nanochat.data.fetch.limits import Limits
@@ -34,7 +34,7 @@ from nanochat.data.base.datasets import split_parquet_files
 
 
 def tokenizing_distributed_data_loader_with_state_bos_bestfit(
-        tokenizer, B: int, T: int, split: str, tokenizer_threads: int = 4,
+        tokenizer, B: int, T: int, split: str, tokenizer_threads: int | None = None,
         tokenizer_batch_size: int = 128, device="cuda", resume_state_dict: dict | None = None,
         buffer_size: int = 1000, *, data_dir: str | None = None, rank: int | None = None,
         world_size: int | None = None, prefetch: int = 4, with_state: bool = True,
@@ -62,7 +62,8 @@ def tokenizing_distributed_data_loader_with_state_bos_bestfit(
     tokenizer_processes: processes the worker tokenizes on, each with its own copy of the
     tokenizer (0: the tokenizer's threads, tokenizer_threads of them). Default: the CPUs this rank
     may use (affinity mask / LOCAL_WORLD_SIZE) less one for the trainer, when that is at least 2.
-    Batches are the same at any count (docs/loaders.md).
+    tokenizer_threads: default, the same count, from 1 to 4. Batches are the same at any count
+    (docs/loaders.md).
     attention_info: also yield a dict of doc_ids, position_ids and cu_seqlens (padded to
     B * max_docs_per_row + 1; default bound T).
     long_doc_policy: tokens that do not fit a row are "crop"ped (nanochat's way: about a third at
@@ -87,7 +88,7 @@ def tokenizing_distributed_data_loader_bos_bestfit(*args, **kwargs):
 
 
 def tokenizing_distributed_data_loader_with_state(
-        tokenizer, B: int, T: int, split: str, tokenizer_threads: int = 4,
+        tokenizer, B: int, T: int, split: str, tokenizer_threads: int | None = None,
         tokenizer_batch_size: int = 128, device="cuda", resume_state_dict: dict | None = None, *,
         data_dir: str | None = None, rank: int | None = None, world_size: int | None = None,
         prefetch: int = 4, with_state: bool = True, allow_state_mismatch: bool = False,
@@ -158,7 +159,7 @@ class ParquetCall(NamedTuple):
     B: int
     T: int
     split: str
-    tokenizer_threads: int
+    tokenizer_threads: int | None
     tokenizer_batch_size: int
     device: Any
     resume_state_dict: dict | None
@@ -240,6 +241,7 @@ def _tokenizing_spec(kind: str, call: ParquetCall) -> LoaderSpec:
     max_docs = _max_docs(call.attention_info, call.max_docs_per_row, T)
     check_options(B, T, call.split, call.prefetch, tokenizer_threads=call.tokenizer_threads,
                   tokenizer_batch_size=call.tokenizer_batch_size, buffer_size=buffer_size)
+    threads = resolve_tokenizer_threads(call.tokenizer_threads)
     policy = None
     if kind == "bestfit":
         if buffer_size is None:
@@ -265,7 +267,7 @@ def _tokenizing_spec(kind: str, call: ParquetCall) -> LoaderSpec:
                            tokenizer=tokenizer_fingerprint(tokenizer), rank=rank,
                            world_size=world_size, policy=policy, shuffle=shuffle,
                            sizes=reader.sizes)
-    return LoaderSpec(kind=kind, reader=reader, encoder=Encoder(tokenizer, call.tokenizer_threads),
+    return LoaderSpec(kind=kind, reader=reader, encoder=Encoder(tokenizer, threads),
                       config=config, rank=rank, world_size=world_size, batch_size=batch_size,
                       B=B, T=T, buffer_size=buffer_size, shuffle=shuffle,
                       allow_state_mismatch=call.allow_state_mismatch, stream=stream,

@@ -5,10 +5,11 @@ For each set of cores (1, then every core here, or --cores), one fresh process p
 the host's drift falls on every side alike (medians of --rounds):
 - the tokenizer alone: encode(texts, num_threads=cores) over the document batches (tiktoken's own
   threads), for our tokenizer (encode_to_arrays) and one that returns lists (as nanochat's);
-- the public loader in its worker (B=32, T=2048) tokenizing on threads (tokenizer_processes=0), on
-  as many processes as cores, and with the default (cores less one for the trainer, from 2): tokens
-  emitted per second, and tokens tokenized per second (best-fit crops about a third of what it
-  tokenizes at T=2048), the one to hold against the tokenizer alone;
+- the public loader in its worker (B=32, T=2048) tokenizing on threads (tokenizer_processes=0,
+  tokenizer_threads=4), on as many processes as cores, and with the default (cores less one for
+  the trainer: processes from 2, else threads): tokens emitted per second, and tokens tokenized per
+  second (best-fit crops about a third of what it tokenizes at T=2048), the one to hold against the
+  tokenizer alone;
 - the serial part: CPU seconds per million tokens tokenized of the loader's own process (its
   threads read, send texts out, take documents back, pack and write the rows), its tokenizing
   processes not included.
@@ -57,13 +58,13 @@ def tokenizer_alone(tokenizer, text_batches, cores: int) -> float:
     return tokens / (time.perf_counter() - start)
 
 
-def loader_rate(tokenizer, data_dir: str, batches: int, processes: int | None) -> dict:
+def loader_rate(tokenizer, data_dir: str, batches: int, **settings) -> dict:
     """The public loader in its worker, over `batches` batches after the first (start-up) few:
     tokens emitted and tokens tokenized per second (best-fit crops some of what it tokenizes), and
     the loader process's CPU seconds per million tokens tokenized."""
     loader = tokenizing_distributed_data_loader_with_state_bos_bestfit(
         tokenizer, B, T, "train", device="cpu", data_dir=data_dir, rank=0, world_size=1,
-        workers=1, tokenizer_processes=processes, tokenizer_batch_size=TOKENIZER_BATCH)
+        workers=1, tokenizer_batch_size=TOKENIZER_BATCH, **settings)
     try:
         for _ in range(3):  # start-up: the worker, its processes, the buffer's first fill
             next(loader)
@@ -92,8 +93,10 @@ def measure(cores: int, data_dir: str, tokenizer_dir: str, batches: int, rounds:
         for _ in range(rounds):
             runs["alone"].append(tokenizer_alone(tokenizer, text_batches, cores))
             runs["one_thread"].append(tokenizer_alone(tokenizer, text_batches[:60], 1))
-            for label, processes in (("threads", 0), ("processes", cores), ("default", None)):
-                runs[label].append(loader_rate(tokenizer, data_dir, batches, processes))
+            for label, settings in (("threads", dict(tokenizer_processes=0, tokenizer_threads=4)),
+                                    ("processes", dict(tokenizer_processes=cores)),
+                                    ("default", {})):
+                runs[label].append(loader_rate(tokenizer, data_dir, batches, **settings))
         found[name] = {label: (statistics.median(values) if label in ("alone", "one_thread")
                                else {key: statistics.median(run[key] for run in values)
                                      for key in values[0]})
@@ -142,7 +145,7 @@ def report(results: dict) -> None:
         print(f"\n{name}: M tokens/s by cores (medians); tokenized by the loader / the tokenizer "
               "alone on the same cores; emitted against one core's best")
         print("cores  alone  threads  processes  default  | processes: tokenized  /alone  "
-              "scale  serial s/M")
+              "scale  serial s/M | default: /alone")
         one_core = results[first][name]
         base = max(one_core["processes"]["emitted"], one_core["threads"]["emitted"])
         for cores, found in sorted(results.items()):
@@ -151,7 +154,8 @@ def report(results: dict) -> None:
             print(f"{cores:5d} {one['alone'] / 1e6:6.2f} {one['threads']['emitted'] / 1e6:8.2f} "
                   f"{rate['emitted'] / 1e6:10.2f} {one['default']['emitted'] / 1e6:8.2f}  | "
                   f"{rate['tokenized'] / 1e6:20.2f} {rate['tokenized'] / one['alone']:7.2f} "
-                  f"{rate['emitted'] / base:6.2f} {rate['serial']:11.3f}")
+                  f"{rate['emitted'] / base:6.2f} {rate['serial']:11.3f} | "
+                  f"{one['default']['tokenized'] / one['alone']:15.2f}")
         last = results[max(results)][name]
         per_process, serial = last["one_thread"], last["processes"]["serial"]
         predicted = ", ".join(

@@ -25,6 +25,8 @@ from nanochat.data.base.shuffle import Shuffle
 # below this, a rank's spare CPUs tokenize on threads: one process costs its pickling and gains
 # little over the tokenizer's own threads (docs/loaders.md, the measurement)
 MIN_TOKENIZER_PROCESSES = 2
+# the most tokenizer threads by default (nanochat's 4): past 2-4, they only fight over the GIL
+MAX_TOKENIZER_THREADS = 4
 
 
 def is_int(value, numpy: bool = False) -> bool:
@@ -111,6 +113,17 @@ def resolve_tokenizer_processes(processes: int | None, workers: int) -> int:
         raise ValueError(f"tokenizer_processes={processes} needs the loader's worker process: "
                          "pass workers=1 (the default) and prefetch > 0, or tokenizer_processes=0")
     return processes
+
+
+def resolve_tokenizer_threads(threads: int | None) -> int:
+    """Threads a loader tokenizes on when it does not use processes: the argument, else the CPUs
+    this rank may use less one for the trainer, from 1 to MAX_TOKENIZER_THREADS. On a rank of 1
+    or 2 CPUs that is one thread: more take the trainer's core and, on one core, slow the
+    tokenizing itself (docs/benchmarks.md, tokenizing by cores)."""
+    if threads is not None:
+        return check_int("tokenizer_threads", threads, 1)
+    share = len(os.sched_getaffinity(0)) // local_ranks()
+    return min(MAX_TOKENIZER_THREADS, max(1, share - 1))
 
 
 def local_ranks() -> int:

@@ -1,6 +1,7 @@
 """
 Tests for tokenizing on processes (nanochat/data/loader/tokenize_procs.py) and the rule that sizes
-them (nanochat/data/base/checks.py's resolve_tokenizer_processes): batches and states are the same,
+them (nanochat/data/base/checks.py's resolve_tokenizer_processes, and resolve_tokenizer_threads
+for a loader that tokenizes on threads): batches and states are the same,
 token for token, at every count of processes and with the tokenizer's threads, for a tokenizer that
 returns arrays (ours) and one that returns lists (as nanochat's); a resume taken at one count goes
 on exactly at another; a tokenizing process that dies ends the loader with an error that says so,
@@ -16,7 +17,8 @@ import pytest
 
 from conftest import (ByteArrayTokenizer, ByteTokenizer, assert_same_batches, outcome,
                       take_batches)
-from nanochat.data.base.checks import MIN_TOKENIZER_PROCESSES, resolve_tokenizer_processes
+from nanochat.data.base.checks import (MAX_TOKENIZER_THREADS, MIN_TOKENIZER_PROCESSES,
+                                      resolve_tokenizer_processes, resolve_tokenizer_threads)
 from nanochat.data.loader.order import DocBatch
 from nanochat.data.loader.rows import Encoder, token_batches
 from nanochat.data.loader.tokenize_procs import IN_FLIGHT, encoded_on_processes
@@ -175,6 +177,49 @@ def test_the_argument_overrides_the_default_and_is_checked(monkeypatch):
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "zero")
     with pytest.raises(ValueError, match="LOCAL_WORLD_SIZE"):
         resolve_tokenizer_processes(None, workers=1)
+
+
+@pytest.mark.parametrize("cpus, local_ranks, expected", [
+    (1, None, 1), (2, None, 1), (3, None, 2), (4, None, 3), (5, None, 4), (128, None, 4),
+    (16, "8", 1), (24, "8", 2)])
+def test_threads_default_to_the_ranks_share_less_one_from_1_to_4(cpus, local_ranks, expected,
+                                                                 monkeypatch):
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(cpus)))
+    if local_ranks is None:
+        monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    else:
+        monkeypatch.setenv("LOCAL_WORLD_SIZE", local_ranks)
+    assert resolve_tokenizer_threads(None) == expected <= MAX_TOKENIZER_THREADS
+    assert resolve_tokenizer_threads(7) == 7  # the argument first
+    for bad in (0, -1, "2", 1.5, True):
+        with pytest.raises(ValueError, match="tokenizer_threads"):
+            resolve_tokenizer_threads(bad)
+
+
+class ThreadsTokenizer(ByteTokenizer):
+    """Says how many threads each call for a batch of documents was given (the state's one-text
+    probe asks for 1)."""
+
+    def __init__(self):
+        self.asked = set()
+
+    def encode(self, texts, prepend=None, num_threads=1):
+        if len(texts) > 1:
+            self.asked.add(num_threads)
+        return super().encode(texts, prepend=prepend, num_threads=num_threads)
+
+
+@pytest.mark.parametrize("cpus, argument, expected", [(2, None, 1), (5, None, 4), (2, 3, 3)])
+def test_a_loader_on_threads_calls_the_tokenizer_with_the_sized_threads(cpus, argument, expected,
+                                                                        parquet_dir,
+                                                                        monkeypatch):
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(cpus)))
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    tokenizer = ThreadsTokenizer()
+    loader = _loader(tokenizer, parquet_dir, workers=0, tokenizer_threads=argument)
+    take_batches(loader, 3)
+    loader.close()
+    assert tokenizer.asked == {expected}
 
 
 def test_the_environment_sets_the_default(monkeypatch):
