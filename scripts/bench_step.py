@@ -13,7 +13,8 @@ the gen-2 garbage collections in the trainer process. Each run is a fresh proces
 Loaders: none (prebuilt batches); nanochat's algorithm in the caller (tests/oracle.py's best-fit,
 rows made a tensor, as nanochat's loader runs); ours on threads of the trainer's process
 (workers=0); and each of ours as it runs by default, in a worker process: tokenizing best-fit,
-concatenating, streamed from a local HTTP server, pretokenized, and a mixture of two buckets. The
+concatenating, streamed from a local HTTP server, pretokenized, and a mixture of two buckets; and
+"spin": no loader, but a process at niceness 19 that only spins beside the trainer. The
 tokenizing ones run with our tokenizer and with one whose encode returns lists (as nanochat's).
 The corpus and the tokenizer are scripts/bench_dataloader.py's. Speed is a measurement here,
 never a test assertion.
@@ -51,7 +52,7 @@ TOKENIZERS = ("ours", "lists")
 # (loader, tokenizer) in the order the tables show them; "-": the loader takes no tokenizer
 CONFIGS = ([("none", "-")] + [(loader, tokenizer) for tokenizer in TOKENIZERS
                               for loader in ("nanochat", "threads", "bestfit", "concat", "stream")]
-           + [("pretokenized", "-"), ("mixture", "-")])
+           + [("pretokenized", "-"), ("mixture", "-"), ("spin", "-")])
 
 
 # -----------------------------------------------------------------------------
@@ -106,7 +107,30 @@ def make_loader(kind: str, tokenizer, args):
                 yield buffer[:B * T].view(B, T), buffer[B * T:].view(B, T), state
         return on_cuda() if torch.device(device).type == "cuda" else rows()
     prebuilt = torch.zeros(B, T, dtype=torch.long, device=device)
+    if kind == "spin":
+        return Spinner(prebuilt)
     return iter(lambda: (prebuilt, prebuilt, {}), None)
+
+
+class Spinner:
+    """Prebuilt batches, and beside the trainer a process that only spins, at niceness 19 as the
+    worker: what any work on another core costs the step on this machine."""
+
+    def __init__(self, batch):
+        self.batch = batch
+        self.process = subprocess.Popen(
+            [sys.executable, "-c", "import os\nos.nice(19)\nwhile True:\n    pass"])
+        self.worker_pid = self.process.pid  # (its CPU goes in the worker's column)
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        return self.batch, self.batch, {}
+
+    def close(self):
+        self.process.kill()
+        self.process.wait()
 
 
 def child(config: dict) -> dict:

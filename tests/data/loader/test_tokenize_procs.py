@@ -150,16 +150,21 @@ def test_a_tokenizing_process_killed_ends_the_loader_with_an_error(tokenizer_dir
 # How many: the CPUs this rank may use, less one for the trainer
 
 
-@pytest.mark.parametrize("cpus, local_ranks, expected", [
-    (16, None, 15), (16, "1", 15), (128, "8", 15), (64, "4", 15), (16, "8", 0), (3, None, 2),
-    (2, None, 0), (1, None, 0), (24, "2", 11)])
-def test_the_default_is_the_ranks_share_of_the_cpus_less_one(cpus, local_ranks, expected,
-                                                             monkeypatch):
+def a_machine(monkeypatch, cpus: int, local_ranks: str | None) -> None:
+    """This rank may use `cpus` CPUs, on a machine of `local_ranks` ranks (None: not torchrun)."""
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(cpus)))
     if local_ranks is None:
         monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
     else:
         monkeypatch.setenv("LOCAL_WORLD_SIZE", local_ranks)
+
+
+@pytest.mark.parametrize("cpus, local_ranks, expected", [
+    (16, None, 15), (16, "1", 15), (128, "8", 15), (64, "4", 15), (16, "8", 0), (3, None, 2),
+    (2, None, 0), (1, None, 0), (24, "2", 11)])
+def test_the_default_is_the_ranks_share_of_the_cpus_less_one(cpus, local_ranks, expected,
+                                                             monkeypatch):
+    a_machine(monkeypatch, cpus, local_ranks)
     assert resolve_tokenizer_processes(None, workers=1) == expected
     assert expected == 0 or expected >= MIN_TOKENIZER_PROCESSES
     assert resolve_tokenizer_processes(None, workers=0) == 0  # in the caller: threads only
@@ -184,11 +189,7 @@ def test_the_argument_overrides_the_default_and_is_checked(monkeypatch):
     (16, "8", 1), (24, "8", 2)])
 def test_threads_default_to_the_ranks_share_less_one_from_1_to_4(cpus, local_ranks, expected,
                                                                  monkeypatch):
-    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(cpus)))
-    if local_ranks is None:
-        monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
-    else:
-        monkeypatch.setenv("LOCAL_WORLD_SIZE", local_ranks)
+    a_machine(monkeypatch, cpus, local_ranks)
     assert resolve_tokenizer_threads(None) == expected <= MAX_TOKENIZER_THREADS
     assert resolve_tokenizer_threads(7) == 7  # the argument first
     for bad in (0, -1, "2", 1.5, True):
@@ -213,8 +214,7 @@ class ThreadsTokenizer(ByteTokenizer):
 def test_a_loader_on_threads_calls_the_tokenizer_with_the_sized_threads(cpus, argument, expected,
                                                                         parquet_dir,
                                                                         monkeypatch):
-    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(cpus)))
-    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    a_machine(monkeypatch, cpus, None)
     tokenizer = ThreadsTokenizer()
     loader = _loader(tokenizer, parquet_dir, workers=0, tokenizer_threads=argument)
     take_batches(loader, 3)
