@@ -62,8 +62,8 @@ def tokenizing_distributed_data_loader_with_state_bos_bestfit(
     tokenizer_processes: processes the worker tokenizes on, each with its own copy of the
     tokenizer (0: the tokenizer's threads, tokenizer_threads of them). Default: the CPUs this rank
     may use (affinity mask / LOCAL_WORLD_SIZE) less one for the trainer, when that is at least 2.
-    tokenizer_threads: default, the same count, from 1 to 4. Batches are the same at any count
-    (docs/loaders.md).
+    tokenizer_threads: on threads, how many: default, the rank's share less one, from 1 to 4.
+    Batches are the same at any count (docs/loaders.md).
     attention_info: also yield a dict of doc_ids, position_ids and cu_seqlens (padded to
     B * max_docs_per_row + 1; default bound T).
     long_doc_policy: tokens that do not fit a row are "crop"ped (nanochat's way: about a third at

@@ -70,16 +70,18 @@ def python_work(iterations: int) -> int:
 def make_loader(kind: str, tokenizer, args):
     """An iterator of (inputs, targets, state) of one kind."""
     B, T, data_dir, device = args.B, args.T, args.data_dir, args.device
+    threads = args.tokenizer_threads  # (None: the loader's default)
     if kind in ("bestfit", "threads"):  # threads: workers=0; the others: the default, a worker
         return tokenizing_distributed_data_loader_with_state_bos_bestfit(
             tokenizer, B, T, "train", device=device, data_dir=data_dir,
-            workers=0 if kind == "threads" else None)
+            workers=0 if kind == "threads" else None, tokenizer_threads=threads)
     if kind == "concat":
-        return tokenizing_distributed_data_loader_with_state(tokenizer, B, T, "train",
-                                                             device=device, data_dir=data_dir)
+        return tokenizing_distributed_data_loader_with_state(
+            tokenizer, B, T, "train", device=device, data_dir=data_dir, tokenizer_threads=threads)
     if kind == "stream":
         return tokenizing_distributed_data_loader_with_state_bos_bestfit(
             tokenizer, B, T, "train", device=device, stream=True, base_url=args.url,
+            tokenizer_threads=threads,
             num_shards=len(split_parquet_files("train", data_dir)),
             data_dir=tempfile.mkdtemp(prefix="nanochat-bench-step-cache-"))
     # (pretokenize_file writes no pretokenize.json: the BOS and vocabulary are the tokenizer's)
@@ -119,7 +121,8 @@ class Spinner:
     def __init__(self, batch):
         self.batch = batch
         self.process = subprocess.Popen(
-            [sys.executable, "-c", "import os\nos.nice(19)\nwhile True:\n    pass"])
+            [sys.executable, "-c", f"import os\nos.nice(19)\nwhile os.getppid() == {os.getpid()}:"
+                                   "\n    pass"])  # (it ends with the run, however that ends)
         self.worker_pid = self.process.pid  # (its CPU goes in the worker's column)
 
     def __iter__(self):
@@ -158,15 +161,17 @@ def child(config: dict) -> dict:
             torch.cuda.synchronize()
         return t1 - t0, time.perf_counter() - t2, time.perf_counter() - t0
 
-    for _ in range(args.warmup):  # (the loader's first buffer fill, read-ahead)
-        step()
-    gc.callbacks.append(count)
-    cpu0 = cpu_seconds(os.getpid()), cpu_seconds(getattr(loader, "worker_pid", None))
-    figures = [step() for _ in range(args.steps)]
-    cpu1 = cpu_seconds(os.getpid()), cpu_seconds(getattr(loader, "worker_pid", None))
-    gc.callbacks.remove(count)
-    if hasattr(loader, "close"):
-        loader.close()
+    try:
+        for _ in range(args.warmup):  # (the loader's first buffer fill, read-ahead)
+            step()
+        gc.callbacks.append(count)
+        cpu0 = cpu_seconds(os.getpid()), cpu_seconds(getattr(loader, "worker_pid", None))
+        figures = [step() for _ in range(args.steps)]
+        cpu1 = cpu_seconds(os.getpid()), cpu_seconds(getattr(loader, "worker_pid", None))
+        gc.callbacks.remove(count)
+    finally:
+        if hasattr(loader, "close"):
+            loader.close()
     python, wait, total = (np.array(column) * 1e3 for column in zip(*figures))
     return {"python_ms": float(np.mean(python)), "step_ms": float(np.mean(total)),
             "wait_p50": float(np.percentile(wait, 50)), "wait_p99": float(np.percentile(wait, 99)),
@@ -210,6 +215,9 @@ def main(argv=None) -> int:
     parser.add_argument("--B", type=int, default=32)
     parser.add_argument("--T", type=int, default=2048)
     parser.add_argument("--num-docs", type=int, default=12_000)
+    parser.add_argument("--tokenizer-threads", type=int, default=None,
+                        help="the tokenizing loaders' tokenizer_threads (default: theirs, the "
+                             "rank's CPUs less one, from 1 to 4)")
     parser.add_argument("--device", default="cpu",
                         help="where every loader yields, and the prebuilt batches live: cpu, cuda")
     parser.add_argument("--only", nargs="+", metavar="LOADER[:TOKENIZER]",
@@ -244,6 +252,7 @@ def main(argv=None) -> int:
         for pg in args.pg:
             P, G = (float(x) for x in pg.split(","))
             base = dict(B=args.B, T=args.T, device=args.device, steps=args.steps,
+                        tokenizer_threads=args.tokenizer_threads,
                         warmup=args.warmup, P=P, G=G, iterations=calibrate(P),
                         url=server.url) | data
             results = {config: [] for config in configs}

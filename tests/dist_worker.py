@@ -62,7 +62,7 @@ def emitted(data_dir: str, num_batches: int, **where) -> dict:
         states.append(state)
     workers.append(loader.worker_pid is not None)
     loader.close()
-    rank = where["rank"] if where else get_dist_info()[1]
+    rank = where.get("rank", get_dist_info()[1])
     return {"rank": rank, "concat_stream": concat_stream, "bestfit_rows": rows, "states": states,
             "workers": workers}
 

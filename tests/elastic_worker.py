@@ -60,7 +60,7 @@ def run_rank(mode: str, data_dir: str, num_batches: int, resume=None, shuffle=Fa
             if extra == 0:
                 break
     loader.close()
-    rank = where["rank"] if where else dist.get_rank()
+    rank = where["rank"] if "rank" in where else dist.get_rank()
     return {"rank": rank, "rows": rows, "placed": placed, "state": state, "batches": step + 1}
 
 

@@ -71,6 +71,7 @@ def train_side_by_side(corpus, tmp_path, runs: dict) -> dict:
     finally:
         for run in started.values():
             run.kill()
+            run.wait()
     return logs
 
 

@@ -33,6 +33,7 @@ def record(paths_and_seeds) -> None:
     finally:
         for run in runs:
             run.kill()
+            run.wait()
 
 
 @pytest.fixture(scope="module")

@@ -106,8 +106,8 @@ def resolve_tokenizer_processes(processes: int | None, workers: int) -> int:
         processes = _env_count("NANOCHAT_TOKENIZER_PROCESSES", 0, " (0: tokenize on threads)")
         return processes if workers else 0  # (a loader in the caller tokenizes on threads)
     if processes is None:
-        share = len(os.sched_getaffinity(0)) // local_ranks()
-        return share - 1 if workers and share - 1 >= MIN_TOKENIZER_PROCESSES else 0
+        spare = rank_cpus() - 1  # (one for the trainer)
+        return spare if workers and spare >= MIN_TOKENIZER_PROCESSES else 0
     check_int("tokenizer_processes", processes, 0, hint=" (0: tokenize on threads)")
     if processes and not workers:
         raise ValueError(f"tokenizer_processes={processes} needs the loader's worker process: "
@@ -122,8 +122,13 @@ def resolve_tokenizer_threads(threads: int | None) -> int:
     tokenizing itself (docs/benchmarks.md, tokenizing by cores)."""
     if threads is not None:
         return check_int("tokenizer_threads", threads, 1)
-    share = len(os.sched_getaffinity(0)) // local_ranks()
-    return min(MAX_TOKENIZER_THREADS, max(1, share - 1))
+    return min(MAX_TOKENIZER_THREADS, max(1, rank_cpus() - 1))
+
+
+def rank_cpus() -> int:
+    """The CPUs this rank may use: its affinity mask (taskset, a cpuset, a scheduler's binding),
+    shared among the machine's ranks."""
+    return len(os.sched_getaffinity(0)) // local_ranks()
 
 
 def local_ranks() -> int:

@@ -81,8 +81,9 @@ def test_elastic_resume_places_every_document_once(n_old, n_new, old_batches, sh
     write_shard(data_dir / "shard_00003.parquet", ["val"], row_group_size=1)
 
     # the old ranks here, one after the other; the new ones under torchrun
-    old = [run_rank("old", str(data_dir), old_batches, shuffle=shuffle, rank=rank,
-                    world_size=n_old) for rank in range(n_old)]
+    # (through JSON, as the torchrun ranks' results, and as a checkpoint keeps a state)
+    old = json.loads(json.dumps([run_rank("old", str(data_dir), old_batches, shuffle=shuffle,
+                                          rank=rank, world_size=n_old) for rank in range(n_old)]))
     states = [r["state"] for r in old]
     merged = merge_states(states, n_new, data_dir=str(data_dir))
     json.dumps(merged)  # plain data, like every state

@@ -305,7 +305,7 @@ def test_status_while_next_waits_and_a_dropped_loader_waits_for_nothing(corpus, 
     # a loader dropped without close() while its worker is inside a long call
     loader = LOADERS["bestfit"](corpus, workers=1, tokenizer=SlowTokenizer(fast=1),
                                 tokenizer_batch_size=64)
-    next(loader)  # from the first call's 64 documents; the calls after it take 5 s
+    next(loader)  # from the first call's documents; the calls after it take 5 s
     time.sleep(0.5)
     pid = loader.worker_pid
 

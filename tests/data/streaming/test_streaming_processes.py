@@ -188,13 +188,14 @@ def test_ranks_of_one_machine_download_each_shard_once_within_the_budget(tmp_pat
 @pytest.mark.slow
 def test_local_ranks_that_drift_apart_download_each_shard_once(tmp_path):
     """3 ranks, 10 row groups per shard: rank 0 reads 4 of each shard, ranks 1 and 2 read 3, so
-    ranks 1 and 2 move through the shards faster and drift ~16 shards ahead in 200 steps. With a
-    budget that holds the drift, each shard is downloaded once: eviction spares what the lagging
-    rank reads soon (its `later` in the ledger), not only what it needs now."""
+    ranks 1 and 2 move through the shards faster and drift ~17 shards ahead in 200 steps. With a
+    budget that holds the drift and what the ranks read (30 shards; scripts/bench_drift), each
+    shard is downloaded once: eviction spares what the lagging rank reads soon (its `later` in the
+    ledger), not only what it needs now."""
     hosted, out = tmp_path / "hosted", tmp_path / "out"
     names = host_shards(hosted, 80, equal_docs(40, 20), row_group_size=4)
     out.mkdir()
-    limit = 25 * max(shards_in(hosted)[name] for name in names)
+    limit = 30 * max(shards_in(hosted)[name] for name in names)
     server = ShardServer(str(hosted))
     try:
         cmd = [*TORCHRUN, "--standalone", "--nproc-per-node=3",
@@ -209,7 +210,7 @@ def test_local_ranks_that_drift_apart_download_each_shard_once(tmp_path):
             for rank in range(3)]
     assert read[1][-1] - read[0][-1] >= 15  # they drifted apart (more than the 6 it needs)
     assert read[0] == [line["state"]["pq_idx"] for line in on_disk(hosted, 200, 0, 3)]
-    assert len(set(fetched)) > 50  # every shard read, and evictions: 25 of them fit
+    assert len(set(fetched)) > 50  # every shard read, and evictions: 30 of them fit
     assert sorted(fetched) == sorted(set(fetched))  # none downloaded twice
 
 
