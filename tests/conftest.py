@@ -26,6 +26,7 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
+from byte_tokenizers import ByteArrayTokenizer, ByteTokenizer  # noqa: F401 (for the tests)
 from nanochat.data.base import datasets
 from nanochat.data.base.datasets import get_data_dir, index_to_filename
 from nanochat.data.fetch import stores
@@ -119,36 +120,6 @@ def tokenizer_dir(tmp_path_factory, request):
     path = str(tmp_path_factory.mktemp("tokenizer"))
     RustBPETokenizer.train_from_iterator(iter(texts), 300).save(path)
     return path
-
-
-class ByteTokenizer:
-    """A stand-in for tests about packing, not BPE: one token per UTF-8 byte, BOS = 256."""
-
-    bos = 256
-
-    def get_bos_token_id(self):
-        return self.bos
-
-    def get_vocab_size(self):
-        return 257
-
-    def encode(self, texts, prepend=None, num_threads=1):
-        def one(text):
-            ids = list(text.encode("utf-8"))
-            return ([prepend] if prepend is not None else []) + ids
-        if isinstance(texts, str):
-            return one(texts)
-        return [one(t) for t in texts]
-
-    def decode(self, ids):
-        return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
-
-
-class ByteArrayTokenizer(ByteTokenizer):
-    """ByteTokenizer with encode_to_arrays (uint32 arrays), as pretokenize asks of a tokenizer."""
-
-    def encode_to_arrays(self, texts, prepend=None, num_threads=1):
-        return [np.array(ids, dtype=np.uint32) for ids in self.encode(texts, prepend=prepend)]
 
 
 def cache_bytes(directory) -> int:

@@ -9,7 +9,7 @@ nanochat/dataloader.py; a mixture's buckets: nanochat/mixture.py. Walk-through:
 docs/ARCHITECTURE.md.
 
 Imported only when needed: nanochat.data.streaming.cache (stream=True: the shard cache, and with it
-the downloader).
+the downloader), torch (DeviceBatches: a worker process, which only makes rows, starts without it).
 May import: torch, numpy, nanochat.data.base, nanochat.data.fetch.limits, nanochat.data.loader,
 nanochat.data.streaming.
 """
@@ -25,7 +25,6 @@ from dataclasses import dataclass
 from typing import Any, Callable, NamedTuple
 
 import numpy as np
-import torch
 
 from nanochat.data.base.packing import BestFitPacker, ConcatPacker
 from nanochat.data.base.shuffle import Shuffle
@@ -377,8 +376,7 @@ class DataLoader:
         self._yielded += 1
         out = (inputs, targets, batch.state) if self._with_state else (inputs, targets)
         if self._attention_info:
-            device = self._transfer.device
-            out += ({k: torch.from_numpy(v).to(device) for k, v in batch.info.items()},)
+            out += (self._transfer.info(batch.info),)
         return out
 
     def figures(self) -> LoaderFigures:
@@ -475,34 +473,30 @@ class DeviceBatches:
     event recorded after the copy that last read it (two batches ago), so an in-flight copy never
     reads half-written data. On CPU the staging buffer is the yielded memory; on other devices
     (MPS) nothing is pinned and one blocking copy lands the batch.
+
+    The buffers, and torch with them, come at the first batch (another device than "cpu": at the
+    call, which refuses a missing GPU): a worker process builds a loader on "cpu" and never yields
+    from it, so it starts without torch (~1.2 s sooner).
     """
 
     def __init__(self, B: int, T: int, device):
         self.B, self.T = B, T
-        self.device = torch.device(device)
-        self.cuda = self.device.type == "cuda"
-        if self.cuda and not torch.cuda.is_available():
-            raise ValueError(f"device={device!r} but no CUDA GPU is available; pass device='cpu'")
-        n = 2 * B * T
-        num_staging = 2 if self.cuda else 1
-        self.staging = [torch.empty(n, dtype=torch.long, pin_memory=self.cuda)
-                        for _ in range(num_staging)]
-        self.copied: list = [None] * num_staging  # CUDA events: copy from staging[i] finished
-        if self.device.type == "cpu":
-            self.buffer = self.staging[0]
-        else:
-            self.buffer = torch.empty(n, dtype=torch.long, device=self.device)
+        self.where = device
         self.count = 0
+        self.staging: list | None = None  # made by _buffers()
+        if device != "cpu":
+            self._buffers()
 
-    def __call__(self, inputs: np.ndarray, targets: np.ndarray,
-                 masked=()) -> tuple[torch.Tensor, torch.Tensor]:
+    def __call__(self, inputs: np.ndarray, targets: np.ndarray, masked=()) -> tuple:
         i = self._next_staging()
         write_host_rows(self.staging[i].numpy(), inputs, targets, masked)
         return self._to_device(i)
 
-    def from_host(self, host: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+    def from_host(self, host: np.ndarray) -> tuple:
         """A batch a worker wrote (write_host_rows) into shared memory: on CPU, views of it
         (valid until the next batch, as the staging buffer's are); else copied as any batch."""
+        import torch
+        self._buffers()
         BT = self.B * self.T
         if self.device.type == "cpu":
             flat = torch.from_numpy(host)
@@ -511,18 +505,46 @@ class DeviceBatches:
         np.copyto(self.staging[i].numpy(), host)
         return self._to_device(i)
 
+    def info(self, arrays: dict) -> dict:
+        """A batch's attention_info arrays as tensors on the device."""
+        import torch
+        self._buffers()
+        return {k: torch.from_numpy(v).to(self.device) for k, v in arrays.items()}
+
+    def _buffers(self) -> None:
+        if self.staging is not None:
+            return
+        import torch
+        self.device = torch.device(self.where)
+        self.cuda = self.device.type == "cuda"
+        if self.cuda and not torch.cuda.is_available():
+            raise ValueError(f"device={self.where!r} but no CUDA GPU is available; pass "
+                             "device='cpu'")
+        n = 2 * self.B * self.T
+        num_staging = 2 if self.cuda else 1
+        self.copied: list = [None] * num_staging  # CUDA events: copy from staging[i] finished
+        staging = [torch.empty(n, dtype=torch.long, pin_memory=self.cuda)
+                   for _ in range(num_staging)]
+        if self.device.type == "cpu":
+            self.buffer = staging[0]
+        else:
+            self.buffer = torch.empty(n, dtype=torch.long, device=self.device)
+        self.staging = staging
+
     def _next_staging(self) -> int:
+        self._buffers()
         i = self.count % len(self.staging)
         self.count += 1
         if self.copied[i] is not None:
             self.copied[i].synchronize()
         return i
 
-    def _to_device(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def _to_device(self, i: int) -> tuple:
         BT = self.B * self.T
         if self.buffer is not self.staging[i]:
             self.buffer.copy_(self.staging[i], non_blocking=self.cuda)
             if self.cuda:
+                import torch
                 event = torch.cuda.Event()
                 event.record()
                 self.copied[i] = event

@@ -5,8 +5,9 @@ interpreter, and hands it a Job: the builder and the pickled spec it builds the 
 batch's rows come back through shared memory, the rest of the batch through a pipe; a failure there
 is raised again in the trainer, once. Page: docs/loaders.md.
 
-Cost: one process per loader (its start: ~2 s and ~350 MB, it imports torch), (depth + 1) slots
-of shared memory of 2 * B * T * 8 bytes, and ~0.5 ms of the trainer's time per batch.
+Cost: one process per loader (its start: ~0.4 s, without torch; ~2 s where nanochat's common.py
+imports it), (depth + 1) slots of shared memory of 2 * B * T * 8 bytes, and ~0.5 ms of the
+trainer's time per batch.
 
 May import: the standard library, numpy.
 """
