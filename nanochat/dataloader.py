@@ -239,9 +239,9 @@ def _tokenizing_spec(kind: str, call: ParquetCall) -> LoaderSpec:
     settings = check_stream(call.stream, call.cache_limit, call.prefetch_shards, call.num_shards,
                             shuffle)
     max_docs = _max_docs(call.attention_info, call.max_docs_per_row, T)
-    check_options(B, T, call.split, call.prefetch, tokenizer_threads=call.tokenizer_threads,
+    check_options(B, T, call.split, call.prefetch,
                   tokenizer_batch_size=call.tokenizer_batch_size, buffer_size=buffer_size)
-    threads = resolve_tokenizer_threads(call.tokenizer_threads)
+    threads = resolve_tokenizer_threads(call.tokenizer_threads)  # (checked there)
     policy = None
     if kind == "bestfit":
         if buffer_size is None:
