@@ -9,7 +9,16 @@ cut into overlapping windows, under nanochat's convention ([BOS] + document) or 
 --input may also be a store's address (s3://bucket/prefix, gs://, az://, hf://): each shard is
 downloaded and verified into OUTPUT/.inputs/, tokenized, and removed once its pair is written.
 Cost: one tokenizer pass, several MB of text per second per worker; a rerun skips written pairs.
-The run: nanochat/data/pretokenized/. Design: docs/pretokenized.md, docs/streaming.md (stores).
+
+A job is units of work: whole inputs, and parts of local inputs larger than --unit-mb. They run on
+this machine's processes, shared among ranks (--rank/--world-size, torchrun's or Slurm's
+variables), or as tasks on a Ray cluster (--executor ray). Any other engine drives the same two
+calls, with a job from pretokenize_job():
+
+    units = plan_units(job)                  # checks the output, records its settings
+    results = [tokenize_unit(job, unit) for unit in units]   # anywhere, in any order
+
+The run: nanochat/data/processing/. Design: docs/pretokenized.md, docs/streaming.md (stores).
 
 May import: nanochat.common, nanochat.data.base.cli, nanochat.data.fetch.errors,
 nanochat.data.fetch.stores, nanochat.data.pretokenized, nanochat.data.processing,
@@ -25,18 +34,22 @@ from nanochat.data.fetch import stores
 from nanochat.data.fetch.errors import MissingExtra
 from nanochat.data.base.cli import run
 from nanochat.common import get_dist_info
-from nanochat.data.processing.inputs import local_input
-from nanochat.data.processing.pretokenize_run import PretokenizeRun, run_pretokenize
+from nanochat.data.processing.inputs import UNIT_MB, local_input
+from nanochat.data.processing.pretokenize_run import EXECUTORS, PretokenizeRun, run_pretokenize
+from nanochat.data.processing.slurm import slurm_share
+from nanochat.data.processing.units import PretokenizeJob, plan_units, tokenize_unit
 from nanochat.data.pretokenized.token_shards import CONVENTIONS
 from nanochat.data.processing.windows import check_window_args
 from nanochat.tokenizer import TOKENIZER_FILENAME, RustBPETokenizer, get_tokenizer_dir
 
 LOCK_TIMEOUT = 10.0  # seconds a run waits for another run on its output to finish (--lock-timeout)
 
+__all__ = ["PretokenizeJob", "main", "plan_units", "pretokenize_job", "tokenize_unit"]
+
 
 def main(argv: list[str] | None = None) -> int:
-    """`python -m nanochat.pretokenize --input DIR --output DIR [...]`. Returns 0, or 1 when an
-    input failed (the others are still written). Bad arguments exit through argparse; missing or
+    """`python -m nanochat.pretokenize --input DIR --output DIR [...]`. Returns 0, or 1 when a
+    unit failed (the others are still written). Bad arguments exit through argparse; missing or
     unusable inputs, tokenizer or output settings raise FileNotFoundError / ValueError up front."""
     args, rank, world_size = _parse(argv)
     tokenizer_dir = args.tokenizer_dir or get_tokenizer_dir()
@@ -44,17 +57,44 @@ def main(argv: list[str] | None = None) -> int:
           f"bucket={args.bucket} tokenizer_dir={tokenizer_dir} text_field={args.text_field} "
           f"max_length={args.max_length} overlap_size={args.overlap_size} "
           f"num_workers={args.num_workers} rank={rank} world_size={world_size} "
-          f"convention={args.convention}")
-    tokenizer = RustBPETokenizer.from_directory(tokenizer_dir)
-    pretokenize = PretokenizeRun(
-        inputs=args.input, val_inputs=args.val_input, output=args.output, bucket=args.bucket,
+          f"convention={args.convention} unit_mb={args.unit_mb:g} executor={args.executor}")
+    job = pretokenize_job(args.input, args.output, tokenizer_dir=tokenizer_dir,
+                          val_inputs=args.val_input, bucket=args.bucket,
+                          text_field=args.text_field, max_length=args.max_length,
+                          overlap_size=args.overlap_size, convention=args.convention,
+                          unit_mb=args.unit_mb)
+    return run_pretokenize(PretokenizeRun(
+        job=job, num_workers=args.num_workers, rank=rank, world_size=world_size,
+        lock_timeout=args.lock_timeout, executor=args.executor, ray_address=args.ray_address))
+
+
+def pretokenize_job(inputs: list[str], output: str, *, tokenizer_dir: str | None = None,
+                    val_inputs: list[str] | None = None, bucket: str | None = None,
+                    text_field: str = "text", max_length: int | None = None,
+                    overlap_size: int = 0, convention: str = "nanochat",
+                    unit_mb: float | None = UNIT_MB) -> PretokenizeJob:
+    """The job the command runs, for plan_units and tokenize_unit: the same arguments as its flags
+    (tokenizer_dir: default <base dir>/tokenizer; unit_mb None: never split an input), checked
+    (ValueError). Each process that tokenizes loads the tokenizer from tokenizer_dir once."""
+    if max_length is not None:
+        check_window_args(max_length, overlap_size)
+    elif overlap_size:
+        raise ValueError(f"overlap_size {overlap_size} needs max_length (windowing is off without "
+                         "it)")
+    if convention not in CONVENTIONS:
+        raise ValueError(f"convention must be one of {list(CONVENTIONS)}, got {convention!r}")
+    if unit_mb is not None and not unit_mb > 0:  # written so that NaN fails too
+        raise ValueError(f"unit_mb must be > 0 MB (None: never split), got {unit_mb}")
+    tokenizer_dir = os.path.expanduser(tokenizer_dir or get_tokenizer_dir())
+    return PretokenizeJob(
+        inputs=[local_input(p) for p in inputs], output=os.path.expanduser(output),
+        # each process loads its own tokenizer (a tokenizer does not pickle; this does)
+        load_tokenizer=functools.partial(RustBPETokenizer.from_directory, tokenizer_dir),
         tokenizer_file=os.path.join(tokenizer_dir, TOKENIZER_FILENAME),
-        text_field=args.text_field, max_length=args.max_length, overlap=args.overlap_size,
-        convention=args.convention, num_workers=args.num_workers, rank=rank,
-        world_size=world_size, lock_timeout=args.lock_timeout)
-    # each worker process loads its own tokenizer (a tokenizer does not pickle; this does)
-    load_tokenizer = functools.partial(RustBPETokenizer.from_directory, tokenizer_dir)
-    return run_pretokenize(pretokenize, tokenizer, load_tokenizer)
+        val_inputs=None if val_inputs is None else [local_input(p) for p in val_inputs],
+        bucket=bucket, text_field=text_field, max_length=max_length,
+        overlap=overlap_size if max_length is not None else 0, convention=convention,
+        unit_bytes=None if unit_mb is None else max(1, int(unit_mb * 2**20)))
 
 
 def _parse(argv: list[str] | None) -> tuple[argparse.Namespace, int, int]:
@@ -85,12 +125,33 @@ def _parse(argv: list[str] | None) -> tuple[argparse.Namespace, int, int]:
     args.output = os.path.expanduser(args.output)
     args.tokenizer_dir = (None if args.tokenizer_dir is None
                           else os.path.expanduser(args.tokenizer_dir))
-    _, env_rank, _, env_world_size = get_dist_info()
-    rank = env_rank if args.rank is None else args.rank
-    world_size = env_world_size if args.world_size is None else args.world_size
+    if not args.unit_mb > 0:
+        parser.error(f"--unit-mb must be > 0, got {args.unit_mb}")
+    rank, world_size = _share(args, parser)
     if world_size < 1 or not 0 <= rank < world_size:
         parser.error(f"need 0 <= --rank < --world-size, got rank {rank}, world size {world_size}")
+    if args.executor == "ray" and world_size > 1:
+        parser.error(f"--executor ray runs the whole job as one Ray job, but this process is rank "
+                     f"{rank} of {world_size}: start it once, without --rank/--world-size, "
+                     "torchrun or srun's tasks")
     return args, rank, world_size
+
+
+def _share(args: argparse.Namespace, parser: argparse.ArgumentParser) -> tuple[int, int]:
+    """This process's rank and world size: the flags, else torchrun's RANK/WORLD_SIZE, else
+    Slurm's tasks and array (slurm.py), else 0 of 1."""
+    is_ddp, env_rank, _, env_world_size = get_dist_info()
+    if is_ddp or args.rank is not None or args.world_size is not None:
+        rank = env_rank if args.rank is None else args.rank
+        return rank, env_world_size if args.world_size is None else args.world_size
+    try:
+        share = slurm_share(os.environ)
+    except ValueError as e:
+        parser.error(str(e))
+    if share is None:
+        return 0, 1
+    print(f"Slurm: {share.what}")
+    return share.rank, share.world_size
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -126,9 +187,22 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--num-workers", type=int, default=min(8, os.cpu_count() or 1),
                         help="processes tokenizing input shards in parallel (1: this process)")
     parser.add_argument("--rank", type=int, default=None,
-                        help="this process's share: inputs rank, rank + world_size, ... "
-                             "(default: $RANK or 0)")
-    parser.add_argument("--world-size", type=int, default=None, help="default: $WORLD_SIZE or 1")
+                        help="this process's share: units rank, rank + world_size, ... "
+                             "(default: $RANK, else Slurm's task and array index, else 0)")
+    parser.add_argument("--world-size", type=int, default=None,
+                        help="default: $WORLD_SIZE, else Slurm's tasks times array tasks, else 1")
+    parser.add_argument("--unit-mb", type=float, default=UNIT_MB,
+                        help="split a local input larger than this into units of about this many "
+                             "MB (parquet row groups, jsonl lines), tokenized in parallel and "
+                             "written as NAME.part-K-of-N pairs; a .jsonl.gz and a store's shard "
+                             f"stay whole (default {UNIT_MB})")
+    parser.add_argument("--executor", choices=EXECUTORS, default="local",
+                        help="local: this machine's --num-workers processes (default); ray: "
+                             "every unit as a task on a Ray cluster (pip install "
+                             "'nanochat-data[ray]')")
+    parser.add_argument("--ray-address", default=None,
+                        help="the Ray cluster's address (default: $RAY_ADDRESS, else a new "
+                             "cluster on this machine)")
     parser.add_argument("--lock-timeout", type=float, default=LOCK_TIMEOUT,
                         help="seconds to wait for another run on the same --output (and rank) to "
                              f"finish before giving up (default {LOCK_TIMEOUT:g})")

@@ -16,12 +16,16 @@ May import: the standard library.
 """
 
 import os
+import re
 
 
 SPLITS = ("train", "val")
 LISTING = "index.json"  # <base_url>/index.json: {"files": [{"name": ..., "size": ...}, ...]}
 # text files that `python -m nanochat.dataset repackage` turns into shards
 INPUT_SUFFIXES = (".txt", ".jsonl", ".jsonl.gz", ".parquet")
+
+# part k of n of an input NAME split by pretokenize: its pair is NAME.part-0000k-of-0000n
+PART_SUFFIX = re.compile(r"\.part-(\d{5})-of-(\d{5})$")
 
 # what each kind is, in a message ("... holds X, not Y")
 WHAT = {"parquet": "parquet shards",
@@ -168,16 +172,29 @@ def describe_mismatch(directory: str, wanted: str) -> str | None:
 
 
 def list_token_shards(data_dir: str) -> list[str]:
-    """Sorted prefixes of the complete pairs (an .idx with its .bin) directly in data_dir.
-    Temporary files of a killed run (*.tmp) and a .bin without its .idx are never listed."""
+    """Sorted prefixes of the complete pairs (an .idx with its .bin) directly in data_dir; the
+    parts of a split input in order, where its unsplit pair would sort. Temporary files of a killed
+    run (*.tmp) and a .bin without its .idx are never listed."""
     if not os.path.isdir(data_dir):
         raise FileNotFoundError(f"token shard directory {data_dir} does not exist; write shards "
                                 "first: python -m nanochat.pretokenize --input ... --output ...")
     prefixes = []
-    for name in sorted(os.listdir(data_dir)):
+    for name in sorted(os.listdir(data_dir), key=_pair_order):
         prefix = os.path.join(data_dir, name[:-len(".idx")])
         # isfile: a directory named x.idx is no pair; the .bin check skips a half-deleted one
         if (name.endswith(".idx") and os.path.isfile(prefix + ".idx")
                 and os.path.isfile(prefix + ".bin")):
             prefixes.append(prefix)
     return prefixes
+
+
+def part_name(name: str, part: int, parts: int) -> str:
+    """The pair name of part `part` of `parts` of the input NAME: NAME itself when it is whole."""
+    return name if parts == 1 else f"{name}.part-{part:05d}-of-{parts:05d}"
+
+
+def _pair_order(file: str) -> tuple[str, str]:
+    """The order of a split's files: NAME.part-K-of-N.idx sorts as NAME.idx would, then by K."""
+    stem, dot, suffix = file.rpartition(".")
+    match = PART_SUFFIX.search(stem) if dot else None
+    return (file, "") if match is None else (f"{stem[:match.start()]}.{suffix}", file)

@@ -111,22 +111,28 @@ def read_jsonl_texts(path: str, text_field: str = "text"):
     JSON, or lacks the field, or whose field is not a string is an error naming file and line."""
     opener = gzip.open if path.endswith(".gz") else open
     with opener(path, "rt", encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{path} line {lineno}: invalid JSON ({e.msg})") from None
-            if not isinstance(record, dict) or text_field not in record:
-                keys = sorted(record) if isinstance(record, dict) else type(record).__name__
-                raise ValueError(f"{path} line {lineno}: no {text_field!r} field (found {keys}); "
-                                 "pass the right one with --text-field")
-            text = record[text_field]
-            if not isinstance(text, str):
-                raise ValueError(f"{path} line {lineno}: field {text_field!r} is "
-                                 f"{type(text).__name__}, expected a string")
-            yield text
+        yield from jsonl_texts(f, text_field, lambda lineno: f"{path} line {lineno}")
+
+
+def jsonl_texts(lines, text_field: str, where):
+    """read_jsonl_texts over lines already open (where(lineno) names the line in an error, lineno
+    counted from 1 here)."""
+    for lineno, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{where(lineno)}: invalid JSON ({e.msg})") from None
+        if not isinstance(record, dict) or text_field not in record:
+            keys = sorted(record) if isinstance(record, dict) else type(record).__name__
+            raise ValueError(f"{where(lineno)}: no {text_field!r} field (found {keys}); "
+                             "pass the right one with --text-field")
+        text = record[text_field]
+        if not isinstance(text, str):
+            raise ValueError(f"{where(lineno)}: field {text_field!r} is "
+                             f"{type(text).__name__}, expected a string")
+        yield text
 
 
 def _read_parquet(path: str, text_field: str):

@@ -1,9 +1,13 @@
 """
-A pretokenize run's inputs, and the pair each one becomes.
-List a pretokenize run's inputs and the pair each one becomes: a parquet dataset directory or a
-store's address (its last shard in sorted order is val), or jsonl files and directories of them.
-A store's shard is downloaded to a staging path under OUTPUT/.inputs/ before it is read. Cost: a
-directory listing, or one listing request to the store.
+A pretokenize run's units of work, and the pair each one becomes.
+List a pretokenize run's units of work and the pair each one becomes. The inputs are a parquet
+dataset directory or a store's address (its last shard in sorted order is val), or jsonl files and
+directories of them. A unit is a whole input, or one part of a local input larger than unit_bytes:
+a range of a parquet file's row groups, or of a plain jsonl file's lines. Part k of n of NAME is
+written to NAME.part-0000k-of-0000n, and the loaders read the parts in order at NAME's place
+(base/layout.py). A store's shard is downloaded to a staging path under OUTPUT/.inputs/ before it
+is read. Cost: a directory listing, or one listing request to the store, and the footer of each
+local parquet file larger than unit_bytes.
 
 May import: nanochat.data.fetch, nanochat.data.base.datasets.
 """
@@ -13,7 +17,8 @@ from typing import NamedTuple
 
 from nanochat.data.fetch.address import check_store_address, is_http, join, path_in_store, scheme_of
 from nanochat.data.fetch.listing import read_listing
-from nanochat.data.base.datasets import split_parquet_files
+from nanochat.data.base.datasets import open_parquet, split_parquet_files
+from nanochat.data.base.layout import PART_SUFFIX, part_name
 from nanochat.data.fetch.limits import Limits
 
 JSONL_SUFFIXES = (".jsonl.gz", ".jsonl")
@@ -23,19 +28,28 @@ JSONL_SUFFIXES = (".jsonl.gz", ".jsonl")
 STAGING = ".inputs"
 
 
+# an input larger than this is split into units of about this size (--unit-mb): a unit is about a
+# minute of one core's tokenizing for plain text, a few for compressed parquet
+UNIT_MB = 256
+MAX_PARTS = 99_999  # the five digits of a part's name
+
+
 class PairToWrite(NamedTuple):
-    """One input to tokenize into one pair."""
+    """One unit of work: an input, or one part of it, to tokenize into one pair."""
     source: str  # a local file, or a store's address (s3://bucket/prefix/name.parquet, ...)
     prefix: str  # the pair's path without .bin/.idx
     staged: str | None = None  # a store's shard: where it is downloaded to before tokenizing
+    part: int = 0  # which part of source this unit is: row groups or lines (tokenize_pair.py)
+    parts: int = 1  # how many parts source is split into; 1: the whole input
 
 
 def plan_pairs(inputs: list[str], output: str, val_inputs: list[str] | None = None,
-               bucket: str | None = None) -> list[PairToWrite]:
+               bucket: str | None = None, unit_bytes: int | None = None) -> list[PairToWrite]:
     """[PairToWrite(input, output_prefix), ...]: train inputs, then val inputs, to output/<split>/
-    (with a bucket: output/<split>/<bucket>/). One --input directory of parquet shards, or one
-    store address, is split as on disk (its last shard in sorted order is val); otherwise the inputs
-    are jsonl files or directories of them, all train, with val_inputs going to val."""
+    (with a bucket: output/<split>/<bucket>/), each input's parts in order. One --input directory
+    of parquet shards, or one store address, is split as on disk (its last shard in sorted order is
+    val); otherwise the inputs are jsonl files or directories of them, all train, with val_inputs
+    going to val. unit_bytes: split local inputs larger than this (None: never)."""
     address = next((p for p in inputs if is_store(p)), None)
     if address is not None:
         splits = _store_splits(address, inputs, val_inputs)
@@ -56,12 +70,52 @@ def plan_pairs(inputs: list[str], output: str, val_inputs: list[str] | None = No
         if dupes:
             raise ValueError(f"{split} inputs {dupes} would write the same output pair; rename or "
                              "drop one")
+        named = [n for n in names if PART_SUFFIX.search(n)]
+        if named:
+            raise ValueError(f"{split} inputs {named} end like the part of a split input "
+                             "(NAME.part-00000-of-00002); rename them")
         within = split if bucket is None else os.path.join(split, bucket)
         directory, staging = os.path.join(output, within), os.path.join(output, STAGING, within)
-        pairs += [PairToWrite(p, os.path.join(directory, n),
-                              os.path.join(staging, os.path.basename(p)) if address else None)
-                  for p, n in zip(paths, names)]
+        for path, name in zip(paths, names):
+            staged = os.path.join(staging, os.path.basename(path)) if address else None
+            n = 1 if address or unit_bytes is None else count_parts(path, unit_bytes)
+            pairs += [PairToWrite(path, os.path.join(directory, part_name(name, k, n)), staged, k,
+                                  n) for k in range(n)]
     return pairs
+
+
+def count_parts(path: str, unit_bytes: int) -> int:
+    """How many units a local input is split into: one per unit_bytes of the file, at most one per
+    row group of a parquet file; a .jsonl.gz is read from its start, so it stays whole. The parts'
+    bounds follow from this count alone (tokenize_pair.py), so a count in a pair's name says
+    which rows it holds."""
+    wanted = -(-os.path.getsize(path) // unit_bytes)
+    if wanted <= 1 or path.endswith(".gz"):
+        return 1
+    if path.endswith(".parquet"):
+        wanted = min(wanted, open_parquet(path).metadata.num_row_groups)
+    if wanted > MAX_PARTS:
+        raise ValueError(f"{path} would be split into {wanted:,} parts, more than a name's "
+                         f"{MAX_PARTS:,}; raise --unit-mb")
+    return wanted
+
+
+def check_parts(pairs: list[PairToWrite]) -> None:
+    """Refuse a plan whose split of an input differs from the pairs already written for it (a rerun
+    with another --unit-mb): both would be read, and their documents twice."""
+    planned: dict[tuple[str, str], set[str]] = {}
+    for pair in pairs:
+        directory, name = os.path.split(pair.prefix)
+        planned.setdefault((directory, PART_SUFFIX.sub("", name)), set()).add(name)
+    for directory in sorted({d for d, _ in planned}):
+        for file in sorted(os.listdir(directory)) if os.path.isdir(directory) else []:
+            name = file[:-len(".idx")]
+            names = planned.get((directory, PART_SUFFIX.sub("", name)))
+            if file.endswith(".idx") and names is not None and name not in names:
+                raise ValueError(
+                    f"{os.path.join(directory, file)} splits its input otherwise than this run "
+                    f"({_describe(names)}): rerun with the --unit-mb of the run that wrote it, or "
+                    "write to a new --output")
 
 
 def is_store(path: str) -> bool:
@@ -91,6 +145,12 @@ def _store_splits(address: str, inputs: list[str], val_inputs: list[str] | None)
     names = read_listing(address, Limits())  # retried while the store asks to slow down
     paths = [join(address, name) for name in names]
     return {"train": paths[:-1], "val": paths[-1:]}
+
+
+def _describe(names: set[str]) -> str:
+    """How a plan splits one input, from its pairs' names."""
+    match = PART_SUFFIX.search(min(names))
+    return "one pair, unsplit" if match is None else f"{int(match.group(2))} parts"
 
 
 def _expand_jsonl(paths: list[str], flag: str) -> list[str]:

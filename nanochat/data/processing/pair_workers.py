@@ -1,11 +1,11 @@
 """
-Pairs written on worker processes, or in this one.
-Write pairs on worker processes (spawned, one tokenizer each) or in this one, and hand back each
-input's PairResult as it completes. Ctrl-C stops a worker's pair at once, its temporary files
-removed; a worker ends with the main process, however that ends (kill -9 included). The workers
-load their tokenizer with the caller's load_tokenizer, a picklable callable with no arguments.
+Units of work written on worker processes, or in this one: the command's local executor.
+Write units' pairs on worker processes (spawned, one tokenizer each) or in this one, with
+units.tokenize_unit, and hand back each unit's PairResult as it completes. Ctrl-C stops a worker's
+pair at once, its temporary files removed; a worker ends with the main process, however that ends
+(kill -9 included).
 
-May import: nanochat.data.processing.tokenize_pair.
+May import: nanochat.data.processing.units.
 """
 
 import contextlib
@@ -18,26 +18,26 @@ import threading
 import time
 from concurrent.futures import ProcessPoolExecutor, as_completed
 
-from nanochat.data.processing.tokenize_pair import write_pair
+from nanochat.data.processing.units import PretokenizeJob, job_tokenizer, tokenize_unit
 
 PARENT_POLL_SECONDS = 0.2  # how often a worker checks that the main process is still alive
 
 
-def pair_results(tokenizer, load_tokenizer, options: dict, pairs: list, num_workers: int):
-    """The PairResult of write_pair for each of pairs, in completion order, from num_workers
-    processes (1: this one, with tokenizer; more: each loads its own with load_tokenizer())."""
+def pair_results(job: PretokenizeJob, units: list, num_workers: int, num_threads: int):
+    """The PairResult of tokenize_unit for each of units, in completion order, from num_workers
+    processes (1: this one), each tokenizing on num_threads threads."""
     if num_workers <= 1:
-        for pair in pairs:
-            yield write_pair(tokenizer, options, pair)
+        for unit in units:
+            yield tokenize_unit(job, unit, num_threads)
         return
     # spawn: a forked child would inherit the parent's tokenizer thread pools, and maybe a held
     # lock. A worker that dies (killed, out of memory) raises BrokenProcessPool here instead of
     # hanging.
     ctx = multiprocessing.get_context("spawn")
     with ProcessPoolExecutor(num_workers, mp_context=ctx, initializer=_init_worker,
-                             initargs=(load_tokenizer, options, os.getpid())) as pool:
+                             initargs=(job, num_threads, os.getpid())) as pool:
         with _sigint_blocked():  # (the workers start at the first submits)
-            futures = [pool.submit(write_in_worker, pair) for pair in pairs]
+            futures = [pool.submit(write_in_worker, unit) for unit in units]
         try:
             for future in as_completed(futures):
                 yield future.result()
@@ -46,14 +46,13 @@ def pair_results(tokenizer, load_tokenizer, options: dict, pairs: list, num_work
                 future.cancel()
 
 
-# one tokenizer per worker process, loaded by _init_worker: loading it for each pair would read and
-# parse tokenizer.json again for every input
-_worker_tokenizer = None
-_worker_options: dict = {}
+# the job and the tokenizer's threads of this worker process, set by _init_worker
+_worker_job: PretokenizeJob | None = None
+_worker_threads = 1
 
 
-def _init_worker(load_tokenizer, options: dict, parent_pid: int) -> None:
-    global _worker_tokenizer, _worker_options
+def _init_worker(job: PretokenizeJob, num_threads: int, parent_pid: int) -> None:
+    global _worker_job, _worker_threads
     # Ctrl-C reaches the whole process group: between pairs the main process alone acts on it (an
     # idle worker would print a traceback); within one, write_in_worker lets it stop the pair. It
     # was blocked since this process started (pair_results): one sent meanwhile is dropped now
@@ -61,17 +60,17 @@ def _init_worker(load_tokenizer, options: dict, parent_pid: int) -> None:
     if hasattr(signal, "pthread_sigmask"):  # (POSIX)
         signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
     _exit_with_parent(parent_pid)
-    _worker_tokenizer = load_tokenizer()
-    _worker_options = options
+    _worker_job, _worker_threads = job, num_threads
+    job_tokenizer(job)  # loaded once, before the first unit
 
 
-def write_in_worker(pair):
-    """write_pair in a worker process, with its tokenizer and options."""
+def write_in_worker(unit):
+    """tokenize_unit in a worker process, for the job it was started with."""
     # Ctrl-C stops the pair at once, its temporary files removed (write_token_pairs); the main
     # process, stopped too, says so
     signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
-        return write_pair(_worker_tokenizer, _worker_options, pair)
+        return tokenize_unit(_worker_job, unit, _worker_threads)
     finally:
         signal.signal(signal.SIGINT, signal.SIG_IGN)
 

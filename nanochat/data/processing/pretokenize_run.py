@@ -1,13 +1,13 @@
 """
 One pretokenize run, from its checked arguments to the pairs on disk.
-One pretokenize run, from its checked arguments to the pairs on disk: list the inputs and take this
-rank's share, check the output and its recorded settings, hold the output's lock, then write the
-pairs not yet written (on worker processes), with a progress bar and a summary line. The caller
-loads the tokenizer and says how workers load theirs. Cost: one tokenizer pass over the inputs.
+One pretokenize run, from its checked arguments to the pairs on disk: plan the job's units (the
+output checked, its settings recorded) and take this rank's share, hold the output's lock, then
+write the pairs not yet written on an executor (this machine's worker processes, or a Ray cluster),
+with a progress bar and a summary line. Cost: one tokenizer pass over the inputs.
 
-May import: nanochat.data.base.files, nanochat.data.processing.inputs,
-nanochat.data.base.layout, nanochat.data.processing.output_lock,
-nanochat.data.processing.pair_workers, nanochat.data.processing.settings.
+May import: nanochat.data.base.files, nanochat.data.processing.output_lock,
+nanochat.data.processing.pair_workers, nanochat.data.processing.ray_executor,
+nanochat.data.processing.units.
 """
 
 import os
@@ -15,84 +15,73 @@ import time
 from dataclasses import dataclass
 
 from nanochat.data.base.files import progress_bar
-from nanochat.data.processing.inputs import plan_pairs
-from nanochat.data.base.layout import check_kind
 from nanochat.data.processing.output_lock import output_lock
 from nanochat.data.processing.pair_workers import pair_results
-from nanochat.data.processing.settings import (check_or_write_settings, check_other_buckets,
-                                                 run_settings)
+from nanochat.data.processing.units import PretokenizeJob, plan_units
+
+EXECUTORS = ("local", "ray")
 
 
 @dataclass(frozen=True)
 class PretokenizeRun:
-    """A run's arguments, checked (python -m nanochat.pretokenize's flags)."""
-    inputs: list[str]
-    val_inputs: list[str] | None
-    output: str
-    bucket: str | None  # a mixture bucket: OUTPUT/<split>/<bucket>/
-    tokenizer_file: str  # the file the tokenizer was loaded from (its hash is recorded)
-    text_field: str
-    max_length: int | None
-    overlap: int
-    convention: str
-    num_workers: int
-    rank: int
+    """A run's arguments, checked (python -m nanochat.pretokenize's flags): the job, and where it
+    runs."""
+    job: PretokenizeJob
+    num_workers: int  # local: processes tokenizing units in parallel (1: this process)
+    rank: int  # local: this process takes units rank, rank + world_size, ...
     world_size: int
     lock_timeout: float
+    executor: str = "local"  # or "ray": the whole job as Ray tasks
+    ray_address: str | None = None  # a Ray cluster's address; None: start a local one
 
 
-def run_pretokenize(run: PretokenizeRun, tokenizer, load_tokenizer) -> int:
-    """Write this rank's pairs; 0, or 1 when an input failed (the others are still written).
-    load_tokenizer: a picklable callable that loads the same tokenizer in a worker process."""
-    settings = run_settings(tokenizer, run.tokenizer_file, run.max_length, run.overlap,
-                            run.convention)
-    all_pairs = plan_pairs(run.inputs, run.output, run.val_inputs, run.bucket)
-    mine = all_pairs[run.rank::run.world_size]  # ranks share the work without talking to each other
-    # never into a directory of another kind of data (parquet shards, a split's or bucket's own
-    # pairs, buckets for a plain run, a plain output for a bucket)
-    check_kind(run.output, "output" if run.bucket is None else "bucket output")
-    # A plain output keeps its settings and locks at its top. A bucket keeps them in its own
-    # directories (the lock in train/<bucket>/, the settings in each split's), so that buckets made
-    # by separate runs, windowed differently, share one output, and the mixture loader finds each
-    # bucket's vocabulary.
-    home = run.output if run.bucket is None else os.path.join(run.output, "train", run.bucket)
-    settings_dirs = ([run.output] if run.bucket is None
-                     else sorted({os.path.dirname(pair.prefix) for pair in all_pairs}))
-    if run.bucket is not None:
-        check_other_buckets(run.output, run.bucket, settings)
+def run_pretokenize(run: PretokenizeRun) -> int:
+    """Write this rank's pairs; 0, or 1 when a unit failed (the others are still written)."""
+    job = run.job
+    units = plan_units(job)
+    mine = units[run.rank::run.world_size]  # ranks share the work without talking to each other
+    home = job.output if job.bucket is None else os.path.join(job.output, "train", job.bucket)
     # a second run of this rank would write the same pairs: refused (the lock is taken after every
     # check, so a mistyped command never waits for it). Other runs on this output (a plain run
     # beside ranks) may still share a pair: tokenize_pair.pair_lock keeps its writers apart
     with output_lock(home, run.rank, run.world_size, run.lock_timeout):
-        todo = [pair for pair in mine if not os.path.exists(pair.prefix + ".idx")]  # a whole pair
+        todo = [unit for unit in mine if not os.path.exists(unit.prefix + ".idx")]  # a whole pair
         skipped = len(mine) - len(todo)
-        check_or_write_settings(settings_dirs, settings,
-                                "a new --output directory" if run.bucket is None
-                                else "another --bucket name (or a new --output directory)")
-        print(f"{len(all_pairs)} inputs, {len(mine)} for rank {run.rank}/{run.world_size}; "
-              f"{skipped} already done (their .idx exists), skipped; {len(todo)} to write; "
-              f"dtype {settings['dtype']}")
-        return _write(run, tokenizer, load_tokenizer, todo, skipped, len(mine))
+        inputs = len({unit.source for unit in units})
+        share = (f"{len(mine)} for rank {run.rank}/{run.world_size}" if run.world_size > 1
+                 else f"{len(mine)} for this run")
+        print(f"{inputs} inputs in {len(units)} units of work, {share}; {skipped} already done "
+              f"(their .idx exists), skipped; {len(todo)} to write on {_where(run)}")
+        return _write(run, todo, skipped, len(mine))
 
 
-def _write(run: PretokenizeRun, tokenizer, load_tokenizer, todo: list, skipped: int,
-           total: int) -> int:
-    """Write the pairs of todo behind a progress bar (total: this rank's inputs, of which skipped
-    were done before), then print the summary; 1 if one failed."""
+def _where(run: PretokenizeRun) -> str:
+    if run.executor == "ray":
+        return f"Ray ({run.ray_address or 'a local cluster'})"
+    return f"{run.num_workers} process" + ("es" if run.num_workers > 1 else "")
+
+
+def _results(run: PretokenizeRun, todo: list):
+    """Each unit's PairResult, in completion order, from the run's executor."""
+    if run.executor == "ray":
+        from nanochat.data.processing.ray_executor import ray_results  # (Imported only when
+        return ray_results(run.job, todo, run.ray_address)  # needed: Ray, an extra)
     num_workers = min(run.num_workers, len(todo))
     # spread the CPU between processes; each process's tokenizer encodes a batch on this many
     # threads
-    options = {"max_length": run.max_length, "overlap": run.overlap,
-               "text_field": run.text_field,
-               "num_threads": max(1, (os.cpu_count() or 1) // max(1, num_workers)),
-               "convention": run.convention}
+    num_threads = max(1, (os.cpu_count() or 1) // max(1, num_workers))
+    return pair_results(run.job, todo, num_workers, num_threads)
+
+
+def _write(run: PretokenizeRun, todo: list, skipped: int, total: int) -> int:
+    """Write the pairs of todo behind a progress bar (total: this rank's units, of which skipped
+    were done before), then print the summary; 1 if one failed."""
     totals = {"documents": 0, "entries": 0, "tokens": 0, "windowed": 0}
     failed, written = [], 0
     t0 = time.time()
     # a bar on a terminal, a line per quarter in a log
     with progress_bar(total=total, initial=skipped, unit="shard", desc="pretokenize") as bar:
-        for path, stats, error in pair_results(tokenizer, load_tokenizer, options, todo,
-                                               num_workers):
+        for path, stats, error in _results(run, todo):
             if error is not None:
                 failed.append((path, error))
                 bar.write(f"failed: {path}: {error}")  # above the bar, which stays whole
@@ -106,12 +95,14 @@ def _write(run: PretokenizeRun, tokenizer, load_tokenizer, todo: list, skipped: 
             bar.set_postfix(tokens=f"{totals['tokens']:,}")
 
     seconds = time.time() - t0
-    output_name = run.output if run.bucket is None else f"{run.output} (bucket {run.bucket})"
+    job = run.job
+    output_name = job.output if job.bucket is None else f"{job.output} (bucket {job.bucket})"
     print(f"wrote {written}/{len(todo)} shards to {output_name} in {seconds:.1f}s: "
           f"{totals['documents']:,} documents -> {totals['entries']:,} entries, "
           f"{totals['tokens']:,} tokens; {totals['windowed']:,} documents cut into windows; "
           f"{skipped} skipped (already done)")
     if failed:
-        print(f"failed ({len(failed)}): " + ", ".join(os.path.basename(p) for p, _ in failed))
+        names = sorted({os.path.basename(p) for p, _ in failed})
+        print(f"failed ({len(failed)}): " + ", ".join(names))
         return 1
     return 0

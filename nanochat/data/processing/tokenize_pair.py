@@ -6,7 +6,8 @@ input fails alone. The tokenizer is the caller's (anything with encode_to_arrays
 get_vocab_size and get_bos_token_id). Cost: one tokenizer pass over the input.
 
 May import: nanochat.data.base, nanochat.data.fetch, nanochat.data.processing.inputs,
-nanochat.data.pretokenized.token_shards, nanochat.data.processing.windows.
+nanochat.data.processing.parts, nanochat.data.pretokenized.token_shards,
+nanochat.data.processing.windows.
 """
 
 import logging
@@ -18,20 +19,16 @@ import pyarrow as pa
 from filelock import FileLock
 
 from nanochat.data.fetch.address import redact
-from nanochat.data.base.datasets import open_parquet, read_row_group_texts
-from nanochat.data.fetch.repackage import read_jsonl_texts
 from nanochat.data.fetch.errors import DownloadError
 from nanochat.data.fetch.download import download_file
 from nanochat.data.fetch.records import lock_path, record_path
 from nanochat.data.base.files import remove_if_exists
 from nanochat.data.processing.inputs import PairToWrite
+from nanochat.data.processing.parts import text_batches
 from nanochat.data.pretokenized.token_shards import CONVENTIONS, write_token_pairs
 from nanochat.data.processing.windows import window_document, window_gpt_simple
 
 logger = logging.getLogger(__name__)
-
-TEXTS_PER_BATCH = 1024  # texts per encode call: a parquet row group, and as many jsonl lines
-
 
 class PairResult(NamedTuple):
     """What became of one input."""
@@ -43,7 +40,7 @@ class PairResult(NamedTuple):
 def write_pair(tokenizer, options: dict, pair: PairToWrite) -> PairResult:
     """Write one pair (options: pretokenize_file's keyword arguments): its counts, the error of a
     bad input (it fails alone), or neither when another run on this output wrote it meanwhile."""
-    path, prefix, staged = pair
+    path, prefix, staged, part, parts = pair
     try:
         # no timeout: the holder is a live process writing this pair (the lock ends with it)
         with pair_lock(prefix):
@@ -54,7 +51,7 @@ def write_pair(tokenizer, options: dict, pair: PairToWrite) -> PairResult:
             if staged is not None:  # a verified copy (a rerun finds one left by a failed run)
                 download_file(path, staged, progress=False)
             stats = pretokenize_file(tokenizer, path if staged is None else staged, prefix,
-                                     **options)
+                                     part=part, parts=parts, **options)
             _unstage(staged)
             return PairResult(path, stats, None)
     # BadGzipFile is an OSError, and so is a store's error
@@ -75,9 +72,10 @@ def pair_lock(prefix: str) -> FileLock:
 
 def pretokenize_file(tokenizer, path: str, prefix: str, *, max_length: int | None = None,
                      overlap: int = 0, text_field: str = "text", num_threads: int = 4,
-                     convention: str = "nanochat") -> dict:
-    """Tokenize one input shard into the pair at prefix; returns counts {documents, entries, tokens,
-    windowed} (windowed: documents longer than max_length, cut into windows). convention
+                     convention: str = "nanochat", part: int = 0, parts: int = 1) -> dict:
+    """Tokenize one input shard (or its part `part` of `parts`: parts.py) into the pair at prefix;
+    returns counts {documents, entries, tokens, windowed} (windowed: documents longer than
+    max_length, cut into windows). convention
     "nanochat": an entry is [BOS] + the document; "gpt-simple": the document + EOD, where EOD is the
     tokenizer's BOS id (nanochat has no end-of-text token: <|bos|> is its document delimiter)."""
     if convention not in CONVENTIONS:
@@ -91,7 +89,7 @@ def pretokenize_file(tokenizer, path: str, prefix: str, *, max_length: int | Non
     stats = {"documents": 0, "entries": 0, "tokens": 0, "windowed": 0}
 
     def pairs():  # a generator: one batch of documents in memory at a time, not the whole shard
-        for texts in _read_text_batches(path, text_field):
+        for texts in text_batches(path, text_field, part, parts):
             docs = tokenizer.encode_to_arrays(texts, prepend=None if gpt_simple else bos,
                                               num_threads=num_threads)
             for doc in docs:
@@ -110,24 +108,6 @@ def pretokenize_file(tokenizer, path: str, prefix: str, *, max_length: int | Non
     logger.info("%s -> %s: %d documents, %d entries, %d tokens", path, prefix, stats["documents"],
                 stats["entries"], stats["tokens"])
     return stats
-
-
-def _read_text_batches(path: str, text_field: str):
-    """Lists of up to TEXTS_PER_BATCH texts from a parquet shard (one row group each) or a jsonl
-    file."""
-    if path.endswith(".parquet"):
-        pf = open_parquet(path)
-        for rg_idx in range(pf.num_row_groups):
-            yield read_row_group_texts(pf, rg_idx, path)
-        return
-    batch = []
-    for text in read_jsonl_texts(path, text_field):
-        batch.append(text)
-        if len(batch) == TEXTS_PER_BATCH:
-            yield batch
-            batch = []
-    if batch:
-        yield batch
 
 
 def _unstage(staged: str | None) -> None:

@@ -10,6 +10,7 @@ import os
 from conftest import ByteArrayTokenizer
 from nanochat.data.processing.inputs import PairToWrite
 from nanochat.data.processing.pair_workers import pair_results
+from nanochat.data.processing.units import PretokenizeJob
 
 
 def inputs(tmp_path, n: int) -> list[str]:
@@ -33,14 +34,15 @@ def pairs_written(directory) -> dict:
 
 def test_in_this_process_and_on_two_workers(tmp_path):
     paths = inputs(tmp_path, 4)
+    job = PretokenizeJob(paths, str(tmp_path), ByteArrayTokenizer, "unused")
     here = [PairToWrite(p, str(tmp_path / "here" / str(i))) for i, p in enumerate(paths)]
-    results = list(pair_results(ByteArrayTokenizer(), ByteArrayTokenizer, {}, here, 1))
+    results = list(pair_results(job, here, 1, 1))
     assert [r.source for r in results] == paths  # in order, in this process
     assert [r.stats["documents"] for r in results] == [1, 2, 3, 4]
     assert all(r.error is None for r in results)
-    # on workers: each loads its tokenizer with load_tokenizer (the caller's is not sent)
+    # on workers: each loads its tokenizer with the job's load_tokenizer
     there = [PairToWrite(p, str(tmp_path / "there" / str(i))) for i, p in enumerate(paths)]
-    results = list(pair_results(None, ByteArrayTokenizer, {"num_threads": 1}, there, 2))
+    results = list(pair_results(job, there, 2, 1))
     assert sorted(r.source for r in results) == paths  # each once, in completion order
     assert sorted(r.stats["documents"] for r in results) == [1, 2, 3, 4]
     assert pairs_written(tmp_path / "there") == pairs_written(tmp_path / "here")
