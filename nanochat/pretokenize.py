@@ -2,27 +2,18 @@
 `python -m nanochat.pretokenize`: tokenize parquet or jsonl once, into `.bin`/`.idx` pairs.
 Training then memory-maps tokens and neither decodes parquet nor tokenizes. Long documents may be
 cut into overlapping windows, under nanochat's convention ([BOS] + document) or GPT-Simple's
-(document + EOD).
+(document + EOD). A job is units of work (whole inputs, and parts of local inputs larger than
+--unit-mb), run on this machine's processes, shared among ranks (--rank/--world-size, or torchrun's
+or Slurm's variables), or as tasks on a Ray cluster (--executor ray). Other engines drive the same
+two calls on pretokenize_job(...)'s job: units.plan_units(job), then units.tokenize_unit(job, unit).
 
     python -m nanochat.pretokenize --input DATA_DIR --output DATA_DIR_tokens --num-workers 8
 
---input may also be a store's address (s3://bucket/prefix, gs://, az://, hf://): each shard is
-downloaded and verified into OUTPUT/.inputs/, tokenized, and removed once its pair is written.
-Cost: one tokenizer pass, several MB of text per second per worker; a rerun skips written pairs.
-
-A job is units of work: whole inputs, and parts of local inputs larger than --unit-mb. They run on
-this machine's processes, shared among ranks (--rank/--world-size, torchrun's or Slurm's
-variables), or as tasks on a Ray cluster (--executor ray). Any other engine drives the same two
-calls, with a job from pretokenize_job():
-
-    units = plan_units(job)                  # checks the output, records its settings
-    results = [tokenize_unit(job, unit) for unit in units]   # anywhere, in any order
-
+--input may also be a store's address (s3://bucket/prefix, gs://, az://, hf://). Cost: one
+tokenizer pass, several MB of text per second per core; a rerun skips written pairs.
 The run: nanochat/data/processing/. Design: docs/pretokenized.md, docs/streaming.md (stores).
 
-May import: nanochat.common, nanochat.data.base.cli, nanochat.data.fetch.errors,
-nanochat.data.fetch.stores, nanochat.data.pretokenized, nanochat.data.processing,
-nanochat.tokenizer.
+May import: nanochat.common, nanochat.data, nanochat.tokenizer.
 """
 
 import argparse
@@ -36,15 +27,15 @@ from nanochat.data.base.cli import run
 from nanochat.common import get_dist_info
 from nanochat.data.processing.inputs import UNIT_MB, local_input
 from nanochat.data.processing.pretokenize_run import EXECUTORS, PretokenizeRun, run_pretokenize
+from nanochat.data.processing.ray_executor import import_ray
 from nanochat.data.processing.slurm import slurm_share
-from nanochat.data.processing.units import PretokenizeJob, plan_units, tokenize_unit
+from nanochat.data.processing.units import PretokenizeJob
 from nanochat.data.pretokenized.token_shards import CONVENTIONS
 from nanochat.data.processing.windows import check_window_args
 from nanochat.tokenizer import TOKENIZER_FILENAME, RustBPETokenizer, get_tokenizer_dir
 
 LOCK_TIMEOUT = 10.0  # seconds a run waits for another run on its output to finish (--lock-timeout)
 
-__all__ = ["PretokenizeJob", "main", "plan_units", "pretokenize_job", "tokenize_unit"]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -134,6 +125,8 @@ def _parse(argv: list[str] | None) -> tuple[argparse.Namespace, int, int]:
         parser.error(f"--executor ray runs the whole job as one Ray job, but this process is rank "
                      f"{rank} of {world_size}: start it once, without --rank/--world-size, "
                      "torchrun or srun's tasks")
+    if args.executor == "ray":
+        import_ray()  # a missing extra is one line now, not after the inputs are listed
     return args, rank, world_size
 
 

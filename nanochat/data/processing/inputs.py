@@ -9,7 +9,7 @@ written to NAME.part-0000k-of-0000n, and the loaders read the parts in order at 
 is read. Cost: a directory listing, or one listing request to the store, and the footer of each
 local parquet file larger than unit_bytes.
 
-May import: nanochat.data.fetch, nanochat.data.base.datasets.
+May import: nanochat.data.fetch, nanochat.data.base.datasets, nanochat.data.base.layout.
 """
 
 import os
@@ -87,7 +87,7 @@ def plan_pairs(inputs: list[str], output: str, val_inputs: list[str] | None = No
 def count_parts(path: str, unit_bytes: int) -> int:
     """How many units a local input is split into: one per unit_bytes of the file, at most one per
     row group of a parquet file; a .jsonl.gz is read from its start, so it stays whole. The parts'
-    bounds follow from this count alone (tokenize_pair.py), so a count in a pair's name says
+    bounds follow from this count alone (parts.py), so a count in a pair's name says
     which rows it holds."""
     wanted = -(-os.path.getsize(path) // unit_bytes)
     if wanted <= 1 or path.endswith(".gz"):

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from nanochat.data.base.files import progress_bar
 from nanochat.data.processing.output_lock import output_lock
 from nanochat.data.processing.pair_workers import pair_results
+from nanochat.data.processing.ray_executor import ray_results
 from nanochat.data.processing.units import PretokenizeJob, plan_units
 
 EXECUTORS = ("local", "ray")
@@ -64,8 +65,7 @@ def _where(run: PretokenizeRun) -> str:
 def _results(run: PretokenizeRun, todo: list):
     """Each unit's PairResult, in completion order, from the run's executor."""
     if run.executor == "ray":
-        from nanochat.data.processing.ray_executor import ray_results  # (Imported only when
-        return ray_results(run.job, todo, run.ray_address)  # needed: Ray, an extra)
+        return ray_results(run.job, todo, run.ray_address)
     num_workers = min(run.num_workers, len(todo))
     # spread the CPU between processes; each process's tokenizer encodes a batch on this many
     # threads

@@ -7,8 +7,10 @@ whose worker process or node dies is run again (MAX_RETRIES); a bad input is a r
 exception, and fails once. Every node needs this package and the output's filesystem, mounted at
 the same path. Design: docs/pretokenized.md.
 
-May import: ray (the extra, here only), nanochat.data.fetch.errors,
-nanochat.data.processing.tokenize_pair, nanochat.data.processing.units.
+May import: ray, nanochat.data.fetch.errors, nanochat.data.processing.tokenize_pair,
+nanochat.data.processing.units.
+
+Imported only when needed: ray (an extra, for --executor ray).
 """
 
 import os
@@ -54,7 +56,7 @@ def ray_results(job: PretokenizeJob, units: list, address: str | None = None):
 def import_ray():
     """The ray module, or MissingExtra with the pip install."""
     try:
-        import ray  # (Imported only when needed: Ray, an extra)
+        import ray
     except ImportError:
         raise MissingExtra("--executor ray needs Ray: pip install 'nanochat-data[ray]'") from None
     return ray

@@ -76,13 +76,16 @@ def tokenize_unit(job: PretokenizeJob, unit: PairToWrite, num_threads: int = 1) 
 
 
 # one tokenizer per process: loading it for each unit would read and parse its file every time
-_loaded: dict[bytes, object] = {}
+_loaded: dict[object, object] = {}
 
 
 def job_tokenizer(job: PretokenizeJob):
     """The job's tokenizer, loaded on this process's first call (again for a job with another
     load_tokenizer)."""
-    key = pickle.dumps(job.load_tokenizer)
+    try:  # a job sent to this process is a new object each time: its pickle is what stays
+        key = pickle.dumps(job.load_tokenizer)
+    except (pickle.PicklingError, AttributeError, TypeError):  # (an engine's own pickling)
+        key = id(job.load_tokenizer)
     if key not in _loaded:
         _loaded.clear()
         _loaded[key] = job.load_tokenizer()
