@@ -28,6 +28,7 @@ import argparse
 import contextlib
 import filecmp
 import io
+import itertools
 import json
 import multiprocessing
 import os
@@ -51,7 +52,7 @@ DATASETS = {"FineWeb-Edu-100B": 100e9, "ClimbMix-400B": 400e9}
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m scripts.bench_pretokenize")
-    parser.add_argument("--shards", type=int, default=8, help="parquet train shards (+ a val)")
+    parser.add_argument("--shards", type=int, default=16, help="parquet train shards (+ a val)")
     parser.add_argument("--docs-per-shard", type=int, default=4096)
     parser.add_argument("--vocab-size", type=int, default=16_384)
     parser.add_argument("--tiny", type=int, default=64, help="tiny jsonl files (part 2)")
@@ -93,9 +94,12 @@ def prepare(tmp: str, args) -> dict:
         with open(os.path.join(paths["tiny"], f"tiny_{i:04d}.jsonl"), "w") as f:
             f.writelines(json.dumps({"text": " ".join(d.split()[:40])}) + "\n"
                          for d in docs[4 * i:4 * i + 4])
-    with open(paths["big.jsonl"], "w") as f:
-        while f.tell() < args.mb * 2**20:  # the corpus's documents again and again
-            f.writelines(json.dumps({"text": d}) + "\n" for d in docs[:1000])
+    with open(paths["big.jsonl"], "wb") as f:
+        size = 0
+        for doc in itertools.cycle(docs):  # the corpus's documents, again if need be
+            size += f.write(json.dumps({"text": doc}).encode() + b"\n")
+            if size >= args.mb * 2**20:
+                break
     mb = os.path.getsize(paths["big.jsonl"]) / 2**20
     print(f"prepared {len(docs):,} documents in {args.shards} + 1 parquet shards, a "
           f"{args.vocab_size:,} BPE, {args.tiny} tiny jsonl files and a {mb:.0f} MB jsonl in "
@@ -209,8 +213,8 @@ def unit_costs(paths: dict, tiny: int, rounds: int) -> dict:
 
 
 def split_input(paths: dict, rounds: int) -> dict:
-    """{side: median seconds} for the big jsonl: one unit on one core, one unit with
-    --num-workers 1, PARTS units on every core."""
+    """{side: median seconds} for the big jsonl (and "tokens": its tokens): one unit on one core,
+    one unit with --num-workers 1, PARTS units on every core."""
     mb = os.path.getsize(paths["big.jsonl"]) / 2**20
     sides = {"one core": (None, 1), "--num-workers 1": (None, 1),
              f"{PARTS} units, {CORES} workers": (mb / PARTS * 1.01, CORES)}
@@ -221,10 +225,11 @@ def split_input(paths: dict, rounds: int) -> dict:
                                   tokenizer_dir=paths["tokenizer"], unit_mb=unit_mb)
             times[side].append(one_core(job) if side == "one core"
                                else timed_run(job, "local", num_workers))
+            tokens = tokens_in(paths["out"])
             shutil.rmtree(paths["out"])
         print(f"round {r + 1}: big jsonl, seconds: " + ", ".join(
             f"{side} {v[-1]:.1f}" for side, v in times.items()), flush=True)
-    return {side: statistics.median(v) for side, v in times.items()}
+    return {side: statistics.median(v) for side, v in times.items()} | {"tokens": tokens}
 
 
 def one_core(job) -> float:
@@ -263,10 +268,11 @@ def report(rates: dict, per_unit: dict, splits: dict, ray_start: float, tiny: in
         print(f"   {executor:5s}: {CORES} files {few:.2f}s (a run's fixed cost), {tiny} files "
               f"{many:.2f}s -> {(many - few) / (tiny - CORES) * 1e3:.1f} ms a further unit; "
               "a retry: not measured")
-    whole = splits["one core"]
-    print("3. the big jsonl: " + ", ".join(
-        f"{side} {seconds:.1f}s (x{whole / seconds:.2f})" for side, seconds in splits.items())
-        + " (speed-up against one core)")
+    whole, tokens = splits.pop("one core"), splits.pop("tokens")
+    print(f"3. the big jsonl ({tokens:,} tokens): one core {whole:.1f}s "
+          f"({tokens / whole / 1e6:.2f}M tokens/s); " + ", ".join(
+              f"{side} {seconds:.1f}s (x{whole / seconds:.2f})"
+              for side, seconds in splits.items()))
     print("4. core-hours (tokens / (tokens/s per core) / 3600):")
     for side in ("alone", "local", "ray"):
         per_core = rates[side] / CORES

@@ -30,6 +30,8 @@ def ray_results(job: PretokenizeJob, units: list, address: str | None = None):
     (None: $RAY_ADDRESS, else a new cluster on this machine). A Ray already started in this process
     is used as it is."""
     ray = import_ray()
+    if not units:  # nothing to write: no cluster to start
+        return
     started = not ray.is_initialized()
     if started:
         address = address or os.environ.get("RAY_ADDRESS") or "local"

@@ -5,13 +5,14 @@ vocabulary and BOS, the windows, the convention), and the checks that keep runs 
 from adding pairs to the same directory, or a bucket of another tokenizer to a mixture's output.
 The loaders read it back (token_reader.shard_vocab). Format: docs/pretokenized.md.
 
-May import: nanochat.data.pretokenized.token_shards.
+May import: nanochat.data.base.files, nanochat.data.pretokenized.token_shards.
 """
 
 import hashlib
 import json
 import os
 
+from nanochat.data.base.files import remove_if_exists
 from nanochat.data.pretokenized.token_shards import MAGIC, META_FILENAME, VERSION
 
 # what a mixture's buckets must share: it reads all of their ids as one vocabulary
@@ -44,25 +45,38 @@ def check_or_write_settings(directories: list[str], settings: dict, instead: str
     write them)."""
     # every directory is checked before any is written, so a refusal leaves nothing half-recorded
     for directory in directories:
-        path = os.path.join(directory, META_FILENAME)
-        if not os.path.exists(path):
-            continue
-        old = read_settings(path)
-        changed = {k: (old.get(k), v) for k, v in settings.items() if old.get(k) != v}
-        if changed:
-            what = ", ".join(f"{k} {a!r} -> {b!r}" for k, (a, b) in changed.items())
-            raise ValueError(f"{path} records other settings than this run's ({what}); the shards "
-                             f"there would mix, so use {instead} or the same settings")
+        _check(os.path.join(directory, META_FILENAME), settings, instead)
     for directory in directories:
         path = os.path.join(directory, META_FILENAME)
         if os.path.exists(path):
             continue
         os.makedirs(directory, exist_ok=True)
-        tmp = f"{path}.tmp{os.getpid()}"  # several ranks may write it at once, all the same bytes
+        tmp = f"{path}.tmp{os.getpid()}"  # several ranks may write it at once
         with open(tmp, "w", encoding="utf-8") as f:
             json.dump(settings, f, indent=2)
             f.write("\n")
-        os.replace(tmp, path)  # atomic: a reader sees no file or a whole one
+        try:
+            # atomic, and only where there is none: of two runs planning at once with other
+            # settings, the second finds the first's file and is refused
+            os.link(tmp, path)
+        except FileExistsError:
+            _check(path, settings, instead)
+        except OSError:  # a filesystem without hard links: atomic still, the last writer's
+            os.replace(tmp, path)
+        finally:
+            remove_if_exists(tmp)
+
+
+def _check(path: str, settings: dict, instead: str) -> None:
+    """Refuse settings other than those recorded at path, if any."""
+    if not os.path.exists(path):
+        return
+    old = read_settings(path)
+    changed = {k: (old.get(k), v) for k, v in settings.items() if old.get(k) != v}
+    if changed:
+        what = ", ".join(f"{k} {a!r} -> {b!r}" for k, (a, b) in changed.items())
+        raise ValueError(f"{path} records other settings than this run's ({what}); the shards "
+                         f"there would mix, so use {instead} or the same settings")
 
 
 def check_other_buckets(output: str, bucket: str, settings: dict) -> None:

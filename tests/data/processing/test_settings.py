@@ -85,3 +85,25 @@ def test_a_bucket_of_another_tokenizer_is_refused(tmp_path, tokenizer_file):
     with pytest.raises(ValueError, match=r"web/pretokenize.json records another tokenizer than "
                                          r"this run's \(vocab_size 300 -> 400\)"):
         check_other_buckets(out, "code", run_settings(Vocab(400, 7), tokenizer_file, 32, 4))
+
+
+def test_two_runs_planning_at_once_with_other_settings_one_is_refused(tmp_path, monkeypatch):
+    from nanochat.data.processing import settings as module
+
+    tokenizer = tmp_path / "tokenizer.json"
+    tokenizer.write_bytes(b"t")
+    ours = run_settings(Vocab(300, 256), str(tokenizer), None, 0)
+    theirs = run_settings(Vocab(300, 256), str(tokenizer), 64, 8)
+    real_link = os.link
+
+    def other_run_writes_first(src, dst):  # after our check found no file, before our write
+        with open(dst, "w") as f:
+            json.dump(theirs, f)
+        real_link(src, dst)
+
+    monkeypatch.setattr(module.os, "link", other_run_writes_first)
+    with pytest.raises(ValueError, match=r"records other settings than this run's \(max_length "
+                                         r"64 -> None, overlap_size 8 -> 0\)"):
+        check_or_write_settings([str(tmp_path)], ours, "elsewhere")
+    assert read_settings(str(tmp_path / "pretokenize.json"))["max_length"] == 64
+    assert sorted(os.listdir(tmp_path)) == ["pretokenize.json", "tokenizer.json"]  # no tmp left
