@@ -1,12 +1,14 @@
 """
 The pretokenize command's executors against the tokenizer alone: tokens/s, cost per unit, splits.
-One process runs each side in turn, alternating over --rounds (medians), each into a fresh output
-directory, on scripts/bench_dataloader.py's generated corpus and a BPE trained on it:
-1. tokens/s on every core (2 here): the tokenizer alone, as the executors run it (spawned processes,
-   one a core, each encoding its share of the row groups with encode_to_arrays on one thread, texts
-   in memory: neither reading nor writing); the local executor (--num-workers = cores); the Ray
-   executor, on a cluster of as many CPUs started once in this process (its start timed apart).
-   Both executors tokenize every shard (val too); whether Ray's files equal the local ones.
+One process runs the sides one after another, each first in turn over --rounds (medians; 6 for
+steadier figures on a shared host), each into a fresh output directory, on
+scripts/bench_dataloader.py's generated corpus and a BPE trained on it:
+1. tokens/s on every core (2 here): the tokenizer alone, in the executors' shape (spawned
+   processes, one a core, each encoding its share of the row groups with encode_to_arrays on one
+   thread, texts in memory, nothing read or written: fairer than one encode on 2 threads, whose
+   threads share one process's texts and interpreter); the local executor (--num-workers = cores);
+   the Ray executor, on a cluster of as many CPUs started once in this process (its start timed
+   apart). Both executors tokenize every shard (val too); whether Ray's files equal the local ones.
    The local executor's runs include starting its workers (spawn, imports, the tokenizer); Ray's
    workers start with the cluster and serve every run.
 2. the cost of a unit beyond tokenizing: runs of one tiny jsonl file a core (the run's fixed
@@ -84,8 +86,8 @@ def prepare(tmp: str, args) -> dict:
     """The parquet shards, the BPE, the tiny jsonl files and the big one, under tmp."""
     t0 = time.perf_counter()
     docs = make_corpus(args.shards * args.docs_per_shard)
-    paths = {name: os.path.join(tmp, name) for name in ("data", "tokenizer", "tiny", "big.jsonl")}
-    paths["out"] = os.path.join(tmp, "out")
+    paths = {name: os.path.join(tmp, name)
+             for name in ("data", "tokenizer", "tiny", "big.jsonl", "out")}
     write_corpus(docs, paths["data"], args.docs_per_shard)
     RustBPETokenizer.train_from_iterator(iter(docs[:4000]), args.vocab_size).save(
         paths["tokenizer"])
@@ -107,29 +109,39 @@ def prepare(tmp: str, args) -> dict:
     return paths
 
 
-# -----------------------------------------------------------------------------
 # 1. tokens/s: the tokenizer alone, the local executor, the Ray executor
 
 
 def executors(paths: dict, rounds: int) -> dict:
-    """Median tokens/s of each side over rounds; whether Ray's pairs equal the local ones."""
-    found: dict = {"alone": [], "local": [], "ray": [], "identical": True}
+    """Median tokens/s of each side over rounds, and "identical": whether Ray's files equal the
+    local executor's in every round."""
+    found: dict = {"alone": [], "local": [], "ray": []}
+    identical = True
     for r in range(rounds):
-        tokens, seconds = tokenizer_alone(paths["data"], paths["tokenizer"])
-        found["alone"].append(tokens / seconds)
-        outputs = {executor: os.path.join(paths["out"], executor) for executor in ("local", "ray")}
-        for executor, output in outputs.items():
-            job = pretokenize_job([paths["data"]], output, tokenizer_dir=paths["tokenizer"])
-            seconds = timed_run(job, executor, CORES)
-            if (written := tokens_in(output)) != tokens:
-                raise RuntimeError(f"{executor} wrote {written:,} tokens, the tokenizer {tokens:,}")
-            found[executor].append(tokens / seconds)
-        found["identical"] &= same_files(outputs["local"], outputs["ray"])
+        tokens = {}
+        for side in rotated(list(found), r):
+            if side == "alone":
+                tokens[side], seconds = tokenizer_alone(paths["data"], paths["tokenizer"])
+            else:
+                output = os.path.join(paths["out"], side)
+                job = pretokenize_job([paths["data"]], output, tokenizer_dir=paths["tokenizer"])
+                seconds = timed_run(job, side, CORES)
+                tokens[side] = tokens_in(output)
+            found[side].append(tokens[side] / seconds)
+        if len(set(tokens.values())) != 1:
+            raise RuntimeError(f"the sides' token counts differ: {tokens}")
+        identical &= same_files(os.path.join(paths["out"], "local"),
+                                os.path.join(paths["out"], "ray"))
         shutil.rmtree(paths["out"])
-        print(f"round {r + 1}: {tokens:,} tokens; M tokens/s: " + ", ".join(
-            f"{side} {found[side][-1] / 1e6:.2f}" for side in ("alone", "local", "ray")),
-            flush=True)
-    return {side: v if side == "identical" else statistics.median(v) for side, v in found.items()}
+        print(f"round {r + 1}: {tokens['alone']:,} tokens; M tokens/s: " + ", ".join(
+            f"{side} {v[-1] / 1e6:.2f}" for side, v in found.items()), flush=True)
+    return {side: statistics.median(v) for side, v in found.items()} | {"identical": identical}
+
+
+def rotated(sides: list, r: int) -> list:
+    """The sides in round r's order: each goes first in turn, so that a drift up or down of the
+    host's speed through a round falls on every side alike."""
+    return sides[r % len(sides):] + sides[:r % len(sides)]
 
 
 def tokenizer_alone(data_dir: str, tokenizer_dir: str) -> tuple[int, float]:
@@ -181,14 +193,16 @@ def tokens_in(output: str) -> int:
 
 def same_files(a: str, b: str) -> bool:
     """Whether two outputs hold the same files (hidden lock files aside), byte for byte."""
-    names = sorted(os.path.relpath(os.path.join(d, f), a) for d, _, files in os.walk(a)
-                   for f in files if not f.startswith("."))
-    return names == sorted(os.path.relpath(os.path.join(d, f), b) for d, _, files in os.walk(b)
-                           for f in files if not f.startswith(".")) and all(
+    names = files_under(a)
+    return names == files_under(b) and all(
         filecmp.cmp(os.path.join(a, n), os.path.join(b, n), shallow=False) for n in names)
 
 
-# -----------------------------------------------------------------------------
+def files_under(top: str) -> list[str]:
+    return sorted(os.path.relpath(os.path.join(d, f), top) for d, _, files in os.walk(top)
+                  for f in files if not f.startswith("."))
+
+
 # 2. the cost of a unit beyond tokenizing
 
 
@@ -208,7 +222,6 @@ def unit_costs(paths: dict, tiny: int, rounds: int) -> dict:
                        statistics.median(times[executor, tiny])) for executor in ("local", "ray")}
 
 
-# -----------------------------------------------------------------------------
 # 3. a big input, whole on one core against split on every core
 
 
@@ -220,7 +233,8 @@ def split_input(paths: dict, rounds: int) -> dict:
              f"{PARTS} units, {CORES} workers": (mb / PARTS * 1.01, CORES)}
     times: dict = {side: [] for side in sides}
     for r in range(rounds):
-        for side, (unit_mb, num_workers) in sides.items():
+        for side in rotated(list(sides), r):
+            unit_mb, num_workers = sides[side]
             job = pretokenize_job([paths["big.jsonl"]], os.path.join(paths["out"], str(r)),
                                   tokenizer_dir=paths["tokenizer"], unit_mb=unit_mb)
             times[side].append(one_core(job) if side == "one core"
@@ -251,7 +265,6 @@ def pin(cpus: set) -> None:
         os.sched_setaffinity(int(tid), cpus)
 
 
-# -----------------------------------------------------------------------------
 # The figures
 
 
@@ -260,8 +273,8 @@ def report(rates: dict, per_unit: dict, splits: dict, ray_start: float, tiny: in
         f"{side} {rates[side] / 1e6:.2f} ({rates[side] / rates['alone']:.2f} of alone)"
         for side in ("alone", "local", "ray")))
     same = "yes" if rates["identical"] else "no"
-    print(f"   Ray / local {rates['ray'] / rates['local']:.2f}; Ray's start {ray_start:.1f}s, "
-          f"apart; identical (Ray's files against local's): {same}")
+    print(f"   Ray / local {rates['ray'] / rates['local']:.2f}; Ray's start {ray_start:.1f}s (not "
+          f"in its runs); identical (Ray's files against local's): {same}")
     print(f"2. beyond tokenizing: runs of {CORES} and of {tiny} tiny jsonl files (4 short "
           "documents each)")
     for executor, (few, many) in per_unit.items():

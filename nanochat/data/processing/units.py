@@ -80,12 +80,17 @@ _loaded: dict[object, object] = {}
 
 
 def job_tokenizer(job: PretokenizeJob):
-    """The job's tokenizer, loaded on this process's first call (again for a job with another
-    load_tokenizer)."""
+    """The job's tokenizer, loaded on this process's first call, and again for a job with another
+    load_tokenizer or a tokenizer file changed since (retrained in place)."""
     try:  # a job sent to this process is a new object each time: its pickle is what stays
-        key = pickle.dumps(job.load_tokenizer)
+        how = pickle.dumps(job.load_tokenizer)
     except (pickle.PicklingError, AttributeError, TypeError):  # (an engine's own pickling)
-        key = id(job.load_tokenizer)
+        how = id(job.load_tokenizer)
+    try:
+        stat = os.stat(job.tokenizer_file)
+        key = (how, job.tokenizer_file, stat.st_mtime_ns, stat.st_size)
+    except OSError:  # missing: the load says so, or run_settings does
+        key = (how, job.tokenizer_file)
     if key not in _loaded:
         _loaded.clear()
         _loaded[key] = job.load_tokenizer()

@@ -3,7 +3,8 @@ The two calls any engine drives (nanochat/data/processing/units.py): plan_units 
 a job once its output is checked and its settings recorded, and tokenize_unit writes one unit's
 pair. Driven as another engine would (threads, in reverse order, each unit twice), the output equals
 the command's byte for byte; a written unit comes back with no counts, a bad input with its error
-(not raised); and pretokenize_job checks its arguments as the command does. Run:
+(not raised); a tokenizer retrained in place is loaded again; and pretokenize_job checks its
+arguments as the command does. Run:
     python -m pytest tests/data/processing/test_units.py -q
 """
 
@@ -16,6 +17,7 @@ import pytest
 from conftest import ByteArrayTokenizer
 from nanochat import pretokenize
 from nanochat.data.processing.pretokenize_run import PretokenizeRun, run_pretokenize
+from nanochat.data.processing import units
 from nanochat.data.processing.units import PretokenizeJob, plan_units, tokenize_unit
 
 
@@ -73,3 +75,16 @@ def test_pretokenize_job_checks_its_arguments(tmp_path):
         with pytest.raises(ValueError, match=message):
             pretokenize.pretokenize_job(["in"], "out", tokenizer_dir=str(tmp_path), **kwargs)
     assert pretokenize.pretokenize_job(["in"], "out", unit_mb=None).unit_bytes is None
+
+
+def test_a_tokenizer_retrained_in_place_is_loaded_again(tmp_path):
+    (tmp_path / "in.jsonl").write_text('{"text": "abc"}\n')
+    tokenizer_file = tmp_path / "tokenizer.json"
+    tokenizer_file.write_text("one")
+    job = PretokenizeJob([str(tmp_path / "in.jsonl")], str(tmp_path / "out"), ByteArrayTokenizer,
+                         str(tokenizer_file))
+    first = units.job_tokenizer(job)
+    assert units.job_tokenizer(job) is first  # once per process
+    tokenizer_file.write_text("retrained")
+    os.utime(tokenizer_file, ns=(0, os.stat(tokenizer_file).st_mtime_ns + 10**9))
+    assert units.job_tokenizer(job) is not first
