@@ -13,8 +13,8 @@ scripts/bench_dataloader.py's generated corpus and a BPE trained on it:
    workers start with the cluster and serve every run.
 2. the cost of a unit beyond tokenizing: runs of one tiny jsonl file a core (the run's fixed
    cost: the plan, the lock, the local workers' start) and of --tiny files per executor: the
-   seconds per further unit (scheduling, the write, the fsync'ed rename). A retry's cost is not
-   measured.
+   seconds per further unit (scheduling, the write, the fsync'ed rename); and on Ray, a task
+   whose worker dies once against one that does not (the retry).
 3. one big plain .jsonl of --mb MB: one unit on one core (tokenize_unit on one thread, this
    process pinned to a core), one unit with --num-workers 1 (its encode on os.cpu_count() threads),
    and split into ~8 units on every core; Ray's cluster is shut down by then.
@@ -75,6 +75,7 @@ def main(argv=None) -> int:
         try:
             rates = executors(paths, args.rounds)
             per_unit = unit_costs(paths, args.tiny, args.rounds)
+            per_unit["retry"] = retry_cost(ray, tmp, args.rounds)
         finally:
             ray.shutdown()
         splits = split_input(paths, args.rounds)
@@ -222,6 +223,31 @@ def unit_costs(paths: dict, tiny: int, rounds: int) -> dict:
                        statistics.median(times[executor, tiny])) for executor in ("local", "ray")}
 
 
+def retry_cost(ray, tmp: str, rounds: int) -> tuple[float, float]:
+    """Median seconds of a task that returns at once, and of one whose worker dies on its first try
+    (os._exit, as a kill -9 would end it) and that Ray runs again: the executor's task options."""
+    from nanochat.data.processing.ray_executor import MAX_RETRIES
+
+    task = ray.remote(num_cpus=1, max_retries=MAX_RETRIES, retry_exceptions=False)(_dies_once)
+    plain, retried = [], []
+    for r in range(rounds):
+        t0 = time.perf_counter()
+        ray.get(task.remote(None))
+        plain.append(time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        ray.get(task.remote(os.path.join(tmp, f"died-{r}")))
+        retried.append(time.perf_counter() - t0)
+    return statistics.median(plain), statistics.median(retried)
+
+
+def _dies_once(marker: str | None) -> int:
+    """A task's body: its worker process dies the first time it runs for a marker path."""
+    if marker is not None and not os.path.exists(marker):
+        open(marker, "w").close()
+        os._exit(1)
+    return os.getpid()
+
+
 # 3. a big input, whole on one core against split on every core
 
 
@@ -277,10 +303,13 @@ def report(rates: dict, per_unit: dict, splits: dict, ray_start: float, tiny: in
           f"in its runs); identical (Ray's files against local's): {same}")
     print(f"2. beyond tokenizing: runs of {CORES} and of {tiny} tiny jsonl files (4 short "
           "documents each)")
+    plain, retried = per_unit.pop("retry")
     for executor, (few, many) in per_unit.items():
         print(f"   {executor:5s}: {CORES} files {few:.2f}s (a run's fixed cost), {tiny} files "
-              f"{many:.2f}s -> {(many - few) / (tiny - CORES) * 1e3:.1f} ms a further unit; "
-              "a retry: not measured")
+              f"{many:.2f}s -> {(many - few) / (tiny - CORES) * 1e3:.1f} ms a further unit")
+    print(f"   a retry on Ray: a task whose worker dies once {retried:.2f}s, against {plain:.3f}s "
+          "for one that returns (plus the work the dead try had done); the local executor does "
+          "not retry: a dead worker stops its run, and a rerun writes the rest")
     whole, tokens = splits.pop("one core"), splits.pop("tokens")
     print(f"3. the big jsonl ({tokens:,} tokens): one core {whole:.1f}s "
           f"({tokens / whole / 1e6:.2f}M tokens/s); " + ", ".join(

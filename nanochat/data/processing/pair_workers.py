@@ -17,6 +17,7 @@ import sys
 import threading
 import time
 from concurrent.futures import ProcessPoolExecutor, as_completed
+from concurrent.futures.process import BrokenProcessPool
 
 from nanochat.data.processing.units import PretokenizeJob, job_tokenizer, tokenize_unit
 
@@ -31,8 +32,8 @@ def pair_results(job: PretokenizeJob, units: list, num_workers: int, num_threads
             yield tokenize_unit(job, unit, num_threads)
         return
     # spawn: a forked child would inherit the parent's tokenizer thread pools, and maybe a held
-    # lock. A worker that dies (killed, out of memory) raises BrokenProcessPool here instead of
-    # hanging.
+    # lock. A worker that dies (killed, out of memory) stops the run with ChildProcessError instead
+    # of hanging.
     ctx = multiprocessing.get_context("spawn")
     with ProcessPoolExecutor(num_workers, mp_context=ctx, initializer=_init_worker,
                              initargs=(job, num_threads, os.getpid())) as pool:
@@ -41,6 +42,11 @@ def pair_results(job: PretokenizeJob, units: list, num_workers: int, num_threads
         try:
             for future in as_completed(futures):
                 yield future.result()
+        except BrokenProcessPool:  # an OSError: the command says it in one line
+            raise ChildProcessError(
+                "a pretokenize worker process died (killed, or out of memory?); the pairs written "
+                "are complete and no partial one is installed: rerun the same command to write "
+                "the rest") from None
         finally:
             for future in futures:  # on an error, do not start the inputs still queued
                 future.cancel()

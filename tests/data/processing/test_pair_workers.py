@@ -1,10 +1,12 @@
 """
-Pairs written on worker processes (nanochat/data/processing/pair_workers.py): in this process
-with the caller's tokenizer, or on 2 spawned workers that load theirs with load_tokenizer, each
-input's PairResult handed back once, the pairs the same either way. Run:
+Units written on worker processes (nanochat/data/processing/pair_workers.py): in this process or
+on 2 spawned workers, each loading the job's tokenizer, each unit's PairResult handed back once,
+the pairs the same either way; a worker killed mid-pair stops the run with one clear error and no
+pair installed. Run:
     python -m pytest tests/data/processing/test_pair_workers.py -q
 """
 
+import functools
 import os
 
 from conftest import ByteArrayTokenizer
@@ -46,3 +48,39 @@ def test_in_this_process_and_on_two_workers(tmp_path):
     assert sorted(r.source for r in results) == paths  # each once, in completion order
     assert sorted(r.stats["documents"] for r in results) == [1, 2, 3, 4]
     assert pairs_written(tmp_path / "there") == pairs_written(tmp_path / "here")
+
+
+def test_a_worker_that_dies_stops_the_run_with_one_clear_error(tmp_path):
+    import signal
+    import threading
+    import time
+
+    from pausing_tokenizer import PausingTokenizer
+
+    paths = inputs(tmp_path, 2)
+    with open(paths[1], "w") as f:
+        f.write('{"text": "PAUSE here"}\n')
+    (tmp_path / "pause").write_text("")
+    job = PretokenizeJob(paths, str(tmp_path), functools.partial(PausingTokenizer, str(tmp_path)),
+                         "unused")
+    units = [PairToWrite(p, str(tmp_path / "out" / str(i))) for i, p in enumerate(paths)]
+    caught = []
+
+    def run():
+        try:
+            list(pair_results(job, units, 2, 1))
+        except ChildProcessError as e:
+            caught.append(e)
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    deadline = time.time() + 60
+    while not (tmp_path / "pid").exists():
+        assert time.time() < deadline, "the worker never paused"
+        time.sleep(0.05)
+    os.kill(int((tmp_path / "pid").read_text()), signal.SIGKILL)
+    thread.join(60)
+    assert [str(e) for e in caught] == [
+        "a pretokenize worker process died (killed, or out of memory?); the pairs written are "
+        "complete and no partial one is installed: rerun the same command to write the rest"]
+    assert not os.path.exists(tmp_path / "out" / "1.idx")
