@@ -70,6 +70,19 @@ def write_shard(path, texts, row_group_size):
     os.replace(tmp, path)
 
 
+def output_files(directory) -> dict:
+    """Every file under a pretokenize output but the hidden ones (locks, staged inputs): its path
+    relative to directory -> its bytes."""
+    out = {}
+    for root, dirs, names in os.walk(directory):
+        dirs[:] = [d for d in dirs if not d.startswith(".")]
+        for name in names:
+            if not name.startswith("."):
+                with open(os.path.join(root, name), "rb") as f:
+                    out[os.path.relpath(os.path.join(root, name), directory)] = f.read()
+    return out
+
+
 def write_shards(data_dir, files, row_group_size):
     """files: list of lists of texts, one per shard -> shard_00000.parquet, ... in data_dir."""
     os.makedirs(data_dir, exist_ok=True)

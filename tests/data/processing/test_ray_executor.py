@@ -18,7 +18,7 @@ import time
 
 import pytest
 
-from conftest import _s3_env, write_shards
+from conftest import _s3_env, output_files
 from pausing_tokenizer import pausing_job, run_job
 from nanochat.pretokenize import main
 
@@ -41,18 +41,6 @@ def cluster(s3_server, tmp_path_factory):
             yield ray.get_runtime_context().gcs_address
         finally:
             ray.shutdown()
-
-
-def tree(directory) -> dict:
-    """Every file under an output but the hidden ones (locks, staging): name -> bytes."""
-    out = {}
-    for root, dirs, files in os.walk(directory):
-        dirs[:] = [d for d in dirs if not d.startswith(".")]
-        for name in files:
-            if not name.startswith("."):
-                with open(os.path.join(root, name), "rb") as f:
-                    out[os.path.relpath(os.path.join(root, name), directory)] = f.read()
-    return out
 
 
 def jsonl_inputs(directory, pause_at: str | None = None, **extra: str):
@@ -90,12 +78,15 @@ def test_a_ray_run_equals_a_local_run(cluster, parquet_dir, tokenizer_dir, tmp_p
     printed = capsys.readouterr()
     assert "on Ray (a local cluster)" in printed.out and "0 skipped" in printed.out
     assert "pretokenize: 100%" in printed.err  # the driver's bar
-    files = tree(on_ray)
-    assert files == tree(local) and "pretokenize.json" in files
+    files = output_files(on_ray)
+    assert files == output_files(local) and "pretokenize.json" in files
     assert "train/shard_00000.part-00000-of-00004.idx" in files  # split: row groups of 8 of 30
 
 
-def test_a_killed_worker_is_retried_and_no_partial_pair_is_installed(cluster, tmp_path):
+def paused_driver(tmp_path, cluster, **popen):
+    """The local executor's output of jsonl_inputs in tmp_path/local, then a driver process running
+    the job on Ray into tmp_path/ray, its task on a.jsonl paused in the middle of the pair: (the
+    inputs, the pause directory, the output, the driver, the paused worker's pid)."""
     inputs = jsonl_inputs(tmp_path / "in", pause_at="PAUSE")
     pause = tmp_path / "pause"
     pause.mkdir()
@@ -103,10 +94,18 @@ def test_a_killed_worker_is_retried_and_no_partial_pair_is_installed(cluster, tm
     (pause / "pause").write_text("")
     out = tmp_path / "ray"
     driver = subprocess.Popen([sys.executable, os.path.join(TESTS, "pausing_tokenizer.py"),
-                               inputs, str(out), str(pause), cluster],
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                               inputs, str(out), str(pause), cluster], **popen)
     try:
-        worker = int(wait_for(pause / "pid"))
+        return inputs, pause, out, driver, int(wait_for(pause / "pid"))
+    except BaseException:
+        driver.kill()
+        raise
+
+
+def test_a_killed_worker_is_retried_and_no_partial_pair_is_installed(cluster, tmp_path):
+    _, pause, out, driver, worker = paused_driver(tmp_path, cluster, stdout=subprocess.PIPE,
+                                                  stderr=subprocess.STDOUT, text=True)
+    try:
         # in the middle of a's pair: its first batch is in the temporary file, no pair installed
         assert os.path.getsize(out / "train" / "a.bin.tmp") > 0
         assert not os.path.exists(out / "train" / "a.idx")
@@ -117,22 +116,14 @@ def test_a_killed_worker_is_retried_and_no_partial_pair_is_installed(cluster, tm
         driver.kill()
     assert driver.returncode == 0, printed
     assert "wrote 3/3 shards" in printed, printed
-    assert tree(out) == tree(tmp_path / "local")
+    assert output_files(out) == output_files(tmp_path / "local")
     assert not [n for n in os.listdir(out / "train") if n.endswith(".tmp")]
 
 
 def test_a_killed_driver_takes_its_tasks_and_a_rerun_completes(cluster, tmp_path, capsys):
-    inputs = jsonl_inputs(tmp_path / "in", pause_at="PAUSE")
-    pause = tmp_path / "pause"
-    pause.mkdir()
-    assert run_job(pausing_job(inputs, str(tmp_path / "local"), str(pause)), "local") == 0
-    (pause / "pause").write_text("")
-    out = tmp_path / "ray"
-    driver = subprocess.Popen([sys.executable, os.path.join(TESTS, "pausing_tokenizer.py"),
-                               inputs, str(out), str(pause), cluster],
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    inputs, pause, out, driver, worker = paused_driver(
+        tmp_path, cluster, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
-        worker = int(wait_for(pause / "pid"))
         wait_for(out / "train" / "b.idx"), wait_for(out / "train" / "c.idx")
     finally:
         driver.kill()  # kill -9
@@ -147,7 +138,7 @@ def test_a_killed_driver_takes_its_tasks_and_a_rerun_completes(cluster, tmp_path
     capsys.readouterr()
     assert run_job(pausing_job(inputs, str(out), str(pause)), "ray", cluster) == 0
     assert "2 already done (their .idx exists), skipped; 1 to write" in capsys.readouterr().out
-    assert tree(out) == tree(tmp_path / "local")
+    assert output_files(out) == output_files(tmp_path / "local")
 
 
 def _alive(pid: int) -> bool:
@@ -184,7 +175,7 @@ def test_a_stores_shards_are_read_by_the_tasks(cluster, s3, parquet_dir, tokeniz
     assert main(argv + ["--input", parquet_dir, "--output", str(tmp_path / "local")]) == 0
     assert main(argv + ["--input", s3.url("data"), "--output", str(tmp_path / "ray"),
                         "--executor", "ray"]) == 0
-    assert tree(tmp_path / "ray") == tree(tmp_path / "local")
+    assert output_files(tmp_path / "ray") == output_files(tmp_path / "local")
     assert not os.listdir(tmp_path / "ray" / ".inputs" / "train")  # each staged copy removed
 
 

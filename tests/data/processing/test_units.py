@@ -14,22 +14,11 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from conftest import ByteArrayTokenizer
+from conftest import ByteArrayTokenizer, output_files
 from nanochat import pretokenize
 from nanochat.data.processing.pretokenize_run import PretokenizeRun, run_pretokenize
 from nanochat.data.processing import units
 from nanochat.data.processing.units import PretokenizeJob, plan_units, tokenize_unit
-
-
-def files(directory) -> dict:
-    out = {}
-    for root, dirs, names in os.walk(directory):
-        dirs[:] = [d for d in dirs if not d.startswith(".")]
-        for name in names:
-            if not name.startswith("."):
-                with open(os.path.join(root, name), "rb") as f:
-                    out[os.path.relpath(os.path.join(root, name), directory)] = f.read()
-    return out
 
 
 def test_another_engine_writes_what_the_command_writes(tmp_path):
@@ -57,7 +46,7 @@ def test_another_engine_writes_what_the_command_writes(tmp_path):
     assert all(r.error is None for r in results)
     written = [r for r in results if r.stats is not None]
     assert len(written) == len(units)  # once each: the other writer found the pair done
-    assert files(tmp_path / "engine") == files(tmp_path / "command")
+    assert output_files(tmp_path / "engine") == output_files(tmp_path / "command")
     # a bad input's error comes back, for the engine not to retry it
     (raw / "d.jsonl").write_text("not json\n")
     bad = [u for u in plan_units(engine) if u.source.endswith("d.jsonl")]
