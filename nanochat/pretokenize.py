@@ -19,10 +19,12 @@ May import: nanochat.common, nanochat.data, nanochat.tokenizer.
 import argparse
 import functools
 import logging
+import math
 import os
 
 from nanochat.data.fetch import stores
 from nanochat.data.fetch.errors import MissingExtra
+from nanochat.data.base.checks import rank_cpus
 from nanochat.data.base.cli import run
 from nanochat.common import get_dist_info
 from nanochat.data.processing.inputs import UNIT_MB, local_input
@@ -53,7 +55,7 @@ def main(argv: list[str] | None = None) -> int:
                           val_inputs=args.val_input, bucket=args.bucket,
                           text_field=args.text_field, max_length=args.max_length,
                           overlap_size=args.overlap_size, convention=args.convention,
-                          unit_mb=args.unit_mb)
+                          unit_mb=args.unit_mb, absolute=args.executor == "ray")
     return run_pretokenize(PretokenizeRun(
         job=job, num_workers=args.num_workers, rank=rank, world_size=world_size,
         lock_timeout=args.lock_timeout, executor=args.executor, ray_address=args.ray_address))
@@ -63,10 +65,11 @@ def pretokenize_job(inputs: list[str], output: str, *, tokenizer_dir: str | None
                     val_inputs: list[str] | None = None, bucket: str | None = None,
                     text_field: str = "text", max_length: int | None = None,
                     overlap_size: int = 0, convention: str = "nanochat",
-                    unit_mb: float | None = UNIT_MB) -> PretokenizeJob:
+                    unit_mb: float | None = UNIT_MB, absolute: bool = False) -> PretokenizeJob:
     """The job the command runs, for plan_units and tokenize_unit: the same arguments as its flags
     (tokenizer_dir: default <base dir>/tokenizer; unit_mb None: never split an input), checked
-    (ValueError). Each process that tokenizes loads the tokenizer from tokenizer_dir once."""
+    (ValueError). Each process that tokenizes loads the tokenizer from tokenizer_dir once.
+    absolute: make the paths absolute, for workers that run in other directories (Ray's)."""
     if max_length is not None:
         check_window_args(max_length, overlap_size)
     elif overlap_size:
@@ -74,18 +77,23 @@ def pretokenize_job(inputs: list[str], output: str, *, tokenizer_dir: str | None
                          "it)")
     if convention not in CONVENTIONS:
         raise ValueError(f"convention must be one of {list(CONVENTIONS)}, got {convention!r}")
-    if unit_mb is not None and not unit_mb > 0:  # written so that NaN fails too
-        raise ValueError(f"unit_mb must be > 0 MB (None: never split), got {unit_mb}")
-    tokenizer_dir = os.path.expanduser(tokenizer_dir or get_tokenizer_dir())
+    if unit_mb is not None and not 0 < unit_mb < math.inf:  # written so that NaN fails too
+        raise ValueError(f"unit_mb must be a number of MB > 0 (None: never split), got {unit_mb}")
+    tokenizer_dir = _local(tokenizer_dir or get_tokenizer_dir(), absolute)
     return PretokenizeJob(
-        inputs=[local_input(p) for p in inputs], output=os.path.expanduser(output),
+        inputs=[local_input(p, absolute) for p in inputs], output=_local(output, absolute),
         # each process loads its own tokenizer (a tokenizer does not pickle; this does)
         load_tokenizer=functools.partial(RustBPETokenizer.from_directory, tokenizer_dir),
         tokenizer_file=os.path.join(tokenizer_dir, TOKENIZER_FILENAME),
-        val_inputs=None if val_inputs is None else [local_input(p) for p in val_inputs],
+        val_inputs=None if val_inputs is None else [local_input(p, absolute) for p in val_inputs],
         bucket=bucket, text_field=text_field, max_length=max_length,
         overlap=overlap_size if max_length is not None else 0, convention=convention,
         unit_bytes=None if unit_mb is None else max(1, int(unit_mb * 2**20)))
+
+
+def _local(path: str, absolute: bool) -> str:
+    path = os.path.expanduser(path)
+    return os.path.abspath(path) if absolute else path
 
 
 def _parse(argv: list[str] | None) -> tuple[argparse.Namespace, int, int]:
@@ -116,8 +124,11 @@ def _parse(argv: list[str] | None) -> tuple[argparse.Namespace, int, int]:
     args.output = os.path.expanduser(args.output)
     args.tokenizer_dir = (None if args.tokenizer_dir is None
                           else os.path.expanduser(args.tokenizer_dir))
-    if not args.unit_mb > 0:
-        parser.error(f"--unit-mb must be > 0, got {args.unit_mb}")
+    if not 0 < args.unit_mb < math.inf:
+        parser.error(f"--unit-mb must be a number of MB > 0, got {args.unit_mb}")
+    if args.ray_address is not None and args.executor != "ray":
+        parser.error(f"--ray-address {args.ray_address} needs --executor ray (without it the "
+                     "job runs on this machine's processes)")
     rank, world_size = _share(args, parser)
     if world_size < 1 or not 0 <= rank < world_size:
         parser.error(f"need 0 <= --rank < --world-size, got rank {rank}, world size {world_size}")
@@ -131,20 +142,19 @@ def _parse(argv: list[str] | None) -> tuple[argparse.Namespace, int, int]:
 
 
 def _share(args: argparse.Namespace, parser: argparse.ArgumentParser) -> tuple[int, int]:
-    """This process's rank and world size: the flags, else torchrun's RANK/WORLD_SIZE, else
-    Slurm's tasks and array (slurm.py), else 0 of 1."""
+    """This process's rank and world size, each from its flag, else torchrun's RANK/WORLD_SIZE,
+    else Slurm's tasks and array (slurm.py), else 0 of 1."""
     is_ddp, env_rank, _, env_world_size = get_dist_info()
-    if is_ddp or args.rank is not None or args.world_size is not None:
-        rank = env_rank if args.rank is None else args.rank
-        return rank, env_world_size if args.world_size is None else args.world_size
-    try:
-        share = slurm_share(os.environ)
-    except ValueError as e:
-        parser.error(str(e))
-    if share is None:
-        return 0, 1
-    print(f"Slurm: {share.what}")
-    return share.rank, share.world_size
+    if not is_ddp:
+        try:
+            share = slurm_share(os.environ)
+        except ValueError as e:
+            parser.error(str(e))
+        if share is not None:
+            print(f"Slurm: {share.what}")
+        env_rank, env_world_size = (0, 1) if share is None else share[:2]
+    return (env_rank if args.rank is None else args.rank,
+            env_world_size if args.world_size is None else args.world_size)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -177,8 +187,9 @@ def _parser() -> argparse.ArgumentParser:
                         help="nanochat: an entry is BOS + the document (default); gpt-simple: the "
                              "document + EOD, no BOS, as GPT-Simple's loader expects (EOD = the "
                              "tokenizer's <|bos|> id)")
-    parser.add_argument("--num-workers", type=int, default=min(8, os.cpu_count() or 1),
-                        help="processes tokenizing input shards in parallel (1: this process)")
+    parser.add_argument("--num-workers", type=int, default=min(8, max(1, rank_cpus())),
+                        help="processes tokenizing units in parallel (1: this process; default: "
+                             "the CPUs this process may use, up to 8)")
     parser.add_argument("--rank", type=int, default=None,
                         help="this process's share: units rank, rank + world_size, ... "
                              "(default: $RANK, else Slurm's task and array index, else 0)")

@@ -505,6 +505,12 @@ def test_cli_rejects_bad_arguments(parquet_dir, tokenizer_dir, tmp_path, capsys)
     with pytest.raises(SystemExit):
         main(base + ["--lock-timeout", "-1"])
     assert "--lock-timeout must be >= 0 seconds, got -1.0" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(base + ["--unit-mb", "inf"])
+    assert "--unit-mb must be a number of MB > 0, got inf" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(base + ["--ray-address", "auto"])
+    assert "--ray-address auto needs --executor ray" in capsys.readouterr().err
     with pytest.raises(ValueError, match="pass their directory"):
         main(["--input", os.path.join(parquet_dir, "shard_00000.parquet"),
               "--output", str(tmp_path / "out"), "--tokenizer-dir", tokenizer_dir])

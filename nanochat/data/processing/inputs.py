@@ -43,6 +43,13 @@ class PairToWrite(NamedTuple):
     parts: int = 1  # how many parts source is split into; 1: the whole input
 
 
+def unit_name(unit: PairToWrite) -> str:
+    """What a message calls a unit: its input, and which part of it ("a.jsonl (part 2 of 4)")."""
+    if unit.parts == 1:
+        return unit.source
+    return f"{unit.source} (part {unit.part + 1} of {unit.parts})"
+
+
 def plan_pairs(inputs: list[str], output: str, val_inputs: list[str] | None = None,
                bucket: str | None = None, unit_bytes: int | None = None) -> list[PairToWrite]:
     """[PairToWrite(input, output_prefix), ...]: train inputs, then val inputs, to output/<split>/
@@ -124,11 +131,13 @@ def is_store(path: str) -> bool:
     return scheme_of(path) not in ("", "file")
 
 
-def local_input(path: str) -> str:
-    """A plain path for a local --input: "~" expanded, file:///x read as /x; a store's address
-    unchanged."""
-    return path_in_store(path) if scheme_of(path) == "file" else \
-        os.path.expanduser(path)
+def local_input(path: str, absolute: bool = False) -> str:
+    """A plain path for a local --input: "~" expanded, file:///x read as /x, made absolute if asked
+    (for workers that run in other directories); a store's address unchanged."""
+    if is_store(path):
+        return path
+    path = path_in_store(path) if scheme_of(path) == "file" else os.path.expanduser(path)
+    return os.path.abspath(path) if absolute else path
 
 
 def _store_splits(address: str, inputs: list[str], val_inputs: list[str] | None) -> dict:

@@ -5,19 +5,21 @@ output checked, its settings recorded) and take this rank's share, hold the outp
 write the pairs not yet written on an executor (this machine's worker processes, or a Ray cluster),
 with a progress bar and a summary line. Cost: one tokenizer pass over the inputs.
 
-May import: nanochat.data.base.files, nanochat.data.processing.output_lock,
-nanochat.data.processing.pair_workers, nanochat.data.processing.ray_executor,
-nanochat.data.processing.units.
+May import: nanochat.data.base, nanochat.data.processing.inputs,
+nanochat.data.processing.output_lock, nanochat.data.processing.pair_workers,
+nanochat.data.processing.ray_executor, nanochat.data.processing.units.
 """
 
 import os
 import time
 from dataclasses import dataclass
 
+from nanochat.data.base.checks import rank_cpus
 from nanochat.data.base.files import progress_bar
 from nanochat.data.processing.output_lock import output_lock
 from nanochat.data.processing.pair_workers import pair_results
 from nanochat.data.processing.ray_executor import ray_results
+from nanochat.data.processing.inputs import check_parts
 from nanochat.data.processing.units import PretokenizeJob, plan_units
 
 EXECUTORS = ("local", "ray")
@@ -46,6 +48,7 @@ def run_pretokenize(run: PretokenizeRun) -> int:
     # check, so a mistyped command never waits for it). Other runs on this output (a plain run
     # beside ranks) may still share a pair: tokenize_pair.pair_lock keeps its writers apart
     with output_lock(home, run.rank, run.world_size, run.lock_timeout):
+        check_parts(units)  # again: a run of this rank that held the lock may have split otherwise
         todo = [unit for unit in mine if not os.path.exists(unit.prefix + ".idx")]  # a whole pair
         skipped = len(mine) - len(todo)
         inputs = len({unit.source for unit in units})
@@ -58,7 +61,8 @@ def run_pretokenize(run: PretokenizeRun) -> int:
 
 def _where(run: PretokenizeRun) -> str:
     if run.executor == "ray":
-        return f"Ray ({run.ray_address or 'a local cluster'})"
+        address = run.ray_address or os.environ.get("RAY_ADDRESS")
+        return f"Ray ({address or 'a cluster on this machine'})"
     return f"{run.num_workers} process" + ("es" if run.num_workers > 1 else "")
 
 
@@ -67,9 +71,9 @@ def _results(run: PretokenizeRun, todo: list):
     if run.executor == "ray":
         return ray_results(run.job, todo, run.ray_address)
     num_workers = min(run.num_workers, len(todo))
-    # spread the CPU between processes; each process's tokenizer encodes a batch on this many
-    # threads
-    num_threads = max(1, (os.cpu_count() or 1) // max(1, num_workers))
+    # spread the CPUs this process may use between processes; each process's tokenizer encodes a
+    # batch on this many threads
+    num_threads = max(1, rank_cpus() // max(1, num_workers))
     return pair_results(run.job, todo, num_workers, num_threads)
 
 

@@ -7,8 +7,8 @@ whose worker process or node dies is run again (MAX_RETRIES); a bad input is a r
 exception, and fails once. Every node needs this package and the output's filesystem, mounted at
 the same path. Design: docs/pretokenized.md.
 
-May import: ray, nanochat.data.fetch.errors, nanochat.data.processing.tokenize_pair,
-nanochat.data.processing.units.
+May import: ray, nanochat.data.fetch.errors, nanochat.data.processing.inputs,
+nanochat.data.processing.tokenize_pair, nanochat.data.processing.units.
 
 Imported only when needed: ray (an extra, for --executor ray).
 """
@@ -16,6 +16,7 @@ Imported only when needed: ray (an extra, for --executor ray).
 import os
 
 from nanochat.data.fetch.errors import MissingExtra
+from nanochat.data.processing.inputs import unit_name
 from nanochat.data.processing.tokenize_pair import PairResult
 from nanochat.data.processing.units import PretokenizeJob, tokenize_unit
 
@@ -82,11 +83,12 @@ def _submit(ray, task, job_ref, queue, pending: dict) -> None:
 def _result(ray, ref, unit) -> PairResult:
     """The task's PairResult, or one that says why it has none: its code raised (not retried), or
     its worker died on every try."""
+    source = unit_name(unit)
     try:
         return ray.get(ref)
     except ray.exceptions.RayTaskError as e:
-        return PairResult(unit.source, None, f"the task raised {type(e.cause).__name__}: {e.cause}")
+        return PairResult(source, None, f"the task raised {type(e.cause).__name__}: {e.cause}")
     except ray.exceptions.RayError as e:
-        return PairResult(unit.source, None,
+        return PairResult(source, None,
                           f"its worker died on each of {MAX_RETRIES + 1} tries ({type(e).__name__})"
                           "; rerun to try it again (written pairs are skipped)")

@@ -8,13 +8,17 @@ The loaders read it back (token_reader.shard_vocab). Format: docs/pretokenized.m
 May import: nanochat.data.base.files, nanochat.data.pretokenized.token_shards.
 """
 
+import errno
 import hashlib
 import json
 import os
+import tempfile
 
 from nanochat.data.base.files import remove_if_exists
 from nanochat.data.pretokenized.token_shards import MAGIC, META_FILENAME, VERSION
 
+# what os.link raises on a filesystem without hard links
+NO_HARD_LINKS = (errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EXDEV, errno.EMLINK)
 # what a mixture's buckets must share: it reads all of their ids as one vocabulary
 SHARED_KEYS = ("tokenizer_sha256", "vocab_size", "bos_token_id", "dtype", "convention")
 
@@ -51,8 +55,9 @@ def check_or_write_settings(directories: list[str], settings: dict, instead: str
         if os.path.exists(path):
             continue
         os.makedirs(directory, exist_ok=True)
-        tmp = f"{path}.tmp{os.getpid()}"  # several ranks may write it at once
-        with open(tmp, "w", encoding="utf-8") as f:
+        # a name of its own: ranks on several machines may write it at once, with one pid
+        fd, tmp = tempfile.mkstemp(prefix=f".{META_FILENAME}.", suffix=".tmp", dir=directory)
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
             json.dump(settings, f, indent=2)
             f.write("\n")
         try:
@@ -61,8 +66,10 @@ def check_or_write_settings(directories: list[str], settings: dict, instead: str
             os.link(tmp, path)
         except FileExistsError:
             _check(path, settings, instead)
-        except OSError:  # a filesystem without hard links: atomic still, the last writer's
-            os.replace(tmp, path)
+        except OSError as e:
+            if e.errno not in NO_HARD_LINKS:
+                raise
+            os.replace(tmp, path)  # atomic still, but the last writer's
         finally:
             remove_if_exists(tmp)
 

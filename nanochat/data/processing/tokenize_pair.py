@@ -23,16 +23,17 @@ from nanochat.data.fetch.errors import DownloadError
 from nanochat.data.fetch.download import download_file
 from nanochat.data.fetch.records import lock_path, record_path
 from nanochat.data.base.files import remove_if_exists
-from nanochat.data.processing.inputs import PairToWrite
+from nanochat.data.processing.inputs import PairToWrite, unit_name
 from nanochat.data.processing.parts import text_batches
 from nanochat.data.pretokenized.token_shards import CONVENTIONS, write_token_pairs
 from nanochat.data.processing.windows import window_document, window_gpt_simple
 
 logger = logging.getLogger(__name__)
 
+
 class PairResult(NamedTuple):
-    """What became of one input."""
-    source: str
+    """What became of one unit of work."""
+    source: str  # its input, and which part of it: "a.jsonl (part 2 of 4)"
     stats: dict | None  # pretokenize_file's counts; None: not written by this call
     error: str | None  # why the input failed; None with stats None: another run wrote the pair
 
@@ -41,22 +42,23 @@ def write_pair(tokenizer, options: dict, pair: PairToWrite) -> PairResult:
     """Write one pair (options: pretokenize_file's keyword arguments): its counts, the error of a
     bad input (it fails alone), or neither when another run on this output wrote it meanwhile."""
     path, prefix, staged, part, parts = pair
+    source = unit_name(pair)
     try:
         # no timeout: the holder is a live process writing this pair (the lock ends with it)
         with pair_lock(prefix):
             # written while we waited; the output is deterministic, so it is the pair we would write
             if os.path.exists(prefix + ".idx"):
                 _unstage(staged)
-                return PairResult(path, None, None)
+                return PairResult(source, None, None)
             if staged is not None:  # a verified copy (a rerun finds one left by a failed run)
                 download_file(path, staged, progress=False)
             stats = pretokenize_file(tokenizer, path if staged is None else staged, prefix,
                                      part=part, parts=parts, **options)
             _unstage(staged)
-            return PairResult(path, stats, None)
+            return PairResult(source, stats, None)
     # BadGzipFile is an OSError, and so is a store's error
     except (ValueError, OSError, EOFError, pa.ArrowException, DownloadError) as e:
-        return PairResult(path, None, f"{type(e).__name__}: {redact(str(e))}")
+        return PairResult(source, None, f"{type(e).__name__}: {redact(str(e))}")
 
 
 def pair_lock(prefix: str) -> FileLock:

@@ -91,7 +91,9 @@ def job_tokenizer(job: PretokenizeJob):
         key = (how, job.tokenizer_file, stat.st_mtime_ns, stat.st_size)
     except OSError:  # missing: the load says so, or run_settings does
         key = (how, job.tokenizer_file)
-    if key not in _loaded:
-        _loaded.clear()
-        _loaded[key] = job.load_tokenizer()
-    return _loaded[key]
+    tokenizer = _loaded.get(key)
+    if tokenizer is None:
+        tokenizer = job.load_tokenizer()
+        _loaded.clear()  # one kept: a process serves one job at a time
+        _loaded[key] = tokenizer
+    return tokenizer

@@ -5,7 +5,8 @@ parts of a split input included; a task's worker killed with kill -9 in the midd
 retried, and no partial pair is installed; a driver killed in the middle takes its tasks with it,
 and a rerun skips the written pairs and completes identical; a corrupt input and a task that raises
 fail once, named, the other pairs installed; a store's shards (moto's S3) are read by the tasks;
-without Ray, --executor ray is one line. Run:
+the command with no address starts a cluster of its own; without Ray, --executor ray is one line.
+Run:
     python -m pytest tests/data/processing/test_ray_executor.py -q
 """
 
@@ -76,7 +77,7 @@ def test_a_ray_run_equals_a_local_run(cluster, parquet_dir, tokenizer_dir, tmp_p
     capsys.readouterr()
     assert main(argv + ["--output", on_ray, "--executor", "ray"]) == 0
     printed = capsys.readouterr()
-    assert "on Ray (a local cluster)" in printed.out and "0 skipped" in printed.out
+    assert "on Ray (a cluster on this machine)" in printed.out and "0 skipped" in printed.out
     assert "pretokenize: 100%" in printed.err  # the driver's bar
     files = output_files(on_ray)
     assert files == output_files(local) and "pretokenize.json" in files
@@ -177,6 +178,21 @@ def test_a_stores_shards_are_read_by_the_tasks(cluster, s3, parquet_dir, tokeniz
                         "--executor", "ray"]) == 0
     assert output_files(tmp_path / "ray") == output_files(tmp_path / "local")
     assert not os.listdir(tmp_path / "ray" / ".inputs" / "train")  # each staged copy removed
+
+
+def test_with_no_address_the_command_starts_a_cluster_of_its_own(cluster, tokenizer_dir,
+                                                                 tmp_path):
+    inputs = jsonl_inputs(tmp_path / "in")
+    argv = ["--input", inputs, "--tokenizer-dir", tokenizer_dir]
+    assert main(argv + ["--output", str(tmp_path / "local"), "--num-workers", "1"]) == 0
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    done = subprocess.run([sys.executable, "-m", "nanochat.pretokenize", *argv, "--output",
+                           "ray", "--executor", "ray"], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "to write on Ray (a cluster on this machine)" in done.stdout
+    assert "Started a local Ray instance" in done.stderr  # its own, not the module's
+    assert output_files(tmp_path / "ray") == output_files(tmp_path / "local")
 
 
 def test_without_ray_the_executor_is_one_line(tmp_path):

@@ -1,8 +1,8 @@
 """
 Slurm's variables as ranks (nanochat/data/processing/slurm.py): a step's tasks, an array's tasks,
 both together, a batch script without srun (one task, whatever its --ntasks), an array of ids that
-are no range refused; and the command reading them as it reads torchrun's, a rerun at another world
-size finishing what dead ranks left. Run:
+are no range refused; the command reading them as it reads torchrun's (a flag first, each of rank
+and world size on its own), a rerun at another world size finishing what dead ranks left. Run:
     python -m pytest tests/data/processing/test_slurm.py -q
 """
 
@@ -84,9 +84,23 @@ def test_the_command_takes_its_share_from_slurm_and_a_rerun_at_another_size_fini
             monkeypatch.setenv(key, value)
         assert pretokenize.main(argv) == 0
     assert [os.path.basename(p) for p in list_token_shards(train)] == list("abcde")
-    # torchrun's variables win over Slurm's, and the flags over both
+
+
+def test_each_of_rank_and_world_size_comes_from_its_flag_else_torchrun_else_slurm(monkeypatch):
+    def share(*flags):
+        return pretokenize._share(pretokenize._parser().parse_args(
+            ["--input", "in", "--output", "out", *flags]), None)
+
+    for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE"):
+        monkeypatch.delenv(name, raising=False)
+    assert share() == (0, 1)
+    for key, value in STEP.items():  # srun's task 3 of 4
+        monkeypatch.setenv(key, value)
+    assert share() == (3, 4)
+    assert share("--world-size", "4") == (3, 4)  # one flag: the other still from Slurm
+    assert share("--rank", "1") == (1, 4)
+    assert share("--rank", "0", "--world-size", "5") == (0, 5)
     monkeypatch.setenv("RANK", "1"), monkeypatch.setenv("LOCAL_RANK", "1")
     monkeypatch.setenv("WORLD_SIZE", "2")
-    assert pretokenize._share(pretokenize._parser().parse_args(argv), None) == (1, 2)
-    args = pretokenize._parser().parse_args(argv + ["--rank", "0", "--world-size", "5"])
-    assert pretokenize._share(args, None) == (0, 5)
+    assert share() == (1, 2)  # torchrun's, not Slurm's
+    assert share("--rank", "0") == (0, 2)

@@ -57,10 +57,17 @@ def test_pretokenize_job_checks_its_arguments(tmp_path):
     job = pretokenize.pretokenize_job(["~/in"], "~/out", tokenizer_dir=str(tmp_path), unit_mb=1)
     assert job.inputs == [os.path.expanduser("~/in")] and job.unit_bytes == 2**20
     assert job.tokenizer_file == os.path.join(str(tmp_path), pretokenize.TOKENIZER_FILENAME)
+    # absolute for workers that run elsewhere (the command's Ray executor); a store's address as is
+    job = pretokenize.pretokenize_job(["in", "s3://b/in"], "out", tokenizer_dir="tok",
+                                      absolute=True)
+    assert job.inputs == [os.path.abspath("in"), "s3://b/in"] and job.output == os.path.abspath(
+        "out") and job.tokenizer_file == os.path.join(os.path.abspath("tok"), "tokenizer.json")
+    assert pretokenize.pretokenize_job(["in"], "out").output == "out"  # as given, for messages
     for kwargs, message in (({"max_length": 8, "overlap_size": 5}, "overlap_size 5 must be"),
                             ({"overlap_size": 2}, "overlap_size 2 needs max_length"),
                             ({"convention": "gpt"}, "convention must be one of"),
-                            ({"unit_mb": 0}, "unit_mb must be > 0 MB")):
+                            ({"unit_mb": 0}, "unit_mb must be a number of MB > 0"),
+                            ({"unit_mb": float("inf")}, "unit_mb must be a number of MB > 0")):
         with pytest.raises(ValueError, match=message):
             pretokenize.pretokenize_job(["in"], "out", tokenizer_dir=str(tmp_path), **kwargs)
     assert pretokenize.pretokenize_job(["in"], "out", unit_mb=None).unit_bytes is None
