@@ -42,9 +42,9 @@ class PretokenizeJob:
 
 def plan_units(job: PretokenizeJob) -> list[PairToWrite]:
     """Every unit of work of the job (all ranks'), train then val, each input's parts in order,
-    once the output is checked and its settings recorded. Refuses an output of another kind, settings
-    other than those recorded there, and a split of an input other than the one its written pairs
-    have (ValueError)."""
+    once the output is checked and its settings recorded. Refuses an output of another kind,
+    settings other than those recorded there, and a split of an input other than the one its
+    written pairs have (ValueError)."""
     settings = run_settings(job_tokenizer(job), job.tokenizer_file, job.max_length, job.overlap,
                             job.convention)
     units = plan_pairs(job.inputs, job.output, job.val_inputs, job.bucket, job.unit_bytes)
