@@ -79,9 +79,11 @@ def pretokenize_job(inputs: list[str], output: str, *, tokenizer_dir: str | None
         raise ValueError(f"convention must be one of {list(CONVENTIONS)}, got {convention!r}")
     if unit_mb is not None and not 0 < unit_mb < math.inf:  # written so that NaN fails too
         raise ValueError(f"unit_mb must be a number of MB > 0 (None: never split), got {unit_mb}")
-    tokenizer_dir = _local(tokenizer_dir or get_tokenizer_dir(), absolute)
+    # "~" works in every path, also where no shell expanded it (--output=~/x, a subprocess's
+    # argument list)
+    tokenizer_dir = local_input(tokenizer_dir or get_tokenizer_dir(), absolute)
     return PretokenizeJob(
-        inputs=[local_input(p, absolute) for p in inputs], output=_local(output, absolute),
+        inputs=[local_input(p, absolute) for p in inputs], output=local_input(output, absolute),
         # each process loads its own tokenizer (a tokenizer does not pickle; this does)
         load_tokenizer=functools.partial(RustBPETokenizer.from_directory, tokenizer_dir),
         tokenizer_file=os.path.join(tokenizer_dir, TOKENIZER_FILENAME),
@@ -91,13 +93,9 @@ def pretokenize_job(inputs: list[str], output: str, *, tokenizer_dir: str | None
         unit_bytes=None if unit_mb is None else max(1, int(unit_mb * 2**20)))
 
 
-def _local(path: str, absolute: bool) -> str:
-    path = os.path.expanduser(path)
-    return os.path.abspath(path) if absolute else path
-
-
 def _parse(argv: list[str] | None) -> tuple[argparse.Namespace, int, int]:
-    """The arguments checked, their paths expanded, and this process's rank and world size."""
+    """The arguments checked (pretokenize_job expands their paths), and this process's rank and
+    world size."""
     parser = _parser()
     args = parser.parse_args(argv)
     if args.max_length is not None:
@@ -116,14 +114,6 @@ def _parse(argv: list[str] | None) -> tuple[argparse.Namespace, int, int]:
     if args.bucket is not None and (args.bucket in ("", ".", "..") or "/" in args.bucket
                                     or os.sep in args.bucket):
         parser.error(f"--bucket must be a directory name (no '/'), got {args.bucket!r}")
-    # "~" works in every path, also where no shell expanded it (--output=~/x, a subprocess's
-    # argument list)
-    args.input = [local_input(p) for p in args.input]
-    args.val_input = (None if args.val_input is None
-                      else [local_input(p) for p in args.val_input])
-    args.output = os.path.expanduser(args.output)
-    args.tokenizer_dir = (None if args.tokenizer_dir is None
-                          else os.path.expanduser(args.tokenizer_dir))
     if not 0 < args.unit_mb < math.inf:
         parser.error(f"--unit-mb must be a number of MB > 0, got {args.unit_mb}")
     if args.ray_address is not None and args.executor != "ray":

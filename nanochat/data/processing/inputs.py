@@ -132,8 +132,8 @@ def is_store(path: str) -> bool:
 
 
 def local_input(path: str, absolute: bool = False) -> str:
-    """A plain path for a local --input: "~" expanded, file:///x read as /x, made absolute if asked
-    (for workers that run in other directories); a store's address unchanged."""
+    """A plain path for a local input, output or directory: "~" expanded, file:///x read as /x,
+    made absolute if asked (for workers that run in other directories); a store's address as is."""
     if is_store(path):
         return path
     path = path_in_store(path) if scheme_of(path) == "file" else os.path.expanduser(path)
