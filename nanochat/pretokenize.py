@@ -188,8 +188,8 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--unit-mb", type=float, default=UNIT_MB,
                         help="split a local input larger than this into units of about this many "
                              "MB (parquet row groups, jsonl lines), tokenized in parallel and "
-                             "written as NAME.part-K-of-N pairs; a .jsonl.gz and a store's shard "
-                             f"stay whole (default {UNIT_MB})")
+                             "written as NAME.part-K-of-N pairs; a store's shard stays whole "
+                             f"(default {UNIT_MB})")
     parser.add_argument("--executor", choices=EXECUTORS, default="local",
                         help="local: this machine's --num-workers processes (default); ray: "
                              "every unit as a task on a Ray cluster (pip install "

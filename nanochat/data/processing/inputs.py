@@ -3,11 +3,11 @@ A pretokenize run's units of work, and the pair each one becomes.
 List a pretokenize run's units of work and the pair each one becomes. The inputs are a parquet
 dataset directory or a store's address (its last shard in sorted order is val), or jsonl files and
 directories of them. A unit is a whole input, or one part of a local input larger than unit_bytes:
-a range of a parquet file's row groups, or of a plain jsonl file's lines. Part k of n of NAME is
+a range of a parquet file's row groups, or of a jsonl file's lines. Part k of n of NAME is
 written to NAME.part-0000k-of-0000n, and the loaders read the parts in order at NAME's place
 (base/layout.py). A store's shard is downloaded to a staging path under OUTPUT/.inputs/ before it
-is read. Cost: a directory listing, or one listing request to the store, and the footer of each
-local parquet file larger than unit_bytes.
+is read, and a split .jsonl.gz is decompressed there. Cost: a directory listing, or one listing
+request to the store, and the footer of each local parquet file larger than unit_bytes.
 
 May import: nanochat.data.fetch, nanochat.data.base.datasets, nanochat.data.base.layout.
 """
@@ -22,9 +22,9 @@ from nanochat.data.base.layout import PART_SUFFIX, part_name
 from nanochat.data.fetch.limits import Limits
 
 JSONL_SUFFIXES = (".jsonl.gz", ".jsonl")
-# a store's shards are downloaded under OUTPUT/.inputs/<split>/[<bucket>/]: hidden, so that no
-# listing of pairs or buckets sees it, and per split and bucket, so that two buckets' shards of one
-# name never meet
+# a store's shards are downloaded (a split .jsonl.gz decompressed) under
+# OUTPUT/.inputs/<split>/[<bucket>/]: hidden, so that no listing of pairs or buckets sees it, and
+# per split and bucket, so that two buckets' shards of one name never meet
 STAGING = ".inputs"
 
 
@@ -38,7 +38,8 @@ class PairToWrite(NamedTuple):
     """One unit of work: an input, or one part of it, to tokenize into one pair."""
     source: str  # a local file, or a store's address (s3://bucket/prefix/name.parquet, ...)
     prefix: str  # the pair's path without .bin/.idx
-    staged: str | None = None  # a store's shard: where it is downloaded to before tokenizing
+    # a store's shard: where it is downloaded to; a split .jsonl.gz: where it is decompressed to
+    staged: str | None = None
     part: int = 0  # which part of source this unit is: row groups or lines (tokenize_pair.py)
     parts: int = 1  # how many parts source is split into; 1: the whole input
 
@@ -84,20 +85,22 @@ def plan_pairs(inputs: list[str], output: str, val_inputs: list[str] | None = No
         within = split if bucket is None else os.path.join(split, bucket)
         directory, staging = os.path.join(output, within), os.path.join(output, STAGING, within)
         for path, name in zip(paths, names):
-            staged = os.path.join(staging, os.path.basename(path)) if address else None
             n = 1 if address or unit_bytes is None else count_parts(path, unit_bytes)
+            # a store's shard is downloaded there; a split .jsonl.gz is decompressed there
+            staged = (os.path.join(staging, os.path.basename(path)) if address
+                      else os.path.join(staging, f"{name}.jsonl") if n > 1 and path.endswith(".gz")
+                      else None)
             pairs += [PairToWrite(path, os.path.join(directory, part_name(name, k, n)), staged, k,
                                   n) for k in range(n)]
     return pairs
 
 
 def count_parts(path: str, unit_bytes: int) -> int:
-    """How many units a local input is split into: one per unit_bytes of the file, at most one per
-    row group of a parquet file; a .jsonl.gz is read from its start, so it stays whole. The parts'
-    bounds follow from this count alone (parts.py), so a count in a pair's name says
-    which rows it holds."""
+    """How many units a local input is split into: one per unit_bytes of the file (compressed, for
+    a .jsonl.gz), at most one per row group of a parquet file. The parts' bounds follow from this
+    count alone (parts.py), so a count in a pair's name says which rows it holds."""
     wanted = -(-os.path.getsize(path) // unit_bytes)
-    if wanted <= 1 or path.endswith(".gz"):
+    if wanted <= 1:
         return 1
     if path.endswith(".parquet"):
         wanted = min(wanted, open_parquet(path).metadata.num_row_groups)

@@ -2,18 +2,26 @@
 The texts of one unit of work: a whole input, or one part of it.
 Read the texts of one unit of work, in batches: a whole input, or part k of n of it. Part k of a
 parquet file of R row groups is its row groups k*R//n up to (k+1)*R//n; part k of a plain jsonl
-file of S bytes is the lines that start in its bytes k*S//n up to (k+1)*S//n. The bounds follow
-from n alone, so an input's parts, read in order, hold its documents in order, and two runs that
-split it into as many parts write the same pairs. Cost: a part's rows; finding a jsonl part's
-bounds reads up to two lines.
+file of S bytes is the lines that start in its bytes k*S//n up to (k+1)*S//n. A .jsonl.gz is read
+from its start, so its parts read a plain copy that the first of them writes (plain_copy). The
+bounds follow from n alone, so an input's parts, read in order, hold its documents in order, and
+two runs that split it into as many parts write the same pairs. Cost: a part's rows; finding a
+jsonl part's bounds reads up to two lines; a split .jsonl.gz is decompressed once, to disk.
 
-May import: nanochat.data.base.datasets, nanochat.data.fetch.repackage.
+May import: filelock, nanochat.data.base, nanochat.data.fetch.records,
+nanochat.data.fetch.repackage.
 """
 
+import gzip
 import io
 import os
+import shutil
+
+from filelock import FileLock
 
 from nanochat.data.base.datasets import open_parquet, read_row_group_texts
+from nanochat.data.base.files import fsync_dir, remove_if_exists
+from nanochat.data.fetch.records import lock_path
 from nanochat.data.fetch.repackage import jsonl_texts, read_jsonl_texts
 
 TEXTS_PER_BATCH = 1024  # texts per encode call: a parquet row group, and as many jsonl lines
@@ -21,7 +29,7 @@ TEXTS_PER_BATCH = 1024  # texts per encode call: a parquet row group, and as man
 
 def text_batches(path: str, text_field: str, part: int = 0, parts: int = 1):
     """Lists of up to TEXTS_PER_BATCH texts of part `part` of `parts` of a parquet shard (one row
-    group each) or a jsonl file (a .jsonl.gz is never split: it is read from its start)."""
+    group each) or a jsonl file (a part of a .jsonl.gz: of its plain_copy)."""
     if path.endswith(".parquet"):
         pf = open_parquet(path)
         groups = pf.num_row_groups
@@ -44,7 +52,7 @@ def _part_texts(path: str, text_field: str, part: int, parts: int):
     """The texts of the lines that start in bytes part*S//parts up to (part+1)*S//parts of a plain
     jsonl file of S bytes."""
     if path.endswith(".gz"):
-        raise ValueError(f"{path}: a .jsonl.gz is read from its start and is never split")
+        raise ValueError(f"{path}: a part of a .jsonl.gz is read from its plain copy (plain_copy)")
     with open(path, "rb") as f:
         size = os.fstat(f.fileno()).st_size
         start = _line_start(f, part * size // parts, size)
@@ -53,6 +61,26 @@ def _part_texts(path: str, text_field: str, part: int, parts: int):
         lines = io.TextIOWrapper(io.BufferedReader(_Span(f, start, stop)), encoding="utf-8")
         yield from jsonl_texts(lines, text_field,
                                lambda n: f"{path} line {_lines_before(path, start) + n}")
+
+
+def plain_copy(source: str, copy: str) -> None:
+    """Make copy the decompressed bytes of the .jsonl.gz at source, unless it is there: the first
+    of the input's parts writes it, the others wait for it. Written under a temporary name and
+    renamed, so a copy there is whole."""
+    os.makedirs(os.path.dirname(copy), exist_ok=True)
+    with FileLock(lock_path(copy)):
+        if os.path.exists(copy):
+            return
+        tmp = copy + ".tmp"
+        try:
+            with gzip.open(source, "rb") as src, open(tmp, "wb") as dst:
+                shutil.copyfileobj(src, dst, 1 << 20)
+                dst.flush()
+                os.fsync(dst.fileno())
+            os.replace(tmp, copy)
+        finally:
+            remove_if_exists(tmp)
+        fsync_dir(os.path.dirname(copy))
 
 
 def _line_start(f, at: int, size: int) -> int:

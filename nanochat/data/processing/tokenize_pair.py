@@ -23,8 +23,9 @@ from nanochat.data.fetch.errors import DownloadError
 from nanochat.data.fetch.download import download_file
 from nanochat.data.fetch.records import lock_path, record_path
 from nanochat.data.base.files import remove_if_exists
-from nanochat.data.processing.inputs import PairToWrite, unit_name
-from nanochat.data.processing.parts import text_batches
+from nanochat.data.base.layout import PART_SUFFIX, part_name
+from nanochat.data.processing.inputs import PairToWrite, is_store, unit_name
+from nanochat.data.processing.parts import plain_copy, text_batches
 from nanochat.data.pretokenized.token_shards import CONVENTIONS, write_token_pairs
 from nanochat.data.processing.windows import window_document, window_gpt_simple
 
@@ -48,13 +49,15 @@ def write_pair(tokenizer, options: dict, pair: PairToWrite) -> PairResult:
         with pair_lock(prefix):
             # written while we waited; the output is deterministic, so it is the pair we would write
             if os.path.exists(prefix + ".idx"):
-                _unstage(staged)
+                _unstage(pair)
                 return PairResult(source, None, None)
-            if staged is not None:  # a verified copy (a rerun finds one left by a failed run)
+            if staged is not None and is_store(path):  # a verified copy (a rerun may find one)
                 download_file(path, staged, progress=False)
+            elif staged is not None:  # a part of a .jsonl.gz reads its plain copy
+                plain_copy(path, staged)
             stats = pretokenize_file(tokenizer, path if staged is None else staged, prefix,
                                      part=part, parts=parts, **options)
-            _unstage(staged)
+            _unstage(pair)
             return PairResult(source, stats, None)
     # BadGzipFile is an OSError, and so is a store's error
     except (ValueError, OSError, EOFError, pa.ArrowException, DownloadError) as e:
@@ -112,10 +115,16 @@ def pretokenize_file(tokenizer, path: str, prefix: str, *, max_length: int | Non
     return stats
 
 
-def _unstage(staged: str | None) -> None:
-    """Remove a store's shard downloaded for a pair now written: the pair is the product, and a
-    rerun skips it, so the copy would not be read again. Its download lock goes too: only the
-    holder of the pair's lock ever takes it, so nobody can be waiting on it."""
-    if staged is not None:
-        for path in (staged, record_path(staged), lock_path(staged)):
+def _unstage(pair: PairToWrite) -> None:
+    """Remove the staged copy of a unit's input (a store's shard, a split .jsonl.gz's plain copy)
+    once every pair made from it is written: the pairs are the product, and a rerun skips them, so
+    the copy would not be read again. Its lock goes too: only the input's writers take it, and they
+    are done."""
+    if pair.staged is None:
+        return
+    directory, name = os.path.split(pair.prefix)
+    base = PART_SUFFIX.sub("", name)
+    if all(os.path.exists(os.path.join(directory, part_name(base, k, pair.parts)) + ".idx")
+           for k in range(pair.parts)):
+        for path in (pair.staged, record_path(pair.staged), lock_path(pair.staged)):
             remove_if_exists(path)

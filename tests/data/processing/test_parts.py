@@ -1,10 +1,11 @@
 """
 Large inputs split into units (nanochat/data/processing/parts.py, inputs.py): a part's texts
-(parquet row groups, plain jsonl lines by bytes), the parts of an input read in order equal to the
-whole input, for any number of parts and any line lengths (hypothesis); how many parts an input
-gets; their pairs' names, listed in order where the whole input's pair would be; a rerun that would
-split an input otherwise, refused; and the pairs of a split run holding the unsplit run's documents
-and tokens, in order. Hermetic: files under tmp_path. Run:
+(parquet row groups, jsonl lines by bytes, a .jsonl.gz's through one plain copy), the parts of an
+input read in order equal to the whole input, for any number of parts and any line lengths
+(hypothesis); how many parts an input gets; their pairs' names, listed in order where the whole
+input's pair would be; a rerun that would split an input otherwise, refused; and the pairs of a
+split run holding the unsplit run's documents and tokens, in order. Hermetic: files under
+tmp_path. Run:
     python -m pytest tests/data/processing/test_parts.py -q
 """
 
@@ -78,13 +79,14 @@ def test_how_many_parts_an_input_gets(tmp_path):
     assert count_parts(jsonl, 1000) == -(-os.path.getsize(jsonl) // 1000)
     with gzip.open(tmp_path / "c.jsonl.gz", "wt") as f:
         f.write(open(jsonl).read())
-    assert count_parts(str(tmp_path / "c.jsonl.gz"), 1) == 1  # read from its start: never split
+    gz = str(tmp_path / "c.jsonl.gz")
+    assert count_parts(gz, 1) == os.path.getsize(gz)  # by its compressed size
     big = write_jsonl(tmp_path / "big.jsonl", ["y" * 1000] * 110)
     with pytest.raises(ValueError, match="split into 11.,... parts, more than a name's 99,999; "
                                          "raise --unit-mb"):
         count_parts(big, 1)
-    with pytest.raises(ValueError, match="a .jsonl.gz is read from its start and is never split"):
-        texts_of(str(tmp_path / "c.jsonl.gz"), 1, 2)
+    with pytest.raises(ValueError, match="a part of a .jsonl.gz is read from its plain copy"):
+        texts_of(gz, 1, 2)
 
 
 def test_the_parts_names_and_the_order_the_loaders_list_them_in(tmp_path):
@@ -125,6 +127,34 @@ def a_job(raw, out, unit_bytes) -> PretokenizeRun:
 def entries(directory) -> list[np.ndarray]:
     return [TokenShard(p).entry(i) for p in list_token_shards(str(directory))
             for i in range(len(TokenShard(p)))]
+
+
+def test_a_jsonl_gz_is_split_through_one_plain_copy_removed_with_its_last_part(tmp_path):
+    raw = tmp_path / "raw"
+    raw.mkdir()
+    texts = [f"gz document {i} " + "w" * (i % 50) for i in range(600)]
+    with gzip.open(raw / "g.jsonl.gz", "wt", encoding="utf-8") as f:
+        f.writelines(json.dumps({"text": t}) + "\n" for t in texts)
+    write_jsonl(tmp_path / "val.jsonl", ["val"])
+
+    def job(out, unit_bytes):
+        return PretokenizeRun(PretokenizeJob([str(raw)], str(tmp_path / out), ByteArrayTokenizer,
+                                             str(tmp_path / "val.jsonl"),
+                                             val_inputs=[str(tmp_path / "val.jsonl")],
+                                             unit_bytes=unit_bytes), 2, 0, 1, 0.0)
+
+    assert run_pretokenize(job("whole", None)) == 0
+    unit = os.path.getsize(raw / "g.jsonl.gz") // 4 + 1
+    [first] = [u for u in plan_pairs([str(raw)], str(tmp_path / "split"), unit_bytes=unit)][:1]
+    assert first.parts == 4 and first.staged == str(tmp_path / "split" / ".inputs" / "train" /
+                                                    "g.jsonl")
+    assert run_pretokenize(job("split", unit)) == 0
+    listed = [os.path.basename(p) for p in list_token_shards(str(tmp_path / "split" / "train"))]
+    assert listed == [part_name("g", k, 4) for k in range(4)]
+    whole, parted = entries(tmp_path / "whole" / "train"), entries(tmp_path / "split" / "train")
+    assert len(whole) == len(parted) == 600
+    assert all(np.array_equal(a, b) for a, b in zip(whole, parted))
+    assert os.listdir(tmp_path / "split" / ".inputs" / "train") == []  # the copy is gone
 
 
 def test_a_split_run_writes_the_unsplit_runs_documents_in_order(tmp_path, capsys):
