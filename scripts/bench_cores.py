@@ -1,28 +1,31 @@
 """
 Tokenizing that grows with the cores a rank is given: tokens/s by cores, and against the tokenizer.
-For each set of cores (1, then every core here, or --cores), one fresh process pinned to them
-(taskset -c) measures, on the same texts, with a consumer that does nothing, alternating so that
-the host's drift falls on every side alike (medians of --rounds):
-- the tokenizer alone: encode(texts, num_threads=cores) over the document batches (tiktoken's own
-  threads), for our tokenizer (encode_to_arrays) and one that returns lists (as nanochat's);
+Each round runs, for each set of cores (1, then every core here, or --cores), one fresh process
+pinned to them (taskset -c); rounds alternate the sets, so that the host's drift (a shared host
+moves a core's speed by a fifth between minutes) falls on each alike, and every ratio is taken
+within a round, between runs a few seconds apart. On the same texts, a consumer that does nothing:
+- the tokenizer alone: encode(texts, num_threads=cores) (tiktoken's own threads), for our
+  tokenizer (encode_to_arrays) and one that returns lists (as nanochat's), run before the first
+  loader and after each: a loader is held against the two runs around it;
+- the machine: as many separate processes as cores, each the tokenizer alone on one thread, at
+  once; their tokens/s on N cores over one's on 1 core is what these cores give to any loader;
 - the public loader in its worker (B=32, T=2048) tokenizing on threads (tokenizer_processes=0,
   tokenizer_threads=4), on as many processes as cores, and with the default (cores less one for
   the trainer: processes from 2, else threads): tokens emitted per second, and tokens tokenized per
-  second (best-fit crops about a third of what it tokenizes at T=2048), the one to hold against the
-  tokenizer alone;
+  second (best-fit crops about a third of what it tokenizes at T=2048);
 - the serial part: CPU seconds per million tokens tokenized of the loader's own process (its
   threads read, send texts out, take documents back, pack and write the rows), its tokenizing
   processes not included.
-From the last two it predicts tokens tokenized per second at 8, 16 and 32 cores: the fewer of
-cores - 1 processes at one thread's rate and the serial part's 1e6 / (its CPU seconds per
-million). Speed is a measurement here, never a test assertion.
+From the last two it predicts tokens tokenized per second at 8, 16 and 32 cores. Speed is a
+measurement here, never a test assertion.
 
-    python -m scripts.bench_cores                   # 1 and 2 cores here; ~6 min
+    python -m scripts.bench_cores                   # 1 and 2 cores here, 3 rounds; ~8 min
     python -m scripts.bench_cores --cores 1,4,8,16  # on a bigger machine
 """
 
 import argparse
 import json
+import multiprocessing
 import os
 import statistics
 import subprocess
@@ -39,6 +42,9 @@ from scripts.list_tokenizer import ListTokenizer
 
 B, T = 32, 2048
 TOKENIZER_BATCH = 128
+LOADERS = (("threads", dict(tokenizer_processes=0, tokenizer_threads=4)),
+           ("processes", None),  # as many processes as cores
+           ("default", {}))
 
 
 def _cpu_seconds(pid: int) -> float:
@@ -48,14 +54,50 @@ def _cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def tokenizer_alone(tokenizer, text_batches, cores: int) -> float:
-    """Tokens/s of the tokenizer's own batch call over the text batches, on `cores` threads."""
+def tokenizer_alone(tokenizer, text_batches, threads: int) -> float:
+    """Tokens/s of the tokenizer's own batch call over the text batches, on `threads` threads."""
     encode = getattr(tokenizer, "encode_to_arrays", None) or tokenizer.encode
     bos = tokenizer.get_bos_token_id()
     start, tokens = time.perf_counter(), 0
     for texts in text_batches:
-        tokens += sum(len(ids) for ids in encode(texts, prepend=bos, num_threads=cores))
+        tokens += sum(len(ids) for ids in encode(texts, prepend=bos, num_threads=threads))
     return tokens / (time.perf_counter() - start)
+
+
+def _texts(data_dir: str) -> list[list[str]]:
+    texts = [t for batch in read_all(split_parquet_files("train", data_dir)) for t in batch]
+    return [texts[i:i + TOKENIZER_BATCH] for i in range(0, len(texts), TOKENIZER_BATCH)]
+
+
+def _tokenizer(name: str, tokenizer_dir: str):
+    ours = RustBPETokenizer.from_directory(tokenizer_dir)
+    return ours if name == "ours" else ListTokenizer(ours)
+
+
+def _one_of_many(name: str, data_dir: str, tokenizer_dir: str, start, rates) -> None:
+    """One of the machine's separate processes: the tokenizer alone on one thread, started with
+    the others (`start`, a barrier), its tokens/s put on `rates`."""
+    tokenizer, text_batches = _tokenizer(name, tokenizer_dir), _texts(data_dir)
+    probe = text_batches[:len(text_batches) // 3]
+    tokenizer_alone(tokenizer, probe[:4], 1)  # warm up before the others start
+    start.wait()
+    rates.put(tokenizer_alone(tokenizer, probe, 1))
+
+
+def machine_rate(name: str, processes: int, data_dir: str, tokenizer_dir: str) -> float:
+    """Tokens/s of `processes` separate processes tokenizing at once, one thread each: what these
+    cores give to any loader (fresh interpreters, so no thread pool is forked)."""
+    context = multiprocessing.get_context("spawn")
+    start, rates = context.Barrier(processes), context.Queue()
+    children = [context.Process(target=_one_of_many,
+                                args=(name, data_dir, tokenizer_dir, start, rates))
+                for _ in range(processes)]
+    for child in children:
+        child.start()
+    total = sum(rates.get(timeout=600) for _ in children)
+    for child in children:
+        child.join()
+    return total
 
 
 def loader_rate(tokenizer, data_dir: str, batches: int, **settings) -> dict:
@@ -80,27 +122,27 @@ def loader_rate(tokenizer, data_dir: str, batches: int, **settings) -> dict:
             "serial": cpu / (tokenized / 1e6)}
 
 
-def measure(cores: int, data_dir: str, tokenizer_dir: str, batches: int, rounds: int) -> dict:
-    """Everything for one set of cores, in this process (pinned by the caller). The tokenizer alone
-    and the loader alternate, `rounds` times each, so that the machine's drift (a shared host's
-    clock moves a core's speed by a third between minutes) falls on both: the medians are kept."""
-    ours = RustBPETokenizer.from_directory(tokenizer_dir)
-    texts = [t for batch in read_all(split_parquet_files("train", data_dir)) for t in batch]
-    text_batches = [texts[i:i + TOKENIZER_BATCH] for i in range(0, len(texts), TOKENIZER_BATCH)]
+def measure(cores: int, data_dir: str, tokenizer_dir: str, batches: int) -> dict:
+    """One round for one set of cores, in this process (pinned by the caller): per tokenizer, the
+    tokenizer alone around each loader (each loader's "alone" is the mean of the runs just before
+    and just after it), one thread alone, the machine's separate processes, and the loaders."""
+    text_batches = _texts(data_dir)
+    probe = text_batches[:len(text_batches) // 3]  # ~4M tokens: a few seconds on one core
     found = {}
-    for name, tokenizer in (("ours", ours), ("lists", ListTokenizer(ours))):
-        runs: dict = {"alone": [], "one_thread": [], "threads": [], "processes": [], "default": []}
-        for _ in range(rounds):
-            runs["alone"].append(tokenizer_alone(tokenizer, text_batches, cores))
-            runs["one_thread"].append(tokenizer_alone(tokenizer, text_batches[:60], 1))
-            for label, settings in (("threads", dict(tokenizer_processes=0, tokenizer_threads=4)),
-                                    ("processes", dict(tokenizer_processes=cores)),
-                                    ("default", {})):
-                runs[label].append(loader_rate(tokenizer, data_dir, batches, **settings))
-        found[name] = {label: (statistics.median(values) if label in ("alone", "one_thread")
-                               else {key: statistics.median(run[key] for run in values)
-                                     for key in values[0]})
-                       for label, values in runs.items()}
+    for name in ("ours", "lists"):
+        tokenizer = _tokenizer(name, tokenizer_dir)
+        tokenizer_alone(tokenizer, probe[:4], cores)  # warm up: the first calls of a process
+        alone = [tokenizer_alone(tokenizer, probe, cores)]
+        one = {"one_thread": tokenizer_alone(tokenizer, probe, 1),
+               "machine": machine_rate(name, cores, data_dir, tokenizer_dir)}
+        for label, settings in LOADERS:
+            if settings is None:
+                settings = dict(tokenizer_processes=cores)
+            one[label] = loader_rate(tokenizer, data_dir, batches, **settings)
+            alone.append(tokenizer_alone(tokenizer, probe, cores))
+            one[label]["alone"] = (alone[-2] + alone[-1]) / 2
+        one["alone"] = statistics.median(alone)
+        found[name] = one
     return found
 
 
@@ -110,54 +152,74 @@ def main(argv=None) -> int:
                         help="comma-separated core counts (default: 1 and every core here)")
     parser.add_argument("--num-docs", type=int, default=12_000)
     parser.add_argument("--batches", type=int, default=120, help="loader batches timed per run")
-    parser.add_argument("--rounds", type=int, default=3, help="runs of each, alternating")
+    parser.add_argument("--rounds", type=int, default=3,
+                        help="rounds, each a run of every set of cores")
     parser.add_argument("--one", default=None, help=argparse.SUPPRESS)  # a pinned child's job
     args = parser.parse_args(argv)
     if args.one:  # a child: cores, data_dir, tokenizer_dir
         cores, data_dir, tokenizer_dir = args.one.split(",", 2)
-        print(json.dumps(measure(int(cores), data_dir, tokenizer_dir, args.batches, args.rounds)))
+        print(json.dumps(measure(int(cores), data_dir, tokenizer_dir, args.batches)))
         return 0
     available = sorted(os.sched_getaffinity(0))
     counts = ([int(c) for c in args.cores.split(",")] if args.cores
               else sorted({1, len(available)}))
+    if max(counts) > len(available) or min(counts) < 1:
+        parser.error(f"--cores {args.cores}: this process may use {len(available)} cores")
     with tempfile.TemporaryDirectory() as tmp:
         data_dir, tokenizer_dir = os.path.join(tmp, "data"), os.path.join(tmp, "tokenizer")
         docs = make_corpus(args.num_docs)
         write_corpus(docs, data_dir)
         RustBPETokenizer.train_from_iterator(iter(docs[:4000]), 16_384).save(tokenizer_dir)
-        results = {}
-        for cores in counts:
-            pinned = ",".join(map(str, available[:cores]))
-            print(f"cores {pinned} ...", flush=True)
-            done = subprocess.run(
-                ["taskset", "-c", pinned, sys.executable, "-m", "scripts.bench_cores",
-                 "--batches", str(args.batches), "--rounds", str(args.rounds),
-                 "--one", f"{cores},{data_dir},{tokenizer_dir}"],
-                capture_output=True, text=True, check=True)
-            results[cores] = json.loads(done.stdout.strip().splitlines()[-1])
-    report(results)
+        rounds = []
+        for r in range(args.rounds):
+            rounds.append({})
+            for cores in counts:
+                pinned = ",".join(map(str, available[:cores]))
+                print(f"round {r + 1}/{args.rounds}: cores {pinned} ...", flush=True)
+                done = subprocess.run(
+                    ["taskset", "-c", pinned, sys.executable, "-m", "scripts.bench_cores",
+                     "--batches", str(args.batches), "--one", f"{cores},{data_dir},{tokenizer_dir}"],
+                    capture_output=True, text=True, check=True)
+                rounds[-1][cores] = json.loads(done.stdout.strip().splitlines()[-1])
+    report(rounds)
     return 0
 
 
-def report(results: dict) -> None:
-    first = min(results)
+def _spread(values: list) -> str:
+    """The median, then the lowest and highest of the rounds."""
+    return f"{statistics.median(values):.2f} ({min(values):.2f}-{max(values):.2f})"
+
+
+def report(rounds: list[dict]) -> None:
+    counts = sorted(rounds[0])
+    first = counts[0]
     for name in ("ours", "lists"):
-        print(f"\n{name}: M tokens/s by cores (medians); tokenized by the loader / the tokenizer "
-              "alone on the same cores; emitted against one core's best")
-        print("cores  alone  threads  processes  default  | processes: tokenized  /alone  "
-              "scale  serial s/M | default: /alone")
-        one_core = results[first][name]
-        base = max(one_core["processes"]["emitted"], one_core["threads"]["emitted"])
-        for cores, found in sorted(results.items()):
-            one = found[name]
-            rate = one["processes"]
-            print(f"{cores:5d} {one['alone'] / 1e6:6.2f} {one['threads']['emitted'] / 1e6:8.2f} "
-                  f"{rate['emitted'] / 1e6:10.2f} {one['default']['emitted'] / 1e6:8.2f}  | "
-                  f"{rate['tokenized'] / 1e6:20.2f} {rate['tokenized'] / one['alone']:7.2f} "
-                  f"{rate['emitted'] / base:6.2f} {rate['serial']:11.3f} | "
-                  f"{one['default']['tokenized'] / one['alone']:15.2f}")
-        last = results[max(results)][name]
-        per_process, serial = last["one_thread"], last["processes"]["serial"]
+        print(f"\n{name}: M tokens/s by cores (medians of {len(rounds)} rounds); the ratios' "
+              "median (lowest-highest), each taken within a round: the loader's tokens tokenized "
+              "/ the tokenizer alone just around it; emitted / the best emitted on "
+              f"{first} core(s); the machine's separate processes / one")
+        print("cores  alone  threads  processes  default | processes: /alone  default: /alone"
+              "  |  scale  machine | serial s/M")
+        for cores in counts:
+            found = [one[cores][name] for one in rounds]
+            base = [max(one[first][name]["processes"]["emitted"],
+                        one[first][name]["threads"]["emitted"]) for one in rounds]
+
+            def median(key, label=None):
+                return statistics.median(f[key] if label is None else f[label][key]
+                                         for f in found)
+
+            print(f"{cores:5d} {median('alone') / 1e6:6.2f} {median('emitted', 'threads') / 1e6:8.2f}"
+                  f" {median('emitted', 'processes') / 1e6:10.2f}"
+                  f" {median('emitted', 'default') / 1e6:8.2f} |"
+                  f" {_spread([f['processes']['tokenized'] / f['processes']['alone'] for f in found]):>17}"
+                  f" {_spread([f['default']['tokenized'] / f['default']['alone'] for f in found]):>16}"
+                  f"  | {_spread([f['processes']['emitted'] / b for f, b in zip(found, base)]):>6}"
+                  f" {_spread([f['machine'] / one[first][name]['machine'] for f, one in zip(found, rounds)])}"
+                  f" | {median('serial', 'processes'):.3f}")
+        last = [one[counts[-1]][name] for one in rounds]
+        per_process = statistics.median(f["one_thread"] for f in last)
+        serial = statistics.median(f["processes"]["serial"] for f in last)
         predicted = ", ".join(
             f"{cores} cores {min((cores - 1) * per_process, 1e6 / serial) / 1e6:.1f}M"
             for cores in (8, 16, 32))
