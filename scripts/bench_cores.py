@@ -178,7 +178,8 @@ def main(argv=None) -> int:
                 print(f"round {r + 1}/{args.rounds}: cores {pinned} ...", flush=True)
                 done = subprocess.run(
                     ["taskset", "-c", pinned, sys.executable, "-m", "scripts.bench_cores",
-                     "--batches", str(args.batches), "--one", f"{cores},{data_dir},{tokenizer_dir}"],
+                     "--batches", str(args.batches),
+                     "--one", f"{cores},{data_dir},{tokenizer_dir}"],
                     capture_output=True, text=True, check=True)
                 rounds[-1][cores] = json.loads(done.stdout.strip().splitlines()[-1])
     report(rounds)
@@ -201,22 +202,8 @@ def report(rounds: list[dict]) -> None:
         print("cores  alone  threads  processes  default | processes: /alone  default: /alone"
               "  |  scale  machine | serial s/M")
         for cores in counts:
-            found = [one[cores][name] for one in rounds]
-            base = [max(one[first][name]["processes"]["emitted"],
-                        one[first][name]["threads"]["emitted"]) for one in rounds]
-
-            def median(key, label=None):
-                return statistics.median(f[key] if label is None else f[label][key]
-                                         for f in found)
-
-            print(f"{cores:5d} {median('alone') / 1e6:6.2f} {median('emitted', 'threads') / 1e6:8.2f}"
-                  f" {median('emitted', 'processes') / 1e6:10.2f}"
-                  f" {median('emitted', 'default') / 1e6:8.2f} |"
-                  f" {_spread([f['processes']['tokenized'] / f['processes']['alone'] for f in found]):>17}"
-                  f" {_spread([f['default']['tokenized'] / f['default']['alone'] for f in found]):>16}"
-                  f"  | {_spread([f['processes']['emitted'] / b for f, b in zip(found, base)]):>6}"
-                  f" {_spread([f['machine'] / one[first][name]['machine'] for f, one in zip(found, rounds)])}"
-                  f" | {median('serial', 'processes'):.3f}")
+            print(_row(cores, [one[cores][name] for one in rounds],
+                       [one[first][name] for one in rounds]))
         last = [one[counts[-1]][name] for one in rounds]
         per_process = statistics.median(f["one_thread"] for f in last)
         serial = statistics.median(f["processes"]["serial"] for f in last)
@@ -225,6 +212,25 @@ def report(rounds: list[dict]) -> None:
             for cores in (8, 16, 32))
         print(f"predicted tokens tokenized/s (cores - 1 processes at {per_process / 1e6:.2f}M/s "
               f"each, the serial part at most {1 / serial:.1f}M/s): {predicted}")
+
+
+def _row(cores: int, found: list[dict], fewest: list[dict]) -> str:
+    """One line of the table: `found`, a tokenizer's figures on `cores` in each round; `fewest`,
+    its figures on the fewest cores in the same rounds."""
+    def rate(label: str) -> str:
+        return f"{statistics.median(f[label]['emitted'] for f in found) / 1e6:.2f}"
+
+    def against_alone(label: str) -> str:
+        return _spread([f[label]["tokenized"] / f[label]["alone"] for f in found])
+
+    best = [max(f["processes"]["emitted"], f["threads"]["emitted"]) for f in fewest]
+    scale = _spread([f["processes"]["emitted"] / b for f, b in zip(found, best)])
+    machine = _spread([f["machine"] / one["machine"] for f, one in zip(found, fewest)])
+    serial = statistics.median(f["processes"]["serial"] for f in found)
+    alone = statistics.median(f["alone"] for f in found) / 1e6
+    return (f"{cores:5d} {alone:6.2f} {rate('threads'):>8} {rate('processes'):>10} "
+            f"{rate('default'):>8} | {against_alone('processes'):>17} "
+            f"{against_alone('default'):>16}  | {scale:>6} {machine} | {serial:.3f}")
 
 
 if __name__ == "__main__":
