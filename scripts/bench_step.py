@@ -4,7 +4,8 @@ launches kernels and steps the optimizer. A modelled step is P ms of pure-Python
 the GIL (launches, bookkeeping), then G ms that release it (the GPU computing: a sleep), then
 next(loader). Per loader it prints the step time against no loader, how much the Python part
 stretches (the loader's threads take the GIL from it), next()'s wait at p50, p99 and the most, and
-the gen-2 garbage collections in the trainer process. Each run is a fresh process; runs alternate.
+the gen-2 garbage collections in the trainer process. Each run is a fresh process; runs alternate,
+and a round's ratios are to its own run without a loader.
 
     python -m scripts.bench_step                    # (P, G) = (30, 100) and (10, 40) ms, 3 rounds
     python -m scripts.bench_step --pg 30,100 --rounds 1 --steps 40
@@ -303,9 +304,16 @@ def prepare(tmp: str, num_docs: int) -> dict:
 
 
 def report(P: float, G: float, results: dict) -> None:
-    """One table per (P, G): medians over the rounds."""
+    """One table per (P, G): medians over the rounds; the added time and the Python part's stretch
+    are the medians of each round's ratio to the same round's step without a loader (a host that
+    drifts between minutes moves both alike), with the lowest and highest round after them."""
     def median(config, key):
         return float(np.median([r[key] for r in results[config]]))
+
+    def against_none(config, key) -> str:
+        pairs = zip(results[config], results[("none", "-")])
+        changes = [100 * (run[key] / none[key] - 1) for run, none in pairs]
+        return f"{np.median(changes):+.1f}% ({min(changes):+.1f} to {max(changes):+.1f})"
 
     step0, python0 = median(("none", "-"), "step_ms"), median(("none", "-"), "python_ms")
     print(f"\nP={P:g} ms of Python, G={G:g} ms GIL-free: with no loader a step takes "
@@ -313,17 +321,14 @@ def report(P: float, G: float, results: dict) -> None:
     print("| loader | tokenizer | step ms | added | Python part | next() p50 / p99 / max ms | "
           "gen-2 GCs | CPU ms/step: trainer, worker |")
     print("| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |")
-    for (loader, tokenizer) in results:
-        step, python = median((loader, tokenizer), "step_ms"), median((loader, tokenizer),
-                                                                       "python_ms")
-        waits = " / ".join(f"{median((loader, tokenizer), k):.2f}"
-                           for k in ("wait_p50", "wait_p99", "wait_max"))
-        gen2 = [r["gen2"] for r in results[(loader, tokenizer)]]
-        print(f"| {loader} | {tokenizer} | {step:.1f} | "
-              f"{100 * (step / step0 - 1):+.1f}% | {100 * (python / python0 - 1):+.1f}% | "
+    for config in results:
+        waits = " / ".join(f"{median(config, k):.2f}" for k in ("wait_p50", "wait_p99", "wait_max"))
+        gen2 = [r["gen2"] for r in results[config]]
+        print(f"| {config[0]} | {config[1]} | {median(config, 'step_ms'):.1f} | "
+              f"{against_none(config, 'step_ms')} | {against_none(config, 'python_ms')} | "
               f"{waits} | {', '.join(map(str, gen2))} | "
-              f"{median((loader, tokenizer), 'cpu_trainer_ms'):.1f}, "
-              f"{median((loader, tokenizer), 'cpu_worker_ms'):.1f} |", flush=True)
+              f"{median(config, 'cpu_trainer_ms'):.1f}, {median(config, 'cpu_worker_ms'):.1f} |",
+              flush=True)
 
 
 if __name__ == "__main__":
