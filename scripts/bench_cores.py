@@ -27,6 +27,7 @@ import argparse
 import json
 import multiprocessing
 import os
+import queue
 import statistics
 import subprocess
 import sys
@@ -94,10 +95,20 @@ def machine_rate(name: str, processes: int, data_dir: str, tokenizer_dir: str) -
                 for _ in range(processes)]
     for child in children:
         child.start()
-    total = sum(rates.get(timeout=600) for _ in children)
+    found: list[float] = []
+    while len(found) < processes:
+        try:
+            found.append(rates.get(timeout=1.0))
+        except queue.Empty:  # a process that died says so now, not after a long wait
+            dead = [c.exitcode for c in children if c.exitcode not in (None, 0)]
+            if dead:
+                for child in children:
+                    child.kill()
+                raise RuntimeError(f"a tokenizer process of the machine's run exited with "
+                                   f"{dead[0]}; its error is above") from None
     for child in children:
         child.join()
-    return total
+    return sum(found)
 
 
 def loader_rate(tokenizer, data_dir: str, batches: int, **settings) -> dict:
