@@ -38,21 +38,11 @@ from nanochat.data.base.cli import run
 from nanochat.data.base.datasets import split_parquet_files
 from nanochat.dataloader import tokenizing_distributed_data_loader_with_state_bos_bestfit
 from nanochat.tokenizer import RustBPETokenizer
-from scripts.bench_dataloader import make_corpus, read_all, write_corpus
+from scripts.bench_dataloader import cpu_seconds, make_corpus, read_all, write_corpus
 from scripts.list_tokenizer import ListTokenizer
 
 B, T = 32, 2048
 TOKENIZER_BATCH = 128
-LOADERS = (("threads", dict(tokenizer_processes=0, tokenizer_threads=4)),
-           ("processes", None),  # as many processes as cores
-           ("default", {}))
-
-
-def _cpu_seconds(pid: int) -> float:
-    """utime + stime of process pid, its children not included (/proc/pid/stat)."""
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def tokenizer_alone(tokenizer, text_batches, threads: int) -> float:
@@ -122,10 +112,10 @@ def loader_rate(tokenizer, data_dir: str, batches: int, **settings) -> dict:
         for _ in range(3):  # start-up: the worker, its processes, the buffer's first fill
             next(loader)
         pid, tokenized = loader.worker_pid, loader.stats["tokens_tokenized"]
-        cpu, start = _cpu_seconds(pid), time.perf_counter()
+        cpu, start = cpu_seconds(pid), time.perf_counter()
         for _ in range(batches):
             next(loader)
-        seconds, cpu = time.perf_counter() - start, _cpu_seconds(pid) - cpu
+        seconds, cpu = time.perf_counter() - start, cpu_seconds(pid) - cpu
         tokenized = loader.stats["tokens_tokenized"] - tokenized
     finally:
         loader.close()
@@ -146,9 +136,9 @@ def measure(cores: int, data_dir: str, tokenizer_dir: str, batches: int) -> dict
         alone = [tokenizer_alone(tokenizer, probe, cores)]
         one = {"one_thread": tokenizer_alone(tokenizer, probe, 1),
                "machine": machine_rate(name, cores, data_dir, tokenizer_dir)}
-        for label, settings in LOADERS:
-            if settings is None:
-                settings = dict(tokenizer_processes=cores)
+        for label, settings in (("threads", dict(tokenizer_processes=0, tokenizer_threads=4)),
+                                ("processes", dict(tokenizer_processes=cores)),
+                                ("default", {})):
             one[label] = loader_rate(tokenizer, data_dir, batches, **settings)
             alone.append(tokenizer_alone(tokenizer, probe, cores))
             one[label]["alone"] = (alone[-2] + alone[-1]) / 2
