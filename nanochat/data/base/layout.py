@@ -193,8 +193,13 @@ def part_name(name: str, part: int, parts: int) -> str:
     return name if parts == 1 else f"{name}.part-{part:05d}-of-{parts:05d}"
 
 
+def whole_name(name: str) -> str:
+    """The input name a pair name was made from: NAME.part-K-of-N -> NAME; a whole one as is."""
+    return PART_SUFFIX.sub("", name)
+
+
 def _pair_order(file: str) -> tuple[str, str]:
     """The order of a split's files: NAME.part-K-of-N.idx sorts as NAME.idx would, then by K."""
-    stem, dot, suffix = file.rpartition(".")
-    match = PART_SUFFIX.search(stem) if dot else None
-    return (file, "") if match is None else (f"{stem[:match.start()]}.{suffix}", file)
+    stem, _, suffix = file.rpartition(".")
+    base = whole_name(stem)
+    return (file, "") if base == stem else (f"{base}.{suffix}", file)

@@ -18,7 +18,7 @@ from typing import NamedTuple
 from nanochat.data.fetch.address import check_store_address, is_http, join, path_in_store, scheme_of
 from nanochat.data.fetch.listing import read_listing
 from nanochat.data.base.datasets import open_parquet, split_parquet_files
-from nanochat.data.base.layout import PART_SUFFIX, part_name
+from nanochat.data.base.layout import PART_SUFFIX, list_token_shards, part_name, whole_name
 from nanochat.data.fetch.limits import Limits
 
 JSONL_SUFFIXES = (".jsonl.gz", ".jsonl")
@@ -113,19 +113,25 @@ def count_parts(path: str, unit_bytes: int) -> int:
 def check_parts(pairs: list[PairToWrite]) -> None:
     """Refuse a plan whose split of an input differs from the pairs already written for it (a rerun
     with another --unit-mb): both would be read, and their documents twice."""
-    planned: dict[tuple[str, str], set[str]] = {}
+    planned: dict[tuple[str, str], int] = {}  # (directory, input name) -> its parts in this plan
     for pair in pairs:
         directory, name = os.path.split(pair.prefix)
-        planned.setdefault((directory, PART_SUFFIX.sub("", name)), set()).add(name)
+        planned[(directory, whole_name(name))] = pair.parts
     for directory in sorted({d for d, _ in planned}):
-        for file in sorted(os.listdir(directory)) if os.path.isdir(directory) else []:
-            name = file[:-len(".idx")]
-            names = planned.get((directory, PART_SUFFIX.sub("", name)))
-            if file.endswith(".idx") and names is not None and name not in names:
+        for prefix in list_token_shards(directory) if os.path.isdir(directory) else []:
+            name = os.path.basename(prefix)
+            parts = planned.get((directory, whole_name(name)))
+            if parts is not None and _parts_named(name) != parts:
                 raise ValueError(
-                    f"{os.path.join(directory, file)} splits its input otherwise than this run "
-                    f"({_describe(names)}): rerun with the --unit-mb of the run that wrote it, or "
-                    "write to a new --output")
+                    f"{prefix}.idx splits its input otherwise than this run "
+                    f"({'one pair, unsplit' if parts == 1 else f'{parts} parts'}): rerun with the "
+                    "--unit-mb of the run that wrote it, or write to a new --output")
+
+
+def _parts_named(name: str) -> int:
+    """How many parts a pair's name says its input was split into (1: a whole input's pair)."""
+    match = PART_SUFFIX.search(name)
+    return 1 if match is None else int(match.group(2))
 
 
 def is_store(path: str) -> bool:
@@ -157,12 +163,6 @@ def _store_splits(address: str, inputs: list[str], val_inputs: list[str] | None)
     names = read_listing(address, Limits())  # retried while the store asks to slow down
     paths = [join(address, name) for name in names]
     return {"train": paths[:-1], "val": paths[-1:]}
-
-
-def _describe(names: set[str]) -> str:
-    """How a plan splits one input, from its pairs' names."""
-    match = PART_SUFFIX.search(min(names))
-    return "one pair, unsplit" if match is None else f"{int(match.group(2))} parts"
 
 
 def _expand_jsonl(paths: list[str], flag: str) -> list[str]:

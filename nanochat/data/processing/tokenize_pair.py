@@ -23,7 +23,7 @@ from nanochat.data.fetch.errors import DownloadError
 from nanochat.data.fetch.download import download_file
 from nanochat.data.fetch.records import lock_path, record_path
 from nanochat.data.base.files import remove_if_exists
-from nanochat.data.base.layout import PART_SUFFIX, part_name
+from nanochat.data.base.layout import part_name, whole_name
 from nanochat.data.processing.inputs import PairToWrite, is_store, unit_name
 from nanochat.data.processing.parts import plain_copy, text_batches
 from nanochat.data.pretokenized.token_shards import CONVENTIONS, write_token_pairs
@@ -122,9 +122,10 @@ def _unstage(pair: PairToWrite) -> None:
     are done."""
     if pair.staged is None:
         return
+    # (a whole input's one pair was just written or found: only a split's siblings are looked at)
     directory, name = os.path.split(pair.prefix)
-    base = PART_SUFFIX.sub("", name)
-    if all(os.path.exists(os.path.join(directory, part_name(base, k, pair.parts)) + ".idx")
-           for k in range(pair.parts)):
+    if pair.parts == 1 or all(
+            os.path.exists(os.path.join(directory, part_name(whole_name(name), k, pair.parts))
+                           + ".idx") for k in range(pair.parts)):
         for path in (pair.staged, record_path(pair.staged), lock_path(pair.staged)):
             remove_if_exists(path)
