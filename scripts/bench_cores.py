@@ -13,13 +13,16 @@ within a round, between runs a few seconds apart. On the same texts, a consumer 
   tokenizer_threads=4), on as many processes as cores, and with the default (cores less one for
   the trainer: processes from 2, else threads): tokens emitted per second, and tokens tokenized per
   second (best-fit crops about a third of what it tokenizes at T=2048);
+- on 1 core, the loader in the caller (workers=0, prefetch=0): no worker process and no threads,
+  so its own work and nothing else; what the default loses against it is the worker's boundary
+  (the price of a trainer whose GIL no loader takes);
 - the serial part: CPU seconds per million tokens tokenized of the loader's own process (its
   threads read, send texts out, take documents back, pack and write the rows), its tokenizing
   processes not included.
 From the last two it predicts tokens tokenized per second at 8, 16 and 32 cores. Speed is a
 measurement here, never a test assertion.
 
-    python -m scripts.bench_cores                   # 1 and 2 cores here, 3 rounds; ~8 min
+    python -m scripts.bench_cores                   # 1 and 2 cores here, 3 rounds; ~5 min
     python -m scripts.bench_cores --cores 1,4,8,16  # on a bigger machine
 """
 
@@ -102,12 +105,12 @@ def machine_rate(name: str, processes: int, data_dir: str, tokenizer_dir: str) -
 
 
 def loader_rate(tokenizer, data_dir: str, batches: int, **settings) -> dict:
-    """The public loader in its worker, over `batches` batches after the first (start-up) few:
-    tokens emitted and tokens tokenized per second (best-fit crops some of what it tokenizes), and
-    the loader process's CPU seconds per million tokens tokenized."""
+    """The public loader (in its worker unless `settings` say workers=0), over `batches` batches
+    after the first (start-up) few: tokens emitted and tokens tokenized per second (best-fit crops
+    some of what it tokenizes), and the worker's CPU seconds per million tokens tokenized."""
     loader = tokenizing_distributed_data_loader_with_state_bos_bestfit(
         tokenizer, B, T, "train", device="cpu", data_dir=data_dir, rank=0, world_size=1,
-        workers=1, tokenizer_batch_size=TOKENIZER_BATCH, **settings)
+        tokenizer_batch_size=TOKENIZER_BATCH, **({"workers": 1} | settings))
     try:
         for _ in range(3):  # start-up: the worker, its processes, the buffer's first fill
             next(loader)
@@ -136,9 +139,11 @@ def measure(cores: int, data_dir: str, tokenizer_dir: str, batches: int) -> dict
         alone = [tokenizer_alone(tokenizer, probe, cores)]
         one = {"one_thread": tokenizer_alone(tokenizer, probe, 1),
                "machine": machine_rate(name, cores, data_dir, tokenizer_dir)}
-        for label, settings in (("threads", dict(tokenizer_processes=0, tokenizer_threads=4)),
-                                ("processes", dict(tokenizer_processes=cores)),
-                                ("default", {})):
+        loaders = [("threads", dict(tokenizer_processes=0, tokenizer_threads=4)),
+                   ("processes", dict(tokenizer_processes=cores)), ("default", {})]
+        if cores == 1:  # no worker process, no threads: the loader's own work, nothing else
+            loaders.append(("caller", dict(workers=0, prefetch=0)))
+        for label, settings in loaders:
             one[label] = loader_rate(tokenizer, data_dir, batches, **settings)
             alone.append(tokenizer_alone(tokenizer, probe, cores))
             one[label]["alone"] = (alone[-2] + alone[-1]) / 2
@@ -201,7 +206,7 @@ def report(rounds: list[dict]) -> None:
               "/ the tokenizer alone just around it; emitted / the best emitted on "
               f"{first} core(s); the machine's separate processes / one")
         print("cores  alone  threads  processes  default | processes: /alone  default: /alone"
-              "  |  scale  machine | serial s/M")
+              "    caller: /alone  |  scale  machine | serial s/M")
         for cores in counts:
             print(_row(cores, [one[cores][name] for one in rounds],
                        [one[first][name] for one in rounds]))
@@ -229,9 +234,10 @@ def _row(cores: int, found: list[dict], fewest: list[dict]) -> str:
     machine = _spread([f["machine"] / one["machine"] for f, one in zip(found, fewest)])
     serial = statistics.median(f["processes"]["serial"] for f in found)
     alone = statistics.median(f["alone"] for f in found) / 1e6
+    caller = against_alone("caller") if "caller" in found[0] else "-"
     return (f"{cores:5d} {alone:6.2f} {rate('threads'):>8} {rate('processes'):>10} "
             f"{rate('default'):>8} | {against_alone('processes'):>17} "
-            f"{against_alone('default'):>16}  | {scale:>6} {machine} | {serial:.3f}")
+            f"{against_alone('default'):>16} {caller:>17}  | {scale:>6} {machine} | {serial:.3f}")
 
 
 if __name__ == "__main__":
