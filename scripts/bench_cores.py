@@ -22,7 +22,7 @@ within a round, between runs a few seconds apart. On the same texts, a consumer 
 From the last two it predicts tokens tokenized per second at 8, 16 and 32 cores. Speed is a
 measurement here, never a test assertion.
 
-    python -m scripts.bench_cores                   # 1 and 2 cores here, 3 rounds; ~5 min
+    python -m scripts.bench_cores                   # 1 and 2 cores here, 3 rounds; 5-7 min
     python -m scripts.bench_cores --cores 1,4,8,16  # on a bigger machine
 """
 
