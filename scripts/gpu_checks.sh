@@ -93,6 +93,6 @@ for cores in 1 4 8 "$all"; do
 done
 
 # 5. tokens/s by cores, a consumer that does nothing: the loader against the tokenizer alone
-step bench_cores 400 "$PY" -m scripts.bench_cores ${CORES_STEP_ARGS:---cores 1,4,8,$all --rounds 2}
+step bench_cores 450 "$PY" -m scripts.bench_cores ${CORES_STEP_ARGS:---cores 1,4,8,$all --rounds 2}
 
 echo "exit codes:$codes"
