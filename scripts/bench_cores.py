@@ -107,7 +107,8 @@ def machine_rate(name: str, processes: int, data_dir: str, tokenizer_dir: str) -
 def loader_rate(tokenizer, data_dir: str, batches: int, **settings) -> dict:
     """The public loader (in its worker unless `settings` say workers=0), over `batches` batches
     after the first (start-up) few: tokens emitted and tokens tokenized per second (best-fit crops
-    some of what it tokenizes), and the worker's CPU seconds per million tokens tokenized."""
+    some of what it tokenizes), and the worker's CPU seconds per million tokens tokenized (0 with
+    no worker)."""
     loader = tokenizing_distributed_data_loader_with_state_bos_bestfit(
         tokenizer, B, T, "train", device="cpu", data_dir=data_dir, rank=0, world_size=1,
         tokenizer_batch_size=TOKENIZER_BATCH, **({"workers": 1} | settings))
